@@ -1,1 +1,144 @@
-fn main() {}
+//! The `eps` command line.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use eps::bench::Json;
+use eps::bench::fabric::{self, FabricBench, Op};
+use eps::units::{format_size, parse_size};
+
+/// EPS: an elastic parameter server for distributed ML training.
+///
+/// Workers push gradients and pull parameters through registered memory with RDMA
+/// verbs semantics; the `soft` transport provides those semantics over TCP with
+/// io_uring, so everything runs on commodity machines.
+#[derive(Parser, Debug)]
+#[command(name = "eps", version = concat!(env!("CARGO_PKG_VERSION"), " (", env!("EPS_BUILD_TARGET"), ", ", env!("EPS_BUILD_PROFILE"), ")"))]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Measure the system: fabric bandwidth and latency between two processes.
+    #[command(subcommand)]
+    Bench(BenchCmd),
+}
+
+#[derive(Subcommand, Debug)]
+enum BenchCmd {
+    /// Bandwidth and latency of one fabric operation, perftest style.
+    ///
+    /// Starts a peer process on 127.0.0.1 and measures between the two. With
+    /// --depth > 1 it keeps that many operations in flight (bandwidth); with
+    /// --depth 1 it runs ping-pong style (latency). Latency is from posting one
+    /// signaled operation to its completion at the initiator: for a WRITE that
+    /// includes the target's acknowledgement, a full round trip (not halved).
+    Fabric(FabricArgs),
+    /// (internal) The peer process of `eps bench fabric`.
+    #[command(hide = true)]
+    FabricPeer {
+        #[arg(long, value_enum)]
+        op: Op,
+        #[arg(long, value_parser = parse_size)]
+        size: u64,
+        #[arg(long)]
+        depth: u32,
+    },
+}
+
+#[derive(clap::Args, Debug)]
+struct FabricArgs {
+    /// Operation to measure.
+    #[arg(long, value_enum, default_value = "write")]
+    op: Op,
+    /// Bytes per operation; suffixes KiB, MiB, GiB (or K, M, G) are binary, kB, MB, GB decimal.
+    #[arg(long, value_parser = parse_size, default_value = "64KiB")]
+    size: u64,
+    /// Number of measured operations (a warm-up of a tenth, at most 1000, runs first).
+    #[arg(long, default_value_t = 10_000)]
+    iters: u64,
+    /// Operations kept in flight: 1 measures latency, more measures bandwidth.
+    #[arg(long, default_value_t = 1)]
+    depth: u32,
+    /// Transport provider. Only `soft` (userspace over TCP with io_uring) is built in
+    /// this version.
+    #[arg(long, default_value = "soft")]
+    transport: String,
+    /// Also print one JSON object with the results as the last line of stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+fn bench_fabric(a: FabricArgs) -> Result<(), String> {
+    if a.transport != "soft" {
+        return Err(format!(
+            "transport {:?} is not available in this build; use --transport soft (userspace verbs over TCP)",
+            a.transport
+        ));
+    }
+    let cfg = FabricBench { op: a.op, size: a.size, iters: a.iters, depth: a.depth };
+    let op = format!("{:?}", a.op).to_lowercase();
+    eprintln!(
+        "eps bench fabric: op={op} size={} iters={} depth={} transport=soft (peer process on 127.0.0.1)",
+        format_size(a.size),
+        a.iters,
+        a.depth
+    );
+    let r = fabric::run(&cfg).map_err(|e| error_chain(&e))?;
+    println!("{:<10} {:>10} {:>8} {:>6} {:>10} {:>10} {:>10} {:>10}", "op", "size", "iters", "depth", "GB/s", "p50 us", "p99 us", "max us");
+    println!(
+        "{:<10} {:>10} {:>8} {:>6} {:>10.3} {:>10.2} {:>10.2} {:>10.2}",
+        op,
+        format_size(a.size),
+        a.iters,
+        a.depth,
+        r.bw_gbytes_per_s,
+        r.lat_us_p50,
+        r.lat_us_p99,
+        r.lat_us_max
+    );
+    if a.json {
+        let j = Json::new()
+            .str("op", &op)
+            .int("size_bytes", a.size)
+            .int("iters", a.iters)
+            .int("depth", a.depth as u64)
+            .str("transport", "soft")
+            .num("bw_gbytes_per_s", r.bw_gbytes_per_s)
+            .num("lat_us_p50", r.lat_us_p50)
+            .num("lat_us_p99", r.lat_us_p99)
+            .num("lat_us_max", r.lat_us_max)
+            .num("elapsed_s", r.elapsed.as_secs_f64())
+            .finish();
+        println!("{j}");
+    }
+    Ok(())
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let res = match cli.cmd {
+        Cmd::Bench(BenchCmd::Fabric(a)) => bench_fabric(a),
+        Cmd::Bench(BenchCmd::FabricPeer { op, size, depth }) => fabric::run_peer(op, size, depth).map_err(|e| error_chain(&e)),
+    };
+    match res {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("eps: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
