@@ -166,6 +166,16 @@ struct Engine {
     wake_armed: bool,
     scratch: Box<[u8]>,
     rnr: Vec<usize>,
+    cqes: Vec<(u64, i32)>,
+    last_activity: Instant,
+    spin: std::time::Duration,
+}
+
+/// How long the progress thread spins after activity before it sleeps
+/// (`EPS_FABRIC_SPIN_US`, default 50 microseconds; 0 disables spinning).
+fn spin_budget() -> std::time::Duration {
+    let us = std::env::var("EPS_FABRIC_SPIN_US").ok().and_then(|v| v.parse().ok()).unwrap_or(50u64);
+    std::time::Duration::from_micros(us)
 }
 
 impl Engine {
@@ -180,6 +190,9 @@ impl Engine {
             wake_armed: false,
             scratch: vec![0u8; 64 * 1024].into_boxed_slice(),
             rnr: Vec::new(),
+            cqes: Vec::with_capacity(1024),
+            last_activity: Instant::now(),
+            spin: spin_budget(),
         }
     }
 
@@ -221,14 +234,7 @@ impl Engine {
             if stopping && !self.wake_armed && self.conns.iter().all(Option::is_none) {
                 return;
             }
-            let res = if self.rnr.is_empty() {
-                self.ring.submit_and_wait(1)
-            } else {
-                let ts = types::Timespec::new().nsec(2_000_000);
-                let args = types::SubmitArgs::new().timespec(&ts);
-                self.ring.submitter().submit_with_args(1, &args)
-            };
-            if let Err(e) = res
+            if let Err(e) = self.wait_for_work()
                 && e.raw_os_error() != Some(libc::ETIME)
                 && e.raw_os_error() != Some(libc::EINTR)
                 && e.raw_os_error() != Some(libc::EBUSY)
@@ -239,8 +245,13 @@ impl Engine {
                 }
                 return;
             }
-            let cqes: Vec<(u64, i32)> = self.ring.completion().map(|c| (c.user_data(), c.result())).collect();
-            for (ud, res) in cqes {
+            let mut cqes = std::mem::take(&mut self.cqes);
+            cqes.clear();
+            cqes.extend(self.ring.completion().map(|c| (c.user_data(), c.result())));
+            if !cqes.is_empty() {
+                self.last_activity = Instant::now();
+            }
+            for &(ud, res) in &cqes {
                 if ud == WAKE {
                     self.wake_armed = false;
                     if !self.shared.stop.load(Ordering::Acquire) {
@@ -255,6 +266,31 @@ impl Engine {
                     _ => {}
                 }
             }
+            self.cqes = cqes;
+        }
+    }
+
+    /// Submits queued work, then waits for a completion: first by spinning on the
+    /// completion ring for `spin` after the last activity (a blocked thread's wake-up
+    /// costs more than the wire on loopback), then by blocking in the kernel.
+    fn wait_for_work(&mut self) -> std::io::Result<()> {
+        self.ring.submit()?;
+        let spin_until = self.last_activity + self.spin;
+        while !self.spin.is_zero() && self.ring.completion().is_empty() {
+            if Instant::now() >= spin_until {
+                break;
+            }
+            std::hint::spin_loop();
+        }
+        if !self.ring.completion().is_empty() {
+            return Ok(());
+        }
+        if self.rnr.is_empty() {
+            self.ring.submit_and_wait(1).map(drop)
+        } else {
+            let ts = types::Timespec::new().nsec(2_000_000);
+            let args = types::SubmitArgs::new().timespec(&ts);
+            self.ring.submitter().submit_with_args(1, &args).map(drop)
         }
     }
 
@@ -344,7 +380,7 @@ impl Engine {
         let req = c.land.req.expect("payload without a request");
         let left = (req.len - c.land.got) as usize;
         let e = if let Some(mr_ptr) = c.land.mr.as_ref().map(|_| c.land.ptr) {
-            opcode::Recv::new(types::Fd(c.fd), (mr_ptr + c.land.got as usize) as *mut u8, left as u32).build()
+            opcode::Recv::new(types::Fd(c.fd), (mr_ptr + c.land.got as usize) as *mut u8, left as u32).flags(libc::MSG_WAITALL).build()
         } else {
             let w = c.land.recv.as_ref().expect("SEND lands in a RECV");
             let (mut n, mut skip, mut want) = (0, c.land.got as usize, left);
@@ -365,7 +401,7 @@ impl Engine {
             c.rx_msg = empty_msghdr();
             c.rx_msg.msg_iov = c.rx_iov.as_mut_ptr();
             c.rx_msg.msg_iovlen = n as _;
-            opcode::RecvMsg::new(types::Fd(c.fd), &mut c.rx_msg).build()
+            opcode::RecvMsg::new(types::Fd(c.fd), &mut c.rx_msg).flags(libc::MSG_WAITALL as u32).build()
         };
         c.rx_inflight = true;
         self.push(e.user_data(((slot as u64) << 8) | KIND_RX));

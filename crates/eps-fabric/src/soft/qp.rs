@@ -187,6 +187,8 @@ pub(crate) struct Requester {
     tail: u64,
     /// Bytes of the request at `sent` already written to the socket.
     tx_off: usize,
+    /// The socket buffer was full at the last attempt.
+    tx_full: bool,
     seq: u32,
     max_sge: usize,
     max_msg_bytes: u32,
@@ -206,6 +208,7 @@ impl Requester {
             sent: 0,
             tail: 0,
             tx_off: 0,
+            tx_full: false,
             seq: 0,
             max_sge: max_sge as usize,
             max_msg_bytes,
@@ -271,6 +274,14 @@ impl Requester {
     }
 
     fn transmit(&mut self) {
+        // After the socket filled up, wait until the kernel reports it writable (a
+        // third of the buffer free) instead of trickling tiny segments into it.
+        if self.tx_full {
+            if !sys::writable(self.qp.req_fd.as_raw_fd()) {
+                return;
+            }
+            self.tx_full = false;
+        }
         while self.sent < self.tail {
             let mut iov = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; MAX_IOV];
             let mut n_iov = 0;
@@ -311,6 +322,7 @@ impl Requester {
             match unsafe { sys::send_iov(fd, &iov[..n_iov]) } {
                 Ok(Xfer::Done(mut n)) => {
                     let asked: usize = iov[..n_iov].iter().map(|v| v.iov_len).sum();
+                    let partial = n < asked;
                     while n > 0 {
                         let left = self.at(self.sent).wire_bytes() - self.tx_off;
                         if n >= left {
@@ -322,11 +334,15 @@ impl Requester {
                             n = 0;
                         }
                     }
-                    if asked > 0 && self.tx_off != 0 {
-                        return; // socket buffer full
+                    if partial {
+                        self.tx_full = true;
+                        return;
                     }
                 }
-                Ok(Xfer::WouldBlock) | Ok(Xfer::Eof) => return,
+                Ok(Xfer::WouldBlock) | Ok(Xfer::Eof) => {
+                    self.tx_full = true;
+                    return;
+                }
                 Err(_) => return self.fail_transport(WcStatus::RetryExceeded),
             }
         }

@@ -108,3 +108,11 @@ pub(crate) fn prepare_stream(s: &std::net::TcpStream) -> io::Result<()> {
     s.set_write_timeout(None)?;
     s.set_nonblocking(true)
 }
+
+/// True if a `send` on `fd` would make progress now (POLLOUT, or an error to report).
+pub(crate) fn writable(fd: RawFd) -> bool {
+    let mut p = libc::pollfd { fd, events: libc::POLLOUT, revents: 0 };
+    // SAFETY: one valid pollfd on the stack; zero timeout.
+    let r = unsafe { libc::poll(&mut p, 1, 0) };
+    r != 0
+}
