@@ -30,6 +30,10 @@ const RESP_RING: usize = 64;
 /// Responses gathered into one `sendmsg`.
 const TX_BATCH: usize = 16;
 const WAKE: u64 = u64::MAX;
+/// Payloads from this size on are received with a raised SO_RCVLOWAT.
+const LOWAT_MIN: usize = 64 * 1024;
+/// The largest SO_RCVLOWAT used.
+const LOWAT_MAX: usize = 256 * 1024;
 const KIND_RX: u64 = 1;
 const KIND_TX: u64 = 2;
 
@@ -63,7 +67,15 @@ pub(crate) struct EngineHandle {
 
 impl EngineHandle {
     pub(crate) fn start(mrs: Arc<MrTable>) -> Result<Self> {
-        let ring = IoUring::new(512).map_err(FabricError::Engine)?;
+        // COOP_TASKRUN + TASKRUN_FLAG: completions of socket operations are not forced on
+        // the thread by an inter-processor interrupt; the kernel raises a flag in the
+        // shared ring instead, which the spinning thread sees and acts on.
+        let ring = IoUring::builder()
+            .setup_coop_taskrun()
+            .setup_taskrun_flag()
+            .build(512)
+            .or_else(|_| IoUring::new(512))
+            .map_err(FabricError::Engine)?;
         let shared = Arc::new(EngineShared {
             new_conns: Mutex::new(Vec::new()),
             wake_fd: sys::eventfd().map_err(FabricError::Engine)?,
@@ -145,6 +157,8 @@ struct Conn {
     tx_inflight: bool,
     rnr_deadline: Option<Instant>,
     shut: bool,
+    /// Current SO_RCVLOWAT of the socket.
+    lowat: usize,
 }
 
 fn empty_iov() -> libc::iovec {
@@ -277,6 +291,11 @@ impl Engine {
         self.ring.submit()?;
         let spin_until = self.last_activity + self.spin;
         while !self.spin.is_zero() && self.ring.completion().is_empty() {
+            if self.ring.submission().taskrun() {
+                // Work for us is pending in the kernel: enter to run it.
+                self.ring.submit()?;
+                continue;
+            }
             if Instant::now() >= spin_until {
                 break;
             }
@@ -315,6 +334,7 @@ impl Engine {
                 tx_inflight: false,
                 rnr_deadline: None,
                 shut: false,
+                lowat: 1,
             });
             let slot = match self.free.pop() {
                 Some(s) => {
@@ -365,6 +385,10 @@ impl Engine {
 
     fn post_header(&mut self, slot: usize) {
         let c = self.conn(slot);
+        if c.lowat != 1 {
+            sys::set_rcvlowat(c.fd, 1);
+            c.lowat = 1;
+        }
         c.st = St::Header;
         let ptr = c.hdr[c.hdr_got..].as_mut_ptr();
         let e = opcode::Recv::new(types::Fd(c.fd), ptr, (REQ_LEN - c.hdr_got) as u32)
@@ -379,8 +403,18 @@ impl Engine {
         c.st = St::Payload;
         let req = c.land.req.expect("payload without a request");
         let left = (req.len - c.land.got) as usize;
+        // Large payload: ask the kernel to wake us only once a good chunk has arrived
+        // (each wake-up costs more than copying tens of kilobytes). Never above what
+        // is still owed, so the last chunk wakes us when it is complete; such receives
+        // go without MSG_WAITALL so that each completion can lower the mark.
+        let lowat = if left >= LOWAT_MIN { left.min(LOWAT_MAX) } else { 1 };
+        if lowat != c.lowat {
+            sys::set_rcvlowat(c.fd, lowat);
+            c.lowat = lowat;
+        }
+        let waitall = if lowat == 1 { libc::MSG_WAITALL } else { 0 };
         let e = if let Some(mr_ptr) = c.land.mr.as_ref().map(|_| c.land.ptr) {
-            opcode::Recv::new(types::Fd(c.fd), (mr_ptr + c.land.got as usize) as *mut u8, left as u32).flags(libc::MSG_WAITALL).build()
+            opcode::Recv::new(types::Fd(c.fd), (mr_ptr + c.land.got as usize) as *mut u8, left as u32).flags(waitall).build()
         } else {
             let w = c.land.recv.as_ref().expect("SEND lands in a RECV");
             let (mut n, mut skip, mut want) = (0, c.land.got as usize, left);
@@ -401,7 +435,7 @@ impl Engine {
             c.rx_msg = empty_msghdr();
             c.rx_msg.msg_iov = c.rx_iov.as_mut_ptr();
             c.rx_msg.msg_iovlen = n as _;
-            opcode::RecvMsg::new(types::Fd(c.fd), &mut c.rx_msg).flags(libc::MSG_WAITALL as u32).build()
+            opcode::RecvMsg::new(types::Fd(c.fd), &mut c.rx_msg).flags(waitall as u32).build()
         };
         c.rx_inflight = true;
         self.push(e.user_data(((slot as u64) << 8) | KIND_RX));
