@@ -1,0 +1,71 @@
+//! The `eps` command line, run as a user would: help, bad input, and a real
+//! two-process fabric benchmark whose JSON line is checked.
+
+use std::process::{Command, Output};
+
+fn eps(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_eps")).args(args).output().expect("run eps")
+}
+
+fn text(o: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+#[test]
+fn help_explains_commands_and_flags() {
+    let o = eps(&["--help"]);
+    assert!(o.status.success());
+    assert!(text(&o).contains("bench"), "{}", text(&o));
+    let o = eps(&["bench", "fabric", "--help"]);
+    assert!(o.status.success());
+    let t = text(&o);
+    for flag in ["--op", "--size", "--iters", "--depth", "--transport", "--json", "round trip"] {
+        assert!(t.contains(flag), "help lacks {flag}: {t}");
+    }
+    assert!(!t.contains("fabric-peer"), "the internal peer command stays hidden");
+}
+
+#[test]
+fn bad_input_is_a_clear_error() {
+    let o = eps(&["bench", "fabric", "--size", "4XB"]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("invalid size"), "{}", text(&o));
+    let o = eps(&["bench", "fabric", "--size", "0"]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("at least 1 byte"), "{}", text(&o));
+    let o = eps(&["bench", "fabric", "--depth", "0"]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("--depth"), "{}", text(&o));
+    let o = eps(&["bench", "fabric", "--transport", "rdma"]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("--transport soft"), "{}", text(&o));
+    // The peer refuses to run without the job secret.
+    let o = eps(&["bench", "fabric-peer", "--op", "write", "--size", "64", "--depth", "1"]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("EPS_JOB_SECRET"), "{}", text(&o));
+    assert!(!text(&o).contains("panicked"));
+}
+
+fn json_field(line: &str, key: &str) -> f64 {
+    let pat = format!("\"{key}\":");
+    let at = line.find(&pat).unwrap_or_else(|| panic!("{key} missing in {line}")) + pat.len();
+    let rest = &line[at..];
+    let end = rest.find([',', '}']).unwrap();
+    rest[..end].trim_matches('"').parse().unwrap_or_else(|_| panic!("{key} not a number in {line}"))
+}
+
+#[test]
+fn fabric_bench_runs_between_two_processes() {
+    for (op, size, depth) in [("write", "64KiB", "4"), ("read", "4KiB", "1"), ("send", "1KiB", "2")] {
+        let o = eps(&["bench", "fabric", "--op", op, "--size", size, "--iters", "300", "--depth", depth, "--json"]);
+        assert!(o.status.success(), "{}", text(&o));
+        let out = String::from_utf8_lossy(&o.stdout);
+        let last = out.lines().last().expect("a JSON line");
+        assert!(last.starts_with('{') && last.contains(&format!("\"op\":\"{op}\"")), "{last}");
+        assert_eq!(json_field(last, "iters"), 300.0);
+        assert_eq!(json_field(last, "depth"), depth.parse::<f64>().unwrap());
+        assert!(json_field(last, "bw_gbytes_per_s") > 0.0);
+        let (p50, p99, max) = (json_field(last, "lat_us_p50"), json_field(last, "lat_us_p99"), json_field(last, "lat_us_max"));
+        assert!(0.0 < p50 && p50 <= p99 && p99 <= max, "{last}");
+    }
+}
