@@ -87,7 +87,10 @@ fn bench_fabric(a: FabricArgs) -> Result<(), String> {
         a.depth
     );
     let r = fabric::run(&cfg).map_err(|e| error_chain(&e))?;
-    println!("{:<10} {:>10} {:>8} {:>6} {:>10} {:>10} {:>10} {:>10}", "op", "size", "iters", "depth", "GB/s", "p50 us", "p99 us", "max us");
+    println!(
+        "{:<10} {:>10} {:>8} {:>6} {:>10} {:>10} {:>10} {:>10}",
+        "op", "size", "iters", "depth", "GB/s", "p50 us", "p99 us", "max us"
+    );
     println!(
         "{:<10} {:>10} {:>8} {:>6} {:>10.3} {:>10.2} {:>10.2} {:>10.2}",
         op,

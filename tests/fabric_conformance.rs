@@ -15,20 +15,62 @@ macro_rules! conformance_for {
     ($provider:ident, $mk:expr) => {
         mod $provider {
             use super::suite;
-            #[test] fn write_then_read() { suite::write_then_read($mk) }
-            #[test] fn write_imm_consumes_recv() { suite::write_imm_consumes_recv($mk) }
-            #[test] fn send_recv_scatter_gather() { suite::send_recv_scatter_gather($mk) }
-            #[test] fn unsignaled_and_ordering() { suite::unsignaled_and_ordering($mk) }
-            #[test] fn many_qps_one_cq() { suite::many_qps_one_cq($mk) }
-            #[test] fn large_and_tiny() { suite::large_and_tiny($mk) }
-            #[test] fn remote_access_errors() { suite::remote_access_errors($mk) }
-            #[test] fn local_protection_errors() { suite::local_protection_errors($mk) }
-            #[test] fn invalid_request_errors() { suite::invalid_request_errors($mk) }
-            #[test] fn rnr_waits_then_times_out() { suite::rnr_waits_then_times_out($mk) }
-            #[test] fn queue_full_is_backpressure() { suite::queue_full_is_backpressure($mk) }
-            #[test] fn wrong_secret_is_rejected() { suite::wrong_secret_is_rejected($mk) }
-            #[test] fn peer_vanishes_mid_transfer() { suite::peer_vanishes_mid_transfer($mk) }
-            #[test] fn teardown_with_ops_in_flight() { suite::teardown_with_ops_in_flight($mk) }
+            #[test]
+            fn write_then_read() {
+                suite::write_then_read($mk)
+            }
+            #[test]
+            fn write_imm_consumes_recv() {
+                suite::write_imm_consumes_recv($mk)
+            }
+            #[test]
+            fn send_recv_scatter_gather() {
+                suite::send_recv_scatter_gather($mk)
+            }
+            #[test]
+            fn unsignaled_and_ordering() {
+                suite::unsignaled_and_ordering($mk)
+            }
+            #[test]
+            fn many_qps_one_cq() {
+                suite::many_qps_one_cq($mk)
+            }
+            #[test]
+            fn large_and_tiny() {
+                suite::large_and_tiny($mk)
+            }
+            #[test]
+            fn remote_access_errors() {
+                suite::remote_access_errors($mk)
+            }
+            #[test]
+            fn local_protection_errors() {
+                suite::local_protection_errors($mk)
+            }
+            #[test]
+            fn invalid_request_errors() {
+                suite::invalid_request_errors($mk)
+            }
+            #[test]
+            fn rnr_waits_then_times_out() {
+                suite::rnr_waits_then_times_out($mk)
+            }
+            #[test]
+            fn queue_full_is_backpressure() {
+                suite::queue_full_is_backpressure($mk)
+            }
+            #[test]
+            fn wrong_secret_is_rejected() {
+                suite::wrong_secret_is_rejected($mk)
+            }
+            #[test]
+            fn peer_vanishes_mid_transfer() {
+                suite::peer_vanishes_mid_transfer($mk)
+            }
+            #[test]
+            fn teardown_with_ops_in_flight() {
+                suite::teardown_with_ops_in_flight($mk)
+            }
         }
     };
 }

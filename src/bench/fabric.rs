@@ -152,7 +152,8 @@ impl Drop for PeerProcess {
 
 /// Starts the peer process and returns it with its address and region.
 fn start_peer(cfg: &FabricBench, secret: &str) -> Result<(PeerProcess, SocketAddr, RemoteAddr), BenchError> {
-    let exe = std::env::current_exe().map_err(|e| BenchError::Peer { what: "cannot find the eps executable", source: Some(e) })?;
+    let exe =
+        std::env::current_exe().map_err(|e| BenchError::Peer { what: "cannot find the eps executable", source: Some(e) })?;
     let mut child = Command::new(exe)
         .args(["bench", "fabric-peer", "--op", cfg.op.name(), "--size", &cfg.size.to_string(), "--depth", &cfg.depth.to_string()])
         .env(SECRET_ENV, secret)
@@ -164,7 +165,9 @@ fn start_peer(cfg: &FabricBench, secret: &str) -> Result<(PeerProcess, SocketAdd
     let out = child.stdout.take().ok_or(BenchError::Peer { what: "no stdout", source: None })?;
     let peer = PeerProcess { child };
     let mut line = String::new();
-    BufReader::new(out).read_line(&mut line).map_err(|e| BenchError::Peer { what: "cannot read its ready line", source: Some(e) })?;
+    BufReader::new(out)
+        .read_line(&mut line)
+        .map_err(|e| BenchError::Peer { what: "cannot read its ready line", source: Some(e) })?;
     let bad = || BenchError::Peer { what: "it exited or printed no ready line (see its message above)", source: None };
     let mut f = line.split_whitespace();
     if f.next() != Some(READY) {

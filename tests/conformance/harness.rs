@@ -28,7 +28,14 @@ pub fn loopback() -> SocketAddr {
 }
 
 /// Connects `a_pd` (dialer) to `b_pd` (listener).
-pub fn connect<P: ProtectionDomain>(a_pd: &P, b_pd: &P, a_opts: &QpOptions, b_opts: &QpOptions, a_cq: &P::Cq, b_cq: &P::Cq) -> (P::Qp, P::Qp) {
+pub fn connect<P: ProtectionDomain>(
+    a_pd: &P,
+    b_pd: &P,
+    a_opts: &QpOptions,
+    b_opts: &QpOptions,
+    a_cq: &P::Cq,
+    b_cq: &P::Cq,
+) -> (P::Qp, P::Qp) {
     let l = b_pd.listen(loopback(), b_opts).expect("listen");
     let addr = l.local_addr();
     std::thread::scope(|s| {

@@ -179,14 +179,8 @@ pub struct Completion {
 
 impl Completion {
     /// An all-zero completion, for sizing poll buffers.
-    pub const EMPTY: Completion = Completion {
-        wr_id: 0,
-        status: WcStatus::Success,
-        opcode: WcOpcode::Send,
-        byte_len: 0,
-        imm: None,
-        qp_num: 0,
-    };
+    pub const EMPTY: Completion =
+        Completion { wr_id: 0, status: WcStatus::Success, opcode: WcOpcode::Send, byte_len: 0, imm: None, qp_num: 0 };
 }
 
 /// State of a queue pair.
@@ -318,11 +312,5 @@ pub trait ProtectionDomain: Send + Sync {
     /// Listens for queue-pair connections on `addr`.
     fn listen(&self, addr: SocketAddr, opts: &QpOptions) -> Result<Self::Listener>;
     /// Connects a queue pair to a listener at `addr`.
-    fn connect(
-        &self,
-        addr: SocketAddr,
-        send_cq: &Self::Cq,
-        recv_cq: &Self::Cq,
-        opts: &QpOptions,
-    ) -> Result<Self::Qp>;
+    fn connect(&self, addr: SocketAddr, send_cq: &Self::Cq, recv_cq: &Self::Cq, opts: &QpOptions) -> Result<Self::Qp>;
 }

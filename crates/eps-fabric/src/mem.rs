@@ -39,11 +39,8 @@ impl RegionBuf {
             return Err(FabricError::InvalidArgument("a memory region cannot be empty"));
         }
         let page = page_size();
-        let map_len = len
-            .checked_add(page - 1)
-            .ok_or(FabricError::InvalidArgument("memory region length overflows"))?
-            / page
-            * page;
+        let map_len =
+            len.checked_add(page - 1).ok_or(FabricError::InvalidArgument("memory region length overflows"))? / page * page;
         // SAFETY: an anonymous private mapping with no address hint touches no
         // existing memory; the result is checked against MAP_FAILED.
         let ptr = unsafe {

@@ -141,14 +141,7 @@ impl Request {
         if b[2] != 0 || b[3] != 0 || u32_at(b, 28) != 0 {
             return Err(FrameError::Reserved);
         }
-        Ok(Self {
-            op,
-            seq: u32_at(b, 4),
-            len: u32_at(b, 8),
-            rkey: u32_at(b, 12),
-            addr: u64_at(b, 16),
-            imm: u32_at(b, 24),
-        })
+        Ok(Self { op, seq: u32_at(b, 4), len: u32_at(b, 8), rkey: u32_at(b, 12), addr: u64_at(b, 16), imm: u32_at(b, 24) })
     }
 }
 
@@ -431,6 +424,13 @@ mod tests {
                 }
             }
             let _ = decode_all(&buf[..n]);
+            // Whatever decodes re-encodes to the same bytes (no field is dropped).
+            if let Ok(q) = Request::decode(&buf[..n]) {
+                assert_eq!(&q.encode()[..], &buf[..REQ_LEN]);
+            }
+            if let Ok(r) = Response::decode(&buf[..n]) {
+                assert_eq!(&r.encode()[..], &buf[..RESP_LEN]);
+            }
         }
     }
 }

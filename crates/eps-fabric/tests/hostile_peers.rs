@@ -174,7 +174,10 @@ fn out_of_bounds_and_oversized_requests_get_errors() {
         (Request { op: WireOp::Write, seq: 1, len: 16, rkey: 0xFFFF_FF01, addr: mr.addr, imm: 0 }, WcStatus::RemoteAccess),
         (Request { op: WireOp::Read, seq: 1, len: 16, rkey: mr.rkey, addr: mr.addr - 1, imm: 0 }, WcStatus::RemoteAccess),
         // Larger than the listener's message limit.
-        (Request { op: WireOp::Write, seq: 1, len: u32::MAX, rkey: mr.rkey, addr: mr.addr, imm: 0 }, WcStatus::RemoteInvalidRequest),
+        (
+            Request { op: WireOp::Write, seq: 1, len: u32::MAX, rkey: mr.rkey, addr: mr.addr, imm: 0 },
+            WcStatus::RemoteInvalidRequest,
+        ),
     ];
     for (req, want) in cases {
         let (_qp, (mut rq, resp)) = accept_while(&t, || raw_dial(addr));

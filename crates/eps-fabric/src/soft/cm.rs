@@ -81,7 +81,13 @@ fn build_qp(
 }
 
 /// Dialer side of one channel: hello, check the listener's proof, prove ours.
-fn dial_channel(addr: SocketAddr, channel: u8, token: u64, opts: &QpOptions, deadline: Instant) -> Result<(TcpStream, AcceptFrame)> {
+fn dial_channel(
+    addr: SocketAddr,
+    channel: u8,
+    token: u64,
+    opts: &QpOptions,
+    deadline: Instant,
+) -> Result<(TcpStream, AcceptFrame)> {
     let peer = addr.to_string();
     let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
     let mut s = TcpStream::connect_timeout(&addr, left).map_err(io_err(&peer, "tcp connect"))?;
@@ -152,14 +158,20 @@ impl SoftListener {
         s.set_nodelay(true).map_err(io_err(peer, "handshake"))?;
         let mut b = [0u8; CLIENT_HELLO_LEN];
         s.read_exact(&mut b).map_err(io_err(peer, "handshake"))?;
-        let hello = ClientHello::decode(&b).map_err(|_| FabricError::Protocol { peer: peer.to_string(), reason: "bad client hello" })?;
-        let token = if hello.channel == 0 { u64::from_le_bytes(auth::nonce().map_err(io_err(peer, "handshake"))?[..8].try_into().expect("8 bytes")) | 1 } else { hello.token };
+        let hello =
+            ClientHello::decode(&b).map_err(|_| FabricError::Protocol { peer: peer.to_string(), reason: "bad client hello" })?;
+        let token = if hello.channel == 0 {
+            u64::from_le_bytes(auth::nonce().map_err(io_err(peer, "handshake"))?[..8].try_into().expect("8 bytes")) | 1
+        } else {
+            hello.token
+        };
         let nonce_s = auth::nonce().map_err(io_err(peer, "handshake"))?;
         let proof = auth::listener_proof(&self.opts.secret, &hello.nonce, &nonce_s, hello.token, hello.channel);
         s.write_all(&ServerHello { nonce: nonce_s, proof }.encode()).map_err(io_err(peer, "handshake"))?;
         let mut p = [0u8; CLIENT_AUTH_LEN];
         s.read_exact(&mut p).map_err(io_err(peer, "handshake"))?;
-        let got = decode_client_auth(&p).map_err(|_| FabricError::Protocol { peer: peer.to_string(), reason: "bad client proof" })?;
+        let got =
+            decode_client_auth(&p).map_err(|_| FabricError::Protocol { peer: peer.to_string(), reason: "bad client proof" })?;
         let expect = auth::dialer_proof(&self.opts.secret, &hello.nonce, &nonce_s, hello.token, hello.channel);
         let mut acc = AcceptFrame { status: ACCEPT_OK, token, qp_num: 0, max_msg_bytes: self.opts.max_msg_bytes };
         if !auth::proofs_equal(&expect, &got) {
@@ -193,7 +205,9 @@ impl Listener for SoftListener {
                 return Err(FabricError::Timeout("a queue-pair connection"));
             }
             let ms = left.as_millis().clamp(1, 1000) as i32;
-            if !sys::wait_readable(self.listener.as_raw_fd(), ms).map_err(|e| FabricError::Listen { addr: self.local_addr(), source: e })? {
+            if !sys::wait_readable(self.listener.as_raw_fd(), ms)
+                .map_err(|e| FabricError::Listen { addr: self.local_addr(), source: e })?
+            {
                 continue;
             }
             let (s, peer) = match self.listener.accept() {

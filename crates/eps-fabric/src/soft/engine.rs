@@ -88,7 +88,6 @@ impl EngineHandle {
             .map_err(FabricError::Engine)?;
         Ok(Self { shared, thread: Some(thread) })
     }
-
 }
 
 impl Drop for EngineHandle {
@@ -587,11 +586,7 @@ impl Engine {
 
     fn start_payload(&mut self, slot: usize) {
         let c = self.conn(slot);
-        if c.land.req.is_some_and(|r| r.len > 0) {
-            self.post_payload(slot)
-        } else {
-            self.finish(slot)
-        }
+        if c.land.req.is_some_and(|r| r.len > 0) { self.post_payload(slot) } else { self.finish(slot) }
     }
 
     /// The payload has landed: report to the RECV (if any) and acknowledge.
@@ -600,7 +595,8 @@ impl Engine {
         let land = std::mem::take(&mut c.land);
         let req = land.req.expect("finished request");
         if let Some(w) = land.recv {
-            let (opcode, imm) = if req.op == WireOp::WriteImm { (WcOpcode::RecvWithImm, Some(req.imm)) } else { (WcOpcode::Recv, None) };
+            let (opcode, imm) =
+                if req.op == WireOp::WriteImm { (WcOpcode::RecvWithImm, Some(req.imm)) } else { (WcOpcode::Recv, None) };
             c.qp.recv_cq.push(c.qp.recv_completion(w.wr_id, WcStatus::Success, opcode, req.len, imm));
         }
         let resp = Response { op: req.op, status: WcStatus::Success, seq: req.seq, len: 0 };

@@ -50,9 +50,7 @@ impl SoftDevice {
     pub fn open() -> Result<Self> {
         let mrs = Arc::new(MrTable::default());
         let engine = engine::EngineHandle::start(mrs.clone())?;
-        Ok(Self {
-            inner: Arc::new(DeviceInner { mrs, engine, next_qp: AtomicU32::new(1) }),
-        })
+        Ok(Self { inner: Arc::new(DeviceInner { mrs, engine, next_qp: AtomicU32::new(1) }) })
     }
 
     /// Allocates a protection domain.

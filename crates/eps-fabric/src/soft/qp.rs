@@ -118,7 +118,14 @@ impl QpShared {
         }
     }
 
-    pub(crate) fn recv_completion(&self, wr_id: u64, status: WcStatus, opcode: WcOpcode, len: u32, imm: Option<u32>) -> Completion {
+    pub(crate) fn recv_completion(
+        &self,
+        wr_id: u64,
+        status: WcStatus,
+        opcode: WcOpcode,
+        len: u32,
+        imm: Option<u32>,
+    ) -> Completion {
         Completion { wr_id, status, opcode, byte_len: len, imm, qp_num: self.qp_num }
     }
 }
@@ -407,10 +414,7 @@ impl Requester {
             }
             let want = k as usize * RESP_LEN;
             if self.rx_have < want {
-                let iov = [libc::iovec {
-                    iov_base: self.rx[self.rx_have..].as_mut_ptr().cast(),
-                    iov_len: want - self.rx_have,
-                }];
+                let iov = [libc::iovec { iov_base: self.rx[self.rx_have..].as_mut_ptr().cast(), iov_len: want - self.rx_have }];
                 // SAFETY: the iovec names the unfilled tail of our own buffer.
                 match unsafe { sys::recv_iov(fd, &iov) } {
                     Ok(Xfer::Done(n)) => self.rx_have += n,

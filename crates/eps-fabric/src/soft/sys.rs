@@ -122,6 +122,12 @@ pub(crate) fn set_rcvlowat(fd: RawFd, bytes: usize) {
     let v = bytes.min(i32::MAX as usize) as libc::c_int;
     // SAFETY: passes a pointer to a live c_int and its size.
     unsafe {
-        libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_RCVLOWAT, (&v as *const libc::c_int).cast(), size_of::<libc::c_int>() as libc::socklen_t);
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_RCVLOWAT,
+            (&v as *const libc::c_int).cast(),
+            size_of::<libc::c_int>() as libc::socklen_t,
+        );
     }
 }
