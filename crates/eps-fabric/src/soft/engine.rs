@@ -30,10 +30,7 @@ const RESP_RING: usize = 64;
 /// Responses gathered into one `sendmsg`.
 const TX_BATCH: usize = 16;
 const WAKE: u64 = u64::MAX;
-/// Payloads from this size on are received with a raised SO_RCVLOWAT.
-const LOWAT_MIN: usize = 64 * 1024;
-/// The largest SO_RCVLOWAT used.
-const LOWAT_MAX: usize = 256 * 1024;
+use super::sys::{LOWAT_MAX, LOWAT_MIN};
 const KIND_RX: u64 = 1;
 const KIND_TX: u64 = 2;
 

@@ -196,6 +196,8 @@ pub(crate) struct Requester {
     tx_off: usize,
     /// The socket buffer was full at the last attempt.
     tx_full: bool,
+    /// Current SO_RCVLOWAT of the requester socket.
+    rx_lowat: usize,
     seq: u32,
     max_sge: usize,
     max_msg_bytes: u32,
@@ -216,6 +218,7 @@ impl Requester {
             tail: 0,
             tx_off: 0,
             tx_full: false,
+            rx_lowat: 1,
             seq: 0,
             max_sge: max_sge as usize,
             max_msg_bytes,
@@ -373,6 +376,12 @@ impl Requester {
             }
             let fd = self.qp.req_fd.as_raw_fd();
             if let Some(got) = self.read_got {
+                // Large READ data: poll until a good chunk is queued rather than
+                // copying each segment as it trickles in.
+                let left = (self.at(self.head).len - got) as usize;
+                if !self.ready_for(fd, if left >= sys::LOWAT_MIN { left.min(sys::LOWAT_MAX) } else { 1 }) {
+                    return;
+                }
                 let w = self.at(self.head);
                 let mut iov = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; MAX_SGE];
                 let (mut n_iov, mut skip) = (0, got as usize);
@@ -413,6 +422,10 @@ impl Requester {
                 p += 1;
             }
             let want = k as usize * RESP_LEN;
+            if self.rx_lowat != 1 {
+                sys::set_rcvlowat(fd, 1);
+                self.rx_lowat = 1;
+            }
             if self.rx_have < want {
                 let iov = [libc::iovec { iov_base: self.rx[self.rx_have..].as_mut_ptr().cast(), iov_len: want - self.rx_have }];
                 // SAFETY: the iovec names the unfilled tail of our own buffer.
@@ -456,6 +469,16 @@ impl Requester {
             self.rx.copy_within(used..self.rx_have, 0);
             self.rx_have -= used;
         }
+    }
+
+    /// Sets the receive low-water mark to `lowat` and, when above 1, reports
+    /// whether that much data is queued.
+    fn ready_for(&mut self, fd: std::os::fd::RawFd, lowat: usize) -> bool {
+        if self.rx_lowat != lowat {
+            sys::set_rcvlowat(fd, lowat);
+            self.rx_lowat = lowat;
+        }
+        lowat == 1 || sys::readable(fd)
     }
 
     fn complete_head(&mut self, status: WcStatus) {

@@ -3,6 +3,11 @@
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
+/// Payloads from this size on are received with a raised SO_RCVLOWAT.
+pub(crate) const LOWAT_MIN: usize = 64 * 1024;
+/// The largest SO_RCVLOWAT used.
+pub(crate) const LOWAT_MAX: usize = 256 * 1024;
+
 /// Result of a nonblocking transfer.
 pub(crate) enum Xfer {
     /// Bytes moved (never 0 for a receive: that is `Eof`).
@@ -130,4 +135,12 @@ pub(crate) fn set_rcvlowat(fd: RawFd, bytes: usize) {
             size_of::<libc::c_int>() as libc::socklen_t,
         );
     }
+}
+
+/// True if `fd` is readable now (honours SO_RCVLOWAT), or has an error or EOF to report.
+pub(crate) fn readable(fd: RawFd) -> bool {
+    let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd on the stack; zero timeout.
+    let r = unsafe { libc::poll(&mut p, 1, 0) };
+    r != 0
 }
