@@ -231,15 +231,17 @@ impl Engine {
         loop {
             let stopping = self.shared.stop.load(Ordering::Acquire);
             if stopping {
-                for c in self.conns.iter_mut().flatten() {
-                    c.st = St::Dead;
+                for i in 0..self.conns.len() {
+                    if let Some(c) = self.conns[i].as_mut() {
+                        c.st = St::Dead;
+                        self.maybe_close(i);
+                    }
                 }
             } else {
                 self.adopt_new();
             }
-            self.check_rnr();
-            for i in 0..self.conns.len() {
-                self.maybe_close(i);
+            if !self.rnr.is_empty() {
+                self.check_rnr();
             }
             if stopping && !self.wake_armed && self.conns.iter().all(Option::is_none) {
                 return;
@@ -564,7 +566,10 @@ impl Engine {
 
     fn check_rnr(&mut self) {
         let now = Instant::now();
-        for slot in self.rnr.clone() {
+        let mut i = 0;
+        while i < self.rnr.len() {
+            let slot = self.rnr[i];
+            i += 1;
             let Some(c) = self.conns[slot].as_mut() else { continue };
             if c.st != St::WaitRecv {
                 continue;
