@@ -4,8 +4,10 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use eps::bench::Json;
+use eps::bench::agg::AggBench;
 use eps::bench::fabric::{self, FabricBench, Op};
 use eps::units::{format_size, parse_size};
+use eps_agg::DType;
 
 /// EPS: an elastic parameter server for distributed ML training.
 ///
@@ -36,6 +38,13 @@ enum BenchCmd {
     /// signaled operation to its completion at the initiator: for a WRITE that
     /// includes the target's acknowledgement, a full round trip (not halved).
     Fabric(FabricArgs),
+    /// Throughput of the N-way gradient sum against memory bandwidth.
+    ///
+    /// Sums --workers inputs of --size bytes each into an f32 accumulator (rank
+    /// order, f32 accumulation) and, in the same run, times a plain `c = a + b` over
+    /// f32 arrays of --size bytes. gbytes_per_s counts the inputs read plus the
+    /// accumulator written; mem_gbytes_per_s counts 2 reads + 1 write.
+    Agg(AggArgs),
     /// (internal) The peer process of `eps bench fabric`.
     #[command(hide = true)]
     FabricPeer {
@@ -69,6 +78,66 @@ struct FabricArgs {
     /// Also print one JSON object with the results as the last line of stdout.
     #[arg(long)]
     json: bool,
+}
+
+#[derive(clap::Args, Debug)]
+struct AggArgs {
+    /// Element type of the inputs: f32, bf16 or f16 (accumulation is always f32).
+    #[arg(long, default_value = "f32", value_parser = parse_dtype)]
+    dtype: DType,
+    /// Number of inputs to sum (one per worker).
+    #[arg(long, default_value_t = 8)]
+    workers: usize,
+    /// Bytes of each input (e.g. 64MiB).
+    #[arg(long, value_parser = parse_size, default_value = "64MiB")]
+    size: u64,
+    /// Threads (0: one per core).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Timed repetitions; medians are reported.
+    #[arg(long, default_value_t = 7)]
+    reps: usize,
+    /// Also print one JSON object with the results as the last line of stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+fn parse_dtype(s: &str) -> Result<DType, String> {
+    DType::parse(s).ok_or_else(|| format!("unknown dtype {s:?}: use f32, bf16 or f16"))
+}
+
+fn bench_agg(a: AggArgs) -> Result<(), String> {
+    let cfg = AggBench { dtype: a.dtype, workers: a.workers, size: a.size, threads: a.threads, reps: a.reps };
+    eprintln!("eps bench agg: dtype={} workers={} size={} reps={}", a.dtype.name(), a.workers, format_size(a.size), a.reps);
+    let r = eps::bench::agg::run(&cfg).map_err(|e| error_chain(&e))?;
+    println!(
+        "{:<6} {:>8} {:>10} {:>8} {:>12} {:>12} {:>8}",
+        "dtype", "workers", "size", "threads", "sum GB/s", "mem GB/s", "ratio"
+    );
+    println!(
+        "{:<6} {:>8} {:>10} {:>8} {:>12.2} {:>12.2} {:>8.3}",
+        a.dtype.name(),
+        a.workers,
+        format_size(a.size),
+        r.threads,
+        r.gbytes_per_s,
+        r.mem_gbytes_per_s,
+        r.ratio
+    );
+    if a.json {
+        let j = Json::new()
+            .str("dtype", a.dtype.name())
+            .int("workers", a.workers as u64)
+            .int("size_bytes", a.size)
+            .int("threads", r.threads as u64)
+            .num("gbytes_per_s", r.gbytes_per_s)
+            .num("mem_gbytes_per_s", r.mem_gbytes_per_s)
+            .num("ratio", r.ratio)
+            .num("sum_ms_p50", r.sum_s * 1e3)
+            .finish();
+        println!("{j}");
+    }
+    Ok(())
 }
 
 fn bench_fabric(a: FabricArgs) -> Result<(), String> {
@@ -135,6 +204,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let res = match cli.cmd {
         Cmd::Bench(BenchCmd::Fabric(a)) => bench_fabric(a),
+        Cmd::Bench(BenchCmd::Agg(a)) => bench_agg(a),
         Cmd::Bench(BenchCmd::FabricPeer { op, size, depth }) => fabric::run_peer(op, size, depth).map_err(|e| error_chain(&e)),
     };
     match res {

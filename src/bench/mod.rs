@@ -1,6 +1,7 @@
 //! Measurements behind `eps bench`. Each reports what it measured and, where the
 //! command has a `--json` flag, one JSON object as the last line of stdout.
 
+pub mod agg;
 pub mod fabric;
 mod json;
 
