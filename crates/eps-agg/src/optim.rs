@@ -212,7 +212,7 @@ mod tests {
             let (mut m, mut v) = (vec![0f64; n], vec![0f64; n]);
             let lr = 0.05;
             for step in 0..5u64 {
-                let g: Vec<f32> = (0..n).map(|i| ((i as f32 * 0.37 + step as f32).sin())).collect();
+                let g: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37 + step as f32).sin()).collect();
                 o.apply(o.scalars(step, lr), &mut p, &g, &mut st);
                 for i in 0..n {
                     let gi = g[i] as f64;
