@@ -1,0 +1,95 @@
+//! The 32-bit immediates of the data plane. Every push, pull request, pull answer
+//! and credit is a WRITE_WITH_IMM whose immediate says what it is:
+//! `kind:3 | shard:13 | seq:16`, where `shard` is the server-local shard index and
+//! `seq` the low 16 bits of an iteration or version (widened by [`widen_seq`]).
+
+use crate::layout::MAX_SHARDS_PER_SERVER;
+
+/// What an immediate announces.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ImmKind {
+    /// Worker to server: the gradient of iteration `seq` for `shard` has landed.
+    Push = 1,
+    /// Worker to server: send me `shard` at version >= `seq`.
+    PullReq = 2,
+    /// Server to worker: `shard` at version `seq` has landed in your buffer.
+    PullDone = 3,
+    /// Server to worker: your landing slot for `shard` is free again.
+    Credit = 4,
+}
+
+/// A decoded immediate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Imm {
+    /// Kind.
+    pub kind: ImmKind,
+    /// Server-local shard index.
+    pub shard: u32,
+    /// Low 16 bits of the iteration or version.
+    pub seq: u16,
+}
+
+impl Imm {
+    /// Encodes; `shard` must be below [`MAX_SHARDS_PER_SERVER`].
+    pub fn encode(self) -> u32 {
+        debug_assert!(self.shard < MAX_SHARDS_PER_SERVER);
+        ((self.kind as u32) << 29) | ((self.shard & 0x1FFF) << 16) | self.seq as u32
+    }
+
+    /// Decodes; `None` for an unknown kind.
+    pub fn decode(v: u32) -> Option<Self> {
+        let kind = match v >> 29 {
+            1 => ImmKind::Push,
+            2 => ImmKind::PullReq,
+            3 => ImmKind::PullDone,
+            4 => ImmKind::Credit,
+            _ => return None,
+        };
+        Some(Self { kind, shard: (v >> 16) & 0x1FFF, seq: v as u16 })
+    }
+}
+
+/// The full value congruent to `low` modulo 2^16 that is nearest to `near`.
+pub fn widen_seq(low: u16, near: u64) -> u64 {
+    let base = near & !0xFFFF;
+    let mut best = base | low as u64;
+    for b in [base.checked_sub(0x1_0000), base.checked_add(0x1_0000)].into_iter().flatten() {
+        let c = b | low as u64;
+        if c.abs_diff(near) < best.abs_diff(near) {
+            best = c;
+        }
+    }
+    best
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn roundtrip_every_kind() {
+        for kind in [ImmKind::Push, ImmKind::PullReq, ImmKind::PullDone, ImmKind::Credit] {
+            for shard in [0, 1, 4095, MAX_SHARDS_PER_SERVER - 1] {
+                for seq in [0, 1, 0x7FFF, 0xFFFF] {
+                    let i = Imm { kind, shard, seq };
+                    assert_eq!(Imm::decode(i.encode()), Some(i));
+                }
+            }
+        }
+        assert_eq!(Imm::decode(0), None);
+        assert_eq!(Imm::decode(7 << 29), None);
+    }
+
+    #[test]
+    fn widening_picks_the_nearest() {
+        for near in [0u64, 5, 0xFFFF, 0x1_0000, 0x1_2345, 1 << 40] {
+            for delta in [-3i64, 0, 1, 2, 100, 30_000] {
+                let want = near as i64 + delta;
+                if want < 0 {
+                    continue;
+                }
+                assert_eq!(widen_seq(want as u16, near), want as u64, "near {near} delta {delta}");
+            }
+        }
+    }
+}

@@ -1,0 +1,170 @@
+//! The flat parameter space, its shards and their placement on servers.
+//!
+//! Tensors are laid end to end; the space is cut into shards of a target size, each
+//! starting on a 4 KiB boundary of the wire dtype; shard `i` lives on server
+//! `i % servers`, where it is local shard `i / servers`. Every process derives the
+//! same layout from the spec, so only the spec travels.
+
+use eps_agg::DType;
+
+use crate::spec::TensorSpec;
+
+/// Byte alignment of shard boundaries in the wire dtype.
+pub const SHARD_ALIGN_BYTES: u64 = 4096;
+/// Most shards one server can hold (the immediate's shard field is 13 bits).
+pub const MAX_SHARDS_PER_SERVER: u32 = 1 << 13;
+
+/// A tensor's place in the flat space.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorInfo {
+    /// Name.
+    pub name: String,
+    /// First element.
+    pub offset: u64,
+    /// Elements.
+    pub elements: u64,
+}
+
+/// A contiguous range of the flat space owned by one server.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shard {
+    /// Global index.
+    pub id: u32,
+    /// First element.
+    pub start: u64,
+    /// Elements.
+    pub len: u64,
+    /// Owning server rank.
+    pub server: u32,
+    /// Index among the owning server's shards.
+    pub local: u32,
+}
+
+/// The whole layout.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Layout {
+    /// Wire dtype.
+    pub dtype: DType,
+    /// Tensors in declaration order.
+    pub tensors: Vec<TensorInfo>,
+    /// Total elements.
+    pub total: u64,
+    /// Shards in order of `start`.
+    pub shards: Vec<Shard>,
+    /// Number of servers.
+    pub servers: u32,
+}
+
+/// Why a layout cannot be built.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LayoutError {
+    /// The model has no elements.
+    #[error("the model has no parameters")]
+    Empty,
+    /// Too many shards for the servers.
+    #[error("{shards} shards on {servers} servers exceeds {MAX_SHARDS_PER_SERVER} per server; raise job.shard_bytes")]
+    TooManyShards {
+        /// Shards.
+        shards: u64,
+        /// Servers.
+        servers: u32,
+    },
+}
+
+impl Layout {
+    /// Lays out `tensors` with shards of about `shard_bytes` on `servers` servers.
+    pub fn new(tensors: &[TensorSpec], dtype: DType, shard_bytes: u64, servers: u32) -> Result<Self, LayoutError> {
+        let mut infos = Vec::with_capacity(tensors.len());
+        let mut total = 0u64;
+        for t in tensors {
+            infos.push(TensorInfo { name: t.name.clone(), offset: total, elements: t.elements });
+            total += t.elements;
+        }
+        if total == 0 {
+            return Err(LayoutError::Empty);
+        }
+        let es = dtype.size_bytes() as u64;
+        let align = SHARD_ALIGN_BYTES / es;
+        let per = (shard_bytes / es / align).max(1) * align;
+        let count = total.div_ceil(per);
+        let servers = servers.max(1);
+        if count.div_ceil(servers as u64) > MAX_SHARDS_PER_SERVER as u64 {
+            return Err(LayoutError::TooManyShards { shards: count, servers });
+        }
+        let shards = (0..count)
+            .map(|i| {
+                let start = i * per;
+                Shard {
+                    id: i as u32,
+                    start,
+                    len: per.min(total - start),
+                    server: (i % servers as u64) as u32,
+                    local: (i / servers as u64) as u32,
+                }
+            })
+            .collect();
+        Ok(Self { dtype, tensors: infos, total, shards, servers })
+    }
+
+    /// Shards of one server, in local-index order.
+    pub fn shards_of(&self, server: u32) -> impl Iterator<Item = &Shard> {
+        self.shards.iter().filter(move |s| s.server == server)
+    }
+
+    /// Elements held by one server.
+    pub fn elements_of(&self, server: u32) -> u64 {
+        self.shards_of(server).map(|s| s.len).sum()
+    }
+
+    /// Bytes of the whole model in the wire dtype.
+    pub fn bytes(&self) -> u64 {
+        self.total * self.dtype.size_bytes() as u64
+    }
+
+    /// The tensor named `name`.
+    pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
+        self.tensors.iter().find(|t| t.name == name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(n: u64) -> Vec<TensorSpec> {
+        vec![TensorSpec { name: "a".into(), elements: n / 3 }, TensorSpec { name: "b".into(), elements: n - n / 3 }]
+    }
+
+    #[test]
+    fn shards_cover_the_space_aligned_and_balanced() {
+        for dtype in [DType::F32, DType::Bf16] {
+            for servers in [1, 2, 3, 7] {
+                let l = Layout::new(&t(10_000_019), dtype, 1 << 20, servers).unwrap();
+                let mut next = 0;
+                for s in &l.shards {
+                    assert_eq!(s.start, next);
+                    assert_eq!(s.start * dtype.size_bytes() as u64 % SHARD_ALIGN_BYTES, 0);
+                    assert!(s.len > 0);
+                    next += s.len;
+                    assert_eq!(l.shards_of(s.server).nth(s.local as usize), Some(s));
+                }
+                assert_eq!(next, l.total);
+                let per: Vec<u64> = (0..servers).map(|r| l.elements_of(r)).collect();
+                let (mx, mn) = (per.iter().max().unwrap(), per.iter().min().unwrap());
+                assert!(mx - mn <= (1 << 20) / dtype.size_bytes() as u64, "{per:?}");
+            }
+        }
+        assert_eq!(l_err(), LayoutError::Empty);
+    }
+
+    fn l_err() -> LayoutError {
+        Layout::new(&[], DType::F32, 4096, 1).unwrap_err()
+    }
+
+    #[test]
+    fn too_many_shards_is_an_error() {
+        let e = Layout::new(&t(1 << 30), DType::F32, 4096, 1).unwrap_err();
+        assert!(matches!(e, LayoutError::TooManyShards { .. }));
+    }
+}

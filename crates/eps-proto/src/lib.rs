@@ -1,0 +1,17 @@
+//! # eps-proto
+//!
+//! The protocol core of EPS, free of I/O and clocks: job specs ([`spec`]), the flat
+//! parameter space and its shards ([`layout`]), the immediates that name every
+//! data-plane message ([`imm`]), the control-plane messages ([`control`]), and the
+//! per-shard consistency state machine ([`sync`]). Drivers in the role crates feed
+//! it bytes and events and act on what it returns.
+
+#![forbid(unsafe_code)]
+
+pub mod control;
+pub mod imm;
+pub mod layout;
+pub mod spec;
+pub mod sync;
+
+pub use spec::{Consistency, JobSpec, SpecError};

@@ -1,0 +1,510 @@
+//! The job spec: a TOML file describing model, cluster shape, consistency and
+//! optimizer. Unknown or malformed fields are rejected with their name.
+
+use eps_agg::{DType, Decay, LrSchedule, Optimizer};
+use serde::Deserialize;
+
+/// Consistency model of a job.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Consistency {
+    /// Bulk synchronous: every iteration waits for every worker (deterministic).
+    Bsp,
+    /// Stale synchronous: a worker may run ahead of the slowest by `staleness`.
+    Ssp,
+    /// Asynchronous: no waiting; updates apply as they arrive.
+    Asp,
+}
+
+impl Consistency {
+    /// Lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Consistency::Bsp => "bsp",
+            Consistency::Ssp => "ssp",
+            Consistency::Asp => "asp",
+        }
+    }
+    /// Parses a name.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "bsp" => Some(Self::Bsp),
+            "ssp" => Some(Self::Ssp),
+            "asp" => Some(Self::Asp),
+            _ => None,
+        }
+    }
+    /// Wire code.
+    pub fn code(self) -> u8 {
+        self as u8
+    }
+    /// From a wire code.
+    pub fn from_code(c: u8) -> Option<Self> {
+        [Self::Bsp, Self::Ssp, Self::Asp].get(c as usize).copied()
+    }
+}
+
+/// A named tensor of the model.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TensorSpec {
+    /// Name, unique in the model.
+    pub name: String,
+    /// Number of elements.
+    pub elements: u64,
+}
+
+/// The whole job spec as read from TOML.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobSpec {
+    /// Cluster shape and run length.
+    pub job: JobSection,
+    /// The model's tensors.
+    #[serde(default)]
+    pub model: ModelSection,
+    /// Optimizer and hyper-parameters.
+    #[serde(default)]
+    pub optimizer: OptimizerSection,
+    /// Learning-rate schedule.
+    #[serde(default)]
+    pub lr_schedule: ScheduleSection,
+}
+
+/// `[job]`.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobSection {
+    /// Name for logs.
+    #[serde(default = "default_name")]
+    pub name: String,
+    /// Worker processes.
+    #[serde(default = "one")]
+    pub workers: u32,
+    /// Server processes.
+    #[serde(default = "one")]
+    pub servers: u32,
+    /// Training iterations.
+    #[serde(default = "default_steps")]
+    pub steps: u64,
+    /// `bsp`, `ssp` or `asp`.
+    #[serde(default = "default_consistency")]
+    pub consistency: Consistency,
+    /// SSP staleness bound (iterations a worker may run ahead of the slowest).
+    #[serde(default = "default_staleness")]
+    pub staleness: u32,
+    /// Element type on the wire: `f32`, `bf16`, `f16`.
+    #[serde(default = "default_dtype")]
+    pub dtype: String,
+    /// Job secret; when absent the `EPS_JOB_SECRET` environment variable is used.
+    #[serde(default)]
+    pub secret: Option<String>,
+    /// Seed of the synthetic data and initial parameters.
+    #[serde(default = "one64")]
+    pub seed: u64,
+    /// Target shard size in bytes of the wire dtype (rounded to 4 KiB multiples).
+    #[serde(default = "default_shard_bytes")]
+    pub shard_bytes: u64,
+    /// Samples per worker per iteration (used by the built-in training task).
+    #[serde(default = "default_batch")]
+    pub batch: u32,
+}
+
+/// `[model]`.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSection {
+    /// A built-in model (`synthetic`: the classification task of `eps train`).
+    #[serde(default)]
+    pub preset: Option<String>,
+    /// Explicit tensors (used when no preset is given).
+    #[serde(default)]
+    pub tensors: Vec<TensorSpec>,
+    /// Synthetic preset: hashed sparse-feature buckets (embedding rows).
+    #[serde(default = "default_buckets")]
+    pub buckets: u64,
+    /// Synthetic preset: dense input features.
+    #[serde(default = "default_dense_dim")]
+    pub dense_dim: u64,
+    /// Synthetic preset: classes.
+    #[serde(default = "default_classes")]
+    pub classes: u64,
+    /// Synthetic preset: active sparse features per sample.
+    #[serde(default = "default_sparse_per_sample")]
+    pub sparse_per_sample: u32,
+    /// Synthetic preset: distinct raw sparse ids before hashing.
+    #[serde(default = "default_vocab")]
+    pub vocab: u64,
+}
+
+fn default_buckets() -> u64 {
+    1 << 20
+}
+fn default_dense_dim() -> u64 {
+    256
+}
+fn default_classes() -> u64 {
+    10
+}
+fn default_sparse_per_sample() -> u32 {
+    8
+}
+fn default_vocab() -> u64 {
+    100_000
+}
+
+/// `[optimizer]`.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OptimizerSection {
+    /// `sgd`, `momentum`, `nesterov`, `adam`, `adamw`.
+    #[serde(default = "default_opt")]
+    pub kind: String,
+    /// Base learning rate.
+    #[serde(default = "default_lr")]
+    pub lr: f64,
+    /// Momentum factor.
+    #[serde(default = "default_momentum")]
+    pub momentum: f32,
+    /// Adam beta1.
+    #[serde(default = "default_beta1")]
+    pub beta1: f32,
+    /// Adam beta2.
+    #[serde(default = "default_beta2")]
+    pub beta2: f32,
+    /// Adam epsilon.
+    #[serde(default = "default_eps")]
+    pub eps: f32,
+    /// Weight decay (L2 for sgd/momentum/adam, decoupled for adamw).
+    #[serde(default)]
+    pub weight_decay: f32,
+}
+
+/// `[lr_schedule]`.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScheduleSection {
+    /// Linear warm-up steps.
+    #[serde(default)]
+    pub warmup_steps: u64,
+    /// `constant`, `step` or `cosine`.
+    #[serde(default = "default_decay")]
+    pub decay: String,
+    /// `step`: steps between decays.
+    #[serde(default = "default_every")]
+    pub step_every: u64,
+    /// `step`: factor per decay.
+    #[serde(default = "default_gamma")]
+    pub gamma: f64,
+    /// `cosine`: floor of the rate.
+    #[serde(default)]
+    pub min_lr: f64,
+}
+
+fn default_name() -> String {
+    "eps-job".into()
+}
+fn one() -> u32 {
+    1
+}
+fn one64() -> u64 {
+    1
+}
+fn default_steps() -> u64 {
+    100
+}
+fn default_consistency() -> Consistency {
+    Consistency::Bsp
+}
+fn default_staleness() -> u32 {
+    2
+}
+fn default_dtype() -> String {
+    "f32".into()
+}
+fn default_shard_bytes() -> u64 {
+    1 << 20
+}
+fn default_batch() -> u32 {
+    256
+}
+fn default_opt() -> String {
+    "adam".into()
+}
+fn default_lr() -> f64 {
+    0.01
+}
+fn default_momentum() -> f32 {
+    0.9
+}
+fn default_beta1() -> f32 {
+    0.9
+}
+fn default_beta2() -> f32 {
+    0.999
+}
+fn default_eps() -> f32 {
+    1e-8
+}
+fn default_decay() -> String {
+    "constant".into()
+}
+fn default_every() -> u64 {
+    100
+}
+fn default_gamma() -> f64 {
+    0.5
+}
+
+impl Default for ModelSection {
+    fn default() -> Self {
+        toml::from_str("").expect("all model fields have defaults")
+    }
+}
+
+impl Default for OptimizerSection {
+    fn default() -> Self {
+        toml::from_str("").expect("all optimizer fields have defaults")
+    }
+}
+
+impl Default for ScheduleSection {
+    fn default() -> Self {
+        toml::from_str("").expect("all schedule fields have defaults")
+    }
+}
+
+/// What is wrong with a spec.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SpecError {
+    /// The TOML did not parse or a field has the wrong type or name.
+    #[error("job spec: {0}")]
+    Toml(String),
+    /// A field has an unusable value.
+    #[error("job spec: field `{field}`: {reason}")]
+    Field {
+        /// Dotted field name.
+        field: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+fn bad(field: &'static str, reason: impl Into<String>) -> SpecError {
+    SpecError::Field { field, reason: reason.into() }
+}
+
+impl JobSpec {
+    /// Parses and validates a spec.
+    pub fn from_toml(text: &str) -> Result<Self, SpecError> {
+        let spec: JobSpec = toml::from_str(text).map_err(|e| SpecError::Toml(e.to_string().trim().replace('\n', " ")))?;
+        spec.validate()?;
+        Ok(spec)
+    }
+
+    /// A spec with every default (one worker, one server, no tensors yet).
+    pub fn defaults() -> Self {
+        toml::from_str("[job]").expect("defaults parse")
+    }
+
+    /// Checks every value; returns the first problem, naming its field.
+    pub fn validate(&self) -> Result<(), SpecError> {
+        let j = &self.job;
+        if j.workers == 0 || j.workers > 4096 {
+            return Err(bad("job.workers", "must be between 1 and 4096"));
+        }
+        if j.servers == 0 || j.servers > 1024 {
+            return Err(bad("job.servers", "must be between 1 and 1024"));
+        }
+        if j.steps == 0 {
+            return Err(bad("job.steps", "must be at least 1"));
+        }
+        self.dtype()?;
+        if j.shard_bytes < 4096 || j.shard_bytes > 1 << 30 {
+            return Err(bad("job.shard_bytes", "must be between 4096 and 1 GiB"));
+        }
+        if j.batch == 0 {
+            return Err(bad("job.batch", "must be at least 1"));
+        }
+        if j.consistency == Consistency::Ssp && j.staleness == 0 {
+            return Err(bad("job.staleness", "SSP needs a staleness bound of at least 1 (use bsp for 0)"));
+        }
+        if let Some(p) = &self.model.preset
+            && p != "synthetic"
+        {
+            return Err(bad("model.preset", format!("unknown preset {p:?} (known: synthetic)")));
+        }
+        if self.model.preset.is_none() && self.model.tensors.is_empty() {
+            return Err(bad("model.tensors", "give a preset or at least one tensor"));
+        }
+        let m = &self.model;
+        if m.preset.is_some() {
+            if m.classes < 2 || m.classes > 1000 {
+                return Err(bad("model.classes", "must be between 2 and 1000"));
+            }
+            if m.dense_dim == 0 || m.dense_dim > 1 << 16 {
+                return Err(bad("model.dense_dim", "must be between 1 and 65536"));
+            }
+            if m.buckets == 0 || m.buckets > 1 << 28 {
+                return Err(bad("model.buckets", "must be between 1 and 2^28"));
+            }
+            if m.vocab == 0 {
+                return Err(bad("model.vocab", "must be at least 1"));
+            }
+            if m.sparse_per_sample > 1024 {
+                return Err(bad("model.sparse_per_sample", "must be at most 1024"));
+            }
+        }
+        let mut names = std::collections::HashSet::new();
+        for t in &self.model.tensors {
+            if t.elements == 0 {
+                return Err(bad("model.tensors.elements", format!("tensor {:?} has no elements", t.name)));
+            }
+            if !names.insert(&t.name) {
+                return Err(bad("model.tensors.name", format!("tensor {:?} appears twice", t.name)));
+            }
+        }
+        self.optimizer()?;
+        self.schedule()?;
+        Ok(())
+    }
+
+    /// The model's tensors: the preset's, or the explicit list.
+    pub fn tensors(&self) -> Vec<TensorSpec> {
+        let m = &self.model;
+        match m.preset.as_deref() {
+            Some(_) => vec![
+                TensorSpec { name: "dense.weight".into(), elements: m.classes * m.dense_dim },
+                TensorSpec { name: "dense.bias".into(), elements: m.classes },
+                TensorSpec { name: "sparse.embedding".into(), elements: m.buckets * m.classes },
+            ],
+            None => m.tensors.clone(),
+        }
+    }
+
+    /// The parameter layout for `servers` servers.
+    pub fn layout(&self) -> Result<crate::layout::Layout, SpecError> {
+        let dtype = self.dtype()?;
+        crate::layout::Layout::new(&self.tensors(), dtype, self.job.shard_bytes, self.job.servers)
+            .map_err(|e| bad("job.shard_bytes", e.to_string()))
+    }
+
+    /// The wire element type.
+    pub fn dtype(&self) -> Result<DType, SpecError> {
+        DType::parse(&self.job.dtype).ok_or_else(|| bad("job.dtype", format!("unknown dtype {:?} (f32, bf16, f16)", self.job.dtype)))
+    }
+
+    /// The optimizer.
+    pub fn optimizer(&self) -> Result<Optimizer, SpecError> {
+        let o = &self.optimizer;
+        if !(o.lr.is_finite() && o.lr > 0.0) {
+            return Err(bad("optimizer.lr", "must be a positive number"));
+        }
+        if !(0.0..1.0).contains(&o.momentum) {
+            return Err(bad("optimizer.momentum", "must be in [0, 1)"));
+        }
+        if !(0.0..1.0).contains(&o.beta1) || !(0.0..1.0).contains(&o.beta2) {
+            return Err(bad("optimizer.beta1", "beta1 and beta2 must be in [0, 1)"));
+        }
+        if !(o.eps > 0.0) {
+            return Err(bad("optimizer.eps", "must be positive"));
+        }
+        if !(o.weight_decay >= 0.0 && o.weight_decay.is_finite()) {
+            return Err(bad("optimizer.weight_decay", "must be a non-negative number"));
+        }
+        let wd = o.weight_decay;
+        Ok(match o.kind.as_str() {
+            "sgd" => Optimizer::Sgd { weight_decay: wd },
+            "momentum" => Optimizer::Momentum { momentum: o.momentum, nesterov: false, weight_decay: wd },
+            "nesterov" => Optimizer::Momentum { momentum: o.momentum, nesterov: true, weight_decay: wd },
+            "adam" | "adamw" => Optimizer::Adam {
+                beta1: o.beta1,
+                beta2: o.beta2,
+                eps: o.eps,
+                weight_decay: wd,
+                decoupled: o.kind == "adamw",
+            },
+            k => return Err(bad("optimizer.kind", format!("unknown optimizer {k:?} (sgd, momentum, nesterov, adam, adamw)"))),
+        })
+    }
+
+    /// The learning-rate schedule.
+    pub fn schedule(&self) -> Result<LrSchedule, SpecError> {
+        let s = &self.lr_schedule;
+        let decay = match s.decay.as_str() {
+            "constant" => Decay::Constant,
+            "step" => {
+                if s.step_every == 0 {
+                    return Err(bad("lr_schedule.step_every", "must be at least 1"));
+                }
+                if !(s.gamma > 0.0 && s.gamma <= 1.0) {
+                    return Err(bad("lr_schedule.gamma", "must be in (0, 1]"));
+                }
+                Decay::Step { every: s.step_every, gamma: s.gamma }
+            }
+            "cosine" => {
+                if !(s.min_lr >= 0.0 && s.min_lr <= self.optimizer.lr) {
+                    return Err(bad("lr_schedule.min_lr", "must be between 0 and optimizer.lr"));
+                }
+                Decay::Cosine { total_steps: self.job.steps, min_lr: s.min_lr }
+            }
+            d => return Err(bad("lr_schedule.decay", format!("unknown decay {d:?} (constant, step, cosine)"))),
+        };
+        Ok(LrSchedule { base: self.optimizer.lr, warmup_steps: s.warmup_steps, decay })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn full_spec_parses() {
+        let s = JobSpec::from_toml(
+            r#"
+            [job]
+            workers = 4
+            servers = 2
+            steps = 50
+            consistency = "ssp"
+            staleness = 3
+            dtype = "bf16"
+            [model]
+            tensors = [{ name = "w", elements = 1000 }, { name = "b", elements = 10 }]
+            [optimizer]
+            kind = "adamw"
+            lr = 0.001
+            weight_decay = 0.01
+            [lr_schedule]
+            warmup_steps = 5
+            decay = "cosine"
+            "#,
+        )
+        .unwrap();
+        assert_eq!(s.job.workers, 4);
+        assert_eq!(s.dtype().unwrap(), DType::Bf16);
+        assert_eq!(s.optimizer().unwrap().name(), "adamw");
+        assert!(matches!(s.schedule().unwrap().decay, Decay::Cosine { total_steps: 50, .. }));
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let cases = [
+            ("[job]\nworkerz = 2\n[model]\npreset = \"synthetic\"", "workerz"),
+            ("[job]\nworkers = 0\n[model]\npreset = \"synthetic\"", "job.workers"),
+            ("[job]\ndtype = \"f64\"\n[model]\npreset = \"synthetic\"", "job.dtype"),
+            ("[job]\n[model]\npreset = \"resnet\"", "model.preset"),
+            ("[job]\n[model]\npreset = \"synthetic\"\n[optimizer]\nkind = \"lamb\"", "optimizer.kind"),
+            ("[job]\n[model]\npreset = \"synthetic\"\n[optimizer]\nlr = -1.0", "optimizer.lr"),
+            ("[job]\n[model]\npreset = \"synthetic\"\n[lr_schedule]\ndecay = \"exp\"", "lr_schedule.decay"),
+            ("[job]\nworkers = \"two\"\n[model]\npreset = \"synthetic\"", "workers"),
+            ("[job]", "model.tensors"),
+            ("[job]\nconsistency = \"ssp\"\nstaleness = 0\n[model]\npreset = \"synthetic\"", "job.staleness"),
+        ];
+        for (text, field) in cases {
+            let e = JobSpec::from_toml(text).unwrap_err().to_string();
+            assert!(e.contains(field), "{text:?}: {e}");
+        }
+    }
+}

@@ -1,0 +1,318 @@
+//! The consistency state machine of one shard on its server, free of I/O.
+//!
+//! Inputs are the immediates that arrive (pushes, pull requests) and the server's
+//! own progress (an update applied and published, a pull's write completed); outputs
+//! say what to do next (aggregate, apply, serve a pull). The server driver is a thin
+//! loop around it.
+//!
+//! - BSP: the update of iteration `t` is the rank-ordered sum of every worker's
+//!   contribution for `t`; it makes version `t + 1`. A worker pushes `t` only when it
+//!   holds version `t`, and asks for version `t + 1` next.
+//! - SSP / ASP: each contribution is applied as it arrives. Each worker's clock
+//!   counts its contributions; a pull asks that the slowest clock be at least some
+//!   value (SSP: the worker's iteration minus the staleness bound; ASP: zero).
+//!
+//! Published parameters have two buffers (versions alternate between them); a
+//! version is published only when no pull is still being written from the buffer it
+//! overwrites, so a pull never reads a half-applied update.
+
+use crate::spec::Consistency;
+
+/// What a push leads to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PushOutcome {
+    /// Recorded; more contributions are expected before anything is applied.
+    Wait,
+    /// BSP: every contribution of this iteration is in: aggregate all landing slots
+    /// in rank order, then apply and publish (see [`ShardSync::published`]).
+    AggregateAll {
+        /// The iteration.
+        iteration: u64,
+    },
+    /// SSP/ASP: apply this worker's contribution on its own.
+    ApplyOne {
+        /// The worker.
+        worker: u32,
+        /// Its iteration.
+        iteration: u64,
+    },
+}
+
+/// A protocol violation by a worker (the server reports it and keeps serving).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SyncError {
+    /// Rank outside the job.
+    #[error("worker {worker} is not a member of this job")]
+    UnknownWorker {
+        /// The rank.
+        worker: u32,
+    },
+    /// A push for an iteration the shard has already moved past.
+    #[error("worker {worker} pushed iteration {iteration}, but the shard is at iteration {expected}")]
+    StaleIteration {
+        /// The rank.
+        worker: u32,
+        /// What it pushed.
+        iteration: u64,
+        /// What was expected.
+        expected: u64,
+    },
+    /// A push before the previous one from the same worker was consumed.
+    #[error("worker {worker} pushed iteration {iteration} before its previous push was consumed")]
+    SlotBusy {
+        /// The rank.
+        worker: u32,
+        /// What it pushed.
+        iteration: u64,
+    },
+    /// A second pull while one is pending.
+    #[error("worker {worker} asked for a pull while its previous pull is pending")]
+    PullPending {
+        /// The rank.
+        worker: u32,
+    },
+}
+
+/// Per-shard synchronization state.
+#[derive(Clone, Debug)]
+pub struct ShardSync {
+    mode: Consistency,
+    workers: u32,
+    /// Published version (updates applied and visible).
+    version: u64,
+    /// Per worker: contributions received (its next iteration).
+    clock: Vec<u64>,
+    /// Per worker: its landing slot holds a contribution not yet consumed.
+    slot_full: Vec<bool>,
+    /// Contributions in slots (BSP: for iteration `version`).
+    full_count: u32,
+    /// Per worker: a pending pull's required minimum (BSP: version; else slowest clock).
+    pending: Vec<Option<u64>>,
+    /// Pull writes in flight per published buffer.
+    inflight: [u32; 2],
+    /// An update has been computed but waits for its buffer to be free.
+    publish_waiting: bool,
+}
+
+impl ShardSync {
+    /// A shard at version 0 for `workers` workers.
+    pub fn new(mode: Consistency, workers: u32) -> Self {
+        let w = workers as usize;
+        Self {
+            mode,
+            workers,
+            version: 0,
+            clock: vec![0; w],
+            slot_full: vec![false; w],
+            full_count: 0,
+            pending: vec![None; w],
+            inflight: [0; 2],
+            publish_waiting: false,
+        }
+    }
+
+    /// Published version.
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// Buffer (0 or 1) holding version `v`.
+    pub fn parity(v: u64) -> usize {
+        (v % 2) as usize
+    }
+
+    /// Slowest worker's clock.
+    pub fn min_clock(&self) -> u64 {
+        self.clock.iter().copied().min().unwrap_or(0)
+    }
+
+    fn check(&self, worker: u32) -> Result<usize, SyncError> {
+        if worker >= self.workers {
+            return Err(SyncError::UnknownWorker { worker });
+        }
+        Ok(worker as usize)
+    }
+
+    /// Worker `worker` pushed its contribution for `iteration` into its slot.
+    pub fn on_push(&mut self, worker: u32, iteration: u64) -> Result<PushOutcome, SyncError> {
+        let w = self.check(worker)?;
+        if self.slot_full[w] {
+            return Err(SyncError::SlotBusy { worker, iteration });
+        }
+        if iteration != self.clock[w] {
+            return Err(SyncError::StaleIteration { worker, iteration, expected: self.clock[w] });
+        }
+        if self.mode == Consistency::Bsp && iteration != self.version {
+            return Err(SyncError::StaleIteration { worker, iteration, expected: self.version });
+        }
+        self.slot_full[w] = true;
+        self.full_count += 1;
+        self.clock[w] += 1;
+        Ok(match self.mode {
+            Consistency::Bsp if self.full_count == self.workers => PushOutcome::AggregateAll { iteration },
+            Consistency::Bsp => PushOutcome::Wait,
+            _ => PushOutcome::ApplyOne { worker, iteration },
+        })
+    }
+
+    /// Whether the buffer the next version goes to has no pull in flight.
+    pub fn can_publish(&self) -> bool {
+        self.inflight[Self::parity(self.version + 1)] == 0
+    }
+
+    /// Marks that an update is computed but waits for [`ShardSync::can_publish`].
+    pub fn set_publish_waiting(&mut self, waiting: bool) {
+        self.publish_waiting = waiting;
+    }
+
+    /// Whether an update waits to be published.
+    pub fn publish_waiting(&self) -> bool {
+        self.publish_waiting
+    }
+
+    /// The update has been applied and written to buffer `parity(version + 1)`.
+    /// Frees the consumed slots (BSP: all; else `worker`'s) and returns the new
+    /// version. Call [`ShardSync::ready_pulls`] next.
+    pub fn published(&mut self, consumed: Option<u32>) -> u64 {
+        match consumed {
+            None => {
+                self.slot_full.iter_mut().for_each(|s| *s = false);
+                self.full_count = 0;
+            }
+            Some(w) => {
+                if let Some(s) = self.slot_full.get_mut(w as usize)
+                    && *s
+                {
+                    *s = false;
+                    self.full_count -= 1;
+                }
+            }
+        }
+        self.version += 1;
+        self.publish_waiting = false;
+        self.version
+    }
+
+    fn satisfied(&self, need: u64) -> bool {
+        match self.mode {
+            Consistency::Bsp => self.version >= need,
+            _ => self.min_clock() >= need,
+        }
+    }
+
+    /// Worker `worker` asks for the shard once `need` is met (BSP: version >= need;
+    /// SSP/ASP: slowest clock >= need). Returns the version to send now, or `None` if
+    /// the request waits.
+    pub fn on_pull(&mut self, worker: u32, need: u64) -> Result<Option<u64>, SyncError> {
+        let w = self.check(worker)?;
+        if self.pending[w].is_some() {
+            return Err(SyncError::PullPending { worker });
+        }
+        if self.satisfied(need) && !self.publish_waiting {
+            return Ok(Some(self.start_pull()));
+        }
+        self.pending[w] = Some(need);
+        Ok(None)
+    }
+
+    fn start_pull(&mut self) -> u64 {
+        self.inflight[Self::parity(self.version)] += 1;
+        self.version
+    }
+
+    /// Pending pulls that can be served now, as (worker, version); each is counted in
+    /// flight until [`ShardSync::pull_written`].
+    pub fn ready_pulls(&mut self, out: &mut Vec<(u32, u64)>) {
+        if self.publish_waiting {
+            return;
+        }
+        for w in 0..self.pending.len() {
+            if let Some(need) = self.pending[w]
+                && self.satisfied(need)
+            {
+                self.pending[w] = None;
+                let v = self.start_pull();
+                out.push((w as u32, v));
+            }
+        }
+    }
+
+    /// The write of version `v` to a worker completed (or failed).
+    pub fn pull_written(&mut self, v: u64) {
+        let p = Self::parity(v);
+        self.inflight[p] = self.inflight[p].saturating_sub(1);
+    }
+
+    /// Forgets a worker's pending pull (its connection is gone).
+    pub fn drop_pending(&mut self, worker: u32) {
+        if let Some(p) = self.pending.get_mut(worker as usize) {
+            *p = None;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bsp_aggregates_when_all_are_in_and_serves_waiting_pulls() {
+        let mut s = ShardSync::new(Consistency::Bsp, 3);
+        assert_eq!(s.on_pull(0, 0), Ok(Some(0)));
+        s.pull_written(0);
+        assert_eq!(s.on_push(0, 0), Ok(PushOutcome::Wait));
+        assert_eq!(s.on_pull(0, 1), Ok(None));
+        assert_eq!(s.on_push(0, 0), Err(SyncError::SlotBusy { worker: 0, iteration: 0 }));
+        assert_eq!(s.on_push(2, 0), Ok(PushOutcome::Wait));
+        assert_eq!(s.on_push(1, 1), Err(SyncError::StaleIteration { worker: 1, iteration: 1, expected: 0 }));
+        assert_eq!(s.on_push(1, 0), Ok(PushOutcome::AggregateAll { iteration: 0 }));
+        assert!(s.can_publish());
+        assert_eq!(s.published(None), 1);
+        let mut out = vec![];
+        s.ready_pulls(&mut out);
+        assert_eq!(out, vec![(0, 1)]);
+        assert_eq!(s.on_pull(1, 1), Ok(Some(1)));
+        assert_eq!(s.on_push(9, 1), Err(SyncError::UnknownWorker { worker: 9 }));
+    }
+
+    #[test]
+    fn a_buffer_with_pulls_in_flight_is_not_overwritten() {
+        let mut s = ShardSync::new(Consistency::Bsp, 1);
+        assert_eq!(s.on_pull(0, 0), Ok(Some(0))); // reading buffer 0
+        assert_eq!(s.on_push(0, 0), Ok(PushOutcome::AggregateAll { iteration: 0 }));
+        assert!(s.can_publish()); // version 1 goes to buffer 1
+        s.published(None);
+        assert_eq!(s.on_pull(0, 1), Ok(Some(1)));
+        assert_eq!(s.on_push(0, 1), Ok(PushOutcome::AggregateAll { iteration: 1 }));
+        assert!(!s.can_publish(), "version 2 would overwrite buffer 0 while version 0 is being written");
+        s.pull_written(0);
+        assert!(s.can_publish());
+    }
+
+    #[test]
+    fn ssp_bounds_the_lead_of_the_fastest_worker() {
+        let staleness = 2;
+        let mut s = ShardSync::new(Consistency::Ssp, 2);
+        // Worker 0 runs ahead; worker 1 is stuck at clock 0.
+        for t in 0..3u64 {
+            assert_eq!(s.on_push(0, t), Ok(PushOutcome::ApplyOne { worker: 0, iteration: t }));
+            s.published(Some(0));
+            // Next iteration t+1 may proceed if the slowest clock >= t+1-staleness.
+            let need = (t + 1).saturating_sub(staleness);
+            let got = s.on_pull(0, need).unwrap();
+            if t + 1 <= staleness {
+                assert!(got.is_some(), "t={t}");
+                s.pull_written(got.unwrap());
+            } else {
+                assert_eq!(got, None, "t={t}: must wait for worker 1");
+            }
+        }
+        assert_eq!(s.on_push(1, 0), Ok(PushOutcome::ApplyOne { worker: 1, iteration: 0 }));
+        s.published(Some(1));
+        let mut out = vec![];
+        s.ready_pulls(&mut out);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].0, 0);
+    }
+}
