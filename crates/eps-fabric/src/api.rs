@@ -258,6 +258,11 @@ pub trait CompletionQueue: Send + Sync + std::fmt::Debug {
     /// Reaps up to `out.len()` completions into `out`, driving the requester side of
     /// the QPs attached to it from the caller's thread. Returns how many were written.
     fn poll(&self, out: &mut [Completion]) -> Result<usize>;
+
+    /// Sleeps until a completion may be ready or `timeout` passes, for callers that
+    /// would rather not spin. Completions a responder delivers (incoming SEND and
+    /// WRITE_IMM) wake it at once; requester completions are found by the next poll.
+    fn wait(&self, timeout: std::time::Duration);
 }
 
 /// A reliable connected queue pair.

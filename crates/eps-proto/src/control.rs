@@ -21,10 +21,9 @@ pub struct ServerEndpoint {
     pub rank: u32,
     /// Fabric listener address (`ip:port`).
     pub fabric_addr: String,
-    /// Landing region (gradient slots): virtual address and rkey.
-    pub landing_addr: u64,
-    /// Landing region rkey.
-    pub landing_rkey: u32,
+    /// Per worker rank: its landing region (gradient slots of every shard of this
+    /// server) as (virtual address, rkey). Each worker writes only its own region.
+    pub landing: Vec<(u64, u32)>,
     /// Published-parameters region: virtual address and rkey (READ in ASP).
     pub published_addr: u64,
     /// Published region rkey.
@@ -119,8 +118,11 @@ impl W {
     fn endpoint(&mut self, e: &ServerEndpoint) {
         self.u32(e.rank);
         self.str(&e.fabric_addr);
-        self.u64(e.landing_addr);
-        self.u32(e.landing_rkey);
+        self.u32(e.landing.len() as u32);
+        for (a, k) in &e.landing {
+            self.u64(*a);
+            self.u32(*k);
+        }
         self.u64(e.published_addr);
         self.u32(e.published_rkey);
     }
@@ -158,14 +160,17 @@ impl R<'_> {
         }
     }
     fn endpoint(&mut self) -> Result<ServerEndpoint, DecodeError> {
-        Ok(ServerEndpoint {
-            rank: self.u32()?,
-            fabric_addr: self.str()?,
-            landing_addr: self.u64()?,
-            landing_rkey: self.u32()?,
-            published_addr: self.u64()?,
-            published_rkey: self.u32()?,
-        })
+        let rank = self.u32()?;
+        let fabric_addr = self.str()?;
+        let n = self.u32()? as usize;
+        if n > self.0.len() / 12 {
+            return Err(DecodeError::Truncated);
+        }
+        let mut landing = Vec::with_capacity(n);
+        for _ in 0..n {
+            landing.push((self.u64()?, self.u32()?));
+        }
+        Ok(ServerEndpoint { rank, fabric_addr, landing, published_addr: self.u64()?, published_rkey: self.u32()? })
     }
 }
 
@@ -237,8 +242,8 @@ impl ControlMsg {
             4 => ControlMsg::GetPlan,
             5 => {
                 let n = r.u32()? as usize;
-                // Each endpoint is at least 32 bytes: bound the allocation by the input.
-                if n > r.0.len() / 32 {
+                // Each endpoint is at least 28 bytes: bound the allocation by the input.
+                if n > r.0.len() / 28 {
                     return Err(DecodeError::Truncated);
                 }
                 let mut servers = Vec::with_capacity(n);
@@ -269,8 +274,7 @@ mod tests {
         ServerEndpoint {
             rank,
             fabric_addr: "127.0.0.1:9".into(),
-            landing_addr: 1,
-            landing_rkey: 2,
+            landing: vec![(1, 2), (5, 6)],
             published_addr: 3,
             published_rkey: 4,
         }

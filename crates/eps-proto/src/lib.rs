@@ -9,7 +9,9 @@
 #![forbid(unsafe_code)]
 
 pub mod control;
+pub mod hello;
 pub mod imm;
+pub mod init;
 pub mod layout;
 pub mod spec;
 pub mod sync;

@@ -392,7 +392,8 @@ impl JobSpec {
 
     /// The wire element type.
     pub fn dtype(&self) -> Result<DType, SpecError> {
-        DType::parse(&self.job.dtype).ok_or_else(|| bad("job.dtype", format!("unknown dtype {:?} (f32, bf16, f16)", self.job.dtype)))
+        DType::parse(&self.job.dtype)
+            .ok_or_else(|| bad("job.dtype", format!("unknown dtype {:?} (f32, bf16, f16)", self.job.dtype)))
     }
 
     /// The optimizer.
@@ -407,7 +408,7 @@ impl JobSpec {
         if !(0.0..1.0).contains(&o.beta1) || !(0.0..1.0).contains(&o.beta2) {
             return Err(bad("optimizer.beta1", "beta1 and beta2 must be in [0, 1)"));
         }
-        if !(o.eps > 0.0) {
+        if o.eps.is_nan() || o.eps <= 0.0 {
             return Err(bad("optimizer.eps", "must be positive"));
         }
         if !(o.weight_decay >= 0.0 && o.weight_decay.is_finite()) {
@@ -418,13 +419,9 @@ impl JobSpec {
             "sgd" => Optimizer::Sgd { weight_decay: wd },
             "momentum" => Optimizer::Momentum { momentum: o.momentum, nesterov: false, weight_decay: wd },
             "nesterov" => Optimizer::Momentum { momentum: o.momentum, nesterov: true, weight_decay: wd },
-            "adam" | "adamw" => Optimizer::Adam {
-                beta1: o.beta1,
-                beta2: o.beta2,
-                eps: o.eps,
-                weight_decay: wd,
-                decoupled: o.kind == "adamw",
-            },
+            "adam" | "adamw" => {
+                Optimizer::Adam { beta1: o.beta1, beta2: o.beta2, eps: o.eps, weight_decay: wd, decoupled: o.kind == "adamw" }
+            }
             k => return Err(bad("optimizer.kind", format!("unknown optimizer {k:?} (sgd, momentum, nesterov, adam, adamw)"))),
         })
     }

@@ -301,7 +301,7 @@ mod tests {
             // Next iteration t+1 may proceed if the slowest clock >= t+1-staleness.
             let need = (t + 1).saturating_sub(staleness);
             let got = s.on_pull(0, need).unwrap();
-            if t + 1 <= staleness {
+            if t < staleness {
                 assert!(got.is_some(), "t={t}");
                 s.pull_written(got.unwrap());
             } else {

@@ -1,8 +1,9 @@
 //! Completion queues of the soft provider.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
 
 use crate::api::{Completion, CompletionQueue};
 use crate::error::{FabricError, Result};
@@ -21,6 +22,9 @@ pub(crate) struct CqInner {
     queue: Mutex<VecDeque<Completion>>,
     depth: u32,
     overrun: AtomicBool,
+    /// Threads sleeping in `wait`, woken by `push`.
+    waiters: AtomicUsize,
+    ready: Condvar,
     /// Requesters whose send completions land here.
     pub(crate) requesters: Mutex<Vec<Arc<Mutex<Requester>>>>,
 }
@@ -35,6 +39,10 @@ impl CqInner {
             return;
         }
         q.push_back(c);
+        drop(q);
+        if self.waiters.load(Ordering::Acquire) > 0 {
+            self.ready.notify_all();
+        }
     }
 
     pub(crate) fn detach(&self, r: &Arc<Mutex<Requester>>) {
@@ -53,6 +61,8 @@ impl SoftCq {
                 queue: Mutex::new(VecDeque::with_capacity(depth as usize)),
                 depth,
                 overrun: AtomicBool::new(false),
+                waiters: AtomicUsize::new(0),
+                ready: Condvar::new(),
                 requesters: Mutex::new(Vec::new()),
             }),
         })
@@ -60,6 +70,16 @@ impl SoftCq {
 }
 
 impl CompletionQueue for SoftCq {
+    fn wait(&self, timeout: Duration) {
+        let q = self.inner.queue.lock().unwrap_or_else(|p| p.into_inner());
+        if !q.is_empty() {
+            return;
+        }
+        self.inner.waiters.fetch_add(1, Ordering::AcqRel);
+        let _ = self.inner.ready.wait_timeout(q, timeout);
+        self.inner.waiters.fetch_sub(1, Ordering::AcqRel);
+    }
+
     fn poll(&self, out: &mut [Completion]) -> Result<usize> {
         {
             let list = self.inner.requesters.lock().unwrap_or_else(|p| p.into_inner());

@@ -1,0 +1,43 @@
+//! The client every role uses to talk to the control plane.
+
+use std::net::{SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+use eps_fabric::Secret;
+use eps_proto::control::ControlMsg;
+
+use crate::ControlError;
+use crate::conn::{auth_client, read_msg, write_msg};
+
+/// An authenticated connection to the control plane.
+#[derive(Debug)]
+pub struct ControlClient {
+    s: TcpStream,
+}
+
+impl ControlClient {
+    /// Connects (retrying for up to `wait` while the control plane starts) and
+    /// authenticates with the job secret.
+    pub fn connect(addr: SocketAddr, secret: &Secret, wait: Duration) -> Result<Self, ControlError> {
+        let deadline = Instant::now() + wait;
+        let mut s = loop {
+            match TcpStream::connect_timeout(&addr, Duration::from_secs(2)) {
+                Ok(s) => break s,
+                Err(e) if Instant::now() >= deadline => return Err(ControlError::Connect { addr, source: e }),
+                Err(_) => std::thread::sleep(Duration::from_millis(50)),
+            }
+        };
+        s.set_nodelay(true).map_err(ControlError::Io)?;
+        auth_client(&mut s, secret)?;
+        Ok(Self { s })
+    }
+
+    /// Sends a request and returns the reply; an `Error` reply becomes `Rejected`.
+    pub fn call(&mut self, m: &ControlMsg) -> Result<ControlMsg, ControlError> {
+        write_msg(&mut self.s, m)?;
+        match read_msg(&mut self.s)? {
+            ControlMsg::Error { message } => Err(ControlError::Rejected(message)),
+            r => Ok(r),
+        }
+    }
+}

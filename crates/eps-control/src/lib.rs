@@ -1,0 +1,56 @@
+//! # eps-control
+//!
+//! The thin control plane of EPS: it owns the job spec, membership and placement,
+//! and is never on the data path. Metadata lives behind the [`store::Store`] trait; the
+//! default [`store::FileStore`] is an fsync'd append-only log, so one `eps` command
+//! runs a whole local cluster without external services. Every connection proves the
+//! job secret (HMAC-SHA256 challenge-response) before any request is served.
+
+#![forbid(unsafe_code)]
+
+pub mod client;
+mod conn;
+pub mod server;
+pub mod store;
+
+pub use client::ControlClient;
+pub use server::ControlService;
+
+/// Errors of the control plane and its clients.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ControlError {
+    /// Socket I/O failed.
+    #[error("control connection I/O")]
+    Io(#[source] std::io::Error),
+    /// Could not bind the listen address.
+    #[error("cannot listen on {addr}")]
+    Bind {
+        /// Address.
+        addr: std::net::SocketAddr,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Could not reach the control plane.
+    #[error("cannot reach the control plane at {addr}")]
+    Connect {
+        /// Address.
+        addr: std::net::SocketAddr,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The store failed.
+    #[error("control store")]
+    Store(#[source] std::io::Error),
+    /// Authentication failed.
+    #[error("control authentication failed: {0}")]
+    Auth(&'static str),
+    /// Malformed traffic or state.
+    #[error("control protocol: {0}")]
+    Protocol(&'static str),
+    /// The control plane refused the request.
+    #[error("control plane refused: {0}")]
+    Rejected(String),
+}

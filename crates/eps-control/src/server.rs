@@ -1,0 +1,208 @@
+//! The control-plane service: assigns ranks, hands out the spec, collects server
+//! endpoints and gives workers the plan once every server is ready. Static
+//! membership: the spec fixes how many servers and workers join.
+
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use eps_fabric::Secret;
+use eps_proto::JobSpec;
+use eps_proto::control::{ControlMsg, Role, ServerEndpoint};
+
+use crate::ControlError;
+use crate::conn::{auth_server, read_msg, write_msg};
+use crate::store::Store;
+
+/// Marks the spec record in the store.
+const SPEC_RECORD_RANK: u32 = u32::MAX;
+
+struct State {
+    spec_text: String,
+    servers_want: u32,
+    workers_want: u32,
+    server_addrs: Vec<String>,
+    workers: u32,
+    ready: Vec<Option<ServerEndpoint>>,
+    finished_servers: Vec<bool>,
+    finished_workers: Vec<bool>,
+    store: Box<dyn Store>,
+}
+
+impl State {
+    fn all_ready(&self) -> bool {
+        self.ready.iter().all(Option::is_some) && self.ready.len() == self.servers_want as usize
+    }
+
+    fn done(&self) -> bool {
+        self.finished_servers.iter().all(|&x| x) && self.finished_workers.iter().all(|&x| x)
+    }
+
+    fn persist(&mut self, m: &ControlMsg) -> Result<(), ControlError> {
+        self.store.append(&m.encode()[4..]).map_err(ControlError::Store)
+    }
+
+    /// Applies one record (live or replayed). Returns the reply for live requests.
+    fn apply(&mut self, m: &ControlMsg) -> Result<ControlMsg, String> {
+        match m {
+            ControlMsg::Register { role: Role::Server, fabric_addr } => {
+                if self.server_addrs.len() as u32 >= self.servers_want {
+                    return Err(format!("the job already has its {} servers", self.servers_want));
+                }
+                self.server_addrs.push(fabric_addr.clone());
+                Ok(ControlMsg::Registered { rank: self.server_addrs.len() as u32 - 1, spec_toml: self.spec_text.clone() })
+            }
+            ControlMsg::Register { role: Role::Worker, .. } => {
+                if self.workers >= self.workers_want {
+                    return Err(format!("the job already has its {} workers", self.workers_want));
+                }
+                self.workers += 1;
+                Ok(ControlMsg::Registered { rank: self.workers - 1, spec_toml: self.spec_text.clone() })
+            }
+            ControlMsg::ServerReady(ep) => {
+                let Some(slot) = self.ready.get_mut(ep.rank as usize) else {
+                    return Err(format!("server rank {} is outside the job", ep.rank));
+                };
+                *slot = Some(ep.clone());
+                Ok(ControlMsg::Ok)
+            }
+            ControlMsg::Finished { role, rank } => {
+                let v = if *role == Role::Server { &mut self.finished_servers } else { &mut self.finished_workers };
+                let Some(slot) = v.get_mut(*rank as usize) else {
+                    return Err(format!("rank {rank} is outside the job"));
+                };
+                *slot = true;
+                Ok(ControlMsg::Ok)
+            }
+            _ => Err("not a state change".into()),
+        }
+    }
+
+    fn status(&self) -> String {
+        let ready = self.ready.iter().filter(|r| r.is_some()).count();
+        let fw = self.finished_workers.iter().filter(|&&x| x).count();
+        let fs = self.finished_servers.iter().filter(|&&x| x).count();
+        format!(
+            "servers: {}/{} registered, {ready} ready, {fs} finished\nworkers: {}/{} registered, {fw} finished",
+            self.server_addrs.len(),
+            self.servers_want,
+            self.workers,
+            self.workers_want
+        )
+    }
+}
+
+/// A running control plane.
+pub struct ControlService {
+    listener: TcpListener,
+    secret: Secret,
+    shared: Arc<(Mutex<State>, Condvar)>,
+}
+
+impl std::fmt::Debug for ControlService {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ControlService").field("addr", &self.listener.local_addr().ok()).finish()
+    }
+}
+
+impl ControlService {
+    /// Binds `addr` for `spec` (whose TOML text is `spec_text`), replaying `store`.
+    pub fn bind(
+        addr: SocketAddr,
+        spec: &JobSpec,
+        spec_text: &str,
+        secret: Secret,
+        mut store: Box<dyn Store>,
+    ) -> Result<Self, ControlError> {
+        let listener = TcpListener::bind(addr).map_err(|e| ControlError::Bind { addr, source: e })?;
+        let records = store.records().map_err(ControlError::Store)?;
+        let (s, w) = (spec.job.servers, spec.job.workers);
+        let spec_record = ControlMsg::Registered { rank: SPEC_RECORD_RANK, spec_toml: spec_text.to_string() };
+        if records.is_empty() {
+            store.append(&spec_record.encode()[4..]).map_err(ControlError::Store)?;
+        }
+        let mut st = State {
+            spec_text: spec_text.to_string(),
+            servers_want: s,
+            workers_want: w,
+            server_addrs: Vec::new(),
+            workers: 0,
+            ready: vec![None; s as usize],
+            finished_servers: vec![false; s as usize],
+            finished_workers: vec![false; w as usize],
+            store,
+        };
+        for (i, r) in records.iter().enumerate() {
+            let m = ControlMsg::decode(r).map_err(|_| ControlError::Protocol("corrupt record in the control store"))?;
+            if i == 0 {
+                if m != spec_record {
+                    return Err(ControlError::Protocol("the state directory belongs to a job with another spec"));
+                }
+                continue;
+            }
+            st.apply(&m).map_err(|_| ControlError::Protocol("the control store does not replay"))?;
+        }
+        Ok(Self { listener, secret, shared: Arc::new((Mutex::new(st), Condvar::new())) })
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.listener.local_addr().expect("bound")
+    }
+
+    /// Serves until every server and worker has reported `Finished`.
+    pub fn run(self) -> Result<(), ControlError> {
+        self.listener.set_nonblocking(true).map_err(ControlError::Io)?;
+        loop {
+            {
+                let st = self.shared.0.lock().unwrap_or_else(|p| p.into_inner());
+                if st.done() {
+                    return Ok(());
+                }
+            }
+            match self.listener.accept() {
+                Ok((s, _)) => {
+                    let shared = self.shared.clone();
+                    let secret = self.secret.clone();
+                    std::thread::spawn(move || {
+                        let _ = serve(s, &secret, &shared);
+                    });
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(20)),
+                Err(e) => return Err(ControlError::Io(e)),
+            }
+        }
+    }
+}
+
+fn serve(mut s: TcpStream, secret: &Secret, shared: &(Mutex<State>, Condvar)) -> Result<(), ControlError> {
+    s.set_nonblocking(false).map_err(ControlError::Io)?;
+    auth_server(&mut s, secret)?;
+    let (lock, cv) = shared;
+    loop {
+        let m = read_msg(&mut s)?;
+        let reply = match m {
+            ControlMsg::Register { .. } | ControlMsg::ServerReady(_) | ControlMsg::Finished { .. } => {
+                let mut st = lock.lock().unwrap_or_else(|p| p.into_inner());
+                match st.apply(&m) {
+                    Ok(r) => {
+                        st.persist(&m)?;
+                        cv.notify_all();
+                        r
+                    }
+                    Err(message) => ControlMsg::Error { message },
+                }
+            }
+            ControlMsg::GetPlan => {
+                let mut st = lock.lock().unwrap_or_else(|p| p.into_inner());
+                while !st.all_ready() {
+                    st = cv.wait(st).unwrap_or_else(|p| p.into_inner());
+                }
+                ControlMsg::Plan { servers: st.ready.iter().flatten().cloned().collect() }
+            }
+            ControlMsg::Status => ControlMsg::StatusReport { text: lock.lock().unwrap_or_else(|p| p.into_inner()).status() },
+            _ => ControlMsg::Error { message: "unexpected message for the control plane".into() },
+        };
+        write_msg(&mut s, &reply)?;
+    }
+}
