@@ -6,8 +6,12 @@
 //! - [`fabric`]: the verbs-semantics transport (re-export of `eps-fabric`).
 //! - [`units`]: parsing of human sizes (`4KiB`, `64MiB`).
 //! - [`bench`]: the `eps bench ...` measurements.
+//! - [`roles`]: the control, server and worker commands.
+//! - [`train`]: `eps train`, a local cluster on the built-in synthetic task.
 
 pub use eps_fabric as fabric;
 
 pub mod bench;
+pub mod roles;
+pub mod train;
 pub mod units;

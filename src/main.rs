@@ -1,5 +1,7 @@
 //! The `eps` command line.
 
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -23,9 +25,156 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Cmd {
-    /// Measure the system: fabric bandwidth and latency between two processes.
+    /// Train the built-in synthetic task on a local cluster (the main job).
+    ///
+    /// Starts a control plane, --servers servers and --workers workers as separate
+    /// processes on 127.0.0.1 with the embedded file-backed store, trains, and prints
+    /// progress and a summary. Ctrl-C, or any process failing, stops them all.
+    Train(TrainArgs),
+    /// Run the control plane of one job (membership, placement; never on the data path).
+    Control {
+        /// Address to listen on.
+        #[arg(long, default_value = "127.0.0.1:7100")]
+        listen: SocketAddr,
+        /// The job spec (TOML).
+        #[arg(long)]
+        spec: PathBuf,
+        /// Directory of the fsync'd state log.
+        #[arg(long, default_value = "eps-state")]
+        state_dir: PathBuf,
+        /// Exit when the parent process exits.
+        #[arg(long, hide = true)]
+        exit_with_parent: bool,
+    },
+    /// Run a parameter server of the job whose control plane is at --control.
+    ///
+    /// The job secret comes from the EPS_JOB_SECRET environment variable.
+    Server {
+        /// Control-plane address.
+        #[arg(long)]
+        control: SocketAddr,
+        /// IP to accept workers on (the port is picked by the OS).
+        #[arg(long, default_value = "127.0.0.1")]
+        listen_ip: IpAddr,
+        /// Aggregation threads (0: one per core).
+        #[arg(long, default_value_t = 1)]
+        threads: usize,
+        /// Exit when the parent process exits.
+        #[arg(long, hide = true)]
+        exit_with_parent: bool,
+    },
+    /// Run a worker on the built-in synthetic task of the job at --control.
+    ///
+    /// The job secret comes from the EPS_JOB_SECRET environment variable. Models
+    /// other than the built-in one use the eps-worker library (or libeps) instead.
+    Worker {
+        /// Control-plane address.
+        #[arg(long)]
+        control: SocketAddr,
+        /// Print progress every this many steps (rank 0).
+        #[arg(long, default_value_t = 50)]
+        progress_every: u64,
+        /// Exit when the parent process exits.
+        #[arg(long, hide = true)]
+        exit_with_parent: bool,
+    },
+    /// Measure the system: fabric bandwidth and latency, aggregation throughput.
     #[command(subcommand)]
     Bench(BenchCmd),
+}
+
+#[derive(clap::Args, Debug)]
+struct TrainArgs {
+    /// Job spec (TOML); without it, the built-in default job.
+    #[arg(long)]
+    spec: Option<PathBuf>,
+    /// Worker processes.
+    #[arg(long)]
+    workers: Option<u32>,
+    /// Server processes.
+    #[arg(long)]
+    servers: Option<u32>,
+    /// Training iterations.
+    #[arg(long)]
+    steps: Option<u64>,
+    /// Consistency model: bsp, ssp or asp.
+    #[arg(long)]
+    consistency: Option<String>,
+    /// Optimizer: sgd, momentum, nesterov, adam, adamw.
+    #[arg(long)]
+    optimizer: Option<String>,
+    /// Wire dtype of gradients and parameters: f32, bf16, f16.
+    #[arg(long)]
+    dtype: Option<String>,
+    /// Base learning rate.
+    #[arg(long)]
+    lr: Option<f64>,
+    /// Samples per worker per iteration.
+    #[arg(long)]
+    batch: Option<u32>,
+    /// Print progress every this many steps.
+    #[arg(long, default_value_t = 50)]
+    progress_every: u64,
+    /// Also print one JSON object with the results as the last line of stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+fn train(a: TrainArgs) -> Result<(), String> {
+    let o = eps::train::Overrides {
+        workers: a.workers,
+        servers: a.servers,
+        steps: a.steps,
+        consistency: a.consistency,
+        optimizer: a.optimizer,
+        dtype: a.dtype,
+        lr: a.lr,
+        batch: a.batch,
+    };
+    let (spec, text) = eps::train::build_spec(a.spec.as_deref(), &o).map_err(|e| error_chain(&e))?;
+    let layout = spec.layout().map_err(|e| e.to_string())?;
+    let opt = spec.optimizer().map_err(|e| e.to_string())?;
+    eprintln!(
+        "eps train: {} workers, {} servers, {} steps, {}, {}, {}; model {} parameters ({}) in {} shards",
+        spec.job.workers,
+        spec.job.servers,
+        spec.job.steps,
+        spec.job.consistency.name(),
+        opt.name(),
+        spec.job.dtype,
+        layout.total,
+        format_size(layout.bytes()),
+        layout.shards.len()
+    );
+    let r = eps::train::run(&spec, &text, a.progress_every.max(1), |l| eprintln!("{l}")).map_err(|e| error_chain(&e))?;
+    println!(
+        "trained {} steps in {:.1} s: held-out accuracy {:.4} (teacher {:.4}), loss {:.4}",
+        r.steps, r.elapsed_s, r.final_accuracy, r.teacher_accuracy, r.final_loss
+    );
+    println!(
+        "{:.0} samples/s; push {:.2} GB/s, pull {:.2} GB/s (all workers); params checksum {}",
+        r.samples_per_s, r.push_gbytes_per_s, r.pull_gbytes_per_s, r.params_checksum
+    );
+    if a.json {
+        let j = Json::new()
+            .int("steps", r.steps)
+            .num("final_loss", r.final_loss)
+            .num("final_accuracy", r.final_accuracy)
+            .num("teacher_accuracy", r.teacher_accuracy)
+            .str("params_checksum", &r.params_checksum)
+            .num("samples_per_s", r.samples_per_s)
+            .num("push_gbytes_per_s", r.push_gbytes_per_s)
+            .num("pull_gbytes_per_s", r.pull_gbytes_per_s)
+            .num("elapsed_s", r.elapsed_s)
+            .int("workers", spec.job.workers as u64)
+            .int("servers", spec.job.servers as u64)
+            .str("consistency", spec.job.consistency.name())
+            .str("optimizer", opt.name())
+            .str("dtype", &spec.job.dtype)
+            .finish();
+        println!("{j}");
+    }
+    Ok(())
 }
 
 #[derive(Subcommand, Debug)]
@@ -203,6 +352,25 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let res = match cli.cmd {
+        Cmd::Train(a) => train(a),
+        Cmd::Control { listen, spec, state_dir, exit_with_parent } => {
+            if exit_with_parent {
+                eps::roles::exit_with_parent();
+            }
+            eps::roles::control(listen, &spec, &state_dir)
+        }
+        Cmd::Server { control, listen_ip, threads, exit_with_parent } => {
+            if exit_with_parent {
+                eps::roles::exit_with_parent();
+            }
+            eps::roles::server(control, listen_ip, threads)
+        }
+        Cmd::Worker { control, progress_every, exit_with_parent } => {
+            if exit_with_parent {
+                eps::roles::exit_with_parent();
+            }
+            eps::roles::worker(control, progress_every)
+        }
         Cmd::Bench(BenchCmd::Fabric(a)) => bench_fabric(a),
         Cmd::Bench(BenchCmd::Agg(a)) => bench_agg(a),
         Cmd::Bench(BenchCmd::FabricPeer { op, size, depth }) => fabric::run_peer(op, size, depth).map_err(|e| error_chain(&e)),

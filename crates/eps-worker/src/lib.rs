@@ -263,6 +263,18 @@ impl Worker {
         (self.layout.dtype == DType::F32).then(|| bytemuck::cast_slice_mut(self.grads_bytes_mut()))
     }
 
+    /// Parameters and gradient buffer together, without copies (f32 jobs only).
+    pub fn buffers_f32(&mut self) -> Option<(&[f32], &mut [f32])> {
+        if self.layout.dtype != DType::F32 {
+            return None;
+        }
+        // SAFETY: no transfer is in flight between calls (crate docs); `&mut self`
+        // excludes starting one while the slices live, and the two regions are
+        // distinct registrations.
+        let (p, g) = unsafe { (self.params.as_slice(), self.grads.as_mut_slice()) };
+        Some((bytemuck::cast_slice(p), bytemuck::cast_slice_mut(g)))
+    }
+
     /// Widens the parameters into `out` (any dtype).
     pub fn read_params(&self, out: &mut [f32]) -> Result<(), WorkerError> {
         let n = self.layout.total as usize;

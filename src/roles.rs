@@ -1,0 +1,89 @@
+//! `eps control`, `eps server`, `eps worker`: the three roles as commands.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use eps_agg::CpuAggregator;
+use eps_control::store::FileStore;
+use eps_control::ControlService;
+use eps_fabric::Secret;
+use eps_proto::JobSpec;
+
+/// The job secret from the environment (never from the command line, where other
+/// users of the machine could read it).
+pub fn secret_from_env(spec: Option<&JobSpec>) -> Result<Secret, String> {
+    let s = std::env::var("EPS_JOB_SECRET").ok().or_else(|| spec.and_then(|s| s.job.secret.clone()));
+    let s = s.ok_or("no job secret: set EPS_JOB_SECRET (or job.secret in the spec)")?;
+    Secret::new(s).map_err(|e| e.to_string())
+}
+
+/// Exits this process when its parent goes away (used for the processes `eps train`
+/// starts, so a killed driver never leaves a cluster behind).
+pub fn exit_with_parent() {
+    let parent = std::os::unix::process::parent_id();
+    std::thread::spawn(move || {
+        loop {
+            std::thread::sleep(Duration::from_millis(200));
+            if std::os::unix::process::parent_id() != parent {
+                eprintln!("eps: parent process {parent} is gone; exiting");
+                std::process::exit(3);
+            }
+        }
+    });
+}
+
+/// `eps control`.
+pub fn control(listen: SocketAddr, spec_path: &PathBuf, state_dir: &PathBuf) -> Result<(), String> {
+    let text = std::fs::read_to_string(spec_path).map_err(|e| format!("cannot read job spec {}: {e}", spec_path.display()))?;
+    let spec = JobSpec::from_toml(&text).map_err(|e| format!("{}: {e}", spec_path.display()))?;
+    let secret = secret_from_env(Some(&spec))?;
+    let store = FileStore::open(state_dir).map_err(|e| format!("cannot open the state directory {}: {e}", state_dir.display()))?;
+    let svc = ControlService::bind(listen, &spec, &text, secret, Box::new(store)).map_err(|e| crate_error(&e))?;
+    println!("EPS_CONTROL_READY addr={}", svc.local_addr());
+    eprintln!(
+        "eps control: job {:?} on {}: waiting for {} servers and {} workers (state in {})",
+        spec.job.name,
+        svc.local_addr(),
+        spec.job.servers,
+        spec.job.workers,
+        state_dir.display()
+    );
+    svc.run().map_err(|e| crate_error(&e))
+}
+
+/// `eps server`.
+pub fn server(control: SocketAddr, listen_ip: IpAddr, threads: usize) -> Result<(), String> {
+    let cfg = eps_server::ServerConfig {
+        control,
+        secret: secret_from_env(None)?,
+        listen_ip,
+        aggregator: Arc::new(CpuAggregator::new(threads)),
+        accept_timeout: Duration::from_secs(120),
+    };
+    let s = eps_server::run(&cfg).map_err(|e| crate_error(&e))?;
+    eprintln!(
+        "eps server {}: {} shards, {} parameters, {} updates applied, {} pulls served, {} protocol violations",
+        s.rank, s.shards, s.elements, s.updates, s.pulls, s.violations
+    );
+    Ok(())
+}
+
+/// `eps worker`.
+pub fn worker(control: SocketAddr, every: u64) -> Result<(), String> {
+    let cfg = eps_worker::WorkerConfig { control, secret: secret_from_env(None)?, timeout: Duration::from_secs(120) };
+    crate::train::worker::run(&cfg, every.max(1)).map_err(|e| crate_error(&e))
+}
+
+/// An error with its chain of causes, for printing.
+pub fn crate_error(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}

@@ -1,0 +1,333 @@
+//! `eps train`: a whole local cluster as separate processes (control plane, S
+//! servers, W workers) on the embedded defaults, training the built-in synthetic
+//! task; progress while it runs, a summary and an optional JSON line at the end.
+
+pub mod task;
+pub mod worker;
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use eps_proto::JobSpec;
+
+/// The job `eps train` runs when no spec file is given.
+pub const DEFAULT_SPEC: &str = r#"
+[job]
+name = "synthetic"
+workers = 2
+servers = 2
+steps = 400
+consistency = "bsp"
+dtype = "f32"
+batch = 128
+seed = 1
+shard_bytes = 4194304
+
+[model]
+preset = "synthetic"
+buckets = 1048576
+dense_dim = 256
+classes = 10
+sparse_per_sample = 8
+vocab = 20000
+
+[optimizer]
+kind = "adam"
+lr = 0.01
+
+[lr_schedule]
+warmup_steps = 20
+decay = "cosine"
+min_lr = 0.001
+"#;
+
+/// Command-line overrides of spec fields.
+#[derive(Clone, Debug, Default)]
+pub struct Overrides {
+    /// `job.workers`.
+    pub workers: Option<u32>,
+    /// `job.servers`.
+    pub servers: Option<u32>,
+    /// `job.steps`.
+    pub steps: Option<u64>,
+    /// `job.consistency`.
+    pub consistency: Option<String>,
+    /// `optimizer.kind`.
+    pub optimizer: Option<String>,
+    /// `job.dtype`.
+    pub dtype: Option<String>,
+    /// `optimizer.lr`.
+    pub lr: Option<f64>,
+    /// `job.batch`.
+    pub batch: Option<u32>,
+}
+
+/// Why training could not run.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TrainError {
+    /// The spec file could not be read.
+    #[error("cannot read job spec {path}")]
+    ReadSpec {
+        /// The file.
+        path: PathBuf,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The spec is invalid.
+    #[error(transparent)]
+    Spec(#[from] eps_proto::SpecError),
+    /// A process could not be started.
+    #[error("cannot start {what}")]
+    Spawn {
+        /// Which process.
+        what: String,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A process of the cluster failed.
+    #[error("{0}")]
+    Child(String),
+    /// Ctrl-C.
+    #[error("interrupted; stopped every process of the cluster")]
+    Interrupted,
+}
+
+/// Builds the spec text: a file (or the default job) with overrides applied.
+pub fn build_spec(path: Option<&Path>, o: &Overrides) -> Result<(JobSpec, String), TrainError> {
+    let text = match path {
+        Some(p) => std::fs::read_to_string(p).map_err(|source| TrainError::ReadSpec { path: p.to_path_buf(), source })?,
+        None => DEFAULT_SPEC.to_string(),
+    };
+    let mut table: toml::Table = text.parse().map_err(|e: toml::de::Error| {
+        eps_proto::SpecError::Toml(e.to_string().trim().replace('\n', " "))
+    })?;
+    fn set(t: &mut toml::Table, section: &str, key: &str, v: toml::Value) {
+        let sec = t.entry(section).or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        if let toml::Value::Table(s) = sec {
+            s.insert(key.to_string(), v);
+        }
+    }
+    use toml::Value as V;
+    if let Some(v) = o.workers {
+        set(&mut table, "job", "workers", V::Integer(v.into()));
+    }
+    if let Some(v) = o.servers {
+        set(&mut table, "job", "servers", V::Integer(v.into()));
+    }
+    if let Some(v) = o.steps {
+        set(&mut table, "job", "steps", V::Integer(v.min(i64::MAX as u64) as i64));
+    }
+    if let Some(v) = &o.consistency {
+        set(&mut table, "job", "consistency", V::String(v.clone()));
+    }
+    if let Some(v) = &o.dtype {
+        set(&mut table, "job", "dtype", V::String(v.clone()));
+    }
+    if let Some(v) = o.batch {
+        set(&mut table, "job", "batch", V::Integer(v.into()));
+    }
+    if let Some(v) = &o.optimizer {
+        set(&mut table, "optimizer", "kind", V::String(v.clone()));
+    }
+    if let Some(v) = o.lr {
+        set(&mut table, "optimizer", "lr", V::Float(v));
+    }
+    let text = toml::to_string(&table).expect("a TOML table serializes");
+    let spec = JobSpec::from_toml(&text)?;
+    if spec.model.preset.is_none() {
+        return Err(eps_proto::SpecError::Field {
+            field: "model.preset",
+            reason: "`eps train` runs the built-in synthetic task; set preset = \"synthetic\"".into(),
+        }
+        .into());
+    }
+    Ok((spec, text))
+}
+
+/// The outcome of a run.
+#[derive(Clone, Debug, Default)]
+pub struct TrainReport {
+    /// Steps trained.
+    pub steps: u64,
+    /// Held-out loss.
+    pub final_loss: f64,
+    /// Held-out accuracy of the trained model.
+    pub final_accuracy: f64,
+    /// Held-out accuracy of the teacher (the ceiling).
+    pub teacher_accuracy: f64,
+    /// Checksum of the final parameters.
+    pub params_checksum: String,
+    /// Training samples per second, all workers.
+    pub samples_per_s: f64,
+    /// Gradient bytes pushed per second, all workers (1e9 B/s).
+    pub push_gbytes_per_s: f64,
+    /// Parameter bytes pulled per second, all workers.
+    pub pull_gbytes_per_s: f64,
+    /// Wall time of the training loop (slowest worker).
+    pub elapsed_s: f64,
+}
+
+struct Cluster {
+    children: Vec<(String, Child)>,
+    dir: PathBuf,
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for (_, c) in &mut self.children {
+            if let Ok(None) = c.try_wait() {
+                let _ = c.kill();
+            }
+            let _ = c.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+    line.split_whitespace().find_map(|kv| kv.strip_prefix(key).and_then(|r| r.strip_prefix('=')))
+}
+
+fn num(line: &str, key: &str) -> f64 {
+    field(line, key).and_then(|v| v.parse().ok()).unwrap_or(0.0)
+}
+
+/// Runs the cluster; `progress` receives one human-readable line per report.
+pub fn run(spec: &JobSpec, spec_text: &str, every: u64, mut progress: impl FnMut(&str)) -> Result<TrainReport, TrainError> {
+    let stop = Arc::new(AtomicBool::new(false));
+    {
+        let stop = stop.clone();
+        // Only the first handler registration in a process succeeds; later runs in
+        // the same process (tests) keep the first.
+        let _ = ctrlc::set_handler(move || stop.store(true, Ordering::SeqCst));
+    }
+    let exe = std::env::current_exe().map_err(|source| TrainError::Spawn { what: "eps (current executable)".into(), source })?;
+    let secret = spec.job.secret.clone().unwrap_or_else(|| {
+        eps_fabric::auth::nonce().map(|n| n.iter().map(|b| format!("{b:02x}")).collect()).unwrap_or_else(|_| "eps".into())
+    });
+    let dir = std::env::temp_dir().join(format!("eps-train-{}-{}", std::process::id(), &secret[..8.min(secret.len())]));
+    std::fs::create_dir_all(&dir).map_err(|source| TrainError::Spawn { what: "a temporary directory".into(), source })?;
+    let spec_path = dir.join("job.toml");
+    std::fs::write(&spec_path, spec_text).map_err(|source| TrainError::Spawn { what: "the job spec file".into(), source })?;
+    let mut cl = Cluster { children: Vec::new(), dir: dir.clone() };
+    let spawn = |what: String, args: &[&str], piped: bool| -> Result<Child, TrainError> {
+        Command::new(&exe)
+            .args(args)
+            .env("EPS_JOB_SECRET", &secret)
+            .stdin(Stdio::null())
+            .stdout(if piped { Stdio::piped() } else { Stdio::null() })
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|source| TrainError::Spawn { what, source })
+    };
+    let state = dir.join("state");
+    let mut control = spawn(
+        "the control plane".into(),
+        &["control", "--listen", "127.0.0.1:0", "--spec", path_str(&spec_path), "--state-dir", path_str(&state), "--exit-with-parent"],
+        true,
+    )?;
+    let mut line = String::new();
+    let out = control.stdout.take().expect("piped");
+    cl.children.push(("control plane".into(), control));
+    BufReader::new(out).read_line(&mut line).map_err(|e| TrainError::Child(format!("control plane: {e}")))?;
+    let addr = field(&line, "addr").ok_or_else(|| TrainError::Child("the control plane did not start (see its message above)".into()))?.to_string();
+    for r in 0..spec.job.servers {
+        let c = spawn(format!("server {r}"), &["server", "--control", &addr, "--exit-with-parent"], false)?;
+        cl.children.push((format!("server {r}"), c));
+    }
+    let (tx, rx) = mpsc::channel::<String>();
+    let every_s = every.to_string();
+    for r in 0..spec.job.workers {
+        let mut c = spawn(format!("worker {r}"), &["worker", "--control", &addr, "--progress-every", &every_s, "--exit-with-parent"], true)?;
+        let out = c.stdout.take().expect("piped");
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for l in BufReader::new(out).lines().map_while(Result::ok) {
+                let _ = tx.send(l);
+            }
+        });
+        cl.children.push((format!("worker {r}"), c));
+    }
+    drop(tx);
+    let w = spec.job.workers as f64;
+    let (steps, batch) = (spec.job.steps, spec.job.batch as f64);
+    let mut rep = TrainReport { steps, ..TrainReport::default() };
+    // (workers done, bytes pushed, bytes pulled)
+    let mut totals = (0u32, 0f64, 0f64);
+    loop {
+        if stop.load(Ordering::SeqCst) {
+            return Err(TrainError::Interrupted);
+        }
+        match rx.recv_timeout(Duration::from_millis(100)) {
+            Ok(l) if l.starts_with("EPS_PROGRESS") => {
+                let (step, secs) = (num(&l, "step"), num(&l, "elapsed_s").max(1e-9));
+                progress(&format!(
+                    "step {:>6}/{steps}  loss {:.4}  acc {:.3}  {:>8.0} samples/s  push {:.2} GB/s  pull {:.2} GB/s",
+                    step as u64,
+                    num(&l, "loss"),
+                    num(&l, "acc"),
+                    step * batch * w / secs,
+                    num(&l, "pushed") * w / secs / 1e9,
+                    num(&l, "pulled") * w / secs / 1e9,
+                ));
+            }
+            Ok(l) if l.starts_with("EPS_DONE") => absorb_done(&l, &mut rep, &mut totals),
+            Ok(_) | Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => {}
+        }
+        let mut running = 0;
+        for (name, c) in &mut cl.children {
+            match c.try_wait() {
+                Ok(None) => running += 1,
+                Ok(Some(st)) if !st.success() => {
+                    return Err(TrainError::Child(format!("{name} (pid {}) exited with {st}; stopped the cluster", c.id())));
+                }
+                _ => {}
+            }
+        }
+        if running == 0 {
+            break;
+        }
+    }
+    // Lines printed just before the last exit are still in the channel.
+    while let Ok(l) = rx.try_recv() {
+        if l.starts_with("EPS_DONE") {
+            absorb_done(&l, &mut rep, &mut totals);
+        }
+    }
+    let (done, pushed, pulled) = totals;
+    if done != spec.job.workers || rep.params_checksum.is_empty() {
+        return Err(TrainError::Child(format!("only {done} of {} workers reported their results", spec.job.workers)));
+    }
+    let secs = rep.elapsed_s.max(1e-9);
+    rep.samples_per_s = steps as f64 * batch * w / secs;
+    rep.push_gbytes_per_s = pushed / secs / 1e9;
+    rep.pull_gbytes_per_s = pulled / secs / 1e9;
+    Ok(rep)
+}
+
+/// Folds a worker's `EPS_DONE` line into the report.
+fn absorb_done(l: &str, rep: &mut TrainReport, totals: &mut (u32, f64, f64)) {
+    totals.0 += 1;
+    totals.1 += num(l, "pushed");
+    totals.2 += num(l, "pulled");
+    rep.elapsed_s = rep.elapsed_s.max(num(l, "elapsed_s"));
+    if field(l, "rank") == Some("0") {
+        rep.final_loss = num(l, "final_loss");
+        rep.final_accuracy = num(l, "final_accuracy");
+        rep.teacher_accuracy = num(l, "teacher_accuracy");
+        rep.params_checksum = field(l, "params_checksum").unwrap_or_default().to_string();
+    }
+}
+
+fn path_str(p: &Path) -> &str {
+    p.to_str().unwrap_or(".")
+}

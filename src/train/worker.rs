@@ -1,0 +1,116 @@
+//! The training loop each `eps worker` process runs on the built-in task, and the
+//! lines it prints for the `eps train` driver.
+
+use std::time::Instant;
+
+use eps_worker::{Worker, WorkerConfig, WorkerError};
+use sha2::{Digest, Sha256};
+
+use super::task::{Sample, Task};
+
+/// First sample index of the held-out set (far beyond any training index).
+pub const HELD_OUT_FIRST: u64 = 1 << 50;
+/// Held-out samples evaluated at the end.
+pub const HELD_OUT: u64 = 20_000;
+
+/// Hex SHA-256 (first 16 bytes) of the final parameters in the wire dtype.
+pub fn checksum(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)[..16].iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Why the worker could not train.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TrainWorkerError {
+    /// The data plane failed.
+    #[error(transparent)]
+    Worker(#[from] WorkerError),
+    /// The job has no built-in task to run.
+    #[error("this job declares its own tensors; `eps worker` only runs the built-in synthetic task (use the eps-worker library or libeps for other models)")]
+    NoTask,
+}
+
+/// Joins the job and trains; prints `EPS_PROGRESS` lines every `every` steps (rank 0)
+/// and `EPS_DONE` at the end (every rank; rank 0 adds the evaluation).
+pub fn run(cfg: &WorkerConfig, every: u64) -> Result<(), TrainWorkerError> {
+    let mut w = Worker::join(cfg)?;
+    let spec = w.spec().clone();
+    if spec.model.preset.is_none() {
+        return Err(TrainWorkerError::NoTask);
+    }
+    let task = Task::new(&spec.model, spec.job.seed);
+    let (rank, workers, batch) = (w.rank(), spec.job.workers as u64, spec.job.batch as u64);
+    let n = w.layout().total as usize;
+    let f32_job = w.dtype() == eps_agg::DType::F32;
+    // Staging only for 16-bit dtypes, where the wire format needs a conversion pass.
+    let (mut p_stage, mut g_stage) = if f32_job { (Vec::new(), Vec::new()) } else { (vec![0f32; n], vec![0f32; n]) };
+    let mut sample = Sample::default();
+    let mut z = vec![0f32; task.classes];
+    let start = Instant::now();
+    let (mut loss_sum, mut correct, mut seen) = (0f64, 0u64, 0u64);
+    let scale = 1.0 / batch as f32;
+    for step in 0..spec.job.steps {
+        let first = (step * workers + rank as u64) * batch;
+        let mut step_batch = |p: &[f32], g: &mut [f32]| {
+            g.fill(0.0);
+            for b in 0..batch {
+                task.sample(first + b, &mut sample);
+                let (l, ok) = task.backward(p, &sample, scale, g, &mut z);
+                loss_sum += l as f64;
+                correct += ok as u64;
+                seen += 1;
+            }
+        };
+        if f32_job {
+            let (p, g) = w.buffers_f32().expect("f32 job");
+            step_batch(p, g);
+        } else {
+            w.read_params(&mut p_stage)?;
+            step_batch(&p_stage, &mut g_stage);
+            w.write_grads(&g_stage)?;
+        }
+        w.push_pull()?;
+        if rank == 0 && (step + 1) % every == 0 {
+            let st = w.stats();
+            let secs = start.elapsed().as_secs_f64();
+            println!(
+                "EPS_PROGRESS step={} loss={:.5} acc={:.4} elapsed_s={:.3} pushed={} pulled={}",
+                step + 1,
+                loss_sum / seen.max(1) as f64,
+                correct as f64 / seen.max(1) as f64,
+                secs,
+                st.pushed_bytes,
+                st.pulled_bytes
+            );
+            (loss_sum, correct, seen) = (0.0, 0, 0);
+        }
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    let st = w.stats();
+    let mut line = format!(
+        "EPS_DONE rank={rank} steps={} elapsed_s={elapsed:.4} pushed={} pulled={} comm_s={:.4}",
+        spec.job.steps,
+        st.pushed_bytes,
+        st.pulled_bytes,
+        st.comm.as_secs_f64()
+    );
+    if rank == 0 {
+        let mut p = vec![0f32; n];
+        w.read_params(&mut p)?;
+        let (acc, teacher) = task.evaluate(&p, HELD_OUT_FIRST, HELD_OUT);
+        // Held-out loss.
+        let mut loss = 0f64;
+        for i in HELD_OUT_FIRST..HELD_OUT_FIRST + 2_000 {
+            task.sample(i, &mut sample);
+            loss += task.loss(&p, &sample, &mut z) as f64;
+        }
+        line += &format!(
+            " final_loss={:.5} final_accuracy={acc:.4} teacher_accuracy={teacher:.4} params_checksum={}",
+            loss / 2_000.0,
+            checksum(w.params_bytes())
+        );
+    }
+    println!("{line}");
+    w.finish()?;
+    Ok(())
+}
