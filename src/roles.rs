@@ -1,13 +1,13 @@
 //! `eps control`, `eps server`, `eps worker`: the three roles as commands.
 
 use std::net::{IpAddr, SocketAddr};
-use std::path::PathBuf;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
 use eps_agg::CpuAggregator;
-use eps_control::store::FileStore;
 use eps_control::ControlService;
+use eps_control::store::FileStore;
 use eps_fabric::Secret;
 use eps_proto::JobSpec;
 
@@ -35,11 +35,12 @@ pub fn exit_with_parent() {
 }
 
 /// `eps control`.
-pub fn control(listen: SocketAddr, spec_path: &PathBuf, state_dir: &PathBuf) -> Result<(), String> {
+pub fn control(listen: SocketAddr, spec_path: &Path, state_dir: &Path) -> Result<(), String> {
     let text = std::fs::read_to_string(spec_path).map_err(|e| format!("cannot read job spec {}: {e}", spec_path.display()))?;
     let spec = JobSpec::from_toml(&text).map_err(|e| format!("{}: {e}", spec_path.display()))?;
     let secret = secret_from_env(Some(&spec))?;
-    let store = FileStore::open(state_dir).map_err(|e| format!("cannot open the state directory {}: {e}", state_dir.display()))?;
+    let store =
+        FileStore::open(state_dir).map_err(|e| format!("cannot open the state directory {}: {e}", state_dir.display()))?;
     let svc = ControlService::bind(listen, &spec, &text, secret, Box::new(store)).map_err(|e| crate_error(&e))?;
     println!("EPS_CONTROL_READY addr={}", svc.local_addr());
     eprintln!(

@@ -21,20 +21,20 @@ pub const DEFAULT_SPEC: &str = r#"
 name = "synthetic"
 workers = 2
 servers = 2
-steps = 400
+steps = 700
 consistency = "bsp"
 dtype = "f32"
-batch = 128
+batch = 512
 seed = 1
 shard_bytes = 4194304
 
 [model]
 preset = "synthetic"
-buckets = 1048576
-dense_dim = 256
-classes = 10
+buckets = 2621440
+dense_dim = 64
+classes = 4
 sparse_per_sample = 8
-vocab = 20000
+vocab = 2000
 
 [optimizer]
 kind = "adam"
@@ -106,9 +106,8 @@ pub fn build_spec(path: Option<&Path>, o: &Overrides) -> Result<(JobSpec, String
         Some(p) => std::fs::read_to_string(p).map_err(|source| TrainError::ReadSpec { path: p.to_path_buf(), source })?,
         None => DEFAULT_SPEC.to_string(),
     };
-    let mut table: toml::Table = text.parse().map_err(|e: toml::de::Error| {
-        eps_proto::SpecError::Toml(e.to_string().trim().replace('\n', " "))
-    })?;
+    let mut table: toml::Table =
+        text.parse().map_err(|e: toml::de::Error| eps_proto::SpecError::Toml(e.to_string().trim().replace('\n', " ")))?;
     fn set(t: &mut toml::Table, section: &str, key: &str, v: toml::Value) {
         let sec = t.entry(section).or_insert_with(|| toml::Value::Table(toml::Table::new()));
         if let toml::Value::Table(s) = sec {
@@ -231,14 +230,25 @@ pub fn run(spec: &JobSpec, spec_text: &str, every: u64, mut progress: impl FnMut
     let state = dir.join("state");
     let mut control = spawn(
         "the control plane".into(),
-        &["control", "--listen", "127.0.0.1:0", "--spec", path_str(&spec_path), "--state-dir", path_str(&state), "--exit-with-parent"],
+        &[
+            "control",
+            "--listen",
+            "127.0.0.1:0",
+            "--spec",
+            path_str(&spec_path),
+            "--state-dir",
+            path_str(&state),
+            "--exit-with-parent",
+        ],
         true,
     )?;
     let mut line = String::new();
     let out = control.stdout.take().expect("piped");
     cl.children.push(("control plane".into(), control));
     BufReader::new(out).read_line(&mut line).map_err(|e| TrainError::Child(format!("control plane: {e}")))?;
-    let addr = field(&line, "addr").ok_or_else(|| TrainError::Child("the control plane did not start (see its message above)".into()))?.to_string();
+    let addr = field(&line, "addr")
+        .ok_or_else(|| TrainError::Child("the control plane did not start (see its message above)".into()))?
+        .to_string();
     for r in 0..spec.job.servers {
         let c = spawn(format!("server {r}"), &["server", "--control", &addr, "--exit-with-parent"], false)?;
         cl.children.push((format!("server {r}"), c));
@@ -246,7 +256,11 @@ pub fn run(spec: &JobSpec, spec_text: &str, every: u64, mut progress: impl FnMut
     let (tx, rx) = mpsc::channel::<String>();
     let every_s = every.to_string();
     for r in 0..spec.job.workers {
-        let mut c = spawn(format!("worker {r}"), &["worker", "--control", &addr, "--progress-every", &every_s, "--exit-with-parent"], true)?;
+        let mut c = spawn(
+            format!("worker {r}"),
+            &["worker", "--control", &addr, "--progress-every", &every_s, "--exit-with-parent"],
+            true,
+        )?;
         let out = c.stdout.take().expect("piped");
         let tx = tx.clone();
         std::thread::spawn(move || {

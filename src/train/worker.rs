@@ -26,7 +26,9 @@ pub enum TrainWorkerError {
     #[error(transparent)]
     Worker(#[from] WorkerError),
     /// The job has no built-in task to run.
-    #[error("this job declares its own tensors; `eps worker` only runs the built-in synthetic task (use the eps-worker library or libeps for other models)")]
+    #[error(
+        "this job declares its own tensors; `eps worker` only runs the built-in synthetic task (use the eps-worker library or libeps for other models)"
+    )]
     NoTask,
 }
 

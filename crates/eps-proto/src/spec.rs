@@ -138,19 +138,19 @@ pub struct ModelSection {
 }
 
 fn default_buckets() -> u64 {
-    1 << 20
+    2_621_440
 }
 fn default_dense_dim() -> u64 {
-    256
+    64
 }
 fn default_classes() -> u64 {
-    10
+    4
 }
 fn default_sparse_per_sample() -> u32 {
     8
 }
 fn default_vocab() -> u64 {
-    100_000
+    2000
 }
 
 /// `[optimizer]`.
