@@ -1,0 +1,185 @@
+//! `eps train` as a user runs it: real processes (control plane, servers, workers)
+//! on 127.0.0.1, on a small version of the built-in task.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const SMALL: &str = r#"
+[job]
+workers = 2
+servers = 1
+steps = 25
+batch = 64
+shard_bytes = 65536
+[model]
+preset = "synthetic"
+buckets = 16384
+[optimizer]
+kind = "adam"
+lr = 0.01
+"#;
+
+fn spec_file(name: &str, text: &str) -> std::path::PathBuf {
+    let p = std::env::temp_dir().join(format!("eps-train-test-{}-{name}.toml", std::process::id()));
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+fn eps(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_eps")).args(args).output().expect("run eps")
+}
+
+fn json_str(out: &Output, key: &str) -> String {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let last = stdout.lines().last().unwrap_or_default().to_string();
+    let pat = format!("\"{key}\":");
+    let at = last.find(&pat).unwrap_or_else(|| panic!("{key} missing: {stdout}\n{}", String::from_utf8_lossy(&out.stderr)))
+        + pat.len();
+    let rest = &last[at..];
+    rest[..rest.find([',', '}']).unwrap()].trim_matches('"').to_string()
+}
+
+fn train(spec: &std::path::Path, extra: &[&str]) -> Output {
+    let mut args = vec!["train", "--spec", spec.to_str().unwrap(), "--json", "--progress-every", "5"];
+    args.extend_from_slice(extra);
+    let o = eps(&args);
+    assert!(o.status.success(), "eps train {extra:?} failed: {}", String::from_utf8_lossy(&o.stderr));
+    o
+}
+
+#[test]
+fn bsp_result_is_independent_of_server_count_and_reproducible() {
+    let spec = spec_file("det", SMALL);
+    let one = train(&spec, &["--servers", "1"]);
+    let three = train(&spec, &["--servers", "3"]);
+    let again = train(&spec, &["--servers", "1"]);
+    let c1 = json_str(&one, "params_checksum");
+    assert_eq!(c1.len(), 32);
+    assert_eq!(c1, json_str(&three, "params_checksum"), "1 vs 3 servers");
+    assert_eq!(c1, json_str(&again, "params_checksum"), "rerun");
+    for key in ["final_loss", "final_accuracy", "teacher_accuracy", "samples_per_s", "push_gbytes_per_s", "pull_gbytes_per_s"] {
+        let v: f64 = json_str(&one, key).parse().unwrap();
+        assert!(v > 0.0, "{key} = {v}");
+    }
+    assert_eq!(json_str(&one, "steps"), "25");
+    // A different worker count is a different training run.
+    let three_workers = train(&spec, &["--workers", "3"]);
+    assert_ne!(c1, json_str(&three_workers, "params_checksum"));
+    // 16-bit wire types are deterministic too.
+    let b1 = train(&spec, &["--dtype", "bf16", "--servers", "1"]);
+    let b2 = train(&spec, &["--dtype", "bf16", "--servers", "2"]);
+    assert_eq!(json_str(&b1, "params_checksum"), json_str(&b2, "params_checksum"));
+    std::fs::remove_file(spec).ok();
+}
+
+#[test]
+fn other_modes_and_optimizers_run() {
+    let spec = spec_file("modes", SMALL);
+    for extra in [
+        &["--consistency", "ssp"][..],
+        &["--consistency", "asp"],
+        &["--optimizer", "nesterov", "--lr", "0.1"],
+        &["--dtype", "f16"],
+    ] {
+        let o = train(&spec, extra);
+        let acc: f64 = json_str(&o, "final_accuracy").parse().unwrap();
+        assert!(acc > 0.3, "{extra:?}: accuracy {acc}");
+    }
+    std::fs::remove_file(spec).ok();
+}
+
+#[test]
+fn bad_specs_name_the_field_and_exit_nonzero() {
+    let cases = [
+        ("[job]\nworkers = 0\n[model]\npreset = \"synthetic\"\n", "job.workers"),
+        ("[job]\nwrkers = 2\n[model]\npreset = \"synthetic\"\n", "wrkers"),
+        ("[job]\n[model]\npreset = \"synthetic\"\n[optimizer]\nkind = \"rmsprop\"\n", "optimizer.kind"),
+        ("[job]\n[model]\ntensors = [{ name = \"w\", elements = 10 }]\n", "model.preset"),
+    ];
+    for (i, (text, field)) in cases.iter().enumerate() {
+        let spec = spec_file(&format!("bad{i}"), text);
+        let o = eps(&["train", "--spec", spec.to_str().unwrap()]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(field), "{text:?}: {err}");
+        assert!(!err.contains("panicked"));
+        std::fs::remove_file(spec).ok();
+    }
+    let o = eps(&["train", "--consistency", "eventual"]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("consistency"));
+    let o = eps(&["train", "--spec", "/nonexistent/job.toml"]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("/nonexistent/job.toml"));
+}
+
+/// Pids whose parent is `pid`.
+fn children_of(pid: u32) -> Vec<(u32, String)> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(p) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else { continue };
+        // The field after the parenthesised command name: state, then ppid.
+        let Some(rest) = stat.rsplit(')').next() else { continue };
+        let ppid: u32 = rest.split_whitespace().nth(1).and_then(|x| x.parse().ok()).unwrap_or(0);
+        if ppid == pid {
+            let cmd = std::fs::read_to_string(format!("/proc/{p}/cmdline")).unwrap_or_default().replace('\0', " ");
+            out.push((p, cmd));
+        }
+    }
+    out
+}
+
+fn start_long_run(name: &str) -> (Child, Vec<(u32, String)>) {
+    let spec = spec_file(name, &SMALL.replace("steps = 25", "steps = 100000"));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_eps"))
+        .args(["train", "--spec", spec.to_str().unwrap(), "--progress-every", "5"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let err = child.stderr.take().unwrap();
+    let mut lines = BufReader::new(err).lines();
+    // Wait for training to be under way.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let l = lines.next().expect("eps train ended early").unwrap();
+        if l.starts_with("step") {
+            break;
+        }
+        assert!(Instant::now() < deadline);
+    }
+    std::thread::spawn(move || for _ in lines {});
+    let kids = children_of(child.id());
+    assert_eq!(kids.len(), 1 + 1 + 2, "control + server + 2 workers: {kids:?}");
+    (child, kids)
+}
+
+fn wait_gone(pids: &[(u32, String)]) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for (p, cmd) in pids {
+        while std::path::Path::new(&format!("/proc/{p}/stat")).exists()
+            && !std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default().contains(") Z")
+        {
+            assert!(Instant::now() < deadline, "process {p} ({cmd}) still running");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+#[test]
+fn a_dying_worker_stops_the_cluster() {
+    let (mut train, kids) = start_long_run("die");
+    let (victim, _) = kids.iter().find(|(_, c)| c.contains(" worker ")).unwrap().clone();
+    Command::new("kill").args(["-KILL", &victim.to_string()]).status().unwrap();
+    let st = train.wait().unwrap();
+    assert!(!st.success(), "eps train must fail when a worker dies");
+    wait_gone(&kids);
+}
+
+#[test]
+fn ctrl_c_stops_every_process() {
+    let (mut train, kids) = start_long_run("int");
+    Command::new("kill").args(["-INT", &train.id().to_string()]).status().unwrap();
+    let st = train.wait().unwrap();
+    assert!(!st.success());
+    wait_gone(&kids);
+}
