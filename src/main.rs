@@ -74,6 +74,9 @@ enum Cmd {
         /// Print progress every this many steps (rank 0).
         #[arg(long, default_value_t = 50)]
         progress_every: u64,
+        /// (internal) Time this many push_pull iterations instead of training.
+        #[arg(long, hide = true)]
+        bench_iters: Option<u64>,
         /// Exit when the parent process exits.
         #[arg(long, hide = true)]
         exit_with_parent: bool,
@@ -194,6 +197,14 @@ enum BenchCmd {
     /// f32 arrays of --size bytes. gbytes_per_s counts the inputs read plus the
     /// accumulator written; mem_gbytes_per_s counts 2 reads + 1 write.
     Agg(AggArgs),
+    /// Push + pull iterations of a model through real processes.
+    ///
+    /// Starts a control plane, --servers servers and --workers workers on 127.0.0.1
+    /// with a model of --size bytes (f32, SGD), times each worker's push_pull, and
+    /// measures the fabric's 4 MiB WRITE bandwidth (depth 8) in the same run.
+    /// gbytes_per_s counts gradient bytes pushed plus parameter bytes pulled per
+    /// worker per second at the median iteration time.
+    Pushpull(PushPullArgs),
     /// (internal) The peer process of `eps bench fabric`.
     #[command(hide = true)]
     FabricPeer {
@@ -249,6 +260,61 @@ struct AggArgs {
     /// Also print one JSON object with the results as the last line of stdout.
     #[arg(long)]
     json: bool,
+}
+
+#[derive(clap::Args, Debug)]
+struct PushPullArgs {
+    /// Model bytes (f32 parameters), e.g. 64MiB.
+    #[arg(long, value_parser = parse_size, default_value = "64MiB")]
+    size: u64,
+    /// Worker processes.
+    #[arg(long, default_value_t = 1)]
+    workers: u32,
+    /// Server processes.
+    #[arg(long, default_value_t = 1)]
+    servers: u32,
+    /// Measured iterations (after 3 warm-up iterations).
+    #[arg(long, default_value_t = 30)]
+    iters: u64,
+    /// Also print one JSON object with the results as the last line of stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+fn bench_pushpull(a: PushPullArgs) -> Result<(), String> {
+    use eps::bench::pushpull::{PushPullBench, run};
+    eprintln!("eps bench pushpull: size={} workers={} servers={} iters={}", format_size(a.size), a.workers, a.servers, a.iters);
+    let r = run(&PushPullBench { size: a.size, workers: a.workers, servers: a.servers, iters: a.iters })
+        .map_err(|e| error_chain(&e))?;
+    let ratio = r.gbytes_per_s / r.fabric_write_gbytes_per_s;
+    println!(
+        "{:>10} {:>8} {:>8} {:>12} {:>10} {:>16} {:>8}",
+        "size", "workers", "servers", "iter ms p50", "GB/s", "fabric write GB/s", "ratio"
+    );
+    println!(
+        "{:>10} {:>8} {:>8} {:>12.2} {:>10.3} {:>16.3} {:>8.3}",
+        format_size(a.size),
+        a.workers,
+        a.servers,
+        r.iter_ms_p50,
+        r.gbytes_per_s,
+        r.fabric_write_gbytes_per_s,
+        ratio
+    );
+    if a.json {
+        let j = Json::new()
+            .int("size_bytes", a.size)
+            .int("workers", a.workers as u64)
+            .int("servers", a.servers as u64)
+            .int("iters", a.iters)
+            .num("iter_ms_p50", r.iter_ms_p50)
+            .num("gbytes_per_s", r.gbytes_per_s)
+            .num("fabric_write_gbytes_per_s", r.fabric_write_gbytes_per_s)
+            .num("ratio", ratio)
+            .finish();
+        println!("{j}");
+    }
+    Ok(())
 }
 
 fn parse_dtype(s: &str) -> Result<DType, String> {
@@ -365,12 +431,13 @@ fn main() -> ExitCode {
             }
             eps::roles::server(control, listen_ip, threads)
         }
-        Cmd::Worker { control, progress_every, exit_with_parent } => {
+        Cmd::Worker { control, progress_every, bench_iters, exit_with_parent } => {
             if exit_with_parent {
                 eps::roles::exit_with_parent();
             }
-            eps::roles::worker(control, progress_every)
+            eps::roles::worker(control, progress_every, bench_iters)
         }
+        Cmd::Bench(BenchCmd::Pushpull(a)) => bench_pushpull(a),
         Cmd::Bench(BenchCmd::Fabric(a)) => bench_fabric(a),
         Cmd::Bench(BenchCmd::Agg(a)) => bench_agg(a),
         Cmd::Bench(BenchCmd::FabricPeer { op, size, depth }) => fabric::run_peer(op, size, depth).map_err(|e| error_chain(&e)),

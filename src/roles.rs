@@ -71,10 +71,14 @@ pub fn server(control: SocketAddr, listen_ip: IpAddr, threads: usize) -> Result<
     Ok(())
 }
 
-/// `eps worker`.
-pub fn worker(control: SocketAddr, every: u64) -> Result<(), String> {
+/// `eps worker`: the built-in task, or (with `bench_iters`) timed push_pull
+/// iterations for `eps bench pushpull`.
+pub fn worker(control: SocketAddr, every: u64, bench_iters: Option<u64>) -> Result<(), String> {
     let cfg = eps_worker::WorkerConfig { control, secret: secret_from_env(None)?, timeout: Duration::from_secs(120) };
-    crate::train::worker::run(&cfg, every.max(1)).map_err(|e| crate_error(&e))
+    match bench_iters {
+        Some(n) => crate::bench::pushpull::run_worker(&cfg, n.max(1)).map_err(|e| crate_error(&e)),
+        None => crate::train::worker::run(&cfg, every.max(1)).map_err(|e| crate_error(&e)),
+    }
 }
 
 /// An error with its chain of causes, for printing.

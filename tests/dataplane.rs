@@ -123,11 +123,7 @@ fn reference(text: &str) -> Vec<u8> {
                 avg[r.clone()].iter_mut().for_each(|x| *x *= 1.0 / w as f32);
             }
             let k = opt.state_per_param();
-            let mut st: Vec<f32> = (0..k).flat_map(|j| state[j * n + r.start..j * n + r.end].to_vec()).collect();
-            opt.apply(opt.scalars(t, sched.at(t)), &mut master[r.clone()], &avg[r.clone()], &mut st);
-            for j in 0..k {
-                state[j * n + r.start..j * n + r.end].copy_from_slice(&st[j * r.len()..(j + 1) * r.len()]);
-            }
+            opt.apply(opt.scalars(t, sched.at(t)), &mut master[r.clone()], &avg[r.clone()], &mut state[r.start * k..r.end * k]);
         }
     }
     reduce::narrow(dtype, &master, &mut wire);

@@ -4,5 +4,6 @@
 pub mod agg;
 pub mod fabric;
 mod json;
+pub mod pushpull;
 
 pub use json::Json;

@@ -2,16 +2,13 @@
 //! servers, W workers) on the embedded defaults, training the built-in synthetic
 //! task; progress while it runs, a summary and an optional JSON line at the end.
 
+pub mod cluster;
 pub mod task;
 pub mod worker;
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc;
-use std::time::Duration;
+
+pub use cluster::LocalCluster;
 
 use eps_proto::JobSpec;
 
@@ -174,149 +171,31 @@ pub struct TrainReport {
     pub elapsed_s: f64,
 }
 
-struct Cluster {
-    children: Vec<(String, Child)>,
-    dir: PathBuf,
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        for (_, c) in &mut self.children {
-            if let Ok(None) = c.try_wait() {
-                let _ = c.kill();
-            }
-            let _ = c.wait();
-        }
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
-    line.split_whitespace().find_map(|kv| kv.strip_prefix(key).and_then(|r| r.strip_prefix('=')))
-}
-
-fn num(line: &str, key: &str) -> f64 {
-    field(line, key).and_then(|v| v.parse().ok()).unwrap_or(0.0)
-}
-
 /// Runs the cluster; `progress` receives one human-readable line per report.
 pub fn run(spec: &JobSpec, spec_text: &str, every: u64, mut progress: impl FnMut(&str)) -> Result<TrainReport, TrainError> {
-    let stop = Arc::new(AtomicBool::new(false));
-    {
-        let stop = stop.clone();
-        // Only the first handler registration in a process succeeds; later runs in
-        // the same process (tests) keep the first.
-        let _ = ctrlc::set_handler(move || stop.store(true, Ordering::SeqCst));
-    }
-    let exe = std::env::current_exe().map_err(|source| TrainError::Spawn { what: "eps (current executable)".into(), source })?;
-    let secret = spec.job.secret.clone().unwrap_or_else(|| {
-        eps_fabric::auth::nonce().map(|n| n.iter().map(|b| format!("{b:02x}")).collect()).unwrap_or_else(|_| "eps".into())
-    });
-    let dir = std::env::temp_dir().join(format!("eps-train-{}-{}", std::process::id(), &secret[..8.min(secret.len())]));
-    std::fs::create_dir_all(&dir).map_err(|source| TrainError::Spawn { what: "a temporary directory".into(), source })?;
-    let spec_path = dir.join("job.toml");
-    std::fs::write(&spec_path, spec_text).map_err(|source| TrainError::Spawn { what: "the job spec file".into(), source })?;
-    let mut cl = Cluster { children: Vec::new(), dir: dir.clone() };
-    let spawn = |what: String, args: &[&str], piped: bool| -> Result<Child, TrainError> {
-        Command::new(&exe)
-            .args(args)
-            .env("EPS_JOB_SECRET", &secret)
-            .stdin(Stdio::null())
-            .stdout(if piped { Stdio::piped() } else { Stdio::null() })
-            .stderr(Stdio::inherit())
-            .spawn()
-            .map_err(|source| TrainError::Spawn { what, source })
-    };
-    let state = dir.join("state");
-    let mut control = spawn(
-        "the control plane".into(),
-        &[
-            "control",
-            "--listen",
-            "127.0.0.1:0",
-            "--spec",
-            path_str(&spec_path),
-            "--state-dir",
-            path_str(&state),
-            "--exit-with-parent",
-        ],
-        true,
-    )?;
-    let mut line = String::new();
-    let out = control.stdout.take().expect("piped");
-    cl.children.push(("control plane".into(), control));
-    BufReader::new(out).read_line(&mut line).map_err(|e| TrainError::Child(format!("control plane: {e}")))?;
-    let addr = field(&line, "addr")
-        .ok_or_else(|| TrainError::Child("the control plane did not start (see its message above)".into()))?
-        .to_string();
-    for r in 0..spec.job.servers {
-        let c = spawn(format!("server {r}"), &["server", "--control", &addr, "--exit-with-parent"], false)?;
-        cl.children.push((format!("server {r}"), c));
-    }
-    let (tx, rx) = mpsc::channel::<String>();
     let every_s = every.to_string();
-    for r in 0..spec.job.workers {
-        let mut c = spawn(
-            format!("worker {r}"),
-            &["worker", "--control", &addr, "--progress-every", &every_s, "--exit-with-parent"],
-            true,
-        )?;
-        let out = c.stdout.take().expect("piped");
-        let tx = tx.clone();
-        std::thread::spawn(move || {
-            for l in BufReader::new(out).lines().map_while(Result::ok) {
-                let _ = tx.send(l);
-            }
-        });
-        cl.children.push((format!("worker {r}"), c));
-    }
-    drop(tx);
+    let cluster = LocalCluster::start(spec, spec_text, &["--progress-every", &every_s])?;
     let w = spec.job.workers as f64;
     let (steps, batch) = (spec.job.steps, spec.job.batch as f64);
     let mut rep = TrainReport { steps, ..TrainReport::default() };
     // (workers done, bytes pushed, bytes pulled)
     let mut totals = (0u32, 0f64, 0f64);
-    loop {
-        if stop.load(Ordering::SeqCst) {
-            return Err(TrainError::Interrupted);
+    cluster.supervise(|l| {
+        if l.starts_with("EPS_PROGRESS") {
+            let (step, secs) = (num(l, "step"), num(l, "elapsed_s").max(1e-9));
+            progress(&format!(
+                "step {:>6}/{steps}  loss {:.4}  acc {:.3}  {:>8.0} samples/s  push {:.2} GB/s  pull {:.2} GB/s",
+                step as u64,
+                num(l, "loss"),
+                num(l, "acc"),
+                step * batch * w / secs,
+                num(l, "pushed") * w / secs / 1e9,
+                num(l, "pulled") * w / secs / 1e9,
+            ));
+        } else if l.starts_with("EPS_DONE") {
+            absorb_done(l, &mut rep, &mut totals);
         }
-        match rx.recv_timeout(Duration::from_millis(100)) {
-            Ok(l) if l.starts_with("EPS_PROGRESS") => {
-                let (step, secs) = (num(&l, "step"), num(&l, "elapsed_s").max(1e-9));
-                progress(&format!(
-                    "step {:>6}/{steps}  loss {:.4}  acc {:.3}  {:>8.0} samples/s  push {:.2} GB/s  pull {:.2} GB/s",
-                    step as u64,
-                    num(&l, "loss"),
-                    num(&l, "acc"),
-                    step * batch * w / secs,
-                    num(&l, "pushed") * w / secs / 1e9,
-                    num(&l, "pulled") * w / secs / 1e9,
-                ));
-            }
-            Ok(l) if l.starts_with("EPS_DONE") => absorb_done(&l, &mut rep, &mut totals),
-            Ok(_) | Err(mpsc::RecvTimeoutError::Timeout) => {}
-            Err(mpsc::RecvTimeoutError::Disconnected) => {}
-        }
-        let mut running = 0;
-        for (name, c) in &mut cl.children {
-            match c.try_wait() {
-                Ok(None) => running += 1,
-                Ok(Some(st)) if !st.success() => {
-                    return Err(TrainError::Child(format!("{name} (pid {}) exited with {st}; stopped the cluster", c.id())));
-                }
-                _ => {}
-            }
-        }
-        if running == 0 {
-            break;
-        }
-    }
-    // Lines printed just before the last exit are still in the channel.
-    while let Ok(l) = rx.try_recv() {
-        if l.starts_with("EPS_DONE") {
-            absorb_done(&l, &mut rep, &mut totals);
-        }
-    }
+    })?;
     let (done, pushed, pulled) = totals;
     if done != spec.job.workers || rep.params_checksum.is_empty() {
         return Err(TrainError::Child(format!("only {done} of {} workers reported their results", spec.job.workers)));
@@ -342,6 +221,12 @@ fn absorb_done(l: &str, rep: &mut TrainReport, totals: &mut (u32, f64, f64)) {
     }
 }
 
-fn path_str(p: &Path) -> &str {
-    p.to_str().unwrap_or(".")
+/// The value of `key=value` in a line of space-separated pairs.
+pub fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+    line.split_whitespace().find_map(|kv| kv.strip_prefix(key).and_then(|r| r.strip_prefix('=')))
+}
+
+/// [`field`] as a number (0 when absent or malformed).
+pub fn num(line: &str, key: &str) -> f64 {
+    field(line, key).and_then(|v| v.parse().ok()).unwrap_or(0.0)
 }

@@ -121,8 +121,9 @@ impl Optimizer {
     }
 
     /// Applies one step to `params` given the averaged gradient `grad`; `state` holds
-    /// [`Optimizer::state_per_param`] values per parameter, laid out as consecutive
-    /// planes (`state[0..n]` first moment, `state[n..2n]` second).
+    /// [`Optimizer::state_per_param`] values per parameter, interleaved
+    /// (`state[k*i..k*i+k]` belongs to parameter `i`), so any sub-range of
+    /// parameters has a contiguous sub-range of state and can be stepped on its own.
     pub fn apply(&self, s: StepScalars, params: &mut [f32], grad: &[f32], state: &mut [f32]) {
         let n = params.len();
         assert_eq!(grad.len(), n, "gradient length");
@@ -144,20 +145,21 @@ impl Optimizer {
                 }
             }
             Optimizer::Adam { beta1, beta2, eps, weight_decay: wd, decoupled } => {
-                let (m, v) = state.split_at_mut(n);
                 // Bias corrections folded into the step size and epsilon:
                 // p -= lr * (m / bc1) / (sqrt(v) / sqrt(bc2) + eps)
                 let step = lr / s.bc1;
                 let (one_b1, one_b2) = (1.0 - beta1, 1.0 - beta2);
                 let decay = 1.0 - lr * wd;
-                for (((p, g), m), v) in params.iter_mut().zip(grad).zip(m.iter_mut()).zip(v.iter_mut()) {
+                for ((p, g), mv) in params.iter_mut().zip(grad).zip(state.chunks_exact_mut(2)) {
                     let g = if decoupled { *g } else { *g + wd * *p };
                     if decoupled {
                         *p *= decay;
                     }
-                    *m = beta1 * *m + one_b1 * g;
-                    *v = beta2 * *v + one_b2 * g * g;
-                    *p -= step * *m / (v.sqrt() / s.bc2_sqrt + eps);
+                    let m = beta1 * mv[0] + one_b1 * g;
+                    let v = beta2 * mv[1] + one_b2 * g * g;
+                    mv[0] = m;
+                    mv[1] = v;
+                    *p -= step * m / (v.sqrt() / s.bc2_sqrt + eps);
                 }
             }
         }

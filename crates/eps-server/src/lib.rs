@@ -82,7 +82,28 @@ pub enum ServerError {
     /// The control plane answered something unexpected.
     #[error("unexpected answer from the control plane")]
     Unexpected,
+    /// The aggregator rejected its buffers.
+    #[error(transparent)]
+    Agg(#[from] eps_agg::AggError),
+    /// More workers than one server can sum.
+    #[error("{0} workers: a server sums at most 64 contributions")]
+    TooManyWorkers(u32),
 }
+
+/// Elements per fused reduce/step/publish pass (fits the L2 cache with its inputs).
+const FUSE_BLOCK: usize = 16 * 1024;
+/// Most workers one server sums in a single pass.
+const MAX_WORKERS: usize = 64;
+/// 0, 1, 2, ...: contributor lists are slices of this.
+const ALL_RANKS: [u32; MAX_WORKERS] = {
+    let mut a = [0u32; MAX_WORKERS];
+    let mut i = 0;
+    while i < MAX_WORKERS {
+        a[i] = i as u32;
+        i += 1;
+    }
+    a
+};
 
 const WR_PULL: u64 = 1 << 62;
 const WR_CREDIT: u64 = 2 << 62;
@@ -127,6 +148,9 @@ pub fn run(cfg: &ServerConfig) -> Result<ServerSummary, ServerError> {
     let layout = spec.layout()?;
     let (opt, sched) = (spec.optimizer()?, spec.schedule()?);
     let workers = spec.job.workers;
+    if workers as usize > MAX_WORKERS {
+        return Err(ServerError::TooManyWorkers(workers));
+    }
     let dev = SoftDevice::open()?;
     let pd = dev.alloc_pd();
     let seed = spec.job.seed;
@@ -313,45 +337,39 @@ impl Server {
     fn apply(&mut self, i: usize, iteration: u64, one: Option<u32>) -> Result<(), ServerError> {
         let p = self.mem.places[i];
         let len = p.shard.len as usize;
-        {
-            let scale = 1.0 / self.workers as f32;
-            let dtype = self.mem.dtype;
-            let mut grad_buf = std::mem::take(&mut self.mem.grad);
-            let grad = &mut grad_buf[..len];
-            match one {
-                None => {
-                    let mut inputs: [&[u8]; 64] = [&[]; 64];
-                    let w = self.workers as usize;
-                    if w <= 64 {
-                        for (r, slot) in inputs.iter_mut().enumerate().take(w) {
-                            // SAFETY: every worker's push for this iteration has completed
-                            // and none may push this shard again before its pull answer.
-                            *slot = unsafe { self.mem.slot(i, r as u32) };
-                        }
-                        self.agg.reduce(dtype, &inputs[..w], scale, grad).map_err(|_| ServerError::Unexpected)?;
-                    } else {
-                        // SAFETY: as above.
-                        let v: Vec<&[u8]> = (0..self.workers).map(|r| unsafe { self.mem.slot(i, r) }).collect();
-                        self.agg.reduce(dtype, &v, scale, grad).map_err(|_| ServerError::Unexpected)?;
-                    }
-                }
-                Some(w) => {
-                    // SAFETY: this worker's push has completed and it may not push this
-                    // shard again before the credit sent below.
-                    let slot = unsafe { self.mem.slot(i, w) };
-                    self.agg.reduce(dtype, &[slot], scale, grad).map_err(|_| ServerError::Unexpected)?;
-                }
-            }
-            let scalars = self.opt.scalars(iteration, self.sched.at(iteration));
-            let (s0, s1) = (p.elem_off, p.elem_off + len);
-            let k = self.mem.state_k;
-            let params = &mut self.mem.master[s0..s1];
-            let state = &mut self.mem.state[s0 * k..s1 * k];
-            self.agg.step(&self.opt, scalars, params, grad, state).map_err(|_| ServerError::Unexpected)?;
-            self.mem.grad = grad_buf;
-        }
+        let es = self.mem.dtype.size_bytes();
+        let scale = 1.0 / self.workers as f32;
+        let scalars = self.opt.scalars(iteration, self.sched.at(iteration));
         let next = self.sync[i].version() + 1;
-        self.mem.publish(i, ShardSync::parity(next));
+        let pub_off = self.mem.pub_offset(i, ShardSync::parity(next));
+        let k = self.mem.state_k;
+        // One pass per cache-sized block: sum the contributions, step the optimizer,
+        // write the published copy. The math is element-wise, so blocks give the
+        // same bits as whole-shard calls, with a fraction of the memory traffic.
+        let mut grad_buf = std::mem::take(&mut self.mem.grad);
+        let mut start = 0;
+        while start < len {
+            let mut inputs: [&[u8]; MAX_WORKERS] = [&[]; MAX_WORKERS];
+            let end = (start + FUSE_BLOCK).min(len);
+            let bytes = start * es..end * es;
+            let grad = &mut grad_buf[..end - start];
+            let contributors: &[u32] = match one {
+                None => &ALL_RANKS[..self.workers as usize],
+                Some(w) => std::slice::from_ref(&ALL_RANKS[w as usize]),
+            };
+            for (slot, &r) in inputs.iter_mut().zip(contributors) {
+                // SAFETY: every contribution summed here has completed, and its worker
+                // may not push this shard again before the pull answer (BSP) or the
+                // credit (SSP/ASP) sent after this update.
+                *slot = unsafe { &self.mem.slot(i, r)[bytes.clone()] };
+            }
+            self.agg.reduce(self.mem.dtype, &inputs[..contributors.len()], scale, grad)?;
+            let (s0, s1) = (p.elem_off + start, p.elem_off + end);
+            self.agg.step(&self.opt, scalars, &mut self.mem.master[s0..s1], grad, &mut self.mem.state[s0 * k..s1 * k])?;
+            self.mem.publish_range(i, pub_off, start..end);
+            start = end;
+        }
+        self.mem.grad = grad_buf;
         self.sync[i].published(one);
         self.sync[i].set_publish_waiting(!self.waiting[i].is_empty());
         self.summary.updates += 1;

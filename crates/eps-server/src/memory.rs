@@ -37,7 +37,7 @@ pub struct ShardMemory {
     pub landing: Vec<SoftMr>,
     /// f32 master parameters of all local shards, end to end.
     pub master: Vec<f32>,
-    /// Optimizer state: per shard, `state_per_param` planes of its length.
+    /// Optimizer state, `state_k` values per parameter, interleaved, shards end to end.
     pub state: Vec<f32>,
     /// Scratch for the averaged gradient of one shard.
     pub grad: Vec<f32>,
@@ -139,6 +139,21 @@ impl ShardMemory {
         let p = &self.places[i];
         // SAFETY: the caller excludes writers of this range (see above).
         unsafe { &self.landing[w as usize].as_slice()[p.land_off..p.land_off + p.bytes] }
+    }
+
+    /// Writes elements `range` (shard-relative) of local shard `i`'s master
+    /// parameters into the published buffer at byte offset `buf_off`.
+    ///
+    /// The caller guarantees no pull is being written from that buffer.
+    pub fn publish_range(&mut self, i: usize, buf_off: usize, range: std::ops::Range<usize>) {
+        let p = self.places[i];
+        let es = self.dtype.size_bytes();
+        let src = &self.master[p.elem_off + range.start..p.elem_off + range.end];
+        // SAFETY: peers only READ this region, and the consistency state machine
+        // guarantees no pull (WRITE from here) is in flight on this buffer; no other
+        // reference to the region exists while the slice lives.
+        let dst = unsafe { &mut self.published.as_mut_slice()[buf_off + range.start * es..buf_off + range.end * es] };
+        eps_agg::reduce::narrow(self.dtype, src, dst);
     }
 
     /// Writes local shard `i`'s master parameters into published buffer `parity`.

@@ -1,0 +1,111 @@
+//! `eps bench pushpull`: iterations of push + pull of a model of SIZE bytes through
+//! real processes (control plane, servers, workers on 127.0.0.1), against the
+//! fabric's WRITE bandwidth measured in the same run.
+
+use std::time::Instant;
+
+use eps_worker::{Worker, WorkerConfig, WorkerError};
+
+use crate::bench::fabric::{self, FabricBench, Op};
+use crate::train::{LocalCluster, TrainError, field, num};
+
+/// Warm-up iterations before measuring.
+const WARMUP: u64 = 3;
+
+/// Parameters of one run.
+#[derive(Clone, Debug)]
+pub struct PushPullBench {
+    /// Model bytes (f32).
+    pub size: u64,
+    /// Worker processes.
+    pub workers: u32,
+    /// Server processes.
+    pub servers: u32,
+    /// Measured iterations.
+    pub iters: u64,
+}
+
+/// What one run measured.
+#[derive(Clone, Debug)]
+pub struct PushPullReport {
+    /// Median iteration time (worker 0), milliseconds.
+    pub iter_ms_p50: f64,
+    /// Gradient bytes pushed plus parameter bytes pulled, per worker per second, at
+    /// the median iteration time (1e9 B/s).
+    pub gbytes_per_s: f64,
+    /// `eps bench fabric --op write --size 4MiB --depth 8` in the same run.
+    pub fabric_write_gbytes_per_s: f64,
+}
+
+/// Why the benchmark failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PushPullError {
+    /// Bad parameters.
+    #[error("invalid benchmark configuration: {0}")]
+    Config(&'static str),
+    /// The cluster failed.
+    #[error(transparent)]
+    Cluster(#[from] TrainError),
+    /// The fabric reference failed.
+    #[error(transparent)]
+    Fabric(#[from] fabric::BenchError),
+    /// Workers did not report.
+    #[error("the workers did not report their timings")]
+    NoReport,
+}
+
+/// The worker side: join, warm up, then time `iters` push_pull calls; prints
+/// `EPS_BENCH rank=R p50_ms=..`.
+pub fn run_worker(cfg: &WorkerConfig, iters: u64) -> Result<(), WorkerError> {
+    let mut w = Worker::join(cfg)?;
+    for _ in 0..WARMUP {
+        w.push_pull()?;
+    }
+    let mut ms = Vec::with_capacity(iters as usize);
+    for _ in 0..iters {
+        let t = Instant::now();
+        w.push_pull()?;
+        ms.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    ms.sort_by(|a, b| a.total_cmp(b));
+    println!("EPS_BENCH rank={} p50_ms={:.4} min_ms={:.4} max_ms={:.4}", w.rank(), ms[ms.len() / 2], ms[0], ms[ms.len() - 1]);
+    w.finish()?;
+    Ok(())
+}
+
+/// Runs the benchmark.
+pub fn run(cfg: &PushPullBench) -> Result<PushPullReport, PushPullError> {
+    if cfg.size < 4096 || cfg.size % 4 != 0 || cfg.size > 4 << 30 {
+        return Err(PushPullError::Config("--size must be a multiple of 4 between 4KiB and 4GiB"));
+    }
+    if cfg.workers == 0 || cfg.servers == 0 || cfg.iters == 0 {
+        return Err(PushPullError::Config("--workers, --servers and --iters must be at least 1"));
+    }
+    let text = format!(
+        "[job]\nname = \"pushpull\"\nworkers = {}\nservers = {}\nsteps = {}\nshard_bytes = {}\n\
+         [model]\ntensors = [{{ name = \"params\", elements = {} }}]\n[optimizer]\nkind = \"sgd\"\nlr = 0.0001\n",
+        cfg.workers,
+        cfg.servers,
+        cfg.iters + WARMUP,
+        (4u64 << 20).min(cfg.size.div_ceil(4096) * 4096),
+        cfg.size / 4
+    );
+    let spec = eps_proto::JobSpec::from_toml(&text).map_err(TrainError::from)?;
+    let fabric_before = fabric::run(&FabricBench { op: Op::Write, size: 4 << 20, iters: 300, depth: 8 })?;
+    let iters = cfg.iters.to_string();
+    let cluster = LocalCluster::start(&spec, &text, &["--bench-iters", &iters])?;
+    let mut p50 = None;
+    cluster.supervise(|l| {
+        if l.starts_with("EPS_BENCH") && field(l, "rank") == Some("0") {
+            p50 = Some(num(l, "p50_ms"));
+        }
+    })?;
+    let fabric_after = fabric::run(&FabricBench { op: Op::Write, size: 4 << 20, iters: 300, depth: 8 })?;
+    let iter_ms_p50 = p50.ok_or(PushPullError::NoReport)?;
+    Ok(PushPullReport {
+        iter_ms_p50,
+        gbytes_per_s: 2.0 * cfg.size as f64 / (iter_ms_p50 / 1e3) / 1e9,
+        fabric_write_gbytes_per_s: 0.5 * (fabric_before.bw_gbytes_per_s + fabric_after.bw_gbytes_per_s),
+    })
+}

@@ -1,0 +1,150 @@
+//! A local cluster as child processes of this one: a control plane with its
+//! file-backed store in a temporary directory, the servers and the workers. Dropping
+//! it stops every process still running; Ctrl-C or a failing process ends
+//! [`LocalCluster::supervise`] with an error.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use eps_proto::JobSpec;
+
+use super::{TrainError, field};
+
+/// The running processes of one job.
+pub struct LocalCluster {
+    children: Vec<(String, Child)>,
+    dir: PathBuf,
+    lines: mpsc::Receiver<String>,
+    stop: Arc<AtomicBool>,
+}
+
+impl std::fmt::Debug for LocalCluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalCluster").field("processes", &self.children.len()).finish()
+    }
+}
+
+impl Drop for LocalCluster {
+    fn drop(&mut self) {
+        for (_, c) in &mut self.children {
+            if let Ok(None) = c.try_wait() {
+                let _ = c.kill();
+            }
+            let _ = c.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn path_str(p: &Path) -> &str {
+    p.to_str().unwrap_or(".")
+}
+
+impl LocalCluster {
+    /// Starts the control plane, `spec.job.servers` servers and `spec.job.workers`
+    /// workers (`eps worker` with `worker_args`). Worker stdout lines are collected.
+    pub fn start(spec: &JobSpec, spec_text: &str, worker_args: &[&str]) -> Result<Self, TrainError> {
+        let stop = Arc::new(AtomicBool::new(false));
+        {
+            let stop = stop.clone();
+            // Only the first registration in a process succeeds; later clusters in the
+            // same process (tests) share it.
+            let _ = ctrlc::set_handler(move || stop.store(true, Ordering::SeqCst));
+        }
+        let exe =
+            std::env::current_exe().map_err(|source| TrainError::Spawn { what: "eps (current executable)".into(), source })?;
+        let secret = spec.job.secret.clone().unwrap_or_else(|| {
+            eps_fabric::auth::nonce().map(|n| n.iter().map(|b| format!("{b:02x}")).collect()).unwrap_or_else(|_| "eps".into())
+        });
+        let tag: String =
+            eps_fabric::auth::nonce().map(|n| n[..4].iter().map(|b| format!("{b:02x}")).collect()).unwrap_or_default();
+        let dir = std::env::temp_dir().join(format!("eps-cluster-{}-{tag}", std::process::id()));
+        std::fs::create_dir_all(&dir).map_err(|source| TrainError::Spawn { what: "a temporary directory".into(), source })?;
+        let spec_path = dir.join("job.toml");
+        std::fs::write(&spec_path, spec_text).map_err(|source| TrainError::Spawn { what: "the job spec file".into(), source })?;
+        let (tx, lines) = mpsc::channel::<String>();
+        let mut cl = Self { children: Vec::new(), dir: dir.clone(), lines, stop };
+        let spawn = |what: &str, args: &[&str], piped: bool| -> Result<Child, TrainError> {
+            Command::new(&exe)
+                .args(args)
+                .env("EPS_JOB_SECRET", &secret)
+                .stdin(Stdio::null())
+                .stdout(if piped { Stdio::piped() } else { Stdio::null() })
+                .stderr(Stdio::inherit())
+                .spawn()
+                .map_err(|source| TrainError::Spawn { what: what.to_string(), source })
+        };
+        let state = dir.join("state");
+        let ctl_args = [
+            "control",
+            "--listen",
+            "127.0.0.1:0",
+            "--spec",
+            path_str(&spec_path),
+            "--state-dir",
+            path_str(&state),
+            "--exit-with-parent",
+        ];
+        let mut control = spawn("the control plane", &ctl_args, true)?;
+        let out = control.stdout.take().expect("piped");
+        cl.children.push(("control plane".into(), control));
+        let mut line = String::new();
+        BufReader::new(out).read_line(&mut line).map_err(|e| TrainError::Child(format!("control plane: {e}")))?;
+        let addr = field(&line, "addr")
+            .ok_or_else(|| TrainError::Child("the control plane did not start (see its message above)".into()))?
+            .to_string();
+        for r in 0..spec.job.servers {
+            let c = spawn(&format!("server {r}"), &["server", "--control", &addr, "--exit-with-parent"], false)?;
+            cl.children.push((format!("server {r}"), c));
+        }
+        for r in 0..spec.job.workers {
+            let mut args = vec!["worker", "--control", &addr, "--exit-with-parent"];
+            args.extend_from_slice(worker_args);
+            let mut c = spawn(&format!("worker {r}"), &args, true)?;
+            let out = c.stdout.take().expect("piped");
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                for l in BufReader::new(out).lines().map_while(Result::ok) {
+                    let _ = tx.send(l);
+                }
+            });
+            cl.children.push((format!("worker {r}"), c));
+        }
+        Ok(cl)
+    }
+
+    /// Feeds every worker line to `on_line` until all processes have exited; fails
+    /// at once (stopping the rest) on Ctrl-C or when a process exits with an error.
+    pub fn supervise(mut self, mut on_line: impl FnMut(&str)) -> Result<(), TrainError> {
+        loop {
+            if self.stop.load(Ordering::SeqCst) {
+                return Err(TrainError::Interrupted);
+            }
+            if let Ok(l) = self.lines.recv_timeout(Duration::from_millis(100)) {
+                on_line(&l);
+            }
+            let mut running = 0;
+            for (name, c) in &mut self.children {
+                match c.try_wait() {
+                    Ok(None) => running += 1,
+                    Ok(Some(st)) if !st.success() => {
+                        return Err(TrainError::Child(format!("{name} (pid {}) exited with {st}; stopped the cluster", c.id())));
+                    }
+                    _ => {}
+                }
+            }
+            if running == 0 {
+                // Lines printed just before the last exit may still be queued.
+                while let Ok(l) = self.lines.try_recv() {
+                    on_line(&l);
+                }
+                return Ok(());
+            }
+        }
+    }
+}
