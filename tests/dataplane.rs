@@ -54,8 +54,10 @@ fn run_cluster(text: &str) -> Vec<Vec<u8>> {
     let spec = JobSpec::from_toml(text).unwrap();
     let svc = ControlService::bind("127.0.0.1:0".parse().unwrap(), &spec, text, secret(), Box::new(MemStore::default())).unwrap();
     let control: SocketAddr = svc.local_addr();
+    // Detached: if a role fails, the control plane (waiting for it) must not keep
+    // the test from reporting the failure.
+    std::thread::spawn(move || svc.run());
     std::thread::scope(|s| {
-        s.spawn(move || svc.run().unwrap());
         for _ in 0..spec.job.servers {
             s.spawn(move || {
                 let cfg = eps_server::ServerConfig {

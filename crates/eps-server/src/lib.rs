@@ -161,7 +161,9 @@ pub fn run(cfg: &ServerConfig) -> Result<ServerSummary, ServerError> {
     }
     let max_bytes = mem.places.iter().map(|p| p.bytes).max().unwrap_or(0);
     let mut opts = QpOptions::new(cfg.secret.clone());
-    opts.max_send_wr = 2 * n as u32 + 8;
+    // Per worker: at most one pull answer per shard in flight, and at most two
+    // credits per shard (one acknowledged but not yet reaped, one new).
+    opts.max_send_wr = 4 * n as u32 + 16;
     opts.max_recv_wr = 2 * n as u32 + 8;
     opts.max_sge = 1;
     opts.max_msg_bytes = (max_bytes as u32).max(4096);
@@ -174,7 +176,7 @@ pub fn run(cfg: &ServerConfig) -> Result<ServerSummary, ServerError> {
         published_rkey: mem.published.rkey(),
     };
     ctl.call(&ControlMsg::ServerReady(endpoint))?;
-    let cq = pd.create_cq(workers * (4 * n as u32 + 24))?;
+    let cq = pd.create_cq(workers * (6 * n as u32 + 32))?;
     let hellos = pd.alloc_mr(HELLO_LEN * workers as usize, Access::LOCAL_WRITE)?;
     let mut conns = Vec::new();
     let mut by_qp = HashMap::new();

@@ -327,25 +327,13 @@ impl Worker {
                 }
             }
             let s = self.layout.shards[sid];
-            let ep = &self.servers[s.server as usize];
-            let (slot_base, rkey) = ep.landing[self.rank as usize];
+            let (slot_base, rkey) = self.servers[s.server as usize].landing[self.rank as usize];
             let slot_off = self.slot_offset(s.server, s.local);
-            let sg = [Sge::new(&self.grads, s.start * es, (s.len * es) as u32)];
-            let qp = &self.qps[s.server as usize];
             let push = Imm { kind: ImmKind::Push, shard: s.local, seq: t as u16 }.encode();
-            qp.post_send(&SendWr {
-                wr_id: WR_PUSH | sid as u64,
-                op: SendOp::WriteImm(RemoteAddr { addr: slot_base + slot_off, rkey }, push),
-                sg: &sg,
-                signaled: true,
-            })?;
+            let to = RemoteAddr { addr: slot_base + slot_off, rkey };
+            self.post(s.server, WR_PUSH | sid as u64, to, push, Some((s.start * es, (s.len * es) as u32)))?;
             let req = Imm { kind: ImmKind::PullReq, shard: s.local, seq: need as u16 }.encode();
-            qp.post_send(&SendWr {
-                wr_id: WR_PULLREQ | sid as u64,
-                op: SendOp::WriteImm(RemoteAddr { addr: slot_base, rkey }, req),
-                sg: &[],
-                signaled: false,
-            })?;
+            self.post(s.server, WR_PULLREQ | sid as u64, RemoteAddr { addr: slot_base, rkey }, req, None)?;
             self.credit[sid] = false;
             posted += 1;
             self.stats.pushed_bytes += s.len * es;
@@ -364,16 +352,39 @@ impl Worker {
             let s = self.layout.shards[sid];
             let (slot_base, rkey) = self.servers[s.server as usize].landing[self.rank as usize];
             let req = Imm { kind: ImmKind::PullReq, shard: s.local, seq: need as u16 }.encode();
-            self.qps[s.server as usize].post_send(&SendWr {
-                wr_id: WR_PULLREQ | sid as u64,
-                op: SendOp::WriteImm(RemoteAddr { addr: slot_base, rkey }, req),
-                sg: &[],
-                signaled: false,
-            })?;
+            self.post(s.server, WR_PULLREQ | sid as u64, RemoteAddr { addr: slot_base, rkey }, req, None)?;
         }
         self.wait_pulls(self.layout.shards.len())?;
         self.stats.comm += start.elapsed();
         Ok(())
+    }
+
+    /// Posts a WRITE_WITH_IMM to server `server` (payload: `grad` = (byte offset,
+    /// length) of the gradient buffer, or none); a full send queue is backpressure:
+    /// reap completions and retry.
+    fn post(&mut self, server: u32, wr_id: u64, to: RemoteAddr, imm: u32, grad: Option<(u64, u32)>) -> Result<(), WorkerError> {
+        loop {
+            let res = {
+                let sg_buf;
+                let sg: &[Sge<'_, SoftMr>] = match grad {
+                    Some((off, len)) => {
+                        sg_buf = [Sge::new(&self.grads, off, len)];
+                        &sg_buf
+                    }
+                    None => &[],
+                };
+                let signaled = grad.is_some();
+                self.qps[server as usize].post_send(&SendWr { wr_id, op: SendOp::WriteImm(to, imm), sg, signaled })
+            };
+            match res {
+                Err(FabricError::QueueFull { .. }) => {
+                    if !self.reap()? {
+                        std::thread::yield_now();
+                    }
+                }
+                r => return Ok(r?),
+            }
+        }
     }
 
     /// Byte offset of local shard `local` within this server's landing region.

@@ -1,14 +1,18 @@
 //! Completion queues of the soft provider.
 
 use std::collections::VecDeque;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::api::{Completion, CompletionQueue};
 use crate::error::{FabricError, Result};
 
 use super::qp::Requester;
+
+/// Most file descriptors one `wait` watches.
+const WAIT_FDS: usize = 64;
 
 /// A completion queue. Polling it also drives the requester side (transmit and
 /// response reaping) of every QP whose send queue reports here.
@@ -22,9 +26,10 @@ pub(crate) struct CqInner {
     queue: Mutex<VecDeque<Completion>>,
     depth: u32,
     overrun: AtomicBool,
-    /// Threads sleeping in `wait`, woken by `push`.
+    /// Threads sleeping in `wait`, woken by `push` through `notify`.
     waiters: AtomicUsize,
-    ready: Condvar,
+    /// eventfd signalled by `push` while someone waits.
+    notify: OwnedFd,
     /// Requesters whose send completions land here.
     pub(crate) requesters: Mutex<Vec<Arc<Mutex<Requester>>>>,
 }
@@ -41,7 +46,7 @@ impl CqInner {
         q.push_back(c);
         drop(q);
         if self.waiters.load(Ordering::Acquire) > 0 {
-            self.ready.notify_all();
+            super::sys::eventfd_signal(&self.notify);
         }
     }
 
@@ -62,7 +67,7 @@ impl SoftCq {
                 depth,
                 overrun: AtomicBool::new(false),
                 waiters: AtomicUsize::new(0),
-                ready: Condvar::new(),
+                notify: super::sys::eventfd().map_err(FabricError::Engine)?,
                 requesters: Mutex::new(Vec::new()),
             }),
         })
@@ -71,12 +76,33 @@ impl SoftCq {
 
 impl CompletionQueue for SoftCq {
     fn wait(&self, timeout: Duration) {
-        let q = self.inner.queue.lock().unwrap_or_else(|p| p.into_inner());
-        if !q.is_empty() {
-            return;
-        }
+        // Sleep in poll(2) on the CQ's eventfd (completions the progress thread
+        // delivers) and on the requester sockets of QPs with requests outstanding
+        // (their responses, or room to transmit what is still queued).
         self.inner.waiters.fetch_add(1, Ordering::AcqRel);
-        let _ = self.inner.ready.wait_timeout(q, timeout);
+        let empty = self.inner.queue.lock().unwrap_or_else(|p| p.into_inner()).is_empty();
+        if empty {
+            let mut fds = [libc::pollfd { fd: self.inner.notify.as_raw_fd(), events: libc::POLLIN, revents: 0 }; WAIT_FDS];
+            let mut n = 1;
+            let mut crowded = false;
+            for r in self.inner.requesters.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+                let Ok(r) = r.try_lock() else { continue };
+                if let Some((fd, events)) = r.wait_interest() {
+                    if n == WAIT_FDS {
+                        crowded = true;
+                        break;
+                    }
+                    fds[n] = libc::pollfd { fd, events, revents: 0 };
+                    n += 1;
+                }
+            }
+            // Too many sockets to watch: nap briefly instead of missing one.
+            let ms = if crowded { 0 } else { timeout.as_millis().clamp(1, i32::MAX as u128) as i32 };
+            super::sys::poll_fds(&mut fds[..n], ms);
+            if fds[0].revents != 0 {
+                super::sys::eventfd_drain(&self.inner.notify);
+            }
+        }
         self.inner.waiters.fetch_sub(1, Ordering::AcqRel);
     }
 

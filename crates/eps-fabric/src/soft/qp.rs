@@ -270,6 +270,16 @@ impl Requester {
         Ok(())
     }
 
+    /// What a sleeping poller should wait for on this QP's requester socket:
+    /// responses while requests are outstanding, and room to send what is queued.
+    pub(crate) fn wait_interest(&self) -> Option<(std::os::fd::RawFd, i16)> {
+        if self.head == self.tail {
+            return None;
+        }
+        let out = if self.sent < self.tail && !self.qp.is_error() { libc::POLLOUT } else { 0 };
+        Some((self.qp.req_fd.as_raw_fd(), libc::POLLIN | out))
+    }
+
     /// Transmits, reaps responses, and flushes everything if the QP is in error.
     pub(crate) fn progress(&mut self) {
         if self.head == self.tail {

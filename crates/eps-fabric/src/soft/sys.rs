@@ -144,3 +144,20 @@ pub(crate) fn readable(fd: RawFd) -> bool {
     let r = unsafe { libc::poll(&mut p, 1, 0) };
     r != 0
 }
+
+/// Empties an eventfd's counter.
+pub(crate) fn eventfd_drain(fd: &OwnedFd) {
+    let mut v: u64 = 0;
+    // SAFETY: reads 8 bytes into a live local from a valid nonblocking eventfd.
+    unsafe {
+        libc::read(fd.as_raw_fd(), (&mut v as *mut u64).cast(), 8);
+    }
+}
+
+/// poll(2) over `fds` for up to `timeout_ms`.
+pub(crate) fn poll_fds(fds: &mut [libc::pollfd], timeout_ms: i32) {
+    // SAFETY: the pointer and length describe a live, writable slice of pollfds.
+    unsafe {
+        libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout_ms);
+    }
+}
