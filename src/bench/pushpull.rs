@@ -88,7 +88,11 @@ pub fn run(cfg: &PushPullBench) -> Result<PushPullReport, PushPullError> {
         cfg.workers,
         cfg.servers,
         cfg.iters + WARMUP,
-        std::env::var("EPS_BENCH_SHARD").ok().and_then(|v| v.parse().ok()).unwrap_or(4u64 << 20).min(cfg.size.div_ceil(4096) * 4096),
+        std::env::var("EPS_BENCH_SHARD")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(4u64 << 20)
+            .min(cfg.size.div_ceil(4096) * 4096),
         cfg.size / 4
     );
     let spec = eps_proto::JobSpec::from_toml(&text).map_err(TrainError::from)?;
