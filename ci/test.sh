@@ -29,8 +29,9 @@ cargo fmt --all --check
 step "clippy (warnings denied)"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
-step "tests"
-cargo nextest run --workspace --locked --no-fail-fast
-
 step "doc tests"
 cargo test --workspace --doc --locked
+
+# Last, so that its summary closes the run.
+step "tests"
+cargo nextest run --workspace --locked --no-fail-fast

@@ -6,6 +6,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use eps::bench::Json;
+use eps::roles::crate_error as error_chain;
 use eps::bench::agg::AggBench;
 use eps::bench::fabric::{self, FabricBench, Op};
 use eps::units::{format_size, parse_size};
@@ -404,16 +405,6 @@ fn bench_fabric(a: FabricArgs) -> Result<(), String> {
     Ok(())
 }
 
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
-}
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
