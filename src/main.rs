@@ -6,9 +6,9 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use eps::bench::Json;
-use eps::roles::crate_error as error_chain;
 use eps::bench::agg::AggBench;
 use eps::bench::fabric::{self, FabricBench, Op};
+use eps::roles::crate_error as error_chain;
 use eps::units::{format_size, parse_size};
 use eps_agg::DType;
 
@@ -404,7 +404,6 @@ fn bench_fabric(a: FabricArgs) -> Result<(), String> {
     }
     Ok(())
 }
-
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
