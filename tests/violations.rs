@@ -125,6 +125,9 @@ fn run(bad: Bad) {
         assert_eq!(good.join().unwrap().expect("the well-behaved worker finishes"), 20, "{bad:?}");
         let summary = server.join().unwrap();
         assert_eq!(summary.violations, 1, "{bad:?}");
+        // ASP pulls are RDMA READs by the workers: the server wrote none.
+        assert_eq!(summary.pulls, 0, "{bad:?}");
+        assert!(summary.updates >= 20, "{bad:?}: {} updates", summary.updates);
     });
 }
 

@@ -14,6 +14,15 @@ pub const SHARD_ALIGN_BYTES: u64 = 4096;
 /// Most shards one server can hold (the immediate's shard field is 13 bits).
 pub const MAX_SHARDS_PER_SERVER: u32 = 1 << 13;
 
+/// Stamp of a published buffer that is being rewritten (or holds no version yet).
+pub const STAMP_WRITING: u64 = u64::MAX;
+
+/// Bytes at the start of a server's published region that hold the version stamps
+/// of its buffers (two u64 per local shard: buffer 0, buffer 1), rounded to 4 KiB.
+pub fn stamp_area_bytes(local_shards: usize) -> u64 {
+    (16 * local_shards as u64).div_ceil(4096).max(1) * 4096
+}
+
 /// A tensor's place in the flat space.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TensorInfo {
@@ -115,6 +124,15 @@ impl Layout {
     /// Elements held by one server.
     pub fn elements_of(&self, server: u32) -> u64 {
         self.shards_of(server).map(|s| s.len).sum()
+    }
+
+    /// Byte offset, in `server`'s published region, of buffer `parity` of its local
+    /// shard `local`: the stamp area, then each shard's two buffers in local order.
+    pub fn published_offset(&self, server: u32, local: u32, parity: usize) -> u64 {
+        let es = self.dtype.size_bytes() as u64;
+        let mine: Vec<&Shard> = self.shards_of(server).collect();
+        let before: u64 = mine[..local as usize].iter().map(|s| 2 * s.len * es).sum();
+        stamp_area_bytes(mine.len()) + before + parity as u64 * mine[local as usize].len * es
     }
 
     /// Bytes of the whole model in the wire dtype.

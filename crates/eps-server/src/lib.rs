@@ -158,6 +158,8 @@ pub fn run(cfg: &ServerConfig) -> Result<ServerSummary, ServerError> {
     let n = mem.places.len();
     for i in 0..n {
         mem.publish(i, 0);
+        mem.set_stamp(i, 0, 0);
+        mem.set_stamp(i, 1, eps_proto::layout::STAMP_WRITING);
     }
     let max_bytes = mem.places.iter().map(|p| p.bytes).max().unwrap_or(0);
     let mut opts = QpOptions::new(cfg.secret.clone());
@@ -166,7 +168,8 @@ pub fn run(cfg: &ServerConfig) -> Result<ServerSummary, ServerError> {
     opts.max_send_wr = 4 * n as u32 + 16;
     opts.max_recv_wr = 2 * n as u32 + 8;
     opts.max_sge = 1;
-    opts.max_msg_bytes = (max_bytes as u32).max(4096);
+    // The largest message is a shard, or the stamp area an ASP reader fetches at once.
+    opts.max_msg_bytes = (max_bytes as u64).max(eps_proto::layout::stamp_area_bytes(n)) as u32;
     let listener = pd.listen(SocketAddr::new(cfg.listen_ip, 0), &opts)?;
     let endpoint = ServerEndpoint {
         rank,
@@ -348,6 +351,8 @@ impl Server {
         // One pass per cache-sized block: sum the contributions, step the optimizer,
         // write the published copy. The math is element-wise, so blocks give the
         // same bits as whole-shard calls, with a fraction of the memory traffic.
+        let parity = ShardSync::parity(next);
+        self.mem.set_stamp(i, parity, eps_proto::layout::STAMP_WRITING);
         let mut grad_buf = std::mem::take(&mut self.mem.grad);
         let mut start = 0;
         while start < len {
@@ -372,6 +377,7 @@ impl Server {
             start = end;
         }
         self.mem.grad = grad_buf;
+        self.mem.set_stamp(i, parity, next);
         self.sync[i].published(one);
         self.sync[i].set_publish_waiting(!self.waiting[i].is_empty());
         self.summary.updates += 1;

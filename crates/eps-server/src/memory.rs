@@ -75,7 +75,9 @@ impl ShardMemory {
     ) -> Result<Self, MemoryError> {
         let es = layout.dtype.size_bytes();
         let mut places = Vec::new();
-        let (mut pub_off, mut land_off, mut elem_off) = (0usize, 0usize, 0usize);
+        let n_local = layout.shards_of(server).count();
+        let mut pub_off = eps_proto::layout::stamp_area_bytes(n_local) as usize;
+        let (mut land_off, mut elem_off) = (0usize, 0usize);
         let mut max_len = 0usize;
         for s in layout.shards_of(server) {
             let bytes = s.len as usize * es;
@@ -154,6 +156,21 @@ impl ShardMemory {
         // reference to the region exists while the slice lives.
         let dst = unsafe { &mut self.published.as_mut_slice()[buf_off + range.start * es..buf_off + range.end * es] };
         eps_agg::reduce::narrow(self.dtype, src, dst);
+    }
+
+    /// Sets the version stamp of buffer `parity` of local shard `i` (readers that
+    /// RDMA-READ the buffer check it before and after; see `STAMP_WRITING`).
+    pub fn set_stamp(&mut self, i: usize, parity: usize, value: u64) {
+        std::sync::atomic::fence(std::sync::atomic::Ordering::Release);
+        let off = 16 * i + 8 * parity;
+        // SAFETY: the stamp lies inside the stamp area at the start of the published
+        // region (sized for every local shard); peers only read it. A volatile store
+        // keeps it in program order with the buffer writes around it.
+        unsafe {
+            let base = self.published.as_mut_slice().as_mut_ptr();
+            std::ptr::write_volatile(base.add(off).cast::<[u8; 8]>(), value.to_le_bytes());
+        }
+        std::sync::atomic::fence(std::sync::atomic::Ordering::Release);
     }
 
     /// Writes local shard `i`'s master parameters into published buffer `parity`.

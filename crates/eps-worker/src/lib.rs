@@ -98,6 +98,8 @@ pub struct WorkerStats {
 const WR_PUSH: u64 = 1 << 62;
 const WR_PULLREQ: u64 = 2 << 62;
 const WR_HELLO: u64 = 3 << 62;
+/// RDMA READs of ASP pulls (stamps and buffers); the low bits are unused.
+const WR_READ: u64 = 1 << 61;
 
 /// A worker of a running job.
 pub struct Worker {
@@ -114,6 +116,12 @@ pub struct Worker {
     local_to_global: Vec<Vec<u32>>,
     /// Per global shard: the landing slot may be written.
     credit: Vec<bool>,
+    /// ASP: where each server's published-buffer stamps are read into.
+    stamps: SoftMr,
+    /// ASP: byte offset of each server's stamps in `stamps`.
+    stamp_off: Vec<usize>,
+    /// RDMA READs completed since the current read round began.
+    reads_done: usize,
     iteration: u64,
     /// Pull answers received since the current push_pull/pull began.
     pulled: usize,
@@ -152,6 +160,13 @@ impl Worker {
         let params = pd.alloc_mr(bytes, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
         let grads = pd.alloc_mr(bytes, Access::LOCAL_WRITE)?;
         let hello = pd.alloc_mr(HELLO_LEN, Access::LOCAL_WRITE)?;
+        let mut stamp_off = Vec::with_capacity(servers.len());
+        let mut stamp_bytes = 0usize;
+        for r in 0..servers.len() as u32 {
+            stamp_off.push(stamp_bytes);
+            stamp_bytes += 16 * layout.shards_of(r).count();
+        }
+        let stamps = pd.alloc_mr(stamp_bytes.max(16), Access::LOCAL_WRITE)?;
         let mut local_to_global = vec![Vec::new(); servers.len()];
         for s in &layout.shards {
             local_to_global[s.server as usize].push(s.id);
@@ -162,7 +177,7 @@ impl Worker {
         opts.max_send_wr = 2 * max_local + 8;
         opts.max_recv_wr = 2 * max_local + 8;
         opts.max_sge = 1;
-        opts.max_msg_bytes = (max_bytes as u32).max(4096);
+        opts.max_msg_bytes = (max_bytes as u64).max(eps_proto::layout::stamp_area_bytes(max_local as usize)) as u32;
         opts.connect_timeout = cfg.timeout;
         let cq = pd.create_cq((servers.len() as u32) * (4 * max_local + 24))?;
         let mut qps = Vec::with_capacity(servers.len());
@@ -190,6 +205,9 @@ impl Worker {
             cq,
             local_to_global,
             credit: vec![true; n],
+            stamps,
+            stamp_off,
+            reads_done: 0,
             iteration: 0,
             pulled: 0,
             hellos_acked: 0,
@@ -200,7 +218,11 @@ impl Worker {
             _pd: pd,
         };
         w.wait_sends(w.qps.len())?;
-        w.pull(0)?;
+        if w.mode == Consistency::Asp {
+            w.read_pull()?;
+        } else {
+            w.pull(0)?;
+        }
         Ok(w)
     }
 
@@ -332,13 +354,19 @@ impl Worker {
             let push = Imm { kind: ImmKind::Push, shard: s.local, seq: t as u16 }.encode();
             let to = RemoteAddr { addr: slot_base + slot_off, rkey };
             self.post(s.server, WR_PUSH | sid as u64, to, push, Some((s.start * es, (s.len * es) as u32)))?;
-            let req = Imm { kind: ImmKind::PullReq, shard: s.local, seq: need as u16 }.encode();
-            self.post(s.server, WR_PULLREQ | sid as u64, RemoteAddr { addr: slot_base, rkey }, req, None)?;
+            if self.mode != Consistency::Asp {
+                let req = Imm { kind: ImmKind::PullReq, shard: s.local, seq: need as u16 }.encode();
+                self.post(s.server, WR_PULLREQ | sid as u64, RemoteAddr { addr: slot_base, rkey }, req, None)?;
+            }
             self.credit[sid] = false;
             posted += 1;
             self.stats.pushed_bytes += s.len * es;
         }
-        self.wait_pulls(posted)?;
+        if self.mode == Consistency::Asp {
+            self.read_pull()?;
+        } else {
+            self.wait_pulls(posted)?;
+        }
         self.iteration += 1;
         self.stats.comm += start.elapsed();
         Ok(())
@@ -385,6 +413,107 @@ impl Worker {
                 r => return Ok(r?),
             }
         }
+    }
+
+    /// ASP pull: RDMA-READ every shard's newest published buffer straight into the
+    /// parameter buffer, checking its version stamp before and after (a buffer the
+    /// server rewrote meanwhile is read again). The server does no work for it.
+    fn read_pull(&mut self) -> Result<(), WorkerError> {
+        let start = Instant::now();
+        let es = self.layout.dtype.size_bytes() as u64;
+        let n = self.layout.shards.len();
+        let mut todo: Vec<usize> = (0..n).collect();
+        let mut chosen = vec![(0usize, 0u64); n];
+        for _round in 0..1000 {
+            // 1. Stamps of every server, then pick each shard's newest buffer.
+            self.read_stamps()?;
+            for &sid in &todo {
+                let s = self.layout.shards[sid];
+                let (a, b) = self.stamp(s.server, s.local);
+                let valid = |v: u64| v != eps_proto::layout::STAMP_WRITING;
+                chosen[sid] = match (valid(a), valid(b)) {
+                    (true, true) if b > a => (1, b),
+                    (true, _) => (0, a),
+                    (false, true) => (1, b),
+                    (false, false) => (0, u64::MAX),
+                };
+            }
+            // 2. The buffers.
+            let ready: Vec<usize> = todo.iter().copied().filter(|&sid| chosen[sid].1 != u64::MAX).collect();
+            self.reads_done = 0;
+            for &sid in &ready {
+                let s = self.layout.shards[sid];
+                let ep = &self.servers[s.server as usize];
+                let off = self.layout.published_offset(s.server, s.local, chosen[sid].0);
+                let from = RemoteAddr { addr: ep.published_addr + off, rkey: ep.published_rkey };
+                let sg = [Sge::new(&self.params, s.start * es, (s.len * es) as u32)];
+                self.post_read(s.server, from, &sg)?;
+                self.stats.pulled_bytes += s.len * es;
+            }
+            self.wait_reads(ready.len())?;
+            // 3. Stamps again: keep the shards whose buffer did not change.
+            self.read_stamps()?;
+            todo.retain(|&sid| {
+                let s = self.layout.shards[sid];
+                let (a, b) = self.stamp(s.server, s.local);
+                let now = if chosen[sid].0 == 0 { a } else { b };
+                now != chosen[sid].1 || chosen[sid].1 == u64::MAX
+            });
+            if todo.is_empty() {
+                self.stats.comm += start.elapsed();
+                return Ok(());
+            }
+        }
+        Err(WorkerError::Timeout("a consistent read of the published parameters"))
+    }
+
+    fn stamp(&self, server: u32, local: u32) -> (u64, u64) {
+        let mut b = [0u8; 16];
+        self.stamps.read_at(self.stamp_off[server as usize] + 16 * local as usize, &mut b);
+        (u64::from_le_bytes(b[..8].try_into().expect("8")), u64::from_le_bytes(b[8..].try_into().expect("8")))
+    }
+
+    fn read_stamps(&mut self) -> Result<(), WorkerError> {
+        self.reads_done = 0;
+        for r in 0..self.servers.len() {
+            let len = 16 * self.local_to_global[r].len();
+            if len == 0 {
+                continue;
+            }
+            let ep = &self.servers[r];
+            let from = RemoteAddr { addr: ep.published_addr, rkey: ep.published_rkey };
+            let sg = [Sge::new(&self.stamps, self.stamp_off[r] as u64, len as u32)];
+            self.post_read(r as u32, from, &sg)?;
+        }
+        let k = self.local_to_global.iter().filter(|l| !l.is_empty()).count();
+        self.wait_reads(k)
+    }
+
+    fn post_read(&self, server: u32, from: RemoteAddr, sg: &[Sge<'_, SoftMr>]) -> Result<(), WorkerError> {
+        loop {
+            match self.qps[server as usize].post_send(&SendWr { wr_id: WR_READ, op: SendOp::Read(from), sg, signaled: true }) {
+                Err(FabricError::QueueFull { .. }) => {
+                    let mut wc = [Completion::EMPTY; 1];
+                    // Progress the queue; READ completions are counted by wait_reads.
+                    let _ = self.cq.poll(&mut wc[..0]);
+                    std::thread::yield_now();
+                }
+                r => return Ok(r?),
+            }
+        }
+    }
+
+    fn wait_reads(&mut self, n: usize) -> Result<(), WorkerError> {
+        let deadline = Instant::now() + self.timeout;
+        while self.reads_done < n {
+            if !self.reap()? {
+                if Instant::now() > deadline {
+                    return Err(WorkerError::Timeout("RDMA READs of the published parameters"));
+                }
+                self.cq.wait(Duration::from_millis(1));
+            }
+        }
+        Ok(())
     }
 
     /// Byte offset of local shard `local` within this server's landing region.
@@ -449,6 +578,7 @@ impl Worker {
                     }
                 }
                 _ if c.wr_id == WR_HELLO => self.hellos_acked += 1,
+                WcOpcode::Read if c.wr_id == WR_READ => self.reads_done += 1,
                 _ => {}
             }
         }
