@@ -20,6 +20,8 @@ pub struct LocalCluster {
     children: Vec<(String, Child)>,
     dir: PathBuf,
     lines: mpsc::Receiver<String>,
+    /// Threads forwarding worker stdout; they end at EOF.
+    readers: Vec<std::thread::JoinHandle<()>>,
     stop: Arc<AtomicBool>,
 }
 
@@ -68,7 +70,7 @@ impl LocalCluster {
         let spec_path = dir.join("job.toml");
         std::fs::write(&spec_path, spec_text).map_err(|source| TrainError::Spawn { what: "the job spec file".into(), source })?;
         let (tx, lines) = mpsc::channel::<String>();
-        let mut cl = Self { children: Vec::new(), dir: dir.clone(), lines, stop };
+        let mut cl = Self { children: Vec::new(), dir: dir.clone(), lines, readers: Vec::new(), stop };
         let spawn = |what: &str, args: &[&str], piped: bool| -> Result<Child, TrainError> {
             Command::new(&exe)
                 .args(args)
@@ -108,11 +110,11 @@ impl LocalCluster {
             let mut c = spawn(&format!("worker {r}"), &args, true)?;
             let out = c.stdout.take().expect("piped");
             let tx = tx.clone();
-            std::thread::spawn(move || {
+            cl.readers.push(std::thread::spawn(move || {
                 for l in BufReader::new(out).lines().map_while(Result::ok) {
                     let _ = tx.send(l);
                 }
-            });
+            }));
             cl.children.push((format!("worker {r}"), c));
         }
         Ok(cl)
@@ -139,7 +141,11 @@ impl LocalCluster {
                 }
             }
             if running == 0 {
-                // Lines printed just before the last exit may still be queued.
+                // Lines printed just before the last exit may still be in the pipes:
+                // the readers end at EOF, after forwarding them.
+                for r in self.readers.drain(..) {
+                    let _ = r.join();
+                }
                 while let Ok(l) = self.lines.try_recv() {
                     on_line(&l);
                 }
