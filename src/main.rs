@@ -82,7 +82,7 @@ enum Cmd {
         #[arg(long, hide = true)]
         exit_with_parent: bool,
     },
-    /// Measure the system: fabric bandwidth and latency, aggregation throughput.
+    /// Measure the system: fabric, aggregation, push/pull through real processes.
     #[command(subcommand)]
     Bench(BenchCmd),
 }
@@ -92,28 +92,28 @@ struct TrainArgs {
     /// Job spec (TOML); without it, the built-in default job.
     #[arg(long)]
     spec: Option<PathBuf>,
-    /// Worker processes.
+    /// Worker processes [built-in job: 2].
     #[arg(long)]
     workers: Option<u32>,
-    /// Server processes.
+    /// Server processes [built-in job: 2].
     #[arg(long)]
     servers: Option<u32>,
-    /// Training iterations.
+    /// Training iterations [built-in job: 700].
     #[arg(long)]
     steps: Option<u64>,
-    /// Consistency model: bsp, ssp or asp.
+    /// Consistency model: bsp, ssp or asp [built-in job: bsp].
     #[arg(long)]
     consistency: Option<String>,
-    /// Optimizer: sgd, momentum, nesterov, adam, adamw.
+    /// Optimizer: sgd, momentum, nesterov, adam, adamw [built-in job: adam].
     #[arg(long)]
     optimizer: Option<String>,
-    /// Wire dtype of gradients and parameters: f32, bf16, f16.
+    /// Wire dtype of gradients and parameters: f32, bf16, f16 [built-in job: f32].
     #[arg(long)]
     dtype: Option<String>,
-    /// Base learning rate.
+    /// Base learning rate [built-in job: 0.01, cosine decay after 20 warm-up steps].
     #[arg(long)]
     lr: Option<f64>,
-    /// Samples per worker per iteration.
+    /// Samples per worker per iteration [built-in job: 512].
     #[arg(long)]
     batch: Option<u32>,
     /// Print progress every this many steps.
