@@ -277,6 +277,9 @@ struct PushPullArgs {
     /// Measured iterations (after 3 warm-up iterations).
     #[arg(long, default_value_t = 30)]
     iters: u64,
+    /// Target shard size (the unit of pipelining).
+    #[arg(long, value_parser = parse_size, default_value = "4MiB")]
+    shard_bytes: u64,
     /// Also print one JSON object with the results as the last line of stdout.
     #[arg(long)]
     json: bool,
@@ -285,8 +288,9 @@ struct PushPullArgs {
 fn bench_pushpull(a: PushPullArgs) -> Result<(), String> {
     use eps::bench::pushpull::{PushPullBench, run};
     eprintln!("eps bench pushpull: size={} workers={} servers={} iters={}", format_size(a.size), a.workers, a.servers, a.iters);
-    let r = run(&PushPullBench { size: a.size, workers: a.workers, servers: a.servers, iters: a.iters })
-        .map_err(|e| error_chain(&e))?;
+    let r =
+        run(&PushPullBench { size: a.size, workers: a.workers, servers: a.servers, iters: a.iters, shard_bytes: a.shard_bytes })
+            .map_err(|e| error_chain(&e))?;
     let ratio = r.gbytes_per_s / r.fabric_write_gbytes_per_s;
     println!(
         "{:>10} {:>8} {:>8} {:>12} {:>10} {:>16} {:>8}",

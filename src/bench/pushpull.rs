@@ -23,6 +23,8 @@ pub struct PushPullBench {
     pub servers: u32,
     /// Measured iterations.
     pub iters: u64,
+    /// Target shard size.
+    pub shard_bytes: u64,
 }
 
 /// What one run measured.
@@ -79,6 +81,9 @@ pub fn run(cfg: &PushPullBench) -> Result<PushPullReport, PushPullError> {
     if cfg.size < 4096 || cfg.size % 4 != 0 || cfg.size > 4 << 30 {
         return Err(PushPullError::Config("--size must be a multiple of 4 between 4KiB and 4GiB"));
     }
+    if cfg.shard_bytes < 4096 {
+        return Err(PushPullError::Config("--shard-bytes must be at least 4KiB"));
+    }
     if cfg.workers == 0 || cfg.servers == 0 || cfg.iters == 0 {
         return Err(PushPullError::Config("--workers, --servers and --iters must be at least 1"));
     }
@@ -88,11 +93,7 @@ pub fn run(cfg: &PushPullBench) -> Result<PushPullReport, PushPullError> {
         cfg.workers,
         cfg.servers,
         cfg.iters + WARMUP,
-        std::env::var("EPS_BENCH_SHARD")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(4u64 << 20)
-            .min(cfg.size.div_ceil(4096) * 4096),
+        cfg.shard_bytes.min(cfg.size.div_ceil(4096) * 4096),
         cfg.size / 4
     );
     let spec = eps_proto::JobSpec::from_toml(&text).map_err(TrainError::from)?;
