@@ -69,3 +69,23 @@ fn fabric_bench_runs_between_two_processes() {
         assert!(0.0 < p50 && p50 <= p99 && p99 <= max, "{last}");
     }
 }
+
+#[test]
+fn agg_and_pushpull_benches_report_their_fields() {
+    let o = eps(&["bench", "agg", "--dtype", "bf16", "--workers", "3", "--size", "1MiB", "--reps", "2", "--json"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    let last = out.lines().last().unwrap();
+    for k in ["gbytes_per_s", "mem_gbytes_per_s", "ratio"] {
+        assert!(json_field(last, k) > 0.0, "{k}: {last}");
+    }
+    let o = eps(&["bench", "pushpull", "--size", "1MiB", "--iters", "3", "--shard-bytes", "64KiB", "--json"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    let last = out.lines().last().unwrap();
+    for k in ["iter_ms_p50", "gbytes_per_s", "fabric_write_gbytes_per_s"] {
+        assert!(json_field(last, k) > 0.0, "{k}: {last}");
+    }
+    let o = eps(&["bench", "agg", "--dtype", "f64"]);
+    assert!(!o.status.success() && text(&o).contains("f64"));
+}
