@@ -3,6 +3,7 @@
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use eps::bench::Json;
@@ -60,6 +61,9 @@ enum Cmd {
         /// Aggregation threads (0: one per core).
         #[arg(long, default_value_t = 1)]
         threads: usize,
+        /// Seconds to wait for the control plane and for every worker to connect.
+        #[arg(long, default_value_t = 120)]
+        timeout: u64,
         /// Exit when the parent process exits.
         #[arg(long, hide = true)]
         exit_with_parent: bool,
@@ -75,6 +79,9 @@ enum Cmd {
         /// Print progress every this many steps (rank 0).
         #[arg(long, default_value_t = 50)]
         progress_every: u64,
+        /// Seconds to wait for the control plane, the plan and each transfer.
+        #[arg(long, default_value_t = 120)]
+        timeout: u64,
         /// (internal) Time this many push_pull iterations instead of training.
         #[arg(long, hide = true)]
         bench_iters: Option<u64>,
@@ -419,17 +426,17 @@ fn main() -> ExitCode {
             }
             eps::roles::control(listen, &spec, &state_dir)
         }
-        Cmd::Server { control, listen_ip, threads, exit_with_parent } => {
+        Cmd::Server { control, listen_ip, threads, timeout, exit_with_parent } => {
             if exit_with_parent {
                 eps::roles::exit_with_parent();
             }
-            eps::roles::server(control, listen_ip, threads)
+            eps::roles::server(control, listen_ip, threads, Duration::from_secs(timeout.max(1)))
         }
-        Cmd::Worker { control, progress_every, bench_iters, exit_with_parent } => {
+        Cmd::Worker { control, progress_every, timeout, bench_iters, exit_with_parent } => {
             if exit_with_parent {
                 eps::roles::exit_with_parent();
             }
-            eps::roles::worker(control, progress_every, bench_iters)
+            eps::roles::worker(control, progress_every, bench_iters, Duration::from_secs(timeout.max(1)))
         }
         Cmd::Bench(BenchCmd::Pushpull(a)) => bench_pushpull(a),
         Cmd::Bench(BenchCmd::Fabric(a)) => bench_fabric(a),

@@ -55,13 +55,13 @@ pub fn control(listen: SocketAddr, spec_path: &Path, state_dir: &Path) -> Result
 }
 
 /// `eps server`.
-pub fn server(control: SocketAddr, listen_ip: IpAddr, threads: usize) -> Result<(), String> {
+pub fn server(control: SocketAddr, listen_ip: IpAddr, threads: usize, timeout: Duration) -> Result<(), String> {
     let cfg = eps_server::ServerConfig {
         control,
         secret: secret_from_env(None)?,
         listen_ip,
         aggregator: Arc::new(CpuAggregator::new(threads)),
-        accept_timeout: Duration::from_secs(120),
+        accept_timeout: timeout,
     };
     let s = eps_server::run(&cfg).map_err(|e| crate_error(&e))?;
     eprintln!(
@@ -73,8 +73,8 @@ pub fn server(control: SocketAddr, listen_ip: IpAddr, threads: usize) -> Result<
 
 /// `eps worker`: the built-in task, or (with `bench_iters`) timed push_pull
 /// iterations for `eps bench pushpull`.
-pub fn worker(control: SocketAddr, every: u64, bench_iters: Option<u64>) -> Result<(), String> {
-    let cfg = eps_worker::WorkerConfig { control, secret: secret_from_env(None)?, timeout: Duration::from_secs(120) };
+pub fn worker(control: SocketAddr, every: u64, bench_iters: Option<u64>, timeout: Duration) -> Result<(), String> {
+    let cfg = eps_worker::WorkerConfig { control, secret: secret_from_env(None)?, timeout };
     match bench_iters {
         Some(n) => crate::bench::pushpull::run_worker(&cfg, n.max(1)).map_err(|e| crate_error(&e)),
         None => crate::train::worker::run(&cfg, every.max(1)).map_err(|e| crate_error(&e)),

@@ -89,3 +89,47 @@ fn agg_and_pushpull_benches_report_their_fields() {
     let o = eps(&["bench", "agg", "--dtype", "f64"]);
     assert!(!o.status.success() && text(&o).contains("f64"));
 }
+
+#[test]
+fn a_worker_whose_servers_never_come_fails_with_a_message() {
+    use std::io::{BufRead, BufReader};
+    let dir = std::env::temp_dir().join(format!("eps-cli-noserver-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let spec = dir.join("job.toml");
+    std::fs::write(&spec, "[job]\nworkers = 1\nservers = 1\n[model]\npreset = \"synthetic\"\nbuckets = 1024\n").unwrap();
+    let mut control = Command::new(env!("CARGO_BIN_EXE_eps"))
+        .args([
+            "control",
+            "--listen",
+            "127.0.0.1:0",
+            "--spec",
+            spec.to_str().unwrap(),
+            "--state-dir",
+            dir.join("state").to_str().unwrap(),
+        ])
+        .env("EPS_JOB_SECRET", "cli-test")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(control.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let addr = line.trim().strip_prefix("EPS_CONTROL_READY addr=").expect("ready line").to_string();
+    let o = Command::new(env!("CARGO_BIN_EXE_eps"))
+        .args(["worker", "--control", &addr, "--timeout", "1"])
+        .env("EPS_JOB_SECRET", "cli-test")
+        .output()
+        .unwrap();
+    let _ = control.kill();
+    let _ = control.wait();
+    assert!(!o.status.success());
+    assert!(text(&o).contains("did not answer in time"), "{}", text(&o));
+    // Without the secret, no role starts.
+    let o = Command::new(env!("CARGO_BIN_EXE_eps"))
+        .args(["worker", "--control", &addr])
+        .env_remove("EPS_JOB_SECRET")
+        .output()
+        .unwrap();
+    assert!(!o.status.success() && text(&o).contains("EPS_JOB_SECRET"), "{}", text(&o));
+    std::fs::remove_dir_all(dir).ok();
+}

@@ -28,6 +28,9 @@ impl ControlClient {
             }
         };
         s.set_nodelay(true).map_err(ControlError::Io)?;
+        // Every answer, including the plan (which waits for all servers), must come
+        // within `wait`: a job whose members never show up fails instead of hanging.
+        s.set_read_timeout(Some(wait.max(Duration::from_secs(1)))).map_err(ControlError::Io)?;
         auth_client(&mut s, secret)?;
         Ok(Self { s })
     }
@@ -35,9 +38,13 @@ impl ControlClient {
     /// Sends a request and returns the reply; an `Error` reply becomes `Rejected`.
     pub fn call(&mut self, m: &ControlMsg) -> Result<ControlMsg, ControlError> {
         write_msg(&mut self.s, m)?;
-        match read_msg(&mut self.s)? {
-            ControlMsg::Error { message } => Err(ControlError::Rejected(message)),
-            r => Ok(r),
+        match read_msg(&mut self.s) {
+            Ok(ControlMsg::Error { message }) => Err(ControlError::Rejected(message)),
+            Ok(r) => Ok(r),
+            Err(ControlError::Io(e)) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                Err(ControlError::Timeout)
+            }
+            Err(e) => Err(e),
         }
     }
 }

@@ -50,6 +50,9 @@ pub enum ControlError {
     /// Malformed traffic or state.
     #[error("control protocol: {0}")]
     Protocol(&'static str),
+    /// No answer in time (for a plan: some servers never became ready).
+    #[error("the control plane did not answer in time (are all servers and workers of the job started?)")]
+    Timeout,
     /// The control plane refused the request.
     #[error("control plane refused: {0}")]
     Rejected(String),

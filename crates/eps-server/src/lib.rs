@@ -139,7 +139,7 @@ struct Server {
 
 /// Runs a server until every worker has disconnected.
 pub fn run(cfg: &ServerConfig) -> Result<ServerSummary, ServerError> {
-    let mut ctl = ControlClient::connect(cfg.control, &cfg.secret, Duration::from_secs(30))?;
+    let mut ctl = ControlClient::connect(cfg.control, &cfg.secret, cfg.accept_timeout)?;
     let (rank, spec_text) = match ctl.call(&ControlMsg::Register { role: Role::Server, fabric_addr: String::new() })? {
         ControlMsg::Registered { rank, spec_toml } => (rank, spec_toml),
         _ => return Err(ServerError::Unexpected),
