@@ -206,3 +206,61 @@ fn serve(mut s: TcpStream, secret: &Secret, shared: &(Mutex<State>, Condvar)) ->
         write_msg(&mut s, &reply)?;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ControlClient;
+    use crate::store::FileStore;
+
+    const SPEC: &str = "[job]\nworkers = 1\nservers = 2\n[model]\npreset = \"synthetic\"\nbuckets = 1024\n";
+
+    fn status(addr: SocketAddr, secret: &Secret) -> String {
+        let mut c = ControlClient::connect(addr, secret, Duration::from_secs(5)).unwrap();
+        match c.call(&ControlMsg::Status).unwrap() {
+            ControlMsg::StatusReport { text } => text,
+            m => panic!("{m:?}"),
+        }
+    }
+
+    #[test]
+    fn membership_survives_a_restart_and_the_job_is_bounded() {
+        let dir = std::env::temp_dir().join(format!("eps-control-replay-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let spec = JobSpec::from_toml(SPEC).unwrap();
+        let secret = Secret::new("replay").unwrap();
+        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        {
+            let svc = ControlService::bind(any, &spec, SPEC, secret.clone(), Box::new(FileStore::open(&dir).unwrap())).unwrap();
+            let addr = svc.local_addr();
+            std::thread::spawn(move || svc.run());
+            let mut c = ControlClient::connect(addr, &secret, Duration::from_secs(5)).unwrap();
+            let r = c.call(&ControlMsg::Register { role: Role::Server, fabric_addr: String::new() }).unwrap();
+            assert!(matches!(r, ControlMsg::Registered { rank: 0, .. }));
+            let r = c.call(&ControlMsg::Register { role: Role::Worker, fabric_addr: String::new() }).unwrap();
+            assert!(matches!(r, ControlMsg::Registered { rank: 0, .. }));
+            // Static membership: a second worker is refused with a reason.
+            let e = c.call(&ControlMsg::Register { role: Role::Worker, fabric_addr: String::new() }).unwrap_err();
+            assert!(e.to_string().contains("already has its 1 workers"), "{e}");
+            assert!(status(addr, &secret).contains("servers: 1/2 registered"));
+        }
+        // A new control plane on the same state directory replays the log.
+        let svc = ControlService::bind(any, &spec, SPEC, secret.clone(), Box::new(FileStore::open(&dir).unwrap())).unwrap();
+        let addr = svc.local_addr();
+        std::thread::spawn(move || svc.run());
+        let text = status(addr, &secret);
+        assert!(text.contains("servers: 1/2 registered") && text.contains("workers: 1/1 registered"), "{text}");
+        let mut c = ControlClient::connect(addr, &secret, Duration::from_secs(5)).unwrap();
+        let r = c.call(&ControlMsg::Register { role: Role::Server, fabric_addr: String::new() }).unwrap();
+        assert!(matches!(r, ControlMsg::Registered { rank: 1, .. }), "ranks continue after the replay");
+        // Another job's spec cannot take over this state directory.
+        let other = SPEC.replace("servers = 2", "servers = 3");
+        let spec2 = JobSpec::from_toml(&other).unwrap();
+        let e = ControlService::bind(any, &spec2, &other, secret.clone(), Box::new(FileStore::open(&dir).unwrap())).unwrap_err();
+        assert!(e.to_string().contains("another spec"), "{e}");
+        // A wrong secret gets nothing.
+        let bad = Secret::new("wrong").unwrap();
+        assert!(ControlClient::connect(addr, &bad, Duration::from_secs(5)).is_err());
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}
