@@ -58,8 +58,8 @@ enum Cmd {
         /// IP to accept workers on (the port is picked by the OS).
         #[arg(long, default_value = "127.0.0.1")]
         listen_ip: IpAddr,
-        /// Aggregation threads (0: one per core).
-        #[arg(long, default_value_t = 1)]
+        /// Threads an update of a large shard is split over, at most 2 (0: one per core).
+        #[arg(long, default_value_t = 2)]
         threads: usize,
         /// Seconds to wait for the control plane and for every worker to connect.
         #[arg(long, default_value_t = 120)]

@@ -60,8 +60,9 @@ pub fn server(control: SocketAddr, listen_ip: IpAddr, threads: usize, timeout: D
         control,
         secret: secret_from_env(None)?,
         listen_ip,
-        aggregator: Arc::new(CpuAggregator::new(threads)),
+        aggregator: Arc::new(CpuAggregator::new(1)),
         accept_timeout: timeout,
+        update_threads: if threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { threads },
     };
     let s = eps_server::run(&cfg).map_err(|e| crate_error(&e))?;
     eprintln!(

@@ -66,6 +66,7 @@ fn run_cluster(text: &str) -> Vec<Vec<u8>> {
                     listen_ip: "127.0.0.1".parse().unwrap(),
                     aggregator: Arc::new(CpuAggregator::new(1)),
                     accept_timeout: Duration::from_secs(30),
+                    update_threads: 2,
                 };
                 eps_server::run(&cfg).unwrap()
             });
@@ -180,4 +181,15 @@ fn ssp_and_asp_train_and_finish() {
         }
     }
     let _ = DType::F32;
+}
+
+#[test]
+fn bsp_with_updates_split_over_two_threads_equals_reference() {
+    // Shards of 256 Ki elements: each update is split in two halves on two threads.
+    let text = spec_text(2, 2, 4, "f32", "adamw", "bsp")
+        .replace("shard_bytes = 8192", "shard_bytes = 1048576")
+        .replace("elements = 20000", "elements = 600000");
+    let got = run_cluster(&text);
+    let want = reference(&text);
+    assert!(got.iter().all(|g| g == &want), "split updates differ from the reference");
 }

@@ -106,6 +106,7 @@ fn run(bad: Bad) {
                 listen_ip: "127.0.0.1".parse().unwrap(),
                 aggregator: Arc::new(CpuAggregator::new(1)),
                 accept_timeout: Duration::from_secs(30),
+                update_threads: 1,
             };
             eps_server::run(&cfg).unwrap()
         });

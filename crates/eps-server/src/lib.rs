@@ -29,7 +29,7 @@ use eps_proto::imm::{Imm, ImmKind, widen_seq};
 use eps_proto::sync::{PushOutcome, ShardSync};
 use eps_proto::{Consistency, JobSpec, SpecError};
 
-pub use memory::{MemoryError, ShardMemory};
+pub use memory::{MAX_WORKERS, MemoryError, ShardMemory, UpdateArgs};
 
 /// How a server runs.
 #[derive(Clone, Debug)]
@@ -44,6 +44,8 @@ pub struct ServerConfig {
     pub aggregator: Arc<dyn Aggregator>,
     /// How long to wait for every worker to connect.
     pub accept_timeout: Duration,
+    /// Threads an update of a large shard is split over (1 or 2).
+    pub update_threads: usize,
 }
 
 /// What a server did.
@@ -90,10 +92,6 @@ pub enum ServerError {
     TooManyWorkers(u32),
 }
 
-/// Elements per fused reduce/step/publish pass (fits the L2 cache with its inputs).
-const FUSE_BLOCK: usize = 16 * 1024;
-/// Most workers one server sums in a single pass.
-const MAX_WORKERS: usize = 64;
 /// 0, 1, 2, ...: contributor lists are slices of this.
 const ALL_RANKS: [u32; MAX_WORKERS] = {
     let mut a = [0u32; MAX_WORKERS];
@@ -135,6 +133,7 @@ struct Server {
     waiting: Vec<std::collections::VecDeque<(u64, Option<u32>)>>,
     summary: ServerSummary,
     ready: Vec<(u32, u64)>,
+    threads: usize,
 }
 
 /// Runs a server until every worker has disconnected.
@@ -208,6 +207,7 @@ pub fn run(cfg: &ServerConfig) -> Result<ServerSummary, ServerError> {
         waiting: (0..n).map(|_| std::collections::VecDeque::with_capacity(workers as usize)).collect(),
         summary: ServerSummary { rank, shards: n, elements: layout.elements_of(rank), ..ServerSummary::default() },
         ready: Vec::with_capacity(workers as usize),
+        threads: cfg.update_threads.clamp(1, 2),
     };
     s.serve(&cq)?;
     drop(listener);
@@ -340,43 +340,20 @@ impl Server {
     }
 
     fn apply(&mut self, i: usize, iteration: u64, one: Option<u32>) -> Result<(), ServerError> {
-        let p = self.mem.places[i];
-        let len = p.shard.len as usize;
-        let es = self.mem.dtype.size_bytes();
         let scale = 1.0 / self.workers as f32;
         let scalars = self.opt.scalars(iteration, self.sched.at(iteration));
         let next = self.sync[i].version() + 1;
-        let pub_off = self.mem.pub_offset(i, ShardSync::parity(next));
-        let k = self.mem.state_k;
-        // One pass per cache-sized block: sum the contributions, step the optimizer,
-        // write the published copy. The math is element-wise, so blocks give the
-        // same bits as whole-shard calls, with a fraction of the memory traffic.
         let parity = ShardSync::parity(next);
+        let contributors: &[u32] = match one {
+            None => &ALL_RANKS[..self.workers as usize],
+            Some(w) => std::slice::from_ref(&ALL_RANKS[w as usize]),
+        };
+        let u = UpdateArgs { agg: &*self.agg, opt: &self.opt, scalars, scale, threads: self.threads };
         self.mem.set_stamp(i, parity, eps_proto::layout::STAMP_WRITING);
-        let mut grad_buf = std::mem::take(&mut self.mem.grad);
-        let mut start = 0;
-        while start < len {
-            let mut inputs: [&[u8]; MAX_WORKERS] = [&[]; MAX_WORKERS];
-            let end = (start + FUSE_BLOCK).min(len);
-            let bytes = start * es..end * es;
-            let grad = &mut grad_buf[..end - start];
-            let contributors: &[u32] = match one {
-                None => &ALL_RANKS[..self.workers as usize],
-                Some(w) => std::slice::from_ref(&ALL_RANKS[w as usize]),
-            };
-            for (slot, &r) in inputs.iter_mut().zip(contributors) {
-                // SAFETY: every contribution summed here has completed, and its worker
-                // may not push this shard again before the pull answer (BSP) or the
-                // credit (SSP/ASP) sent after this update.
-                *slot = unsafe { &self.mem.slot(i, r)[bytes.clone()] };
-            }
-            self.agg.reduce(self.mem.dtype, &inputs[..contributors.len()], scale, grad)?;
-            let (s0, s1) = (p.elem_off + start, p.elem_off + end);
-            self.agg.step(&self.opt, scalars, &mut self.mem.master[s0..s1], grad, &mut self.mem.state[s0 * k..s1 * k])?;
-            self.mem.publish_range(i, pub_off, start..end);
-            start = end;
-        }
-        self.mem.grad = grad_buf;
+        // SAFETY: `ShardSync` only asks for an update once every contribution in it
+        // has landed, each contributor waits for our pull answer or credit before
+        // pushing this shard again, and `can_publish` said no pull uses `parity`.
+        unsafe { self.mem.update(i, parity, contributors, &u)? };
         self.mem.set_stamp(i, parity, next);
         self.sync[i].published(one);
         self.sync[i].set_publish_waiting(!self.waiting[i].is_empty());

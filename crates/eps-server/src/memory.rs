@@ -2,9 +2,60 @@
 //! by peers), one gradient landing slot per worker per shard (registered, writable
 //! by peers), and the f32 master parameters and optimizer state (private).
 
-use eps_agg::{DType, Optimizer};
+use eps_agg::{AggError, Aggregator, DType, Optimizer, StepScalars};
 use eps_fabric::prelude::*;
 use eps_proto::layout::{Layout, Shard};
+
+/// Elements per fused sum/step/publish pass (fits the L2 cache with its inputs).
+pub const FUSE_BLOCK: usize = 16 * 1024;
+/// Most contributions one update sums.
+pub const MAX_WORKERS: usize = 64;
+
+/// What one update computes with.
+#[derive(Clone, Copy, Debug)]
+pub struct UpdateArgs<'a> {
+    /// The aggregator.
+    pub agg: &'a dyn Aggregator,
+    /// The optimizer.
+    pub opt: &'a Optimizer,
+    /// Per-step scalars.
+    pub scalars: StepScalars,
+    /// Factor applied to the sum (1 / workers).
+    pub scale: f32,
+    /// Threads to split the shard over (1 or 2).
+    pub threads: usize,
+}
+
+/// One thread's share of an update: elements `[0, master.len())` of a range.
+struct Part<'a> {
+    slots: [&'a [u8]; MAX_WORKERS],
+    n_slots: usize,
+    master: &'a mut [f32],
+    state: &'a mut [f32],
+    dst: &'a mut [u8],
+    grad: &'a mut [f32],
+}
+
+/// Sums, steps and publishes one part block by block: element-wise math, so blocks
+/// and parts give the same bits as whole-shard calls, with less memory traffic.
+fn fused(u: &UpdateArgs<'_>, dtype: DType, k: usize, p: Part<'_>) -> Result<(), AggError> {
+    let es = dtype.size_bytes();
+    let len = p.master.len();
+    let mut start = 0;
+    while start < len {
+        let end = (start + FUSE_BLOCK).min(len);
+        let mut inputs: [&[u8]; MAX_WORKERS] = [&[]; MAX_WORKERS];
+        for (x, s) in inputs.iter_mut().zip(&p.slots[..p.n_slots]) {
+            *x = &s[start * es..end * es];
+        }
+        let grad = &mut p.grad[..end - start];
+        u.agg.reduce(dtype, &inputs[..p.n_slots], u.scale, grad)?;
+        u.agg.step(u.opt, u.scalars, &mut p.master[start..end], grad, &mut p.state[start * k..end * k])?;
+        eps_agg::reduce::narrow(dtype, &p.master[start..end], &mut p.dst[start * es..end * es]);
+        start = end;
+    }
+    Ok(())
+}
 
 /// Where one local shard lives.
 #[derive(Clone, Copy, Debug)]
@@ -39,8 +90,8 @@ pub struct ShardMemory {
     pub master: Vec<f32>,
     /// Optimizer state, `state_k` values per parameter, interleaved, shards end to end.
     pub state: Vec<f32>,
-    /// Scratch for the averaged gradient of one shard.
-    pub grad: Vec<f32>,
+    /// Scratch for the averaged gradient of one block, per computing thread.
+    grads: [Vec<f32>; 2],
     /// Optimizer state values per parameter.
     pub state_k: usize,
 }
@@ -78,14 +129,12 @@ impl ShardMemory {
         let n_local = layout.shards_of(server).count();
         let mut pub_off = eps_proto::layout::stamp_area_bytes(n_local) as usize;
         let (mut land_off, mut elem_off) = (0usize, 0usize);
-        let mut max_len = 0usize;
         for s in layout.shards_of(server) {
             let bytes = s.len as usize * es;
             places.push(ShardPlace { shard: *s, pub_off, land_off, elem_off, bytes });
             pub_off += 2 * bytes;
             land_off += bytes;
             elem_off += s.len as usize;
-            max_len = max_len.max(s.len as usize);
         }
         let n = places.len();
         let published = pd.alloc_mr(pub_off.max(1), Access::LOCAL_WRITE | Access::REMOTE_READ).map_err(|source| MemoryError {
@@ -120,7 +169,7 @@ impl ShardMemory {
             landing,
             master,
             state: vec![0f32; elem_off * state_k],
-            grad: vec![0f32; max_len],
+            grads: [vec![0f32; FUSE_BLOCK], vec![0f32; FUSE_BLOCK]],
             state_k,
         })
     }
@@ -131,31 +180,47 @@ impl ShardMemory {
         p.pub_off + parity * p.bytes
     }
 
-    /// Worker `w`'s landed contribution for local shard `i`.
+    /// Applies one update to local shard `i`: sums the slots of `contributors` (in
+    /// that order), steps the optimizer on the master copy, and writes published
+    /// buffer `parity`, split over `u.threads` threads by element range.
     ///
     /// # Safety
-    /// No WRITE into that slot may be in flight: the worker's push for the shard has
-    /// completed and it may not push the shard again before the server says so (a
-    /// pull answer in BSP, a credit otherwise).
-    pub unsafe fn slot(&self, i: usize, w: u32) -> &[u8] {
-        let p = &self.places[i];
-        // SAFETY: the caller excludes writers of this range (see above).
-        unsafe { &self.landing[w as usize].as_slice()[p.land_off..p.land_off + p.bytes] }
-    }
-
-    /// Writes elements `range` (shard-relative) of local shard `i`'s master
-    /// parameters into the published buffer at byte offset `buf_off`.
-    ///
-    /// The caller guarantees no pull is being written from that buffer.
-    pub fn publish_range(&mut self, i: usize, buf_off: usize, range: std::ops::Range<usize>) {
+    /// No WRITE into the contributors' slots of this shard may be in flight (their
+    /// pushes completed, and none may push the shard again before the server says
+    /// so: a pull answer in BSP, a credit otherwise), and no pull may be reading or
+    /// being written from buffer `parity` (`ShardSync::can_publish`).
+    pub unsafe fn update(&mut self, i: usize, parity: usize, contributors: &[u32], u: &UpdateArgs<'_>) -> Result<(), AggError> {
         let p = self.places[i];
-        let es = self.dtype.size_bytes();
-        let src = &self.master[p.elem_off + range.start..p.elem_off + range.end];
-        // SAFETY: peers only READ this region, and the consistency state machine
-        // guarantees no pull (WRITE from here) is in flight on this buffer; no other
-        // reference to the region exists while the slice lives.
-        let dst = unsafe { &mut self.published.as_mut_slice()[buf_off + range.start * es..buf_off + range.end * es] };
-        eps_agg::reduce::narrow(self.dtype, src, dst);
+        let (len, k, dtype) = (p.shard.len as usize, self.state_k, self.dtype);
+        let es = dtype.size_bytes();
+        let ShardMemory { published, landing, master, state, grads, .. } = self;
+        let mut slots: [&[u8]; MAX_WORKERS] = [&[]; MAX_WORKERS];
+        for (x, &r) in slots.iter_mut().zip(contributors) {
+            // SAFETY: the caller excludes writers of these slots (see above).
+            *x = unsafe { &landing[r as usize].as_slice()[p.land_off..p.land_off + p.bytes] };
+        }
+        let off = p.pub_off + parity * p.bytes;
+        // SAFETY: the caller guarantees no pull uses this buffer; peers only READ the
+        // published region, and no other reference to it exists meanwhile.
+        let dst = unsafe { &mut published.as_mut_slice()[off..off + p.bytes] };
+        let m = &mut master[p.elem_off..p.elem_off + len];
+        let st = &mut state[p.elem_off * k..(p.elem_off + len) * k];
+        let [g0, g1] = grads;
+        let n_slots = contributors.len().min(MAX_WORKERS);
+        if u.threads < 2 || len < 4 * FUSE_BLOCK {
+            return fused(u, dtype, k, Part { slots, n_slots, master: m, state: st, dst, grad: g0 });
+        }
+        let mid = (len / 2).div_ceil(FUSE_BLOCK) * FUSE_BLOCK;
+        let (m0, m1) = m.split_at_mut(mid);
+        let (st0, st1) = st.split_at_mut(mid * k);
+        let (d0, d1) = dst.split_at_mut(mid * es);
+        let slots1: [&[u8]; MAX_WORKERS] = std::array::from_fn(|r| if r < n_slots { &slots[r][mid * es..] } else { &[][..] });
+        std::thread::scope(|s| {
+            let h = s.spawn(|| fused(u, dtype, k, Part { slots: slots1, n_slots, master: m1, state: st1, dst: d1, grad: g1 }));
+            let a = fused(u, dtype, k, Part { slots, n_slots, master: m0, state: st0, dst: d0, grad: g0 });
+            let b = h.join().unwrap_or(Ok(()));
+            a.and(b)
+        })
     }
 
     /// Sets the version stamp of buffer `parity` of local shard `i` (readers that
