@@ -26,6 +26,9 @@ struct State {
     ready: Vec<Option<ServerEndpoint>>,
     finished_servers: Vec<bool>,
     finished_workers: Vec<bool>,
+    /// Set once the reply to the last `Finished` has been written: only then may the
+    /// service exit (exiting earlier would cut that reply off).
+    done_replied: bool,
     store: Box<dyn Store>,
 }
 
@@ -130,6 +133,7 @@ impl ControlService {
             ready: vec![None; s as usize],
             finished_servers: vec![false; s as usize],
             finished_workers: vec![false; w as usize],
+            done_replied: false,
             store,
         };
         for (i, r) in records.iter().enumerate() {
@@ -142,6 +146,8 @@ impl ControlService {
             }
             st.apply(&m).map_err(|_| ControlError::Protocol("the control store does not replay"))?;
         }
+        // A replayed job that had already finished has nothing left to serve.
+        st.done_replied = st.done();
         Ok(Self { listener, secret, shared: Arc::new((Mutex::new(st), Condvar::new())) })
     }
 
@@ -156,7 +162,7 @@ impl ControlService {
         loop {
             {
                 let st = self.shared.0.lock().unwrap_or_else(|p| p.into_inner());
-                if st.done() {
+                if st.done_replied {
                     return Ok(());
                 }
             }
@@ -181,6 +187,7 @@ fn serve(mut s: TcpStream, secret: &Secret, shared: &(Mutex<State>, Condvar)) ->
     let (lock, cv) = shared;
     loop {
         let m = read_msg(&mut s)?;
+        let mut finishes_job = false;
         let reply = match m {
             ControlMsg::Register { .. } | ControlMsg::ServerReady(_) | ControlMsg::Finished { .. } => {
                 let mut st = lock.lock().unwrap_or_else(|p| p.into_inner());
@@ -188,6 +195,7 @@ fn serve(mut s: TcpStream, secret: &Secret, shared: &(Mutex<State>, Condvar)) ->
                     Ok(r) => {
                         st.persist(&m)?;
                         cv.notify_all();
+                        finishes_job = st.done();
                         r
                     }
                     Err(message) => ControlMsg::Error { message },
@@ -203,7 +211,11 @@ fn serve(mut s: TcpStream, secret: &Secret, shared: &(Mutex<State>, Condvar)) ->
             ControlMsg::Status => ControlMsg::StatusReport { text: lock.lock().unwrap_or_else(|p| p.into_inner()).status() },
             _ => ControlMsg::Error { message: "unexpected message for the control plane".into() },
         };
-        write_msg(&mut s, &reply)?;
+        let sent = write_msg(&mut s, &reply);
+        if finishes_job {
+            lock.lock().unwrap_or_else(|p| p.into_inner()).done_replied = true;
+        }
+        sent?;
     }
 }
 
