@@ -98,19 +98,39 @@ pub struct ShardMemory {
 
 /// Why memory could not be set up.
 #[derive(Debug, thiserror::Error)]
-#[error("cannot register {what}: {bytes} bytes for {shards} shards x {copies} copies")]
-pub struct MemoryError {
-    /// Which region.
-    pub what: &'static str,
-    /// How many bytes were asked for.
-    pub bytes: u64,
-    /// Shards on this server.
-    pub shards: usize,
-    /// Copies per shard (versions or workers).
-    pub copies: u32,
-    /// The fabric's error.
-    #[source]
-    pub source: FabricError,
+#[non_exhaustive]
+pub enum MemoryError {
+    /// Registering a region with the fabric failed.
+    #[error("cannot register {what}: {bytes} bytes for {shards} shards x {copies} copies")]
+    Register {
+        /// Which region.
+        what: &'static str,
+        /// How many bytes were asked for.
+        bytes: u64,
+        /// Shards on this server.
+        shards: usize,
+        /// Copies per shard (versions or workers).
+        copies: u32,
+        /// The fabric's error.
+        #[source]
+        source: FabricError,
+    },
+    /// Private host memory (master parameters, optimizer state) could not be had.
+    #[error("cannot allocate {what}: {bytes} bytes of host memory")]
+    Host {
+        /// Which buffer.
+        what: &'static str,
+        /// How many bytes were asked for.
+        bytes: u64,
+    },
+}
+
+/// A zeroed `Vec<f32>` of `n` elements, or an error naming `what` and the size.
+fn try_zeroed(n: usize, what: &'static str) -> Result<Vec<f32>, MemoryError> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| MemoryError::Host { what, bytes: n as u64 * 4 })?;
+    v.resize(n, 0.0);
+    Ok(v)
 }
 
 impl ShardMemory {
@@ -137,24 +157,20 @@ impl ShardMemory {
             elem_off += s.len as usize;
         }
         let n = places.len();
-        let published = pd.alloc_mr(pub_off.max(1), Access::LOCAL_WRITE | Access::REMOTE_READ).map_err(|source| MemoryError {
-            what: "published parameters",
-            bytes: pub_off as u64,
-            shards: n,
-            copies: 2,
-            source,
+        let published = pd.alloc_mr(pub_off.max(1), Access::LOCAL_WRITE | Access::REMOTE_READ).map_err(|source| {
+            MemoryError::Register { what: "published parameters", bytes: pub_off as u64, shards: n, copies: 2, source }
         })?;
         let landing = (0..workers)
             .map(|_| pd.alloc_mr(land_off.max(1), Access::LOCAL_WRITE | Access::REMOTE_WRITE))
             .collect::<Result<Vec<_>, _>>()
-            .map_err(|source| MemoryError {
+            .map_err(|source| MemoryError::Register {
                 what: "gradient landing slots",
                 bytes: land_off as u64 * workers as u64,
                 shards: n,
                 copies: workers,
                 source,
             })?;
-        let mut master = vec![0f32; elem_off];
+        let mut master = try_zeroed(elem_off, "f32 master parameters")?;
         for p in &places {
             for i in 0..p.shard.len as usize {
                 master[p.elem_off + i] = init(p.shard.start + i as u64);
@@ -168,7 +184,7 @@ impl ShardMemory {
             published,
             landing,
             master,
-            state: vec![0f32; elem_off * state_k],
+            state: try_zeroed(elem_off * state_k, "optimizer state")?,
             grads: [vec![0f32; FUSE_BLOCK], vec![0f32; FUSE_BLOCK]],
             state_k,
         })
@@ -251,5 +267,24 @@ impl ShardMemory {
         // reference to the region exists while the slice lives.
         let dst = unsafe { &mut self.published.as_mut_slice()[off..off + p.bytes] };
         eps_agg::reduce::narrow(self.dtype, src, dst);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use eps_proto::layout::Layout;
+    use eps_proto::spec::TensorSpec;
+
+    #[test]
+    fn too_much_memory_is_a_clear_error() {
+        let pd = SoftDevice::open().unwrap().alloc_pd();
+        let tensors = [TensorSpec { name: "huge".into(), elements: 1 << 40 }];
+        let layout = Layout::new(&tensors, DType::F32, 1 << 30, 1).unwrap();
+        let opt = Optimizer::Sgd { weight_decay: 0.0 };
+        let e = ShardMemory::new(&pd, &layout, 0, 2, &opt, |_| 0.0).unwrap_err();
+        let msg = format!("{e}: {}", std::error::Error::source(&e).map(|s| s.to_string()).unwrap_or_default());
+        assert!(msg.contains("published parameters") && msg.contains("879609"), "says how much: {msg}");
+        assert!(msg.contains("cannot allocate"), "says why: {msg}");
     }
 }
