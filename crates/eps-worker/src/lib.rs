@@ -9,6 +9,29 @@
 //! buffer. All shards are in flight at once (per-shard pipelining); queues are sized
 //! at start.
 //!
+//! ```no_run
+//! use std::time::Duration;
+//! use eps_worker::{Worker, WorkerConfig};
+//!
+//! let cfg = WorkerConfig {
+//!     control: "127.0.0.1:7100".parse().unwrap(),
+//!     secret: eps_fabric::Secret::new(std::env::var("EPS_JOB_SECRET").unwrap()).unwrap(),
+//!     timeout: Duration::from_secs(60),
+//! };
+//! let mut w = Worker::join(&cfg)?; // registers, connects, pulls version 0
+//! let weights = w.tensor("w")?; // element range of a tensor in the flat buffers
+//! for _ in 0..w.spec().job.steps {
+//!     // f32 jobs: compute straight from/into the registered buffers.
+//!     let (params, grads) = w.buffers_f32().expect("an f32 job");
+//!     for (g, p) in grads[weights.clone()].iter_mut().zip(&params[weights.clone()]) {
+//!         *g = 2.0 * p; // the gradient of sum(p^2)
+//!     }
+//!     w.push_pull()?; // push every shard, wait for the next parameters
+//! }
+//! w.finish()?;
+//! # Ok::<(), eps_worker::WorkerError>(())
+//! ```
+//!
 //! # Safety
 //! The buffers are registered memory that servers write into. They are only exposed
 //! between operations: every method that starts transfers waits for them to finish
