@@ -59,7 +59,7 @@ enum Cmd {
         #[arg(long, default_value = "127.0.0.1")]
         listen_ip: IpAddr,
         /// Threads an update of a large shard is split over, at most 2 (0: one per core).
-        #[arg(long, default_value_t = 2)]
+        #[arg(long, default_value_t = 1)]
         threads: usize,
         /// Seconds to wait for the control plane and for every worker to connect.
         #[arg(long, default_value_t = 120)]

@@ -10,11 +10,17 @@
 //! result for an element is therefore bitwise the same whichever thread, shard or
 //! server computes it, which is what makes a BSP run reproducible and independent of
 //! the number of servers.
+//!
+//! # Safety
+//! `unsafe` is denied except in `simd`, which calls kernels compiled for CPU
+//! features (AVX, F16C) after detecting them at run time.
 
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)]
 
 pub mod optim;
 pub mod reduce;
+#[allow(unsafe_code)]
+mod simd;
 
 pub use optim::{Decay, LrSchedule, Optimizer, StepScalars};
 

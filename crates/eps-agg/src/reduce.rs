@@ -85,6 +85,20 @@ pub fn sum_serial(dtype: DType, inputs: &[&[u8]], out: &mut [f32]) {
         DType::F32 if aligned(4) => return sum_streams::<f32>(inputs, out, |x| x),
         DType::Bf16 if aligned(2) => return sum_streams::<u16>(inputs, out, |x| f32::from_bits((x as u32) << 16)),
         DType::F16 if aligned(2) => {
+            // F16C when the CPU has it (detected at run time), else a widening table.
+            let mut first = true;
+            let mut fast = true;
+            for group in inputs.chunks(8) {
+                let g: [&[u16]; 8] = std::array::from_fn(|r| group.get(r).map_or(&[][..], |x| bytemuck::cast_slice(x)));
+                if !crate::simd::sum_f16(&g[..group.len()], out, first) {
+                    fast = false;
+                    break;
+                }
+                first = false;
+            }
+            if fast {
+                return;
+            }
             let t = f16_table();
             return sum_streams::<u16>(inputs, out, |x| t[x as usize]);
         }
