@@ -13,6 +13,7 @@ pub mod hello;
 pub mod imm;
 pub mod init;
 pub mod layout;
+pub mod membership;
 pub mod migrate;
 pub mod shardmap;
 pub mod spec;

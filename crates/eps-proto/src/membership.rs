@@ -1,0 +1,150 @@
+//! Worker membership over iterations, free of I/O. Workers join and leave at
+//! iteration boundaries announced in advance, so the set of contributors of every
+//! iteration is known to everyone before it starts: no gradient is lost or counted
+//! twice and averaging divides by the right count. Data follows membership: the
+//! training samples are dealt out in order, iteration by iteration, to that
+//! iteration's contributors in rank order, so no sample is skipped or seen twice
+//! whatever the changes.
+
+use std::ops::Range;
+
+/// A membership change that cannot be scheduled.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum MembershipError {
+    /// Changes must be announced for an iteration that has not started.
+    #[error("a change at iteration {at} comes too late: iteration {current} is under way")]
+    TooLate {
+        /// Requested boundary.
+        at: u64,
+        /// Current iteration.
+        current: u64,
+    },
+    /// An iteration needs at least one contributor.
+    #[error("an iteration needs at least one worker")]
+    Empty,
+}
+
+/// Contributor sets by iteration.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Membership {
+    /// `(first iteration, sorted worker ranks)`, by ascending first iteration.
+    epochs: Vec<(u64, Vec<u32>)>,
+}
+
+impl Membership {
+    /// `workers` contribute from iteration 0.
+    pub fn new(mut workers: Vec<u32>) -> Result<Self, MembershipError> {
+        if workers.is_empty() {
+            return Err(MembershipError::Empty);
+        }
+        workers.sort_unstable();
+        workers.dedup();
+        Ok(Self { epochs: vec![(0, workers)] })
+    }
+
+    /// From iteration `at` on, `workers` contribute. `current` is the iteration now
+    /// under way (changes apply at a boundary not yet reached).
+    pub fn schedule(&mut self, at: u64, current: u64, mut workers: Vec<u32>) -> Result<(), MembershipError> {
+        if at <= current {
+            return Err(MembershipError::TooLate { at, current });
+        }
+        if workers.is_empty() {
+            return Err(MembershipError::Empty);
+        }
+        workers.sort_unstable();
+        workers.dedup();
+        // A later announcement for the same or an earlier boundary replaces what
+        // was planned from there on.
+        self.epochs.retain(|(from, _)| *from < at);
+        self.epochs.push((at, workers));
+        Ok(())
+    }
+
+    /// The contributors of `iteration`, in rank order.
+    pub fn contributors(&self, iteration: u64) -> &[u32] {
+        let i = self.epochs.partition_point(|(from, _)| *from <= iteration);
+        &self.epochs[i.saturating_sub(1)].1
+    }
+
+    /// Samples dealt out before `iteration` (each contributor takes `batch`).
+    pub fn samples_before(&self, iteration: u64, batch: u64) -> u64 {
+        let mut total = 0;
+        for (k, (from, set)) in self.epochs.iter().enumerate() {
+            if *from >= iteration {
+                break;
+            }
+            let until = self.epochs.get(k + 1).map_or(iteration, |(next, _)| (*next).min(iteration));
+            total += (until - from) * set.len() as u64 * batch;
+        }
+        total
+    }
+
+    /// The samples `worker` trains on in `iteration`, or `None` if it does not
+    /// contribute to it.
+    pub fn samples(&self, iteration: u64, worker: u32, batch: u64) -> Option<Range<u64>> {
+        let pos = self.contributors(iteration).iter().position(|&w| w == worker)? as u64;
+        let first = self.samples_before(iteration, batch) + pos * batch;
+        Some(first..first + batch)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::init::mix;
+
+    #[test]
+    fn changes_apply_at_their_boundary() {
+        let mut m = Membership::new(vec![1, 0]).unwrap();
+        m.schedule(5, 2, vec![0, 1, 2]).unwrap();
+        m.schedule(9, 3, vec![2]).unwrap();
+        assert_eq!(m.contributors(4), &[0, 1]);
+        assert_eq!(m.contributors(5), &[0, 1, 2]);
+        assert_eq!(m.contributors(100), &[2]);
+        assert_eq!(m.schedule(3, 3, vec![0]), Err(MembershipError::TooLate { at: 3, current: 3 }));
+        assert_eq!(m.schedule(10, 3, vec![]), Err(MembershipError::Empty));
+        assert_eq!(m.samples(0, 1, 10), Some(10..20));
+        assert_eq!(m.samples(5, 2, 10), Some(5 * 2 * 10 + 20..5 * 2 * 10 + 30));
+        assert_eq!(m.samples(9, 0, 10), None);
+    }
+
+    /// Random join/leave schedules: every sample index up to the end is dealt out
+    /// exactly once, and only to that iteration's contributors.
+    #[test]
+    fn no_sample_is_skipped_or_seen_twice() {
+        for seed in 1..=200u64 {
+            let mut r = seed;
+            let mut rnd = |n: u64| {
+                r = mix(r);
+                r % n
+            };
+            let mut m = Membership::new((0..1 + rnd(4) as u32).collect()).unwrap();
+            let iterations = 40;
+            for current in 0..iterations {
+                if rnd(4) == 0 {
+                    let set: Vec<u32> = (0..8).filter(|_| rnd(2) == 0).collect();
+                    if !set.is_empty() {
+                        m.schedule(current + 1 + rnd(3), current, set).unwrap();
+                    }
+                }
+            }
+            let batch = 1 + rnd(5);
+            let mut seen = Vec::new();
+            for it in 0..iterations {
+                for w in 0..8u32 {
+                    match m.samples(it, w, batch) {
+                        Some(range) => {
+                            assert!(m.contributors(it).contains(&w));
+                            seen.extend(range);
+                        }
+                        None => assert!(!m.contributors(it).contains(&w)),
+                    }
+                }
+            }
+            seen.sort_unstable();
+            let expected: Vec<u64> = (0..m.samples_before(iterations, batch)).collect();
+            assert_eq!(seen, expected, "seed {seed}");
+        }
+    }
+}
