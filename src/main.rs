@@ -89,6 +89,14 @@ enum Cmd {
         #[arg(long, hide = true)]
         exit_with_parent: bool,
     },
+    /// Show the state of the job whose control plane is at --control.
+    ///
+    /// The job secret comes from the EPS_JOB_SECRET environment variable.
+    Status {
+        /// Control-plane address.
+        #[arg(long)]
+        control: SocketAddr,
+    },
     /// Measure the system: fabric, aggregation, push/pull through real processes.
     #[command(subcommand)]
     Bench(BenchCmd),
@@ -439,6 +447,7 @@ fn main() -> ExitCode {
             eps::roles::worker(control, progress_every, bench_iters, Duration::from_secs(timeout.max(1)))
         }
         Cmd::Bench(BenchCmd::Pushpull(a)) => bench_pushpull(a),
+        Cmd::Status { control } => eps::roles::status(control),
         Cmd::Bench(BenchCmd::Fabric(a)) => bench_fabric(a),
         Cmd::Bench(BenchCmd::Agg(a)) => bench_agg(a),
         Cmd::Bench(BenchCmd::FabricPeer { op, size, depth }) => fabric::run_peer(op, size, depth).map_err(|e| error_chain(&e)),

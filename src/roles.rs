@@ -82,6 +82,19 @@ pub fn worker(control: SocketAddr, every: u64, bench_iters: Option<u64>, timeout
     }
 }
 
+/// `eps status`: asks the control plane for the job's state and prints it.
+pub fn status(control: SocketAddr) -> Result<(), String> {
+    let secret = secret_from_env(None)?;
+    let mut c = eps_control::ControlClient::connect(control, &secret, Duration::from_secs(10)).map_err(|e| crate_error(&e))?;
+    match c.call(&eps_proto::control::ControlMsg::Status).map_err(|e| crate_error(&e))? {
+        eps_proto::control::ControlMsg::StatusReport { text } => {
+            println!("{text}");
+            Ok(())
+        }
+        _ => Err("unexpected answer from the control plane".into()),
+    }
+}
+
 /// An error with its chain of causes, for printing.
 pub fn crate_error(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();

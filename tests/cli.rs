@@ -120,10 +120,17 @@ fn a_worker_whose_servers_never_come_fails_with_a_message() {
         .env("EPS_JOB_SECRET", "cli-test")
         .output()
         .unwrap();
+    let st = Command::new(env!("CARGO_BIN_EXE_eps"))
+        .args(["status", "--control", &addr])
+        .env("EPS_JOB_SECRET", "cli-test")
+        .output()
+        .unwrap();
     let _ = control.kill();
     let _ = control.wait();
     assert!(!o.status.success());
     assert!(text(&o).contains("did not answer in time"), "{}", text(&o));
+    assert!(st.status.success(), "{}", text(&st));
+    assert!(text(&st).contains("workers: 1/1 registered") && text(&st).contains("servers: 0/1 registered"), "{}", text(&st));
     // Without the secret, no role starts.
     let o = Command::new(env!("CARGO_BIN_EXE_eps"))
         .args(["worker", "--control", &addr])
