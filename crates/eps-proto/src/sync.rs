@@ -66,6 +66,14 @@ pub enum SyncError {
         /// What it pushed.
         iteration: u64,
     },
+    /// A push from a worker that is not a contributor of that iteration.
+    #[error("worker {worker} is not a contributor of iteration {iteration}")]
+    NotContributor {
+        /// The rank.
+        worker: u32,
+        /// The iteration.
+        iteration: u64,
+    },
     /// A second pull while one is pending.
     #[error("worker {worker} asked for a pull while its previous pull is pending")]
     PullPending {
@@ -135,22 +143,30 @@ impl ShardSync {
     }
 
     /// Worker `worker` pushed its contribution for `iteration` into its slot.
-    pub fn on_push(&mut self, worker: u32, iteration: u64) -> Result<PushOutcome, SyncError> {
+    /// `contributors` is that iteration's contributor set (see `Membership`): in BSP
+    /// the update is ready once every one of them has pushed.
+    pub fn on_push(&mut self, worker: u32, iteration: u64, contributors: &[u32]) -> Result<PushOutcome, SyncError> {
         let w = self.check(worker)?;
         if self.slot_full[w] {
             return Err(SyncError::SlotBusy { worker, iteration });
         }
-        if iteration != self.clock[w] {
+        if self.mode == Consistency::Bsp {
+            // In BSP a worker's own clock does not matter (it may have joined late):
+            // the iteration is the shard's, and only its contributors take part.
+            if iteration != self.version {
+                return Err(SyncError::StaleIteration { worker, iteration, expected: self.version });
+            }
+            if !contributors.contains(&worker) {
+                return Err(SyncError::NotContributor { worker, iteration });
+            }
+        } else if iteration != self.clock[w] {
             return Err(SyncError::StaleIteration { worker, iteration, expected: self.clock[w] });
-        }
-        if self.mode == Consistency::Bsp && iteration != self.version {
-            return Err(SyncError::StaleIteration { worker, iteration, expected: self.version });
         }
         self.slot_full[w] = true;
         self.full_count += 1;
-        self.clock[w] += 1;
+        self.clock[w] = iteration + 1;
         Ok(match self.mode {
-            Consistency::Bsp if self.full_count == self.workers => PushOutcome::AggregateAll { iteration },
+            Consistency::Bsp if self.full_count as usize == contributors.len() => PushOutcome::AggregateAll { iteration },
             Consistency::Bsp => PushOutcome::Wait,
             _ => PushOutcome::ApplyOne { worker, iteration },
         })
@@ -256,35 +272,37 @@ impl ShardSync {
 mod tests {
     use super::*;
 
+    const ALL: &[u32] = &[0, 1, 2];
+
     #[test]
     fn bsp_aggregates_when_all_are_in_and_serves_waiting_pulls() {
         let mut s = ShardSync::new(Consistency::Bsp, 3);
         assert_eq!(s.on_pull(0, 0), Ok(Some(0)));
         s.pull_written(0);
-        assert_eq!(s.on_push(0, 0), Ok(PushOutcome::Wait));
+        assert_eq!(s.on_push(0, 0, ALL), Ok(PushOutcome::Wait));
         assert_eq!(s.on_pull(0, 1), Ok(None));
-        assert_eq!(s.on_push(0, 0), Err(SyncError::SlotBusy { worker: 0, iteration: 0 }));
-        assert_eq!(s.on_push(2, 0), Ok(PushOutcome::Wait));
-        assert_eq!(s.on_push(1, 1), Err(SyncError::StaleIteration { worker: 1, iteration: 1, expected: 0 }));
-        assert_eq!(s.on_push(1, 0), Ok(PushOutcome::AggregateAll { iteration: 0 }));
+        assert_eq!(s.on_push(0, 0, ALL), Err(SyncError::SlotBusy { worker: 0, iteration: 0 }));
+        assert_eq!(s.on_push(2, 0, ALL), Ok(PushOutcome::Wait));
+        assert_eq!(s.on_push(1, 1, ALL), Err(SyncError::StaleIteration { worker: 1, iteration: 1, expected: 0 }));
+        assert_eq!(s.on_push(1, 0, ALL), Ok(PushOutcome::AggregateAll { iteration: 0 }));
         assert!(s.can_publish());
         assert_eq!(s.published(None), 1);
         let mut out = vec![];
         s.ready_pulls(&mut out);
         assert_eq!(out, vec![(0, 1)]);
         assert_eq!(s.on_pull(1, 1), Ok(Some(1)));
-        assert_eq!(s.on_push(9, 1), Err(SyncError::UnknownWorker { worker: 9 }));
+        assert_eq!(s.on_push(9, 1, ALL), Err(SyncError::UnknownWorker { worker: 9 }));
     }
 
     #[test]
     fn a_buffer_with_pulls_in_flight_is_not_overwritten() {
         let mut s = ShardSync::new(Consistency::Bsp, 1);
         assert_eq!(s.on_pull(0, 0), Ok(Some(0))); // reading buffer 0
-        assert_eq!(s.on_push(0, 0), Ok(PushOutcome::AggregateAll { iteration: 0 }));
+        assert_eq!(s.on_push(0, 0, &[0]), Ok(PushOutcome::AggregateAll { iteration: 0 }));
         assert!(s.can_publish()); // version 1 goes to buffer 1
         s.published(None);
         assert_eq!(s.on_pull(0, 1), Ok(Some(1)));
-        assert_eq!(s.on_push(0, 1), Ok(PushOutcome::AggregateAll { iteration: 1 }));
+        assert_eq!(s.on_push(0, 1, &[0]), Ok(PushOutcome::AggregateAll { iteration: 1 }));
         assert!(!s.can_publish(), "version 2 would overwrite buffer 0 while version 0 is being written");
         s.pull_written(0);
         assert!(s.can_publish());
@@ -296,7 +314,7 @@ mod tests {
         let mut s = ShardSync::new(Consistency::Ssp, 2);
         // Worker 0 runs ahead; worker 1 is stuck at clock 0.
         for t in 0..3u64 {
-            assert_eq!(s.on_push(0, t), Ok(PushOutcome::ApplyOne { worker: 0, iteration: t }));
+            assert_eq!(s.on_push(0, t, ALL), Ok(PushOutcome::ApplyOne { worker: 0, iteration: t }));
             s.published(Some(0));
             // Next iteration t+1 may proceed if the slowest clock >= t+1-staleness.
             let need = (t + 1).saturating_sub(staleness);
@@ -308,11 +326,33 @@ mod tests {
                 assert_eq!(got, None, "t={t}: must wait for worker 1");
             }
         }
-        assert_eq!(s.on_push(1, 0), Ok(PushOutcome::ApplyOne { worker: 1, iteration: 0 }));
+        assert_eq!(s.on_push(1, 0, ALL), Ok(PushOutcome::ApplyOne { worker: 1, iteration: 0 }));
         s.published(Some(1));
         let mut out = vec![];
         s.ready_pulls(&mut out);
         assert_eq!(out.len(), 1);
         assert_eq!(out[0].0, 0);
+    }
+}
+
+#[cfg(test)]
+mod membership_tests {
+    use super::*;
+
+    /// BSP with changing contributor sets: the update waits for exactly that
+    /// iteration's contributors; others are refused.
+    #[test]
+    fn bsp_waits_for_the_iterations_contributors_only() {
+        let mut s = ShardSync::new(Consistency::Bsp, 4);
+        let first: &[u32] = &[0, 1];
+        assert_eq!(s.on_push(0, 0, first), Ok(PushOutcome::Wait));
+        assert_eq!(s.on_push(3, 0, first), Err(SyncError::NotContributor { worker: 3, iteration: 0 }));
+        assert_eq!(s.on_push(1, 0, first), Ok(PushOutcome::AggregateAll { iteration: 0 }));
+        s.published(None);
+        // Worker 3 joins at iteration 1 (its own clock never mattered), worker 0 left.
+        let second: &[u32] = &[1, 3];
+        assert_eq!(s.on_push(0, 1, second), Err(SyncError::NotContributor { worker: 0, iteration: 1 }));
+        assert_eq!(s.on_push(3, 1, second), Ok(PushOutcome::Wait));
+        assert_eq!(s.on_push(1, 1, second), Ok(PushOutcome::AggregateAll { iteration: 1 }));
     }
 }

@@ -26,6 +26,7 @@ use eps_fabric::prelude::*;
 use eps_proto::control::{ControlMsg, Role, ServerEndpoint};
 use eps_proto::hello::{HELLO_LEN, Hello};
 use eps_proto::imm::{Imm, ImmKind, widen_seq};
+use eps_proto::membership::Membership;
 use eps_proto::sync::{PushOutcome, ShardSync};
 use eps_proto::{Consistency, JobSpec, SpecError};
 
@@ -134,6 +135,8 @@ struct Server {
     summary: ServerSummary,
     ready: Vec<(u32, u64)>,
     threads: usize,
+    /// Contributor sets by iteration (static membership for now: every worker).
+    membership: Membership,
 }
 
 /// Runs a server until every worker has disconnected.
@@ -208,6 +211,7 @@ pub fn run(cfg: &ServerConfig) -> Result<ServerSummary, ServerError> {
         summary: ServerSummary { rank, shards: n, elements: layout.elements_of(rank), ..ServerSummary::default() },
         ready: Vec::with_capacity(workers as usize),
         threads: cfg.update_threads.clamp(1, 2),
+        membership: Membership::new((0..workers).collect()).map_err(|_| ServerError::Unexpected)?,
     };
     s.serve(&cq)?;
     drop(listener);
@@ -308,7 +312,8 @@ impl Server {
                 }
                 let near = self.sync[i].min_clock().max(self.sync[i].version());
                 let iteration = widen_seq(m.seq, near);
-                match self.sync[i].on_push(h.rank, iteration) {
+                let contributors = self.membership.contributors(iteration);
+                match self.sync[i].on_push(h.rank, iteration, contributors) {
                     Ok(PushOutcome::Wait) => {}
                     Ok(PushOutcome::AggregateAll { iteration }) => self.update(i, iteration, None)?,
                     Ok(PushOutcome::ApplyOne { worker, iteration }) => self.update(i, iteration, Some(worker))?,
@@ -340,13 +345,17 @@ impl Server {
     }
 
     fn apply(&mut self, i: usize, iteration: u64, one: Option<u32>) -> Result<(), ServerError> {
-        let scale = 1.0 / self.workers as f32;
         let scalars = self.opt.scalars(iteration, self.sched.at(iteration));
         let next = self.sync[i].version() + 1;
         let parity = ShardSync::parity(next);
-        let contributors: &[u32] = match one {
-            None => &ALL_RANKS[..self.workers as usize],
-            Some(w) => std::slice::from_ref(&ALL_RANKS[w as usize]),
+        // BSP: the iteration's contributors in rank order, averaged over their
+        // number; SSP/ASP: one worker's contribution, scaled by the worker count.
+        let (contributors, scale): (&[u32], f32) = match one {
+            None => {
+                let c = self.membership.contributors(iteration);
+                (c, 1.0 / c.len() as f32)
+            }
+            Some(w) => (std::slice::from_ref(&ALL_RANKS[w as usize]), 1.0 / self.workers as f32),
         };
         let u = UpdateArgs { agg: &*self.agg, opt: &self.opt, scalars, scale, threads: self.threads };
         self.mem.set_stamp(i, parity, eps_proto::layout::STAMP_WRITING);
