@@ -28,7 +28,7 @@ use eps_proto::hello::{HELLO_LEN, Hello};
 use eps_proto::imm::{Imm, ImmKind, widen_seq};
 use eps_proto::membership::Membership;
 use eps_proto::sync::{PushOutcome, ShardSync};
-use eps_proto::{Consistency, JobSpec, SpecError};
+use eps_proto::{JobSpec, SpecError};
 
 pub use memory::{MAX_WORKERS, MemoryError, ShardMemory, UpdateArgs};
 
@@ -115,8 +115,6 @@ struct Conn {
 }
 
 struct Server {
-    spec: JobSpec,
-    mode: Consistency,
     workers: u32,
     opt: Optimizer,
     sched: LrSchedule,
@@ -195,13 +193,11 @@ pub fn run(cfg: &ServerConfig) -> Result<ServerSummary, ServerError> {
         conns.push(Conn { qp, hello: None, alive: true });
     }
     let mut s = Server {
-        mode: spec.job.consistency,
         workers,
         opt,
         sched,
         agg: cfg.aggregator.clone(),
         sync: (0..n).map(|_| ShardSync::new(spec.job.consistency, workers)).collect(),
-        spec,
         mem,
         conns,
         by_rank: vec![None; workers as usize],
@@ -423,8 +419,6 @@ impl Server {
         let imm = Imm { kind: ImmKind::Credit, shard: i as u32, seq: 0 }.encode();
         let remote = RemoteAddr { addr: h.pull_addr, rkey: h.pull_rkey };
         conn.qp.post_send(&SendWr { wr_id: WR_CREDIT, op: SendOp::WriteImm(remote, imm), sg: &[], signaled: false })?;
-        let _ = self.mode;
-        let _ = &self.spec;
         Ok(())
     }
 }

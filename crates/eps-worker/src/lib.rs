@@ -516,9 +516,8 @@ impl Worker {
         loop {
             match self.qps[server as usize].post_send(&SendWr { wr_id: WR_READ, op: SendOp::Read(from), sg, signaled: true }) {
                 Err(FabricError::QueueFull { .. }) => {
-                    let mut wc = [Completion::EMPTY; 1];
-                    // Progress the queue; READ completions are counted by wait_reads.
-                    let _ = self.cq.poll(&mut wc[..0]);
+                    // Drive the queue without taking completions (wait_reads counts them).
+                    self.cq.poll(&mut [])?;
                     std::thread::yield_now();
                 }
                 r => return Ok(r?),
