@@ -240,7 +240,8 @@ impl Worker {
             _hello: h,
             _pd: pd,
         };
-        w.wait_sends(w.qps.len())?;
+        let n = w.qps.len();
+        w.wait_until(|w| w.hellos_acked >= n, "hello acknowledgements")?;
         if w.mode == Consistency::Asp {
             w.read_pull()?;
         } else {
@@ -366,11 +367,7 @@ impl Worker {
         let mut posted = 0usize;
         self.pulled = 0;
         for sid in 0..self.layout.shards.len() {
-            while !self.credit[sid] {
-                if !self.reap()? {
-                    self.cq.wait(Duration::from_millis(1));
-                }
-            }
+            self.wait_until(|w| w.credit[sid], "a credit for the landing slot")?;
             let s = self.layout.shards[sid];
             let (slot_base, rkey) = self.servers[s.server as usize].landing[self.rank as usize];
             let slot_off = self.slot_offset(s.server, s.local);
@@ -473,7 +470,8 @@ impl Worker {
                 self.post_read(s.server, from, &sg)?;
                 self.stats.pulled_bytes += s.len * es;
             }
-            self.wait_reads(ready.len())?;
+            let k = ready.len();
+            self.wait_until(|w| w.reads_done >= k, "RDMA READs of the published parameters")?;
             // 3. Stamps again: keep the shards whose buffer did not change.
             self.read_stamps()?;
             todo.retain(|&sid| {
@@ -509,14 +507,14 @@ impl Worker {
             self.post_read(r as u32, from, &sg)?;
         }
         let k = self.local_to_global.iter().filter(|l| !l.is_empty()).count();
-        self.wait_reads(k)
+        self.wait_until(|w| w.reads_done >= k, "RDMA READs of the published parameters")
     }
 
     fn post_read(&self, server: u32, from: RemoteAddr, sg: &[Sge<'_, SoftMr>]) -> Result<(), WorkerError> {
         loop {
             match self.qps[server as usize].post_send(&SendWr { wr_id: WR_READ, op: SendOp::Read(from), sg, signaled: true }) {
                 Err(FabricError::QueueFull { .. }) => {
-                    // Drive the queue without taking completions (wait_reads counts them).
+                    // Drive the queue without taking completions (wait_until counts them).
                     self.cq.poll(&mut [])?;
                     std::thread::yield_now();
                 }
@@ -525,33 +523,22 @@ impl Worker {
         }
     }
 
-    fn wait_reads(&mut self, n: usize) -> Result<(), WorkerError> {
-        let deadline = Instant::now() + self.timeout;
-        while self.reads_done < n {
-            if !self.reap()? {
-                if Instant::now() > deadline {
-                    return Err(WorkerError::Timeout("RDMA READs of the published parameters"));
-                }
-                self.cq.wait(Duration::from_millis(1));
-            }
-        }
-        Ok(())
-    }
-
     /// Byte offset of local shard `local` within this server's landing region.
     fn slot_offset(&self, server: u32, local: u32) -> u64 {
         let es = self.layout.dtype.size_bytes() as u64;
         self.local_to_global[server as usize][..local as usize].iter().map(|&g| self.layout.shards[g as usize].len * es).sum()
     }
 
-    fn wait_pulls(&mut self, n: usize) -> Result<(), WorkerError> {
+    /// Reaps completions until `done` holds: spinning while they flow, sleeping on
+    /// the CQ after 200 us without any; fails after the worker's timeout.
+    fn wait_until(&mut self, done: impl Fn(&Self) -> bool, what: &'static str) -> Result<(), WorkerError> {
         let deadline = Instant::now() + self.timeout;
         let mut idle = Instant::now();
-        while self.pulled < n {
+        while !done(self) {
             if self.reap()? {
                 idle = Instant::now();
             } else if Instant::now() > deadline {
-                return Err(WorkerError::Timeout("pull answers from the servers"));
+                return Err(WorkerError::Timeout(what));
             } else if idle.elapsed() > Duration::from_micros(200) {
                 self.cq.wait(Duration::from_millis(1));
             }
@@ -559,17 +546,8 @@ impl Worker {
         Ok(())
     }
 
-    fn wait_sends(&mut self, n: usize) -> Result<(), WorkerError> {
-        let deadline = Instant::now() + self.timeout;
-        while self.hellos_acked < n {
-            if !self.reap()? {
-                if Instant::now() > deadline {
-                    return Err(WorkerError::Timeout("hello acknowledgements"));
-                }
-                self.cq.wait(Duration::from_millis(1));
-            }
-        }
-        Ok(())
+    fn wait_pulls(&mut self, n: usize) -> Result<(), WorkerError> {
+        self.wait_until(|w| w.pulled >= n, "pull answers from the servers")
     }
 
     /// Polls once; counts pull answers and acknowledged hellos. True if anything came.
