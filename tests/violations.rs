@@ -51,7 +51,9 @@ fn misbehave(control: SocketAddr, bad: Bad) -> bool {
     else {
         panic!("not registered")
     };
-    let ControlMsg::Plan { servers } = ctl.call(&ControlMsg::GetPlan).unwrap() else { panic!("no plan") };
+    let ControlMsg::Map(map) = ctl.call(&ControlMsg::GetMap { worker: rank, adopted: 0, min_epoch: 0 }).unwrap() else {
+        panic!("no map")
+    };
     let pd = SoftDevice::open().unwrap().alloc_pd();
     let cq = pd.create_cq(256).unwrap();
     let params = pd.alloc_mr(1 << 20, Access::ALL).unwrap();
@@ -59,12 +61,12 @@ fn misbehave(control: SocketAddr, bad: Bad) -> bool {
     buf.write_at(0, &Hello { rank, pull_rkey: params.rkey(), pull_addr: params.addr() }.encode());
     let mut o = QpOptions::new(secret());
     o.max_msg_bytes = 1 << 20;
-    let qp = pd.connect(servers[0].fabric_addr.parse().unwrap(), &cq, &cq, &o).unwrap();
+    let qp = pd.connect(map.server_addr(0).unwrap().parse().unwrap(), &cq, &cq, &o).unwrap();
     for _ in 0..32 {
         qp.post_recv(&RecvWr { wr_id: 0, sg: &[] }).unwrap();
     }
     qp.post_send(&SendWr { wr_id: 1, op: SendOp::Send, sg: &[Sge::new(&buf, 0, 16)], signaled: true }).unwrap();
-    let (slot, rkey) = servers[0].landing[rank as usize];
+    let (slot, rkey) = map.routes[0].owner.landing[rank as usize];
     let (shard, seq, len) = match bad {
         Bad::WrongSize => (0, 0, 100),
         Bad::StaleIteration => (0, 7, 8192),

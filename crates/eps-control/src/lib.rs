@@ -10,6 +10,7 @@
 
 pub mod client;
 mod conn;
+pub mod job;
 pub mod server;
 pub mod store;
 

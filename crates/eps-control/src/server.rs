@@ -1,31 +1,30 @@
-//! The control-plane service: assigns ranks, hands out the spec, collects server
-//! endpoints and gives workers the plan once every server is ready. Static
-//! membership: the spec fixes how many servers and workers join.
+//! The control-plane service: assigns ranks, hands out the spec, and serves the job
+//! state of [`crate::job::Job`]: the shard map to workers (long polls that answer
+//! when the epoch moves), orders to servers (long polls too), scale requests, and
+//! the reports of migrations. Every state change is persisted before it is
+//! acknowledged.
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use eps_fabric::Secret;
 use eps_proto::JobSpec;
-use eps_proto::control::{ControlMsg, Role, ServerEndpoint};
+use eps_proto::control::ControlMsg;
 
 use crate::ControlError;
 use crate::conn::{auth_server, read_msg, write_msg};
+use crate::job::Job;
 use crate::store::Store;
 
 /// Marks the spec record in the store.
 const SPEC_RECORD_RANK: u32 = u32::MAX;
 
+/// How long a long poll (map or orders) waits for news before answering anyway.
+const LONG_POLL: Duration = Duration::from_millis(500);
+
 struct State {
-    spec_text: String,
-    servers_want: u32,
-    workers_want: u32,
-    server_addrs: Vec<String>,
-    workers: u32,
-    ready: Vec<Option<ServerEndpoint>>,
-    finished_servers: Vec<bool>,
-    finished_workers: Vec<bool>,
+    job: Job,
     /// Set once the reply to the last `Finished` has been written: only then may the
     /// service exit (exiting earlier would cut that reply off).
     done_replied: bool,
@@ -33,65 +32,8 @@ struct State {
 }
 
 impl State {
-    fn all_ready(&self) -> bool {
-        self.ready.iter().all(Option::is_some) && self.ready.len() == self.servers_want as usize
-    }
-
-    fn done(&self) -> bool {
-        self.finished_servers.iter().all(|&x| x) && self.finished_workers.iter().all(|&x| x)
-    }
-
     fn persist(&mut self, m: &ControlMsg) -> Result<(), ControlError> {
         self.store.append(&m.encode()[4..]).map_err(ControlError::Store)
-    }
-
-    /// Applies one record (live or replayed). Returns the reply for live requests.
-    fn apply(&mut self, m: &ControlMsg) -> Result<ControlMsg, String> {
-        match m {
-            ControlMsg::Register { role: Role::Server, fabric_addr } => {
-                if self.server_addrs.len() as u32 >= self.servers_want {
-                    return Err(format!("the job already has its {} servers", self.servers_want));
-                }
-                self.server_addrs.push(fabric_addr.clone());
-                Ok(ControlMsg::Registered { rank: self.server_addrs.len() as u32 - 1, spec_toml: self.spec_text.clone() })
-            }
-            ControlMsg::Register { role: Role::Worker, .. } => {
-                if self.workers >= self.workers_want {
-                    return Err(format!("the job already has its {} workers", self.workers_want));
-                }
-                self.workers += 1;
-                Ok(ControlMsg::Registered { rank: self.workers - 1, spec_toml: self.spec_text.clone() })
-            }
-            ControlMsg::ServerReady(ep) => {
-                let Some(slot) = self.ready.get_mut(ep.rank as usize) else {
-                    return Err(format!("server rank {} is outside the job", ep.rank));
-                };
-                *slot = Some(ep.clone());
-                Ok(ControlMsg::Ok)
-            }
-            ControlMsg::Finished { role, rank } => {
-                let v = if *role == Role::Server { &mut self.finished_servers } else { &mut self.finished_workers };
-                let Some(slot) = v.get_mut(*rank as usize) else {
-                    return Err(format!("rank {rank} is outside the job"));
-                };
-                *slot = true;
-                Ok(ControlMsg::Ok)
-            }
-            _ => Err("not a state change".into()),
-        }
-    }
-
-    fn status(&self) -> String {
-        let ready = self.ready.iter().filter(|r| r.is_some()).count();
-        let fw = self.finished_workers.iter().filter(|&&x| x).count();
-        let fs = self.finished_servers.iter().filter(|&&x| x).count();
-        format!(
-            "servers: {}/{} registered, {ready} ready, {fs} finished\nworkers: {}/{} registered, {fw} finished",
-            self.server_addrs.len(),
-            self.servers_want,
-            self.workers,
-            self.workers_want
-        )
     }
 }
 
@@ -119,23 +61,12 @@ impl ControlService {
     ) -> Result<Self, ControlError> {
         let listener = TcpListener::bind(addr).map_err(|e| ControlError::Bind { addr, source: e })?;
         let records = store.records().map_err(ControlError::Store)?;
-        let (s, w) = (spec.job.servers, spec.job.workers);
         let spec_record = ControlMsg::Registered { rank: SPEC_RECORD_RANK, spec_toml: spec_text.to_string() };
         if records.is_empty() {
             store.append(&spec_record.encode()[4..]).map_err(ControlError::Store)?;
         }
-        let mut st = State {
-            spec_text: spec_text.to_string(),
-            servers_want: s,
-            workers_want: w,
-            server_addrs: Vec::new(),
-            workers: 0,
-            ready: vec![None; s as usize],
-            finished_servers: vec![false; s as usize],
-            finished_workers: vec![false; w as usize],
-            done_replied: false,
-            store,
-        };
+        let job = Job::new(spec, spec_text).map_err(|_| ControlError::Protocol("the job spec has no valid layout"))?;
+        let mut st = State { job, done_replied: false, store };
         for (i, r) in records.iter().enumerate() {
             let m = ControlMsg::decode(r).map_err(|_| ControlError::Protocol("corrupt record in the control store"))?;
             if i == 0 {
@@ -144,10 +75,10 @@ impl ControlService {
                 }
                 continue;
             }
-            st.apply(&m).map_err(|_| ControlError::Protocol("the control store does not replay"))?;
+            st.job.apply(&m).map_err(|_| ControlError::Protocol("the control store does not replay"))?;
         }
         // A replayed job that had already finished has nothing left to serve.
-        st.done_replied = st.done();
+        st.done_replied = st.job.done();
         Ok(Self { listener, secret, shared: Arc::new((Mutex::new(st), Condvar::new())) })
     }
 
@@ -185,35 +116,62 @@ fn serve(mut s: TcpStream, secret: &Secret, shared: &(Mutex<State>, Condvar)) ->
     s.set_nonblocking(false).map_err(ControlError::Io)?;
     auth_server(&mut s, secret)?;
     let (lock, cv) = shared;
+    let locked = || lock.lock().unwrap_or_else(|p| p.into_inner());
     loop {
         let m = read_msg(&mut s)?;
         let mut finishes_job = false;
         let reply = match m {
-            ControlMsg::Register { .. } | ControlMsg::ServerReady(_) | ControlMsg::Finished { .. } => {
-                let mut st = lock.lock().unwrap_or_else(|p| p.into_inner());
-                match st.apply(&m) {
+            ControlMsg::Register { .. }
+            | ControlMsg::ServerReady { .. }
+            | ControlMsg::ShardReady { .. }
+            | ControlMsg::Cutover { .. }
+            | ControlMsg::Released { .. }
+            | ControlMsg::Scale { .. }
+            | ControlMsg::Finished { .. } => {
+                let mut st = locked();
+                match st.job.apply(&m) {
                     Ok(r) => {
                         st.persist(&m)?;
                         cv.notify_all();
-                        finishes_job = st.done();
+                        finishes_job = st.job.done();
                         r
                     }
                     Err(message) => ControlMsg::Error { message },
                 }
             }
-            ControlMsg::GetPlan => {
-                let mut st = lock.lock().unwrap_or_else(|p| p.into_inner());
-                while !st.all_ready() {
-                    st = cv.wait(st).unwrap_or_else(|p| p.into_inner());
+            ControlMsg::GetMap { worker, adopted, min_epoch } => {
+                let mut st = locked();
+                st.job.worker_adopted(worker, adopted);
+                // Orders may follow (a drained server may now retire).
+                cv.notify_all();
+                let deadline = Instant::now() + LONG_POLL;
+                // The first map waits for every initial server (bounded by the
+                // client's timeout); later ones answer after the long poll at most.
+                while !st.job.initial_ready() || (st.job.epoch() < min_epoch && Instant::now() < deadline) {
+                    let wait =
+                        if st.job.initial_ready() { deadline.saturating_duration_since(Instant::now()) } else { LONG_POLL };
+                    st = cv.wait_timeout(st, wait).unwrap_or_else(|p| p.into_inner()).0;
                 }
-                ControlMsg::Plan { servers: st.ready.iter().flatten().cloned().collect() }
+                ControlMsg::Map(st.job.job_map())
             }
-            ControlMsg::Status => ControlMsg::StatusReport { text: lock.lock().unwrap_or_else(|p| p.into_inner()).status() },
+            ControlMsg::Poll { rank, after } => {
+                let mut st = locked();
+                let deadline = Instant::now() + LONG_POLL;
+                loop {
+                    let (last, orders) = st.job.orders_for(rank, after);
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if !orders.is_empty() || left.is_zero() {
+                        break ControlMsg::Orders { last, orders };
+                    }
+                    st = cv.wait_timeout(st, left).unwrap_or_else(|p| p.into_inner()).0;
+                }
+            }
+            ControlMsg::Status => ControlMsg::StatusReport { text: locked().job.status() },
             _ => ControlMsg::Error { message: "unexpected message for the control plane".into() },
         };
         let sent = write_msg(&mut s, &reply);
         if finishes_job {
-            lock.lock().unwrap_or_else(|p| p.into_inner()).done_replied = true;
+            locked().done_replied = true;
         }
         sent?;
     }
@@ -224,6 +182,7 @@ mod tests {
     use super::*;
     use crate::ControlClient;
     use crate::store::FileStore;
+    use eps_proto::control::Role;
 
     const SPEC: &str = "[job]\nworkers = 1\nservers = 2\n[model]\npreset = \"synthetic\"\nbuckets = 1024\n";
 

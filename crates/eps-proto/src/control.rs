@@ -14,20 +14,98 @@ pub enum Role {
     Worker,
 }
 
-/// Where a server's data-plane memory is.
+/// Where one shard's data-plane memory is on its owner.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ServerEndpoint {
-    /// Server rank.
-    pub rank: u32,
-    /// Fabric listener address (`ip:port`).
-    pub fabric_addr: String,
-    /// Per worker rank: its landing region (gradient slots of every shard of this
-    /// server) as (virtual address, rkey). Each worker writes only its own region.
+pub struct ShardEndpoint {
+    /// Global shard id.
+    pub shard: u32,
+    /// Owning server rank.
+    pub owner: u32,
+    /// Per worker rank: its landing slot for this shard as (virtual address, rkey).
+    /// Each worker writes only its own slot.
     pub landing: Vec<(u64, u32)>,
-    /// Published-parameters region: virtual address and rkey (READ in ASP).
+    /// Published region (stamps, then two buffers): virtual address (READ in ASP).
     pub published_addr: u64,
     /// Published region rkey.
     pub published_rkey: u32,
+}
+
+/// Where a migration target receives a shard: the snapshot of its f32 master
+/// parameters and optimizer state, and each forwarded f32 gradient.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MigrationKeys {
+    /// Master-and-state region address.
+    pub state_addr: u64,
+    /// Its rkey.
+    pub state_rkey: u32,
+    /// Gradient region address.
+    pub grad_addr: u64,
+    /// Its rkey.
+    pub grad_rkey: u32,
+}
+
+/// How a worker reaches one shard at an epoch.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Route {
+    /// The owner (pushes of iterations from the cutover on go here).
+    pub owner: ShardEndpoint,
+    /// While a cutover is recent: the previous owner, and the cutover iteration
+    /// (pushes of earlier iterations, and pulls of versions up to it, go there).
+    pub previous: Option<(ShardEndpoint, u64)>,
+}
+
+impl Route {
+    /// Where the push of `iteration` (and the pull that follows it) goes.
+    pub fn for_iteration(&self, iteration: u64) -> &ShardEndpoint {
+        match &self.previous {
+            Some((p, at)) if iteration < *at => p,
+            _ => &self.owner,
+        }
+    }
+}
+
+/// The shard map as workers see it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct JobMap {
+    /// Grows with every change of ownership.
+    pub epoch: u64,
+    /// Fabric address of every server that owns or owned a routed shard, by rank.
+    pub servers: Vec<(u32, String)>,
+    /// Per global shard id.
+    pub routes: Vec<Route>,
+}
+
+impl JobMap {
+    /// Fabric address of server `rank`.
+    pub fn server_addr(&self, rank: u32) -> Option<&str> {
+        self.servers.iter().find(|(r, _)| *r == rank).map(|(_, a)| a.as_str())
+    }
+}
+
+/// What the control plane asks of a server.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Order {
+    /// Allocate and register memory for `shard` (it will come from `from`), then
+    /// report `ShardReady`.
+    MigrateIn {
+        /// Global shard id.
+        shard: u32,
+        /// Source server.
+        from: u32,
+    },
+    /// Migrate `shard` to server `to` at `to_addr`, into `keys`.
+    MigrateOut {
+        /// Global shard id.
+        shard: u32,
+        /// Target server.
+        to: u32,
+        /// Its fabric address.
+        to_addr: String,
+        /// Where the target receives the shard.
+        keys: MigrationKeys,
+    },
+    /// Leave: the job is over, or this server was scaled away and holds nothing.
+    Retire,
 }
 
 /// A control-plane message.
@@ -37,7 +115,7 @@ pub enum ControlMsg {
     Register {
         /// The role.
         role: Role,
-        /// Servers: the fabric address they listen on. Workers: empty.
+        /// Unused (empty); kept for the record format.
         fabric_addr: String,
     },
     /// Control -> role: your rank and the job spec (TOML).
@@ -47,14 +125,71 @@ pub enum ControlMsg {
         /// The job spec as TOML.
         spec_toml: String,
     },
-    /// Server -> control: memory registered, listening.
-    ServerReady(ServerEndpoint),
-    /// Worker -> control: wait until every server is ready, then send the plan.
-    GetPlan,
-    /// Control -> worker: every server's endpoint, by rank.
-    Plan {
-        /// Endpoints in rank order.
-        servers: Vec<ServerEndpoint>,
+    /// Server -> control: listening, with the shards it was given at start.
+    ServerReady {
+        /// Server rank.
+        rank: u32,
+        /// Fabric listener address (`ip:port`).
+        fabric_addr: String,
+        /// Its shards' endpoints.
+        shards: Vec<ShardEndpoint>,
+    },
+    /// Worker -> control: the map once every initial server is ready and the epoch
+    /// is at least `min_epoch` (long poll: may answer with an older map after a
+    /// while; ask again).
+    GetMap {
+        /// The asking worker's rank.
+        worker: u32,
+        /// The epoch its pushes are routed with now (servers it no longer needs
+        /// may leave once every worker routes past them).
+        adopted: u64,
+        /// Smallest epoch wanted.
+        min_epoch: u64,
+    },
+    /// Control -> worker: the map.
+    Map(JobMap),
+    /// Migration target -> control: memory for a shard is registered.
+    ShardReady {
+        /// Its endpoint for workers.
+        endpoint: ShardEndpoint,
+        /// Where the source writes to.
+        keys: MigrationKeys,
+    },
+    /// Migration source -> control: the target tracks the shard; pushes of
+    /// iterations from `at` on go to the target.
+    Cutover {
+        /// Global shard id.
+        shard: u32,
+        /// The cutover iteration.
+        at: u64,
+    },
+    /// Migration source -> control: the shard is released.
+    Released {
+        /// Global shard id.
+        shard: u32,
+        /// Bytes sent (snapshot and forwards).
+        bytes: u64,
+        /// From the order to the release, in milliseconds.
+        millis: u64,
+    },
+    /// Operator -> control: scale the job to `servers` servers.
+    Scale {
+        /// Wanted number of servers.
+        servers: u32,
+    },
+    /// Server -> control: orders after sequence number `after` (long poll).
+    Poll {
+        /// Server rank.
+        rank: u32,
+        /// Last order sequence number seen.
+        after: u64,
+    },
+    /// Control -> server: orders, with the sequence number of the last one.
+    Orders {
+        /// Sequence number of the last order included (or `after` if none).
+        last: u64,
+        /// The orders.
+        orders: Vec<Order>,
     },
     /// Role -> control: finished its work.
     Finished {
@@ -115,9 +250,9 @@ impl W {
         self.u32(s.len() as u32);
         self.0.extend_from_slice(s.as_bytes());
     }
-    fn endpoint(&mut self, e: &ServerEndpoint) {
-        self.u32(e.rank);
-        self.str(&e.fabric_addr);
+    fn endpoint(&mut self, e: &ShardEndpoint) {
+        self.u32(e.shard);
+        self.u32(e.owner);
         self.u32(e.landing.len() as u32);
         for (a, k) in &e.landing {
             self.u64(*a);
@@ -125,6 +260,55 @@ impl W {
         }
         self.u64(e.published_addr);
         self.u32(e.published_rkey);
+    }
+    fn endpoints(&mut self, v: &[ShardEndpoint]) {
+        self.u32(v.len() as u32);
+        for e in v {
+            self.endpoint(e);
+        }
+    }
+    fn keys(&mut self, k: &MigrationKeys) {
+        self.u64(k.state_addr);
+        self.u32(k.state_rkey);
+        self.u64(k.grad_addr);
+        self.u32(k.grad_rkey);
+    }
+    fn map(&mut self, m: &JobMap) {
+        self.u64(m.epoch);
+        self.u32(m.servers.len() as u32);
+        for (r, a) in &m.servers {
+            self.u32(*r);
+            self.str(a);
+        }
+        self.u32(m.routes.len() as u32);
+        for r in &m.routes {
+            self.endpoint(&r.owner);
+            match &r.previous {
+                None => self.u8(0),
+                Some((e, at)) => {
+                    self.u8(1);
+                    self.endpoint(e);
+                    self.u64(*at);
+                }
+            }
+        }
+    }
+    fn order(&mut self, o: &Order) {
+        match o {
+            Order::MigrateIn { shard, from } => {
+                self.u8(1);
+                self.u32(*shard);
+                self.u32(*from);
+            }
+            Order::MigrateOut { shard, to, to_addr, keys } => {
+                self.u8(2);
+                self.u32(*shard);
+                self.u32(*to);
+                self.str(to_addr);
+                self.keys(keys);
+            }
+            Order::Retire => self.u8(3),
+        }
     }
 }
 
@@ -152,6 +336,14 @@ impl R<'_> {
         let b = self.take(n)?;
         String::from_utf8(b.to_vec()).map_err(|_| DecodeError::Utf8)
     }
+    /// A count of items of at least `min_bytes` each, bounded by the input left.
+    fn count(&mut self, min_bytes: usize) -> Result<usize, DecodeError> {
+        let n = self.u32()? as usize;
+        if n > self.0.len() / min_bytes {
+            return Err(DecodeError::Truncated);
+        }
+        Ok(n)
+    }
     fn role(&mut self) -> Result<Role, DecodeError> {
         match self.u8()? {
             0 => Ok(Role::Server),
@@ -159,18 +351,49 @@ impl R<'_> {
             t => Err(DecodeError::Tag(t)),
         }
     }
-    fn endpoint(&mut self) -> Result<ServerEndpoint, DecodeError> {
-        let rank = self.u32()?;
-        let fabric_addr = self.str()?;
-        let n = self.u32()? as usize;
-        if n > self.0.len() / 12 {
-            return Err(DecodeError::Truncated);
-        }
+    fn endpoint(&mut self) -> Result<ShardEndpoint, DecodeError> {
+        let (shard, owner) = (self.u32()?, self.u32()?);
+        let n = self.count(12)?;
         let mut landing = Vec::with_capacity(n);
         for _ in 0..n {
             landing.push((self.u64()?, self.u32()?));
         }
-        Ok(ServerEndpoint { rank, fabric_addr, landing, published_addr: self.u64()?, published_rkey: self.u32()? })
+        Ok(ShardEndpoint { shard, owner, landing, published_addr: self.u64()?, published_rkey: self.u32()? })
+    }
+    fn endpoints(&mut self) -> Result<Vec<ShardEndpoint>, DecodeError> {
+        let n = self.count(24)?;
+        (0..n).map(|_| self.endpoint()).collect()
+    }
+    fn keys(&mut self) -> Result<MigrationKeys, DecodeError> {
+        Ok(MigrationKeys { state_addr: self.u64()?, state_rkey: self.u32()?, grad_addr: self.u64()?, grad_rkey: self.u32()? })
+    }
+    fn map(&mut self) -> Result<JobMap, DecodeError> {
+        let epoch = self.u64()?;
+        let n = self.count(8)?;
+        let mut servers = Vec::with_capacity(n);
+        for _ in 0..n {
+            servers.push((self.u32()?, self.str()?));
+        }
+        let n = self.count(25)?;
+        let mut routes = Vec::with_capacity(n);
+        for _ in 0..n {
+            let owner = self.endpoint()?;
+            let previous = match self.u8()? {
+                0 => None,
+                1 => Some((self.endpoint()?, self.u64()?)),
+                t => return Err(DecodeError::Tag(t)),
+            };
+            routes.push(Route { owner, previous });
+        }
+        Ok(JobMap { epoch, servers, routes })
+    }
+    fn order(&mut self) -> Result<Order, DecodeError> {
+        Ok(match self.u8()? {
+            1 => Order::MigrateIn { shard: self.u32()?, from: self.u32()? },
+            2 => Order::MigrateOut { shard: self.u32()?, to: self.u32()?, to_addr: self.str()?, keys: self.keys()? },
+            3 => Order::Retire,
+            t => return Err(DecodeError::Tag(t)),
+        })
     }
 }
 
@@ -196,17 +419,21 @@ impl ControlMsg {
                 w.u32(*rank);
                 w.str(spec_toml);
             }
-            ControlMsg::ServerReady(e) => {
+            ControlMsg::ServerReady { rank, fabric_addr, shards } => {
                 w.u8(3);
-                w.endpoint(e);
+                w.u32(*rank);
+                w.str(fabric_addr);
+                w.endpoints(shards);
             }
-            ControlMsg::GetPlan => w.u8(4),
-            ControlMsg::Plan { servers } => {
+            ControlMsg::GetMap { worker, adopted, min_epoch } => {
+                w.u8(4);
+                w.u32(*worker);
+                w.u64(*adopted);
+                w.u64(*min_epoch);
+            }
+            ControlMsg::Map(m) => {
                 w.u8(5);
-                w.u32(servers.len() as u32);
-                for e in servers {
-                    w.endpoint(e);
-                }
+                w.map(m);
             }
             ControlMsg::Finished { role, rank } => {
                 w.u8(6);
@@ -223,6 +450,39 @@ impl ControlMsg {
                 w.u8(10);
                 w.str(message);
             }
+            ControlMsg::ShardReady { endpoint, keys } => {
+                w.u8(11);
+                w.endpoint(endpoint);
+                w.keys(keys);
+            }
+            ControlMsg::Cutover { shard, at } => {
+                w.u8(12);
+                w.u32(*shard);
+                w.u64(*at);
+            }
+            ControlMsg::Released { shard, bytes, millis } => {
+                w.u8(13);
+                w.u32(*shard);
+                w.u64(*bytes);
+                w.u64(*millis);
+            }
+            ControlMsg::Scale { servers } => {
+                w.u8(14);
+                w.u32(*servers);
+            }
+            ControlMsg::Poll { rank, after } => {
+                w.u8(15);
+                w.u32(*rank);
+                w.u64(*after);
+            }
+            ControlMsg::Orders { last, orders } => {
+                w.u8(16);
+                w.u64(*last);
+                w.u32(orders.len() as u32);
+                for o in orders {
+                    w.order(o);
+                }
+            }
         }
         let n = (w.0.len() - 4) as u32;
         w.0[..4].copy_from_slice(&n.to_le_bytes());
@@ -238,25 +498,25 @@ impl ControlMsg {
         let m = match r.u8()? {
             1 => ControlMsg::Register { role: r.role()?, fabric_addr: r.str()? },
             2 => ControlMsg::Registered { rank: r.u32()?, spec_toml: r.str()? },
-            3 => ControlMsg::ServerReady(r.endpoint()?),
-            4 => ControlMsg::GetPlan,
-            5 => {
-                let n = r.u32()? as usize;
-                // Each endpoint is at least 28 bytes: bound the allocation by the input.
-                if n > r.0.len() / 28 {
-                    return Err(DecodeError::Truncated);
-                }
-                let mut servers = Vec::with_capacity(n);
-                for _ in 0..n {
-                    servers.push(r.endpoint()?);
-                }
-                ControlMsg::Plan { servers }
-            }
+            3 => ControlMsg::ServerReady { rank: r.u32()?, fabric_addr: r.str()?, shards: r.endpoints()? },
+            4 => ControlMsg::GetMap { worker: r.u32()?, adopted: r.u64()?, min_epoch: r.u64()? },
+            5 => ControlMsg::Map(r.map()?),
             6 => ControlMsg::Finished { role: r.role()?, rank: r.u32()? },
             7 => ControlMsg::Status,
             8 => ControlMsg::StatusReport { text: r.str()? },
             9 => ControlMsg::Ok,
             10 => ControlMsg::Error { message: r.str()? },
+            11 => ControlMsg::ShardReady { endpoint: r.endpoint()?, keys: r.keys()? },
+            12 => ControlMsg::Cutover { shard: r.u32()?, at: r.u64()? },
+            13 => ControlMsg::Released { shard: r.u32()?, bytes: r.u64()?, millis: r.u64()? },
+            14 => ControlMsg::Scale { servers: r.u32()? },
+            15 => ControlMsg::Poll { rank: r.u32()?, after: r.u64()? },
+            16 => {
+                let last = r.u64()?;
+                let n = r.count(1)?;
+                let orders = (0..n).map(|_| r.order()).collect::<Result<_, _>>()?;
+                ControlMsg::Orders { last, orders }
+            }
             t => return Err(DecodeError::Tag(t)),
         };
         if !r.0.is_empty() {
@@ -270,29 +530,42 @@ impl ControlMsg {
 mod tests {
     use super::*;
 
-    fn ep(rank: u32) -> ServerEndpoint {
-        ServerEndpoint {
-            rank,
-            fabric_addr: "127.0.0.1:9".into(),
-            landing: vec![(1, 2), (5, 6)],
-            published_addr: 3,
-            published_rkey: 4,
-        }
+    fn ep(shard: u32, owner: u32) -> ShardEndpoint {
+        ShardEndpoint { shard, owner, landing: vec![(1, 2), (5, 6)], published_addr: 3, published_rkey: 4 }
     }
 
     #[test]
     fn roundtrip_and_garbage() {
+        let keys = MigrationKeys { state_addr: 1, state_rkey: 2, grad_addr: 3, grad_rkey: 4 };
+        let map = JobMap {
+            epoch: 7,
+            servers: vec![(0, "127.0.0.1:1".into()), (3, "127.0.0.1:2".into())],
+            routes: vec![Route { owner: ep(0, 0), previous: None }, Route { owner: ep(1, 3), previous: Some((ep(1, 0), 12)) }],
+        };
         let msgs = vec![
             ControlMsg::Register { role: Role::Server, fabric_addr: "127.0.0.1:5".into() },
             ControlMsg::Registered { rank: 3, spec_toml: "[job]".into() },
-            ControlMsg::ServerReady(ep(1)),
-            ControlMsg::GetPlan,
-            ControlMsg::Plan { servers: vec![ep(0), ep(1)] },
+            ControlMsg::ServerReady { rank: 1, fabric_addr: "127.0.0.1:9".into(), shards: vec![ep(0, 1), ep(2, 1)] },
+            ControlMsg::GetMap { worker: 1, adopted: 2, min_epoch: 3 },
+            ControlMsg::Map(map),
             ControlMsg::Finished { role: Role::Worker, rank: 2 },
             ControlMsg::Status,
             ControlMsg::StatusReport { text: "x".into() },
             ControlMsg::Ok,
             ControlMsg::Error { message: "no".into() },
+            ControlMsg::ShardReady { endpoint: ep(4, 2), keys },
+            ControlMsg::Cutover { shard: 4, at: 99 },
+            ControlMsg::Released { shard: 4, bytes: 1 << 30, millis: 17 },
+            ControlMsg::Scale { servers: 3 },
+            ControlMsg::Poll { rank: 2, after: 5 },
+            ControlMsg::Orders {
+                last: 9,
+                orders: vec![
+                    Order::MigrateIn { shard: 1, from: 0 },
+                    Order::MigrateOut { shard: 1, to: 2, to_addr: "127.0.0.1:7".into(), keys },
+                    Order::Retire,
+                ],
+            },
         ];
         for m in msgs {
             let f = m.encode();
@@ -316,5 +589,13 @@ mod tests {
             }
             let _ = ControlMsg::decode(&b);
         }
+    }
+
+    #[test]
+    fn routes_follow_the_cutover() {
+        let r = Route { owner: ep(1, 3), previous: Some((ep(1, 0), 12)) };
+        assert_eq!(r.for_iteration(11).owner, 0);
+        assert_eq!(r.for_iteration(12).owner, 3);
+        assert_eq!(Route { owner: ep(1, 3), previous: None }.for_iteration(0).owner, 3);
     }
 }

@@ -1,5 +1,10 @@
-//! The first message on every worker-server QP: the worker's rank and where its
-//! parameter buffer is (pull answers are written straight into it).
+//! The first message on every QP a server accepts. From a worker: its rank and
+//! where its parameter buffer is (pull answers are written straight into it). From
+//! another server (a migration source): its rank with [`PEER_BIT`] set, and a small
+//! region the target acknowledges forwarded updates into.
+
+/// Set in `rank` when the hello comes from a server migrating shards here.
+pub const PEER_BIT: u32 = 1 << 31;
 
 /// Bytes of a hello.
 pub const HELLO_LEN: usize = 16;
@@ -7,7 +12,7 @@ pub const HELLO_LEN: usize = 16;
 /// A worker's hello.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Hello {
-    /// Worker rank.
+    /// Worker rank, or a server's rank with [`PEER_BIT`] set.
     pub rank: u32,
     /// rkey of the worker's parameter buffer.
     pub pull_rkey: u32,
@@ -24,6 +29,11 @@ impl Hello {
         b[8..16].copy_from_slice(&self.pull_addr.to_le_bytes());
         b
     }
+    /// Whether a server sent it.
+    pub fn is_peer(&self) -> bool {
+        self.rank & PEER_BIT != 0
+    }
+
     /// Decodes.
     pub fn decode(b: &[u8]) -> Option<Self> {
         if b.len() < HELLO_LEN {

@@ -1,9 +1,10 @@
 //! The 32-bit immediates of the data plane. Every push, pull request, pull answer
 //! and credit is a WRITE_WITH_IMM whose immediate says what it is:
-//! `kind:3 | shard:13 | seq:16`, where `shard` is the server-local shard index and
-//! `seq` the low 16 bits of an iteration or version (widened by [`widen_seq`]).
+//! `kind:3 | shard:13 | seq:16`, where `shard` is the global shard id and `seq` the
+//! low 16 bits of an iteration or version (widened by [`widen_seq`]). Shard ids
+//! stay the same when a shard moves between servers.
 
-use crate::layout::MAX_SHARDS_PER_SERVER;
+use crate::layout::MAX_SHARDS;
 
 /// What an immediate announces.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -16,6 +17,15 @@ pub enum ImmKind {
     PullDone = 3,
     /// Server to worker: your landing slot for `shard` is free again.
     Credit = 4,
+    /// Server to worker: the push of iteration `seq` for `shard` belongs to another
+    /// owner in a newer epoch of the shard map; fetch it and push there.
+    Moved = 5,
+    /// Migration source to target: the snapshot (first) or the averaged gradient
+    /// producing version `seq` of `shard` has landed.
+    Forward = 6,
+    /// Migration target to source: version `seq` of `shard` is applied; the
+    /// gradient buffer may be written again.
+    ForwardAck = 7,
 }
 
 /// A decoded immediate.
@@ -23,16 +33,16 @@ pub enum ImmKind {
 pub struct Imm {
     /// Kind.
     pub kind: ImmKind,
-    /// Server-local shard index.
+    /// Global shard id.
     pub shard: u32,
     /// Low 16 bits of the iteration or version.
     pub seq: u16,
 }
 
 impl Imm {
-    /// Encodes; `shard` must be below [`MAX_SHARDS_PER_SERVER`].
+    /// Encodes; `shard` must be below [`MAX_SHARDS`].
     pub fn encode(self) -> u32 {
-        debug_assert!(self.shard < MAX_SHARDS_PER_SERVER);
+        debug_assert!(self.shard < MAX_SHARDS);
         ((self.kind as u32) << 29) | ((self.shard & 0x1FFF) << 16) | self.seq as u32
     }
 
@@ -43,6 +53,9 @@ impl Imm {
             2 => ImmKind::PullReq,
             3 => ImmKind::PullDone,
             4 => ImmKind::Credit,
+            5 => ImmKind::Moved,
+            6 => ImmKind::Forward,
+            7 => ImmKind::ForwardAck,
             _ => return None,
         };
         Some(Self { kind, shard: (v >> 16) & 0x1FFF, seq: v as u16 })
@@ -68,8 +81,17 @@ mod tests {
 
     #[test]
     fn roundtrip_every_kind() {
-        for kind in [ImmKind::Push, ImmKind::PullReq, ImmKind::PullDone, ImmKind::Credit] {
-            for shard in [0, 1, 4095, MAX_SHARDS_PER_SERVER - 1] {
+        let kinds = [
+            ImmKind::Push,
+            ImmKind::PullReq,
+            ImmKind::PullDone,
+            ImmKind::Credit,
+            ImmKind::Moved,
+            ImmKind::Forward,
+            ImmKind::ForwardAck,
+        ];
+        for kind in kinds {
+            for shard in [0, 1, 4095, MAX_SHARDS - 1] {
                 for seq in [0, 1, 0x7FFF, 0xFFFF] {
                     let i = Imm { kind, shard, seq };
                     assert_eq!(Imm::decode(i.encode()), Some(i));
@@ -77,7 +99,7 @@ mod tests {
             }
         }
         assert_eq!(Imm::decode(0), None);
-        assert_eq!(Imm::decode(7 << 29), None);
+        assert_eq!(Imm::decode(0x1234), None, "kind 0 is not a message");
     }
 
     #[test]

@@ -2,8 +2,8 @@
 //!
 //! Tensors are laid end to end; the space is cut into shards of a target size, each
 //! starting on a 4 KiB boundary of the wire dtype; shard `i` lives on server
-//! `i % servers`, where it is local shard `i / servers`. Every process derives the
-//! same layout from the spec, so only the spec travels.
+//! `i % servers` at first (the shard map of the control plane moves them later).
+//! Every process derives the same layout from the spec, so only the spec travels.
 
 use eps_agg::DType;
 
@@ -11,16 +11,20 @@ use crate::spec::TensorSpec;
 
 /// Byte alignment of shard boundaries in the wire dtype.
 pub const SHARD_ALIGN_BYTES: u64 = 4096;
-/// Most shards one server can hold (the immediate's shard field is 13 bits).
-pub const MAX_SHARDS_PER_SERVER: u32 = 1 << 13;
+/// Most shards a job can have (the immediate's shard field is 13 bits).
+pub const MAX_SHARDS: u32 = 1 << 13;
 
 /// Stamp of a published buffer that is being rewritten (or holds no version yet).
 pub const STAMP_WRITING: u64 = u64::MAX;
 
-/// Bytes at the start of a server's published region that hold the version stamps
-/// of its buffers (two u64 per local shard: buffer 0, buffer 1), rounded to 4 KiB.
-pub fn stamp_area_bytes(local_shards: usize) -> u64 {
-    (16 * local_shards as u64).div_ceil(4096).max(1) * 4096
+/// Bytes at the start of a shard's published region before its two buffers: the
+/// version stamps of buffer 0 and buffer 1 (two u64), padded to a cache line.
+pub const PUBLISHED_HEADER: u64 = 64;
+
+/// Byte offset of published buffer `parity` of a shard of `bytes` bytes within the
+/// shard's published region.
+pub fn published_offset(bytes: u64, parity: usize) -> u64 {
+    PUBLISHED_HEADER + parity as u64 * bytes
 }
 
 /// A tensor's place in the flat space.
@@ -71,13 +75,11 @@ pub enum LayoutError {
     /// The model has no elements.
     #[error("the model has no parameters")]
     Empty,
-    /// Too many shards for the servers.
-    #[error("{shards} shards on {servers} servers exceeds {MAX_SHARDS_PER_SERVER} per server; raise job.shard_bytes")]
+    /// Too many shards.
+    #[error("{shards} shards exceeds the limit of {MAX_SHARDS}; raise job.shard_bytes")]
     TooManyShards {
         /// Shards.
         shards: u64,
-        /// Servers.
-        servers: u32,
     },
 }
 
@@ -98,8 +100,8 @@ impl Layout {
         let per = (shard_bytes / es / align).max(1) * align;
         let count = total.div_ceil(per);
         let servers = servers.max(1);
-        if count.div_ceil(servers as u64) > MAX_SHARDS_PER_SERVER as u64 {
-            return Err(LayoutError::TooManyShards { shards: count, servers });
+        if count > MAX_SHARDS as u64 {
+            return Err(LayoutError::TooManyShards { shards: count });
         }
         let shards = (0..count)
             .map(|i| {
@@ -124,15 +126,6 @@ impl Layout {
     /// Elements held by one server.
     pub fn elements_of(&self, server: u32) -> u64 {
         self.shards_of(server).map(|s| s.len).sum()
-    }
-
-    /// Byte offset, in `server`'s published region, of buffer `parity` of its local
-    /// shard `local`: the stamp area, then each shard's two buffers in local order.
-    pub fn published_offset(&self, server: u32, local: u32, parity: usize) -> u64 {
-        let es = self.dtype.size_bytes() as u64;
-        let mine: Vec<&Shard> = self.shards_of(server).collect();
-        let before: u64 = mine[..local as usize].iter().map(|s| 2 * s.len * es).sum();
-        stamp_area_bytes(mine.len()) + before + parity as u64 * mine[local as usize].len * es
     }
 
     /// Bytes of the whole model in the wire dtype.

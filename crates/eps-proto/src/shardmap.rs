@@ -108,6 +108,16 @@ impl ShardMap {
     /// returned moves and then bumps the epoch with [`ShardMap::apply_moves`]).
     /// Bytes end balanced to within one shard of the largest remaining size.
     pub fn plan_add(&mut self, new: u32) -> Result<Vec<Move>, PlanError> {
+        self.plan_add_inner(new, true)
+    }
+
+    /// Like [`ShardMap::plan_add`], moving whole shards only (no splits): balanced
+    /// to within one shard.
+    pub fn plan_add_whole(&mut self, new: u32) -> Result<Vec<Move>, PlanError> {
+        self.plan_add_inner(new, false)
+    }
+
+    fn plan_add_inner(&mut self, new: u32, split: bool) -> Result<Vec<Move>, PlanError> {
         if self.servers.contains(&new) {
             return Err(PlanError::AlreadyMember(new));
         }
@@ -133,7 +143,7 @@ impl ShardMap {
                 break;
             };
             let bytes = self.shards[i].len * self.elem_bytes;
-            if bytes > deficit && bytes > self.align() * self.elem_bytes && self.split(i) {
+            if split && bytes > deficit && bytes > self.align() * self.elem_bytes && self.split(i) {
                 moved.insert(i + 1, false);
                 continue;
             }
@@ -152,21 +162,27 @@ impl ShardMap {
     /// Plans removing server `gone`: each of its shards, largest first, goes to the
     /// least loaded remaining server.
     pub fn plan_remove(&self, gone: u32) -> Result<Vec<Move>, PlanError> {
-        if !self.servers.contains(&gone) {
-            return Err(PlanError::NotMember(gone));
+        self.plan_remove_many(&[gone])
+    }
+
+    /// Plans removing several servers at once: their shards, largest first, go to
+    /// the least loaded server that stays.
+    pub fn plan_remove_many(&self, gone: &[u32]) -> Result<Vec<Move>, PlanError> {
+        if let Some(&g) = gone.iter().find(|g| !self.servers.contains(g)) {
+            return Err(PlanError::NotMember(g));
         }
-        if self.servers.len() == 1 {
+        if self.servers.iter().all(|s| gone.contains(s)) {
             return Err(PlanError::LastServer);
         }
         let mut load = self.bytes_per_server();
-        load.remove(&gone);
-        let mut mine: Vec<MapShard> = self.shards.iter().copied().filter(|s| s.owner == gone).collect();
+        load.retain(|s, _| !gone.contains(s));
+        let mut mine: Vec<MapShard> = self.shards.iter().copied().filter(|s| gone.contains(&s.owner)).collect();
         mine.sort_by_key(|s| (std::cmp::Reverse(s.len), s.start));
         let mut moves = Vec::with_capacity(mine.len());
         for s in mine {
             let (&to, _) = load.iter().min_by_key(|(r, b)| (**b, **r)).expect("another server remains");
             *load.get_mut(&to).expect("member") += s.len * self.elem_bytes;
-            moves.push(Move { start: s.start, len: s.len, from: gone, to });
+            moves.push(Move { start: s.start, len: s.len, from: s.owner, to });
         }
         Ok(moves)
     }

@@ -101,6 +101,11 @@ pub struct ShardSync {
     inflight: [u32; 2],
     /// An update has been computed but waits for its buffer to be free.
     publish_waiting: bool,
+    /// BSP migration target still replaying forwarded updates: pushes may be for a
+    /// later iteration than the version (the cutover), and wait for it.
+    catching_up: bool,
+    /// Iteration of the contributions in slots (BSP).
+    held: Option<u64>,
 }
 
 impl ShardSync {
@@ -117,7 +122,40 @@ impl ShardSync {
             pending: vec![None; w],
             inflight: [0; 2],
             publish_waiting: false,
+            catching_up: false,
+            held: None,
         }
+    }
+
+    /// A shard arriving by migration at version `version` (a snapshot): BSP pushes
+    /// of a later iteration (the cutover) are held until forwarded updates
+    /// ([`ShardSync::forwarded`]) bring the version up to it.
+    pub fn incoming(mode: Consistency, workers: u32, version: u64) -> Self {
+        let mut s = Self::new(mode, workers);
+        s.version = version;
+        s.catching_up = true;
+        s
+    }
+
+    /// The snapshot of a migration target landed: the shard is at `version`
+    /// (contributions already held stay).
+    pub fn snapshot_landed(&mut self, version: u64) {
+        self.version = version;
+    }
+
+    /// A forwarded update (applied by the migration source) has been applied and
+    /// published here. Returns the new version; then see [`ShardSync::complete`].
+    pub fn forwarded(&mut self) -> u64 {
+        self.version += 1;
+        self.publish_waiting = false;
+        self.version
+    }
+
+    /// BSP: the iteration whose contributions are all in and can be aggregated now
+    /// (the version has reached it), if any.
+    pub fn complete(&self, contributors: &[u32]) -> Option<u64> {
+        let t = self.held?;
+        (self.mode == Consistency::Bsp && t == self.version && self.full_count as usize == contributors.len()).then_some(t)
     }
 
     /// Published version.
@@ -153,8 +191,14 @@ impl ShardSync {
         if self.mode == Consistency::Bsp {
             // In BSP a worker's own clock does not matter (it may have joined late):
             // the iteration is the shard's, and only its contributors take part.
-            if iteration != self.version {
-                return Err(SyncError::StaleIteration { worker, iteration, expected: self.version });
+            let fits = if self.catching_up {
+                iteration >= self.version && self.held.is_none_or(|h| h == iteration)
+            } else {
+                iteration == self.version
+            };
+            if !fits {
+                let expected = self.held.unwrap_or(self.version);
+                return Err(SyncError::StaleIteration { worker, iteration, expected });
             }
             if !contributors.contains(&worker) {
                 return Err(SyncError::NotContributor { worker, iteration });
@@ -165,8 +209,13 @@ impl ShardSync {
         self.slot_full[w] = true;
         self.full_count += 1;
         self.clock[w] = iteration + 1;
+        if self.mode == Consistency::Bsp {
+            self.held = Some(iteration);
+        }
         Ok(match self.mode {
-            Consistency::Bsp if self.full_count as usize == contributors.len() => PushOutcome::AggregateAll { iteration },
+            Consistency::Bsp if self.full_count as usize == contributors.len() && iteration == self.version => {
+                PushOutcome::AggregateAll { iteration }
+            }
             Consistency::Bsp => PushOutcome::Wait,
             _ => PushOutcome::ApplyOne { worker, iteration },
         })
@@ -195,6 +244,8 @@ impl ShardSync {
             None => {
                 self.slot_full.iter_mut().for_each(|s| *s = false);
                 self.full_count = 0;
+                self.held = None;
+                self.catching_up = false;
             }
             Some(w) => {
                 if let Some(s) = self.slot_full.get_mut(w as usize)
@@ -354,5 +405,34 @@ mod membership_tests {
         assert_eq!(s.on_push(0, 1, second), Err(SyncError::NotContributor { worker: 0, iteration: 1 }));
         assert_eq!(s.on_push(3, 1, second), Ok(PushOutcome::Wait));
         assert_eq!(s.on_push(1, 1, second), Ok(PushOutcome::AggregateAll { iteration: 1 }));
+    }
+
+    #[test]
+    fn a_migration_target_holds_pushes_until_forwards_reach_the_cutover() {
+        // Snapshot at version 5; the cutover is iteration 7: forwards make 6 and 7.
+        const ALL: &[u32] = &[0, 1, 2];
+        let mut s = ShardSync::incoming(Consistency::Bsp, 3, 5);
+        assert_eq!(s.on_push(0, 7, ALL), Ok(PushOutcome::Wait));
+        assert_eq!(s.on_pull(0, 8), Ok(None));
+        // Pushes of another iteration are refused while held ones wait.
+        assert!(matches!(s.on_push(1, 8, ALL), Err(SyncError::StaleIteration { expected: 7, .. })));
+        assert_eq!(s.on_push(1, 7, ALL), Ok(PushOutcome::Wait));
+        assert_eq!(s.on_push(2, 7, ALL), Ok(PushOutcome::Wait), "all in, but the version is behind");
+        assert_eq!(s.complete(ALL), None);
+        assert_eq!(s.forwarded(), 6);
+        assert_eq!(s.complete(ALL), None);
+        assert_eq!(s.forwarded(), 7);
+        assert_eq!(s.complete(ALL), Some(7));
+        assert_eq!(s.published(None), 8);
+        let mut ready = Vec::new();
+        s.ready_pulls(&mut ready);
+        assert_eq!(ready, vec![(0, 8)]);
+        // Back to plain BSP: the next iteration only.
+        assert!(matches!(s.on_push(1, 9, ALL), Err(SyncError::StaleIteration { .. })));
+        assert_eq!(s.on_push(1, 8, ALL), Ok(PushOutcome::Wait));
+        // A target whose pushes arrive after the forwards aggregates at once.
+        let mut s = ShardSync::incoming(Consistency::Bsp, 1, 2);
+        assert_eq!(s.forwarded(), 3);
+        assert_eq!(s.on_push(0, 3, &[0]), Ok(PushOutcome::AggregateAll { iteration: 3 }));
     }
 }

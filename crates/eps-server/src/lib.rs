@@ -1,11 +1,12 @@
 //! # eps-server
 //!
-//! The parameter-server role: a thin driver around the per-shard consistency state
-//! machine of `eps-proto`. It registers with the control plane, keeps its shards in
-//! registered memory (two published versions, one landing slot per worker), sums
-//! contributions in rank order and applies the optimizer through an
-//! [`eps_agg::Aggregator`], and answers pulls by writing parameters straight from
-//! its registered memory into the worker's.
+//! The parameter-server role: a thin driver around the per-shard consistency and
+//! migration state machines of `eps-proto`. It registers with the control plane,
+//! keeps its shards in registered memory (two published versions, one landing slot
+//! per worker), sums contributions in rank order and applies the optimizer through
+//! an [`eps_agg::Aggregator`], and answers pulls by writing parameters straight from
+//! its registered memory into the worker's. Shards arrive and leave while the job
+//! runs (see `migrate.rs`): the control plane's orders say which.
 //!
 //! # Safety
 //! This crate reads landing slots and writes published buffers in place. Which
@@ -14,23 +15,26 @@
 //! say so at each use.
 
 mod memory;
+mod migrate;
+mod serve;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, channel};
+use std::time::Duration;
 
 use eps_agg::{Aggregator, LrSchedule, Optimizer};
 use eps_control::{ControlClient, ControlError};
 use eps_fabric::prelude::*;
-use eps_proto::control::{ControlMsg, Role, ServerEndpoint};
-use eps_proto::hello::{HELLO_LEN, Hello};
-use eps_proto::imm::{Imm, ImmKind, widen_seq};
+use eps_proto::control::{ControlMsg, Order, Role, ShardEndpoint};
+use eps_proto::hello::Hello;
 use eps_proto::membership::Membership;
-use eps_proto::sync::{PushOutcome, ShardSync};
-use eps_proto::{JobSpec, SpecError};
+use eps_proto::sync::ShardSync;
+use eps_proto::{Consistency, JobSpec, SpecError};
 
-pub use memory::{MAX_WORKERS, MemoryError, ShardMemory, UpdateArgs};
+pub use memory::{MAX_WORKERS, MemoryError, Origin, ShardMemory, UpdateArgs};
 
 /// How a server runs.
 #[derive(Clone, Debug)]
@@ -64,6 +68,12 @@ pub struct ServerSummary {
     pub pulls: u64,
     /// Protocol violations by workers (each closed that worker's connection).
     pub violations: u64,
+    /// Shards migrated away (released here).
+    pub migrated_out: u64,
+    /// Shards received by migration.
+    pub migrated_in: u64,
+    /// Pushes answered "moved" (routed with an old epoch).
+    pub moved: u64,
 }
 
 /// Errors of the server role.
@@ -88,6 +98,9 @@ pub enum ServerError {
     /// The aggregator rejected its buffers.
     #[error(transparent)]
     Agg(#[from] eps_agg::AggError),
+    /// A migration could not proceed.
+    #[error("migration: {0}")]
+    Migration(String),
     /// More workers than one server can sum.
     #[error("{0} workers: a server sums at most 64 contributions")]
     TooManyWorkers(u32),
@@ -104,40 +117,107 @@ const ALL_RANKS: [u32; MAX_WORKERS] = {
     a
 };
 
+/// Work-request ids: kind in the top two bits.
 const WR_PULL: u64 = 1 << 62;
-const WR_CREDIT: u64 = 2 << 62;
+const WR_MIGRATE: u64 = 2 << 62;
+const WR_OTHER: u64 = 3 << 62;
 const WR_HELLO: u64 = 1;
 
+/// A pull answer's work-request id: shard (13 bits), worker (6), version (43).
+fn pull_wr(shard: u32, worker: u32, version: u64) -> u64 {
+    WR_PULL | (u64::from(shard) << 49) | (u64::from(worker) << 43) | (version & ((1 << 43) - 1))
+}
+
+fn pull_wr_parts(wr: u64) -> (u32, u32, u64) {
+    (((wr >> 49) & 0x1FFF) as u32, ((wr >> 43) & 0x3F) as u32, wr & ((1 << 43) - 1))
+}
+
+/// Who is at the other end of a connection.
+#[derive(Clone, Copy, Debug)]
+enum Peer {
+    /// Nothing received yet.
+    Unknown,
+    /// A worker.
+    Worker(Hello),
+    /// Another server migrating shards here (acknowledgements go to its region).
+    Server(Hello),
+    /// A server this one dialed to migrate shards to.
+    Target(u32),
+}
+
 struct Conn {
-    qp: SoftQp,
-    hello: Option<Hello>,
+    /// `None` once closed.
+    qp: Option<SoftQp>,
+    peer: Peer,
     alive: bool,
+    hello: SoftMr,
+}
+
+impl Conn {
+    fn qp(&self) -> Result<&SoftQp, FabricError> {
+        self.qp.as_ref().ok_or(FabricError::InvalidArgument("the connection is closed"))
+    }
+}
+
+/// An update waiting for its shard to be free.
+#[derive(Clone, Copy, Debug)]
+enum Pending {
+    /// Workers' contributions of an iteration (all, or one worker's).
+    Update { iteration: u64, one: Option<u32> },
+    /// A forwarded update producing `version` (migration target).
+    Forward { version: u64 },
+}
+
+/// A shard held here.
+struct Held {
+    sync: ShardSync,
+    /// Updates waiting for a free buffer, in arrival order.
+    waiting: VecDeque<Pending>,
+    /// Migrating away: the source side.
+    out: Option<migrate::Outgoing>,
+    /// Arriving: the source's rank, and once the snapshot has landed, the
+    /// connection it came on (forwards follow there).
+    incoming: Option<(u32, Option<usize>)>,
 }
 
 struct Server {
+    rank: u32,
     workers: u32,
+    mode: Consistency,
     opt: Optimizer,
     sched: LrSchedule,
     agg: Arc<dyn Aggregator>,
     mem: ShardMemory,
-    sync: Vec<ShardSync>,
+    /// By global shard id.
+    shards: Vec<Option<Held>>,
     conns: Vec<Conn>,
     /// Worker rank -> connection index.
     by_rank: Vec<Option<usize>>,
     /// QP number -> connection index.
     by_qp: HashMap<u32, usize>,
-    hellos: SoftMr,
-    /// Per shard: updates (iteration, contributor) waiting for a free buffer, in
-    /// arrival order (at most one per worker).
-    waiting: Vec<std::collections::VecDeque<(u64, Option<u32>)>>,
+    /// Target server rank -> connection index (dialed for migrations).
+    targets: HashMap<u32, usize>,
+    pd: SoftPd,
+    cq: SoftCq,
+    opts: QpOptions,
+    /// Acknowledgements of forwarded updates land here (zero-length writes).
+    acks: SoftMr,
+    ctl: ControlClient,
     summary: ServerSummary,
     ready: Vec<(u32, u64)>,
     threads: usize,
     /// Contributor sets by iteration (static membership for now: every worker).
     membership: Membership,
+    /// Landing regions of released shards, kept so that a push routed with an old
+    /// epoch still lands in bounds and is answered "moved".
+    retained: Vec<Vec<SoftMr>>,
+    retired: bool,
+    /// By global shard id: (first element, elements).
+    spans: Vec<(u64, u64)>,
 }
 
-/// Runs a server until every worker has disconnected.
+/// Runs a server until the control plane retires it (the job is over, or it was
+/// scaled away and holds nothing).
 pub fn run(cfg: &ServerConfig) -> Result<ServerSummary, ServerError> {
     let mut ctl = ControlClient::connect(cfg.control, &cfg.secret, cfg.accept_timeout)?;
     let (rank, spec_text) = match ctl.call(&ControlMsg::Register { role: Role::Server, fabric_addr: String::new() })? {
@@ -154,271 +234,122 @@ pub fn run(cfg: &ServerConfig) -> Result<ServerSummary, ServerError> {
     let dev = SoftDevice::open()?;
     let pd = dev.alloc_pd();
     let seed = spec.job.seed;
-    let mut mem = ShardMemory::new(&pd, &layout, rank, workers, &opt, |i| eps_proto::init::param(seed, i))?;
-    let n = mem.places.len();
-    for i in 0..n {
-        mem.publish(i, 0);
-        mem.set_stamp(i, 0, 0);
-        mem.set_stamp(i, 1, eps_proto::layout::STAMP_WRITING);
+    let total = layout.shards.len();
+    let mut mem = ShardMemory::new(&pd, layout.dtype, workers, &opt, total);
+    let init = |i: u64| eps_proto::init::param(seed, i);
+    let mut shards: Vec<Option<Held>> = (0..total).map(|_| None).collect();
+    for s in layout.shards_of(rank) {
+        mem.add(s.id, s.start, s.len, Origin::Init(&init))?;
+        mem.publish(s.id, 0);
+        mem.set_stamp(s.id, 0, 0);
+        mem.set_stamp(s.id, 1, eps_proto::layout::STAMP_WRITING);
+        shards[s.id as usize] = Some(Held {
+            sync: ShardSync::new(spec.job.consistency, workers),
+            waiting: VecDeque::new(),
+            out: None,
+            incoming: None,
+        });
     }
-    let max_bytes = mem.places.iter().map(|p| p.bytes).max().unwrap_or(0);
+    let es = layout.dtype.size_bytes() as u64;
+    let max_len = layout.shards.iter().map(|s| s.len).max().unwrap_or(0);
     let mut opts = QpOptions::new(cfg.secret.clone());
-    // Per worker: at most one pull answer per shard in flight, and at most two
-    // credits per shard (one acknowledged but not yet reaped, one new).
-    opts.max_send_wr = 4 * n as u32 + 16;
-    opts.max_recv_wr = 2 * n as u32 + 8;
+    // Per peer: at most one pull answer and two credits per shard in flight.
+    opts.max_send_wr = 4 * total as u32 + 16;
+    opts.max_recv_wr = 2 * total as u32 + 8;
     opts.max_sge = 1;
-    // The largest message is a shard, or the stamp area an ASP reader fetches at once.
-    opts.max_msg_bytes = (max_bytes as u64).max(eps_proto::layout::stamp_area_bytes(n)) as u32;
+    // The largest message: a shard snapshot (f32 master and optimizer state).
+    opts.max_msg_bytes = (max_len * es).max(max_len * 4 * (1 + opt.state_per_param() as u64) + 4096) as u32;
+    opts.connect_timeout = cfg.accept_timeout;
     let listener = pd.listen(SocketAddr::new(cfg.listen_ip, 0), &opts)?;
-    let endpoint = ServerEndpoint {
-        rank,
-        fabric_addr: listener.local_addr().to_string(),
-        landing: mem.landing.iter().map(|m| (m.addr(), m.rkey())).collect(),
-        published_addr: mem.published.addr(),
-        published_rkey: mem.published.rkey(),
-    };
-    ctl.call(&ControlMsg::ServerReady(endpoint))?;
-    let cq = pd.create_cq(workers * (6 * n as u32 + 32))?;
-    let hellos = pd.alloc_mr(HELLO_LEN * workers as usize, Access::LOCAL_WRITE)?;
-    let mut conns = Vec::new();
-    let mut by_qp = HashMap::new();
-    for i in 0..workers as usize {
-        let qp = listener.accept(&cq, &cq, cfg.accept_timeout)?;
-        qp.post_recv(&RecvWr { wr_id: WR_HELLO, sg: &[Sge::new(&hellos, (i * HELLO_LEN) as u64, HELLO_LEN as u32)] })?;
-        for _ in 0..opts.max_recv_wr - 1 {
-            qp.post_recv(&RecvWr { wr_id: 0, sg: &[] })?;
-        }
-        by_qp.insert(qp.qp_num(), i);
-        conns.push(Conn { qp, hello: None, alive: true });
-    }
+    let fabric_addr = listener.local_addr().to_string();
+    let cq = pd.create_cq((workers + 8) * (6 * total as u32 + 32))?;
+    let acks = pd.alloc_mr(64, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
     let mut s = Server {
+        rank,
         workers,
+        mode: spec.job.consistency,
         opt,
         sched,
         agg: cfg.aggregator.clone(),
-        sync: (0..n).map(|_| ShardSync::new(spec.job.consistency, workers)).collect(),
         mem,
-        conns,
+        shards,
+        conns: Vec::new(),
         by_rank: vec![None; workers as usize],
-        by_qp,
-        hellos,
-        waiting: (0..n).map(|_| std::collections::VecDeque::with_capacity(workers as usize)).collect(),
-        summary: ServerSummary { rank, shards: n, elements: layout.elements_of(rank), ..ServerSummary::default() },
+        by_qp: HashMap::new(),
+        targets: HashMap::new(),
+        pd: pd.clone(),
+        cq: cq.clone(),
+        opts,
+        acks,
+        ctl,
+        summary: ServerSummary {
+            rank,
+            shards: layout.shards_of(rank).count(),
+            elements: layout.elements_of(rank),
+            ..ServerSummary::default()
+        },
         ready: Vec::with_capacity(workers as usize),
         threads: cfg.update_threads.clamp(1, 2),
         membership: Membership::new((0..workers).collect()).map_err(|_| ServerError::Unexpected)?,
+        retained: Vec::new(),
+        retired: false,
+        spans: layout.shards.iter().map(|s| (s.start, s.len)).collect(),
     };
-    s.serve(&cq)?;
-    drop(listener);
-    ctl.call(&ControlMsg::Finished { role: Role::Server, rank })?;
+    let endpoints: Vec<ShardEndpoint> = s.mem.held().filter_map(|id| s.endpoint(id)).collect();
+    s.ctl.call(&ControlMsg::ServerReady { rank, fabric_addr, shards: endpoints })?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let accepted = spawn_acceptor(listener, cq, stop.clone());
+    let orders = spawn_order_poller(cfg, rank)?;
+    let served = s.serve(&accepted, &orders);
+    stop.store(true, Ordering::Relaxed);
+    served?;
+    s.ctl.call(&ControlMsg::Finished { role: Role::Server, rank })?;
     Ok(s.summary)
 }
 
-impl Server {
-    fn serve(&mut self, cq: &SoftCq) -> Result<(), ServerError> {
-        let mut wc = [Completion::EMPTY; 64];
-        let mut last = Instant::now();
-        while self.conns.iter().any(|c| c.alive) {
-            let k = cq.poll(&mut wc)?;
-            for c in &wc[..k] {
-                self.on_completion(c)?;
-            }
-            if k > 0 {
-                last = Instant::now();
-            } else if last.elapsed() > Duration::from_micros(200) {
-                cq.wait(Duration::from_millis(1));
+/// Accepts connections on a thread of its own (workers join, migration sources
+/// dial in at any time) and hands them to the event loop.
+/// The thread stops within a second of `stop` being set.
+fn spawn_acceptor(listener: SoftListener, cq: SoftCq, stop: Arc<AtomicBool>) -> Receiver<SoftQp> {
+    let (tx, rx) = channel();
+    std::thread::spawn(move || {
+        while !stop.load(Ordering::Relaxed) {
+            // Errors (a peer that fails authentication or hangs up, or no peer within
+            // the second) concern that peer only.
+            if let Ok(qp) = listener.accept(&cq, &cq, Duration::from_secs(1))
+                && tx.send(qp).is_err()
+            {
+                return;
             }
         }
-        Ok(())
-    }
+    });
+    rx
+}
 
-    fn on_completion(&mut self, c: &Completion) -> Result<(), ServerError> {
-        let Some(&ci) = self.by_qp.get(&c.qp_num) else { return Ok(()) };
-        if !c.status.is_ok() {
-            // A flush or transport error: the worker is gone (or was cut off).
-            if c.opcode == WcOpcode::Write {
-                self.on_send_done(c.wr_id);
-            }
-            self.drop_conn(ci);
-            return Ok(());
-        }
-        match c.opcode {
-            WcOpcode::Recv if c.wr_id == WR_HELLO => {
-                let mut b = [0u8; HELLO_LEN];
-                self.hellos.read_at(ci * HELLO_LEN, &mut b);
-                match Hello::decode(&b).filter(|h| h.rank < self.workers && self.by_rank[h.rank as usize].is_none()) {
-                    Some(h) => {
-                        self.by_rank[h.rank as usize] = Some(ci);
-                        self.conns[ci].hello = Some(h);
+/// Long-polls the control plane for this server's orders on a thread of its own.
+fn spawn_order_poller(cfg: &ServerConfig, rank: u32) -> Result<Receiver<Result<Order, ControlError>>, ServerError> {
+    let mut ctl = ControlClient::connect(cfg.control, &cfg.secret, cfg.accept_timeout)?;
+    let (tx, rx) = channel();
+    std::thread::spawn(move || {
+        let mut after = 0;
+        loop {
+            match ctl.call(&ControlMsg::Poll { rank, after }) {
+                Ok(ControlMsg::Orders { last, orders }) => {
+                    after = last;
+                    for o in orders {
+                        let retire = o == Order::Retire;
+                        if tx.send(Ok(o)).is_err() || retire {
+                            return;
+                        }
                     }
-                    None => self.violation(ci, "bad hello (unknown or duplicate worker rank)"),
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    let _ = tx.send(Err(e));
+                    return;
                 }
             }
-            WcOpcode::RecvWithImm => {
-                if self.conns[ci].alive {
-                    self.conns[ci].qp.post_recv(&RecvWr { wr_id: 0, sg: &[] })?;
-                }
-                self.on_imm(ci, c.imm.unwrap_or(0), c.byte_len)?;
-            }
-            WcOpcode::Write => self.on_send_done(c.wr_id),
-            _ => {}
         }
-        Ok(())
-    }
-
-    fn violation(&mut self, ci: usize, what: &str) {
-        self.summary.violations += 1;
-        let who = self.conns[ci].hello.map_or("unidentified worker".to_string(), |h| format!("worker {}", h.rank));
-        eprintln!("eps server {}: {who}: {what}; closing its connection", self.summary.rank);
-        self.drop_conn(ci);
-    }
-
-    fn drop_conn(&mut self, ci: usize) {
-        if !self.conns[ci].alive {
-            return;
-        }
-        self.conns[ci].alive = false;
-        if let Some(h) = self.conns[ci].hello {
-            for s in &mut self.sync {
-                s.drop_pending(h.rank);
-            }
-        }
-    }
-
-    fn on_imm(&mut self, ci: usize, imm: u32, len: u32) -> Result<(), ServerError> {
-        let Some(h) = self.conns[ci].hello else {
-            self.violation(ci, "data before its hello");
-            return Ok(());
-        };
-        let Some(m) = Imm::decode(imm).filter(|m| (m.shard as usize) < self.sync.len()) else {
-            self.violation(ci, &format!("unknown immediate {imm:#x} (bad kind or shard)"));
-            return Ok(());
-        };
-        let i = m.shard as usize;
-        match m.kind {
-            ImmKind::Push => {
-                if len as usize != self.mem.places[i].bytes {
-                    let want = self.mem.places[i].bytes;
-                    self.violation(
-                        ci,
-                        &format!("pushed {len} bytes for shard {} (expected {want})", self.mem.places[i].shard.id),
-                    );
-                    return Ok(());
-                }
-                let near = self.sync[i].min_clock().max(self.sync[i].version());
-                let iteration = widen_seq(m.seq, near);
-                let contributors = self.membership.contributors(iteration);
-                match self.sync[i].on_push(h.rank, iteration, contributors) {
-                    Ok(PushOutcome::Wait) => {}
-                    Ok(PushOutcome::AggregateAll { iteration }) => self.update(i, iteration, None)?,
-                    Ok(PushOutcome::ApplyOne { worker, iteration }) => self.update(i, iteration, Some(worker))?,
-                    Err(e) => self.violation(ci, &e.to_string()),
-                }
-            }
-            ImmKind::PullReq => {
-                let need = widen_seq(m.seq, self.sync[i].version().max(self.sync[i].min_clock()));
-                match self.sync[i].on_pull(h.rank, need) {
-                    Ok(Some(v)) => self.send_pull(h.rank, i, v)?,
-                    Ok(None) => {}
-                    Err(e) => self.violation(ci, &e.to_string()),
-                }
-            }
-            ImmKind::PullDone | ImmKind::Credit => self.violation(ci, "sent a server-only message"),
-        }
-        Ok(())
-    }
-
-    /// Applies an update to shard `i` (all contributions, or one worker's) and
-    /// publishes it, or parks it until its buffer is free.
-    fn update(&mut self, i: usize, iteration: u64, one: Option<u32>) -> Result<(), ServerError> {
-        if !self.sync[i].can_publish() || !self.waiting[i].is_empty() {
-            self.sync[i].set_publish_waiting(true);
-            self.waiting[i].push_back((iteration, one));
-            return Ok(());
-        }
-        self.apply(i, iteration, one)
-    }
-
-    fn apply(&mut self, i: usize, iteration: u64, one: Option<u32>) -> Result<(), ServerError> {
-        let scalars = self.opt.scalars(iteration, self.sched.at(iteration));
-        let next = self.sync[i].version() + 1;
-        let parity = ShardSync::parity(next);
-        // BSP: the iteration's contributors in rank order, averaged over their
-        // number; SSP/ASP: one worker's contribution, scaled by the worker count.
-        let (contributors, scale): (&[u32], f32) = match one {
-            None => {
-                let c = self.membership.contributors(iteration);
-                (c, 1.0 / c.len() as f32)
-            }
-            Some(w) => (std::slice::from_ref(&ALL_RANKS[w as usize]), 1.0 / self.workers as f32),
-        };
-        let u = UpdateArgs { agg: &*self.agg, opt: &self.opt, scalars, scale, threads: self.threads };
-        self.mem.set_stamp(i, parity, eps_proto::layout::STAMP_WRITING);
-        // SAFETY: `ShardSync` only asks for an update once every contribution in it
-        // has landed, each contributor waits for our pull answer or credit before
-        // pushing this shard again, and `can_publish` said no pull uses `parity`.
-        unsafe { self.mem.update(i, parity, contributors, &u)? };
-        self.mem.set_stamp(i, parity, next);
-        self.sync[i].published(one);
-        self.sync[i].set_publish_waiting(!self.waiting[i].is_empty());
-        self.summary.updates += 1;
-        if let Some(w) = one {
-            self.send_credit(w, i)?;
-        }
-        let mut ready = std::mem::take(&mut self.ready);
-        ready.clear();
-        self.sync[i].ready_pulls(&mut ready);
-        for &(w, v) in &ready {
-            self.send_pull(w, i, v)?;
-        }
-        self.ready = ready;
-        Ok(())
-    }
-
-    fn on_send_done(&mut self, wr_id: u64) {
-        if wr_id & (3 << 62) != WR_PULL {
-            return;
-        }
-        let i = ((wr_id >> 48) & 0x3FFF) as usize;
-        let v = wr_id & ((1 << 48) - 1);
-        let Some(s) = self.sync.get_mut(i) else { return };
-        s.pull_written(v);
-        while self.sync[i].can_publish()
-            && let Some((iteration, one)) = self.waiting[i].pop_front()
-        {
-            self.sync[i].set_publish_waiting(!self.waiting[i].is_empty());
-            if let Err(e) = self.apply(i, iteration, one) {
-                eprintln!("eps server {}: deferred update failed: {e}", self.summary.rank);
-            }
-        }
-    }
-
-    fn send_pull(&mut self, w: u32, i: usize, v: u64) -> Result<(), ServerError> {
-        let Some(ci) = self.by_rank[w as usize] else { return Ok(()) };
-        let conn = &self.conns[ci];
-        let (Some(h), true) = (conn.hello, conn.alive) else {
-            self.sync[i].pull_written(v);
-            return Ok(());
-        };
-        let p = self.mem.places[i];
-        let es = self.mem.dtype.size_bytes() as u64;
-        let sg = [Sge::new(&self.mem.published, self.mem.pub_offset(i, ShardSync::parity(v)) as u64, p.bytes as u32)];
-        let remote = RemoteAddr { addr: h.pull_addr + p.shard.start * es, rkey: h.pull_rkey };
-        let imm = Imm { kind: ImmKind::PullDone, shard: i as u32, seq: v as u16 }.encode();
-        let wr_id = WR_PULL | ((i as u64) << 48) | (v & ((1 << 48) - 1));
-        conn.qp.post_send(&SendWr { wr_id, op: SendOp::WriteImm(remote, imm), sg: &sg, signaled: true })?;
-        self.summary.pulls += 1;
-        Ok(())
-    }
-
-    fn send_credit(&mut self, w: u32, i: usize) -> Result<(), ServerError> {
-        let Some(ci) = self.by_rank[w as usize] else { return Ok(()) };
-        let conn = &self.conns[ci];
-        let (Some(h), true) = (conn.hello, conn.alive) else { return Ok(()) };
-        let imm = Imm { kind: ImmKind::Credit, shard: i as u32, seq: 0 }.encode();
-        let remote = RemoteAddr { addr: h.pull_addr, rkey: h.pull_rkey };
-        conn.qp.post_send(&SendWr { wr_id: WR_CREDIT, op: SendOp::WriteImm(remote, imm), sg: &[], signaled: false })?;
-        Ok(())
-    }
+    });
+    Ok(rx)
 }

@@ -1,10 +1,14 @@
-//! A server's shard memory: two published versions per shard (registered, readable
-//! by peers), one gradient landing slot per worker per shard (registered, writable
-//! by peers), and the f32 master parameters and optimizer state (private).
+//! A server's shard memory, one block per shard so that shards can arrive and leave
+//! while the job runs: two published versions (registered, readable by peers), one
+//! gradient landing slot per worker (registered, writable by that worker only), the
+//! f32 master parameters followed by the optimizer state (registered so that a
+//! migration can send or receive them in one WRITE), and, while the shard migrates,
+//! an f32 gradient buffer (the source forwards each averaged gradient from it; the
+//! target receives into it).
 
 use eps_agg::{AggError, Aggregator, DType, Optimizer, StepScalars};
 use eps_fabric::prelude::*;
-use eps_proto::layout::{Layout, Shard};
+use eps_proto::layout::{PUBLISHED_HEADER, published_offset};
 
 /// Elements per fused sum/step/publish pass (fits the L2 cache with its inputs).
 pub const FUSE_BLOCK: usize = 16 * 1024;
@@ -34,11 +38,13 @@ struct Part<'a> {
     state: &'a mut [f32],
     dst: &'a mut [u8],
     grad: &'a mut [f32],
+    /// Where the averaged gradient is copied for forwarding, when migrating.
+    fwd: Option<&'a mut [f32]>,
 }
 
 /// Sums, steps and publishes one part block by block: element-wise math, so blocks
 /// and parts give the same bits as whole-shard calls, with less memory traffic.
-fn fused(u: &UpdateArgs<'_>, dtype: DType, k: usize, p: Part<'_>) -> Result<(), AggError> {
+fn fused(u: &UpdateArgs<'_>, dtype: DType, k: usize, mut p: Part<'_>) -> Result<(), AggError> {
     let es = dtype.size_bytes();
     let len = p.master.len();
     let mut start = 0;
@@ -50,6 +56,9 @@ fn fused(u: &UpdateArgs<'_>, dtype: DType, k: usize, p: Part<'_>) -> Result<(), 
         }
         let grad = &mut p.grad[..end - start];
         u.agg.reduce(dtype, &inputs[..p.n_slots], u.scale, grad)?;
+        if let Some(f) = p.fwd.as_deref_mut() {
+            f[start..end].copy_from_slice(grad);
+        }
         u.agg.step(u.opt, u.scalars, &mut p.master[start..end], grad, &mut p.state[start * k..end * k])?;
         eps_agg::reduce::narrow(dtype, &p.master[start..end], &mut p.dst[start * es..end * es]);
         start = end;
@@ -57,43 +66,42 @@ fn fused(u: &UpdateArgs<'_>, dtype: DType, k: usize, p: Part<'_>) -> Result<(), 
     Ok(())
 }
 
-/// Where one local shard lives.
-#[derive(Clone, Copy, Debug)]
-pub struct ShardPlace {
-    /// The shard.
-    pub shard: Shard,
-    /// Byte offset of its two published buffers in the published region.
-    pub pub_off: usize,
-    /// Byte offset of its landing slot in each worker's landing region.
-    pub land_off: usize,
-    /// Element offset of its master parameters / gradient scratch.
-    pub elem_off: usize,
-    /// Bytes of one copy of the shard in the wire dtype.
+/// The memory of one shard.
+#[derive(Debug)]
+pub struct ShardBlock {
+    /// Global shard id.
+    pub id: u32,
+    /// First element in the flat space.
+    pub start: u64,
+    /// Elements.
+    pub len: u64,
+    /// Bytes of one copy in the wire dtype.
     pub bytes: usize,
+    /// Stamps, then published buffer 0 and buffer 1.
+    pub published: SoftMr,
+    /// Landing slots, one region per worker rank.
+    pub landing: Vec<SoftMr>,
+    /// f32 master parameters (`len`), then the optimizer state (`len * state_k`).
+    pub state: SoftMr,
+    /// f32 gradient buffer of a migration (source: forwarded from; target: received
+    /// into).
+    pub grad: Option<SoftMr>,
 }
 
-/// All memory of one server.
+/// All shards of one server.
 #[derive(Debug)]
 pub struct ShardMemory {
     /// Wire dtype.
     pub dtype: DType,
-    /// Workers.
+    /// Workers (landing slots per shard).
     pub workers: u32,
-    /// Local shards in local-index order.
-    pub places: Vec<ShardPlace>,
-    /// Published parameters: per shard, buffer 0 then buffer 1.
-    pub published: SoftMr,
-    /// Landing slots, one region per worker (so a worker can only ever overwrite its
-    /// own slots): per shard, one slot.
-    pub landing: Vec<SoftMr>,
-    /// f32 master parameters of all local shards, end to end.
-    pub master: Vec<f32>,
-    /// Optimizer state, `state_k` values per parameter, interleaved, shards end to end.
-    pub state: Vec<f32>,
-    /// Scratch for the averaged gradient of one block, per computing thread.
-    grads: [Vec<f32>; 2],
     /// Optimizer state values per parameter.
     pub state_k: usize,
+    pd: SoftPd,
+    /// By global shard id: the shard's block, if held here.
+    blocks: Vec<Option<ShardBlock>>,
+    /// Scratch for the averaged gradient of one block, per computing thread.
+    grads: [Vec<f32>; 2],
 }
 
 /// Why memory could not be set up.
@@ -101,190 +109,281 @@ pub struct ShardMemory {
 #[non_exhaustive]
 pub enum MemoryError {
     /// Registering a region with the fabric failed.
-    #[error("cannot register {what}: {bytes} bytes for {shards} shards x {copies} copies")]
+    #[error("cannot register {what} of shard {shard}: {bytes} bytes")]
     Register {
         /// Which region.
         what: &'static str,
+        /// Global shard id.
+        shard: u32,
         /// How many bytes were asked for.
         bytes: u64,
-        /// Shards on this server.
-        shards: usize,
-        /// Copies per shard (versions or workers).
-        copies: u32,
         /// The fabric's error.
         #[source]
         source: FabricError,
     },
-    /// Private host memory (master parameters, optimizer state) could not be had.
-    #[error("cannot allocate {what}: {bytes} bytes of host memory")]
-    Host {
-        /// Which buffer.
-        what: &'static str,
-        /// How many bytes were asked for.
-        bytes: u64,
-    },
 }
 
-/// A zeroed `Vec<f32>` of `n` elements, or an error naming `what` and the size.
-fn try_zeroed(n: usize, what: &'static str) -> Result<Vec<f32>, MemoryError> {
-    let mut v = Vec::new();
-    v.try_reserve_exact(n).map_err(|_| MemoryError::Host { what, bytes: n as u64 * 4 })?;
-    v.resize(n, 0.0);
-    Ok(v)
+/// Bytes after the optimizer state in the master/state region: the version of a
+/// snapshot (u64), padded.
+const SNAPSHOT_TAIL: usize = 64;
+
+/// How a new block starts.
+#[allow(missing_debug_implementations)]
+#[derive(Clone, Copy)]
+pub enum Origin<'a> {
+    /// Initial parameters from `init(global_index)`, zero optimizer state.
+    Init(&'a dyn Fn(u64) -> f32),
+    /// Arrives by migration: the master/state region and the gradient buffer are
+    /// remotely writable (by the source that is given their keys).
+    Incoming,
 }
 
 impl ShardMemory {
-    /// Allocates and registers memory for `server`'s shards; master parameters start
-    /// at `init(global_index)`.
-    pub fn new(
-        pd: &SoftPd,
-        layout: &Layout,
-        server: u32,
-        workers: u32,
-        opt: &Optimizer,
-        init: impl Fn(u64) -> f32,
-    ) -> Result<Self, MemoryError> {
-        let es = layout.dtype.size_bytes();
-        let mut places = Vec::new();
-        let n_local = layout.shards_of(server).count();
-        let mut pub_off = eps_proto::layout::stamp_area_bytes(n_local) as usize;
-        let (mut land_off, mut elem_off) = (0usize, 0usize);
-        for s in layout.shards_of(server) {
-            let bytes = s.len as usize * es;
-            places.push(ShardPlace { shard: *s, pub_off, land_off, elem_off, bytes });
-            pub_off += 2 * bytes;
-            land_off += bytes;
-            elem_off += s.len as usize;
-        }
-        let n = places.len();
-        let published = pd.alloc_mr(pub_off.max(1), Access::LOCAL_WRITE | Access::REMOTE_READ).map_err(|source| {
-            MemoryError::Register { what: "published parameters", bytes: pub_off as u64, shards: n, copies: 2, source }
-        })?;
-        let landing = (0..workers)
-            .map(|_| pd.alloc_mr(land_off.max(1), Access::LOCAL_WRITE | Access::REMOTE_WRITE))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|source| MemoryError::Register {
-                what: "gradient landing slots",
-                bytes: land_off as u64 * workers as u64,
-                shards: n,
-                copies: workers,
-                source,
-            })?;
-        let mut master = try_zeroed(elem_off, "f32 master parameters")?;
-        for p in &places {
-            for i in 0..p.shard.len as usize {
-                master[p.elem_off + i] = init(p.shard.start + i as u64);
-            }
-        }
-        let state_k = opt.state_per_param();
-        Ok(Self {
-            dtype: layout.dtype,
+    /// An empty set of shards.
+    pub fn new(pd: &SoftPd, dtype: DType, workers: u32, opt: &Optimizer, total_shards: usize) -> Self {
+        Self {
+            dtype,
             workers,
-            places,
-            published,
-            landing,
-            master,
-            state: try_zeroed(elem_off * state_k, "optimizer state")?,
+            state_k: opt.state_per_param(),
+            pd: pd.clone(),
+            blocks: (0..total_shards).map(|_| None).collect(),
             grads: [vec![0f32; FUSE_BLOCK], vec![0f32; FUSE_BLOCK]],
-            state_k,
+        }
+    }
+
+    fn alloc(&self, id: u32, what: &'static str, bytes: usize, access: Access) -> Result<SoftMr, MemoryError> {
+        self.pd.alloc_mr(bytes.max(1), access).map_err(|source| MemoryError::Register {
+            what,
+            shard: id,
+            bytes: bytes as u64,
+            source,
         })
     }
 
-    /// Byte offset of published buffer `parity` of local shard `i`.
-    pub fn pub_offset(&self, i: usize, parity: usize) -> usize {
-        let p = &self.places[i];
-        p.pub_off + parity * p.bytes
+    /// Allocates and registers the memory of shard `id` (`len` elements from
+    /// `start`).
+    pub fn add(&mut self, id: u32, start: u64, len: u64, origin: Origin<'_>) -> Result<(), MemoryError> {
+        let bytes = len as usize * self.dtype.size_bytes();
+        let published = self.alloc(
+            id,
+            "published parameters",
+            PUBLISHED_HEADER as usize + 2 * bytes,
+            Access::LOCAL_WRITE | Access::REMOTE_READ,
+        )?;
+        let landing = (0..self.workers)
+            .map(|_| self.alloc(id, "gradient landing slots", bytes, Access::LOCAL_WRITE | Access::REMOTE_WRITE))
+            .collect::<Result<Vec<_>, _>>()?;
+        let state_bytes = len as usize * (1 + self.state_k) * 4 + SNAPSHOT_TAIL;
+        let incoming = matches!(origin, Origin::Incoming);
+        let access = if incoming { Access::LOCAL_WRITE | Access::REMOTE_WRITE } else { Access::LOCAL_WRITE };
+        let state = self.alloc(id, "master parameters and optimizer state", state_bytes, access)?;
+        let grad = if incoming { Some(self.alloc(id, "migration gradient buffer", len as usize * 4, access)?) } else { None };
+        let mut b = ShardBlock { id, start, len, bytes, published, landing, state, grad };
+        if let Origin::Init(init) = origin {
+            // SAFETY: the region was just registered and its keys not yet given out.
+            let all: &mut [f32] = bytemuck::cast_slice_mut(unsafe { b.state.as_mut_slice() });
+            for (i, m) in all[..len as usize].iter_mut().enumerate() {
+                *m = init(start + i as u64);
+            }
+        }
+        self.blocks[id as usize] = Some(b);
+        Ok(())
     }
 
-    /// Applies one update to local shard `i`: sums the slots of `contributors` (in
-    /// that order), steps the optimizer on the master copy, and writes published
-    /// buffer `parity`, split over `u.threads` threads by element range.
+    /// Frees shard `id`'s memory (its regions are deregistered at once).
+    pub fn remove(&mut self, id: u32) -> Option<ShardBlock> {
+        self.blocks.get_mut(id as usize)?.take()
+    }
+
+    /// Shard `id`'s block, if held here.
+    pub fn get(&self, id: u32) -> Option<&ShardBlock> {
+        self.blocks.get(id as usize)?.as_ref()
+    }
+
+    /// Ids of the shards held, ascending.
+    pub fn held(&self) -> impl Iterator<Item = u32> + '_ {
+        self.blocks.iter().flatten().map(|b| b.id)
+    }
+
+    /// Writes `version` into the tail of shard `id`'s master/state region, so that a
+    /// snapshot WRITE of the region carries it.
+    ///
+    /// The caller guarantees no WRITE from or into the region is in flight.
+    pub fn set_snapshot_version(&mut self, id: u32, version: u64) {
+        let Some(b) = self.blocks.get_mut(id as usize).and_then(Option::as_mut) else { return };
+        // SAFETY: no WRITE uses the region (above); nothing else references it.
+        let all = unsafe { b.state.as_mut_slice() };
+        let n = all.len();
+        all[n - SNAPSHOT_TAIL..n - SNAPSHOT_TAIL + 8].copy_from_slice(&version.to_le_bytes());
+    }
+
+    /// The snapshot version in shard `id`'s master/state region (after it landed).
+    pub fn snapshot_version(&self, id: u32) -> Option<u64> {
+        let b = self.get(id)?;
+        let mut v = [0u8; 8];
+        b.state.read_at(b.state.len() - SNAPSHOT_TAIL, &mut v);
+        Some(u64::from_le_bytes(v))
+    }
+
+    /// Gives shard `id` a gradient buffer to forward from (migration source).
+    pub fn add_forward_buffer(&mut self, id: u32) -> Result<(), MemoryError> {
+        let len = self.get(id).map_or(0, |b| b.len as usize);
+        let mr = self.alloc(id, "migration gradient buffer", len * 4, Access::LOCAL_WRITE)?;
+        if let Some(b) = self.blocks[id as usize].as_mut() {
+            b.grad = Some(mr);
+        }
+        Ok(())
+    }
+
+    /// Drops shard `id`'s gradient buffer (the migration is over).
+    pub fn drop_forward_buffer(&mut self, id: u32) {
+        if let Some(b) = self.blocks.get_mut(id as usize).and_then(Option::as_mut) {
+            b.grad = None;
+        }
+    }
+
+    /// Applies one update to shard `id`: sums the slots of `contributors` (in that
+    /// order), steps the optimizer on the master copy, and writes published buffer
+    /// `parity`, split over `u.threads` threads by element range. When the shard has
+    /// a gradient buffer, the averaged gradient is copied into it for forwarding.
     ///
     /// # Safety
     /// No WRITE into the contributors' slots of this shard may be in flight (their
     /// pushes completed, and none may push the shard again before the server says
-    /// so: a pull answer in BSP, a credit otherwise), and no pull may be reading or
-    /// being written from buffer `parity` (`ShardSync::can_publish`).
-    pub unsafe fn update(&mut self, i: usize, parity: usize, contributors: &[u32], u: &UpdateArgs<'_>) -> Result<(), AggError> {
-        let p = self.places[i];
-        let (len, k, dtype) = (p.shard.len as usize, self.state_k, self.dtype);
+    /// so: a pull answer in BSP, a credit otherwise); no pull may be reading or being
+    /// written from buffer `parity` (`ShardSync::can_publish`); and no WRITE from the
+    /// master/state region or the gradient buffer (a snapshot, a forward) may be in
+    /// flight.
+    pub unsafe fn update(&mut self, id: u32, parity: usize, contributors: &[u32], u: &UpdateArgs<'_>) -> Result<(), AggError> {
+        let (k, dtype) = (self.state_k, self.dtype);
         let es = dtype.size_bytes();
-        let ShardMemory { published, landing, master, state, grads, .. } = self;
+        let Some(b) = self.blocks.get_mut(id as usize).and_then(Option::as_mut) else { return Ok(()) };
+        let len = b.len as usize;
         let mut slots: [&[u8]; MAX_WORKERS] = [&[]; MAX_WORKERS];
         for (x, &r) in slots.iter_mut().zip(contributors) {
             // SAFETY: the caller excludes writers of these slots (see above).
-            *x = unsafe { &landing[r as usize].as_slice()[p.land_off..p.land_off + p.bytes] };
+            *x = unsafe { b.landing[r as usize].as_slice() };
         }
-        let off = p.pub_off + parity * p.bytes;
+        let off = published_offset(b.bytes as u64, parity) as usize;
         // SAFETY: the caller guarantees no pull uses this buffer; peers only READ the
         // published region, and no other reference to it exists meanwhile.
-        let dst = unsafe { &mut published.as_mut_slice()[off..off + p.bytes] };
-        let m = &mut master[p.elem_off..p.elem_off + len];
-        let st = &mut state[p.elem_off * k..(p.elem_off + len) * k];
-        let [g0, g1] = grads;
+        let dst = unsafe { &mut b.published.as_mut_slice()[off..off + b.bytes] };
+        // SAFETY: the caller excludes WRITEs from the gradient buffer; nothing else
+        // references it.
+        let fwd: Option<&mut [f32]> = b.grad.as_mut().map(|g| bytemuck::cast_slice_mut(unsafe { g.as_mut_slice() }));
+        // SAFETY: the master/state region is only written remotely before the shard
+        // is live here (a snapshot), and the caller excludes WRITEs from it.
+        let all: &mut [f32] = bytemuck::cast_slice_mut(unsafe { b.state.as_mut_slice() });
+        let (m, st) = all.split_at_mut(len);
+        let st = &mut st[..len * k];
+        let [g0, g1] = &mut self.grads;
         let n_slots = contributors.len().min(MAX_WORKERS);
         if u.threads < 2 || len < 4 * FUSE_BLOCK {
-            return fused(u, dtype, k, Part { slots, n_slots, master: m, state: st, dst, grad: g0 });
+            return fused(u, dtype, k, Part { slots, n_slots, master: m, state: st, dst, grad: g0, fwd });
         }
         let mid = (len / 2).div_ceil(FUSE_BLOCK) * FUSE_BLOCK;
         let (m0, m1) = m.split_at_mut(mid);
         let (st0, st1) = st.split_at_mut(mid * k);
         let (d0, d1) = dst.split_at_mut(mid * es);
+        let (f0, f1) = match fwd {
+            Some(f) => {
+                let (a, b) = f.split_at_mut(mid);
+                (Some(a), Some(b))
+            }
+            None => (None, None),
+        };
         let slots1: [&[u8]; MAX_WORKERS] = std::array::from_fn(|r| if r < n_slots { &slots[r][mid * es..] } else { &[][..] });
         std::thread::scope(|s| {
-            let h = s.spawn(|| fused(u, dtype, k, Part { slots: slots1, n_slots, master: m1, state: st1, dst: d1, grad: g1 }));
-            let a = fused(u, dtype, k, Part { slots, n_slots, master: m0, state: st0, dst: d0, grad: g0 });
+            let h = s.spawn(|| {
+                fused(u, dtype, k, Part { slots: slots1, n_slots, master: m1, state: st1, dst: d1, grad: g1, fwd: f1 })
+            });
+            let a = fused(u, dtype, k, Part { slots, n_slots, master: m0, state: st0, dst: d0, grad: g0, fwd: f0 });
             let b = h.join().unwrap_or(Ok(()));
             a.and(b)
         })
     }
 
-    /// Sets the version stamp of buffer `parity` of local shard `i` (readers that
+    /// Applies a forwarded update to shard `id` (a migration target): the optimizer
+    /// step with the averaged gradient in the shard's gradient buffer, then publishes
+    /// into buffer `parity`. The same element-wise code as [`ShardMemory::update`],
+    /// so the result is bitwise the source's.
+    ///
+    /// # Safety
+    /// The forward has landed and the source writes the gradient buffer again only
+    /// after our acknowledgement; no pull uses buffer `parity`.
+    pub unsafe fn apply_forwarded(&mut self, id: u32, parity: usize, u: &UpdateArgs<'_>) -> Result<(), AggError> {
+        let (k, dtype) = (self.state_k, self.dtype);
+        let es = dtype.size_bytes();
+        let Some(b) = self.blocks.get_mut(id as usize).and_then(Option::as_mut) else { return Ok(()) };
+        let Some(g) = b.grad.as_ref() else { return Ok(()) };
+        let len = b.len as usize;
+        // SAFETY: the source does not write the buffer until we acknowledge (above).
+        let grad: &[f32] = bytemuck::cast_slice(unsafe { g.as_slice() });
+        let off = published_offset(b.bytes as u64, parity) as usize;
+        // SAFETY: no pull uses this buffer (above); peers only READ the region.
+        let dst = unsafe { &mut b.published.as_mut_slice()[off..off + b.bytes] };
+        // SAFETY: the snapshot WRITE into this region completed before any forward
+        // (RC ordering on the source's queue pair), and nothing else references it.
+        let all: &mut [f32] = bytemuck::cast_slice_mut(unsafe { b.state.as_mut_slice() });
+        let (m, st) = all.split_at_mut(len);
+        let st = &mut st[..len * k];
+        let mut start = 0;
+        while start < len {
+            let end = (start + FUSE_BLOCK).min(len);
+            u.agg.step(u.opt, u.scalars, &mut m[start..end], &grad[start..end], &mut st[start * k..end * k])?;
+            eps_agg::reduce::narrow(dtype, &m[start..end], &mut dst[start * es..end * es]);
+            start = end;
+        }
+        Ok(())
+    }
+
+    /// Sets the version stamp of buffer `parity` of shard `id` (readers that
     /// RDMA-READ the buffer check it before and after; see `STAMP_WRITING`).
-    pub fn set_stamp(&mut self, i: usize, parity: usize, value: u64) {
+    pub fn set_stamp(&mut self, id: u32, parity: usize, value: u64) {
+        let Some(b) = self.blocks.get_mut(id as usize).and_then(Option::as_mut) else { return };
         std::sync::atomic::fence(std::sync::atomic::Ordering::Release);
-        let off = 16 * i + 8 * parity;
-        // SAFETY: the stamp lies inside the stamp area at the start of the published
-        // region (sized for every local shard); peers only read it. A volatile store
-        // keeps it in program order with the buffer writes around it.
+        // SAFETY: the stamp lies inside the header at the start of the published
+        // region; peers only read it. A volatile store keeps it in program order with
+        // the buffer writes around it.
         unsafe {
-            let base = self.published.as_mut_slice().as_mut_ptr();
-            std::ptr::write_volatile(base.add(off).cast::<[u8; 8]>(), value.to_le_bytes());
+            let base = b.published.as_mut_slice().as_mut_ptr();
+            std::ptr::write_volatile(base.add(8 * parity).cast::<[u8; 8]>(), value.to_le_bytes());
         }
         std::sync::atomic::fence(std::sync::atomic::Ordering::Release);
     }
 
-    /// Writes local shard `i`'s master parameters into published buffer `parity`.
+    /// Writes shard `id`'s master parameters into published buffer `parity`.
     ///
     /// The caller guarantees no pull is being written from that buffer (the shard's
     /// `ShardSync::can_publish`).
-    pub fn publish(&mut self, i: usize, parity: usize) {
-        let p = self.places[i];
-        let off = self.pub_offset(i, parity);
-        let src = &self.master[p.elem_off..p.elem_off + p.shard.len as usize];
+    pub fn publish(&mut self, id: u32, parity: usize) {
+        let dtype = self.dtype;
+        let Some(b) = self.blocks.get_mut(id as usize).and_then(Option::as_mut) else { return };
+        let off = published_offset(b.bytes as u64, parity) as usize;
+        let ShardBlock { published, state, len, bytes, .. } = b;
+        // SAFETY: no WRITE into or from the master/state region is in flight between
+        // updates; it is only read here.
+        let master: &[f32] = &bytemuck::cast_slice(unsafe { state.as_slice() })[..*len as usize];
         // SAFETY: peers only READ this region, and the consistency state machine
         // guarantees no pull (WRITE from here) is in flight on this buffer; no other
         // reference to the region exists while the slice lives.
-        let dst = unsafe { &mut self.published.as_mut_slice()[off..off + p.bytes] };
-        eps_agg::reduce::narrow(self.dtype, src, dst);
+        let dst = unsafe { &mut published.as_mut_slice()[off..off + *bytes] };
+        eps_agg::reduce::narrow(dtype, master, dst);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use eps_proto::layout::Layout;
-    use eps_proto::spec::TensorSpec;
 
     #[test]
     fn too_much_memory_is_a_clear_error() {
         let pd = SoftDevice::open().unwrap().alloc_pd();
-        let tensors = [TensorSpec { name: "huge".into(), elements: 1 << 40 }];
-        let layout = Layout::new(&tensors, DType::F32, 1 << 30, 1).unwrap();
         let opt = Optimizer::Sgd { weight_decay: 0.0 };
-        let e = ShardMemory::new(&pd, &layout, 0, 2, &opt, |_| 0.0).unwrap_err();
+        let mut m = ShardMemory::new(&pd, DType::F32, 2, &opt, 1);
+        let e = m.add(0, 0, 1 << 40, Origin::Init(&|_| 0.0)).unwrap_err();
         let msg = format!("{e}: {}", std::error::Error::source(&e).map(|s| s.to_string()).unwrap_or_default());
         assert!(msg.contains("published parameters") && msg.contains("879609"), "says how much: {msg}");
-        assert!(msg.contains("cannot allocate"), "says why: {msg}");
+        assert!(msg.contains("shard 0"), "says which shard: {msg}");
     }
 }

@@ -38,17 +38,20 @@
 //! before returning, and the views borrow the worker, so no view can coexist with a
 //! transfer. That is the invariant the `unsafe` views here rely on.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use eps_agg::DType;
 use eps_control::{ControlClient, ControlError};
 use eps_fabric::prelude::*;
-use eps_proto::control::{ControlMsg, Role, ServerEndpoint};
+use eps_proto::control::{ControlMsg, JobMap, Role, ShardEndpoint};
 use eps_proto::hello::{HELLO_LEN, Hello};
-use eps_proto::imm::{Imm, ImmKind};
-use eps_proto::layout::Layout;
+use eps_proto::imm::{Imm, ImmKind, widen_seq};
+use eps_proto::layout::{Layout, published_offset};
 use eps_proto::{Consistency, JobSpec, SpecError};
 
 /// How a worker joins.
@@ -105,6 +108,9 @@ pub enum WorkerError {
     /// Nothing arrived in time.
     #[error("timed out waiting for {0}")]
     Timeout(&'static str),
+    /// The shard map names a server without an address.
+    #[error("the shard map names server {0}, whose address is unknown")]
+    NoAddress(u32),
 }
 
 /// Transfer statistics.
@@ -124,6 +130,16 @@ const WR_HELLO: u64 = 3 << 62;
 /// RDMA READs of ASP pulls (stamps and buffers); the low bits are unused.
 const WR_READ: u64 = 1 << 61;
 
+/// The newest shard map, fetched by a background thread that long-polls the
+/// control plane (so no iteration waits on it), and the epoch the worker routes with
+/// (reported back, so servers scaled away can leave once nobody routes to them).
+struct MapWatch {
+    latest: Mutex<Option<JobMap>>,
+    newest: AtomicU64,
+    adopted: AtomicU64,
+    stop: AtomicBool,
+}
+
 /// A worker of a running job.
 pub struct Worker {
     rank: u32,
@@ -132,29 +148,34 @@ pub struct Worker {
     mode: Consistency,
     params: SoftMr,
     grads: SoftMr,
-    qps: Vec<SoftQp>,
-    servers: Vec<ServerEndpoint>,
+    /// By server rank: the connection, once dialed.
+    qps: Vec<Option<SoftQp>>,
+    /// QP number -> server rank.
+    qp_rank: HashMap<u32, u32>,
+    /// The map pushes are routed with.
+    map: JobMap,
+    watch: Arc<MapWatch>,
     cq: SoftCq,
-    /// Per server: global shard id of each local shard.
-    local_to_global: Vec<Vec<u32>>,
+    opts: QpOptions,
     /// Per global shard: the landing slot may be written.
     credit: Vec<bool>,
-    /// ASP: where each server's published-buffer stamps are read into.
+    /// Pushes answered "moved" since the current push_pull began: (shard, iteration).
+    moved: Vec<(usize, u64)>,
+    /// ASP: where each shard's published-buffer stamps are read into (16 bytes each).
     stamps: SoftMr,
-    /// ASP: byte offset of each server's stamps in `stamps`.
-    stamp_off: Vec<usize>,
     /// RDMA READs completed since the current read round began.
     reads_done: usize,
     iteration: u64,
     /// Pull answers received since the current push_pull/pull began.
     pulled: usize,
-    /// Hello sends acknowledged.
+    /// Hellos sent and acknowledged.
+    hellos_sent: usize,
     hellos_acked: usize,
     stats: WorkerStats,
     ctl: ControlClient,
     timeout: Duration,
-    _hello: SoftMr,
-    _pd: SoftPd,
+    hello: SoftMr,
+    pd: SoftPd,
 }
 
 impl std::fmt::Debug for Worker {
@@ -164,8 +185,8 @@ impl std::fmt::Debug for Worker {
 }
 
 impl Worker {
-    /// Joins the job: registers, waits for the plan, registers buffers, connects to
-    /// every server, and pulls version 0 of the parameters.
+    /// Joins the job: registers, waits for the shard map, registers buffers,
+    /// connects to every server, and pulls version 0 of the parameters.
     pub fn join(cfg: &WorkerConfig) -> Result<Self, WorkerError> {
         let mut ctl = ControlClient::connect(cfg.control, &cfg.secret, cfg.timeout)?;
         let (rank, spec_text) = match ctl.call(&ControlMsg::Register { role: Role::Worker, fabric_addr: String::new() })? {
@@ -174,48 +195,37 @@ impl Worker {
         };
         let spec = JobSpec::from_toml(&spec_text)?;
         let layout = spec.layout()?;
-        let ControlMsg::Plan { servers } = ctl.call(&ControlMsg::GetPlan)? else {
+        let ControlMsg::Map(map) = ctl.call(&ControlMsg::GetMap { worker: rank, adopted: 0, min_epoch: 0 })? else {
             return Err(WorkerError::Unexpected);
         };
+        if map.routes.len() != layout.shards.len() {
+            return Err(WorkerError::Unexpected);
+        }
         let dev = SoftDevice::open()?;
         let pd = dev.alloc_pd();
         let bytes = layout.bytes() as usize;
+        let n = layout.shards.len();
         let params = pd.alloc_mr(bytes, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
         let grads = pd.alloc_mr(bytes, Access::LOCAL_WRITE)?;
-        let hello = pd.alloc_mr(HELLO_LEN, Access::LOCAL_WRITE)?;
-        let mut stamp_off = Vec::with_capacity(servers.len());
-        let mut stamp_bytes = 0usize;
-        for r in 0..servers.len() as u32 {
-            stamp_off.push(stamp_bytes);
-            stamp_bytes += 16 * layout.shards_of(r).count();
-        }
-        let stamps = pd.alloc_mr(stamp_bytes.max(16), Access::LOCAL_WRITE)?;
-        let mut local_to_global = vec![Vec::new(); servers.len()];
-        for s in &layout.shards {
-            local_to_global[s.server as usize].push(s.id);
-        }
-        let max_local = local_to_global.iter().map(Vec::len).max().unwrap_or(0) as u32;
+        let mut hello = pd.alloc_mr(HELLO_LEN, Access::LOCAL_WRITE)?;
+        hello.write_at(0, &Hello { rank, pull_rkey: params.rkey(), pull_addr: params.addr() }.encode());
+        let stamps = pd.alloc_mr(16 * n.max(1), Access::LOCAL_WRITE)?;
         let max_bytes = layout.shards.iter().map(|s| s.len as usize * layout.dtype.size_bytes()).max().unwrap_or(0);
         let mut opts = QpOptions::new(cfg.secret.clone());
-        opts.max_send_wr = 2 * max_local + 8;
-        opts.max_recv_wr = 2 * max_local + 8;
+        opts.max_send_wr = 2 * n as u32 + 8;
+        opts.max_recv_wr = 2 * n as u32 + 8;
         opts.max_sge = 1;
-        opts.max_msg_bytes = (max_bytes as u64).max(eps_proto::layout::stamp_area_bytes(max_local as usize)) as u32;
+        opts.max_msg_bytes = max_bytes.max(4096) as u32;
         opts.connect_timeout = cfg.timeout;
-        let cq = pd.create_cq((servers.len() as u32) * (4 * max_local + 24))?;
-        let mut qps = Vec::with_capacity(servers.len());
-        let mut h = hello;
-        h.write_at(0, &Hello { rank, pull_rkey: params.rkey(), pull_addr: params.addr() }.encode());
-        for ep in &servers {
-            let addr: SocketAddr = ep.fabric_addr.parse().map_err(|_| WorkerError::Unexpected)?;
-            let qp = pd.connect(addr, &cq, &cq, &opts)?;
-            for _ in 0..opts.max_recv_wr {
-                qp.post_recv(&RecvWr { wr_id: 0, sg: &[] })?;
-            }
-            qp.post_send(&SendWr { wr_id: WR_HELLO, op: SendOp::Send, sg: &[Sge::whole(&h)], signaled: true })?;
-            qps.push(qp);
-        }
-        let n = layout.shards.len();
+        // Room for every shard's answers from servers old and new.
+        let cq = pd.create_cq(8 * (2 * n as u32 + 8) + 64)?;
+        let watch = Arc::new(MapWatch {
+            latest: Mutex::new(None),
+            newest: AtomicU64::new(map.epoch),
+            adopted: AtomicU64::new(map.epoch),
+            stop: AtomicBool::new(false),
+        });
+        spawn_map_watch(cfg, rank, watch.clone())?;
         let mut w = Self {
             rank,
             mode: spec.job.consistency,
@@ -223,31 +233,103 @@ impl Worker {
             layout,
             params,
             grads,
-            qps,
-            servers,
+            qps: Vec::new(),
+            qp_rank: HashMap::new(),
+            map,
+            watch,
             cq,
-            local_to_global,
+            opts,
             credit: vec![true; n],
+            moved: Vec::new(),
             stamps,
-            stamp_off,
             reads_done: 0,
             iteration: 0,
             pulled: 0,
+            hellos_sent: 0,
             hellos_acked: 0,
             stats: WorkerStats::default(),
             ctl,
             timeout: cfg.timeout,
-            _hello: h,
-            _pd: pd,
+            hello,
+            pd,
         };
-        let n = w.qps.len();
-        w.wait_until(|w| w.hellos_acked >= n, "hello acknowledgements")?;
+        let owners: Vec<u32> = w.map.routes.iter().map(|r| r.owner.owner).collect();
+        for o in owners {
+            w.connect(o)?;
+        }
         if w.mode == Consistency::Asp {
             w.read_pull()?;
         } else {
             w.pull(0)?;
         }
         Ok(w)
+    }
+
+    /// Connects to server `rank` if not yet connected, and says hello.
+    fn connect(&mut self, rank: u32) -> Result<(), WorkerError> {
+        if self.qps.get(rank as usize).is_some_and(Option::is_some) {
+            return Ok(());
+        }
+        let addr = self.map.server_addr(rank).ok_or(WorkerError::NoAddress(rank))?;
+        let addr: SocketAddr = addr.parse().map_err(|_| WorkerError::NoAddress(rank))?;
+        let qp = self.pd.connect(addr, &self.cq, &self.cq, &self.opts)?;
+        for _ in 0..self.opts.max_recv_wr {
+            qp.post_recv(&RecvWr { wr_id: 0, sg: &[] })?;
+        }
+        qp.post_send(&SendWr { wr_id: WR_HELLO, op: SendOp::Send, sg: &[Sge::whole(&self.hello)], signaled: true })?;
+        self.hellos_sent += 1;
+        self.qp_rank.insert(qp.qp_num(), rank);
+        if self.qps.len() <= rank as usize {
+            self.qps.resize_with(rank as usize + 1, || None);
+        }
+        self.qps[rank as usize] = Some(qp);
+        let n = self.hellos_sent;
+        self.wait_until(|w| w.hellos_acked >= n, "hello acknowledgements")
+    }
+
+    /// Takes the newest map the watcher fetched, if it is newer than ours.
+    fn adopt_newest(&mut self) -> Result<(), WorkerError> {
+        if self.watch.newest.load(Ordering::Acquire) <= self.map.epoch {
+            return Ok(());
+        }
+        let m = self.watch.latest.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(m) = m.filter(|m| m.epoch > self.map.epoch) {
+            self.adopt(m)?;
+        }
+        Ok(())
+    }
+
+    fn adopt(&mut self, m: JobMap) -> Result<(), WorkerError> {
+        if m.routes.len() != self.layout.shards.len() {
+            return Err(WorkerError::Unexpected);
+        }
+        self.map = m;
+        let owners: Vec<u32> = self.map.routes.iter().map(|r| r.owner.owner).collect();
+        for o in owners {
+            self.connect(o)?;
+        }
+        self.watch.adopted.store(self.map.epoch, Ordering::Release);
+        Ok(())
+    }
+
+    /// Blocks until a map newer than ours is known (after a "moved" answer).
+    fn refresh_map(&mut self) -> Result<(), WorkerError> {
+        let deadline = Instant::now() + self.timeout;
+        let have = self.map.epoch;
+        while Instant::now() < deadline {
+            let req = ControlMsg::GetMap { worker: self.rank, adopted: have, min_epoch: have + 1 };
+            if let ControlMsg::Map(m) = self.ctl.call(&req)?
+                && m.epoch > have
+            {
+                return self.adopt(m);
+            }
+        }
+        Err(WorkerError::Timeout("a newer shard map after a \"moved\" answer"))
+    }
+
+    /// Where the push of `iteration` for shard `sid` (and the pull after it) goes.
+    fn route(&self, sid: usize, iteration: u64) -> &ShardEndpoint {
+        self.map.routes[sid].for_iteration(iteration)
     }
 
     /// This worker's rank.
@@ -358,37 +440,54 @@ impl Worker {
 
     /// Pushes this iteration's gradients and pulls the parameters of the next one,
     /// shard by shard, all shards in flight at once. Returns when every shard's new
-    /// parameters are in the buffer.
+    /// parameters are in the buffer. Routes with the newest shard map; a push the
+    /// old owner answers "moved" is sent again to the new one.
     pub fn push_pull(&mut self) -> Result<(), WorkerError> {
         let start = Instant::now();
+        self.adopt_newest()?;
         let t = self.iteration;
-        let need = self.need_after_push(t);
-        let es = self.layout.dtype.size_bytes() as u64;
-        let mut posted = 0usize;
         self.pulled = 0;
+        self.moved.clear();
         for sid in 0..self.layout.shards.len() {
             self.wait_until(|w| w.credit[sid], "a credit for the landing slot")?;
-            let s = self.layout.shards[sid];
-            let (slot_base, rkey) = self.servers[s.server as usize].landing[self.rank as usize];
-            let slot_off = self.slot_offset(s.server, s.local);
-            let push = Imm { kind: ImmKind::Push, shard: s.local, seq: t as u16 }.encode();
-            let to = RemoteAddr { addr: slot_base + slot_off, rkey };
-            self.post(s.server, WR_PUSH | sid as u64, to, push, Some((s.start * es, (s.len * es) as u32)))?;
-            if self.mode != Consistency::Asp {
-                let req = Imm { kind: ImmKind::PullReq, shard: s.local, seq: need as u16 }.encode();
-                self.post(s.server, WR_PULLREQ | sid as u64, RemoteAddr { addr: slot_base, rkey }, req, None)?;
-            }
-            self.credit[sid] = false;
-            posted += 1;
-            self.stats.pushed_bytes += s.len * es;
+            self.push_shard(sid, t)?;
         }
         if self.mode == Consistency::Asp {
             self.read_pull()?;
         } else {
-            self.wait_pulls(posted)?;
+            let n = self.layout.shards.len();
+            loop {
+                self.wait_until(|w| w.pulled >= n || !w.moved.is_empty(), "pull answers from the servers")?;
+                if self.moved.is_empty() {
+                    break;
+                }
+                // Routed with an old epoch: fetch the new map and push there.
+                self.refresh_map()?;
+                for (sid, it) in std::mem::take(&mut self.moved) {
+                    self.push_shard(sid, it)?;
+                }
+            }
         }
         self.iteration += 1;
         self.stats.comm += start.elapsed();
+        Ok(())
+    }
+
+    /// Pushes shard `sid`'s gradient of iteration `t` and asks for the version after.
+    fn push_shard(&mut self, sid: usize, t: u64) -> Result<(), WorkerError> {
+        let es = self.layout.dtype.size_bytes() as u64;
+        let s = self.layout.shards[sid];
+        let ep = self.route(sid, t);
+        let owner = ep.owner;
+        let Some(&(slot, rkey)) = ep.landing.get(self.rank as usize) else { return Err(WorkerError::Unexpected) };
+        let push = Imm { kind: ImmKind::Push, shard: sid as u32, seq: t as u16 }.encode();
+        self.post(owner, WR_PUSH | sid as u64, RemoteAddr { addr: slot, rkey }, push, Some((s.start * es, (s.len * es) as u32)))?;
+        if self.mode != Consistency::Asp {
+            let req = Imm { kind: ImmKind::PullReq, shard: sid as u32, seq: self.need_after_push(t) as u16 }.encode();
+            self.post(owner, WR_PULLREQ | sid as u64, RemoteAddr { addr: slot, rkey }, req, None)?;
+        }
+        self.credit[sid] = false;
+        self.stats.pushed_bytes += s.len * es;
         Ok(())
     }
 
@@ -397,14 +496,20 @@ impl Worker {
         let start = Instant::now();
         self.pulled = 0;
         for sid in 0..self.layout.shards.len() {
-            let s = self.layout.shards[sid];
-            let (slot_base, rkey) = self.servers[s.server as usize].landing[self.rank as usize];
-            let req = Imm { kind: ImmKind::PullReq, shard: s.local, seq: need as u16 }.encode();
-            self.post(s.server, WR_PULLREQ | sid as u64, RemoteAddr { addr: slot_base, rkey }, req, None)?;
+            let ep = self.route(sid, need.saturating_sub(1));
+            let owner = ep.owner;
+            let Some(&(slot, rkey)) = ep.landing.get(self.rank as usize) else { return Err(WorkerError::Unexpected) };
+            let req = Imm { kind: ImmKind::PullReq, shard: sid as u32, seq: need as u16 }.encode();
+            self.post(owner, WR_PULLREQ | sid as u64, RemoteAddr { addr: slot, rkey }, req, None)?;
         }
-        self.wait_pulls(self.layout.shards.len())?;
+        let n = self.layout.shards.len();
+        self.wait_until(|w| w.pulled >= n, "pull answers from the servers")?;
         self.stats.comm += start.elapsed();
         Ok(())
+    }
+
+    fn qp(&self, server: u32) -> Result<&SoftQp, WorkerError> {
+        self.qps.get(server as usize).and_then(Option::as_ref).ok_or(WorkerError::NoAddress(server))
     }
 
     /// Posts a WRITE_WITH_IMM to server `server` (payload: `grad` = (byte offset,
@@ -422,7 +527,7 @@ impl Worker {
                     None => &[],
                 };
                 let signaled = grad.is_some();
-                self.qps[server as usize].post_send(&SendWr { wr_id, op: SendOp::WriteImm(to, imm), sg, signaled })
+                self.qp(server)?.post_send(&SendWr { wr_id, op: SendOp::WriteImm(to, imm), sg, signaled })
             };
             match res {
                 Err(FabricError::QueueFull { .. }) => {
@@ -445,11 +550,10 @@ impl Worker {
         let mut todo: Vec<usize> = (0..n).collect();
         let mut chosen = vec![(0usize, 0u64); n];
         for _round in 0..1000 {
-            // 1. Stamps of every server, then pick each shard's newest buffer.
-            self.read_stamps()?;
+            // 1. Stamps of every shard still to read, then pick each one's newest buffer.
+            self.read_stamps(&todo)?;
             for &sid in &todo {
-                let s = self.layout.shards[sid];
-                let (a, b) = self.stamp(s.server, s.local);
+                let (a, b) = self.stamp(sid);
                 let valid = |v: u64| v != eps_proto::layout::STAMP_WRITING;
                 chosen[sid] = match (valid(a), valid(b)) {
                     (true, true) if b > a => (1, b),
@@ -463,20 +567,19 @@ impl Worker {
             self.reads_done = 0;
             for &sid in &ready {
                 let s = self.layout.shards[sid];
-                let ep = &self.servers[s.server as usize];
-                let off = self.layout.published_offset(s.server, s.local, chosen[sid].0);
+                let ep = &self.map.routes[sid].owner;
+                let off = published_offset(s.len * es, chosen[sid].0);
                 let from = RemoteAddr { addr: ep.published_addr + off, rkey: ep.published_rkey };
                 let sg = [Sge::new(&self.params, s.start * es, (s.len * es) as u32)];
-                self.post_read(s.server, from, &sg)?;
+                self.post_read(ep.owner, from, &sg)?;
                 self.stats.pulled_bytes += s.len * es;
             }
             let k = ready.len();
             self.wait_until(|w| w.reads_done >= k, "RDMA READs of the published parameters")?;
             // 3. Stamps again: keep the shards whose buffer did not change.
-            self.read_stamps()?;
+            self.read_stamps(&todo)?;
             todo.retain(|&sid| {
-                let s = self.layout.shards[sid];
-                let (a, b) = self.stamp(s.server, s.local);
+                let (a, b) = self.stamp(sid);
                 let now = if chosen[sid].0 == 0 { a } else { b };
                 now != chosen[sid].1 || chosen[sid].1 == u64::MAX
             });
@@ -488,31 +591,27 @@ impl Worker {
         Err(WorkerError::Timeout("a consistent read of the published parameters"))
     }
 
-    fn stamp(&self, server: u32, local: u32) -> (u64, u64) {
+    fn stamp(&self, sid: usize) -> (u64, u64) {
         let mut b = [0u8; 16];
-        self.stamps.read_at(self.stamp_off[server as usize] + 16 * local as usize, &mut b);
+        self.stamps.read_at(16 * sid, &mut b);
         (u64::from_le_bytes(b[..8].try_into().expect("8")), u64::from_le_bytes(b[8..].try_into().expect("8")))
     }
 
-    fn read_stamps(&mut self) -> Result<(), WorkerError> {
+    fn read_stamps(&mut self, shards: &[usize]) -> Result<(), WorkerError> {
         self.reads_done = 0;
-        for r in 0..self.servers.len() {
-            let len = 16 * self.local_to_global[r].len();
-            if len == 0 {
-                continue;
-            }
-            let ep = &self.servers[r];
+        for &sid in shards {
+            let ep = &self.map.routes[sid].owner;
             let from = RemoteAddr { addr: ep.published_addr, rkey: ep.published_rkey };
-            let sg = [Sge::new(&self.stamps, self.stamp_off[r] as u64, len as u32)];
-            self.post_read(r as u32, from, &sg)?;
+            let sg = [Sge::new(&self.stamps, 16 * sid as u64, 16)];
+            self.post_read(ep.owner, from, &sg)?;
         }
-        let k = self.local_to_global.iter().filter(|l| !l.is_empty()).count();
+        let k = shards.len();
         self.wait_until(|w| w.reads_done >= k, "RDMA READs of the published parameters")
     }
 
     fn post_read(&self, server: u32, from: RemoteAddr, sg: &[Sge<'_, SoftMr>]) -> Result<(), WorkerError> {
         loop {
-            match self.qps[server as usize].post_send(&SendWr { wr_id: WR_READ, op: SendOp::Read(from), sg, signaled: true }) {
+            match self.qp(server)?.post_send(&SendWr { wr_id: WR_READ, op: SendOp::Read(from), sg, signaled: true }) {
                 Err(FabricError::QueueFull { .. }) => {
                     // Drive the queue without taking completions (wait_until counts them).
                     self.cq.poll(&mut [])?;
@@ -521,12 +620,6 @@ impl Worker {
                 r => return Ok(r?),
             }
         }
-    }
-
-    /// Byte offset of local shard `local` within this server's landing region.
-    fn slot_offset(&self, server: u32, local: u32) -> u64 {
-        let es = self.layout.dtype.size_bytes() as u64;
-        self.local_to_global[server as usize][..local as usize].iter().map(|&g| self.layout.shards[g as usize].len * es).sum()
     }
 
     /// Reaps completions until `done` holds: spinning while they flow, sleeping on
@@ -546,34 +639,37 @@ impl Worker {
         Ok(())
     }
 
-    fn wait_pulls(&mut self, n: usize) -> Result<(), WorkerError> {
-        self.wait_until(|w| w.pulled >= n, "pull answers from the servers")
-    }
-
-    /// Polls once; counts pull answers and acknowledged hellos. True if anything came.
+    /// Polls once; counts pull answers, "moved" answers and acknowledged hellos.
+    /// True if anything came.
     fn reap(&mut self) -> Result<bool, WorkerError> {
         let mut wc = [Completion::EMPTY; 64];
         let k = self.cq.poll(&mut wc)?;
         for c in &wc[..k] {
-            let server = self.qps.iter().position(|q| q.qp_num() == c.qp_num).unwrap_or(0);
+            let server = self.qp_rank.get(&c.qp_num).copied().unwrap_or(u32::MAX);
             if !c.status.is_ok() {
                 let what = if c.wr_id & (3 << 62) == WR_PUSH { "push" } else { "pull" };
                 return Err(WorkerError::Transfer { what, shard: (c.wr_id & 0xFFFF_FFFF) as u32, status: c.status });
             }
             match c.opcode {
                 WcOpcode::RecvWithImm => {
-                    self.qps[server].post_recv(&RecvWr { wr_id: 0, sg: &[] })?;
-                    let Some(m) = c.imm.and_then(Imm::decode) else { continue };
-                    let Some(&gid) = self.local_to_global[server].get(m.shard as usize) else { continue };
+                    self.qp(server)?.post_recv(&RecvWr { wr_id: 0, sg: &[] })?;
+                    let Some(m) = c.imm.and_then(Imm::decode).filter(|m| (m.shard as usize) < self.credit.len()) else {
+                        continue;
+                    };
+                    let sid = m.shard as usize;
                     match m.kind {
                         ImmKind::PullDone => {
                             self.pulled += 1;
                             self.stats.pulled_bytes += c.byte_len as u64;
                             if self.mode == Consistency::Bsp {
-                                self.credit[gid as usize] = true;
+                                self.credit[sid] = true;
                             }
                         }
-                        ImmKind::Credit => self.credit[gid as usize] = true,
+                        ImmKind::Credit => self.credit[sid] = true,
+                        ImmKind::Moved => {
+                            self.credit[sid] = true;
+                            self.moved.push((sid, widen_seq(m.seq, self.iteration)));
+                        }
                         _ => {}
                     }
                 }
@@ -595,7 +691,38 @@ impl Worker {
                 self.cq.wait(Duration::from_millis(1));
             }
         }
+        self.watch.stop.store(true, Ordering::Relaxed);
         self.ctl.call(&ControlMsg::Finished { role: Role::Worker, rank: self.rank })?;
         Ok(self.stats)
     }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        self.watch.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Long-polls the control plane for newer maps on a thread of its own, reporting
+/// the epoch the worker routes with.
+fn spawn_map_watch(cfg: &WorkerConfig, rank: u32, watch: Arc<MapWatch>) -> Result<(), WorkerError> {
+    let mut ctl = ControlClient::connect(cfg.control, &cfg.secret, cfg.timeout)?;
+    std::thread::spawn(move || {
+        while !watch.stop.load(Ordering::Relaxed) {
+            let have = watch.newest.load(Ordering::Acquire);
+            let adopted = watch.adopted.load(Ordering::Acquire);
+            match ctl.call(&ControlMsg::GetMap { worker: rank, adopted, min_epoch: have + 1 }) {
+                Ok(ControlMsg::Map(m)) if m.epoch > have => {
+                    let e = m.epoch;
+                    *watch.latest.lock().unwrap_or_else(|p| p.into_inner()) = Some(m);
+                    watch.newest.store(e, Ordering::Release);
+                }
+                Ok(_) => {}
+                // The control plane is gone (the job ended) or broken: the data plane
+                // goes on; a "moved" answer asks it directly and reports the error.
+                Err(_) => return,
+            }
+        }
+    });
+    Ok(())
 }

@@ -1,0 +1,421 @@
+//! The state of one job as the control plane keeps it, free of I/O: membership,
+//! the shard map under its epoch, shard endpoints, scale events and the migrations
+//! they plan, and the orders each server is given. Every state change is a
+//! [`ControlMsg`] record, so replaying the store's records rebuilds the same state
+//! (orders included, with the same sequence numbers).
+
+use std::fmt::Write as _;
+
+use eps_proto::JobSpec;
+use eps_proto::control::{ControlMsg, JobMap, MigrationKeys, Order, Role, Route, ShardEndpoint};
+use eps_proto::shardmap::{Move, ShardMap};
+use eps_proto::spec::Consistency;
+
+/// Phase of one shard migration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// The target registers memory.
+    Preparing,
+    /// The source sends the snapshot and forwards updates.
+    Copying,
+    /// Pushes from iteration `at` on go to the target; the source still serves
+    /// versions up to `at`.
+    CuttingOver {
+        /// The cutover iteration.
+        at: u64,
+    },
+    /// The source released the shard.
+    Done,
+}
+
+/// One shard migration.
+#[derive(Clone, Debug)]
+pub struct Migration {
+    /// Global shard id.
+    pub shard: u32,
+    /// Source server.
+    pub from: u32,
+    /// Target server.
+    pub to: u32,
+    /// Phase.
+    pub phase: Phase,
+    /// Bytes sent (known once done).
+    pub bytes: u64,
+    /// Duration from order to release (known once done).
+    pub millis: u64,
+    target: Option<(ShardEndpoint, MigrationKeys)>,
+}
+
+#[derive(Clone, Debug, Default)]
+struct ServerInfo {
+    addr: String,
+    ready: bool,
+    finished: bool,
+    /// Scaled away: leaves once it holds nothing and no worker routes to it.
+    leaving: bool,
+    retired: bool,
+    /// Epoch in which its last shard moved away.
+    drained_at: u64,
+}
+
+/// The job state.
+#[derive(Debug)]
+pub struct Job {
+    spec_text: String,
+    consistency: Consistency,
+    initial_servers: u32,
+    /// How many servers may register so far (grows with scale-ups).
+    server_slots: u32,
+    workers_want: u32,
+    servers: Vec<ServerInfo>,
+    workers: u32,
+    finished_workers: Vec<bool>,
+    /// The epoch each worker routes with (reported, not persisted).
+    adopted: Vec<u64>,
+    map: ShardMap,
+    endpoints: Vec<Option<ShardEndpoint>>,
+    previous: Vec<Option<(ShardEndpoint, u64)>>,
+    migrations: Vec<Migration>,
+    orders: Vec<(u32, Order)>,
+}
+
+impl Job {
+    /// A job at its start: nobody registered yet.
+    pub fn new(spec: &JobSpec, spec_text: &str) -> Result<Self, String> {
+        let layout = spec.layout().map_err(|e| e.to_string())?;
+        let n = layout.shards.len();
+        Ok(Self {
+            spec_text: spec_text.to_string(),
+            consistency: spec.job.consistency,
+            initial_servers: spec.job.servers,
+            server_slots: spec.job.servers,
+            workers_want: spec.job.workers,
+            servers: Vec::new(),
+            workers: 0,
+            finished_workers: vec![false; spec.job.workers as usize],
+            adopted: vec![0; spec.job.workers as usize],
+            map: ShardMap::from_layout(&layout),
+            endpoints: vec![None; n],
+            previous: vec![None; n],
+            migrations: Vec::new(),
+            orders: Vec::new(),
+        })
+    }
+
+    /// Whether every initial server is ready (workers may start).
+    pub fn initial_ready(&self) -> bool {
+        self.endpoints.iter().all(Option::is_some)
+    }
+
+    /// Whether every worker and every server that joined has finished.
+    pub fn done(&self) -> bool {
+        self.workers == self.workers_want
+            && self.finished_workers.iter().all(|&x| x)
+            && self.servers.iter().all(|s| s.finished)
+            && !self.servers.is_empty()
+    }
+
+    /// The current epoch.
+    pub fn epoch(&self) -> u64 {
+        self.map.epoch
+    }
+
+    /// Number of orders issued so far (the sequence number of the last one).
+    pub fn orders_issued(&self) -> u64 {
+        self.orders.len() as u64
+    }
+
+    /// Orders for server `rank` after sequence number `after`, and the last number.
+    pub fn orders_for(&self, rank: u32, after: u64) -> (u64, Vec<Order>) {
+        let last = self.orders.len() as u64;
+        let mine = self.orders.iter().skip(after as usize).filter(|(r, _)| *r == rank).map(|(_, o)| o.clone()).collect();
+        (last, mine)
+    }
+
+    /// The map as workers see it.
+    pub fn job_map(&self) -> JobMap {
+        let routes = self
+            .endpoints
+            .iter()
+            .zip(&self.previous)
+            .map(|(e, p)| Route { owner: e.clone().unwrap_or_else(empty_endpoint), previous: p.clone() })
+            .collect();
+        let servers = self.servers.iter().enumerate().filter(|(_, s)| s.ready).map(|(r, s)| (r as u32, s.addr.clone())).collect();
+        JobMap { epoch: self.map.epoch, servers, routes }
+    }
+
+    /// A worker reports the epoch it routes with.
+    pub fn worker_adopted(&mut self, worker: u32, epoch: u64) {
+        if let Some(a) = self.adopted.get_mut(worker as usize) {
+            *a = (*a).max(epoch);
+        }
+        self.retire_drained();
+    }
+
+    /// Migrations that are not done.
+    pub fn migrations_in_flight(&self) -> usize {
+        self.migrations.iter().filter(|m| m.phase != Phase::Done).count()
+    }
+
+    /// All migrations so far.
+    pub fn migrations(&self) -> &[Migration] {
+        &self.migrations
+    }
+
+    fn order(&mut self, rank: u32, o: Order) {
+        self.orders.push((rank, o));
+    }
+
+    fn live_servers(&self) -> Vec<u32> {
+        (0..self.servers.len() as u32)
+            .filter(|&r| !self.servers[r as usize].leaving && !self.servers[r as usize].retired)
+            .collect()
+    }
+
+    /// Applies one record (live or replayed) and returns the reply for a live
+    /// request. Errors leave the state unchanged.
+    pub fn apply(&mut self, m: &ControlMsg) -> Result<ControlMsg, String> {
+        match m {
+            ControlMsg::Register { role: Role::Server, .. } => {
+                if self.servers.len() as u32 >= self.server_slots {
+                    return Err(format!(
+                        "the job already has its {} servers (raise the count with `eps scale --servers N` first)",
+                        self.server_slots
+                    ));
+                }
+                self.servers.push(ServerInfo::default());
+                Ok(ControlMsg::Registered { rank: self.servers.len() as u32 - 1, spec_toml: self.spec_text.clone() })
+            }
+            ControlMsg::Register { role: Role::Worker, .. } => {
+                if self.workers >= self.workers_want {
+                    return Err(format!("the job already has its {} workers", self.workers_want));
+                }
+                self.workers += 1;
+                Ok(ControlMsg::Registered { rank: self.workers - 1, spec_toml: self.spec_text.clone() })
+            }
+            ControlMsg::ServerReady { rank, fabric_addr, shards } => self.server_ready(*rank, fabric_addr, shards),
+            ControlMsg::ShardReady { endpoint, keys } => {
+                let Some(i) =
+                    self.migration(endpoint.shard, Phase::Preparing).filter(|&i| self.migrations[i].to == endpoint.owner)
+                else {
+                    return Err(format!("no migration of shard {} to server {} is preparing", endpoint.shard, endpoint.owner));
+                };
+                let mg = &mut self.migrations[i];
+                mg.target = Some((endpoint.clone(), *keys));
+                mg.phase = Phase::Copying;
+                let (from, to, shard) = (mg.from, mg.to, mg.shard);
+                let to_addr = self.servers[to as usize].addr.clone();
+                self.order(from, Order::MigrateOut { shard, to, to_addr, keys: *keys });
+                Ok(ControlMsg::Ok)
+            }
+            ControlMsg::Cutover { shard, at } => {
+                let Some(i) = self.migration(*shard, Phase::Copying) else {
+                    return Err(format!("shard {shard} is not being copied"));
+                };
+                let mg = &mut self.migrations[i];
+                mg.phase = Phase::CuttingOver { at: *at };
+                let (ep, _) = mg.target.clone().ok_or("the migration has no target endpoint")?;
+                let s = *shard as usize;
+                self.previous[s] = self.endpoints[s].take().map(|old| (old, *at));
+                self.endpoints[s] = Some(ep);
+                self.map.shards[s].owner = self.migrations[i].to;
+                self.map.epoch += 1;
+                let from = self.migrations[i].from as usize;
+                if !self.map.shards.iter().any(|x| x.owner == from as u32) {
+                    self.servers[from].drained_at = self.map.epoch;
+                }
+                Ok(ControlMsg::Ok)
+            }
+            ControlMsg::Released { shard, bytes, millis } => {
+                let Some(i) = self.migration(*shard, Phase::CuttingOver { at: 0 }) else {
+                    return Err(format!("shard {shard} is not cutting over"));
+                };
+                let mg = &mut self.migrations[i];
+                (mg.phase, mg.bytes, mg.millis) = (Phase::Done, *bytes, *millis);
+                self.previous[*shard as usize] = None;
+                self.retire_drained();
+                Ok(ControlMsg::Ok)
+            }
+            ControlMsg::Scale { servers } => self.scale(*servers),
+            ControlMsg::Finished { role, rank } => {
+                let slot = match role {
+                    Role::Server => self.servers.get_mut(*rank as usize).map(|s| &mut s.finished),
+                    Role::Worker => self.finished_workers.get_mut(*rank as usize),
+                };
+                let Some(slot) = slot else { return Err(format!("rank {rank} is outside the job")) };
+                *slot = true;
+                if *role == Role::Worker && self.finished_workers.iter().all(|&x| x) && self.workers == self.workers_want {
+                    // The job is over: every server leaves.
+                    for r in 0..self.servers.len() {
+                        if !self.servers[r].retired {
+                            self.servers[r].retired = true;
+                            self.order(r as u32, Order::Retire);
+                        }
+                    }
+                }
+                Ok(ControlMsg::Ok)
+            }
+            _ => Err("not a state change".into()),
+        }
+    }
+
+    /// Index of the latest migration of `shard` in `phase` (any cutover iteration
+    /// for `CuttingOver`).
+    fn migration(&self, shard: u32, phase: Phase) -> Option<usize> {
+        self.migrations.iter().rposition(|m| {
+            m.shard == shard
+                && match (m.phase, phase) {
+                    (Phase::CuttingOver { .. }, Phase::CuttingOver { .. }) => true,
+                    (a, b) => a == b,
+                }
+        })
+    }
+
+    fn server_ready(&mut self, rank: u32, addr: &str, shards: &[ShardEndpoint]) -> Result<ControlMsg, String> {
+        let Some(info) = self.servers.get_mut(rank as usize) else {
+            return Err(format!("server rank {rank} has not registered"));
+        };
+        for e in shards {
+            let owner = self.map.shards.get(e.shard as usize).map(|s| s.owner);
+            if owner != Some(rank) || e.owner != rank || self.endpoints[e.shard as usize].is_some() {
+                return Err(format!("server {rank} reported shard {} it does not own", e.shard));
+            }
+        }
+        info.addr = addr.to_string();
+        info.ready = true;
+        for e in shards {
+            self.endpoints[e.shard as usize] = Some(e.clone());
+        }
+        if rank >= self.initial_servers {
+            // A server added by a scale event: move shards onto it until balanced.
+            let mut plan = self.map.clone();
+            if !plan.servers.contains(&rank) {
+                let moves = plan.plan_add_whole(rank).map_err(|e| e.to_string())?;
+                self.map.servers.push(rank);
+                self.map.servers.sort_unstable();
+                self.start_moves(&moves);
+            }
+        }
+        Ok(ControlMsg::Ok)
+    }
+
+    fn start_moves(&mut self, moves: &[Move]) {
+        for mv in moves {
+            let Some(i) = self.map.shard_of(mv.start) else { continue };
+            let shard = i as u32;
+            self.migrations.push(Migration {
+                shard,
+                from: mv.from,
+                to: mv.to,
+                phase: Phase::Preparing,
+                bytes: 0,
+                millis: 0,
+                target: None,
+            });
+            self.order(mv.to, Order::MigrateIn { shard, from: mv.from });
+        }
+    }
+
+    fn scale(&mut self, want: u32) -> Result<ControlMsg, String> {
+        if self.consistency != Consistency::Bsp {
+            return Err("scaling servers of a running job needs BSP consistency (SSP and ASP jobs keep their servers)".into());
+        }
+        if want == 0 {
+            return Err("a job needs at least one server".into());
+        }
+        if !self.initial_ready() {
+            return Err("the job is still starting: its initial servers are not all ready".into());
+        }
+        let busy = self.migrations_in_flight();
+        let joining = self.servers.len() as u32 != self.server_slots || self.servers.iter().any(|s| !s.ready && !s.retired);
+        if busy > 0 || joining {
+            return Err(format!(
+                "a scale event is in progress ({busy} migrations, {} servers still joining); try again when `eps status` shows none",
+                self.server_slots - self.servers.len() as u32
+            ));
+        }
+        let live = self.live_servers();
+        let now = live.len() as u32;
+        if want > now {
+            self.server_slots += want - now;
+        } else if want < now {
+            let gone: Vec<u32> = live[want as usize..].to_vec();
+            let moves = self.map.plan_remove_many(&gone).map_err(|e| e.to_string())?;
+            for &g in &gone {
+                self.servers[g as usize].leaving = true;
+                self.map.servers.retain(|&s| s != g);
+                if !self.map.shards.iter().any(|s| s.owner == g) {
+                    self.servers[g as usize].drained_at = self.map.epoch;
+                }
+            }
+            self.start_moves(&moves);
+            self.retire_drained();
+        }
+        Ok(ControlMsg::Ok)
+    }
+
+    /// Orders leaving servers that hold nothing, and that no worker routes to any
+    /// more, to retire.
+    fn retire_drained(&mut self) {
+        for r in 0..self.servers.len() {
+            let s = &self.servers[r];
+            if !s.leaving || s.retired {
+                continue;
+            }
+            let holds = self.map.shards.iter().any(|x| x.owner == r as u32);
+            let involved = self.migrations.iter().any(|m| m.phase != Phase::Done && (m.from == r as u32 || m.to == r as u32));
+            let routed = (0..self.adopted.len()).any(|w| !self.finished_workers[w] && self.adopted[w] < s.drained_at);
+            if !holds && !involved && !routed {
+                self.servers[r].retired = true;
+                self.order(r as u32, Order::Retire);
+            }
+        }
+    }
+
+    /// Human-readable state for `eps status`.
+    pub fn status(&self) -> String {
+        let mut t = String::new();
+        let fw = self.finished_workers.iter().filter(|&&x| x).count();
+        let _ = writeln!(t, "epoch: {}", self.map.epoch);
+        let _ = writeln!(t, "workers: {}/{} registered, {fw} finished", self.workers, self.workers_want);
+        let ready = self.servers.iter().filter(|s| s.ready).count();
+        let fs = self.servers.iter().filter(|s| s.finished).count();
+        let _ = writeln!(t, "servers: {}/{} registered, {ready} ready, {fs} finished", self.servers.len(), self.server_slots);
+        let load = self.map.bytes_per_server();
+        for (r, s) in self.servers.iter().enumerate() {
+            let shards = self.map.shards.iter().filter(|x| x.owner == r as u32).count();
+            let state = if s.retired {
+                "retired"
+            } else if s.leaving {
+                "leaving"
+            } else if s.ready {
+                "serving"
+            } else {
+                "joining"
+            };
+            let bytes = load.get(&(r as u32)).copied().unwrap_or(0);
+            let _ = writeln!(
+                t,
+                "  server {r}: {state}, {shards} shards, {bytes} bytes, {}",
+                if s.addr.is_empty() { "-" } else { &s.addr }
+            );
+        }
+        let done = self.migrations.len() - self.migrations_in_flight();
+        let _ = writeln!(t, "migrations: {} in flight, {done} done", self.migrations_in_flight());
+        for m in self.migrations.iter().filter(|m| m.phase != Phase::Done) {
+            let phase = match m.phase {
+                Phase::Preparing => "preparing".to_string(),
+                Phase::Copying => "copying".to_string(),
+                Phase::CuttingOver { at } => format!("cutover at iteration {at}"),
+                Phase::Done => "done".to_string(),
+            };
+            let _ = writeln!(t, "  shard {}: server {} -> {}: {phase}", m.shard, m.from, m.to);
+        }
+        t.truncate(t.trim_end().len());
+        t
+    }
+}
+
+fn empty_endpoint() -> ShardEndpoint {
+    ShardEndpoint { shard: u32::MAX, owner: u32::MAX, landing: Vec::new(), published_addr: 0, published_rkey: 0 }
+}

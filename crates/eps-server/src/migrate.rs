@@ -1,0 +1,314 @@
+//! Live shard migration between servers: the driver around
+//! `eps_proto::migrate::Source` on the source, and the replay of forwarded updates
+//! on the target.
+//!
+//! Source A: on `MigrateOut` it dials the target B (once per target), WRITEs the
+//! shard's f32 master parameters and optimizer state (with their version `v0` in
+//! the region's tail) straight into B's registered region, then, once that WRITE
+//! completed, announces the cutover iteration `T = version + 2` to the control plane
+//! (which publishes it in a new epoch) and forwards the averaged gradient of every
+//! update it applies, up to version `T`, one at a time (B acknowledges each). Pushes
+//! of iterations `>= T` are answered "moved". A releases the shard once B
+//! acknowledged version `T` and every worker's pull of version `T` was written.
+//!
+//! Target B: on `MigrateIn` it registers the shard's memory and reports it; the
+//! snapshot sets its version; each forward is applied with the optimizer code the
+//! source used (so B tracks A bitwise) and acknowledged; pushes of iteration `T`
+//! are held until the forwards reach version `T`.
+
+use std::time::Instant;
+
+use eps_fabric::prelude::*;
+use eps_proto::control::{ControlMsg, MigrationKeys, Order};
+use eps_proto::hello::{HELLO_LEN, Hello, PEER_BIT};
+use eps_proto::imm::{Imm, ImmKind, widen_seq};
+use eps_proto::migrate::{Source, SourceAction, SourcePhase};
+use eps_proto::sync::ShardSync;
+
+use crate::{Held, Origin, Peer, Pending, Server, ServerError, WR_MIGRATE, WR_OTHER};
+
+const WR_FORWARD: u64 = 1 << 40;
+
+/// The source side of one shard's migration.
+#[derive(Debug)]
+pub(crate) struct Outgoing {
+    pub(crate) src: Source,
+    to: u32,
+    /// Connection to the target.
+    ci: usize,
+    keys: MigrationKeys,
+    started: Instant,
+    bytes: u64,
+    snapshot_busy: bool,
+    forward_busy: bool,
+    last_forward: u64,
+    /// The cutover iteration, once announced.
+    at: u64,
+}
+
+impl Outgoing {
+    /// A WRITE from the shard's master/state or gradient buffer is in flight: the
+    /// next update must wait.
+    pub(crate) fn busy(&self) -> bool {
+        self.snapshot_busy || self.forward_busy
+    }
+}
+
+impl Server {
+    pub(crate) fn on_order(&mut self, o: Order) -> Result<(), ServerError> {
+        match o {
+            Order::MigrateIn { shard, from } => self.migrate_in(shard, from),
+            Order::MigrateOut { shard, to, to_addr, keys } => self.migrate_out(shard, to, &to_addr, keys),
+            Order::Retire => {
+                self.retired = true;
+                Ok(())
+            }
+        }
+    }
+
+    fn migrate_in(&mut self, id: u32, from: u32) -> Result<(), ServerError> {
+        let Some(&(start, len)) = self.spans.get(id as usize) else {
+            return Err(ServerError::Migration(format!("ordered to receive shard {id}, which the job does not have")));
+        };
+        if self.shards[id as usize].is_some() {
+            return Err(ServerError::Migration(format!("ordered to receive shard {id}, which is already here")));
+        }
+        self.mem.add(id, start, len, Origin::Incoming)?;
+        let sync = ShardSync::incoming(self.mode, self.workers, 0);
+        self.shards[id as usize] = Some(Held { sync, waiting: Default::default(), out: None, incoming: Some((from, None)) });
+        let b = self.mem.get(id).ok_or_else(|| ServerError::Migration("shard memory vanished".into()))?;
+        let grad = b.grad.as_ref().ok_or_else(|| ServerError::Migration("no gradient buffer".into()))?;
+        let keys = MigrationKeys {
+            state_addr: b.state.addr(),
+            state_rkey: b.state.rkey(),
+            grad_addr: grad.addr(),
+            grad_rkey: grad.rkey(),
+        };
+        let endpoint = self.endpoint(id).ok_or_else(|| ServerError::Migration("shard memory vanished".into()))?;
+        eprintln!("eps server {}: receiving shard {id} ({} bytes) from server {from}", self.rank, b.bytes);
+        self.ctl.call(&ControlMsg::ShardReady { endpoint, keys })?;
+        self.summary.migrated_in += 1;
+        Ok(())
+    }
+
+    /// The connection to target server `to`, dialed on first use.
+    fn target_conn(&mut self, to: u32, addr: &str) -> Result<usize, ServerError> {
+        if let Some(&ci) = self.targets.get(&to)
+            && self.conns[ci].alive
+        {
+            return Ok(ci);
+        }
+        let sa = addr.parse().map_err(|_| ServerError::Migration(format!("server {to} has a bad fabric address {addr:?}")))?;
+        let qp = self.pd.connect(sa, &self.cq, &self.cq, &self.opts)?;
+        let ci = self.add_conn(qp, Peer::Target(to))?;
+        let conn = &mut self.conns[ci];
+        let hello = Hello { rank: self.rank | PEER_BIT, pull_rkey: self.acks.rkey(), pull_addr: self.acks.addr() };
+        conn.hello.write_at(0, &hello.encode());
+        let sg = [Sge::new(&conn.hello, 0, HELLO_LEN as u32)];
+        conn.qp()?.post_send(&SendWr { wr_id: WR_OTHER, op: SendOp::Send, sg: &sg, signaled: false })?;
+        self.targets.insert(to, ci);
+        Ok(ci)
+    }
+
+    fn migrate_out(&mut self, id: u32, to: u32, addr: &str, keys: MigrationKeys) -> Result<(), ServerError> {
+        let Some(h) = self.shards.get(id as usize).and_then(Option::as_ref) else {
+            return Err(ServerError::Migration(format!("ordered to migrate shard {id}, which is not here")));
+        };
+        if h.out.is_some() {
+            return Err(ServerError::Migration(format!("shard {id} is already migrating")));
+        }
+        let v0 = h.sync.version();
+        let ci = self.target_conn(to, addr)?;
+        self.mem.add_forward_buffer(id)?;
+        self.mem.set_snapshot_version(id, v0);
+        let b = self.mem.get(id).ok_or_else(|| ServerError::Migration("shard memory vanished".into()))?;
+        let size = b.state.len() as u64;
+        eprintln!(
+            "eps server {}: migrating shard {id} ({size} bytes of parameters and state) to server {to} from version {v0}",
+            self.rank
+        );
+        let imm = Imm { kind: ImmKind::Forward, shard: id, seq: v0 as u16 }.encode();
+        let remote = RemoteAddr { addr: keys.state_addr, rkey: keys.state_rkey };
+        let sg = [Sge::whole(&b.state)];
+        self.conns[ci].qp()?.post_send(&SendWr {
+            wr_id: WR_MIGRATE | u64::from(id),
+            op: SendOp::WriteImm(remote, imm),
+            sg: &sg,
+            signaled: true,
+        })?;
+        let out = Outgoing {
+            src: Source::start(v0, self.workers),
+            to,
+            ci,
+            keys,
+            started: Instant::now(),
+            bytes: size,
+            snapshot_busy: true,
+            forward_busy: false,
+            last_forward: v0,
+            at: 0,
+        };
+        if let Some(h) = self.shards[id as usize].as_mut() {
+            h.out = Some(out);
+        }
+        Ok(())
+    }
+
+    /// A snapshot or forward WRITE completed.
+    pub(crate) fn on_migration_written(&mut self, wr_id: u64, ok: bool) -> Result<(), ServerError> {
+        let id = (wr_id & 0xFFFF_FFFF) as u32;
+        if !ok {
+            return Err(ServerError::Migration(format!("sending shard {id} to its new owner failed (the target is gone)")));
+        }
+        if wr_id & WR_FORWARD != 0 {
+            return Ok(()); // the acknowledgement frees the buffer
+        }
+        let Some(h) = self.shards.get_mut(id as usize).and_then(Option::as_mut) else { return Ok(()) };
+        let Some(out) = h.out.as_mut() else { return Ok(()) };
+        out.snapshot_busy = false;
+        // Workers get one full iteration to learn the new epoch; one that pushes
+        // to us anyway is answered "moved".
+        let at = h.sync.version() + 2;
+        let action = out.src.announce(at).map_err(|e| ServerError::Migration(e.to_string()))?;
+        out.at = at;
+        self.ctl.call(&ControlMsg::Cutover { shard: id, at })?;
+        if action == Some(SourceAction::Release) {
+            return self.release(id);
+        }
+        self.drain(id)
+    }
+
+    /// After an update of shard `id` produced `version`: the source forwards it; the
+    /// target acknowledges a forward and aggregates held pushes once it caught up.
+    pub(crate) fn after_apply(&mut self, id: u32, p: Pending, version: u64) -> Result<(), ServerError> {
+        let Some(h) = self.shards.get_mut(id as usize).and_then(Option::as_mut) else { return Ok(()) };
+        if let Some(out) = h.out.as_mut()
+            && let Some(SourceAction::Forward { version }) = out.src.on_applied(version)
+        {
+            let b = self.mem.get(id).ok_or_else(|| ServerError::Migration("shard memory vanished".into()))?;
+            let g = b.grad.as_ref().ok_or_else(|| ServerError::Migration("no gradient buffer".into()))?;
+            let imm = Imm { kind: ImmKind::Forward, shard: id, seq: version as u16 }.encode();
+            let remote = RemoteAddr { addr: out.keys.grad_addr, rkey: out.keys.grad_rkey };
+            let wr = SendWr {
+                wr_id: WR_MIGRATE | WR_FORWARD | u64::from(id),
+                op: SendOp::WriteImm(remote, imm),
+                sg: &[Sge::whole(g)],
+                signaled: true,
+            };
+            self.conns[out.ci].qp()?.post_send(&wr)?;
+            out.forward_busy = true;
+            out.last_forward = version;
+            out.bytes += g.len() as u64;
+        }
+        if let (Pending::Forward { .. }, Some((_, Some(ci)))) = (p, h.incoming) {
+            if let Peer::Server(src) = self.conns[ci].peer {
+                let imm = Imm { kind: ImmKind::ForwardAck, shard: id, seq: version as u16 }.encode();
+                let remote = RemoteAddr { addr: src.pull_addr, rkey: src.pull_rkey };
+                self.conns[ci].qp()?.post_send(&SendWr {
+                    wr_id: WR_OTHER,
+                    op: SendOp::WriteImm(remote, imm),
+                    sg: &[],
+                    signaled: false,
+                })?;
+            }
+            let Some(h) = self.shards[id as usize].as_ref() else { return Ok(()) };
+            if let Some(t) = h.sync.complete(self.membership.contributors(version)) {
+                self.update(id, Pending::Update { iteration: t, one: None })?;
+            }
+        }
+        Ok(())
+    }
+
+    /// An immediate from a migration source (we are the target).
+    pub(crate) fn on_source_imm(&mut self, ci: usize, imm: u32) -> Result<(), ServerError> {
+        let Some(m) = Imm::decode(imm).filter(|m| m.kind == ImmKind::Forward) else {
+            self.violation(ci, &format!("unexpected immediate {imm:#x} from a migration source"));
+            return Ok(());
+        };
+        let id = m.shard;
+        let snapshot_version = self.mem.snapshot_version(id);
+        let Some(h) = self.shards.get_mut(id as usize).and_then(Option::as_mut) else {
+            self.violation(ci, &format!("forwarded shard {id}, which is not arriving here"));
+            return Ok(());
+        };
+        match h.incoming {
+            Some((from, None)) => {
+                // The snapshot: its version is in the region's tail.
+                let v0 = snapshot_version.unwrap_or(0);
+                h.sync.snapshot_landed(v0);
+                h.incoming = Some((from, Some(ci)));
+                eprintln!("eps server {}: snapshot of shard {id} at version {v0} landed", self.rank);
+                Ok(())
+            }
+            Some((_, Some(_))) => {
+                let queued = h.waiting.iter().filter(|p| matches!(p, Pending::Forward { .. })).count() as u64;
+                let expected = h.sync.version() + 1 + queued;
+                let version = widen_seq(m.seq, expected);
+                if version != expected {
+                    self.violation(ci, &format!("forwarded version {version} of shard {id}, expected {expected}"));
+                    return Ok(());
+                }
+                self.update(id, Pending::Forward { version })
+            }
+            None => {
+                self.violation(ci, &format!("forwarded shard {id}, which is not arriving here"));
+                Ok(())
+            }
+        }
+    }
+
+    /// An immediate from a migration target (we are the source): an acknowledgement.
+    pub(crate) fn on_target_imm(&mut self, ci: usize, imm: u32) -> Result<(), ServerError> {
+        let Some(m) = Imm::decode(imm).filter(|m| m.kind == ImmKind::ForwardAck) else {
+            self.violation(ci, &format!("unexpected immediate {imm:#x} from a migration target"));
+            return Ok(());
+        };
+        let id = m.shard;
+        let Some(out) = self.shards.get_mut(id as usize).and_then(Option::as_mut).and_then(|h| h.out.as_mut()) else {
+            return Ok(());
+        };
+        out.forward_busy = false;
+        let version = widen_seq(m.seq, out.last_forward);
+        if out.src.on_forward_acked(version) == Some(SourceAction::Release) {
+            return self.release(id);
+        }
+        self.drain(id)
+    }
+
+    /// The write of version `v` of shard `id` to worker `w` completed.
+    pub(crate) fn pull_written(&mut self, id: u32, w: u32, v: u64) -> Result<(), ServerError> {
+        let Some(out) = self.shards.get_mut(id as usize).and_then(Option::as_mut).and_then(|h| h.out.as_mut()) else {
+            return Ok(());
+        };
+        if let SourcePhase::CuttingOver { at } = out.src.phase()
+            && v == at
+            && out.src.on_worker_moved(w) == Some(SourceAction::Release)
+        {
+            return self.release(id);
+        }
+        Ok(())
+    }
+
+    /// Frees a migrated shard (its landing slots stay, see `Server::retained`) and
+    /// reports the migration's figures.
+    fn release(&mut self, id: u32) -> Result<(), ServerError> {
+        let Some(h) = self.shards[id as usize].take() else { return Ok(()) };
+        let Some(out) = h.out else { return Ok(()) };
+        if let Some(b) = self.mem.remove(id) {
+            self.retained.push(b.landing);
+        }
+        let secs = out.started.elapsed().as_secs_f64();
+        eprintln!(
+            "eps server {}: migrated shard {id} to server {}: {} bytes in {:.1} ms ({:.2} GB/s), cutover at iteration {}",
+            self.rank,
+            out.to,
+            out.bytes,
+            secs * 1e3,
+            out.bytes as f64 / secs.max(1e-9) / 1e9,
+            out.at
+        );
+        self.summary.migrated_out += 1;
+        self.ctl.call(&ControlMsg::Released { shard: id, bytes: out.bytes, millis: (secs * 1e3) as u64 })?;
+        Ok(())
+    }
+}

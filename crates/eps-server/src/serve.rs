@@ -1,0 +1,359 @@
+//! The server's event loop: new connections and orders from their threads,
+//! completions from the CQ, and the worker-facing half of the protocol (pushes,
+//! pull requests, pull answers, credits, "moved" answers).
+
+use std::sync::mpsc::Receiver;
+use std::time::{Duration, Instant};
+
+use eps_control::ControlError;
+use eps_fabric::prelude::*;
+use eps_proto::control::{Order, ShardEndpoint};
+use eps_proto::hello::{HELLO_LEN, Hello};
+use eps_proto::imm::{Imm, ImmKind, widen_seq};
+use eps_proto::layout::published_offset;
+use eps_proto::sync::{PushOutcome, ShardSync};
+
+use crate::{
+    ALL_RANKS, Conn, Peer, Pending, Server, ServerError, UpdateArgs, WR_HELLO, WR_MIGRATE, WR_OTHER, WR_PULL, pull_wr,
+    pull_wr_parts,
+};
+
+impl Server {
+    /// Shard `id`'s endpoint for workers, if held here.
+    pub(crate) fn endpoint(&self, id: u32) -> Option<ShardEndpoint> {
+        let b = self.mem.get(id)?;
+        Some(ShardEndpoint {
+            shard: id,
+            owner: self.rank,
+            landing: b.landing.iter().map(|m| (m.addr(), m.rkey())).collect(),
+            published_addr: b.published.addr(),
+            published_rkey: b.published.rkey(),
+        })
+    }
+
+    pub(crate) fn serve(
+        &mut self,
+        accepted: &Receiver<SoftQp>,
+        orders: &Receiver<Result<Order, ControlError>>,
+    ) -> Result<(), ServerError> {
+        let mut wc = [Completion::EMPTY; 64];
+        let mut last = Instant::now();
+        while !self.retired {
+            while let Ok(qp) = accepted.try_recv() {
+                self.add_conn(qp, Peer::Unknown)?;
+            }
+            while let Ok(o) = orders.try_recv() {
+                match o? {
+                    Order::Retire => self.retired = true,
+                    o => self.on_order(o)?,
+                }
+            }
+            let k = self.cq.poll(&mut wc)?;
+            for c in &wc[..k] {
+                self.on_completion(c)?;
+            }
+            if k > 0 {
+                last = Instant::now();
+            } else if last.elapsed() > Duration::from_micros(200) {
+                self.cq.wait(Duration::from_millis(1));
+            }
+        }
+        Ok(())
+    }
+
+    /// Registers a connection: posts the hello receive (unless we dialed it) and
+    /// receives for immediates.
+    pub(crate) fn add_conn(&mut self, qp: SoftQp, peer: Peer) -> Result<usize, ServerError> {
+        let hello = self.pd.alloc_mr(HELLO_LEN, Access::LOCAL_WRITE)?;
+        let mut recvs = self.opts.max_recv_wr;
+        if matches!(peer, Peer::Unknown) {
+            qp.post_recv(&RecvWr { wr_id: WR_HELLO, sg: &[Sge::whole(&hello)] })?;
+            recvs -= 1;
+        }
+        for _ in 0..recvs {
+            qp.post_recv(&RecvWr { wr_id: 0, sg: &[] })?;
+        }
+        let ci = self.conns.len();
+        self.by_qp.insert(qp.qp_num(), ci);
+        self.conns.push(Conn { qp: Some(qp), peer, alive: true, hello });
+        Ok(ci)
+    }
+
+    fn on_completion(&mut self, c: &Completion) -> Result<(), ServerError> {
+        let Some(&ci) = self.by_qp.get(&c.qp_num) else { return Ok(()) };
+        if !c.status.is_ok() {
+            // A flush or transport error: the peer is gone (or was cut off).
+            if c.opcode == WcOpcode::Write {
+                self.on_send_done(c.wr_id, false)?;
+            }
+            self.drop_conn(ci);
+            return Ok(());
+        }
+        match c.opcode {
+            WcOpcode::Recv if c.wr_id == WR_HELLO => {
+                let mut b = [0u8; HELLO_LEN];
+                self.conns[ci].hello.read_at(0, &mut b);
+                match Hello::decode(&b) {
+                    Some(h) if h.is_peer() => self.conns[ci].peer = Peer::Server(h),
+                    Some(h) if h.rank < self.workers && self.by_rank[h.rank as usize].is_none() => {
+                        self.by_rank[h.rank as usize] = Some(ci);
+                        self.conns[ci].peer = Peer::Worker(h);
+                    }
+                    _ => self.violation(ci, "bad hello (unknown or duplicate worker rank)"),
+                }
+            }
+            WcOpcode::RecvWithImm => {
+                if self.conns[ci].alive {
+                    self.conns[ci].qp()?.post_recv(&RecvWr { wr_id: 0, sg: &[] })?;
+                }
+                let imm = c.imm.unwrap_or(0);
+                match self.conns[ci].peer {
+                    Peer::Worker(h) => self.on_worker_imm(ci, h, imm, c.byte_len)?,
+                    Peer::Server(_) => self.on_source_imm(ci, imm)?,
+                    Peer::Target(_) => self.on_target_imm(ci, imm)?,
+                    Peer::Unknown => self.violation(ci, "data before its hello"),
+                }
+            }
+            WcOpcode::Write => self.on_send_done(c.wr_id, true)?,
+            _ => {}
+        }
+        Ok(())
+    }
+
+    pub(crate) fn violation(&mut self, ci: usize, what: &str) {
+        self.summary.violations += 1;
+        let who = match self.conns[ci].peer {
+            Peer::Worker(h) => format!("worker {}", h.rank),
+            Peer::Server(h) => format!("server {}", h.rank & !eps_proto::hello::PEER_BIT),
+            Peer::Target(r) => format!("server {r}"),
+            Peer::Unknown => "unidentified peer".to_string(),
+        };
+        eprintln!("eps server {}: {who}: {what}; closing its connection", self.rank);
+        self.drop_conn(ci);
+    }
+
+    fn drop_conn(&mut self, ci: usize) {
+        if !self.conns[ci].alive {
+            return;
+        }
+        self.conns[ci].alive = false;
+        // Closing the queue pair cuts the peer off (its side goes to the error state).
+        self.conns[ci].qp = None;
+        if let Peer::Worker(h) = self.conns[ci].peer {
+            for s in self.shards.iter_mut().flatten() {
+                s.sync.drop_pending(h.rank);
+            }
+        }
+    }
+
+    fn on_worker_imm(&mut self, ci: usize, h: Hello, imm: u32, len: u32) -> Result<(), ServerError> {
+        let Some(m) = Imm::decode(imm).filter(|m| (m.shard as usize) < self.shards.len()) else {
+            self.violation(ci, &format!("unknown immediate {imm:#x} (bad kind or shard)"));
+            return Ok(());
+        };
+        let id = m.shard;
+        match m.kind {
+            ImmKind::Push => {
+                let Some(held) = self.shards[id as usize].as_ref() else {
+                    return self.send_moved(h.rank, id, m.seq);
+                };
+                let near = held.sync.min_clock().max(held.sync.version());
+                let iteration = widen_seq(m.seq, near);
+                if held.out.as_ref().is_some_and(|o| o.src.accepts_push(iteration).is_err()) {
+                    return self.send_moved(h.rank, id, m.seq);
+                }
+                let want = self.mem.get(id).map_or(0, |b| b.bytes);
+                if len as usize != want {
+                    self.violation(ci, &format!("pushed {len} bytes for shard {id} (expected {want})"));
+                    return Ok(());
+                }
+                let contributors = self.membership.contributors(iteration);
+                let Some(held) = self.shards[id as usize].as_mut() else { return Ok(()) };
+                match held.sync.on_push(h.rank, iteration, contributors) {
+                    Ok(PushOutcome::Wait) => {}
+                    Ok(PushOutcome::AggregateAll { iteration }) => self.update(id, Pending::Update { iteration, one: None })?,
+                    Ok(PushOutcome::ApplyOne { worker, iteration }) => {
+                        self.update(id, Pending::Update { iteration, one: Some(worker) })?
+                    }
+                    Err(e) => self.violation(ci, &e.to_string()),
+                }
+            }
+            ImmKind::PullReq => {
+                // A shard no longer (or not yet) served here: the worker routes with
+                // another epoch and asks its owner again after the "moved" answer to
+                // its push.
+                let Some(held) = self.shards[id as usize].as_mut() else { return Ok(()) };
+                let need = widen_seq(m.seq, held.sync.version().max(held.sync.min_clock()));
+                if held.out.as_ref().is_some_and(|o| !o.src.serves(need)) {
+                    return Ok(());
+                }
+                match held.sync.on_pull(h.rank, need) {
+                    Ok(Some(v)) => self.send_pull(h.rank, id, v)?,
+                    Ok(None) => {}
+                    Err(e) => self.violation(ci, &e.to_string()),
+                }
+            }
+            _ => self.violation(ci, "sent a server-only message"),
+        }
+        Ok(())
+    }
+
+    /// Whether shard `id` can take its next update now.
+    fn free(&self, id: u32) -> bool {
+        self.shards[id as usize]
+            .as_ref()
+            .is_some_and(|h| h.sync.can_publish() && h.waiting.is_empty() && h.out.as_ref().is_none_or(|o| !o.busy()))
+    }
+
+    /// Applies an update to shard `id`, or parks it until the shard is free.
+    pub(crate) fn update(&mut self, id: u32, p: Pending) -> Result<(), ServerError> {
+        if !self.free(id) {
+            if let Some(h) = self.shards[id as usize].as_mut() {
+                h.sync.set_publish_waiting(true);
+                h.waiting.push_back(p);
+            }
+            return Ok(());
+        }
+        self.apply(id, p)
+    }
+
+    /// Applies parked updates while the shard is free.
+    pub(crate) fn drain(&mut self, id: u32) -> Result<(), ServerError> {
+        loop {
+            let Some(h) = self.shards[id as usize].as_mut() else { return Ok(()) };
+            let busy = h.out.as_ref().is_some_and(|o| o.busy());
+            if !h.sync.can_publish() || busy {
+                return Ok(());
+            }
+            let Some(p) = h.waiting.pop_front() else { return Ok(()) };
+            h.sync.set_publish_waiting(!h.waiting.is_empty());
+            self.apply(id, p)?;
+        }
+    }
+
+    fn apply(&mut self, id: u32, p: Pending) -> Result<(), ServerError> {
+        let Some(h) = self.shards[id as usize].as_ref() else { return Ok(()) };
+        let next = h.sync.version() + 1;
+        let parity = ShardSync::parity(next);
+        // The update producing version `next` belongs to iteration `next - 1`.
+        let scalars = self.opt.scalars(next - 1, self.sched.at(next - 1));
+        let (contributors, scale, one): (&[u32], f32, Option<u32>) = match p {
+            // BSP: the iteration's contributors in rank order, averaged over their
+            // number; SSP/ASP: one worker's contribution, scaled by the worker count.
+            Pending::Update { iteration, one: None } => {
+                let c = self.membership.contributors(iteration);
+                (c, 1.0 / c.len() as f32, None)
+            }
+            Pending::Update { one: Some(w), .. } => {
+                (std::slice::from_ref(&ALL_RANKS[w as usize]), 1.0 / self.workers as f32, Some(w))
+            }
+            Pending::Forward { .. } => (&[], 1.0, None),
+        };
+        if let Pending::Forward { version } = p
+            && version != next
+        {
+            return Err(ServerError::Migration(format!("forward of version {version} applied at version {}", next - 1)));
+        }
+        let u = UpdateArgs { agg: &*self.agg, opt: &self.opt, scalars, scale, threads: self.threads };
+        self.mem.set_stamp(id, parity, eps_proto::layout::STAMP_WRITING);
+        if let Pending::Forward { .. } = p {
+            // SAFETY: the forward landed (its immediate arrived after the data) and
+            // the source writes the gradient buffer again only after our
+            // acknowledgement; `free` said no pull uses `parity`.
+            unsafe { self.mem.apply_forwarded(id, parity, &u)? };
+        } else {
+            // SAFETY: `ShardSync` only asks for an update once every contribution in
+            // it has landed, each contributor waits for our pull answer or credit
+            // before pushing this shard again, `free` said no pull uses `parity`, and
+            // no snapshot or forward WRITE from this shard is in flight (`busy`).
+            unsafe { self.mem.update(id, parity, contributors, &u)? };
+        }
+        self.mem.set_stamp(id, parity, next);
+        let Some(h) = self.shards[id as usize].as_mut() else { return Ok(()) };
+        match p {
+            Pending::Forward { .. } => {
+                h.sync.forwarded();
+            }
+            Pending::Update { .. } => {
+                h.sync.published(one);
+            }
+        }
+        h.sync.set_publish_waiting(!h.waiting.is_empty());
+        self.summary.updates += 1;
+        if let Some(w) = one {
+            self.send_credit(w, id)?;
+        }
+        self.after_apply(id, p, next)?;
+        let mut ready = std::mem::take(&mut self.ready);
+        ready.clear();
+        if let Some(h) = self.shards[id as usize].as_mut() {
+            h.sync.ready_pulls(&mut ready);
+        }
+        for &(w, v) in &ready {
+            self.send_pull(w, id, v)?;
+        }
+        self.ready = ready;
+        Ok(())
+    }
+
+    fn on_send_done(&mut self, wr_id: u64, ok: bool) -> Result<(), ServerError> {
+        match wr_id & (3 << 62) {
+            WR_PULL => {
+                let (id, w, v) = pull_wr_parts(wr_id);
+                let Some(h) = self.shards.get_mut(id as usize).and_then(Option::as_mut) else { return Ok(()) };
+                h.sync.pull_written(v);
+                self.pull_written(id, w, v)?;
+                self.drain(id)
+            }
+            WR_MIGRATE => self.on_migration_written(wr_id, ok),
+            _ => Ok(()),
+        }
+    }
+
+    fn worker_conn(&self, w: u32) -> Option<(&Conn, Hello)> {
+        let conn = &self.conns[self.by_rank.get(w as usize).copied().flatten()?];
+        match (conn.peer, conn.alive) {
+            (Peer::Worker(h), true) => Some((conn, h)),
+            _ => None,
+        }
+    }
+
+    fn send_pull(&mut self, w: u32, id: u32, v: u64) -> Result<(), ServerError> {
+        let Some((conn, h)) = self.worker_conn(w) else {
+            if let Some(h) = self.shards[id as usize].as_mut() {
+                h.sync.pull_written(v);
+            }
+            return Ok(());
+        };
+        let Some(b) = self.mem.get(id) else { return Ok(()) };
+        let es = self.mem.dtype.size_bytes() as u64;
+        let sg = [Sge::new(&b.published, published_offset(b.bytes as u64, ShardSync::parity(v)), b.bytes as u32)];
+        let remote = RemoteAddr { addr: h.pull_addr + b.start * es, rkey: h.pull_rkey };
+        let imm = Imm { kind: ImmKind::PullDone, shard: id, seq: v as u16 }.encode();
+        conn.qp()?.post_send(&SendWr { wr_id: pull_wr(id, w, v), op: SendOp::WriteImm(remote, imm), sg: &sg, signaled: true })?;
+        self.summary.pulls += 1;
+        Ok(())
+    }
+
+    /// A zero-length WRITE_WITH_IMM to worker `w`.
+    fn notify(&mut self, w: u32, imm: Imm) -> Result<(), ServerError> {
+        let Some((conn, h)) = self.worker_conn(w) else { return Ok(()) };
+        let remote = RemoteAddr { addr: h.pull_addr, rkey: h.pull_rkey };
+        conn.qp()?.post_send(&SendWr {
+            wr_id: WR_OTHER,
+            op: SendOp::WriteImm(remote, imm.encode()),
+            sg: &[],
+            signaled: false,
+        })?;
+        Ok(())
+    }
+
+    fn send_credit(&mut self, w: u32, id: u32) -> Result<(), ServerError> {
+        self.notify(w, Imm { kind: ImmKind::Credit, shard: id, seq: 0 })
+    }
+
+    fn send_moved(&mut self, w: u32, id: u32, seq: u16) -> Result<(), ServerError> {
+        self.summary.moved += 1;
+        self.notify(w, Imm { kind: ImmKind::Moved, shard: id, seq })
+    }
+}
