@@ -97,6 +97,21 @@ enum Cmd {
         #[arg(long)]
         control: SocketAddr,
     },
+    /// Grow or shrink the servers of a running job (BSP).
+    ///
+    /// Growing: the control plane makes room for the new servers; start them with
+    /// `eps server --control ADDR` and shards migrate onto them until bytes are
+    /// balanced. Shrinking: the highest-ranked servers hand their shards to the
+    /// others, then exit. Training and pulls go on throughout; `eps status` shows
+    /// the migrations. The job secret comes from EPS_JOB_SECRET.
+    Scale {
+        /// Control-plane address.
+        #[arg(long)]
+        control: SocketAddr,
+        /// Wanted number of servers.
+        #[arg(long)]
+        servers: u32,
+    },
     /// Measure the system: fabric, aggregation, push/pull through real processes.
     #[command(subcommand)]
     Bench(BenchCmd),
@@ -137,6 +152,11 @@ struct TrainArgs {
     /// Also print one JSON object with the results as the last line of stdout.
     #[arg(long)]
     json: bool,
+    /// Scale events while training runs, e.g. "200:servers=3,450:servers=1": when
+    /// step 200 is done the job grows to 3 servers (shards migrate onto the new
+    /// one while pulls go on), at 450 it shrinks to 1. BSP jobs only.
+    #[arg(long, value_name = "STEP:servers=N,...")]
+    scale_plan: Option<String>,
 }
 
 fn train(a: TrainArgs) -> Result<(), String> {
@@ -151,6 +171,10 @@ fn train(a: TrainArgs) -> Result<(), String> {
         batch: a.batch,
     };
     let (spec, text) = eps::train::build_spec(a.spec.as_deref(), &o).map_err(|e| error_chain(&e))?;
+    let plan = eps::train::scale::parse_plan(a.scale_plan.as_deref().unwrap_or(""))?;
+    if !plan.is_empty() && spec.job.consistency != eps_proto::Consistency::Bsp {
+        return Err("--scale-plan needs a BSP job (SSP and ASP jobs keep their servers for now)".into());
+    }
     let layout = spec.layout().map_err(|e| e.to_string())?;
     let opt = spec.optimizer().map_err(|e| e.to_string())?;
     eprintln!(
@@ -165,7 +189,7 @@ fn train(a: TrainArgs) -> Result<(), String> {
         format_size(layout.bytes()),
         layout.shards.len()
     );
-    let r = eps::train::run(&spec, &text, a.progress_every.max(1), |l| eprintln!("{l}")).map_err(|e| error_chain(&e))?;
+    let r = eps::train::run(&spec, &text, a.progress_every.max(1), &plan, |l| eprintln!("{l}")).map_err(|e| error_chain(&e))?;
     println!(
         "trained {} steps in {:.1} s: held-out accuracy {:.4} (teacher {:.4}), loss {:.4}",
         r.steps, r.elapsed_s, r.final_accuracy, r.teacher_accuracy, r.final_loss
@@ -190,6 +214,8 @@ fn train(a: TrainArgs) -> Result<(), String> {
             .str("consistency", spec.job.consistency.name())
             .str("optimizer", opt.name())
             .str("dtype", &spec.job.dtype)
+            .int("scale_events", r.scale_events)
+            .int("migrations", r.migrations)
             .finish();
         println!("{j}");
     }
@@ -448,6 +474,7 @@ fn main() -> ExitCode {
         }
         Cmd::Bench(BenchCmd::Pushpull(a)) => bench_pushpull(a),
         Cmd::Status { control } => eps::roles::status(control),
+        Cmd::Scale { control, servers } => eps::roles::scale(control, servers),
         Cmd::Bench(BenchCmd::Fabric(a)) => bench_fabric(a),
         Cmd::Bench(BenchCmd::Agg(a)) => bench_agg(a),
         Cmd::Bench(BenchCmd::FabricPeer { op, size, depth }) => fabric::run_peer(op, size, depth).map_err(|e| error_chain(&e)),

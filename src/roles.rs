@@ -95,6 +95,17 @@ pub fn status(control: SocketAddr) -> Result<(), String> {
     }
 }
 
+/// `eps scale`: asks the control plane for `servers` servers.
+pub fn scale(control: SocketAddr, servers: u32) -> Result<(), String> {
+    let secret = secret_from_env(None)?;
+    let mut c = eps_control::ControlClient::connect(control, &secret, Duration::from_secs(10)).map_err(|e| crate_error(&e))?;
+    c.call(&eps_proto::control::ControlMsg::Scale { servers }).map_err(|e| crate_error(&e))?;
+    println!(
+        "scaling to {servers} servers; start any new ones with `eps server --control {control}`; follow with `eps status --control {control}`"
+    );
+    Ok(())
+}
+
 /// An error with its chain of causes, for printing.
 pub fn crate_error(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();

@@ -101,7 +101,7 @@ pub fn run(cfg: &PushPullBench) -> Result<PushPullReport, PushPullError> {
     let iters = cfg.iters.to_string();
     let cluster = LocalCluster::start(&spec, &text, &["--bench-iters", &iters])?;
     let mut p50 = None;
-    cluster.supervise(|l| {
+    cluster.supervise(None, |l| {
         if l.starts_with("EPS_BENCH") && field(l, "rank") == Some("0") {
             p50 = Some(num(l, "p50_ms"));
         }

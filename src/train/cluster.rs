@@ -23,6 +23,11 @@ pub struct LocalCluster {
     /// Threads forwarding worker stdout; they end at EOF.
     readers: Vec<std::thread::JoinHandle<()>>,
     stop: Arc<AtomicBool>,
+    exe: PathBuf,
+    secret: String,
+    /// Control-plane address.
+    addr: String,
+    servers_started: u32,
 }
 
 impl std::fmt::Debug for LocalCluster {
@@ -70,7 +75,17 @@ impl LocalCluster {
         let spec_path = dir.join("job.toml");
         std::fs::write(&spec_path, spec_text).map_err(|source| TrainError::Spawn { what: "the job spec file".into(), source })?;
         let (tx, lines) = mpsc::channel::<String>();
-        let mut cl = Self { children: Vec::new(), dir: dir.clone(), lines, readers: Vec::new(), stop };
+        let mut cl = Self {
+            children: Vec::new(),
+            dir: dir.clone(),
+            lines,
+            readers: Vec::new(),
+            stop,
+            exe: exe.clone(),
+            secret: secret.clone(),
+            addr: String::new(),
+            servers_started: 0,
+        };
         let spawn = |what: &str, args: &[&str], piped: bool| -> Result<Child, TrainError> {
             Command::new(&exe)
                 .args(args)
@@ -100,9 +115,9 @@ impl LocalCluster {
         let addr = field(&line, "addr")
             .ok_or_else(|| TrainError::Child("the control plane did not start (see its message above)".into()))?
             .to_string();
-        for r in 0..spec.job.servers {
-            let c = spawn(&format!("server {r}"), &["server", "--control", &addr, "--exit-with-parent"], false)?;
-            cl.children.push((format!("server {r}"), c));
+        cl.addr = addr.clone();
+        for _ in 0..spec.job.servers {
+            cl.spawn_server()?;
         }
         for r in 0..spec.job.workers {
             let mut args = vec!["worker", "--control", &addr, "--exit-with-parent"];
@@ -120,12 +135,49 @@ impl LocalCluster {
         Ok(cl)
     }
 
+    /// The control plane's address.
+    pub fn control_addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// The job secret the processes share.
+    pub fn secret(&self) -> &str {
+        &self.secret
+    }
+
+    /// Starts one more server process (it registers with the control plane, which
+    /// must have room for it: see `eps scale`).
+    pub fn spawn_server(&mut self) -> Result<(), TrainError> {
+        let name = format!("server {}", self.servers_started);
+        let c = Command::new(&self.exe)
+            .args(["server", "--control", &self.addr, "--exit-with-parent"])
+            .env("EPS_JOB_SECRET", &self.secret)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|source| TrainError::Spawn { what: name.clone(), source })?;
+        self.children.push((name, c));
+        self.servers_started += 1;
+        Ok(())
+    }
+
     /// Feeds every worker line to `on_line` until all processes have exited; fails
     /// at once (stopping the rest) on Ctrl-C or when a process exits with an error.
-    pub fn supervise(mut self, mut on_line: impl FnMut(&str)) -> Result<(), TrainError> {
+    /// Each number received on `more_servers` starts that many more servers.
+    pub fn supervise(
+        mut self,
+        more_servers: Option<&mpsc::Receiver<u32>>,
+        mut on_line: impl FnMut(&str),
+    ) -> Result<(), TrainError> {
         loop {
             if self.stop.load(Ordering::SeqCst) {
                 return Err(TrainError::Interrupted);
+            }
+            while let Some(k) = more_servers.and_then(|r| r.try_recv().ok()) {
+                for _ in 0..k {
+                    self.spawn_server()?;
+                }
             }
             if let Ok(l) = self.lines.recv_timeout(Duration::from_millis(100)) {
                 on_line(&l);

@@ -3,6 +3,7 @@
 //! task; progress while it runs, a summary and an optional JSON line at the end.
 
 pub mod cluster;
+pub mod scale;
 pub mod task;
 pub mod worker;
 
@@ -169,20 +170,47 @@ pub struct TrainReport {
     pub pull_gbytes_per_s: f64,
     /// Wall time of the training loop (slowest worker).
     pub elapsed_s: f64,
+    /// Scale events applied.
+    pub scale_events: u64,
+    /// Shard migrations they caused.
+    pub migrations: u64,
 }
 
-/// Runs the cluster; `progress` receives one human-readable line per report.
-pub fn run(spec: &JobSpec, spec_text: &str, every: u64, mut progress: impl FnMut(&str)) -> Result<TrainReport, TrainError> {
-    let every_s = every.to_string();
+/// Runs the cluster, applying the scale events of `plan` as training reaches them;
+/// `progress` receives one human-readable line per report.
+pub fn run(
+    spec: &JobSpec,
+    spec_text: &str,
+    every: u64,
+    plan: &[scale::ScaleEvent],
+    mut progress: impl FnMut(&str),
+) -> Result<TrainReport, TrainError> {
+    // With a plan, rank 0 reports every step so that events happen on time.
+    let report_every = if plan.is_empty() { every } else { 1 };
+    let every_s = report_every.to_string();
     let cluster = LocalCluster::start(spec, spec_text, &["--progress-every", &every_s])?;
+    let step = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let (tx, more_servers) = std::sync::mpsc::channel();
+    let outcome = if plan.is_empty() {
+        None
+    } else {
+        let addr = cluster.control_addr().parse().map_err(|_| TrainError::Child("bad control-plane address".into()))?;
+        let secret = eps_fabric::Secret::new(cluster.secret()).map_err(|_| TrainError::Child("bad job secret".into()))?;
+        Some(scale::spawn_plan(plan.to_vec(), addr, secret, spec.job.servers, step.clone(), tx))
+    };
     let w = spec.job.workers as f64;
     let (steps, batch) = (spec.job.steps, spec.job.batch as f64);
     let mut rep = TrainReport { steps, ..TrainReport::default() };
     // (workers done, bytes pushed, bytes pulled)
     let mut totals = (0u32, 0f64, 0f64);
-    cluster.supervise(|l| {
+    cluster.supervise(Some(&more_servers), |l| {
         if l.starts_with("EPS_PROGRESS") {
-            let (step, secs) = (num(l, "step"), num(l, "elapsed_s").max(1e-9));
+            let (step_now, secs) = (num(l, "step"), num(l, "elapsed_s").max(1e-9));
+            step.store(step_now as u64, std::sync::atomic::Ordering::Release);
+            if (step_now as u64) % every != 0 {
+                return;
+            }
+            let step = step_now;
             progress(&format!(
                 "step {:>6}/{steps}  loss {:.4}  acc {:.3}  {:>8.0} samples/s  push {:.2} GB/s  pull {:.2} GB/s",
                 step as u64,
@@ -204,6 +232,20 @@ pub fn run(spec: &JobSpec, spec_text: &str, every: u64, mut progress: impl FnMut
     rep.samples_per_s = steps as f64 * batch * w / secs;
     rep.push_gbytes_per_s = pushed / secs / 1e9;
     rep.pull_gbytes_per_s = pulled / secs / 1e9;
+    if let Some(o) = outcome {
+        let o = o.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        if let Some(e) = o.error {
+            return Err(TrainError::Child(e));
+        }
+        if o.events != plan.len() as u64 {
+            return Err(TrainError::Child(format!(
+                "only {} of {} scale events happened before training ended",
+                o.events,
+                plan.len()
+            )));
+        }
+        (rep.scale_events, rep.migrations) = (o.events, o.migrations);
+    }
     Ok(rep)
 }
 

@@ -327,6 +327,16 @@ impl Worker {
         Err(WorkerError::Timeout("a newer shard map after a \"moved\" answer"))
     }
 
+    /// Whether this worker still needs server `rank`: it owns a shard, or owned one
+    /// whose cutover this worker has not reached yet.
+    fn routes_to(&self, rank: u32) -> bool {
+        let t = self.iteration;
+        self.map
+            .routes
+            .iter()
+            .any(|r| r.owner.owner == rank || r.previous.as_ref().is_some_and(|(p, at)| p.owner == rank && t < *at))
+    }
+
     /// Where the push of `iteration` for shard `sid` (and the pull after it) goes.
     fn route(&self, sid: usize, iteration: u64) -> &ShardEndpoint {
         self.map.routes[sid].for_iteration(iteration)
@@ -647,12 +657,22 @@ impl Worker {
         for c in &wc[..k] {
             let server = self.qp_rank.get(&c.qp_num).copied().unwrap_or(u32::MAX);
             if !c.status.is_ok() {
+                if !self.routes_to(server) {
+                    // A server this worker no longer routes to left the job: its
+                    // connection's posted receives are flushed. Nothing was lost.
+                    if let Some(q) = self.qps.get_mut(server as usize) {
+                        *q = None;
+                    }
+                    continue;
+                }
                 let what = if c.wr_id & (3 << 62) == WR_PUSH { "push" } else { "pull" };
                 return Err(WorkerError::Transfer { what, shard: (c.wr_id & 0xFFFF_FFFF) as u32, status: c.status });
             }
             match c.opcode {
                 WcOpcode::RecvWithImm => {
-                    self.qp(server)?.post_recv(&RecvWr { wr_id: 0, sg: &[] })?;
+                    if let Ok(q) = self.qp(server) {
+                        q.post_recv(&RecvWr { wr_id: 0, sg: &[] })?;
+                    }
                     let Some(m) = c.imm.and_then(Imm::decode).filter(|m| (m.shard as usize) < self.credit.len()) else {
                         continue;
                     };
