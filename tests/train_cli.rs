@@ -73,6 +73,40 @@ fn bsp_result_is_independent_of_server_count_and_reproducible() {
     std::fs::remove_file(spec).ok();
 }
 
+/// Servers added and removed while training runs: shards migrate between server
+/// processes (snapshot, forwarded updates, cutover) and the result is bitwise the
+/// result of a static server set.
+#[test]
+fn bsp_scale_events_end_bitwise_equal_to_a_static_run() {
+    let spec = spec_file("scale", &SMALL.replace("steps = 25", "steps = 60"));
+    for extra in [&[][..], &["--dtype", "bf16", "--optimizer", "momentum"][..]] {
+        let mut args = extra.to_vec();
+        args.extend_from_slice(&["--servers", "1"]);
+        let fixed = train(&spec, &args);
+        let mut args = extra.to_vec();
+        args.extend_from_slice(&["--servers", "2", "--scale-plan", "8:servers=3,22:servers=1,38:servers=2"]);
+        let scaled = train(&spec, &args);
+        assert_eq!(json_str(&scaled, "scale_events"), "3");
+        let migrations: u64 = json_str(&scaled, "migrations").parse().unwrap();
+        assert!(migrations >= 3, "{migrations} migrations");
+        assert_eq!(json_str(&fixed, "migrations"), "0");
+        assert_eq!(
+            json_str(&fixed, "params_checksum"),
+            json_str(&scaled, "params_checksum"),
+            "{extra:?}: scaled run differs; its log:\n{}",
+            String::from_utf8_lossy(&scaled.stderr)
+        );
+    }
+    // Plans are checked before anything starts.
+    let o = eps(&["train", "--spec", spec.to_str().unwrap(), "--scale-plan", "5:workers=3"]);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("not supported yet"));
+    let o = eps(&["train", "--spec", spec.to_str().unwrap(), "--consistency", "ssp", "--scale-plan", "5:servers=2"]);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("needs a BSP job"));
+    std::fs::remove_file(spec).ok();
+}
+
 #[test]
 fn other_modes_and_optimizers_run() {
     let spec = spec_file("modes", SMALL);
