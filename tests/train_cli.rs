@@ -78,13 +78,13 @@ fn bsp_result_is_independent_of_server_count_and_reproducible() {
 /// result of a static server set.
 #[test]
 fn bsp_scale_events_end_bitwise_equal_to_a_static_run() {
-    let spec = spec_file("scale", &SMALL.replace("steps = 25", "steps = 60"));
+    let spec = spec_file("scale", &SMALL.replace("steps = 25", "steps = 120"));
     for extra in [&[][..], &["--dtype", "bf16", "--optimizer", "momentum"][..]] {
         let mut args = extra.to_vec();
         args.extend_from_slice(&["--servers", "1"]);
         let fixed = train(&spec, &args);
         let mut args = extra.to_vec();
-        args.extend_from_slice(&["--servers", "2", "--scale-plan", "8:servers=3,22:servers=1,38:servers=2"]);
+        args.extend_from_slice(&["--servers", "2", "--scale-plan", "8:servers=3,45:servers=1,85:servers=2"]);
         let scaled = train(&spec, &args);
         assert_eq!(json_str(&scaled, "scale_events"), "3");
         let migrations: u64 = json_str(&scaled, "migrations").parse().unwrap();
