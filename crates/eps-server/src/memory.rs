@@ -200,6 +200,10 @@ impl ShardMemory {
         self.blocks.get(id as usize)?.as_ref()
     }
 
+    fn block_mut(&mut self, id: u32) -> Option<&mut ShardBlock> {
+        self.blocks.get_mut(id as usize)?.as_mut()
+    }
+
     /// Ids of the shards held, ascending.
     pub fn held(&self) -> impl Iterator<Item = u32> + '_ {
         self.blocks.iter().flatten().map(|b| b.id)
@@ -210,7 +214,7 @@ impl ShardMemory {
     ///
     /// The caller guarantees no WRITE from or into the region is in flight.
     pub fn set_snapshot_version(&mut self, id: u32, version: u64) {
-        let Some(b) = self.blocks.get_mut(id as usize).and_then(Option::as_mut) else { return };
+        let Some(b) = self.block_mut(id) else { return };
         // SAFETY: no WRITE uses the region (above); nothing else references it.
         let all = unsafe { b.state.as_mut_slice() };
         let n = all.len();
@@ -229,7 +233,7 @@ impl ShardMemory {
     pub fn add_forward_buffer(&mut self, id: u32) -> Result<(), MemoryError> {
         let len = self.get(id).map_or(0, |b| b.len as usize);
         let mr = self.alloc(id, "migration gradient buffer", len * 4, Access::LOCAL_WRITE)?;
-        if let Some(b) = self.blocks[id as usize].as_mut() {
+        if let Some(b) = self.block_mut(id) {
             b.grad = Some(mr);
         }
         Ok(())
@@ -237,7 +241,7 @@ impl ShardMemory {
 
     /// Drops shard `id`'s gradient buffer (the migration is over).
     pub fn drop_forward_buffer(&mut self, id: u32) {
-        if let Some(b) = self.blocks.get_mut(id as usize).and_then(Option::as_mut) {
+        if let Some(b) = self.block_mut(id) {
             b.grad = None;
         }
     }
@@ -314,7 +318,7 @@ impl ShardMemory {
     pub unsafe fn apply_forwarded(&mut self, id: u32, parity: usize, u: &UpdateArgs<'_>) -> Result<(), AggError> {
         let (k, dtype) = (self.state_k, self.dtype);
         let es = dtype.size_bytes();
-        let Some(b) = self.blocks.get_mut(id as usize).and_then(Option::as_mut) else { return Ok(()) };
+        let Some(b) = self.block_mut(id) else { return Ok(()) };
         let Some(g) = b.grad.as_ref() else { return Ok(()) };
         let len = b.len as usize;
         // SAFETY: the source does not write the buffer until we acknowledge (above).
@@ -340,7 +344,7 @@ impl ShardMemory {
     /// Sets the version stamp of buffer `parity` of shard `id` (readers that
     /// RDMA-READ the buffer check it before and after; see `STAMP_WRITING`).
     pub fn set_stamp(&mut self, id: u32, parity: usize, value: u64) {
-        let Some(b) = self.blocks.get_mut(id as usize).and_then(Option::as_mut) else { return };
+        let Some(b) = self.block_mut(id) else { return };
         std::sync::atomic::fence(std::sync::atomic::Ordering::Release);
         // SAFETY: the stamp lies inside the header at the start of the published
         // region; peers only read it. A volatile store keeps it in program order with
@@ -358,7 +362,7 @@ impl ShardMemory {
     /// `ShardSync::can_publish`).
     pub fn publish(&mut self, id: u32, parity: usize) {
         let dtype = self.dtype;
-        let Some(b) = self.blocks.get_mut(id as usize).and_then(Option::as_mut) else { return };
+        let Some(b) = self.block_mut(id) else { return };
         let off = published_offset(b.bytes as u64, parity) as usize;
         let ShardBlock { published, state, len, bytes, .. } = b;
         // SAFETY: no WRITE into or from the master/state region is in flight between

@@ -163,7 +163,7 @@ impl Server {
         if wr_id & WR_FORWARD != 0 {
             return Ok(()); // the acknowledgement frees the buffer
         }
-        let Some(h) = self.shards.get_mut(id as usize).and_then(Option::as_mut) else { return Ok(()) };
+        let Some(h) = self.held_mut(id) else { return Ok(()) };
         let Some(out) = h.out.as_mut() else { return Ok(()) };
         out.snapshot_busy = false;
         // Workers get one full iteration to learn the new epoch; one that pushes
@@ -227,7 +227,7 @@ impl Server {
         };
         let id = m.shard;
         let snapshot_version = self.mem.snapshot_version(id);
-        let Some(h) = self.shards.get_mut(id as usize).and_then(Option::as_mut) else {
+        let Some(h) = self.held_mut(id) else {
             self.violation(ci, &format!("forwarded shard {id}, which is not arriving here"));
             return Ok(());
         };
@@ -264,7 +264,7 @@ impl Server {
             return Ok(());
         };
         let id = m.shard;
-        let Some(out) = self.shards.get_mut(id as usize).and_then(Option::as_mut).and_then(|h| h.out.as_mut()) else {
+        let Some(out) = self.held_mut(id).and_then(|h| h.out.as_mut()) else {
             return Ok(());
         };
         out.forward_busy = false;
@@ -277,7 +277,7 @@ impl Server {
 
     /// The write of version `v` of shard `id` to worker `w` completed.
     pub(crate) fn pull_written(&mut self, id: u32, w: u32, v: u64) -> Result<(), ServerError> {
-        let Some(out) = self.shards.get_mut(id as usize).and_then(Option::as_mut).and_then(|h| h.out.as_mut()) else {
+        let Some(out) = self.held_mut(id).and_then(|h| h.out.as_mut()) else {
             return Ok(());
         };
         if let SourcePhase::CuttingOver { at } = out.src.phase()

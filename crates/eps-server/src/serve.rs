@@ -19,6 +19,11 @@ use crate::{
 };
 
 impl Server {
+    /// Shard `id`'s state, if held here.
+    pub(crate) fn held_mut(&mut self, id: u32) -> Option<&mut crate::Held> {
+        self.shards.get_mut(id as usize)?.as_mut()
+    }
+
     /// Shard `id`'s endpoint for workers, if held here.
     pub(crate) fn endpoint(&self, id: u32) -> Option<ShardEndpoint> {
         let b = self.mem.get(id)?;
@@ -300,7 +305,7 @@ impl Server {
         match wr_id & (3 << 62) {
             WR_PULL => {
                 let (id, w, v) = pull_wr_parts(wr_id);
-                let Some(h) = self.shards.get_mut(id as usize).and_then(Option::as_mut) else { return Ok(()) };
+                let Some(h) = self.held_mut(id) else { return Ok(()) };
                 h.sync.pull_written(v);
                 self.pull_written(id, w, v)?;
                 self.drain(id)
