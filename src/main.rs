@@ -9,7 +9,7 @@ use clap::{Parser, Subcommand};
 use eps::bench::Json;
 use eps::bench::agg::AggBench;
 use eps::bench::fabric::{self, FabricBench, Op};
-use eps::roles::crate_error as error_chain;
+use eps::roles::{WorkerBench, crate_error as error_chain};
 use eps::units::{format_size, parse_size};
 use eps_agg::DType;
 
@@ -85,6 +85,9 @@ enum Cmd {
         /// (internal) Time this many push_pull iterations instead of training.
         #[arg(long, hide = true)]
         bench_iters: Option<u64>,
+        /// (internal) Train, timing this many pulls of shard 0 after each step.
+        #[arg(long, hide = true, conflicts_with = "bench_iters")]
+        bench_migrate: Option<u32>,
         /// Exit when the parent process exits.
         #[arg(long, hide = true)]
         exit_with_parent: bool,
@@ -247,6 +250,21 @@ enum BenchCmd {
     /// gbytes_per_s counts gradient bytes pushed plus parameter bytes pulled per
     /// worker per second at the median iteration time.
     Pushpull(PushPullArgs),
+    /// Pull latency while a shard migrates between two server processes.
+    ///
+    /// Starts a control plane, one server and one worker on 127.0.0.1 with a model
+    /// whose first shard has --shard-bytes (f32, SGD). The worker trains (one
+    /// push_pull per step) and between steps pulls that shard --pulls-per-step
+    /// times, timing each pull. After --steady-steps the job scales to two servers
+    /// and the shard migrates onto the new one (snapshot, forwarded updates,
+    /// cutover at an iteration boundary, release) while the pulls go on.
+    ///
+    /// Reports pulls_failed (must be 0), the pull latency p99 before and during the
+    /// migration and the max during it, the migration's duration and phases, its
+    /// throughput (bytes the source sent / duration; the snapshot alone / its copy
+    /// phase), and the fabric's 4 MiB WRITE bandwidth (depth 8) measured in the same
+    /// run. --plot draws pull latency over time with the phases shaded.
+    Migrate(MigrateArgs),
     /// (internal) The peer process of `eps bench fabric`.
     #[command(hide = true)]
     FabricPeer {
@@ -363,6 +381,106 @@ fn bench_pushpull(a: PushPullArgs) -> Result<(), String> {
     Ok(())
 }
 
+#[derive(clap::Args, Debug)]
+struct MigrateArgs {
+    /// Bytes of the migrating shard, e.g. 64MiB (a multiple of 4KiB).
+    #[arg(long, value_parser = parse_size, default_value = "64MiB")]
+    shard_bytes: u64,
+    /// Timed pulls of the shard between two training steps.
+    #[arg(long, default_value_t = 4)]
+    pulls_per_step: u32,
+    /// Training steps before the scale event (the steady phase).
+    #[arg(long, default_value_t = 40)]
+    steady_steps: u64,
+    /// Training steps after it (the migration must end within them).
+    #[arg(long, default_value_t = 40)]
+    after_steps: u64,
+    /// Draw pull latency over time, migration phases shaded, into this PNG file.
+    #[arg(long, value_name = "FILE.png")]
+    plot: Option<PathBuf>,
+    /// Also print one JSON object with the results as the last line of stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+fn bench_migrate(a: MigrateArgs) -> Result<(), String> {
+    use eps::bench::migrate::{MigrateBench, run};
+    let cfg = MigrateBench {
+        shard_bytes: a.shard_bytes,
+        steady_steps: a.steady_steps,
+        after_steps: a.after_steps,
+        pulls_per_step: a.pulls_per_step,
+    };
+    eprintln!(
+        "eps bench migrate: shard {} moving from server 0 to a new server 1 after {} steps; {} timed pulls per step",
+        format_size(a.shard_bytes),
+        a.steady_steps,
+        a.pulls_per_step
+    );
+    let r = run(&cfg).map_err(|e| error_chain(&e))?;
+    let ratio_p99 = r.pull_lat_us_p99_during / r.pull_lat_us_p99_steady.max(1e-9);
+    let ratio_bw = r.migration_gbytes_per_s / r.fabric_write_gbytes_per_s.max(1e-9);
+    println!(
+        "pulls {} (failed {}): steady {} p50 {:.0} us p99 {:.0} us; during migration {} p99 {:.0} us max {:.0} us ({:.2}x steady p99)",
+        r.pulls,
+        r.pulls_failed,
+        r.steady_pulls,
+        r.pull_lat_us_p50_steady,
+        r.pull_lat_us_p99_steady,
+        r.during_pulls,
+        r.pull_lat_us_p99_during,
+        r.pull_lat_us_max_during,
+        ratio_p99
+    );
+    println!(
+        "migration {:.1} ms (preparing {:.1}, copying {:.1}, cutover {:.1}): {} bytes, {:.3} GB/s = {:.2}x fabric write {:.3} GB/s; snapshot alone {:.3} GB/s",
+        r.migration_ms,
+        r.preparing_ms,
+        r.copying_ms,
+        r.cutover_ms,
+        r.phases.bytes,
+        r.migration_gbytes_per_s,
+        ratio_bw,
+        r.fabric_write_gbytes_per_s,
+        r.snapshot_gbytes_per_s
+    );
+    if let Some(f) = &r.failure {
+        println!("first failed pull: {f}");
+    }
+    if let Some(path) = &a.plot {
+        eps::bench::plot::migration(path, &r).map_err(|e| format!("--plot {}: {e}", path.display()))?;
+        println!("plot written to {}", path.display());
+    }
+    if a.json {
+        let j = Json::new()
+            .int("shard_bytes", a.shard_bytes)
+            .int("pulls", r.pulls)
+            .int("pulls_failed", r.pulls_failed)
+            .int("steady_pulls", r.steady_pulls)
+            .int("during_pulls", r.during_pulls)
+            .num("pull_lat_us_p50_steady", r.pull_lat_us_p50_steady)
+            .num("pull_lat_us_p99_steady", r.pull_lat_us_p99_steady)
+            .num("pull_lat_us_p99_during", r.pull_lat_us_p99_during)
+            .num("pull_lat_us_max_during", r.pull_lat_us_max_during)
+            .num("p99_during_over_steady", ratio_p99)
+            .num("migration_ms", r.migration_ms)
+            .num("preparing_ms", r.preparing_ms)
+            .num("copying_ms", r.copying_ms)
+            .num("cutover_ms", r.cutover_ms)
+            .int("migration_bytes", r.phases.bytes)
+            .num("migration_gbytes_per_s", r.migration_gbytes_per_s)
+            .num("snapshot_gbytes_per_s", r.snapshot_gbytes_per_s)
+            .num("fabric_write_gbytes_per_s", r.fabric_write_gbytes_per_s)
+            .num("migration_over_fabric", ratio_bw)
+            .finish();
+        println!("{j}");
+    }
+    if r.pulls_failed > 0 {
+        return Err(format!("{} pulls failed during the benchmark", r.pulls_failed));
+    }
+    Ok(())
+}
+
 fn parse_dtype(s: &str) -> Result<DType, String> {
     DType::parse(s).ok_or_else(|| format!("unknown dtype {s:?}: use f32, bf16 or f16"))
 }
@@ -466,13 +584,19 @@ fn main() -> ExitCode {
             }
             eps::roles::server(control, listen_ip, threads, Duration::from_secs(timeout.max(1)))
         }
-        Cmd::Worker { control, progress_every, timeout, bench_iters, exit_with_parent } => {
+        Cmd::Worker { control, progress_every, timeout, bench_iters, bench_migrate, exit_with_parent } => {
             if exit_with_parent {
                 eps::roles::exit_with_parent();
             }
-            eps::roles::worker(control, progress_every, bench_iters, Duration::from_secs(timeout.max(1)))
+            let bench = match (bench_iters, bench_migrate) {
+                (Some(iters), _) => WorkerBench::PushPull { iters },
+                (_, Some(pulls_per_step)) => WorkerBench::Migrate { pulls_per_step },
+                _ => WorkerBench::None,
+            };
+            eps::roles::worker(control, progress_every, bench, Duration::from_secs(timeout.max(1)))
         }
         Cmd::Bench(BenchCmd::Pushpull(a)) => bench_pushpull(a),
+        Cmd::Bench(BenchCmd::Migrate(a)) => bench_migrate(a),
         Cmd::Status { control } => eps::roles::status(control),
         Cmd::Scale { control, servers } => eps::roles::scale(control, servers),
         Cmd::Bench(BenchCmd::Fabric(a)) => bench_fabric(a),

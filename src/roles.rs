@@ -72,14 +72,33 @@ pub fn server(control: SocketAddr, listen_ip: IpAddr, threads: usize, timeout: D
     Ok(())
 }
 
-/// `eps worker`: the built-in task, or (with `bench_iters`) timed push_pull
-/// iterations for `eps bench pushpull`.
-pub fn worker(control: SocketAddr, every: u64, bench_iters: Option<u64>, timeout: Duration) -> Result<(), String> {
+/// `eps worker`: the built-in task, or the worker side of a benchmark.
+pub fn worker(control: SocketAddr, every: u64, bench: WorkerBench, timeout: Duration) -> Result<(), String> {
     let cfg = eps_worker::WorkerConfig { control, secret: secret_from_env(None)?, timeout };
-    match bench_iters {
-        Some(n) => crate::bench::pushpull::run_worker(&cfg, n.max(1)).map_err(|e| crate_error(&e)),
-        None => crate::train::worker::run(&cfg, every.max(1)).map_err(|e| crate_error(&e)),
+    match bench {
+        WorkerBench::PushPull { iters } => crate::bench::pushpull::run_worker(&cfg, iters.max(1)).map_err(|e| crate_error(&e)),
+        WorkerBench::Migrate { pulls_per_step } => {
+            crate::bench::migrate::run_worker(&cfg, pulls_per_step.max(1)).map_err(|e| crate_error(&e))
+        }
+        WorkerBench::None => crate::train::worker::run(&cfg, every.max(1)).map_err(|e| crate_error(&e)),
     }
+}
+
+/// What an `eps worker` process runs instead of the built-in task, for a benchmark.
+#[derive(Clone, Copy, Debug)]
+pub enum WorkerBench {
+    /// Train the built-in task.
+    None,
+    /// `eps bench pushpull`: time this many push_pull iterations.
+    PushPull {
+        /// Measured iterations.
+        iters: u64,
+    },
+    /// `eps bench migrate`: train, and time pulls of shard 0 between steps.
+    Migrate {
+        /// Timed pulls per step.
+        pulls_per_step: u32,
+    },
 }
 
 /// `eps status`: asks the control plane for the job's state and prints it.

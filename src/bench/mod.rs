@@ -4,6 +4,8 @@
 pub mod agg;
 pub mod fabric;
 mod json;
+pub mod migrate;
+pub mod plot;
 pub mod pushpull;
 
 pub use json::Json;

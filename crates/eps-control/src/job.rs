@@ -402,6 +402,15 @@ impl Job {
         }
         let done = self.migrations.len() - self.migrations_in_flight();
         let _ = writeln!(t, "migrations: {} in flight, {done} done", self.migrations_in_flight());
+        // The most recent finished ones with their figures, then those in flight.
+        let finished: Vec<&Migration> = self.migrations.iter().filter(|m| m.phase == Phase::Done).collect();
+        for m in &finished[finished.len().saturating_sub(8)..] {
+            let _ = writeln!(
+                t,
+                "  shard {}: server {} -> {}: done, {} bytes in {} ms",
+                m.shard, m.from, m.to, m.bytes, m.millis
+            );
+        }
         for m in self.migrations.iter().filter(|m| m.phase != Phase::Done) {
             let phase = match m.phase {
                 Phase::Preparing => "preparing".to_string(),

@@ -9,6 +9,11 @@ use crate::layout::MAX_SHARDS;
 /// What an immediate announces.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ImmKind {
+    /// Server to worker: the pull request for `shard` at version >= `seq` reached a
+    /// server that does not serve that version (the worker routes with an old
+    /// epoch); fetch the newer map and ask the owner it names. Every pull request a
+    /// server will not serve is answered so, exactly once.
+    PullMoved = 0,
     /// Worker to server: the gradient of iteration `seq` for `shard` has landed.
     Push = 1,
     /// Worker to server: send me `shard` at version >= `seq`.
@@ -46,17 +51,17 @@ impl Imm {
         ((self.kind as u32) << 29) | ((self.shard & 0x1FFF) << 16) | self.seq as u32
     }
 
-    /// Decodes; `None` for an unknown kind.
+    /// Decodes; every 3-bit kind is defined (`Option` kept for future kinds).
     pub fn decode(v: u32) -> Option<Self> {
         let kind = match v >> 29 {
+            0 => ImmKind::PullMoved,
             1 => ImmKind::Push,
             2 => ImmKind::PullReq,
             3 => ImmKind::PullDone,
             4 => ImmKind::Credit,
             5 => ImmKind::Moved,
             6 => ImmKind::Forward,
-            7 => ImmKind::ForwardAck,
-            _ => return None,
+            _ => ImmKind::ForwardAck,
         };
         Some(Self { kind, shard: (v >> 16) & 0x1FFF, seq: v as u16 })
     }
@@ -82,6 +87,7 @@ mod tests {
     #[test]
     fn roundtrip_every_kind() {
         let kinds = [
+            ImmKind::PullMoved,
             ImmKind::Push,
             ImmKind::PullReq,
             ImmKind::PullDone,
@@ -98,8 +104,7 @@ mod tests {
                 }
             }
         }
-        assert_eq!(Imm::decode(0), None);
-        assert_eq!(Imm::decode(0x1234), None, "kind 0 is not a message");
+        assert_eq!(Imm::decode(0x1234), Some(Imm { kind: ImmKind::PullMoved, shard: 0, seq: 0x1234 }));
     }
 
     #[test]

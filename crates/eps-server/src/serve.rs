@@ -184,13 +184,12 @@ impl Server {
                 }
             }
             ImmKind::PullReq => {
-                // A shard no longer (or not yet) served here: the worker routes with
-                // another epoch and asks its owner again after the "moved" answer to
-                // its push.
-                let Some(held) = self.shards[id as usize].as_mut() else { return Ok(()) };
+                // A shard or version no longer (or not yet) served here: the worker
+                // routes with another epoch; it fetches the new map and asks the owner.
+                let Some(held) = self.shards[id as usize].as_mut() else { return self.send_pull_moved(h.rank, id, m.seq) };
                 let need = widen_seq(m.seq, held.sync.version().max(held.sync.min_clock()));
                 if held.out.as_ref().is_some_and(|o| !o.src.serves(need)) {
-                    return Ok(());
+                    return self.send_pull_moved(h.rank, id, m.seq);
                 }
                 match held.sync.on_pull(h.rank, need) {
                     Ok(Some(v)) => self.send_pull(h.rank, id, v)?,
@@ -360,5 +359,10 @@ impl Server {
     fn send_moved(&mut self, w: u32, id: u32, seq: u16) -> Result<(), ServerError> {
         self.summary.moved += 1;
         self.notify(w, Imm { kind: ImmKind::Moved, shard: id, seq })
+    }
+
+    fn send_pull_moved(&mut self, w: u32, id: u32, seq: u16) -> Result<(), ServerError> {
+        self.summary.moved += 1;
+        self.notify(w, Imm { kind: ImmKind::PullMoved, shard: id, seq })
     }
 }

@@ -108,6 +108,9 @@ pub enum WorkerError {
     /// Nothing arrived in time.
     #[error("timed out waiting for {0}")]
     Timeout(&'static str),
+    /// The call does not apply to this job.
+    #[error("not supported: {0}")]
+    Unsupported(&'static str),
     /// The shard map names a server without an address.
     #[error("the shard map names server {0}, whose address is unknown")]
     NoAddress(u32),
@@ -161,6 +164,8 @@ pub struct Worker {
     credit: Vec<bool>,
     /// Pushes answered "moved" since the current push_pull began: (shard, iteration).
     moved: Vec<(usize, u64)>,
+    /// Pull requests answered "moved" since the current push_pull or pull began.
+    pull_moved: usize,
     /// ASP: where each shard's published-buffer stamps are read into (16 bytes each).
     stamps: SoftMr,
     /// RDMA READs completed since the current read round began.
@@ -241,6 +246,7 @@ impl Worker {
             opts,
             credit: vec![true; n],
             moved: Vec::new(),
+            pull_moved: 0,
             stamps,
             reads_done: 0,
             iteration: 0,
@@ -457,6 +463,7 @@ impl Worker {
         self.adopt_newest()?;
         let t = self.iteration;
         self.pulled = 0;
+        self.pull_moved = 0;
         self.moved.clear();
         for sid in 0..self.layout.shards.len() {
             self.wait_until(|w| w.credit[sid], "a credit for the landing slot")?;
@@ -466,14 +473,22 @@ impl Worker {
             self.read_pull()?;
         } else {
             let n = self.layout.shards.len();
+            // A push answered "moved" is followed by its pull request, which the same
+            // server answers "moved" too: wait for those answers as well, so none is
+            // left in flight for a later call to mistake for its own.
+            let mut moved_pushes = 0;
             loop {
-                self.wait_until(|w| w.pulled >= n || !w.moved.is_empty(), "pull answers from the servers")?;
+                self.wait_until(
+                    |w| (w.pulled >= n && w.pull_moved >= moved_pushes) || !w.moved.is_empty(),
+                    "pull answers from the servers",
+                )?;
                 if self.moved.is_empty() {
                     break;
                 }
                 // Routed with an old epoch: fetch the new map and push there.
                 self.refresh_map()?;
                 for (sid, it) in std::mem::take(&mut self.moved) {
+                    moved_pushes += 1;
                     self.push_shard(sid, it)?;
                 }
             }
@@ -499,6 +514,39 @@ impl Worker {
         self.credit[sid] = false;
         self.stats.pushed_bytes += s.len * es;
         Ok(())
+    }
+
+    /// Pulls shard `sid` again at the version this worker holds (BSP and SSP), from
+    /// whichever server serves that version now: during a migration the old owner
+    /// up to the cutover, the new one from it on. A server that no longer serves it
+    /// answers "moved", and the pull is asked again with the newer map. This is a
+    /// read-only pull: it does not advance the iteration.
+    pub fn pull_shard(&mut self, sid: usize) -> Result<(), WorkerError> {
+        if self.mode == Consistency::Asp {
+            return Err(WorkerError::Unsupported("pull_shard in ASP (pulls are RDMA READs there; use push_pull)"));
+        }
+        if sid >= self.layout.shards.len() {
+            return Err(WorkerError::Length { what: "shard index", expected: self.layout.shards.len(), got: sid });
+        }
+        let start = Instant::now();
+        self.adopt_newest()?;
+        let need = self.iteration;
+        for _attempt in 0..64 {
+            self.pulled = 0;
+            self.pull_moved = 0;
+            let ep = self.route(sid, need);
+            let owner = ep.owner;
+            let Some(&(slot, rkey)) = ep.landing.get(self.rank as usize) else { return Err(WorkerError::Unexpected) };
+            let req = Imm { kind: ImmKind::PullReq, shard: sid as u32, seq: need as u16 }.encode();
+            self.post(owner, WR_PULLREQ | sid as u64, RemoteAddr { addr: slot, rkey }, req, None)?;
+            self.wait_until(|w| w.pulled >= 1 || w.pull_moved >= 1, "a pull answer from the server")?;
+            if self.pulled >= 1 {
+                self.stats.comm += start.elapsed();
+                return Ok(());
+            }
+            self.refresh_map()?;
+        }
+        Err(WorkerError::Timeout("a server that serves the shard (every one answered \"moved\")"))
     }
 
     /// Pulls every shard once `need` is met (see `ShardSync::on_pull`).
@@ -686,6 +734,7 @@ impl Worker {
                             }
                         }
                         ImmKind::Credit => self.credit[sid] = true,
+                        ImmKind::PullMoved => self.pull_moved += 1,
                         ImmKind::Moved => {
                             self.credit[sid] = true;
                             self.moved.push((sid, widen_seq(m.seq, self.iteration)));
