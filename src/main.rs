@@ -257,13 +257,16 @@ enum BenchCmd {
     /// push_pull per step) and between steps pulls that shard --pulls-per-step
     /// times, timing each pull. After --steady-steps the job scales to two servers
     /// and the shard migrates onto the new one (snapshot, forwarded updates,
-    /// cutover at an iteration boundary, release) while the pulls go on.
+    /// cutover at an iteration boundary, release) while the pulls go on; every
+    /// --gap-steps after that it shrinks back to one (the shard moves home) or grows
+    /// again, --migrations times in all.
     ///
-    /// Reports pulls_failed (must be 0), the pull latency p99 before and during the
-    /// migration and the max during it, the migration's duration and phases, its
-    /// throughput (bytes the source sent / duration; the snapshot alone / its copy
-    /// phase), and the fabric's 4 MiB WRITE bandwidth (depth 8) measured in the same
-    /// run. --plot draws pull latency over time with the phases shaded.
+    /// Reports pulls_failed (must be 0), the pull latency p99 before the first
+    /// migration and while any is in flight, the max during them, the median
+    /// migration's duration and phases, its throughput (bytes the source sent /
+    /// duration; the snapshot alone / its copy phase), and the fabric's 4 MiB WRITE
+    /// bandwidth (depth 8) measured in the same run. --plot draws pull latency over
+    /// time with the phases shaded.
     Migrate(MigrateArgs),
     /// (internal) The peer process of `eps bench fabric`.
     #[command(hide = true)]
@@ -389,11 +392,17 @@ struct MigrateArgs {
     /// Timed pulls of the shard between two training steps.
     #[arg(long, default_value_t = 4)]
     pulls_per_step: u32,
-    /// Training steps before the scale event (the steady phase).
+    /// Training steps before the first scale event (the steady phase).
     #[arg(long, default_value_t = 40)]
     steady_steps: u64,
-    /// Training steps after it (the migration must end within them).
-    #[arg(long, default_value_t = 40)]
+    /// Migrations of the shard (alternately onto a new server and back).
+    #[arg(long, default_value_t = 6)]
+    migrations: u32,
+    /// Training steps between two scale events.
+    #[arg(long, default_value_t = 8)]
+    gap_steps: u64,
+    /// Training steps after the last one.
+    #[arg(long, default_value_t = 20)]
     after_steps: u64,
     /// Draw pull latency over time, migration phases shaded, into this PNG file.
     #[arg(long, value_name = "FILE.png")]
@@ -408,13 +417,17 @@ fn bench_migrate(a: MigrateArgs) -> Result<(), String> {
     let cfg = MigrateBench {
         shard_bytes: a.shard_bytes,
         steady_steps: a.steady_steps,
+        migrations: a.migrations,
+        gap_steps: a.gap_steps,
         after_steps: a.after_steps,
         pulls_per_step: a.pulls_per_step,
     };
     eprintln!(
-        "eps bench migrate: shard {} moving from server 0 to a new server 1 after {} steps; {} timed pulls per step",
+        "eps bench migrate: shard {} migrating {} times, first after {} steps, then every {}; {} timed pulls per step",
         format_size(a.shard_bytes),
+        a.migrations,
         a.steady_steps,
+        a.gap_steps,
         a.pulls_per_step
     );
     let r = run(&cfg).map_err(|e| error_chain(&e))?;
@@ -433,12 +446,13 @@ fn bench_migrate(a: MigrateArgs) -> Result<(), String> {
         ratio_p99
     );
     println!(
-        "migration {:.1} ms (preparing {:.1}, copying {:.1}, cutover {:.1}): {} bytes, {:.3} GB/s = {:.2}x fabric write {:.3} GB/s; snapshot alone {:.3} GB/s",
+        "{} migrations, median {:.1} ms (preparing {:.1}, copying {:.1}, cutover {:.1}): {} bytes, {:.3} GB/s = {:.2}x fabric write {:.3} GB/s; snapshot alone {:.3} GB/s",
+        r.migrations.len(),
         r.migration_ms,
         r.preparing_ms,
         r.copying_ms,
         r.cutover_ms,
-        r.phases.bytes,
+        r.migrations.first().map_or(0, |m| m.bytes),
         r.migration_gbytes_per_s,
         ratio_bw,
         r.fabric_write_gbytes_per_s,
@@ -467,7 +481,8 @@ fn bench_migrate(a: MigrateArgs) -> Result<(), String> {
             .num("preparing_ms", r.preparing_ms)
             .num("copying_ms", r.copying_ms)
             .num("cutover_ms", r.cutover_ms)
-            .int("migration_bytes", r.phases.bytes)
+            .int("migrations", r.migrations.len() as u64)
+            .int("migration_bytes", r.migrations.first().map_or(0, |m| m.bytes))
             .num("migration_gbytes_per_s", r.migration_gbytes_per_s)
             .num("snapshot_gbytes_per_s", r.snapshot_gbytes_per_s)
             .num("fabric_write_gbytes_per_s", r.fabric_write_gbytes_per_s)

@@ -1,14 +1,16 @@
 //! `eps bench migrate`: a worker pulls one shard of SHARD bytes over and over while
-//! the job grows from one server process to two and the shard migrates onto the
-//! new one (snapshot, forwarded updates, cutover, release), all on 127.0.0.1.
+//! the shard migrates between server processes on 127.0.0.1 (snapshot, forwarded
+//! updates, cutover, release): the job grows from one server to two (the shard
+//! moves onto the new one), shrinks back (it moves home), and so on.
 //!
-//! The worker trains (one `push_pull` per step, so versions advance and the
+//! The worker trains (one `push_pull` per step, so versions advance and each
 //! migration can cut over) and between steps pulls the shard `pulls_per_step`
 //! times with [`Worker::pull_shard`], timing each pull. A thread of this process
-//! triggers the scale event and follows the migration's phases through the control
-//! plane's status every 2 ms. Pull latencies are split into steady (before the
-//! migration appeared) and during (from its first phase to its release); the
-//! fabric's 4 MiB WRITE bandwidth is measured in the same run, before and after.
+//! triggers the scale events and follows each migration's phases through the
+//! control plane's status every 2 ms. Pull latencies are split into steady (before
+//! the first migration) and during (from a migration's first phase to its
+//! release); the fabric's 4 MiB WRITE bandwidth is measured in the same run, before
+//! and after.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -29,9 +31,14 @@ use crate::train::{LocalCluster, TrainError, field, num};
 pub struct MigrateBench {
     /// Bytes of the migrating shard (f32 parameters, SGD).
     pub shard_bytes: u64,
-    /// Training steps before the scale event.
+    /// Training steps before the first scale event.
     pub steady_steps: u64,
-    /// Steps after it (the migration must end within them).
+    /// Migrations of the shard: odd ones onto a new server (scale to 2), even ones
+    /// back (scale to 1).
+    pub migrations: u32,
+    /// Steps between two scale events.
+    pub gap_steps: u64,
+    /// Steps after the last one.
     pub after_steps: u64,
     /// Timed pulls of the shard between two training steps.
     pub pulls_per_step: u32,
@@ -39,16 +46,14 @@ pub struct MigrateBench {
 
 impl Default for MigrateBench {
     fn default() -> Self {
-        Self { shard_bytes: 64 << 20, steady_steps: 40, after_steps: 40, pulls_per_step: 4 }
+        Self { shard_bytes: 64 << 20, steady_steps: 40, migrations: 6, gap_steps: 8, after_steps: 20, pulls_per_step: 4 }
     }
 }
 
-/// The migration's phases as the control plane reported them (UNIX microseconds of
+/// One migration's phases as the control plane reported them (UNIX microseconds of
 /// the first status poll that showed each).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Phases {
-    /// The scale request was accepted.
-    pub requested_us: u64,
     /// The target registers the shard's memory.
     pub preparing_us: u64,
     /// The source sends the snapshot.
@@ -59,11 +64,39 @@ pub struct Phases {
     pub done_us: u64,
     /// Bytes the source sent (snapshot + forwarded updates), as it reported them.
     pub bytes: u64,
-    /// Snapshot bytes (f32 parameters; SGD has no optimizer state).
-    pub snapshot_bytes: u64,
 }
 
-/// What one run measured.
+impl Phases {
+    fn ms(a: u64, b: u64) -> f64 {
+        b.saturating_sub(a) as f64 / 1e3
+    }
+
+    /// From the first phase to the release.
+    pub fn total_ms(&self) -> f64 {
+        Self::ms(self.preparing_us, self.done_us)
+    }
+
+    /// The target registering memory.
+    pub fn preparing_ms(&self) -> f64 {
+        Self::ms(self.preparing_us, self.copying_us)
+    }
+
+    /// The snapshot transfer (and the source's cutover announcement).
+    pub fn copying_ms(&self) -> f64 {
+        Self::ms(self.copying_us, self.cutover_us)
+    }
+
+    /// Forwarding until the cutover iteration, and the release.
+    pub fn cutover_ms(&self) -> f64 {
+        Self::ms(self.cutover_us, self.done_us)
+    }
+
+    fn covers(&self, at: u64) -> bool {
+        at >= self.preparing_us && at <= self.done_us
+    }
+}
+
+/// What one run measured. Medians over the migrations where several.
 #[derive(Clone, Debug, Default)]
 pub struct MigrateReport {
     /// Timed pulls.
@@ -72,30 +105,38 @@ pub struct MigrateReport {
     pub pulls_failed: u64,
     /// The first failure, if any.
     pub failure: Option<String>,
-    /// Pulls before the migration, and their p50 / p99 latency (us).
+    /// Pulls that started before the first migration.
     pub steady_pulls: u64,
+    /// Their p50 latency (us).
     pub pull_lat_us_p50_steady: f64,
+    /// Their p99 latency (us).
     pub pull_lat_us_p99_steady: f64,
-    /// Pulls that started while the migration was in flight, their p99 and max (us).
+    /// Pulls that started while a migration was in flight.
     pub during_pulls: u64,
+    /// Their p99 latency (us).
     pub pull_lat_us_p99_during: f64,
+    /// Their max latency (us).
     pub pull_lat_us_max_during: f64,
-    /// From the migration's first phase to its release.
+    /// Median duration from a migration's first phase to its release.
     pub migration_ms: f64,
-    /// Phase durations.
+    /// Median phase durations.
     pub preparing_ms: f64,
+    /// See [`Phases::copying_ms`].
     pub copying_ms: f64,
+    /// See [`Phases::cutover_ms`].
     pub cutover_ms: f64,
-    /// Bytes the source sent / `migration_ms`.
+    /// Median of bytes the source sent / duration.
     pub migration_gbytes_per_s: f64,
-    /// Snapshot bytes / `copying_ms` (the state transfer alone).
+    /// Median of snapshot bytes / copying phase (the state transfer alone).
     pub snapshot_gbytes_per_s: f64,
+    /// Bytes of the snapshot (f32 parameters; SGD has no optimizer state).
+    pub snapshot_bytes: u64,
     /// `eps bench fabric --op write --size 4MiB --depth 8`, mean of before and after.
     pub fabric_write_gbytes_per_s: f64,
     /// Every timed pull: (start, UNIX us; latency, us).
     pub samples: Vec<(u64, u64)>,
-    /// The phases.
-    pub phases: Phases,
+    /// Every migration, in order.
+    pub migrations: Vec<Phases>,
 }
 
 /// Why the benchmark failed.
@@ -111,7 +152,7 @@ pub enum MigrateError {
     /// The fabric reference failed.
     #[error(transparent)]
     Fabric(#[from] fabric::BenchError),
-    /// The scale event or the migration went wrong.
+    /// A scale event or a migration went wrong.
     #[error("the migration: {0}")]
     Migration(String),
     /// The worker did not report.
@@ -162,21 +203,31 @@ fn percentile(sorted: &[u64], p: f64) -> f64 {
     sorted[i] as f64
 }
 
+fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
 /// Runs the benchmark.
 pub fn run(cfg: &MigrateBench) -> Result<MigrateReport, MigrateError> {
     if cfg.shard_bytes < 4096 || cfg.shard_bytes % 4096 != 0 || cfg.shard_bytes > 4 << 30 {
         return Err(MigrateError::Config("--shard-bytes must be a multiple of 4KiB between 4KiB and 4GiB".into()));
     }
-    if cfg.pulls_per_step == 0 || cfg.steady_steps < 5 || cfg.after_steps < 10 {
-        return Err(MigrateError::Config("need at least 1 pull per step, 5 steady steps and 10 steps after".into()));
+    if cfg.pulls_per_step == 0 || cfg.steady_steps < 5 || cfg.after_steps < 5 || cfg.gap_steps < 4 || cfg.migrations == 0 {
+        return Err(MigrateError::Config(
+            "need at least 1 pull per step, 1 migration, 5 steady steps, 4 steps between migrations and 5 after".into(),
+        ));
     }
     // Shard 0 is the big one; a 4 KiB second shard makes one move balance the
     // bytes when the second server joins.
     let elements = cfg.shard_bytes / 4 + 1024;
+    let steps = cfg.steady_steps + u64::from(cfg.migrations - 1) * cfg.gap_steps + cfg.after_steps;
     let text = format!(
-        "[job]\nname = \"migrate\"\nworkers = 1\nservers = 1\nsteps = {}\nshard_bytes = {}\n\
+        "[job]\nname = \"migrate\"\nworkers = 1\nservers = 1\nsteps = {steps}\nshard_bytes = {}\n\
          [model]\ntensors = [{{ name = \"params\", elements = {elements} }}]\n[optimizer]\nkind = \"sgd\"\nlr = 0.0001\n",
-        cfg.steady_steps + cfg.after_steps,
         cfg.shard_bytes,
     );
     let spec = eps_proto::JobSpec::from_toml(&text).map_err(TrainError::from)?;
@@ -188,12 +239,13 @@ pub fn run(cfg: &MigrateBench) -> Result<MigrateReport, MigrateError> {
     let secret = Secret::new(cluster.secret()).map_err(|_| MigrateError::Migration("bad job secret".into()))?;
     let step = Arc::new(AtomicU64::new(0));
     let (tx, more_servers) = std::sync::mpsc::channel();
-    let phases = Arc::new(Mutex::new(Err("the scale event did not happen".to_string())));
+    let followed = Arc::new(Mutex::new((Vec::new(), Some("no scale event happened".to_string()))));
     {
-        let (step, phases, steady) = (step.clone(), phases.clone(), cfg.steady_steps);
+        let (step, followed, cfg) = (step.clone(), followed.clone(), cfg.clone());
         std::thread::spawn(move || {
-            let r = follow(control, &secret, steady, &step, &tx);
-            *phases.lock().unwrap_or_else(|p| p.into_inner()) = r;
+            let mut out = Vec::new();
+            let r = follow(control, &secret, &cfg, &step, &tx, &mut out);
+            *followed.lock().unwrap_or_else(|p| p.into_inner()) = (out, r.err());
         });
     }
     let mut line = None;
@@ -213,26 +265,24 @@ pub fn run(cfg: &MigrateBench) -> Result<MigrateReport, MigrateError> {
     };
     let fabric_after = fabric::run(&FabricBench { op: Op::Write, size: 4 << 20, iters: 300, depth: 8 })?;
     let failed = num(&line, "failed") as u64;
-    let mut ph = match phases.lock().unwrap_or_else(|p| p.into_inner()).clone() {
-        Ok(p) => p,
-        Err(_) if failed > 0 => Phases { preparing_us: u64::MAX, done_us: u64::MAX, ..Phases::default() },
-        Err(e) => return Err(MigrateError::Migration(e)),
-    };
-    ph.snapshot_bytes = cfg.shard_bytes;
+    let (migrations, why) = followed.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    if let Some(why) = why.filter(|_| failed == 0) {
+        return Err(MigrateError::Migration(why));
+    }
     let samples: Vec<(u64, u64)> = field(&line, "samples")
         .unwrap_or("")
         .split(',')
         .filter_map(|x| x.split_once(':'))
         .filter_map(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?)))
         .collect();
-    let mut steady: Vec<u64> = samples.iter().filter(|s| s.0 < ph.preparing_us).map(|s| s.1).collect();
+    let first = migrations.first().map_or(u64::MAX, |m| m.preparing_us);
+    let mut steady: Vec<u64> = samples.iter().filter(|s| s.0 < first).map(|s| s.1).collect();
     let mut during: Vec<u64> =
-        samples.iter().filter(|s| s.0 >= ph.preparing_us && s.0 <= ph.done_us).map(|s| s.1).collect();
+        samples.iter().filter(|s| migrations.iter().any(|m| m.covers(s.0))).map(|s| s.1).collect();
     steady.sort_unstable();
     during.sort_unstable();
-    let ms = |a: u64, b: u64| b.saturating_sub(a) as f64 / 1e3;
-    let migration_ms = ms(ph.preparing_us, ph.done_us);
-    let copying_ms = ms(ph.copying_us, ph.cutover_us);
+    let of = |f: fn(&Phases) -> f64| median(migrations.iter().map(f).collect());
+    let snapshot_bytes = cfg.shard_bytes;
     Ok(MigrateReport {
         pulls: samples.len() as u64 + failed,
         pulls_failed: failed,
@@ -243,62 +293,119 @@ pub fn run(cfg: &MigrateBench) -> Result<MigrateReport, MigrateError> {
         during_pulls: during.len() as u64,
         pull_lat_us_p99_during: percentile(&during, 0.99),
         pull_lat_us_max_during: during.last().copied().unwrap_or(0) as f64,
-        migration_ms,
-        preparing_ms: ms(ph.preparing_us, ph.copying_us),
-        copying_ms,
-        cutover_ms: ms(ph.cutover_us, ph.done_us),
-        migration_gbytes_per_s: ph.bytes as f64 / (migration_ms / 1e3).max(1e-9) / 1e9,
-        snapshot_gbytes_per_s: ph.snapshot_bytes as f64 / (copying_ms / 1e3).max(1e-9) / 1e9,
+        migration_ms: of(Phases::total_ms),
+        preparing_ms: of(Phases::preparing_ms),
+        copying_ms: of(Phases::copying_ms),
+        cutover_ms: of(Phases::cutover_ms),
+        migration_gbytes_per_s: median(
+            migrations.iter().map(|m| m.bytes as f64 / (m.total_ms() / 1e3).max(1e-9) / 1e9).collect(),
+        ),
+        snapshot_gbytes_per_s: median(
+            migrations.iter().map(|m| snapshot_bytes as f64 / (m.copying_ms() / 1e3).max(1e-9) / 1e9).collect(),
+        ),
+        snapshot_bytes,
         fabric_write_gbytes_per_s: 0.5 * (fabric_before.bw_gbytes_per_s + fabric_after.bw_gbytes_per_s),
         samples,
-        phases: ph,
+        migrations,
     })
 }
 
-/// Waits for `steady` steps, scales the job to two servers (starting the new
-/// process through `spawn`), then polls the status until shard 0's migration is done.
-fn follow(control: SocketAddr, secret: &Secret, steady: u64, step: &AtomicU64, spawn: &Sender<u32>) -> Result<Phases, String> {
+/// Runs the scale events: after `steady` steps and then every `gap` steps, grows
+/// the job to two servers (starting the new process through `spawn`) or shrinks it
+/// back to one, and follows each migration of shard 0 through the status every
+/// 2 ms until it is done, appending its phases to `out`.
+fn follow(
+    control: SocketAddr,
+    secret: &Secret,
+    cfg: &MigrateBench,
+    step: &AtomicU64,
+    spawn: &Sender<u32>,
+    out: &mut Vec<Phases>,
+) -> Result<(), String> {
     let mut ctl = ControlClient::connect(control, secret, Duration::from_secs(30)).map_err(|e| e.to_string())?;
-    while step.load(Ordering::Acquire) < steady {
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        match ctl.call(&ControlMsg::Scale { servers: 2 }) {
-            Ok(_) => break,
-            Err(ControlError::Rejected(m)) if m.contains("starting") && Instant::now() < deadline => {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            Err(e) => return Err(format!("scaling to 2 servers: {e}")),
+    for k in 0..cfg.migrations {
+        let at = cfg.steady_steps + u64::from(k) * cfg.gap_steps;
+        while step.load(Ordering::Acquire) < at {
+            std::thread::sleep(Duration::from_millis(2));
         }
-    }
-    let mut ph = Phases { requested_us: unix_us(), ..Phases::default() };
-    spawn.send(1).map_err(|_| "the driver is gone".to_string())?;
-    eprintln!("eps bench migrate: step {}: scaling 1 -> 2 servers", step.load(Ordering::Acquire));
-    while Instant::now() < deadline {
-        let Ok(ControlMsg::StatusReport { text }) = ctl.call(&ControlMsg::Status) else {
-            return Err("the control plane stopped answering".into());
-        };
-        let now = unix_us();
-        if let Some(l) = text.lines().map(str::trim).find(|l| l.starts_with("shard 0:")) {
-            let phase = l.rsplit_once(": ").map_or("", |(_, p)| p);
-            let first = |t: &mut u64| {
-                if *t == 0 {
-                    *t = now;
+        let servers = if k % 2 == 0 { 2 } else { 1 };
+        let done_before = status(&mut ctl)?.1;
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            match ctl.call(&ControlMsg::Scale { servers }) {
+                Ok(_) => break,
+                // Still starting, or the previous shrink's server still retiring.
+                Err(ControlError::Rejected(m))
+                    if (m.contains("starting") || m.contains("in progress")) && Instant::now() < deadline =>
+                {
+                    std::thread::sleep(Duration::from_millis(5));
                 }
-            };
+                Err(e) => return Err(format!("scaling to {servers} servers: {e}")),
+            }
+        }
+        if servers == 2 {
+            spawn.send(1).map_err(|_| "the driver is gone".to_string())?;
+        }
+        eprintln!(
+            "eps bench migrate: step {}: migration {} of {}: scaling to {servers} servers",
+            step.load(Ordering::Acquire),
+            k + 1,
+            cfg.migrations
+        );
+        out.push(follow_one(&mut ctl, done_before, deadline)?);
+    }
+    Ok(())
+}
+
+/// The status text and the number of migrations done.
+fn status(ctl: &mut ControlClient) -> Result<(String, u64), String> {
+    let Ok(ControlMsg::StatusReport { text }) = ctl.call(&ControlMsg::Status) else {
+        return Err("the control plane stopped answering".into());
+    };
+    let done = text
+        .lines()
+        .find(|l| l.starts_with("migrations:"))
+        .and_then(|l| l.split(", ").nth(1))
+        .and_then(|x| x.split(' ').next())
+        .and_then(|x| x.parse().ok())
+        .unwrap_or(0);
+    Ok((text, done))
+}
+
+/// Polls until the number of migrations done exceeds `done_before`, recording when
+/// shard 0's migration in flight first showed each phase.
+fn follow_one(ctl: &mut ControlClient, done_before: u64, deadline: Instant) -> Result<Phases, String> {
+    let mut ph = Phases::default();
+    while Instant::now() < deadline {
+        let (text, done) = status(ctl)?;
+        let now = unix_us();
+        let first = |t: &mut u64| {
+            if *t == 0 {
+                *t = now;
+            }
+        };
+        if done > done_before {
+            first(&mut ph.preparing_us);
+            first(&mut ph.copying_us);
+            first(&mut ph.cutover_us);
+            ph.done_us = now;
+            // The newest "done" line of shard 0 carries the source's byte count.
+            let line = text.lines().map(str::trim).filter(|l| l.starts_with("shard 0:") && l.contains(": done, ")).last();
+            ph.bytes = line
+                .and_then(|l| l.split_once(": done, "))
+                .and_then(|(_, r)| r.split(' ').next())
+                .and_then(|b| b.parse().ok())
+                .unwrap_or(0);
+            return Ok(ph);
+        }
+        let live = text.lines().map(str::trim).find(|l| l.starts_with("shard 0:") && !l.contains(": done, "));
+        if let Some(phase) = live.and_then(|l| l.rsplit_once(": ")).map(|(_, p)| p) {
             first(&mut ph.preparing_us);
             if phase.starts_with("copying") {
                 first(&mut ph.copying_us);
             } else if phase.starts_with("cutover") {
                 first(&mut ph.copying_us);
                 first(&mut ph.cutover_us);
-            } else if let Some(rest) = l.split_once(": done, ").map(|(_, r)| r) {
-                first(&mut ph.copying_us);
-                first(&mut ph.cutover_us);
-                ph.done_us = now;
-                ph.bytes = rest.split(' ').next().and_then(|b| b.parse().ok()).unwrap_or(0);
-                return Ok(ph);
             }
         }
         std::thread::sleep(Duration::from_millis(2));

@@ -52,8 +52,9 @@ pub fn migration(path: &Path, r: &MigrateReport) -> Result<(), String> {
         let root = BitMapBackend::new(path, (1200, 600)).into_drawing_area();
         root.fill(&WHITE)?;
         let title = format!(
-            "pulls of a {} MiB shard while it migrates (p99 steady {:.1} ms, during {:.1} ms)",
-            r.phases.snapshot_bytes >> 20,
+            "pulls of a {} MiB shard during {} migrations (p99 steady {:.1} ms, during {:.1} ms)",
+            r.snapshot_bytes >> 20,
+            r.migrations.len(),
             r.pull_lat_us_p99_steady / 1e3,
             r.pull_lat_us_p99_during / 1e3
         );
@@ -64,19 +65,26 @@ pub fn migration(path: &Path, r: &MigrateReport) -> Result<(), String> {
             .y_label_area_size(65)
             .build_cartesian_2d(0f64..x_max, 0f64..y_max)?;
         chart.configure_mesh().x_desc("time since the first pull (s)").y_desc("pull latency (ms)").draw()?;
-        let ph = r.phases;
         let bands = [
-            ("preparing (target registers memory)", ph.preparing_us, ph.copying_us, RGBColor(255, 200, 80)),
-            ("copying (snapshot)", ph.copying_us, ph.cutover_us, RGBColor(240, 110, 90)),
-            ("cutover (forwarding until the cutover iteration)", ph.cutover_us, ph.done_us, RGBColor(120, 170, 240)),
+            ("preparing (target registers memory)", RGBColor(255, 200, 80)),
+            ("copying (snapshot)", RGBColor(240, 110, 90)),
+            ("cutover (forwarding until the cutover iteration)", RGBColor(120, 170, 240)),
         ];
-        for (name, a, b, color) in bands {
-            if a == 0 || b < a || a == u64::MAX {
-                continue;
-            }
-            let (x0, x1) = (secs(a), secs(b).max(secs(a) + x_max * 0.002));
+        for (i, (name, color)) in bands.into_iter().enumerate() {
+            let spans = r.migrations.iter().map(|m| match i {
+                0 => (m.preparing_us, m.copying_us),
+                1 => (m.copying_us, m.cutover_us),
+                _ => (m.cutover_us, m.done_us),
+            });
+            let rects: Vec<_> = spans
+                .filter(|&(a, b)| a != 0 && b >= a)
+                .map(|(a, b)| {
+                    let (x0, x1) = (secs(a), secs(b).max(secs(a) + x_max * 0.002));
+                    Rectangle::new([(x0, 0.0), (x1, y_max)], color.mix(0.35).filled())
+                })
+                .collect();
             chart
-                .draw_series(std::iter::once(Rectangle::new([(x0, 0.0), (x1, y_max)], color.mix(0.35).filled())))?
+                .draw_series(rects)?
                 .label(name)
                 .legend(move |(x, y)| Rectangle::new([(x, y - 6), (x + 14, y + 6)], color.mix(0.6).filled()));
         }

@@ -5,7 +5,7 @@
 //! Source A: on `MigrateOut` it dials the target B (once per target), WRITEs the
 //! shard's f32 master parameters and optimizer state (with their version `v0` in
 //! the region's tail) straight into B's registered region, then, once that WRITE
-//! completed, announces the cutover iteration `T = version + 2` to the control plane
+//! completed, announces the cutover iteration `T = version + 1` to the control plane
 //! (which publishes it in a new epoch) and forwards the averaged gradient of every
 //! update it applies, up to version `T`, one at a time (B acknowledges each). Pushes
 //! of iterations `>= T` are answered "moved". A releases the shard once B
@@ -38,6 +38,10 @@ pub(crate) struct Outgoing {
     ci: usize,
     keys: MigrationKeys,
     started: Instant,
+    /// When the snapshot WRITE was posted, and how long until it completed.
+    snapshot_posted: Instant,
+    snapshot_secs: f64,
+    snapshot_bytes: u64,
     bytes: u64,
     snapshot_busy: bool,
     forward_busy: bool,
@@ -118,6 +122,7 @@ impl Server {
             return Err(ServerError::Migration(format!("shard {id} is already migrating")));
         }
         let v0 = h.sync.version();
+        let started = Instant::now();
         let ci = self.target_conn(to, addr)?;
         self.mem.add_forward_buffer(id)?;
         self.mem.set_snapshot_version(id, v0);
@@ -130,6 +135,7 @@ impl Server {
         let imm = Imm { kind: ImmKind::Forward, shard: id, seq: v0 as u16 }.encode();
         let remote = RemoteAddr { addr: keys.state_addr, rkey: keys.state_rkey };
         let sg = [Sge::whole(&b.state)];
+        let snapshot_posted = Instant::now();
         self.conns[ci].qp()?.post_send(&SendWr {
             wr_id: WR_MIGRATE | u64::from(id),
             op: SendOp::WriteImm(remote, imm),
@@ -141,7 +147,10 @@ impl Server {
             to,
             ci,
             keys,
-            started: Instant::now(),
+            started,
+            snapshot_posted,
+            snapshot_secs: 0.0,
+            snapshot_bytes: size,
             bytes: size,
             snapshot_busy: true,
             forward_busy: false,
@@ -166,9 +175,13 @@ impl Server {
         let Some(h) = self.held_mut(id) else { return Ok(()) };
         let Some(out) = h.out.as_mut() else { return Ok(()) };
         out.snapshot_busy = false;
-        // Workers get one full iteration to learn the new epoch; one that pushes
-        // to us anyway is answered "moved".
-        let at = h.sync.version() + 2;
+        out.snapshot_secs = out.snapshot_posted.elapsed().as_secs_f64();
+        // The next iteration: no update ran while the snapshot was in flight, so
+        // every worker is still at most at iteration `version`, whose push comes
+        // here. Workers learn the new epoch while that update runs (their map
+        // watcher wakes on the cutover); one that pushes here anyway is answered
+        // "moved" and pushes again.
+        let at = h.sync.version() + 1;
         let action = out.src.announce(at).map_err(|e| ServerError::Migration(e.to_string()))?;
         out.at = at;
         self.ctl.call(&ControlMsg::Cutover { shard: id, at })?;
@@ -298,14 +311,22 @@ impl Server {
             self.retained.push(b.landing);
         }
         let secs = out.started.elapsed().as_secs_f64();
+        let setup = out.snapshot_posted.duration_since(out.started).as_secs_f64();
+        let snap = out.snapshot_secs;
+        let snapshot_bytes = out.snapshot_bytes;
         eprintln!(
-            "eps server {}: migrated shard {id} to server {}: {} bytes in {:.1} ms ({:.2} GB/s), cutover at iteration {}",
+            "eps server {}: migrated shard {id} to server {}: {} bytes in {:.1} ms ({:.2} GB/s): setup {:.1} ms, \
+             snapshot {:.1} ms ({:.2} GB/s), forwarding to the cutover at iteration {} {:.1} ms",
             self.rank,
             out.to,
             out.bytes,
             secs * 1e3,
             out.bytes as f64 / secs.max(1e-9) / 1e9,
-            out.at
+            setup * 1e3,
+            snap * 1e3,
+            snapshot_bytes as f64 / snap.max(1e-9) / 1e9,
+            out.at,
+            (secs - setup - snap) * 1e3,
         );
         self.summary.migrated_out += 1;
         self.ctl.call(&ControlMsg::Released { shard: id, bytes: out.bytes, millis: (secs * 1e3) as u64 })?;

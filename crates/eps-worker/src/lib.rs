@@ -518,7 +518,7 @@ impl Worker {
 
     /// Pulls shard `sid` again at the version this worker holds (BSP and SSP), from
     /// whichever server serves that version now: during a migration the old owner
-    /// up to the cutover, the new one from it on. A server that no longer serves it
+    /// up to the cutover version, the new one after it. A server that no longer serves it
     /// answers "moved", and the pull is asked again with the newer map. This is a
     /// read-only pull: it does not advance the iteration.
     pub fn pull_shard(&mut self, sid: usize) -> Result<(), WorkerError> {
@@ -531,10 +531,15 @@ impl Worker {
         let start = Instant::now();
         self.adopt_newest()?;
         let need = self.iteration;
+        // The old owner while it serves the version (it produced it; the new one may
+        // still be catching up), then the owner.
+        let mut old_gone = false;
         for _attempt in 0..64 {
             self.pulled = 0;
             self.pull_moved = 0;
-            let ep = self.route(sid, need);
+            let route = &self.map.routes[sid];
+            let ep = if old_gone { &route.owner } else { route.for_iteration(need.saturating_sub(1)) };
+            let from_old = ep.owner != route.owner.owner;
             let owner = ep.owner;
             let Some(&(slot, rkey)) = ep.landing.get(self.rank as usize) else { return Err(WorkerError::Unexpected) };
             let req = Imm { kind: ImmKind::PullReq, shard: sid as u32, seq: need as u16 }.encode();
@@ -544,7 +549,11 @@ impl Worker {
                 self.stats.comm += start.elapsed();
                 return Ok(());
             }
-            self.refresh_map()?;
+            if from_old {
+                old_gone = true; // released since: the owner in this map serves it
+            } else {
+                self.refresh_map()?;
+            }
         }
         Err(WorkerError::Timeout("a server that serves the shard (every one answered \"moved\")"))
     }
