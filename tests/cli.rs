@@ -140,3 +140,44 @@ fn a_worker_whose_servers_never_come_fails_with_a_message() {
     assert!(!o.status.success() && text(&o).contains("EPS_JOB_SECRET"), "{}", text(&o));
     std::fs::remove_dir_all(dir).ok();
 }
+
+#[test]
+fn migrate_bench_pulls_through_migrations_and_plots_them() {
+    let png = std::env::temp_dir().join(format!("eps-migrate-{}.png", std::process::id()));
+    let png_s = png.to_str().unwrap();
+    let o = eps(&[
+        "bench",
+        "migrate",
+        "--shard-bytes",
+        "1MiB",
+        "--migrations",
+        "3",
+        "--steady-steps",
+        "10",
+        "--gap-steps",
+        "6",
+        "--after-steps",
+        "6",
+        "--plot",
+        png_s,
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    let last = out.lines().last().unwrap();
+    assert_eq!(json_field(last, "pulls_failed"), 0.0, "{last}");
+    assert_eq!(json_field(last, "migrations"), 3.0, "{last}");
+    // 10 + 2 x 6 + 6 steps, 4 timed pulls after each.
+    assert_eq!(json_field(last, "pulls"), 112.0, "{last}");
+    assert!(json_field(last, "steady_pulls") >= 30.0, "{last}");
+    // Snapshot (1 MiB of f32 parameters + the version tail) and at least one forward.
+    assert!(json_field(last, "migration_bytes") >= 2.0 * 1048576.0, "{last}");
+    for k in ["pull_lat_us_p99_steady", "migration_ms", "migration_gbytes_per_s", "fabric_write_gbytes_per_s"] {
+        assert!(json_field(last, k) > 0.0, "{k}: {last}");
+    }
+    let bytes = std::fs::read(&png).expect("the plot was written");
+    let _ = std::fs::remove_file(&png);
+    assert!(bytes.len() > 10_000 && bytes.starts_with(b"\x89PNG\r\n\x1a\n"), "not a PNG of a plot");
+    let o = eps(&["bench", "migrate", "--shard-bytes", "1000"]);
+    assert!(!o.status.success() && text(&o).contains("multiple of 4KiB"), "{}", text(&o));
+}

@@ -54,6 +54,9 @@ impl Default for MigrateBench {
 /// the first status poll that showed each).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Phases {
+    /// The scale request was accepted (a new server process starts, or the plan
+    /// is made).
+    pub requested_us: u64,
     /// The target registers the shard's memory.
     pub preparing_us: u64,
     /// The source sends the snapshot.
@@ -105,7 +108,7 @@ pub struct MigrateReport {
     pub pulls_failed: u64,
     /// The first failure, if any.
     pub failure: Option<String>,
-    /// Pulls that started before the first migration.
+    /// Pulls that started before the first scale event.
     pub steady_pulls: u64,
     /// Their p50 latency (us).
     pub pull_lat_us_p50_steady: f64,
@@ -275,10 +278,10 @@ pub fn run(cfg: &MigrateBench) -> Result<MigrateReport, MigrateError> {
         .filter_map(|x| x.split_once(':'))
         .filter_map(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?)))
         .collect();
-    let first = migrations.first().map_or(u64::MAX, |m| m.preparing_us);
+    // Steady: before the first scale event (and so before its server process started).
+    let first = migrations.first().map_or(u64::MAX, |m| m.requested_us);
     let mut steady: Vec<u64> = samples.iter().filter(|s| s.0 < first).map(|s| s.1).collect();
-    let mut during: Vec<u64> =
-        samples.iter().filter(|s| migrations.iter().any(|m| m.covers(s.0))).map(|s| s.1).collect();
+    let mut during: Vec<u64> = samples.iter().filter(|s| migrations.iter().any(|m| m.covers(s.0))).map(|s| s.1).collect();
     steady.sort_unstable();
     during.sort_unstable();
     let of = |f: fn(&Phases) -> f64| median(migrations.iter().map(f).collect());
@@ -352,7 +355,8 @@ fn follow(
             k + 1,
             cfg.migrations
         );
-        out.push(follow_one(&mut ctl, done_before, deadline)?);
+        let requested_us = unix_us();
+        out.push(Phases { requested_us, ..follow_one(&mut ctl, done_before, deadline)? });
     }
     Ok(())
 }
@@ -390,7 +394,7 @@ fn follow_one(ctl: &mut ControlClient, done_before: u64, deadline: Instant) -> R
             first(&mut ph.cutover_us);
             ph.done_us = now;
             // The newest "done" line of shard 0 carries the source's byte count.
-            let line = text.lines().map(str::trim).filter(|l| l.starts_with("shard 0:") && l.contains(": done, ")).last();
+            let line = text.lines().map(str::trim).rfind(|l| l.starts_with("shard 0:") && l.contains(": done, "));
             ph.bytes = line
                 .and_then(|l| l.split_once(": done, "))
                 .and_then(|(_, r)| r.split(' ').next())

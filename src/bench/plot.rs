@@ -92,7 +92,12 @@ pub fn migration(path: &Path, r: &MigrateReport) -> Result<(), String> {
             .draw_series(points.iter().map(|&p| Circle::new(p, 2, BLACK.filled())))?
             .label("one pull")
             .legend(|(x, y)| Circle::new((x + 7, y), 3, BLACK.filled()));
-        chart.configure_series_labels().position(SeriesLabelPosition::UpperLeft).background_style(WHITE.mix(0.85)).border_style(BLACK).draw()?;
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()?;
         root.present()?;
         Ok(())
     };

@@ -405,11 +405,7 @@ impl Job {
         // The most recent finished ones with their figures, then those in flight.
         let finished: Vec<&Migration> = self.migrations.iter().filter(|m| m.phase == Phase::Done).collect();
         for m in &finished[finished.len().saturating_sub(8)..] {
-            let _ = writeln!(
-                t,
-                "  shard {}: server {} -> {}: done, {} bytes in {} ms",
-                m.shard, m.from, m.to, m.bytes, m.millis
-            );
+            let _ = writeln!(t, "  shard {}: server {} -> {}: done, {} bytes in {} ms", m.shard, m.from, m.to, m.bytes, m.millis);
         }
         for m in self.migrations.iter().filter(|m| m.phase != Phase::Done) {
             let phase = match m.phase {
