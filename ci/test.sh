@@ -23,6 +23,12 @@ if ! cargo nextest --version >/dev/null 2>&1; then
     cargo install cargo-nextest --locked
 fi
 
+# `eps bench migrate --plot` (tested) draws its text with a TrueType font.
+if [ ! -e /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] && command -v apt-get >/dev/null; then
+    step "installing fonts-dejavu-core"
+    apt-get update -qq && apt-get install -y -qq fonts-dejavu-core
+fi
+
 step "format check"
 cargo fmt --all --check
 
