@@ -498,18 +498,28 @@ impl Worker {
         Ok(())
     }
 
+    /// The server of `ep` and this worker's landing slot there.
+    fn slot_at(&self, ep: &ShardEndpoint) -> Result<(u32, RemoteAddr), WorkerError> {
+        let &(addr, rkey) = ep.landing.get(self.rank as usize).ok_or(WorkerError::Unexpected)?;
+        Ok((ep.owner, RemoteAddr { addr, rkey }))
+    }
+
+    /// Asks server `to.0` (through this worker's slot `to.1`) for shard `sid` at
+    /// version >= `need`.
+    fn post_pull_req(&mut self, sid: usize, to: (u32, RemoteAddr), need: u64) -> Result<(), WorkerError> {
+        let req = Imm { kind: ImmKind::PullReq, shard: sid as u32, seq: need as u16 }.encode();
+        self.post(to.0, WR_PULLREQ | sid as u64, to.1, req, None)
+    }
+
     /// Pushes shard `sid`'s gradient of iteration `t` and asks for the version after.
     fn push_shard(&mut self, sid: usize, t: u64) -> Result<(), WorkerError> {
         let es = self.layout.dtype.size_bytes() as u64;
         let s = self.layout.shards[sid];
-        let ep = self.route(sid, t);
-        let owner = ep.owner;
-        let Some(&(slot, rkey)) = ep.landing.get(self.rank as usize) else { return Err(WorkerError::Unexpected) };
+        let (owner, slot) = self.slot_at(self.route(sid, t))?;
         let push = Imm { kind: ImmKind::Push, shard: sid as u32, seq: t as u16 }.encode();
-        self.post(owner, WR_PUSH | sid as u64, RemoteAddr { addr: slot, rkey }, push, Some((s.start * es, (s.len * es) as u32)))?;
+        self.post(owner, WR_PUSH | sid as u64, slot, push, Some((s.start * es, (s.len * es) as u32)))?;
         if self.mode != Consistency::Asp {
-            let req = Imm { kind: ImmKind::PullReq, shard: sid as u32, seq: self.need_after_push(t) as u16 }.encode();
-            self.post(owner, WR_PULLREQ | sid as u64, RemoteAddr { addr: slot, rkey }, req, None)?;
+            self.post_pull_req(sid, (owner, slot), self.need_after_push(t))?;
         }
         self.credit[sid] = false;
         self.stats.pushed_bytes += s.len * es;
@@ -540,10 +550,8 @@ impl Worker {
             let route = &self.map.routes[sid];
             let ep = if old_gone { &route.owner } else { route.for_iteration(need.saturating_sub(1)) };
             let from_old = ep.owner != route.owner.owner;
-            let owner = ep.owner;
-            let Some(&(slot, rkey)) = ep.landing.get(self.rank as usize) else { return Err(WorkerError::Unexpected) };
-            let req = Imm { kind: ImmKind::PullReq, shard: sid as u32, seq: need as u16 }.encode();
-            self.post(owner, WR_PULLREQ | sid as u64, RemoteAddr { addr: slot, rkey }, req, None)?;
+            let to = self.slot_at(ep)?;
+            self.post_pull_req(sid, to, need)?;
             self.wait_until(|w| w.pulled >= 1 || w.pull_moved >= 1, "a pull answer from the server")?;
             if self.pulled >= 1 {
                 self.stats.comm += start.elapsed();
@@ -563,11 +571,8 @@ impl Worker {
         let start = Instant::now();
         self.pulled = 0;
         for sid in 0..self.layout.shards.len() {
-            let ep = self.route(sid, need.saturating_sub(1));
-            let owner = ep.owner;
-            let Some(&(slot, rkey)) = ep.landing.get(self.rank as usize) else { return Err(WorkerError::Unexpected) };
-            let req = Imm { kind: ImmKind::PullReq, shard: sid as u32, seq: need as u16 }.encode();
-            self.post(owner, WR_PULLREQ | sid as u64, RemoteAddr { addr: slot, rkey }, req, None)?;
+            let to = self.slot_at(self.route(sid, need.saturating_sub(1)))?;
+            self.post_pull_req(sid, to, need)?;
         }
         let n = self.layout.shards.len();
         self.wait_until(|w| w.pulled >= n, "pull answers from the servers")?;
