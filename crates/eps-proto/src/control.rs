@@ -73,6 +73,12 @@ pub struct JobMap {
     pub servers: Vec<(u32, String)>,
     /// Per global shard id.
     pub routes: Vec<Route>,
+    /// Contributor sets by iteration: `(first iteration, sorted worker ranks)`.
+    pub membership: Vec<(u64, Vec<u32>)>,
+    /// A membership change waiting for votes (its id; 0 when none): every member
+    /// worker votes the first iteration it has not begun and holds there until
+    /// the change is committed.
+    pub proposal: u64,
 }
 
 impl JobMap {
@@ -106,6 +112,25 @@ pub enum Order {
     },
     /// Leave: the job is over, or this server was scaled away and holds nothing.
     Retire,
+    /// A membership change is proposed: vote the first iteration none of your
+    /// shards has aggregated yet, and aggregate nothing from there on until the
+    /// change is committed.
+    Propose {
+        /// Proposal id.
+        id: u64,
+    },
+    /// A membership change is committed (or, to a server that joins later, one
+    /// committed earlier): from iteration `at` on, `workers` contribute. Workers in
+    /// `expired` lost their lease: their contributions of iterations before `at`
+    /// that never arrived are dropped, and their connections are closed.
+    Members {
+        /// First iteration of the new contributor set.
+        at: u64,
+        /// The contributor set, sorted.
+        workers: Vec<u32>,
+        /// Workers removed because their lease expired.
+        expired: Vec<u32>,
+    },
 }
 
 /// A control-plane message.
@@ -176,6 +201,30 @@ pub enum ControlMsg {
     Scale {
         /// Wanted number of servers.
         servers: u32,
+    },
+    /// Operator -> control: scale the job to `workers` workers (joins take new
+    /// ranks; leaves drop the highest ranks).
+    ScaleWorkers {
+        /// Wanted number of workers.
+        workers: u32,
+    },
+    /// Worker or server -> control: its vote on proposal `id`: it holds from
+    /// iteration `hold` on until the change is committed.
+    Vote {
+        /// The voter's role.
+        role: Role,
+        /// Its rank.
+        rank: u32,
+        /// Proposal id.
+        id: u64,
+        /// First iteration it holds at.
+        hold: u64,
+    },
+    /// Control plane (its lease clock) -> its own log: worker `rank` stopped
+    /// renewing its lease and is removed at the next boundary.
+    Expire {
+        /// Worker rank.
+        rank: u32,
     },
     /// Server -> control: orders after sequence number `after` (long poll).
     Poll {
@@ -292,6 +341,18 @@ impl W {
                 }
             }
         }
+        self.u32(m.membership.len() as u32);
+        for (from, set) in &m.membership {
+            self.u64(*from);
+            self.ranks(set);
+        }
+        self.u64(m.proposal);
+    }
+    fn ranks(&mut self, v: &[u32]) {
+        self.u32(v.len() as u32);
+        for r in v {
+            self.u32(*r);
+        }
     }
     fn order(&mut self, o: &Order) {
         match o {
@@ -308,6 +369,16 @@ impl W {
                 self.keys(keys);
             }
             Order::Retire => self.u8(3),
+            Order::Propose { id } => {
+                self.u8(4);
+                self.u64(*id);
+            }
+            Order::Members { at, workers, expired } => {
+                self.u8(5);
+                self.u64(*at);
+                self.ranks(workers);
+                self.ranks(expired);
+            }
         }
     }
 }
@@ -385,10 +456,21 @@ impl R<'_> {
             };
             routes.push(Route { owner, previous });
         }
-        Ok(JobMap { epoch, servers, routes })
+        let n = self.count(12)?;
+        let mut membership = Vec::with_capacity(n);
+        for _ in 0..n {
+            membership.push((self.u64()?, self.ranks()?));
+        }
+        Ok(JobMap { epoch, servers, routes, membership, proposal: self.u64()? })
+    }
+    fn ranks(&mut self) -> Result<Vec<u32>, DecodeError> {
+        let n = self.count(4)?;
+        (0..n).map(|_| self.u32()).collect()
     }
     fn order(&mut self) -> Result<Order, DecodeError> {
         Ok(match self.u8()? {
+            4 => Order::Propose { id: self.u64()? },
+            5 => Order::Members { at: self.u64()?, workers: self.ranks()?, expired: self.ranks()? },
             1 => Order::MigrateIn { shard: self.u32()?, from: self.u32()? },
             2 => Order::MigrateOut { shard: self.u32()?, to: self.u32()?, to_addr: self.str()?, keys: self.keys()? },
             3 => Order::Retire,
@@ -475,6 +557,21 @@ impl ControlMsg {
                 w.u32(*rank);
                 w.u64(*after);
             }
+            ControlMsg::ScaleWorkers { workers } => {
+                w.u8(17);
+                w.u32(*workers);
+            }
+            ControlMsg::Vote { role, rank, id, hold } => {
+                w.u8(18);
+                w.u8(role_code(*role));
+                w.u32(*rank);
+                w.u64(*id);
+                w.u64(*hold);
+            }
+            ControlMsg::Expire { rank } => {
+                w.u8(19);
+                w.u32(*rank);
+            }
             ControlMsg::Orders { last, orders } => {
                 w.u8(16);
                 w.u64(*last);
@@ -517,6 +614,9 @@ impl ControlMsg {
                 let orders = (0..n).map(|_| r.order()).collect::<Result<_, _>>()?;
                 ControlMsg::Orders { last, orders }
             }
+            17 => ControlMsg::ScaleWorkers { workers: r.u32()? },
+            18 => ControlMsg::Vote { role: r.role()?, rank: r.u32()?, id: r.u64()?, hold: r.u64()? },
+            19 => ControlMsg::Expire { rank: r.u32()? },
             t => return Err(DecodeError::Tag(t)),
         };
         if !r.0.is_empty() {
@@ -541,6 +641,8 @@ mod tests {
             epoch: 7,
             servers: vec![(0, "127.0.0.1:1".into()), (3, "127.0.0.1:2".into())],
             routes: vec![Route { owner: ep(0, 0), previous: None }, Route { owner: ep(1, 3), previous: Some((ep(1, 0), 12)) }],
+            membership: vec![(0, vec![0, 1]), (9, vec![0, 1, 2])],
+            proposal: 3,
         };
         let msgs = vec![
             ControlMsg::Register { role: Role::Server, fabric_addr: "127.0.0.1:5".into() },
@@ -558,12 +660,17 @@ mod tests {
             ControlMsg::Released { shard: 4, bytes: 1 << 30, millis: 17 },
             ControlMsg::Scale { servers: 3 },
             ControlMsg::Poll { rank: 2, after: 5 },
+            ControlMsg::ScaleWorkers { workers: 3 },
+            ControlMsg::Vote { role: Role::Worker, rank: 1, id: 2, hold: 40 },
+            ControlMsg::Expire { rank: 2 },
             ControlMsg::Orders {
                 last: 9,
                 orders: vec![
                     Order::MigrateIn { shard: 1, from: 0 },
                     Order::MigrateOut { shard: 1, to: 2, to_addr: "127.0.0.1:7".into(), keys },
                     Order::Retire,
+                    Order::Propose { id: 4 },
+                    Order::Members { at: 30, workers: vec![0, 2], expired: vec![1] },
                 ],
             },
         ];

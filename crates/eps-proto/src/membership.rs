@@ -61,6 +61,40 @@ impl Membership {
         Ok(())
     }
 
+    /// Rebuilds a schedule from [`Membership::epochs`] (as it travels in maps and
+    /// orders); `None` when it is not one (empty, unordered, or not from 0).
+    pub fn from_epochs(epochs: Vec<(u64, Vec<u32>)>) -> Option<Self> {
+        let ok = epochs.first().is_some_and(|(f, _)| *f == 0)
+            && epochs.windows(2).all(|w| w[0].0 < w[1].0)
+            && epochs.iter().all(|(_, set)| !set.is_empty() && set.windows(2).all(|p| p[0] < p[1]));
+        ok.then_some(Self { epochs })
+    }
+
+    /// `(first iteration, sorted ranks)` of every change so far, oldest first.
+    pub fn epochs(&self) -> &[(u64, Vec<u32>)] {
+        &self.epochs
+    }
+
+    /// The contributors from the last announced change on.
+    pub fn latest(&self) -> &[u32] {
+        &self.epochs[self.epochs.len() - 1].1
+    }
+
+    /// The first iteration of the last run of epochs in which `worker`
+    /// contributes without a break (where a worker that joined starts), if it
+    /// contributes in the latest epoch.
+    pub fn joined_at(&self, worker: u32) -> Option<u64> {
+        let mut at = None;
+        for (from, set) in &self.epochs {
+            match (set.contains(&worker), at) {
+                (true, None) => at = Some(*from),
+                (false, _) => at = None,
+                _ => {}
+            }
+        }
+        at
+    }
+
     /// The contributors of `iteration`, in rank order.
     pub fn contributors(&self, iteration: u64) -> &[u32] {
         let i = self.epochs.partition_point(|(from, _)| *from <= iteration);
@@ -107,6 +141,25 @@ mod tests {
         assert_eq!(m.samples(0, 1, 10), Some(10..20));
         assert_eq!(m.samples(5, 2, 10), Some(5 * 2 * 10 + 20..5 * 2 * 10 + 30));
         assert_eq!(m.samples(9, 0, 10), None);
+    }
+
+    #[test]
+    fn epochs_travel_and_joins_are_found() {
+        let mut m = Membership::new(vec![0, 1]).unwrap();
+        m.schedule(4, 0, vec![0, 1, 2]).unwrap();
+        m.schedule(9, 5, vec![0, 2]).unwrap();
+        m.schedule(12, 9, vec![0, 1, 2]).unwrap();
+        assert_eq!(Membership::from_epochs(m.epochs().to_vec()), Some(m.clone()));
+        assert_eq!(m.latest(), &[0, 1, 2]);
+        assert_eq!(m.joined_at(0), Some(0));
+        assert_eq!(m.joined_at(2), Some(4));
+        assert_eq!(m.joined_at(1), Some(12), "left at 9, came back at 12");
+        assert_eq!(m.joined_at(7), None);
+        assert_eq!(Membership::from_epochs(vec![]), None);
+        assert_eq!(Membership::from_epochs(vec![(1, vec![0])]), None);
+        assert_eq!(Membership::from_epochs(vec![(0, vec![0]), (0, vec![1])]), None);
+        assert_eq!(Membership::from_epochs(vec![(0, vec![1, 0])]), None);
+        assert_eq!(Membership::from_epochs(vec![(0, vec![])]), None);
     }
 
     /// Random join/leave schedules: every sample index up to the end is dealt out

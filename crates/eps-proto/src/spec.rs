@@ -108,6 +108,25 @@ pub struct JobSection {
     /// Samples per worker per iteration (used by the built-in training task).
     #[serde(default = "default_batch")]
     pub batch: u32,
+    /// Worker ranks the job may ever admit (BSP: workers that join a running job
+    /// take new ranks; servers keep a landing slot per rank). Default: `workers`.
+    #[serde(default)]
+    pub max_workers: Option<u32>,
+    /// A worker that has not reached the control plane for this long is removed
+    /// from the job at the next iteration boundary.
+    #[serde(default = "default_lease_ms")]
+    pub worker_lease_ms: u64,
+}
+
+fn default_lease_ms() -> u64 {
+    10_000
+}
+
+impl JobSection {
+    /// Worker ranks the job may admit over its life.
+    pub fn rank_limit(&self) -> u32 {
+        self.max_workers.unwrap_or(self.workers)
+    }
 }
 
 /// `[model]`.
@@ -313,6 +332,17 @@ impl JobSpec {
         let j = &self.job;
         if j.workers == 0 || j.workers > 4096 {
             return Err(bad("job.workers", "must be between 1 and 4096"));
+        }
+        if let Some(m) = j.max_workers {
+            if m < j.workers || m > 64 {
+                return Err(bad("job.max_workers", "must be at least job.workers and at most 64"));
+            }
+            if m > j.workers && j.consistency != Consistency::Bsp {
+                return Err(bad("job.max_workers", "workers can join a running job only under BSP consistency"));
+            }
+        }
+        if j.worker_lease_ms < 500 {
+            return Err(bad("job.worker_lease_ms", "must be at least 500 (ms)"));
         }
         if j.servers == 0 || j.servers > 1024 {
             return Err(bad("job.servers", "must be between 1 and 1024"));

@@ -184,6 +184,22 @@ impl ShardSync {
     /// `contributors` is that iteration's contributor set (see `Membership`): in BSP
     /// the update is ready once every one of them has pushed.
     pub fn on_push(&mut self, worker: u32, iteration: u64, contributors: &[u32]) -> Result<PushOutcome, SyncError> {
+        self.record(worker, iteration, Some(contributors))
+    }
+
+    /// BSP, while the contributor set of `iteration` is not settled yet (a
+    /// membership change is being voted on): records the push; whether the
+    /// iteration is complete is asked later with [`ShardSync::complete`].
+    pub fn on_push_unsettled(&mut self, worker: u32, iteration: u64) -> Result<(), SyncError> {
+        self.record(worker, iteration, None).map(|_| ())
+    }
+
+    /// Whether `worker`'s landing slot holds a contribution not yet consumed.
+    pub fn has_pushed(&self, worker: u32) -> bool {
+        self.slot_full.get(worker as usize).copied().unwrap_or(false)
+    }
+
+    fn record(&mut self, worker: u32, iteration: u64, contributors: Option<&[u32]>) -> Result<PushOutcome, SyncError> {
         let w = self.check(worker)?;
         if self.slot_full[w] {
             return Err(SyncError::SlotBusy { worker, iteration });
@@ -200,7 +216,7 @@ impl ShardSync {
                 let expected = self.held.unwrap_or(self.version);
                 return Err(SyncError::StaleIteration { worker, iteration, expected });
             }
-            if !contributors.contains(&worker) {
+            if contributors.is_some_and(|c| !c.contains(&worker)) {
                 return Err(SyncError::NotContributor { worker, iteration });
             }
         } else if iteration != self.clock[w] {
@@ -212,11 +228,11 @@ impl ShardSync {
         if self.mode == Consistency::Bsp {
             self.held = Some(iteration);
         }
-        Ok(match self.mode {
-            Consistency::Bsp if self.full_count as usize == contributors.len() && iteration == self.version => {
+        Ok(match (self.mode, contributors) {
+            (Consistency::Bsp, Some(c)) if self.full_count as usize == c.len() && iteration == self.version => {
                 PushOutcome::AggregateAll { iteration }
             }
-            Consistency::Bsp => PushOutcome::Wait,
+            (Consistency::Bsp, _) => PushOutcome::Wait,
             _ => PushOutcome::ApplyOne { worker, iteration },
         })
     }
@@ -405,6 +421,23 @@ mod membership_tests {
         assert_eq!(s.on_push(0, 1, second), Err(SyncError::NotContributor { worker: 0, iteration: 1 }));
         assert_eq!(s.on_push(3, 1, second), Ok(PushOutcome::Wait));
         assert_eq!(s.on_push(1, 1, second), Ok(PushOutcome::AggregateAll { iteration: 1 }));
+    }
+
+    /// While a membership change is voted on, pushes are recorded but complete
+    /// nothing; once settled, `complete` decides with the settled set.
+    #[test]
+    fn unsettled_pushes_wait_for_the_settled_set() {
+        let mut s = ShardSync::new(Consistency::Bsp, 3);
+        assert_eq!(s.on_push_unsettled(0, 0), Ok(()));
+        assert_eq!(s.on_push_unsettled(1, 0), Ok(()));
+        assert!(s.has_pushed(1) && !s.has_pushed(2));
+        assert_eq!(s.on_push_unsettled(1, 0), Err(SyncError::SlotBusy { worker: 1, iteration: 0 }));
+        // Settled to {0, 1, 2}: worker 2 is still missing.
+        assert_eq!(s.complete(&[0, 1, 2]), None);
+        // Settled to {0, 1} instead (worker 2 left at 0): complete.
+        assert_eq!(s.complete(&[0, 1]), Some(0));
+        s.published(None);
+        assert!(!s.has_pushed(0));
     }
 
     #[test]
