@@ -11,6 +11,8 @@ use eps_proto::control::{ControlMsg, JobMap, MigrationKeys, Order, Role, Route, 
 use eps_proto::shardmap::{Move, ShardMap};
 use eps_proto::spec::Consistency;
 
+mod workers;
+
 /// Phase of one shard migration.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Phase {
@@ -66,10 +68,9 @@ pub struct Job {
     initial_servers: u32,
     /// How many servers may register so far (grows with scale-ups).
     server_slots: u32,
-    workers_want: u32,
     servers: Vec<ServerInfo>,
-    workers: u32,
-    finished_workers: Vec<bool>,
+    /// Worker state by rank (see `workers.rs`).
+    pub(crate) w: workers::Workers,
     /// The epoch each worker routes with (reported, not persisted).
     adopted: Vec<u64>,
     map: ShardMap,
@@ -89,11 +90,9 @@ impl Job {
             consistency: spec.job.consistency,
             initial_servers: spec.job.servers,
             server_slots: spec.job.servers,
-            workers_want: spec.job.workers,
             servers: Vec::new(),
-            workers: 0,
-            finished_workers: vec![false; spec.job.workers as usize],
-            adopted: vec![0; spec.job.workers as usize],
+            w: workers::Workers::new(&spec.job)?,
+            adopted: vec![0; spec.job.rank_limit() as usize],
             map: ShardMap::from_layout(&layout),
             endpoints: vec![None; n],
             previous: vec![None; n],
@@ -109,10 +108,19 @@ impl Job {
 
     /// Whether every worker and every server that joined has finished.
     pub fn done(&self) -> bool {
-        self.workers == self.workers_want
-            && self.finished_workers.iter().all(|&x| x)
+        self.w.all_finished()
             && self.servers.iter().all(|s| s.finished)
             && !self.servers.is_empty()
+    }
+
+    /// Worker ranks whose lease the control plane watches.
+    pub fn leased_workers(&self) -> Vec<u32> {
+        self.w.leased()
+    }
+
+    /// Committed worker membership changes so far.
+    pub fn membership_changes(&self) -> u64 {
+        self.w.changes
     }
 
     /// The current epoch.
@@ -141,7 +149,13 @@ impl Job {
             .map(|(e, p)| Route { owner: e.clone().unwrap_or_else(empty_endpoint), previous: p.clone() })
             .collect();
         let servers = self.servers.iter().enumerate().filter(|(_, s)| s.ready).map(|(r, s)| (r as u32, s.addr.clone())).collect();
-        JobMap { epoch: self.map.epoch, servers, routes }
+        JobMap {
+            epoch: self.map.epoch,
+            servers,
+            routes,
+            membership: self.w.members.epochs().to_vec(),
+            proposal: self.w.proposal_id(),
+        }
     }
 
     /// A worker reports the epoch it routes with.
@@ -162,11 +176,11 @@ impl Job {
         &self.migrations
     }
 
-    fn order(&mut self, rank: u32, o: Order) {
+    pub(crate) fn order(&mut self, rank: u32, o: Order) {
         self.orders.push((rank, o));
     }
 
-    fn live_servers(&self) -> Vec<u32> {
+    pub(crate) fn live_servers(&self) -> Vec<u32> {
         (0..self.servers.len() as u32)
             .filter(|&r| !self.servers[r as usize].leaving && !self.servers[r as usize].retired)
             .collect()
@@ -184,15 +198,20 @@ impl Job {
                     ));
                 }
                 self.servers.push(ServerInfo::default());
-                Ok(ControlMsg::Registered { rank: self.servers.len() as u32 - 1, spec_toml: self.spec_text.clone() })
+                let rank = self.servers.len() as u32 - 1;
+                // A server that joins later learns the contributor sets so far.
+                for (at, workers) in self.w.members.epochs()[1..].to_vec() {
+                    self.order(rank, Order::Members { at, workers, expired: Vec::new() });
+                }
+                Ok(ControlMsg::Registered { rank, spec_toml: self.spec_text.clone() })
             }
             ControlMsg::Register { role: Role::Worker, .. } => {
-                if self.workers >= self.workers_want {
-                    return Err(format!("the job already has its {} workers", self.workers_want));
-                }
-                self.workers += 1;
-                Ok(ControlMsg::Registered { rank: self.workers - 1, spec_toml: self.spec_text.clone() })
+                let rank = self.w.register()?;
+                Ok(ControlMsg::Registered { rank, spec_toml: self.spec_text.clone() })
             }
+            ControlMsg::ScaleWorkers { workers } => self.scale_workers(*workers),
+            ControlMsg::Vote { role, rank, id, hold } => self.vote(*role, *rank, *id, *hold),
+            ControlMsg::Expire { rank } => self.expire(*rank),
             ControlMsg::ServerReady { rank, fabric_addr, shards } => self.server_ready(*rank, fabric_addr, shards),
             ControlMsg::ShardReady { endpoint, keys } => {
                 let Some(i) =
@@ -238,13 +257,16 @@ impl Job {
             }
             ControlMsg::Scale { servers } => self.scale(*servers),
             ControlMsg::Finished { role, rank } => {
-                let slot = match role {
-                    Role::Server => self.servers.get_mut(*rank as usize).map(|s| &mut s.finished),
-                    Role::Worker => self.finished_workers.get_mut(*rank as usize),
-                };
-                let Some(slot) = slot else { return Err(format!("rank {rank} is outside the job")) };
-                *slot = true;
-                if *role == Role::Worker && self.finished_workers.iter().all(|&x| x) && self.workers == self.workers_want {
+                match role {
+                    Role::Server => {
+                        let Some(s) = self.servers.get_mut(*rank as usize) else {
+                            return Err(format!("server rank {rank} is outside the job"));
+                        };
+                        s.finished = true;
+                    }
+                    Role::Worker => self.worker_finished(*rank)?,
+                }
+                if *role == Role::Worker && self.w.all_finished() {
                     // The job is over: every server leaves.
                     for r in 0..self.servers.len() {
                         if !self.servers[r].retired {
@@ -326,6 +348,9 @@ impl Job {
         if !self.initial_ready() {
             return Err("the job is still starting: its initial servers are not all ready".into());
         }
+        if self.w.proposal_id() != 0 {
+            return Err("a worker membership change is being voted on; try again in a moment".into());
+        }
         let busy = self.migrations_in_flight();
         let joining = self.servers.len() as u32 != self.server_slots || self.servers.iter().any(|s| !s.ready && !s.retired);
         if busy > 0 || joining {
@@ -364,7 +389,7 @@ impl Job {
             }
             let holds = self.map.shards.iter().any(|x| x.owner == r as u32);
             let involved = self.migrations.iter().any(|m| m.phase != Phase::Done && (m.from == r as u32 || m.to == r as u32));
-            let routed = (0..self.adopted.len()).any(|w| !self.finished_workers[w] && self.adopted[w] < s.drained_at);
+            let routed = (0..self.adopted.len()).any(|w| self.w.routes(w as u32) && self.adopted[w] < s.drained_at);
             if !holds && !involved && !routed {
                 self.servers[r].retired = true;
                 self.order(r as u32, Order::Retire);
@@ -375,9 +400,8 @@ impl Job {
     /// Human-readable state for `eps status`.
     pub fn status(&self) -> String {
         let mut t = String::new();
-        let fw = self.finished_workers.iter().filter(|&&x| x).count();
         let _ = writeln!(t, "epoch: {}", self.map.epoch);
-        let _ = writeln!(t, "workers: {}/{} registered, {fw} finished", self.workers, self.workers_want);
+        self.w.status(&mut t);
         let ready = self.servers.iter().filter(|s| s.ready).count();
         let fs = self.servers.iter().filter(|s| s.finished).count();
         let _ = writeln!(t, "servers: {}/{} registered, {ready} ready, {fs} finished", self.servers.len(), self.server_slots);

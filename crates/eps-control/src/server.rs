@@ -4,6 +4,7 @@
 //! the reports of migrations. Every state change is persisted before it is
 //! acknowledged.
 
+use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -25,6 +26,9 @@ const LONG_POLL: Duration = Duration::from_millis(500);
 
 struct State {
     job: Job,
+    /// When each worker rank last reached the control plane (its lease).
+    seen: HashMap<u32, Instant>,
+    lease: Duration,
     /// Set once the reply to the last `Finished` has been written: only then may the
     /// service exit (exiting earlier would cut that reply off).
     done_replied: bool,
@@ -34,6 +38,29 @@ struct State {
 impl State {
     fn persist(&mut self, m: &ControlMsg) -> Result<(), ControlError> {
         self.store.append(&m.encode()[4..]).map_err(ControlError::Store)
+    }
+
+    /// Removes workers whose lease ran out (a worker renews it with every map
+    /// request, which its watcher thread makes at least every long poll). Returns
+    /// whether anything changed.
+    fn expire_leases(&mut self) -> Result<bool, ControlError> {
+        let now = Instant::now();
+        let mut changed = false;
+        for r in self.job.leased_workers() {
+            let seen = *self.seen.entry(r).or_insert(now);
+            if now.duration_since(seen) > self.lease {
+                let m = ControlMsg::Expire { rank: r };
+                if self.job.apply(&m).is_ok() {
+                    eprintln!(
+                        "eps control: worker {r} has not renewed its lease for {} ms; removing it at the next iteration boundary",
+                        now.duration_since(seen).as_millis()
+                    );
+                    self.persist(&m)?;
+                    changed = true;
+                }
+            }
+        }
+        Ok(changed)
     }
 }
 
@@ -66,7 +93,8 @@ impl ControlService {
             store.append(&spec_record.encode()[4..]).map_err(ControlError::Store)?;
         }
         let job = Job::new(spec, spec_text).map_err(|_| ControlError::Protocol("the job spec has no valid layout"))?;
-        let mut st = State { job, done_replied: false, store };
+        let lease = Duration::from_millis(spec.job.worker_lease_ms);
+        let mut st = State { job, seen: HashMap::new(), lease, done_replied: false, store };
         for (i, r) in records.iter().enumerate() {
             let m = ControlMsg::decode(r).map_err(|_| ControlError::Protocol("corrupt record in the control store"))?;
             if i == 0 {
@@ -92,9 +120,12 @@ impl ControlService {
         self.listener.set_nonblocking(true).map_err(ControlError::Io)?;
         loop {
             {
-                let st = self.shared.0.lock().unwrap_or_else(|p| p.into_inner());
+                let mut st = self.shared.0.lock().unwrap_or_else(|p| p.into_inner());
                 if st.done_replied {
                     return Ok(());
+                }
+                if st.expire_leases()? {
+                    self.shared.1.notify_all();
                 }
             }
             match self.listener.accept() {
@@ -127,8 +158,13 @@ fn serve(mut s: TcpStream, secret: &Secret, shared: &(Mutex<State>, Condvar)) ->
             | ControlMsg::Cutover { .. }
             | ControlMsg::Released { .. }
             | ControlMsg::Scale { .. }
+            | ControlMsg::ScaleWorkers { .. }
+            | ControlMsg::Vote { .. }
             | ControlMsg::Finished { .. } => {
                 let mut st = locked();
+                if let ControlMsg::Vote { role: eps_proto::control::Role::Worker, rank, .. } = m {
+                    st.seen.insert(rank, Instant::now());
+                }
                 match st.job.apply(&m) {
                     Ok(r) => {
                         st.persist(&m)?;
@@ -141,6 +177,7 @@ fn serve(mut s: TcpStream, secret: &Secret, shared: &(Mutex<State>, Condvar)) ->
             }
             ControlMsg::GetMap { worker, adopted, min_epoch } => {
                 let mut st = locked();
+                st.seen.insert(worker, Instant::now());
                 st.job.worker_adopted(worker, adopted);
                 // Orders may follow (a drained server may now retire).
                 cv.notify_all();

@@ -82,8 +82,14 @@ pub struct Source {
 
 impl Source {
     /// Starts a migration at A's current version `v0`; the snapshot of `v0` goes to B.
-    pub fn start(v0: u64, workers: u32) -> Self {
-        Self { phase: SourcePhase::Forwarding, version: v0, forwarded: v0, acked: v0, moved: vec![false; workers as usize] }
+    /// `workers` are the ranks whose pull of the cutover version A waits for.
+    pub fn start(v0: u64, workers: &[u32]) -> Self {
+        let n = workers.iter().max().map_or(0, |m| *m as usize + 1);
+        let mut moved = vec![true; n];
+        for &w in workers {
+            moved[w as usize] = false;
+        }
+        Self { phase: SourcePhase::Forwarding, version: v0, forwarded: v0, acked: v0, moved }
     }
 
     /// Phase.
@@ -233,7 +239,7 @@ mod tests {
                 a_params = step(a_params, v);
                 chain.push(a_params);
             }
-            let mut src = Source::start(v0, workers);
+            let mut src = Source::start(v0, &(0..workers).collect::<Vec<_>>());
             let mut dst = Target::from_snapshot(v0);
             let mut b_params = a_params;
             let mut in_flight: std::collections::VecDeque<u64> = Default::default();
@@ -311,7 +317,7 @@ mod tests {
 
     #[test]
     fn violations_are_reported() {
-        let mut src = Source::start(5, 1);
+        let mut src = Source::start(5, &[0]);
         src.on_applied(6);
         assert_eq!(src.announce(4), Err(MigrateError::LateCutover { at: 4, version: 6 }));
         src.announce(8).unwrap();

@@ -14,6 +14,7 @@
 //! (see `ShardSync`); the two `unsafe` views into registered memory rely on it and
 //! say so at each use.
 
+mod members;
 mod memory;
 mod migrate;
 mod serve;
@@ -101,6 +102,9 @@ pub enum ServerError {
     /// A migration could not proceed.
     #[error("migration: {0}")]
     Migration(String),
+    /// A membership change cannot be applied.
+    #[error("membership: {0}")]
+    Membership(String),
     /// More workers than one server can sum.
     #[error("{0} workers: a server sums at most 64 contributions")]
     TooManyWorkers(u32),
@@ -182,7 +186,10 @@ struct Held {
 
 struct Server {
     rank: u32,
+    /// Workers at the start (SSP/ASP scale each contribution by it).
     workers: u32,
+    /// Worker ranks the job may admit (landing slots per shard).
+    ranks: u32,
     mode: Consistency,
     opt: Optimizer,
     sched: LrSchedule,
@@ -206,8 +213,13 @@ struct Server {
     summary: ServerSummary,
     ready: Vec<(u32, u64)>,
     threads: usize,
-    /// Contributor sets by iteration (static membership for now: every worker).
+    /// Contributor sets by iteration (committed changes, see `members.rs`).
     membership: Membership,
+    /// A membership vote is open: pushes of iterations from here on are recorded
+    /// but aggregate nothing until the change is committed.
+    hold: Option<u64>,
+    /// Workers removed by lease expiry, with the first iteration without them.
+    lost: Vec<(u32, u64)>,
     /// Landing regions of released shards, kept so that a push routed with an old
     /// epoch still lands in bounds and is answered "moved".
     retained: Vec<Vec<SoftMr>>,
@@ -228,14 +240,16 @@ pub fn run(cfg: &ServerConfig) -> Result<ServerSummary, ServerError> {
     let layout = spec.layout()?;
     let (opt, sched) = (spec.optimizer()?, spec.schedule()?);
     let workers = spec.job.workers;
-    if workers as usize > MAX_WORKERS {
-        return Err(ServerError::TooManyWorkers(workers));
+    // Every rank the job may admit has a landing slot.
+    let ranks = spec.job.rank_limit();
+    if ranks as usize > MAX_WORKERS {
+        return Err(ServerError::TooManyWorkers(ranks));
     }
     let dev = SoftDevice::open()?;
     let pd = dev.alloc_pd();
     let seed = spec.job.seed;
     let total = layout.shards.len();
-    let mut mem = ShardMemory::new(&pd, layout.dtype, workers, &opt, total);
+    let mut mem = ShardMemory::new(&pd, layout.dtype, ranks, &opt, total);
     let init = |i: u64| eps_proto::init::param(seed, i);
     let mut shards: Vec<Option<Held>> = (0..total).map(|_| None).collect();
     for s in layout.shards_of(rank) {
@@ -244,7 +258,7 @@ pub fn run(cfg: &ServerConfig) -> Result<ServerSummary, ServerError> {
         mem.set_stamp(s.id, 0, 0);
         mem.set_stamp(s.id, 1, eps_proto::layout::STAMP_WRITING);
         shards[s.id as usize] = Some(Held {
-            sync: ShardSync::new(spec.job.consistency, workers),
+            sync: ShardSync::new(spec.job.consistency, ranks),
             waiting: VecDeque::new(),
             out: None,
             incoming: None,
@@ -262,11 +276,12 @@ pub fn run(cfg: &ServerConfig) -> Result<ServerSummary, ServerError> {
     opts.connect_timeout = cfg.accept_timeout;
     let listener = pd.listen(SocketAddr::new(cfg.listen_ip, 0), &opts)?;
     let fabric_addr = listener.local_addr().to_string();
-    let cq = pd.create_cq((workers + 8) * (6 * total as u32 + 32))?;
+    let cq = pd.create_cq((ranks + 8) * (6 * total as u32 + 32))?;
     let acks = pd.alloc_mr(64, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
     let mut s = Server {
         rank,
         workers,
+        ranks,
         mode: spec.job.consistency,
         opt,
         sched,
@@ -274,7 +289,7 @@ pub fn run(cfg: &ServerConfig) -> Result<ServerSummary, ServerError> {
         mem,
         shards,
         conns: Vec::new(),
-        by_rank: vec![None; workers as usize],
+        by_rank: vec![None; ranks as usize],
         by_qp: HashMap::new(),
         targets: HashMap::new(),
         pd: pd.clone(),
@@ -288,9 +303,11 @@ pub fn run(cfg: &ServerConfig) -> Result<ServerSummary, ServerError> {
             elements: layout.elements_of(rank),
             ..ServerSummary::default()
         },
-        ready: Vec::with_capacity(workers as usize),
+        ready: Vec::with_capacity(ranks as usize),
         threads: cfg.update_threads.clamp(1, 2),
         membership: Membership::new((0..workers).collect()).map_err(|_| ServerError::Unexpected)?,
+        hold: None,
+        lost: Vec::new(),
         retained: Vec::new(),
         retired: false,
         spans: layout.shards.iter().map(|s| (s.start, s.len)).collect(),

@@ -67,6 +67,8 @@ impl Server {
                 self.retired = true;
                 Ok(())
             }
+            Order::Propose { id } => self.on_propose(id),
+            Order::Members { at, workers, expired } => self.on_members(at, workers, expired),
         }
     }
 
@@ -78,7 +80,7 @@ impl Server {
             return Err(ServerError::Migration(format!("ordered to receive shard {id}, which is already here")));
         }
         self.mem.add(id, start, len, Origin::Incoming)?;
-        let sync = ShardSync::incoming(self.mode, self.workers, 0);
+        let sync = ShardSync::incoming(self.mode, self.ranks, 0);
         self.shards[id as usize] = Some(Held { sync, waiting: Default::default(), out: None, incoming: Some((from, None)) });
         let b = self.mem.get(id).ok_or_else(|| ServerError::Migration("shard memory vanished".into()))?;
         let grad = b.grad.as_ref().ok_or_else(|| ServerError::Migration("no gradient buffer".into()))?;
@@ -143,7 +145,7 @@ impl Server {
             signaled: true,
         })?;
         let out = Outgoing {
-            src: Source::start(v0, self.workers),
+            src: Source::start(v0, self.membership.latest()),
             to,
             ci,
             keys,
@@ -225,7 +227,8 @@ impl Server {
                 })?;
             }
             let Some(h) = self.shards[id as usize].as_ref() else { return Ok(()) };
-            if let Some(t) = h.sync.complete(self.membership.contributors(version)) {
+            let c = crate::members::contributors_of(&self.membership, &self.lost, &h.sync, version);
+            if let Some(t) = h.sync.complete(&c) {
                 self.update(id, Pending::Update { iteration: t, one: None })?;
             }
         }

@@ -2,6 +2,7 @@
 //! completions from the CQ, and the worker-facing half of the protocol (pushes,
 //! pull requests, pull answers, credits, "moved" answers).
 
+use std::borrow::Cow;
 use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
@@ -13,6 +14,7 @@ use eps_proto::imm::{Imm, ImmKind, widen_seq};
 use eps_proto::layout::published_offset;
 use eps_proto::sync::{PushOutcome, ShardSync};
 
+use crate::members::contributors_of;
 use crate::{
     ALL_RANKS, Conn, Peer, Pending, Server, ServerError, UpdateArgs, WR_HELLO, WR_MIGRATE, WR_OTHER, WR_PULL, pull_wr,
     pull_wr_parts,
@@ -100,7 +102,7 @@ impl Server {
                 self.conns[ci].hello.read_at(0, &mut b);
                 match Hello::decode(&b) {
                     Some(h) if h.is_peer() => self.conns[ci].peer = Peer::Server(h),
-                    Some(h) if h.rank < self.workers && self.by_rank[h.rank as usize].is_none() => {
+                    Some(h) if h.rank < self.ranks && self.by_rank[h.rank as usize].is_none() => {
                         self.by_rank[h.rank as usize] = Some(ci);
                         self.conns[ci].peer = Peer::Worker(h);
                     }
@@ -137,7 +139,7 @@ impl Server {
         self.drop_conn(ci);
     }
 
-    fn drop_conn(&mut self, ci: usize) {
+    pub(crate) fn drop_conn(&mut self, ci: usize) {
         if !self.conns[ci].alive {
             return;
         }
@@ -172,9 +174,16 @@ impl Server {
                     self.violation(ci, &format!("pushed {len} bytes for shard {id} (expected {want})"));
                     return Ok(());
                 }
-                let contributors = self.membership.contributors(iteration);
+                if self.unsettled(iteration) {
+                    let Some(held) = self.shards[id as usize].as_mut() else { return Ok(()) };
+                    if let Err(e) = held.sync.on_push_unsettled(h.rank, iteration) {
+                        self.violation(ci, &e.to_string());
+                    }
+                    return Ok(());
+                }
                 let Some(held) = self.shards[id as usize].as_mut() else { return Ok(()) };
-                match held.sync.on_push(h.rank, iteration, contributors) {
+                let contributors = contributors_of(&self.membership, &self.lost, &held.sync, iteration);
+                match held.sync.on_push(h.rank, iteration, &contributors) {
                     Ok(PushOutcome::Wait) => {}
                     Ok(PushOutcome::AggregateAll { iteration }) => self.update(id, Pending::Update { iteration, one: None })?,
                     Ok(PushOutcome::ApplyOne { worker, iteration }) => {
@@ -241,17 +250,18 @@ impl Server {
         let parity = ShardSync::parity(next);
         // The update producing version `next` belongs to iteration `next - 1`.
         let scalars = self.opt.scalars(next - 1, self.sched.at(next - 1));
-        let (contributors, scale, one): (&[u32], f32, Option<u32>) = match p {
+        let (contributors, scale, one): (Cow<'_, [u32]>, f32, Option<u32>) = match p {
             // BSP: the iteration's contributors in rank order, averaged over their
             // number; SSP/ASP: one worker's contribution, scaled by the worker count.
             Pending::Update { iteration, one: None } => {
-                let c = self.membership.contributors(iteration);
-                (c, 1.0 / c.len() as f32, None)
+                let c = contributors_of(&self.membership, &self.lost, &h.sync, iteration);
+                let scale = 1.0 / c.len() as f32;
+                (c, scale, None)
             }
             Pending::Update { one: Some(w), .. } => {
-                (std::slice::from_ref(&ALL_RANKS[w as usize]), 1.0 / self.workers as f32, Some(w))
+                (Cow::Borrowed(std::slice::from_ref(&ALL_RANKS[w as usize])), 1.0 / self.workers as f32, Some(w))
             }
-            Pending::Forward { .. } => (&[], 1.0, None),
+            Pending::Forward { .. } => (Cow::Borrowed(&[][..]), 1.0, None),
         };
         if let Pending::Forward { version } = p
             && version != next
@@ -270,7 +280,7 @@ impl Server {
             // it has landed, each contributor waits for our pull answer or credit
             // before pushing this shard again, `free` said no pull uses `parity`, and
             // no snapshot or forward WRITE from this shard is in flight (`busy`).
-            unsafe { self.mem.update(id, parity, contributors, &u)? };
+            unsafe { self.mem.update(id, parity, &contributors, &u)? };
         }
         self.mem.set_stamp(id, parity, next);
         let Some(h) = self.shards[id as usize].as_mut() else { return Ok(()) };

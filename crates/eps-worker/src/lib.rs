@@ -41,8 +41,8 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use eps_agg::DType;
@@ -52,7 +52,11 @@ use eps_proto::control::{ControlMsg, JobMap, Role, ShardEndpoint};
 use eps_proto::hello::{HELLO_LEN, Hello};
 use eps_proto::imm::{Imm, ImmKind, widen_seq};
 use eps_proto::layout::{Layout, published_offset};
+use eps_proto::membership::Membership;
 use eps_proto::{Consistency, JobSpec, SpecError};
+
+mod watch;
+use watch::MapWatch;
 
 /// How a worker joins.
 #[derive(Clone, Debug)]
@@ -133,16 +137,6 @@ const WR_HELLO: u64 = 3 << 62;
 /// RDMA READs of ASP pulls (stamps and buffers); the low bits are unused.
 const WR_READ: u64 = 1 << 61;
 
-/// The newest shard map, fetched by a background thread that long-polls the
-/// control plane (so no iteration waits on it), and the epoch the worker routes with
-/// (reported back, so servers scaled away can leave once nobody routes to them).
-struct MapWatch {
-    latest: Mutex<Option<JobMap>>,
-    newest: AtomicU64,
-    adopted: AtomicU64,
-    stop: AtomicBool,
-}
-
 /// A worker of a running job.
 pub struct Worker {
     rank: u32,
@@ -171,6 +165,10 @@ pub struct Worker {
     /// RDMA READs completed since the current read round began.
     reads_done: usize,
     iteration: u64,
+    /// The iteration [`Worker::begin`] last began.
+    begun: Option<u64>,
+    /// Contributor sets by iteration, as of the last `begin`.
+    membership: Membership,
     /// Pull answers received since the current push_pull/pull began.
     pulled: usize,
     /// Hellos sent and acknowledged.
@@ -224,13 +222,11 @@ impl Worker {
         opts.connect_timeout = cfg.timeout;
         // Room for every shard's answers from servers old and new.
         let cq = pd.create_cq(8 * (2 * n as u32 + 8) + 64)?;
-        let watch = Arc::new(MapWatch {
-            latest: Mutex::new(None),
-            newest: AtomicU64::new(map.epoch),
-            adopted: AtomicU64::new(map.epoch),
-            stop: AtomicBool::new(false),
-        });
-        spawn_map_watch(cfg, rank, watch.clone())?;
+        let membership = Membership::from_epochs(map.membership.clone()).ok_or(WorkerError::Unexpected)?;
+        // A worker that joined a running job starts at the iteration it was admitted for.
+        let start = membership.joined_at(rank).ok_or(WorkerError::Unsupported("this rank contributes to no iteration"))?;
+        let watch = Arc::new(MapWatch::new(&map, membership.clone(), start));
+        watch::spawn(cfg, rank, watch.clone())?;
         let mut w = Self {
             rank,
             mode: spec.job.consistency,
@@ -249,7 +245,9 @@ impl Worker {
             pull_moved: 0,
             stamps,
             reads_done: 0,
-            iteration: 0,
+            iteration: start,
+            begun: None,
+            membership,
             pulled: 0,
             hellos_sent: 0,
             hellos_acked: 0,
@@ -266,7 +264,7 @@ impl Worker {
         if w.mode == Consistency::Asp {
             w.read_pull()?;
         } else {
-            w.pull(0)?;
+            w.pull(start)?;
         }
         Ok(w)
     }
@@ -373,6 +371,33 @@ impl Worker {
         self.iteration
     }
 
+    /// Begins the current iteration ([`Worker::iteration`]) before its gradient is
+    /// computed: waits while a membership change is being voted on (only when the
+    /// vote reaches this boundary first), and returns whether this worker
+    /// contributes to it. A worker that does not has left the job at this boundary:
+    /// it calls [`Worker::finish`]. `push_pull` begins the iteration itself if the
+    /// caller did not.
+    pub fn begin(&mut self) -> Result<bool, WorkerError> {
+        let t = self.iteration;
+        if self.begun != Some(t) {
+            self.membership = self.watch.begin(t, self.timeout)?;
+            self.begun = Some(t);
+        }
+        Ok(self.membership.contributors(t).contains(&self.rank))
+    }
+
+    /// The samples this worker trains on in the current iteration, when the job's
+    /// data is dealt out by membership (each contributor takes `batch` samples in
+    /// rank order; see `eps_proto::membership`). Call after [`Worker::begin`].
+    pub fn samples(&self, batch: u64) -> Option<Range<u64>> {
+        self.membership.samples(self.iteration, self.rank, batch)
+    }
+
+    /// Contributor sets by iteration, as of the last [`Worker::begin`].
+    pub fn membership(&self) -> &Membership {
+        &self.membership
+    }
+
     /// Transfer statistics so far.
     pub fn stats(&self) -> WorkerStats {
         self.stats
@@ -459,6 +484,9 @@ impl Worker {
     /// parameters are in the buffer. Routes with the newest shard map; a push the
     /// old owner answers "moved" is sent again to the new one.
     pub fn push_pull(&mut self) -> Result<(), WorkerError> {
+        if !self.begin()? {
+            return Err(WorkerError::Unsupported("this worker left the job at this iteration (see `Worker::begin`)"));
+        }
         let start = Instant::now();
         self.adopt_newest()?;
         let t = self.iteration;
@@ -784,28 +812,4 @@ impl Drop for Worker {
     fn drop(&mut self) {
         self.watch.stop.store(true, Ordering::Relaxed);
     }
-}
-
-/// Long-polls the control plane for newer maps on a thread of its own, reporting
-/// the epoch the worker routes with.
-fn spawn_map_watch(cfg: &WorkerConfig, rank: u32, watch: Arc<MapWatch>) -> Result<(), WorkerError> {
-    let mut ctl = ControlClient::connect(cfg.control, &cfg.secret, cfg.timeout)?;
-    std::thread::spawn(move || {
-        while !watch.stop.load(Ordering::Relaxed) {
-            let have = watch.newest.load(Ordering::Acquire);
-            let adopted = watch.adopted.load(Ordering::Acquire);
-            match ctl.call(&ControlMsg::GetMap { worker: rank, adopted, min_epoch: have + 1 }) {
-                Ok(ControlMsg::Map(m)) if m.epoch > have => {
-                    let e = m.epoch;
-                    *watch.latest.lock().unwrap_or_else(|p| p.into_inner()) = Some(m);
-                    watch.newest.store(e, Ordering::Release);
-                }
-                Ok(_) => {}
-                // The control plane is gone (the job ended) or broken: the data plane
-                // goes on; a "moved" answer asks it directly and reports the error.
-                Err(_) => return,
-            }
-        }
-    });
-    Ok(())
 }

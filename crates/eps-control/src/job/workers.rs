@@ -1,0 +1,249 @@
+//! Workers of a job over its life: ranks, registration, and membership changes.
+//!
+//! A change of the contributor set (a scale request, or a lease that expired) is
+//! decided in two steps so that nobody computes or aggregates an iteration with the
+//! wrong set, and nothing on the data path waits for the control plane unless an
+//! iteration boundary is reached while a vote is open:
+//! 1. a proposal: every member worker and every live server is asked for the first
+//!    iteration it has not begun (a worker) or aggregated (a server) yet, and holds
+//!    there;
+//! 2. once every vote is in, the change is committed at the largest of them, so it
+//!    starts at an iteration nobody has begun; the holds are lifted.
+//!
+//! Workers that join take ranks never used before in the job (servers keep a landing
+//! slot per rank, up to `job.max_workers`); workers that leave are the highest ranks.
+
+use std::fmt::Write as _;
+
+use eps_proto::control::{ControlMsg, Order, Role};
+use eps_proto::membership::Membership;
+use eps_proto::spec::{Consistency, JobSection};
+
+use super::Job;
+
+/// A membership change being voted on.
+#[derive(Clone, Debug)]
+struct Proposal {
+    id: u64,
+    /// The contributor set from the commit on.
+    want: Vec<u32>,
+    /// Workers removed because their lease expired.
+    expired: Vec<u32>,
+    /// Who still has to vote.
+    voters: Vec<(Role, u32)>,
+    /// The largest hold voted so far.
+    hold: u64,
+}
+
+/// Worker state by rank.
+#[derive(Clone, Debug)]
+pub(crate) struct Workers {
+    consistency: Consistency,
+    limit: u32,
+    /// Ranks `0..admitted` have been admitted (initial ones and joins).
+    admitted: u32,
+    registered: Vec<bool>,
+    finished: Vec<bool>,
+    /// Ranks removed because their lease expired.
+    expired: Vec<u32>,
+    /// Committed contributor sets by iteration.
+    pub(crate) members: Membership,
+    proposal: Option<Proposal>,
+    proposals: u64,
+    /// Changes committed so far.
+    pub(crate) changes: u64,
+}
+
+impl Workers {
+    pub(crate) fn new(job: &JobSection) -> Result<Self, String> {
+        let limit = job.rank_limit();
+        Ok(Self {
+            consistency: job.consistency,
+            limit,
+            admitted: job.workers,
+            registered: vec![false; limit as usize],
+            finished: vec![false; limit as usize],
+            expired: Vec::new(),
+            members: Membership::new((0..job.workers).collect()).map_err(|e| e.to_string())?,
+            proposal: None,
+            proposals: 0,
+            changes: 0,
+        })
+    }
+
+    /// Gives the lowest admitted rank not registered yet.
+    pub(crate) fn register(&mut self) -> Result<u32, String> {
+        let Some(r) = (0..self.admitted).find(|&r| !self.registered[r as usize]) else {
+            return Err(format!(
+                "the job already has its {} workers (raise the count with `eps scale --workers N` first)",
+                self.members.latest().len()
+            ));
+        };
+        self.registered[r as usize] = true;
+        Ok(r)
+    }
+
+    /// Every admitted worker registered and finished (or was removed).
+    pub(crate) fn all_finished(&self) -> bool {
+        (0..self.admitted as usize).all(|r| self.registered[r] && self.finished[r])
+    }
+
+    /// Whether worker `rank` may still route pushes (registered, not finished).
+    pub(crate) fn routes(&self, rank: u32) -> bool {
+        let r = rank as usize;
+        r < self.admitted as usize && self.registered[r] && !self.finished[r]
+    }
+
+    /// Id of the proposal being voted on (0 when none).
+    pub(crate) fn proposal_id(&self) -> u64 {
+        self.proposal.as_ref().map_or(0, |p| p.id)
+    }
+
+    /// Ranks whose lease the control plane must watch: registered, unfinished
+    /// members of the latest contributor set.
+    pub fn leased(&self) -> Vec<u32> {
+        self.members.latest().iter().copied().filter(|&r| self.routes(r)).collect()
+    }
+
+    pub(crate) fn status(&self, t: &mut String) {
+        let reg = self.registered.iter().filter(|&&x| x).count();
+        let fin = self.finished.iter().filter(|&&x| x).count();
+        let latest = self.members.latest();
+        let _ = writeln!(
+            t,
+            "workers: {} contributing {:?} (from iteration {}), {reg} registered, {fin} finished, {} membership changes",
+            latest.len(),
+            latest,
+            self.members.epochs().last().map_or(0, |e| e.0),
+            self.changes
+        );
+        if !self.expired.is_empty() {
+            let _ = writeln!(t, "  removed after their lease expired: {:?}", self.expired);
+        }
+        if let Some(p) = &self.proposal {
+            let _ = writeln!(t, "  change to {:?} being voted on: {} votes missing", p.want, p.voters.len());
+        }
+    }
+}
+
+impl Job {
+    /// `eps scale --workers N`.
+    pub(super) fn scale_workers(&mut self, n: u32) -> Result<ControlMsg, String> {
+        if self.w.consistency != Consistency::Bsp {
+            return Err("changing the workers of a running job needs BSP consistency".into());
+        }
+        if n == 0 {
+            return Err("a job needs at least one worker".into());
+        }
+        if !self.initial_ready() {
+            return Err("the job is still starting: its initial servers are not all ready".into());
+        }
+        let joining = (0..self.w.admitted as usize).any(|r| !self.w.registered[r]);
+        let servers_busy = self.migrations_in_flight() > 0
+            || self.servers.len() as u32 != self.server_slots
+            || self.servers.iter().any(|s| !s.ready && !s.retired);
+        if self.w.proposal.is_some() || joining || servers_busy {
+            return Err("a scale event is in progress (workers joining, a vote, or migrations); try again when `eps status` shows none".into());
+        }
+        let now = self.w.members.latest().to_vec();
+        let want: Vec<u32> = if n as usize > now.len() {
+            let more = n - now.len() as u32;
+            if self.w.admitted + more > self.w.limit {
+                return Err(format!(
+                    "the job may admit {} worker ranks in all (job.max_workers) and has used {}; {more} more do not fit",
+                    self.w.limit, self.w.admitted
+                ));
+            }
+            now.iter().copied().chain(self.w.admitted..self.w.admitted + more).collect()
+        } else {
+            now[..n as usize].to_vec()
+        };
+        if want == now {
+            return Ok(ControlMsg::Ok);
+        }
+        self.propose(want, Vec::new());
+        Ok(ControlMsg::Ok)
+    }
+
+    fn propose(&mut self, want: Vec<u32>, expired: Vec<u32>) {
+        self.w.proposals += 1;
+        let id = self.w.proposals;
+        let mut voters: Vec<(Role, u32)> = self.w.leased().into_iter().map(|r| (Role::Worker, r)).collect();
+        voters.retain(|(_, r)| !expired.contains(r));
+        for r in self.live_servers() {
+            voters.push((Role::Server, r));
+            self.order(r, Order::Propose { id });
+        }
+        self.w.proposal = Some(Proposal { id, want, expired, voters, hold: 0 });
+        self.map.epoch += 1;
+        self.try_commit();
+    }
+
+    pub(super) fn vote(&mut self, role: Role, rank: u32, id: u64, hold: u64) -> Result<ControlMsg, String> {
+        let Some(p) = self.w.proposal.as_mut().filter(|p| p.id == id) else {
+            // A vote that crossed the commit (or an expiry that removed the voter).
+            return Ok(ControlMsg::Ok);
+        };
+        p.voters.retain(|v| *v != (role, rank));
+        p.hold = p.hold.max(hold);
+        self.try_commit();
+        Ok(ControlMsg::Ok)
+    }
+
+    /// Worker `rank`'s lease expired: it is removed at the next boundary.
+    pub(super) fn expire(&mut self, rank: u32) -> Result<ControlMsg, String> {
+        if !self.w.leased().contains(&rank) {
+            return Err(format!("worker {rank} holds no lease"));
+        }
+        self.w.expired.push(rank);
+        self.w.finished[rank as usize] = true;
+        match self.w.proposal.as_mut() {
+            Some(p) => {
+                p.want.retain(|&r| r != rank);
+                p.expired.push(rank);
+                p.voters.retain(|v| *v != (Role::Worker, rank));
+                self.try_commit();
+            }
+            None => {
+                let want: Vec<u32> = self.w.members.latest().iter().copied().filter(|&r| r != rank).collect();
+                self.propose(want, vec![rank]);
+            }
+        }
+        Ok(ControlMsg::Ok)
+    }
+
+    pub(super) fn worker_finished(&mut self, rank: u32) -> Result<(), String> {
+        let r = rank as usize;
+        if r >= self.w.admitted as usize || !self.w.registered[r] {
+            return Err(format!("worker rank {rank} is outside the job"));
+        }
+        self.w.finished[r] = true;
+        if let Some(p) = self.w.proposal.as_mut() {
+            p.voters.retain(|v| *v != (Role::Worker, rank));
+            self.try_commit();
+        }
+        Ok(())
+    }
+
+    fn try_commit(&mut self) {
+        let Some(p) = self.w.proposal.as_ref().filter(|p| p.voters.is_empty()) else { return };
+        let p = p.clone();
+        self.w.proposal = None;
+        if p.want.is_empty() {
+            // Every worker is gone: nothing can contribute; the job cannot go on,
+            // and `eps status` says so (the expired ranks are listed).
+            return;
+        }
+        let current = self.w.members.epochs().last().map_or(0, |e| e.0);
+        let at = p.hold.max(current + 1);
+        if self.w.members.schedule(at, at - 1, p.want.clone()).is_err() {
+            return;
+        }
+        self.w.admitted = self.w.admitted.max(p.want.iter().max().map_or(0, |m| m + 1));
+        self.w.changes += 1;
+        for r in self.live_servers() {
+            self.order(r, Order::Members { at, workers: p.want.clone(), expired: p.expired.clone() });
+        }
+        self.map.epoch += 1;
+    }
+}
