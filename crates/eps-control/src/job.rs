@@ -108,9 +108,7 @@ impl Job {
 
     /// Whether every worker and every server that joined has finished.
     pub fn done(&self) -> bool {
-        self.w.all_finished()
-            && self.servers.iter().all(|s| s.finished)
-            && !self.servers.is_empty()
+        self.w.all_finished() && self.servers.iter().all(|s| s.finished) && !self.servers.is_empty()
     }
 
     /// Worker ranks whose lease the control plane watches.
@@ -200,7 +198,8 @@ impl Job {
                 self.servers.push(ServerInfo::default());
                 let rank = self.servers.len() as u32 - 1;
                 // A server that joins later learns the contributor sets so far.
-                for (at, workers) in self.w.members.epochs()[1..].to_vec() {
+                let earlier: Vec<(u64, Vec<u32>)> = self.w.members.epochs()[1..].to_vec();
+                for (at, workers) in earlier {
                     self.order(rank, Order::Members { at, workers, expired: Vec::new() });
                 }
                 Ok(ControlMsg::Registered { rank, spec_toml: self.spec_text.clone() })

@@ -106,6 +106,9 @@ pub struct ShardSync {
     catching_up: bool,
     /// Iteration of the contributions in slots (BSP).
     held: Option<u64>,
+    /// Lowest version this shard can serve: a migration target never publishes
+    /// its snapshot's version (the source serves it), only the versions after.
+    floor: u64,
 }
 
 impl ShardSync {
@@ -124,6 +127,7 @@ impl ShardSync {
             publish_waiting: false,
             catching_up: false,
             held: None,
+            floor: 0,
         }
     }
 
@@ -133,14 +137,33 @@ impl ShardSync {
     pub fn incoming(mode: Consistency, workers: u32, version: u64) -> Self {
         let mut s = Self::new(mode, workers);
         s.version = version;
+        s.floor = version + 1;
         s.catching_up = true;
         s
     }
 
     /// The snapshot of a migration target landed: the shard is at `version`
     /// (contributions already held stay).
-    pub fn snapshot_landed(&mut self, version: u64) {
+    /// Pull requests waiting here for a version up to the snapshot's are dropped
+    /// and their workers returned: they routed with an old map and must ask the
+    /// owner that serves that version.
+    pub fn snapshot_landed(&mut self, version: u64) -> Vec<u32> {
         self.version = version;
+        self.floor = version + 1;
+        let mut moved = Vec::new();
+        for (w, p) in self.pending.iter_mut().enumerate() {
+            if p.is_some_and(|need| need < self.floor) {
+                *p = None;
+                moved.push(w as u32);
+            }
+        }
+        moved
+    }
+
+    /// Whether a pull of version `need` or later can be served here (see
+    /// [`ShardSync::snapshot_landed`]).
+    pub fn serves(&self, need: u64) -> bool {
+        need >= self.floor
     }
 
     /// A forwarded update (applied by the migration source) has been applied and
@@ -454,6 +477,7 @@ mod membership_tests {
         assert_eq!(s.complete(ALL), None);
         assert_eq!(s.forwarded(), 6);
         assert_eq!(s.complete(ALL), None);
+        assert!(!s.serves(5) && s.serves(6), "a target never serves its snapshot's version");
         assert_eq!(s.forwarded(), 7);
         assert_eq!(s.complete(ALL), Some(7));
         assert_eq!(s.published(None), 8);
@@ -464,6 +488,16 @@ mod membership_tests {
         assert!(matches!(s.on_push(1, 9, ALL), Err(SyncError::StaleIteration { .. })));
         assert_eq!(s.on_push(1, 8, ALL), Ok(PushOutcome::Wait));
         // A target whose pushes arrive after the forwards aggregates at once.
+        let mut s = ShardSync::incoming(Consistency::Bsp, 2, 0);
+        // A pull of version 2 asked before the snapshot of version 2 landed is
+        // handed back: the source serves it.
+        assert_eq!(s.on_pull(1, 2), Ok(None));
+        assert_eq!(s.on_pull(0, 3), Ok(None));
+        assert_eq!(s.snapshot_landed(2), vec![1]);
+        assert_eq!(s.forwarded(), 3);
+        let mut ready = Vec::new();
+        s.ready_pulls(&mut ready);
+        assert_eq!(ready, vec![(0, 3)]);
         let mut s = ShardSync::incoming(Consistency::Bsp, 1, 2);
         assert_eq!(s.forwarded(), 3);
         assert_eq!(s.on_push(0, 3, &[0]), Ok(PushOutcome::AggregateAll { iteration: 3 }));

@@ -257,12 +257,8 @@ pub fn run(cfg: &ServerConfig) -> Result<ServerSummary, ServerError> {
         mem.publish(s.id, 0);
         mem.set_stamp(s.id, 0, 0);
         mem.set_stamp(s.id, 1, eps_proto::layout::STAMP_WRITING);
-        shards[s.id as usize] = Some(Held {
-            sync: ShardSync::new(spec.job.consistency, ranks),
-            waiting: VecDeque::new(),
-            out: None,
-            incoming: None,
-        });
+        shards[s.id as usize] =
+            Some(Held { sync: ShardSync::new(spec.job.consistency, ranks), waiting: VecDeque::new(), out: None, incoming: None });
     }
     let es = layout.dtype.size_bytes() as u64;
     let max_len = layout.shards.iter().map(|s| s.len).max().unwrap_or(0);

@@ -251,9 +251,12 @@ impl Server {
             Some((from, None)) => {
                 // The snapshot: its version is in the region's tail.
                 let v0 = snapshot_version.unwrap_or(0);
-                h.sync.snapshot_landed(v0);
+                let moved = h.sync.snapshot_landed(v0);
                 h.incoming = Some((from, Some(ci)));
                 eprintln!("eps server {}: snapshot of shard {id} at version {v0} landed", self.rank);
+                for w in moved {
+                    self.send_pull_moved(w, id, v0 as u16)?;
+                }
                 Ok(())
             }
             Some((_, Some(_))) => {

@@ -197,7 +197,7 @@ impl Server {
                 // routes with another epoch; it fetches the new map and asks the owner.
                 let Some(held) = self.shards[id as usize].as_mut() else { return self.send_pull_moved(h.rank, id, m.seq) };
                 let need = widen_seq(m.seq, held.sync.version().max(held.sync.min_clock()));
-                if held.out.as_ref().is_some_and(|o| !o.src.serves(need)) {
+                if held.out.as_ref().is_some_and(|o| !o.src.serves(need)) || !held.sync.serves(need) {
                     return self.send_pull_moved(h.rank, id, m.seq);
                 }
                 match held.sync.on_pull(h.rank, need) {
@@ -371,7 +371,7 @@ impl Server {
         self.notify(w, Imm { kind: ImmKind::Moved, shard: id, seq })
     }
 
-    fn send_pull_moved(&mut self, w: u32, id: u32, seq: u16) -> Result<(), ServerError> {
+    pub(crate) fn send_pull_moved(&mut self, w: u32, id: u32, seq: u16) -> Result<(), ServerError> {
         self.summary.moved += 1;
         self.notify(w, Imm { kind: ImmKind::PullMoved, shard: id, seq })
     }

@@ -111,8 +111,8 @@ impl Workers {
         let latest = self.members.latest();
         let _ = writeln!(
             t,
-            "workers: {} contributing {:?} (from iteration {}), {reg} registered, {fin} finished, {} membership changes",
-            latest.len(),
+            "workers: {reg}/{} registered, {fin} finished; contributing {:?} from iteration {}; {} membership changes",
+            self.admitted,
             latest,
             self.members.epochs().last().map_or(0, |e| e.0),
             self.changes
@@ -143,7 +143,10 @@ impl Job {
             || self.servers.len() as u32 != self.server_slots
             || self.servers.iter().any(|s| !s.ready && !s.retired);
         if self.w.proposal.is_some() || joining || servers_busy {
-            return Err("a scale event is in progress (workers joining, a vote, or migrations); try again when `eps status` shows none".into());
+            return Err(
+                "a scale event is in progress (workers joining, a vote, or migrations); try again when `eps status` shows none"
+                    .into(),
+            );
         }
         let now = self.w.members.latest().to_vec();
         let want: Vec<u32> = if n as usize > now.len() {
