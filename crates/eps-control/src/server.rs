@@ -177,7 +177,9 @@ fn serve(mut s: TcpStream, secret: &Secret, shared: &(Mutex<State>, Condvar)) ->
             }
             ControlMsg::GetMap { worker, adopted, min_epoch } => {
                 let mut st = locked();
-                st.seen.insert(worker, Instant::now());
+                // A worker waiting in a long poll is alive: its lease runs from
+                // the end of the poll (a worker killed meanwhile never renews it).
+                st.seen.insert(worker, Instant::now() + LONG_POLL);
                 st.job.worker_adopted(worker, adopted);
                 // Orders may follow (a drained server may now retire).
                 cv.notify_all();
@@ -188,7 +190,9 @@ fn serve(mut s: TcpStream, secret: &Secret, shared: &(Mutex<State>, Condvar)) ->
                     let wait =
                         if st.job.initial_ready() { deadline.saturating_duration_since(Instant::now()) } else { LONG_POLL };
                     st = cv.wait_timeout(st, wait).unwrap_or_else(|p| p.into_inner()).0;
+                    st.seen.insert(worker, Instant::now() + LONG_POLL);
                 }
+                st.seen.insert(worker, Instant::now());
                 ControlMsg::Map(st.job.job_map())
             }
             ControlMsg::Poll { rank, after } => {

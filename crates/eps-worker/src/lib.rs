@@ -198,9 +198,21 @@ impl Worker {
         };
         let spec = JobSpec::from_toml(&spec_text)?;
         let layout = spec.layout()?;
-        let ControlMsg::Map(map) = ctl.call(&ControlMsg::GetMap { worker: rank, adopted: 0, min_epoch: 0 })? else {
+        let ControlMsg::Map(mut map) = ctl.call(&ControlMsg::GetMap { worker: rank, adopted: 0, min_epoch: 0 })? else {
             return Err(WorkerError::Unexpected);
         };
+        // A worker started for a join that is still being voted on waits for the
+        // commit, which names the iteration it starts at.
+        let deadline = Instant::now() + cfg.timeout;
+        while map.proposal != 0 && !map.membership.last().is_some_and(|(_, set)| set.contains(&rank)) {
+            if Instant::now() >= deadline {
+                return Err(WorkerError::Timeout("the membership change that admits this worker"));
+            }
+            let req = ControlMsg::GetMap { worker: rank, adopted: 0, min_epoch: map.epoch + 1 };
+            if let ControlMsg::Map(m) = ctl.call(&req)? {
+                map = m;
+            }
+        }
         if map.routes.len() != layout.shards.len() {
             return Err(WorkerError::Unexpected);
         }

@@ -71,9 +71,13 @@ impl Workers {
         })
     }
 
-    /// Gives the lowest admitted rank not registered yet.
+    /// Gives the lowest admitted rank not registered yet, or one a proposed
+    /// change admits (the worker then waits for the commit).
     pub(crate) fn register(&mut self) -> Result<u32, String> {
-        let Some(r) = (0..self.admitted).find(|&r| !self.registered[r as usize]) else {
+        let proposed = self.proposal.as_ref().map_or(&[][..], |p| &p.want[..]);
+        let free = |r: u32| !self.registered[r as usize] && !self.finished[r as usize];
+        let found = (0..self.admitted).find(|&r| free(r)).or_else(|| proposed.iter().copied().find(|&r| free(r)));
+        let Some(r) = found else {
             return Err(format!(
                 "the job already has its {} workers (raise the count with `eps scale --workers N` first)",
                 self.members.latest().len()
@@ -83,9 +87,9 @@ impl Workers {
         Ok(r)
     }
 
-    /// Every admitted worker registered and finished (or was removed).
+    /// Every admitted worker finished (or was removed).
     pub(crate) fn all_finished(&self) -> bool {
-        (0..self.admitted as usize).all(|r| self.registered[r] && self.finished[r])
+        (0..self.admitted as usize).all(|r| self.finished[r])
     }
 
     /// Whether worker `rank` may still route pushes (registered, not finished).
@@ -99,10 +103,18 @@ impl Workers {
         self.proposal.as_ref().map_or(0, |p| p.id)
     }
 
-    /// Ranks whose lease the control plane must watch: registered, unfinished
-    /// members of the latest contributor set.
+    /// Ranks whose lease the control plane must watch: unfinished members of the
+    /// latest contributor set (a rank admitted by a join whose process never
+    /// registers is removed when its lease runs out too, so BSP never waits for it
+    /// forever).
     pub fn leased(&self) -> Vec<u32> {
-        self.members.latest().iter().copied().filter(|&r| self.routes(r)).collect()
+        self.members.latest().iter().copied().filter(|&r| r < self.admitted && !self.finished[r as usize]).collect()
+    }
+
+    /// Workers that vote on a change: the leased ones that registered (one that
+    /// has not starts at the iteration its join names, after any change voted now).
+    fn voters(&self) -> Vec<(Role, u32)> {
+        self.leased().into_iter().filter(|&r| self.registered[r as usize]).map(|r| (Role::Worker, r)).collect()
     }
 
     pub(crate) fn status(&self, t: &mut String) {
@@ -138,7 +150,7 @@ impl Job {
         if !self.initial_ready() {
             return Err("the job is still starting: its initial servers are not all ready".into());
         }
-        let joining = (0..self.w.admitted as usize).any(|r| !self.w.registered[r]);
+        let joining = (0..self.w.admitted as usize).any(|r| !self.w.registered[r] && !self.w.finished[r]);
         let servers_busy = self.migrations_in_flight() > 0
             || self.servers.len() as u32 != self.server_slots
             || self.servers.iter().any(|s| !s.ready && !s.retired);
@@ -171,7 +183,7 @@ impl Job {
     fn propose(&mut self, want: Vec<u32>, expired: Vec<u32>) {
         self.w.proposals += 1;
         let id = self.w.proposals;
-        let mut voters: Vec<(Role, u32)> = self.w.leased().into_iter().map(|r| (Role::Worker, r)).collect();
+        let mut voters = self.w.voters();
         voters.retain(|(_, r)| !expired.contains(r));
         for r in self.live_servers() {
             voters.push((Role::Server, r));

@@ -1,0 +1,157 @@
+//! Workers joining and leaving a running BSP job (cluster on threads, soft fabric
+//! on 127.0.0.1): the result is bitwise the single-process reference computed with
+//! the same contributor set per iteration, and a worker that vanishes is removed
+//! when its lease runs out instead of stalling the job.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use common::{reference, run_server, secret, start_control, step, worker_config};
+use eps_control::{ControlClient, ControlError};
+use eps_proto::control::ControlMsg;
+use eps_proto::membership::Membership;
+use eps_worker::Worker;
+
+/// What a worker thread ends with.
+struct Outcome {
+    rank: u32,
+    membership: Membership,
+    /// Final parameters, for a worker that trained to the last step.
+    params: Option<Vec<u8>>,
+}
+
+/// Trains until the last step, or until the job says this worker left; `after`
+/// is called with the iteration reached after every step.
+fn train(control: SocketAddr, after: &dyn Fn(u32, u64)) -> Outcome {
+    let mut w = Worker::join(&worker_config(control)).unwrap();
+    let n = w.layout().total as usize;
+    let (mut p, mut g) = (vec![0f32; n], vec![0f32; n]);
+    let steps = w.spec().job.steps;
+    while w.iteration() < steps {
+        if !w.begin().unwrap() {
+            let membership = w.membership().clone();
+            let rank = w.rank();
+            w.finish().unwrap();
+            return Outcome { rank, membership, params: None };
+        }
+        step(&mut w, &mut p, &mut g);
+        after(w.rank(), w.iteration());
+    }
+    let out = Outcome { rank: w.rank(), membership: w.membership().clone(), params: Some(w.params_bytes().to_vec()) };
+    w.finish().unwrap();
+    out
+}
+
+/// Asks for `workers` workers, retrying while an earlier change is under way.
+fn scale_workers(control: SocketAddr, workers: u32) {
+    let mut c = ControlClient::connect(control, &secret(), Duration::from_secs(10)).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match c.call(&ControlMsg::ScaleWorkers { workers }) {
+            Ok(_) => return,
+            Err(ControlError::Rejected(m)) if m.contains("in progress") && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(5))
+            }
+            Err(e) => panic!("scale to {workers} workers: {e}"),
+        }
+    }
+}
+
+fn wait_for(progress: &AtomicU64, iteration: u64) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while progress.load(Ordering::Acquire) < iteration {
+        assert!(Instant::now() < deadline, "training stalled before iteration {iteration}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+#[test]
+fn joins_and_leaves_equal_the_reference_with_the_same_contributor_sets() {
+    for (dtype, opt) in [("f32", "adam"), ("bf16", "momentum")] {
+        let text = common::spec_text(2, 2, 18, dtype, opt, "bsp").replace("[job]", "[job]\nmax_workers = 4");
+        let (spec, control) = start_control(&text);
+        let progress = AtomicU64::new(0);
+        let note = |rank: u32, t: u64| {
+            if rank == 0 {
+                progress.store(t, Ordering::Release);
+            }
+        };
+        let outcomes: Vec<Outcome> = std::thread::scope(|s| {
+            for _ in 0..spec.job.servers {
+                s.spawn(move || run_server(control));
+            }
+            let mut hs: Vec<_> = (0..2).map(|_| s.spawn(|| train(control, &note))).collect();
+            // 2 -> 3 (rank 2 joins), 3 -> 2 (rank 2 leaves), 2 -> 3 (rank 3 joins).
+            wait_for(&progress, 3);
+            scale_workers(control, 3);
+            hs.push(s.spawn(|| train(control, &note)));
+            wait_for(&progress, 8);
+            scale_workers(control, 2);
+            wait_for(&progress, 11);
+            scale_workers(control, 3);
+            hs.push(s.spawn(|| train(control, &note)));
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let m = outcomes.iter().find(|o| o.rank == 0).unwrap().membership.clone();
+        let epochs = m.epochs();
+        assert_eq!(epochs.len(), 4, "{dtype}: {epochs:?}");
+        let sets: Vec<&[u32]> = epochs.iter().map(|(_, s)| &s[..]).collect();
+        assert_eq!(sets, [&[0, 1][..], &[0, 1, 2], &[0, 1], &[0, 1, 3]], "{dtype}");
+        assert!(epochs[1].0 >= 4 && epochs[2].0 >= 9 && epochs[3].0 >= 12, "changes come after their requests: {epochs:?}");
+        let want = reference(&text, &m);
+        for o in &outcomes {
+            match o.rank {
+                2 => assert!(o.params.is_none(), "rank 2 left the job"),
+                r => assert!(o.params.as_ref() == Some(&want), "{dtype}: worker {r} differs from the reference for {epochs:?}"),
+            }
+        }
+        // A static run is a different training: the changes mattered.
+        assert!(want != reference(&text, &Membership::new(vec![0, 1]).unwrap()));
+    }
+}
+
+#[test]
+fn a_vanished_worker_is_removed_when_its_lease_expires() {
+    let text = common::spec_text(3, 2, 12, "f32", "sgd", "bsp").replace("[job]", "[job]\nworker_lease_ms = 1000");
+    let (spec, control) = start_control(&text);
+    let started = Instant::now();
+    let params: Vec<Option<Vec<u8>>> = std::thread::scope(|s| {
+        for _ in 0..spec.job.servers {
+            s.spawn(move || run_server(control));
+        }
+        let hs: Vec<_> = (0..3)
+            .map(|_| {
+                s.spawn(|| {
+                    let mut w = Worker::join(&worker_config(control)).unwrap();
+                    let n = w.layout().total as usize;
+                    let (mut p, mut g) = (vec![0f32; n], vec![0f32; n]);
+                    while w.iteration() < 12 {
+                        // Rank 1 vanishes after iteration 4 without a word (as a
+                        // killed process would): no push of 5, no more renewals.
+                        if w.rank() == 1 && w.iteration() == 5 {
+                            return None;
+                        }
+                        assert!(w.begin().unwrap());
+                        step(&mut w, &mut p, &mut g);
+                    }
+                    let out = w.params_bytes().to_vec();
+                    w.finish().unwrap();
+                    Some(out)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let took = started.elapsed();
+    // Iterations 0..5 had three contributors; from 5 on, rank 1's push never came.
+    let mut m = Membership::new(vec![0, 1, 2]).unwrap();
+    m.schedule(5, 4, vec![0, 2]).unwrap();
+    let want = reference(&text, &m);
+    let finished: Vec<&Vec<u8>> = params.iter().flatten().collect();
+    assert_eq!(finished.len(), 2);
+    assert!(finished.iter().all(|p| **p == want), "survivors differ from the reference without rank 1 from iteration 5");
+    assert!(took < Duration::from_secs(30), "took {took:?}");
+}
