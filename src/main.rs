@@ -100,20 +100,29 @@ enum Cmd {
         #[arg(long)]
         control: SocketAddr,
     },
-    /// Grow or shrink the servers of a running job (BSP).
+    /// Grow or shrink the servers and/or workers of a running job (BSP).
     ///
-    /// Growing: the control plane makes room for the new servers; start them with
-    /// `eps server --control ADDR` and shards migrate onto them until bytes are
-    /// balanced. Shrinking: the highest-ranked servers hand their shards to the
-    /// others, then exit. Training and pulls go on throughout; `eps status` shows
-    /// the migrations. The job secret comes from EPS_JOB_SECRET.
+    /// Servers, growing: the control plane makes room for the new servers; start
+    /// them with `eps server --control ADDR` and shards migrate onto them until
+    /// bytes are balanced. Shrinking: the highest-ranked servers hand their shards
+    /// to the others, then exit. Training and pulls go on throughout.
+    ///
+    /// Workers: the change is voted at the next iteration boundary nobody has
+    /// begun; joining workers take new ranks (up to job.max_workers over the
+    /// job's life) and start at that boundary (start them with `eps worker
+    /// --control ADDR`); leaving workers are the highest ranks, they exit there.
+    /// `eps status` shows both. The job secret comes from EPS_JOB_SECRET.
+    #[command(arg_required_else_help = true)]
     Scale {
         /// Control-plane address.
         #[arg(long)]
         control: SocketAddr,
         /// Wanted number of servers.
         #[arg(long)]
-        servers: u32,
+        servers: Option<u32>,
+        /// Wanted number of workers.
+        #[arg(long)]
+        workers: Option<u32>,
     },
     /// Measure the system: fabric, aggregation, push/pull through real processes.
     #[command(subcommand)]
@@ -155,10 +164,11 @@ struct TrainArgs {
     /// Also print one JSON object with the results as the last line of stdout.
     #[arg(long)]
     json: bool,
-    /// Scale events while training runs, e.g. "200:servers=3,450:servers=1": when
-    /// step 200 is done the job grows to 3 servers (shards migrate onto the new
-    /// one while pulls go on), at 450 it shrinks to 1. BSP jobs only.
-    #[arg(long, value_name = "STEP:servers=N,...")]
+    /// Scale events while training runs, e.g. "200:servers=3,300:workers=3,450:servers=1":
+    /// when step 200 is done the job grows to 3 servers (shards migrate onto the
+    /// new one while pulls go on), at 300 a third worker joins (job.max_workers
+    /// must allow it), at 450 the job shrinks to 1 server. BSP jobs only.
+    #[arg(long, value_name = "STEP:servers=N|workers=N,...")]
     scale_plan: Option<String>,
 }
 
@@ -172,11 +182,27 @@ fn train(a: TrainArgs) -> Result<(), String> {
         dtype: a.dtype,
         lr: a.lr,
         batch: a.batch,
+        max_workers: None,
     };
-    let (spec, text) = eps::train::build_spec(a.spec.as_deref(), &o).map_err(|e| error_chain(&e))?;
     let plan = eps::train::scale::parse_plan(a.scale_plan.as_deref().unwrap_or(""))?;
+    let (mut spec, mut text) = eps::train::build_spec(a.spec.as_deref(), &o).map_err(|e| error_chain(&e))?;
     if !plan.is_empty() && spec.job.consistency != eps_proto::Consistency::Bsp {
-        return Err("--scale-plan needs a BSP job (SSP and ASP jobs keep their servers for now)".into());
+        return Err("--scale-plan needs a BSP job (SSP and ASP jobs keep their servers and workers for now)".into());
+    }
+    // Joins take new worker ranks: the plan decides how many the job may admit,
+    // unless the spec says it.
+    let ranks = eps::train::scale::ranks_needed(&plan, spec.job.workers);
+    match spec.job.max_workers {
+        Some(m) if ranks > m => {
+            return Err(format!(
+                "--scale-plan needs {ranks} worker ranks over the job's life (joins take new ranks) but job.max_workers is {m}"
+            ));
+        }
+        None if ranks > spec.job.workers => {
+            let o = eps::train::Overrides { max_workers: Some(ranks), ..o };
+            (spec, text) = eps::train::build_spec(a.spec.as_deref(), &o).map_err(|e| error_chain(&e))?;
+        }
+        _ => {}
     }
     let layout = spec.layout().map_err(|e| e.to_string())?;
     let opt = spec.optimizer().map_err(|e| e.to_string())?;
@@ -219,6 +245,8 @@ fn train(a: TrainArgs) -> Result<(), String> {
             .str("dtype", &spec.job.dtype)
             .int("scale_events", r.scale_events)
             .int("migrations", r.migrations)
+            .int("membership_changes", r.membership_changes)
+            .str("membership", &r.membership)
             .finish();
         println!("{j}");
     }
@@ -613,7 +641,7 @@ fn main() -> ExitCode {
         Cmd::Bench(BenchCmd::Pushpull(a)) => bench_pushpull(a),
         Cmd::Bench(BenchCmd::Migrate(a)) => bench_migrate(a),
         Cmd::Status { control } => eps::roles::status(control),
-        Cmd::Scale { control, servers } => eps::roles::scale(control, servers),
+        Cmd::Scale { control, servers, workers } => eps::roles::scale(control, servers, workers),
         Cmd::Bench(BenchCmd::Fabric(a)) => bench_fabric(a),
         Cmd::Bench(BenchCmd::Agg(a)) => bench_agg(a),
         Cmd::Bench(BenchCmd::FabricPeer { op, size, depth }) => fabric::run_peer(op, size, depth).map_err(|e| error_chain(&e)),

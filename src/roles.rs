@@ -114,14 +114,37 @@ pub fn status(control: SocketAddr) -> Result<(), String> {
     }
 }
 
-/// `eps scale`: asks the control plane for `servers` servers.
-pub fn scale(control: SocketAddr, servers: u32) -> Result<(), String> {
+/// `eps scale`: asks the control plane for `servers` servers and/or `workers`
+/// workers.
+pub fn scale(control: SocketAddr, servers: Option<u32>, workers: Option<u32>) -> Result<(), String> {
+    use eps_proto::control::ControlMsg;
+    if servers.is_none() && workers.is_none() {
+        return Err("say what to scale: --servers N and/or --workers N".into());
+    }
     let secret = secret_from_env(None)?;
     let mut c = eps_control::ControlClient::connect(control, &secret, Duration::from_secs(10)).map_err(|e| crate_error(&e))?;
-    c.call(&eps_proto::control::ControlMsg::Scale { servers }).map_err(|e| crate_error(&e))?;
-    println!(
-        "scaling to {servers} servers; start any new ones with `eps server --control {control}`; follow with `eps status --control {control}`"
-    );
+    if let Some(servers) = servers {
+        c.call(&ControlMsg::Scale { servers }).map_err(|e| crate_error(&e))?;
+        println!("scaling to {servers} servers; start any new ones with `eps server --control {control}`");
+    }
+    if let Some(workers) = workers {
+        // With --servers too, the migrations just ordered must end first.
+        let deadline = std::time::Instant::now() + Duration::from_secs(120);
+        loop {
+            match c.call(&ControlMsg::ScaleWorkers { workers }) {
+                Err(eps_control::ControlError::Rejected(m))
+                    if servers.is_some() && m.contains("in progress") && std::time::Instant::now() < deadline =>
+                {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                r => break r.map(drop).map_err(|e| crate_error(&e))?,
+            };
+        }
+        println!(
+            "scaling to {workers} workers at the next iteration boundary; start any new ones with `eps worker --control {control}`"
+        );
+    }
+    println!("follow with `eps status --control {control}`");
     Ok(())
 }
 

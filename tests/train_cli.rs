@@ -1,6 +1,8 @@
 //! `eps train` as a user runs it: real processes (control plane, servers, workers)
 //! on 127.0.0.1, on a small version of the built-in task.
 
+mod common;
+
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -37,7 +39,10 @@ fn json_str(out: &Output, key: &str) -> String {
     let at = last.find(&pat).unwrap_or_else(|| panic!("{key} missing: {stdout}\n{}", String::from_utf8_lossy(&out.stderr)))
         + pat.len();
     let rest = &last[at..];
-    rest[..rest.find([',', '}']).unwrap()].trim_matches('"').to_string()
+    if let Some(text) = rest.strip_prefix('"') {
+        return text[..text.find('"').unwrap()].to_string();
+    }
+    rest[..rest.find([',', '}']).unwrap()].to_string()
 }
 
 fn train(spec: &std::path::Path, extra: &[&str]) -> Output {
@@ -98,13 +103,58 @@ fn bsp_scale_events_end_bitwise_equal_to_a_static_run() {
         );
     }
     // Plans are checked before anything starts.
-    let o = eps(&["train", "--spec", spec.to_str().unwrap(), "--scale-plan", "5:workers=3"]);
+    let capped = spec_file("capped", &SMALL.replace("[job]", "[job]\nmax_workers = 3"));
+    let o = eps(&["train", "--spec", capped.to_str().unwrap(), "--scale-plan", "5:workers=3,9:workers=1,12:workers=2"]);
     assert!(!o.status.success());
-    assert!(String::from_utf8_lossy(&o.stderr).contains("not supported yet"));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("needs 4 worker ranks"), "{}", String::from_utf8_lossy(&o.stderr));
+    std::fs::remove_file(capped).ok();
     let o = eps(&["train", "--spec", spec.to_str().unwrap(), "--consistency", "ssp", "--scale-plan", "5:servers=2"]);
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("needs a BSP job"));
     std::fs::remove_file(spec).ok();
+}
+
+/// Workers join and leave while training runs (and a server is added in
+/// between): each worker process trains on the samples its iteration's contributor
+/// set deals it, and the result is bitwise the single-process reference computed
+/// with the contributor sets the run reports.
+#[test]
+fn bsp_worker_changes_equal_the_reference_with_the_same_contributor_sets() {
+    use eps::train::task::{Sample, Task};
+    for (dtype, opt) in [("f32", "adam"), ("bf16", "momentum")] {
+        let text = SMALL
+            .replace("steps = 25", "steps = 60")
+            .replace("kind = \"adam\"", &format!("kind = \"{opt}\""))
+            .replace("[job]", &format!("[job]\ndtype = \"{dtype}\""));
+        let spec = spec_file(&format!("workers-{dtype}"), &text);
+        let o = train(&spec, &["--scale-plan", "10:workers=3,22:servers=2,32:workers=2,42:workers=3"]);
+        assert_eq!(json_str(&o, "scale_events"), "4");
+        assert_eq!(json_str(&o, "membership_changes"), "3");
+        let m = eps::train::worker::parse_membership(&json_str(&o, "membership")).expect("membership in the JSON line");
+        let sets: Vec<&[u32]> = m.epochs().iter().map(|(_, s)| &s[..]).collect();
+        assert_eq!(sets, [&[0, 1][..], &[0, 1, 2], &[0, 1], &[0, 1, 3]], "{:?}", m.epochs());
+        // The single-process reference: the task's gradient over the samples each
+        // contributor is dealt, in rank order.
+        let js = eps_proto::JobSpec::from_toml(&text).unwrap();
+        let task = Task::new(&js.model, js.job.seed);
+        let batch = js.job.batch as u64;
+        let (mut sample, mut z) = (Sample::default(), vec![0f32; task.classes]);
+        let want = common::reference_with(&text, &m, &mut |p, r, t, g| {
+            g.fill(0.0);
+            for i in m.samples(t, r, batch).unwrap() {
+                task.sample(i, &mut sample);
+                task.backward(p, &sample, 1.0 / batch as f32, g, &mut z);
+            }
+        });
+        assert_eq!(
+            json_str(&o, "params_checksum"),
+            eps::train::worker::checksum(&want),
+            "{dtype} {opt}: differs from the reference for {:?}; log:\n{}",
+            m.epochs(),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        std::fs::remove_file(spec).ok();
+    }
 }
 
 #[test]

@@ -23,6 +23,8 @@ use eps_fabric::Secret;
 use eps_proto::control::ControlMsg;
 use eps_worker::{Worker, WorkerConfig, WorkerError};
 
+use crate::train::scale::Spawn;
+
 use crate::bench::fabric::{self, FabricBench, Op};
 use crate::train::{LocalCluster, TrainError, field, num};
 
@@ -260,11 +262,11 @@ pub fn run(cfg: &MigrateBench) -> Result<MigrateReport, MigrateError> {
         }
     });
     let line = match (ran, line) {
-        (Ok(()), Some(l)) => l,
+        (Ok(_), Some(l)) => l,
         // A failed pull stops the worker (and so the cluster): report it.
         (Err(_), Some(l)) if num(&l, "failed") > 0.0 => l,
         (Err(e), _) => return Err(e.into()),
-        (Ok(()), None) => return Err(MigrateError::NoReport),
+        (Ok(_), None) => return Err(MigrateError::NoReport),
     };
     let fabric_after = fabric::run(&FabricBench { op: Op::Write, size: 4 << 20, iters: 300, depth: 8 })?;
     let failed = num(&line, "failed") as u64;
@@ -322,7 +324,7 @@ fn follow(
     secret: &Secret,
     cfg: &MigrateBench,
     step: &AtomicU64,
-    spawn: &Sender<u32>,
+    spawn: &Sender<Spawn>,
     out: &mut Vec<Phases>,
 ) -> Result<(), String> {
     let mut ctl = ControlClient::connect(control, secret, Duration::from_secs(30)).map_err(|e| e.to_string())?;
@@ -347,7 +349,7 @@ fn follow(
             }
         }
         if servers == 2 {
-            spawn.send(1).map_err(|_| "the driver is gone".to_string())?;
+            spawn.send(Spawn::Servers(1)).map_err(|_| "the driver is gone".to_string())?;
         }
         eprintln!(
             "eps bench migrate: step {}: migration {} of {}: scaling to {servers} servers",

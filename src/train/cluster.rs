@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use eps_proto::JobSpec;
 
+use super::scale::Spawn;
 use super::{TrainError, field};
 
 /// The running processes of one job.
@@ -28,6 +29,11 @@ pub struct LocalCluster {
     /// Control-plane address.
     addr: String,
     servers_started: u32,
+    workers_started: u32,
+    /// Extra arguments of every `eps worker`.
+    worker_args: Vec<String>,
+    /// Where worker stdout lines go.
+    tx: mpsc::Sender<String>,
 }
 
 impl std::fmt::Debug for LocalCluster {
@@ -85,6 +91,9 @@ impl LocalCluster {
             secret: secret.clone(),
             addr: String::new(),
             servers_started: 0,
+            workers_started: 0,
+            worker_args: worker_args.iter().map(|a| a.to_string()).collect(),
+            tx,
         };
         let spawn = |what: &str, args: &[&str], piped: bool| -> Result<Child, TrainError> {
             Command::new(&exe)
@@ -119,20 +128,36 @@ impl LocalCluster {
         for _ in 0..spec.job.servers {
             cl.spawn_server()?;
         }
-        for r in 0..spec.job.workers {
-            let mut args = vec!["worker", "--control", &addr, "--exit-with-parent"];
-            args.extend_from_slice(worker_args);
-            let mut c = spawn(&format!("worker {r}"), &args, true)?;
-            let out = c.stdout.take().expect("piped");
-            let tx = tx.clone();
-            cl.readers.push(std::thread::spawn(move || {
-                for l in BufReader::new(out).lines().map_while(Result::ok) {
-                    let _ = tx.send(l);
-                }
-            }));
-            cl.children.push((format!("worker {r}"), c));
+        for _ in 0..spec.job.workers {
+            cl.spawn_worker()?;
         }
         Ok(cl)
+    }
+
+    /// Starts one more worker process; its stdout lines are collected. (It
+    /// registers with the control plane, which must have a rank for it: see `eps
+    /// scale`.)
+    pub fn spawn_worker(&mut self) -> Result<(), TrainError> {
+        let name = format!("worker process {}", self.workers_started);
+        let mut c = Command::new(&self.exe)
+            .args(["worker", "--control", &self.addr, "--exit-with-parent"])
+            .args(&self.worker_args)
+            .env("EPS_JOB_SECRET", &self.secret)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|source| TrainError::Spawn { what: name.clone(), source })?;
+        let out = c.stdout.take().expect("piped");
+        let tx = self.tx.clone();
+        self.readers.push(std::thread::spawn(move || {
+            for l in BufReader::new(out).lines().map_while(Result::ok) {
+                let _ = tx.send(l);
+            }
+        }));
+        self.children.push((name, c));
+        self.workers_started += 1;
+        Ok(())
     }
 
     /// The control plane's address.
@@ -164,19 +189,17 @@ impl LocalCluster {
 
     /// Feeds every worker line to `on_line` until all processes have exited; fails
     /// at once (stopping the rest) on Ctrl-C or when a process exits with an error.
-    /// Each number received on `more_servers` starts that many more servers.
-    pub fn supervise(
-        mut self,
-        more_servers: Option<&mpsc::Receiver<u32>>,
-        mut on_line: impl FnMut(&str),
-    ) -> Result<(), TrainError> {
+    /// Each request received on `more` starts that many more servers or workers.
+    /// Returns the number of worker processes started in all.
+    pub fn supervise(mut self, more: Option<&mpsc::Receiver<Spawn>>, mut on_line: impl FnMut(&str)) -> Result<u32, TrainError> {
         loop {
             if self.stop.load(Ordering::SeqCst) {
                 return Err(TrainError::Interrupted);
             }
-            while let Some(k) = more_servers.and_then(|r| r.try_recv().ok()) {
-                for _ in 0..k {
-                    self.spawn_server()?;
+            while let Some(k) = more.and_then(|r| r.try_recv().ok()) {
+                match k {
+                    Spawn::Servers(n) => (0..n).try_for_each(|_| self.spawn_server())?,
+                    Spawn::Workers(n) => (0..n).try_for_each(|_| self.spawn_worker())?,
                 }
             }
             if let Ok(l) = self.lines.recv_timeout(Duration::from_millis(100)) {
@@ -201,7 +224,7 @@ impl LocalCluster {
                 while let Ok(l) = self.lines.try_recv() {
                     on_line(&l);
                 }
-                return Ok(());
+                return Ok(self.workers_started);
             }
         }
     }

@@ -63,6 +63,8 @@ pub struct Overrides {
     pub lr: Option<f64>,
     /// `job.batch`.
     pub batch: Option<u32>,
+    /// `job.max_workers`.
+    pub max_workers: Option<u32>,
 }
 
 /// Why training could not run.
@@ -131,6 +133,9 @@ pub fn build_spec(path: Option<&Path>, o: &Overrides) -> Result<(JobSpec, String
     if let Some(v) = o.batch {
         set(&mut table, "job", "batch", V::Integer(v.into()));
     }
+    if let Some(v) = o.max_workers {
+        set(&mut table, "job", "max_workers", V::Integer(v.into()));
+    }
     if let Some(v) = &o.optimizer {
         set(&mut table, "optimizer", "kind", V::String(v.clone()));
     }
@@ -174,6 +179,10 @@ pub struct TrainReport {
     pub scale_events: u64,
     /// Shard migrations they caused.
     pub migrations: u64,
+    /// Worker membership changes committed (joins, leaves, expiries).
+    pub membership_changes: u64,
+    /// Contributor sets by iteration (`FIRST:R,R,...;...`, see `worker::membership_text`).
+    pub membership: String,
 }
 
 /// Runs the cluster, applying the scale events of `plan` as training reaches them;
@@ -190,20 +199,18 @@ pub fn run(
     let every_s = report_every.to_string();
     let cluster = LocalCluster::start(spec, spec_text, &["--progress-every", &every_s])?;
     let step = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let (tx, more_servers) = std::sync::mpsc::channel();
+    let (tx, more) = std::sync::mpsc::channel();
     let outcome = if plan.is_empty() {
         None
     } else {
         let addr = cluster.control_addr().parse().map_err(|_| TrainError::Child("bad control-plane address".into()))?;
         let secret = eps_fabric::Secret::new(cluster.secret()).map_err(|_| TrainError::Child("bad job secret".into()))?;
-        Some(scale::spawn_plan(plan.to_vec(), addr, secret, spec.job.servers, step.clone(), tx))
+        Some(scale::spawn_plan(plan.to_vec(), addr, secret, (spec.job.servers, spec.job.workers), step.clone(), tx))
     };
-    let w = spec.job.workers as f64;
     let (steps, batch) = (spec.job.steps, spec.job.batch as f64);
     let mut rep = TrainReport { steps, ..TrainReport::default() };
-    // (workers done, bytes pushed, bytes pulled)
-    let mut totals = (0u32, 0f64, 0f64);
-    cluster.supervise(Some(&more_servers), |l| {
+    let mut totals = Totals::default();
+    let started = cluster.supervise(Some(&more), |l| {
         if l.starts_with("EPS_PROGRESS") {
             let (step_now, secs) = (num(l, "step"), num(l, "elapsed_s").max(1e-9));
             step.store(step_now as u64, std::sync::atomic::Ordering::Release);
@@ -211,27 +218,30 @@ pub fn run(
                 return;
             }
             let step = step_now;
+            // Rates over the current contributor count.
+            let w = num(l, "workers").max(1.0);
             progress(&format!(
                 "step {:>6}/{steps}  loss {:.4}  acc {:.3}  {:>8.0} samples/s  push {:.2} GB/s  pull {:.2} GB/s",
                 step as u64,
                 num(l, "loss"),
                 num(l, "acc"),
-                step * batch * w / secs,
+                batch * w * every as f64 / (secs - totals.last_s).max(1e-9),
                 num(l, "pushed") * w / secs / 1e9,
                 num(l, "pulled") * w / secs / 1e9,
             ));
+            totals.last_s = secs;
         } else if l.starts_with("EPS_DONE") {
             absorb_done(l, &mut rep, &mut totals);
         }
     })?;
-    let (done, pushed, pulled) = totals;
-    if done != spec.job.workers || rep.params_checksum.is_empty() {
-        return Err(TrainError::Child(format!("only {done} of {} workers reported their results", spec.job.workers)));
+    if totals.done != started || rep.params_checksum.is_empty() {
+        return Err(TrainError::Child(format!("only {} of {started} workers reported their results", totals.done)));
     }
     let secs = rep.elapsed_s.max(1e-9);
-    rep.samples_per_s = steps as f64 * batch * w / secs;
-    rep.push_gbytes_per_s = pushed / secs / 1e9;
-    rep.pull_gbytes_per_s = pulled / secs / 1e9;
+    rep.samples_per_s = totals.samples / secs;
+    rep.push_gbytes_per_s = totals.pushed / secs / 1e9;
+    rep.pull_gbytes_per_s = totals.pulled / secs / 1e9;
+    rep.membership_changes = rep.membership.matches(';').count() as u64;
     if let Some(o) = outcome {
         let o = o.lock().unwrap_or_else(|p| p.into_inner()).clone();
         if let Some(e) = o.error {
@@ -249,13 +259,27 @@ pub fn run(
     Ok(rep)
 }
 
+/// What the workers' `EPS_DONE` lines add up to.
+#[derive(Default)]
+struct Totals {
+    /// Workers that reported.
+    done: u32,
+    samples: f64,
+    pushed: f64,
+    pulled: f64,
+    /// Rank 0's elapsed seconds at the previous progress line.
+    last_s: f64,
+}
+
 /// Folds a worker's `EPS_DONE` line into the report.
-fn absorb_done(l: &str, rep: &mut TrainReport, totals: &mut (u32, f64, f64)) {
-    totals.0 += 1;
-    totals.1 += num(l, "pushed");
-    totals.2 += num(l, "pulled");
+fn absorb_done(l: &str, rep: &mut TrainReport, totals: &mut Totals) {
+    totals.done += 1;
+    totals.samples += num(l, "samples");
+    totals.pushed += num(l, "pushed");
+    totals.pulled += num(l, "pulled");
     rep.elapsed_s = rep.elapsed_s.max(num(l, "elapsed_s"));
-    if field(l, "rank") == Some("0") {
+    if field(l, "rank") == Some("0") && field(l, "left") != Some("1") {
+        rep.membership = field(l, "membership").unwrap_or_default().to_string();
         rep.final_loss = num(l, "final_loss");
         rep.final_accuracy = num(l, "final_accuracy");
         rep.teacher_accuracy = num(l, "teacher_accuracy");

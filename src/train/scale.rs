@@ -1,7 +1,7 @@
-//! Scripted scale events of `eps train --scale-plan "STEP:servers=N,..."`: a
-//! thread follows the training step, asks the control plane to scale at each event
-//! (retrying while an earlier event's migrations run), has the driver start the new
-//! server processes, and counts the migrations the events caused.
+//! Scripted scale events of `eps train --scale-plan "STEP:servers=N,STEP:workers=M,..."`:
+//! a thread follows the training step, asks the control plane to scale at each
+//! event (retrying while an earlier event is still under way), has the driver start
+//! the new server and worker processes, and counts the migrations the events caused.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -13,38 +13,78 @@ use eps_control::{ControlClient, ControlError};
 use eps_fabric::Secret;
 use eps_proto::control::ControlMsg;
 
+/// What one event changes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Target {
+    /// Wanted server count.
+    Servers(u32),
+    /// Wanted worker count.
+    Workers(u32),
+}
+
 /// One scripted event.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ScaleEvent {
     /// Applied once rank 0 has finished this many steps.
     pub step: u64,
-    /// Wanted server count.
-    pub servers: u32,
+    /// What it changes.
+    pub target: Target,
 }
 
-/// Parses `STEP:servers=N[,STEP:servers=N...]`, steps ascending.
+impl ScaleEvent {
+    /// The worker count this event asks for, if it is a worker event.
+    pub fn workers(&self) -> Option<u32> {
+        match self.target {
+            Target::Workers(n) => Some(n),
+            Target::Servers(_) => None,
+        }
+    }
+}
+
+/// Processes the driver must start for an event.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Spawn {
+    /// This many more servers.
+    Servers(u32),
+    /// This many more workers.
+    Workers(u32),
+}
+
+/// Parses `STEP:servers=N` / `STEP:workers=N` items separated by commas, steps ascending.
 pub fn parse_plan(text: &str) -> Result<Vec<ScaleEvent>, String> {
     let mut out: Vec<ScaleEvent> = Vec::new();
     for item in text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-        let bad = |why: &str| format!("--scale-plan item {item:?}: {why} (expected STEP:servers=N, e.g. 200:servers=3)");
+        let bad = |why: &str| {
+            format!("--scale-plan item {item:?}: {why} (expected STEP:servers=N or STEP:workers=N, e.g. 200:servers=3)")
+        };
         let (step, what) = item.split_once(':').ok_or_else(|| bad("no ':'"))?;
         let step: u64 = step.trim().parse().map_err(|_| bad("the step is not a whole number"))?;
         let (key, value) = what.split_once('=').ok_or_else(|| bad("no '='"))?;
         let n: u32 = value.trim().parse().map_err(|_| bad("the count is not a whole number"))?;
-        match key.trim() {
-            "servers" if n >= 1 => {}
+        let target = match key.trim() {
+            "servers" if n >= 1 => Target::Servers(n),
             "servers" => return Err(bad("a job needs at least one server")),
-            "workers" => {
-                return Err(bad("changing the worker count of a running job is not supported yet; only servers=N"));
-            }
-            _ => return Err(bad("unknown resource (only servers)")),
-        }
+            "workers" if n >= 1 => Target::Workers(n),
+            "workers" => return Err(bad("a job needs at least one worker")),
+            _ => return Err(bad("unknown resource (servers or workers)")),
+        };
         if out.last().is_some_and(|e| e.step > step) {
             return Err(bad("steps must be in ascending order"));
         }
-        out.push(ScaleEvent { step, servers: n });
+        out.push(ScaleEvent { step, target });
     }
     Ok(out)
+}
+
+/// Worker ranks a plan needs over the job's life, starting from `workers`
+/// (joins take new ranks; leaves free none).
+pub fn ranks_needed(plan: &[ScaleEvent], workers: u32) -> u32 {
+    let (mut now, mut ranks) = (workers, workers);
+    for n in plan.iter().filter_map(ScaleEvent::workers) {
+        ranks += n.saturating_sub(now);
+        now = n;
+    }
+    ranks
 }
 
 /// What the scale thread reports at the end.
@@ -59,19 +99,19 @@ pub struct ScaleOutcome {
 }
 
 /// Runs the plan on a thread: `step` is rank 0's finished steps, `spawn` asks the
-/// driver to start that many more servers.
+/// driver to start more processes; `initial` is (servers, workers) at the start.
 pub fn spawn_plan(
     plan: Vec<ScaleEvent>,
     control: SocketAddr,
     secret: Secret,
-    initial_servers: u32,
+    initial: (u32, u32),
     step: Arc<AtomicU64>,
-    spawn: Sender<u32>,
+    spawn: Sender<Spawn>,
 ) -> Arc<Mutex<ScaleOutcome>> {
     let outcome = Arc::new(Mutex::new(ScaleOutcome::default()));
     let out = outcome.clone();
     std::thread::spawn(move || {
-        let r = run_plan(&plan, control, &secret, initial_servers, &step, &spawn, &out);
+        let r = run_plan(&plan, control, &secret, initial, &step, &spawn, &out);
         if let Err(e) = r {
             out.lock().unwrap_or_else(|p| p.into_inner()).error = Some(e);
         }
@@ -83,9 +123,9 @@ fn run_plan(
     plan: &[ScaleEvent],
     control: SocketAddr,
     secret: &Secret,
-    mut servers: u32,
+    (mut servers, mut workers): (u32, u32),
     step: &AtomicU64,
-    spawn: &Sender<u32>,
+    spawn: &Sender<Spawn>,
     out: &Mutex<ScaleOutcome>,
 ) -> Result<(), String> {
     let mut ctl = ControlClient::connect(control, secret, Duration::from_secs(30)).map_err(|e| e.to_string())?;
@@ -93,36 +133,50 @@ fn run_plan(
         while step.load(Ordering::Acquire) < ev.step {
             std::thread::sleep(Duration::from_millis(2));
         }
-        // Retry while an earlier event's migrations are still running.
+        let msg = match ev.target {
+            Target::Servers(n) => ControlMsg::Scale { servers: n },
+            Target::Workers(n) => ControlMsg::ScaleWorkers { workers: n },
+        };
+        // Retry while an earlier event is still under way.
         let deadline = Instant::now() + Duration::from_secs(120);
         loop {
-            match ctl.call(&ControlMsg::Scale { servers: ev.servers }) {
+            match ctl.call(&msg) {
                 Ok(_) => break,
                 Err(ControlError::Rejected(m)) if m.contains("in progress") && Instant::now() < deadline => {
                     std::thread::sleep(Duration::from_millis(20));
                 }
-                Err(e) => return Err(format!("scale event at step {} (servers={}): {e}", ev.step, ev.servers)),
+                Err(e) => return Err(format!("scale event at step {} ({:?}): {e}", ev.step, ev.target)),
             }
         }
-        eprintln!("eps train: step {}: scaling servers {servers} -> {}", step.load(Ordering::Acquire), ev.servers);
-        if ev.servers > servers {
-            let _ = spawn.send(ev.servers - servers);
+        let now = step.load(Ordering::Acquire);
+        let mut min_done = out.lock().unwrap_or_else(|p| p.into_inner()).migrations;
+        match ev.target {
+            Target::Servers(n) => {
+                eprintln!("eps train: step {now}: scaling servers {servers} -> {n}");
+                if n > servers {
+                    let _ = spawn.send(Spawn::Servers(n - servers));
+                }
+                min_done += u64::from(n != servers);
+                servers = n;
+            }
+            Target::Workers(n) => {
+                eprintln!("eps train: step {now}: scaling workers {workers} -> {n} at the next iteration boundary");
+                if n > workers {
+                    let _ = spawn.send(Spawn::Workers(n - workers));
+                }
+                workers = n;
+            }
         }
-        let moves = ev.servers != servers;
-        servers = ev.servers;
-        let before = {
-            let mut o = out.lock().unwrap_or_else(|p| p.into_inner());
-            o.events += 1;
-            o.migrations
-        };
-        wait_migrations(&mut ctl, out, if moves { before + 1 } else { before });
+        out.lock().unwrap_or_else(|p| p.into_inner()).events += 1;
+        wait_settled(&mut ctl, out, min_done);
     }
     Ok(())
 }
 
-/// Follows `eps status` until no migration is in flight, no server is joining and
-/// at least `min_done` are done (or the job ended), recording the number done.
-fn wait_migrations(ctl: &mut ControlClient, out: &Mutex<ScaleOutcome>, min_done: u64) {
+/// Follows `eps status` until no migration is in flight, no server is joining, no
+/// worker change is being voted on or waits for its workers to register, and at
+/// least `min_done` migrations are done (or the job ended), recording the number done.
+fn wait_settled(ctl: &mut ControlClient, out: &Mutex<ScaleOutcome>, min_done: u64) {
     let deadline = Instant::now() + Duration::from_secs(300);
     while Instant::now() < deadline {
         let Ok(ControlMsg::StatusReport { text }) = ctl.call(&ControlMsg::Status) else { return };
@@ -131,7 +185,8 @@ fn wait_migrations(ctl: &mut ControlClient, out: &Mutex<ScaleOutcome>, min_done:
         if let [in_flight, done, ..] = nums[..] {
             out.lock().unwrap_or_else(|p| p.into_inner()).migrations = done;
             let joining = text.lines().any(|l| l.contains(": joining,"));
-            if in_flight == 0 && !joining && done >= min_done {
+            let workers_busy = text.lines().any(|l| l.contains("being voted on") || l.contains("waiting to register"));
+            if in_flight == 0 && !joining && !workers_busy && done >= min_done {
                 return;
             }
         }
@@ -146,16 +201,22 @@ mod tests {
     #[test]
     fn plans_parse_and_bad_ones_say_why() {
         assert_eq!(
-            parse_plan("100:servers=3, 300:servers=1").unwrap(),
-            vec![ScaleEvent { step: 100, servers: 3 }, ScaleEvent { step: 300, servers: 1 }]
+            parse_plan("100:servers=3, 200:workers=4, 300:servers=1").unwrap(),
+            vec![
+                ScaleEvent { step: 100, target: Target::Servers(3) },
+                ScaleEvent { step: 200, target: Target::Workers(4) },
+                ScaleEvent { step: 300, target: Target::Servers(1) }
+            ]
         );
         assert!(parse_plan("").unwrap().is_empty());
+        let p = parse_plan("1:workers=3,2:workers=1,3:servers=4,4:workers=4").unwrap();
+        assert_eq!(ranks_needed(&p, 2), 6, "2 initial, 1 joins, then 3 more");
         for (bad, why) in [
             ("x:servers=3", "whole number"),
             ("100servers=3", "no ':'"),
-            ("100:servers=0", "at least one"),
+            ("100:servers=0", "at least one server"),
+            ("100:workers=0", "at least one worker"),
             ("100:gpus=2", "unknown resource"),
-            ("100:workers=3", "not supported yet"),
             ("300:servers=2,100:servers=3", "ascending"),
         ] {
             let e = parse_plan(bad).unwrap_err();

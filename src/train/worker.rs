@@ -18,6 +18,28 @@ pub fn checksum(bytes: &[u8]) -> String {
     Sha256::digest(bytes)[..16].iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// Contributor sets by iteration as `FIRST:R,R,...;FIRST:R,...` (no spaces, so it
+/// fits a `key=value` field and a JSON string).
+pub fn membership_text(m: &eps_proto::membership::Membership) -> String {
+    let sets: Vec<String> = m
+        .epochs()
+        .iter()
+        .map(|(at, set)| format!("{at}:{}", set.iter().map(u32::to_string).collect::<Vec<_>>().join(",")))
+        .collect();
+    sets.join(";")
+}
+
+/// Parses [`membership_text`].
+pub fn parse_membership(text: &str) -> Option<eps_proto::membership::Membership> {
+    let mut epochs = Vec::new();
+    for part in text.split(';') {
+        let (at, set) = part.split_once(':')?;
+        let set: Option<Vec<u32>> = set.split(',').map(|r| r.parse().ok()).collect();
+        epochs.push((at.parse().ok()?, set?));
+    }
+    eps_proto::membership::Membership::from_epochs(epochs)
+}
+
 /// Why the worker could not train.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -25,6 +47,9 @@ pub enum TrainWorkerError {
     /// The data plane failed.
     #[error(transparent)]
     Worker(#[from] WorkerError),
+    /// A contributor without samples (the membership schedule is inconsistent).
+    #[error("no training samples for this worker at iteration {0}")]
+    NoSamples(u64),
     /// The job has no built-in task to run.
     #[error(
         "this job declares its own tensors; `eps worker` only runs the built-in synthetic task (use the eps-worker library or libeps for other models)"
@@ -41,7 +66,7 @@ pub fn run(cfg: &WorkerConfig, every: u64) -> Result<(), TrainWorkerError> {
         return Err(TrainWorkerError::NoTask);
     }
     let task = Task::new(&spec.model, spec.job.seed);
-    let (rank, workers, batch) = (w.rank(), spec.job.workers as u64, spec.job.batch as u64);
+    let (rank, batch) = (w.rank(), spec.job.batch as u64);
     let n = w.layout().total as usize;
     let f32_job = w.dtype() == eps_agg::DType::F32;
     // Staging only for 16-bit dtypes, where the wire format needs a conversion pass.
@@ -49,14 +74,25 @@ pub fn run(cfg: &WorkerConfig, every: u64) -> Result<(), TrainWorkerError> {
     let mut sample = Sample::default();
     let mut z = vec![0f32; task.classes];
     let start = Instant::now();
+    let first_step = w.iteration();
     let (mut loss_sum, mut correct, mut seen) = (0f64, 0u64, 0u64);
+    let mut trained = 0u64;
     let scale = 1.0 / batch as f32;
-    for step in 0..spec.job.steps {
-        let first = (step * workers + rank as u64) * batch;
+    let mut left = false;
+    while w.iteration() < spec.job.steps {
+        // Membership changes take effect here: a worker scaled away leaves at this
+        // boundary; samples are dealt out to this iteration's contributors.
+        if !w.begin()? {
+            left = true;
+            break;
+        }
+        let step = w.iteration();
+        let samples = w.samples(batch).ok_or(TrainWorkerError::NoSamples(step))?;
+        trained += batch;
         let mut step_batch = |p: &[f32], g: &mut [f32]| {
             g.fill(0.0);
-            for b in 0..batch {
-                task.sample(first + b, &mut sample);
+            for i in samples.clone() {
+                task.sample(i, &mut sample);
                 let (l, ok) = task.backward(p, &sample, scale, g, &mut z);
                 loss_sum += l as f64;
                 correct += ok as u64;
@@ -76,13 +112,14 @@ pub fn run(cfg: &WorkerConfig, every: u64) -> Result<(), TrainWorkerError> {
             let st = w.stats();
             let secs = start.elapsed().as_secs_f64();
             println!(
-                "EPS_PROGRESS step={} loss={:.5} acc={:.4} elapsed_s={:.3} pushed={} pulled={}",
+                "EPS_PROGRESS step={} loss={:.5} acc={:.4} elapsed_s={:.3} pushed={} pulled={} workers={}",
                 step + 1,
                 loss_sum / seen.max(1) as f64,
                 correct as f64 / seen.max(1) as f64,
                 secs,
                 st.pushed_bytes,
-                st.pulled_bytes
+                st.pulled_bytes,
+                w.membership().contributors(step).len()
             );
             (loss_sum, correct, seen) = (0.0, 0, 0);
         }
@@ -90,13 +127,19 @@ pub fn run(cfg: &WorkerConfig, every: u64) -> Result<(), TrainWorkerError> {
     let elapsed = start.elapsed().as_secs_f64();
     let st = w.stats();
     let mut line = format!(
-        "EPS_DONE rank={rank} steps={} elapsed_s={elapsed:.4} pushed={} pulled={} comm_s={:.4}",
-        spec.job.steps,
+        "EPS_DONE rank={rank} steps={} first_step={first_step} left={} samples={trained} elapsed_s={elapsed:.4} pushed={} pulled={} comm_s={:.4}",
+        w.iteration() - first_step,
+        u8::from(left),
         st.pushed_bytes,
         st.pulled_bytes,
         st.comm.as_secs_f64()
     );
-    if rank == 0 {
+    if left {
+        eprintln!("eps worker {rank}: left the job at iteration {} (scaled away)", w.iteration());
+    } else if rank == 0 {
+        line += &format!(" membership={}", membership_text(w.membership()));
+    }
+    if rank == 0 && !left {
         let mut p = vec![0f32; n];
         w.read_params(&mut p)?;
         let (acc, teacher) = task.evaluate(&p, HELD_OUT_FIRST, HELD_OUT);

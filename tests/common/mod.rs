@@ -90,6 +90,14 @@ pub fn step(w: &mut Worker, p: &mut [f32], g: &mut [f32]) {
 /// `t` sums the gradients of `m.contributors(t)` in rank order and averages over
 /// their number.
 pub fn reference(text: &str, m: &Membership) -> Vec<u8> {
+    reference_with(text, m, &mut |p, r, t, g| gradient(p, r, t, g))
+}
+
+/// A worker's gradient: `grad(params, rank, iteration, out)`.
+pub type Gradient<'a> = dyn FnMut(&[f32], u32, u64, &mut [f32]) + 'a;
+
+/// [`reference`] with any gradient.
+pub fn reference_with(text: &str, m: &Membership, grad: &mut Gradient<'_>) -> Vec<u8> {
     let spec = JobSpec::from_toml(text).unwrap();
     let layout = spec.layout().unwrap();
     let (opt, sched, dtype) = (spec.optimizer().unwrap(), spec.schedule().unwrap(), layout.dtype);
@@ -107,7 +115,7 @@ pub fn reference(text: &str, m: &Membership) -> Vec<u8> {
         let grads: Vec<Vec<u8>> = contributors
             .iter()
             .map(|&r| {
-                gradient(&seen, r, t, &mut g);
+                grad(&seen, r, t, &mut g);
                 let mut out = vec![0u8; n * es];
                 reduce::narrow(dtype, &g, &mut out);
                 out

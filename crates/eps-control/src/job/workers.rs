@@ -129,6 +129,11 @@ impl Workers {
             self.members.epochs().last().map_or(0, |e| e.0),
             self.changes
         );
+        let waiting: Vec<u32> =
+            (0..self.admitted).filter(|&r| !self.registered[r as usize] && !self.finished[r as usize]).collect();
+        if !waiting.is_empty() {
+            let _ = writeln!(t, "  ranks {waiting:?} admitted, waiting to register (start them with `eps worker`)");
+        }
         if !self.expired.is_empty() {
             let _ = writeln!(t, "  removed after their lease expired: {:?}", self.expired);
         }
