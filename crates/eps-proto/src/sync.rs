@@ -16,6 +16,9 @@
 //! version is published only when no pull is still being written from the buffer it
 //! overwrites, so a pull never reads a half-applied update.
 
+use std::borrow::Cow;
+
+use crate::membership::Membership;
 use crate::spec::Consistency;
 
 /// What a push leads to.
@@ -215,6 +218,20 @@ impl ShardSync {
     /// iteration is complete is asked later with [`ShardSync::complete`].
     pub fn on_push_unsettled(&mut self, worker: u32, iteration: u64) -> Result<(), SyncError> {
         self.record(worker, iteration, None).map(|_| ())
+    }
+
+    /// The contributors of `iteration` on this shard: the committed set of `m`,
+    /// less workers removed by lease expiry (`lost`: rank and the first iteration
+    /// of the commit that removed it) whose contribution to an earlier iteration
+    /// never arrived here. (A removed worker's push that did arrive counts: it may
+    /// have reached some shards before the worker vanished.)
+    pub fn contributors<'a>(&self, m: &'a Membership, lost: &[(u32, u64)], iteration: u64) -> Cow<'a, [u32]> {
+        let base = m.contributors(iteration);
+        let gone = |r: u32| lost.iter().any(|&(x, at)| x == r && iteration < at) && !self.has_pushed(r);
+        if lost.is_empty() || !base.iter().any(|&r| gone(r)) {
+            return Cow::Borrowed(base);
+        }
+        Cow::Owned(base.iter().copied().filter(|&r| !gone(r)).collect())
     }
 
     /// Whether `worker`'s landing slot holds a contribution not yet consumed.
@@ -444,6 +461,19 @@ mod membership_tests {
         assert_eq!(s.on_push(0, 1, second), Err(SyncError::NotContributor { worker: 0, iteration: 1 }));
         assert_eq!(s.on_push(3, 1, second), Ok(PushOutcome::Wait));
         assert_eq!(s.on_push(1, 1, second), Ok(PushOutcome::AggregateAll { iteration: 1 }));
+    }
+
+    #[test]
+    fn an_expired_worker_is_dropped_only_where_its_push_is_missing() {
+        let mut m = Membership::new(vec![0, 1, 2]).unwrap();
+        m.schedule(5, 4, vec![0, 2]).unwrap();
+        let lost = [(1, 5)];
+        let mut s = ShardSync::new(Consistency::Bsp, 3);
+        assert_eq!(&*s.contributors(&m, &[], 4), &[0, 1, 2]);
+        assert_eq!(&*s.contributors(&m, &lost, 4), &[0, 2]);
+        s.on_push_unsettled(1, 0).unwrap();
+        assert_eq!(&*s.contributors(&m, &lost, 4), &[0, 1, 2], "its push arrived: it counts");
+        assert_eq!(&*s.contributors(&m, &lost, 5), &[0, 2]);
     }
 
     /// While a membership change is voted on, pushes are recorded but complete

@@ -3,25 +3,9 @@
 //! it is committed), and the commit (settles held iterations; drops the missing
 //! contributions of workers whose lease expired).
 
-use std::borrow::Cow;
-
 use eps_proto::control::{ControlMsg, Role};
-use eps_proto::membership::Membership;
-use eps_proto::sync::ShardSync;
 
 use crate::{Pending, Server, ServerError};
-
-/// The contributors of `iteration` on a shard in state `sync`: the committed set,
-/// less workers removed by lease expiry (`lost`: rank and the commit's first
-/// iteration) whose contribution to an earlier iteration never arrived here.
-pub(crate) fn contributors_of<'a>(m: &'a Membership, lost: &[(u32, u64)], sync: &ShardSync, iteration: u64) -> Cow<'a, [u32]> {
-    let base = m.contributors(iteration);
-    let gone = |r: u32| lost.iter().any(|&(x, at)| x == r && iteration < at) && !sync.has_pushed(r);
-    if lost.is_empty() || !base.iter().any(|&r| gone(r)) {
-        return Cow::Borrowed(base);
-    }
-    Cow::Owned(base.iter().copied().filter(|&r| !gone(r)).collect())
-}
 
 impl Server {
     /// Whether pushes of `iteration` must wait for a membership vote to end.
@@ -61,30 +45,11 @@ impl Server {
         self.hold = None;
         for id in 0..self.shards.len() as u32 {
             let Some(h) = self.shards[id as usize].as_ref() else { continue };
-            let c = contributors_of(&self.membership, &self.lost, &h.sync, h.sync.version());
+            let c = h.sync.contributors(&self.membership, &self.lost, h.sync.version());
             if let Some(t) = h.sync.complete(&c) {
                 self.update(id, Pending::Update { iteration: t, one: None })?;
             }
         }
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use eps_proto::Consistency;
-
-    #[test]
-    fn an_expired_worker_is_dropped_only_where_its_push_is_missing() {
-        let mut m = Membership::new(vec![0, 1, 2]).unwrap();
-        m.schedule(5, 4, vec![0, 2]).unwrap();
-        let lost = [(1, 5)];
-        let mut s = ShardSync::new(Consistency::Bsp, 3);
-        assert_eq!(&*contributors_of(&m, &[], &s, 4), &[0, 1, 2]);
-        assert_eq!(&*contributors_of(&m, &lost, &s, 4), &[0, 2]);
-        s.on_push_unsettled(1, 0).unwrap();
-        assert_eq!(&*contributors_of(&m, &lost, &s, 4), &[0, 1, 2], "its push arrived: it counts");
-        assert_eq!(&*contributors_of(&m, &lost, &s, 5), &[0, 2]);
     }
 }

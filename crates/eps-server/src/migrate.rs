@@ -227,7 +227,7 @@ impl Server {
                 })?;
             }
             let Some(h) = self.shards[id as usize].as_ref() else { return Ok(()) };
-            let c = crate::members::contributors_of(&self.membership, &self.lost, &h.sync, version);
+            let c = h.sync.contributors(&self.membership, &self.lost, version);
             if let Some(t) = h.sync.complete(&c) {
                 self.update(id, Pending::Update { iteration: t, one: None })?;
             }

@@ -14,7 +14,6 @@ use eps_proto::imm::{Imm, ImmKind, widen_seq};
 use eps_proto::layout::published_offset;
 use eps_proto::sync::{PushOutcome, ShardSync};
 
-use crate::members::contributors_of;
 use crate::{
     ALL_RANKS, Conn, Peer, Pending, Server, ServerError, UpdateArgs, WR_HELLO, WR_MIGRATE, WR_OTHER, WR_PULL, pull_wr,
     pull_wr_parts,
@@ -182,7 +181,7 @@ impl Server {
                     return Ok(());
                 }
                 let Some(held) = self.shards[id as usize].as_mut() else { return Ok(()) };
-                let contributors = contributors_of(&self.membership, &self.lost, &held.sync, iteration);
+                let contributors = held.sync.contributors(&self.membership, &self.lost, iteration);
                 match held.sync.on_push(h.rank, iteration, &contributors) {
                     Ok(PushOutcome::Wait) => {}
                     Ok(PushOutcome::AggregateAll { iteration }) => self.update(id, Pending::Update { iteration, one: None })?,
@@ -254,7 +253,7 @@ impl Server {
             // BSP: the iteration's contributors in rank order, averaged over their
             // number; SSP/ASP: one worker's contribution, scaled by the worker count.
             Pending::Update { iteration, one: None } => {
-                let c = contributors_of(&self.membership, &self.lost, &h.sync, iteration);
+                let c = h.sync.contributors(&self.membership, &self.lost, iteration);
                 let scale = 1.0 / c.len() as f32;
                 (c, scale, None)
             }
