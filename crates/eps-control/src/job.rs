@@ -78,6 +78,8 @@ pub struct Job {
     previous: Vec<Option<(ShardEndpoint, u64)>>,
     migrations: Vec<Migration>,
     orders: Vec<(u32, Order)>,
+    /// Added servers ready for their share of shards, planned one at a time.
+    to_balance: Vec<u32>,
 }
 
 impl Job {
@@ -98,6 +100,7 @@ impl Job {
             previous: vec![None; n],
             migrations: Vec::new(),
             orders: Vec::new(),
+            to_balance: Vec::new(),
         })
     }
 
@@ -178,6 +181,11 @@ impl Job {
         self.orders.push((rank, o));
     }
 
+    /// Servers that registered and have not retired (leaving ones included).
+    pub(crate) fn unretired_servers(&self) -> Vec<u32> {
+        (0..self.servers.len() as u32).filter(|&r| !self.servers[r as usize].retired).collect()
+    }
+
     pub(crate) fn live_servers(&self) -> Vec<u32> {
         (0..self.servers.len() as u32)
             .filter(|&r| !self.servers[r as usize].leaving && !self.servers[r as usize].retired)
@@ -252,6 +260,7 @@ impl Job {
                 (mg.phase, mg.bytes, mg.millis) = (Phase::Done, *bytes, *millis);
                 self.previous[*shard as usize] = None;
                 self.retire_drained();
+                self.balance_next()?;
                 Ok(ControlMsg::Ok)
             }
             ControlMsg::Scale { servers } => self.scale(*servers),
@@ -307,17 +316,32 @@ impl Job {
         for e in shards {
             self.endpoints[e.shard as usize] = Some(e.clone());
         }
-        if rank >= self.initial_servers {
-            // A server added by a scale event: move shards onto it until balanced.
-            let mut plan = self.map.clone();
-            if !plan.servers.contains(&rank) {
-                let moves = plan.plan_add_whole(rank).map_err(|e| e.to_string())?;
-                self.map.servers.push(rank);
-                self.map.servers.sort_unstable();
-                self.start_moves(&moves);
-            }
+        if rank >= self.initial_servers && !self.map.servers.contains(&rank) {
+            // A server added by a scale event: move shards onto it until balanced,
+            // once no other migration is in flight (a plan made while shards are
+            // moving would see their old owners and could move one twice).
+            self.to_balance.push(rank);
+            self.balance_next()?;
         }
         Ok(ControlMsg::Ok)
+    }
+
+    /// Plans the moves onto the next added server waiting for them, if no
+    /// migration is in flight.
+    fn balance_next(&mut self) -> Result<(), String> {
+        if self.migrations_in_flight() > 0 || self.to_balance.is_empty() {
+            return Ok(());
+        }
+        let rank = self.to_balance.remove(0);
+        let mut plan = self.map.clone();
+        let moves = plan.plan_add_whole(rank).map_err(|e| e.to_string())?;
+        self.map.servers.push(rank);
+        self.map.servers.sort_unstable();
+        self.start_moves(&moves);
+        if moves.is_empty() {
+            return self.balance_next();
+        }
+        Ok(())
     }
 
     fn start_moves(&mut self, moves: &[Move]) {
@@ -392,6 +416,7 @@ impl Job {
             if !holds && !involved && !routed {
                 self.servers[r].retired = true;
                 self.order(r as u32, Order::Retire);
+                self.server_retired(r as u32);
             }
         }
     }

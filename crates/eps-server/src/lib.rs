@@ -223,6 +223,10 @@ struct Server {
     /// Landing regions of released shards, kept so that a push routed with an old
     /// epoch still lands in bounds and is answered "moved".
     retained: Vec<Vec<SoftMr>>,
+    /// (worker, shard) whose last push was answered "moved": the pull request
+    /// that follows it is answered "pull moved" too, even if the shard arrived
+    /// here meanwhile (the worker counts one answer of each kind).
+    moved_pushes: std::collections::BTreeSet<(u32, u32)>,
     retired: bool,
     /// By global shard id: (first element, elements).
     spans: Vec<(u64, u64)>,
@@ -305,6 +309,7 @@ pub fn run(cfg: &ServerConfig) -> Result<ServerSummary, ServerError> {
         hold: None,
         lost: Vec::new(),
         retained: Vec::new(),
+        moved_pushes: Default::default(),
         retired: false,
         spans: layout.shards.iter().map(|s| (s.start, s.len)).collect(),
     };

@@ -194,6 +194,9 @@ impl Server {
             ImmKind::PullReq => {
                 // A shard or version no longer (or not yet) served here: the worker
                 // routes with another epoch; it fetches the new map and asks the owner.
+                if self.moved_pushes.remove(&(h.rank, id)) {
+                    return self.send_pull_moved(h.rank, id, m.seq);
+                }
                 let Some(held) = self.shards[id as usize].as_mut() else { return self.send_pull_moved(h.rank, id, m.seq) };
                 let need = widen_seq(m.seq, held.sync.version().max(held.sync.min_clock()));
                 if held.out.as_ref().is_some_and(|o| !o.src.serves(need)) || !held.sync.serves(need) {
@@ -367,6 +370,7 @@ impl Server {
 
     fn send_moved(&mut self, w: u32, id: u32, seq: u16) -> Result<(), ServerError> {
         self.summary.moved += 1;
+        self.moved_pushes.insert((w, id));
         self.notify(w, Imm { kind: ImmKind::Moved, shard: id, seq })
     }
 

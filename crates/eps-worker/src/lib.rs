@@ -158,6 +158,8 @@ pub struct Worker {
     credit: Vec<bool>,
     /// Pushes answered "moved" since the current push_pull began: (shard, iteration).
     moved: Vec<(usize, u64)>,
+    /// Per shard: the map epoch its last push was routed with.
+    push_epoch: Vec<u64>,
     /// Pull requests answered "moved" since the current push_pull or pull began.
     pull_moved: usize,
     /// ASP: where each shard's published-buffer stamps are read into (16 bytes each).
@@ -254,6 +256,7 @@ impl Worker {
             opts,
             credit: vec![true; n],
             moved: Vec::new(),
+            push_epoch: vec![0; n],
             pull_moved: 0,
             stamps,
             reads_done: 0,
@@ -275,9 +278,10 @@ impl Worker {
         }
         if w.mode == Consistency::Asp {
             w.read_pull()?;
-        } else {
+        } else if start < w.spec.job.steps {
             w.pull(start)?;
         }
+        // (A worker admitted after the last step has nothing to pull or train.)
         Ok(w)
     }
 
@@ -324,8 +328,20 @@ impl Worker {
         for o in owners {
             self.connect(o)?;
         }
-        self.watch.adopted.store(self.map.epoch, Ordering::Release);
         Ok(())
+    }
+
+    /// Reports (through the watcher's next poll) that this worker routes with its
+    /// map's epoch and needs no server that epoch drained: called when a round
+    /// begins (the previous round's answers all came), and only once no shard's
+    /// route for this iteration is its previous owner. A server scaled away
+    /// retires only once every worker reported its draining epoch, so it never
+    /// leaves while a worker still talks to it.
+    fn report_routing(&self) {
+        let t = self.iteration;
+        if self.map.routes.iter().all(|r| r.previous.as_ref().is_none_or(|(_, at)| t >= *at)) {
+            self.watch.adopted.store(self.map.epoch, Ordering::Release);
+        }
     }
 
     /// Blocks until a map newer than ours is known (after a "moved" answer).
@@ -501,6 +517,7 @@ impl Worker {
         }
         let start = Instant::now();
         self.adopt_newest()?;
+        self.report_routing();
         let t = self.iteration;
         self.pulled = 0;
         self.pull_moved = 0;
@@ -525,8 +542,13 @@ impl Worker {
                 if self.moved.is_empty() {
                     break;
                 }
-                // Routed with an old epoch: fetch the new map and push there.
-                self.refresh_map()?;
+                // Routed with an old epoch: fetch the new map and push there (unless
+                // a map newer than the one those pushes used is here already: the
+                // answer was to a push sent before an earlier refresh).
+                let used = self.moved.iter().map(|&(sid, _)| self.push_epoch[sid]).min().unwrap_or(0);
+                if used >= self.map.epoch {
+                    self.refresh_map()?;
+                }
                 for (sid, it) in std::mem::take(&mut self.moved) {
                     moved_pushes += 1;
                     self.push_shard(sid, it)?;
@@ -556,6 +578,7 @@ impl Worker {
         let es = self.layout.dtype.size_bytes() as u64;
         let s = self.layout.shards[sid];
         let (owner, slot) = self.slot_at(self.route(sid, t))?;
+        self.push_epoch[sid] = self.map.epoch;
         let push = Imm { kind: ImmKind::Push, shard: sid as u32, seq: t as u16 }.encode();
         self.post(owner, WR_PUSH | sid as u64, slot, push, Some((s.start * es, (s.len * es) as u32)))?;
         if self.mode != Consistency::Asp {
@@ -580,6 +603,7 @@ impl Worker {
         }
         let start = Instant::now();
         self.adopt_newest()?;
+        self.report_routing();
         let need = self.iteration;
         // The old owner while it serves the version (it produced it; the new one may
         // still be catching up), then the owner.

@@ -190,7 +190,9 @@ impl Job {
         let id = self.w.proposals;
         let mut voters = self.w.voters();
         voters.retain(|(_, r)| !expired.contains(r));
-        for r in self.live_servers() {
+        // Every server that may aggregate votes, leaving ones included (they hold
+        // shards until their migrations end).
+        for r in self.unretired_servers() {
             voters.push((Role::Server, r));
             self.order(r, Order::Propose { id });
         }
@@ -217,9 +219,19 @@ impl Job {
         }
         self.w.expired.push(rank);
         self.w.finished[rank as usize] = true;
+        let alive: Vec<u32> = self.w.leased();
         match self.w.proposal.as_mut() {
             Some(p) => {
+                // A rank the change keeps is gone: keep another live one instead
+                // (a scale-down keeps its count with the workers that are left).
+                let kept = p.want.len();
                 p.want.retain(|&r| r != rank);
+                if p.want.len() < kept
+                    && let Some(&other) = alive.iter().find(|r| !p.want.contains(r))
+                {
+                    p.want.push(other);
+                    p.want.sort_unstable();
+                }
                 p.expired.push(rank);
                 p.voters.retain(|v| *v != (Role::Worker, rank));
                 self.try_commit();
@@ -245,6 +257,14 @@ impl Job {
         Ok(())
     }
 
+    /// Server `rank` retired: it votes on nothing any more.
+    pub(super) fn server_retired(&mut self, rank: u32) {
+        if let Some(p) = self.w.proposal.as_mut() {
+            p.voters.retain(|v| *v != (Role::Server, rank));
+            self.try_commit();
+        }
+    }
+
     fn try_commit(&mut self) {
         let Some(p) = self.w.proposal.as_ref().filter(|p| p.voters.is_empty()) else { return };
         let p = p.clone();
@@ -261,7 +281,7 @@ impl Job {
         }
         self.w.admitted = self.w.admitted.max(p.want.iter().max().map_or(0, |m| m + 1));
         self.w.changes += 1;
-        for r in self.live_servers() {
+        for r in self.unretired_servers() {
             self.order(r, Order::Members { at, workers: p.want.clone(), expired: p.expired.clone() });
         }
         self.map.epoch += 1;

@@ -1,0 +1,536 @@
+//! # eps-sim
+//!
+//! A seeded, deterministic simulation of an elastic job. The control plane is the
+//! real one (`eps_control::job::Job`, sans-IO); servers and workers make the
+//! decisions `eps-server` and `eps-worker` make, over the same protocol cores
+//! (`ShardSync`, the migration `Source`, `Membership`); messages travel on an
+//! in-memory network with FIFO channels, random delays and a virtual clock
+//! ([`net`]). A scale plan drawn from the seed adds and removes servers (shard
+//! migrations) and workers (membership votes), and crashes workers (lease
+//! expiry). Parameters are stood in for by a 64-bit digest per shard version.
+//!
+//! After every delivery it checks that every version a live worker needs next is
+//! servable by some server, that every server publishing a version of a shard
+//! publishes the same value (a migration target tracks its source), and that an
+//! aggregation consumes exactly its contributors' pushes of that iteration. At the
+//! end it checks progress (every worker trained to the last step, left at a
+//! boundary, or crashed) and that the final parameters equal a reference computed
+//! from the committed contributor sets: no update lost or applied twice. A failure
+//! names its seed; [`run`] with that seed replays it exactly.
+
+#![forbid(unsafe_code)]
+
+pub mod net;
+mod server;
+mod worker;
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::fmt;
+
+use eps_control::job::Job;
+use eps_proto::JobSpec;
+use eps_proto::control::{ControlMsg, Role};
+use eps_proto::membership::Membership;
+
+use net::{Msg, Net, Node, Rng, h2, mix};
+use server::SimServer;
+use worker::{SimWorker, WState};
+
+/// What happened in one run.
+#[derive(Clone, Debug, Default)]
+pub struct Report {
+    /// Deliveries processed.
+    pub events: u64,
+    /// Virtual time at the end.
+    pub time: u64,
+    /// Shard migrations completed.
+    pub migrations: u64,
+    /// Scale requests the control plane accepted (servers, workers).
+    pub scales: (u64, u64),
+    /// Workers crashed.
+    pub crashes: u64,
+    /// Worker membership changes committed.
+    pub membership_changes: u64,
+}
+
+/// A run that broke an invariant or stopped making progress.
+#[derive(Clone, Debug)]
+pub struct Failure {
+    /// The seed that replays it.
+    pub seed: u64,
+    /// Virtual time of the failure.
+    pub time: u64,
+    /// What went wrong.
+    pub what: String,
+    /// The last events before it.
+    pub trace: Vec<String>,
+}
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "seed {} failed at t={}: {}", self.seed, self.time, self.what)?;
+        writeln!(f, "last events:")?;
+        for l in &self.trace {
+            writeln!(f, "  {l}")?;
+        }
+        write!(f, "replay with EPS_SIM_SEED={} cargo test -p eps-sim", self.seed)
+    }
+}
+
+const STEPS_MAX: u64 = 40;
+/// Lines of trace a failure shows.
+const TRACE_LINES: usize = 300;
+const LEASE: u64 = 400;
+const TICK: u64 = 10;
+const TIME_LIMIT: u64 = 2_000_000;
+
+/// The simulated job's world.
+pub(crate) struct World {
+    rng: Rng,
+    net: Net,
+    pub(crate) job: Job,
+    pub(crate) steps: u64,
+    shards: u32,
+    ranks: u32,
+    /// Workers at the start.
+    workers0: u32,
+    servers: Vec<Option<SimServer>>,
+    orders_after: Vec<u64>,
+    workers: BTreeMap<u32, Option<SimWorker>>,
+    /// Workers whose watcher still runs (they get maps and renew their lease).
+    watching: BTreeSet<u32>,
+    epoch_sent: u64,
+    seen: BTreeMap<u32, u64>,
+    /// First value published for (shard, version).
+    published: BTreeMap<(u32, u64), u64>,
+    /// Pushes a server took: (worker, shard, iteration).
+    pub(crate) accepted: BTreeSet<(u32, u32, u64)>,
+    /// Workers removed by lease expiry, with the commit's first iteration.
+    pub(crate) lost: BTreeSet<(u32, u64)>,
+    pub(crate) migrations: u64,
+    report: Report,
+    plan_left: u32,
+    trace: VecDeque<String>,
+    failure: Option<String>,
+}
+
+impl World {
+    pub(crate) fn fail(&mut self, what: String) {
+        if self.failure.is_none() {
+            self.failure = Some(what);
+        }
+    }
+
+    fn note(&mut self, line: String) {
+        if self.trace.len() == TRACE_LINES {
+            self.trace.pop_front();
+        }
+        self.trace.push_back(format!("t={} {line}", self.net.now));
+    }
+
+    /// Sends with a random delay; returns the delivery time.
+    pub(crate) fn send(&mut self, from: Node, to: Node, msg: Msg) -> u64 {
+        let d = self.rng.range(1, self.net.max_delay);
+        self.net.send_after(from, to, msg, d);
+        self.net.now + d
+    }
+
+    /// A completion at `node` some time after a delivery at `at`.
+    pub(crate) fn complete_after(&mut self, node: Node, msg: Msg, at: u64) {
+        let d = at.saturating_sub(self.net.now) + self.rng.range(1, self.net.max_delay);
+        self.net.send_after(node, node, msg, d);
+    }
+
+    /// A timer for `node` in `lo..=hi`.
+    pub(crate) fn timer(&mut self, node: Node, lo: u64, hi: u64) {
+        let d = self.rng.range(lo, hi);
+        self.net.send_after(node, node, Msg::Tick, d);
+    }
+
+    /// A control-plane call (the roles' calls are synchronous): applies it and
+    /// delivers the orders and maps it caused.
+    pub(crate) fn ctl(&mut self, m: &ControlMsg) -> Result<ControlMsg, String> {
+        let r = self.job.apply(m);
+        if r.is_ok() {
+            self.note(format!("control: {m:?}"));
+        }
+        self.after_ctl();
+        r
+    }
+
+    /// A worker reports the epoch it routes with.
+    pub(crate) fn adopted(&mut self, rank: u32, epoch: u64) {
+        self.job.worker_adopted(rank, epoch);
+        self.after_ctl();
+    }
+
+    /// A worker's watcher stopped (it finished, left or crashed).
+    pub(crate) fn gone(&mut self, rank: u32) {
+        self.watching.remove(&rank);
+    }
+
+    fn after_ctl(&mut self) {
+        for r in 0..self.servers.len() {
+            let (last, orders) = self.job.orders_for(r as u32, self.orders_after[r]);
+            self.orders_after[r] = last;
+            if !orders.is_empty() {
+                self.send(Node::Ctl, Node::Server(r as u32), Msg::Orders(orders));
+            }
+        }
+        if self.job.epoch() != self.epoch_sent {
+            self.epoch_sent = self.job.epoch();
+            let map = self.job.job_map();
+            for r in self.watching.clone() {
+                self.send(Node::Ctl, Node::Worker(r), Msg::Map(Box::new(map.clone())));
+            }
+        }
+    }
+
+    /// A server published `value` as version `v` of `shard`: the same value as
+    /// anyone else who published that version.
+    pub(crate) fn publish(&mut self, server: u32, shard: u32, v: u64, value: u64) {
+        match self.published.get(&(shard, v)) {
+            Some(&x) if x != value => {
+                self.fail(format!("server {server} published version {v} of shard {shard} as {value:x}, another server as {x:x}"))
+            }
+            Some(_) => {}
+            None => {
+                self.published.insert((shard, v), value);
+            }
+        }
+    }
+
+    fn start_server(&mut self, shards: &[u32]) {
+        let reg = self.job.apply(&ControlMsg::Register { role: Role::Server, fabric_addr: String::new() });
+        let Ok(ControlMsg::Registered { rank, .. }) = reg else { return };
+        let s = SimServer::new(rank, self.ranks, self.workers0, shards, init_value);
+        self.servers.push(Some(s));
+        self.orders_after.push(0);
+        let eps = shards.iter().map(|&id| server::endpoint(id, rank)).collect();
+        if let Err(e) = self.ctl(&ControlMsg::ServerReady { rank, fabric_addr: format!("sim:{rank}"), shards: eps }) {
+            self.fail(format!("server {rank} ready refused: {e}"));
+        }
+        self.note(format!("server {rank} started with shards {shards:?}"));
+    }
+
+    fn start_worker(&mut self) {
+        let reg = self.job.apply(&ControlMsg::Register { role: Role::Worker, fabric_addr: String::new() });
+        let Ok(ControlMsg::Registered { rank, .. }) = reg else { return };
+        self.note(format!("worker {rank} registered"));
+        self.seen.insert(rank, self.net.now);
+        self.watching.insert(rank);
+        let mut w = SimWorker::new(rank, self.job.job_map(), self.shards as usize);
+        w.try_admit(self);
+        self.workers.insert(rank, Some(w));
+    }
+
+    fn deliver(&mut self, from: Node, to: Node, msg: Msg) {
+        match to {
+            Node::Server(r) => {
+                let Some(mut s) = self.servers.get_mut(r as usize).and_then(Option::take) else { return };
+                s.handle(self, msg);
+                self.servers[r as usize] = Some(s);
+            }
+            Node::Worker(r) => {
+                let Some(mut w) = self.workers.get_mut(&r).and_then(Option::take) else { return };
+                w.handle(self, msg);
+                self.workers.insert(r, Some(w));
+            }
+            Node::Ctl => match msg {
+                Msg::Tick => self.lease_tick(),
+                Msg::Plan => self.plan_step(),
+                m => self.fail(format!("control got {m:?} from {from:?}")),
+            },
+        }
+    }
+
+    fn live_workers(&self) -> Vec<u32> {
+        self.workers.iter().filter(|(_, w)| w.as_ref().is_some_and(SimWorker::live)).map(|(&r, _)| r).collect()
+    }
+
+    /// The control plane's lease clock: watchers renew; silent workers expire.
+    fn lease_tick(&mut self) {
+        let now = self.net.now;
+        for &r in &self.watching {
+            self.seen.insert(r, now);
+        }
+        for r in self.job.leased_workers() {
+            let seen = *self.seen.entry(r).or_insert(now);
+            if now - seen > LEASE {
+                self.note(format!("worker {r}'s lease expired"));
+                if let Err(e) = self.ctl(&ControlMsg::Expire { rank: r }) {
+                    self.fail(format!("expiring worker {r}: {e}"));
+                }
+            }
+        }
+        if !self.live_workers().is_empty() {
+            self.net.send_after(Node::Ctl, Node::Ctl, Msg::Tick, TICK);
+        }
+    }
+
+    /// One event of the scale plan drawn from the seed.
+    fn plan_step(&mut self) {
+        if self.plan_left == 0 || self.live_workers().is_empty() {
+            return;
+        }
+        self.plan_left -= 1;
+        let roll = self.rng.range(0, 99);
+        if roll < 40 {
+            let n = self.rng.range(1, 4) as u32;
+            if self.ctl(&ControlMsg::Scale { servers: n }).is_ok() {
+                self.report.scales.0 += 1;
+                self.note(format!("plan: servers -> {n}"));
+                // Start the servers the control plane made room for.
+                loop {
+                    let before = self.servers.len();
+                    self.start_server(&[]);
+                    if self.servers.len() == before || self.failure.is_some() {
+                        break;
+                    }
+                }
+            }
+        } else if roll < 75 {
+            let n = self.rng.range(1, 4) as u32;
+            let now = self.job.job_map().membership.last().map_or(0, |(_, s)| s.len() as u32);
+            if self.ctl(&ControlMsg::ScaleWorkers { workers: n }).is_ok() {
+                self.report.scales.1 += 1;
+                self.note(format!("plan: workers {now} -> {n}"));
+                for _ in now..n {
+                    self.start_worker();
+                }
+            }
+        } else if roll < 90 {
+            // Crash a contributor while another one stays (a job whose every
+            // worker is gone cannot go on, and that is not what is checked here).
+            let map = self.job.job_map();
+            let latest = map.membership.last().map(|(_, s)| s.clone()).unwrap_or_default();
+            // Only workers already training count: a joiner that has not started
+            // does not contribute to the iterations under way.
+            let training = |w: &SimWorker| !matches!(w.state, WState::AwaitAdmit | WState::InitialPull) && w.live();
+            let live: Vec<u32> = self
+                .workers
+                .iter()
+                .filter(|(r, w)| latest.contains(r) && w.as_ref().is_some_and(training))
+                .map(|(&r, _)| r)
+                .collect();
+            if live.len() >= 2 && map.proposal == 0 && self.report.crashes < 2 {
+                let r = live[self.rng.range(0, live.len() as u64 - 1) as usize];
+                self.crash(r);
+            }
+        }
+        let d = self.rng.range(20, 150);
+        self.net.send_after(Node::Ctl, Node::Ctl, Msg::Plan, d);
+    }
+
+    fn crash(&mut self, r: u32) {
+        let Some(Some(w)) = self.workers.get_mut(&r) else { return };
+        w.state = WState::Crashed;
+        let t = w.t;
+        self.watching.remove(&r);
+        self.report.crashes += 1;
+        self.note(format!("worker {r} crashed at iteration {t}"));
+        // Its connections close: the last thing each server hears from it.
+        for s in 0..self.servers.len() as u32 {
+            self.send(Node::Worker(r), Node::Server(s), Msg::ConnLost { w: r });
+        }
+    }
+
+    /// Server `rank` retired (it exits): no live worker may still route to it or
+    /// have a request to it in flight.
+    pub(crate) fn check_retired(&mut self, rank: u32) {
+        let in_flight = self.net.from_workers_to(Node::Server(rank));
+        let routing: Vec<u32> = self
+            .workers
+            .values()
+            .flatten()
+            .filter(|w| w.live() && w.state != WState::AwaitAdmit && w.routes_to(rank))
+            .map(|w| w.rank)
+            .collect();
+        if in_flight > 0 || !routing.is_empty() {
+            self.fail(format!(
+                "server {rank} retired with {in_flight} worker requests in flight; workers {routing:?} still route to it"
+            ));
+        }
+    }
+
+    /// Every version a live worker needs next is servable by some server.
+    fn check_servable(&mut self) {
+        let mut bad = None;
+        for w in self.workers.values().flatten() {
+            if !w.live() || w.state == WState::AwaitAdmit {
+                continue;
+            }
+            for s in 0..self.shards {
+                let need = w.need(s as usize);
+                let ok = self.servers.iter().flatten().any(|sv| !sv.retired && sv.serves(s, need));
+                if !ok {
+                    bad = Some(format!(
+                        "worker {} ({:?}, iteration {}) needs version {need} of shard {s}, which no server serves",
+                        w.rank, w.state, w.t
+                    ));
+                }
+            }
+        }
+        if let Some(b) = bad {
+            self.fail(b);
+        }
+    }
+
+    /// Who is where, for a stall report.
+    fn dump(&self) -> String {
+        let mut t = String::new();
+        for w in self.workers.values().flatten() {
+            t += &format!(
+                "worker {}: {:?} at iteration {}, holds {:?}, {}\n",
+                w.rank,
+                w.state,
+                w.t,
+                w.have.iter().map(|h| h.0).collect::<Vec<_>>(),
+                w.describe()
+            );
+        }
+        for s in self.servers.iter().flatten() {
+            t += &format!("server {}: {}\n", s.rank, s.describe());
+        }
+        t + &self.job.status()
+    }
+
+    /// The end: progress, and the parameters equal the reference.
+    fn check_end(&mut self) {
+        let mut done = 0;
+        let stuck = self.workers.values().flatten().any(|w| !matches!(w.state, WState::Done | WState::Left | WState::Crashed));
+        if stuck {
+            let what = format!("no progress: the network fell silent\n{}", self.dump());
+            return self.fail(what);
+        }
+        for w in self.workers.values().flatten() {
+            done += u32::from(w.state == WState::Done);
+        }
+        if done == 0 {
+            return self.fail("no worker trained to the last step".into());
+        }
+        let Some(m) = Membership::from_epochs(self.job.job_map().membership) else {
+            return self.fail("invalid final membership".into());
+        };
+        for s in 0..self.shards {
+            let mut value = init_value(s);
+            for t in 0..self.steps {
+                let mut d = 0u64;
+                for &r in m.contributors(t) {
+                    let gone = self.lost.iter().any(|&(x, at)| x == r && t < at);
+                    if gone && !self.accepted.contains(&(r, s, t)) {
+                        continue;
+                    }
+                    let token = h2(h2(u64::from(r), t), h2(u64::from(s), value));
+                    d = h2(d, h2(u64::from(r), token));
+                }
+                value = h2(h2(value, t), d);
+                match self.published.get(&(s, t + 1)) {
+                    Some(&got) if got == value => {}
+                    got => {
+                        return self.fail(format!(
+                            "shard {s} version {} is {got:x?}, the reference for the contributor sets {:?} (lost {:?}) is {value:x}",
+                            t + 1,
+                            m.epochs(),
+                            self.lost
+                        ));
+                    }
+                }
+            }
+        }
+        self.report.membership_changes = self.job.membership_changes();
+    }
+}
+
+/// Version 0 of a shard.
+fn init_value(shard: u32) -> u64 {
+    mix(0xE95 ^ u64::from(shard))
+}
+
+/// Runs the simulation for `seed`.
+pub fn run(seed: u64) -> Result<Report, Failure> {
+    let mut rng = Rng::new(seed);
+    let shards = rng.range(1, 5) as u32;
+    let servers = rng.range(1, 3) as u32;
+    let workers = rng.range(1, 3) as u32;
+    let steps = rng.range(12, STEPS_MAX);
+    let max_workers = workers + 4;
+    let text = format!(
+        "[job]\nworkers = {workers}\nservers = {servers}\nsteps = {steps}\nmax_workers = {max_workers}\nshard_bytes = 4096\n\
+         [model]\ntensors = [{{ name = \"w\", elements = {} }}]\n",
+        shards * 1024
+    );
+    let spec = JobSpec::from_toml(&text).map_err(|e| fail_at(seed, 0, format!("spec: {e}")))?;
+    let layout = spec.layout().map_err(|e| fail_at(seed, 0, format!("layout: {e}")))?;
+    let job = Job::new(&spec, &text).map_err(|e| fail_at(seed, 0, format!("job: {e}")))?;
+    let max_delay = rng.range(2, 30);
+    let mut w = World {
+        rng,
+        net: Net::new(max_delay),
+        job,
+        steps,
+        shards: layout.shards.len() as u32,
+        ranks: max_workers,
+        workers0: workers,
+        servers: Vec::new(),
+        orders_after: Vec::new(),
+        workers: BTreeMap::new(),
+        watching: BTreeSet::new(),
+        epoch_sent: 0,
+        seen: BTreeMap::new(),
+        published: BTreeMap::new(),
+        accepted: BTreeSet::new(),
+        lost: BTreeSet::new(),
+        migrations: 0,
+        report: Report::default(),
+        plan_left: 10,
+        trace: VecDeque::new(),
+        failure: None,
+    };
+    for r in 0..servers {
+        let mine: Vec<u32> = layout.shards_of(r).map(|s| s.id).collect();
+        w.start_server(&mine);
+    }
+    for s in 0..w.shards {
+        w.published.insert((s, 0), init_value(s));
+    }
+    for _ in 0..workers {
+        w.start_worker();
+    }
+    w.net.send_after(Node::Ctl, Node::Ctl, Msg::Tick, TICK);
+    let first = w.rng.range(5, 100);
+    w.net.send_after(Node::Ctl, Node::Ctl, Msg::Plan, first);
+    let mut last_progress = 0;
+    while let Some((from, to, msg)) = w.net.pop() {
+        w.report.events += 1;
+        if !matches!((&msg, to), (Msg::Tick, Node::Ctl) | (Msg::Plan, _)) {
+            last_progress = w.net.now;
+            let line = format!("{from:?} -> {to:?}: {msg:?}");
+            w.note(line);
+        }
+        w.deliver(from, to, msg);
+        if w.failure.is_none() {
+            w.check_servable();
+        }
+        if w.failure.is_none() && (w.net.now > TIME_LIMIT || w.net.now - last_progress > 20 * LEASE) {
+            let what = format!("no progress since t={last_progress}:\n{}", w.dump());
+            w.fail(what);
+        }
+        if w.failure.is_some() {
+            break;
+        }
+    }
+    if w.failure.is_none() {
+        w.check_end();
+    }
+    if let Some(what) = w.failure.take() {
+        return Err(Failure { seed, time: w.net.now, what, trace: w.trace.into_iter().collect() });
+    }
+    w.report.time = w.net.now;
+    w.report.migrations = w.migrations;
+    Ok(w.report)
+}
+
+fn fail_at(seed: u64, time: u64, what: String) -> Failure {
+    Failure { seed, time, what, trace: Vec::new() }
+}

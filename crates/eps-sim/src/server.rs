@@ -1,0 +1,490 @@
+//! A server as the simulation runs it: the decisions of `eps-server` (push and
+//! pull handling, held updates, the migration source and target, membership
+//! votes and commits) over the same protocol cores, with a 64-bit digest standing
+//! in for each shard's parameters.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use eps_proto::control::{ControlMsg, MigrationKeys, Order, Role, ShardEndpoint};
+use eps_proto::membership::Membership;
+use eps_proto::migrate::{Source, SourceAction, SourcePhase};
+use eps_proto::spec::Consistency;
+use eps_proto::sync::{PushOutcome, ShardSync};
+
+use crate::World;
+use crate::net::{Msg, Node, h2};
+
+/// An update waiting for its shard to be free.
+#[derive(Clone, Copy, Debug)]
+enum Pending {
+    /// Aggregate this iteration's contributions.
+    Update(u64),
+    /// Replay the source's update producing version `v`.
+    Forward { v: u64, digest: u64 },
+}
+
+/// The source side of a migration.
+#[derive(Debug)]
+struct Out {
+    src: Source,
+    to: u32,
+    snapshot_busy: bool,
+    forward_busy: bool,
+    last_forward: u64,
+}
+
+/// One held shard.
+#[derive(Debug)]
+struct Shard {
+    sync: ShardSync,
+    /// Value of each version held.
+    vals: BTreeMap<u64, u64>,
+    /// Per worker rank: (iteration, gradient digest) in its landing slot.
+    landing: Vec<Option<(u64, u64)>>,
+    waiting: VecDeque<Pending>,
+    out: Option<Out>,
+    /// Migration target: (source, snapshot landed).
+    incoming: Option<(u32, bool)>,
+}
+
+/// One server.
+#[derive(Debug)]
+pub(crate) struct SimServer {
+    pub(crate) rank: u32,
+    shards: BTreeMap<u32, Shard>,
+    membership: Membership,
+    hold: Option<u64>,
+    lost: Vec<(u32, u64)>,
+    pub(crate) retired: bool,
+    /// Workers whose connection closed.
+    dead: BTreeSet<u32>,
+    /// (worker, shard) whose last push was answered "moved".
+    moved_pushes: BTreeSet<(u32, u32)>,
+    ranks: u32,
+}
+
+pub(crate) fn endpoint(shard: u32, owner: u32) -> ShardEndpoint {
+    ShardEndpoint { shard, owner, landing: Vec::new(), published_addr: 0, published_rkey: 0 }
+}
+
+impl SimServer {
+    /// A server holding `shards` at version 0 (values from `init`).
+    pub(crate) fn new(rank: u32, ranks: u32, workers: u32, shards: &[u32], init: impl Fn(u32) -> u64) -> Self {
+        let mut s = Self {
+            rank,
+            shards: BTreeMap::new(),
+            membership: Membership::new((0..workers).collect()).expect("at least one worker"),
+            hold: None,
+            lost: Vec::new(),
+            retired: false,
+            dead: BTreeSet::new(),
+            moved_pushes: BTreeSet::new(),
+            ranks,
+        };
+        for &id in shards {
+            let sh = Shard {
+                sync: ShardSync::new(Consistency::Bsp, ranks),
+                vals: BTreeMap::from([(0, init(id))]),
+                landing: vec![None; ranks as usize],
+                waiting: VecDeque::new(),
+                out: None,
+                incoming: None,
+            };
+            s.shards.insert(id, sh);
+        }
+        s
+    }
+
+    /// Whether this server can serve version `need` of `shard` (now or once it
+    /// has it): it holds the shard and neither a migration nor a snapshot floor
+    /// refuses the version.
+    pub(crate) fn serves(&self, shard: u32, need: u64) -> bool {
+        self.shards.get(&shard).is_some_and(|sh| sh.sync.serves(need) && sh.out.as_ref().is_none_or(|o| o.src.serves(need)))
+    }
+
+    /// Held shards with their version and migration state, for a stall report.
+    pub(crate) fn describe(&self) -> String {
+        let mut t = format!(
+            "{}hold {:?}, lost {:?}, dead {:?}; ",
+            if self.retired { "retired; " } else { "" },
+            self.hold,
+            self.lost,
+            self.dead
+        );
+        for (id, sh) in &self.shards {
+            t += &format!(
+                "[shard {id} v{} waiting {} out {:?} in {:?} slots {:?}] ",
+                sh.sync.version(),
+                sh.waiting.len(),
+                sh.out.as_ref().map(|o| (o.src.phase(), o.to, o.snapshot_busy, o.forward_busy)),
+                sh.incoming,
+                sh.landing.iter().enumerate().filter_map(|(r, l)| l.map(|l| (r, l.0))).collect::<Vec<_>>()
+            );
+        }
+        t
+    }
+
+    /// Handles one delivery.
+    pub(crate) fn handle(&mut self, w: &mut World, msg: Msg) {
+        if self.retired {
+            return;
+        }
+        match msg {
+            Msg::Push { w: r, shard, t, token } => self.on_push(w, r, shard, t, token),
+            Msg::PullReq { w: r, shard, need } => self.on_pull_req(w, r, shard, need),
+            Msg::ConnLost { w: r } => {
+                self.dead.insert(r);
+                for sh in self.shards.values_mut() {
+                    sh.sync.drop_pending(r);
+                }
+            }
+            Msg::PullWritten { shard, w: r, v } => self.on_pull_written(w, shard, r, v),
+            Msg::Snapshot { shard, v, value } => self.on_snapshot(w, shard, v, value),
+            Msg::SnapshotDone { shard } => self.on_snapshot_done(w, shard),
+            Msg::Forward { shard, v, digest } => self.on_forward(w, shard, v, digest),
+            Msg::ForwardAck { shard, v } => self.on_ack(w, shard, v),
+            Msg::Orders(os) => {
+                for o in os {
+                    self.on_order(w, o);
+                }
+            }
+            m => w.fail(format!("server {} got {m:?}", self.rank)),
+        }
+    }
+
+    fn me(&self) -> Node {
+        Node::Server(self.rank)
+    }
+
+    fn on_push(&mut self, w: &mut World, r: u32, id: u32, t: u64, token: u64) {
+        let me = self.me();
+        let Some(sh) = self.shards.get_mut(&id) else {
+            self.moved_pushes.insert((r, id));
+            w.send(me, Node::Worker(r), Msg::Moved { shard: id, t });
+            return;
+        };
+        if sh.out.as_ref().is_some_and(|o| o.src.accepts_push(t).is_err()) {
+            self.moved_pushes.insert((r, id));
+            w.send(me, Node::Worker(r), Msg::Moved { shard: id, t });
+            return;
+        }
+        if self.hold.is_some_and(|h| t >= h) {
+            match sh.sync.on_push_unsettled(r, t) {
+                Ok(()) => {
+                    sh.landing[r as usize] = Some((t, token));
+                    w.accepted.insert((r, id, t));
+                }
+                Err(e) => w.fail(format!("server {}: push of worker {r}, shard {id}, iteration {t}: {e}", self.rank)),
+            }
+            return;
+        }
+        let c = sh.sync.contributors(&self.membership, &self.lost, t).into_owned();
+        match sh.sync.on_push(r, t, &c) {
+            Ok(PushOutcome::Wait) => {
+                sh.landing[r as usize] = Some((t, token));
+                w.accepted.insert((r, id, t));
+            }
+            Ok(PushOutcome::AggregateAll { iteration }) => {
+                sh.landing[r as usize] = Some((t, token));
+                w.accepted.insert((r, id, t));
+                self.update(w, id, Pending::Update(iteration));
+            }
+            Ok(other) => w.fail(format!("server {}: BSP push gave {other:?}", self.rank)),
+            Err(e) => w.fail(format!("server {}: push of worker {r}, shard {id}, iteration {t}: {e}", self.rank)),
+        }
+    }
+
+    fn on_pull_req(&mut self, w: &mut World, r: u32, id: u32, need: u64) {
+        let me = self.me();
+        if self.moved_pushes.remove(&(r, id)) || !self.serves(id, need) {
+            w.send(me, Node::Worker(r), Msg::PullMoved { shard: id });
+            return;
+        }
+        let Some(sh) = self.shards.get_mut(&id) else { return };
+        match sh.sync.on_pull(r, need) {
+            Ok(Some(v)) => self.send_pull(w, r, id, v),
+            Ok(None) => {}
+            Err(e) => w.fail(format!("server {}: pull of worker {r}, shard {id}, version {need}: {e}", self.rank)),
+        }
+    }
+
+    fn send_pull(&mut self, w: &mut World, r: u32, id: u32, v: u64) {
+        let me = self.me();
+        let Some(sh) = self.shards.get_mut(&id) else { return };
+        if self.dead.contains(&r) {
+            sh.sync.pull_written(v);
+            return;
+        }
+        let Some(&value) = sh.vals.get(&v) else {
+            return w.fail(format!("server {} asked to send version {v} of shard {id}, which it does not hold", self.rank));
+        };
+        let at = w.send(me, Node::Worker(r), Msg::PullDone { shard: id, v, value });
+        w.complete_after(me, Msg::PullWritten { shard: id, w: r, v }, at);
+    }
+
+    fn on_pull_written(&mut self, w: &mut World, id: u32, r: u32, v: u64) {
+        let Some(sh) = self.shards.get_mut(&id) else { return };
+        sh.sync.pull_written(v);
+        if let Some(out) = sh.out.as_mut()
+            && let SourcePhase::CuttingOver { at } = out.src.phase()
+            && v == at
+            && out.src.on_worker_moved(r) == Some(SourceAction::Release)
+        {
+            return self.release(w, id);
+        }
+        self.drain(w, id);
+    }
+
+    fn free(&self, id: u32) -> bool {
+        self.shards.get(&id).is_some_and(|sh| {
+            sh.sync.can_publish() && sh.waiting.is_empty() && sh.out.as_ref().is_none_or(|o| !(o.snapshot_busy || o.forward_busy))
+        })
+    }
+
+    fn update(&mut self, w: &mut World, id: u32, p: Pending) {
+        if !self.free(id) {
+            if let Some(sh) = self.shards.get_mut(&id) {
+                sh.sync.set_publish_waiting(true);
+                sh.waiting.push_back(p);
+            }
+            return;
+        }
+        self.apply(w, id, p);
+    }
+
+    fn drain(&mut self, w: &mut World, id: u32) {
+        loop {
+            let Some(sh) = self.shards.get_mut(&id) else { return };
+            let busy = sh.out.as_ref().is_some_and(|o| o.snapshot_busy || o.forward_busy);
+            if !sh.sync.can_publish() || busy {
+                return;
+            }
+            let Some(p) = sh.waiting.pop_front() else { return };
+            sh.sync.set_publish_waiting(!sh.waiting.is_empty());
+            self.apply(w, id, p);
+        }
+    }
+
+    fn apply(&mut self, w: &mut World, id: u32, p: Pending) {
+        let rank = self.rank;
+        let Some(sh) = self.shards.get_mut(&id) else { return };
+        let version = sh.sync.version();
+        let next = version + 1;
+        let Some(&old) = sh.vals.get(&version) else {
+            return w.fail(format!("server {rank}: shard {id} has no value for its version {version}"));
+        };
+        let digest = match p {
+            Pending::Update(iteration) => {
+                if iteration != version {
+                    return w.fail(format!("server {rank}: shard {id} aggregates iteration {iteration} at version {version}"));
+                }
+                let c = sh.sync.contributors(&self.membership, &self.lost, iteration).into_owned();
+                let mut d = 0u64;
+                for &r in &c {
+                    match sh.landing[r as usize].take() {
+                        Some((it, tok)) if it == iteration => d = h2(d, h2(u64::from(r), tok)),
+                        other => {
+                            return w.fail(format!(
+                                "server {rank}: shard {id} aggregates iteration {iteration} of {c:?} but worker {r}'s slot holds {other:?}"
+                            ));
+                        }
+                    }
+                }
+                if let Some(r) = sh.landing.iter().position(Option::is_some) {
+                    return w.fail(format!(
+                        "server {rank}: shard {id} aggregated iteration {iteration} of {c:?}, leaving worker {r}'s contribution {:?} behind",
+                        sh.landing[r]
+                    ));
+                }
+                sh.sync.published(None);
+                d
+            }
+            Pending::Forward { v, digest } => {
+                if v != next {
+                    return w.fail(format!("server {rank}: forward of version {v} of shard {id} applied at version {version}"));
+                }
+                sh.sync.forwarded();
+                digest
+            }
+        };
+        let value = h2(h2(old, version), digest);
+        sh.vals.insert(next, value);
+        sh.sync.set_publish_waiting(!sh.waiting.is_empty());
+        w.publish(rank, id, next, value);
+        self.after_apply(w, id, p, next, digest);
+        let mut ready = Vec::new();
+        if let Some(sh) = self.shards.get_mut(&id) {
+            sh.sync.ready_pulls(&mut ready);
+        }
+        for (r, v) in ready {
+            self.send_pull(w, r, id, v);
+        }
+    }
+
+    fn after_apply(&mut self, w: &mut World, id: u32, p: Pending, version: u64, digest: u64) {
+        let me = self.me();
+        let Some(sh) = self.shards.get_mut(&id) else { return };
+        if let Some(out) = sh.out.as_mut()
+            && let Some(SourceAction::Forward { version }) = out.src.on_applied(version)
+        {
+            w.send(me, Node::Server(out.to), Msg::Forward { shard: id, v: version, digest });
+            out.forward_busy = true;
+            out.last_forward = version;
+        }
+        if let (Pending::Forward { .. }, Some((from, true))) = (p, sh.incoming) {
+            w.send(me, Node::Server(from), Msg::ForwardAck { shard: id, v: version });
+            let c = sh.sync.contributors(&self.membership, &self.lost, version).into_owned();
+            if let Some(t) = sh.sync.complete(&c) {
+                self.update(w, id, Pending::Update(t));
+            }
+        }
+    }
+
+    fn on_snapshot(&mut self, w: &mut World, id: u32, v: u64, value: u64) {
+        let me = self.me();
+        let Some(sh) = self.shards.get_mut(&id) else {
+            return w.fail(format!("server {}: snapshot of shard {id}, which is not arriving here", self.rank));
+        };
+        let Some((from, false)) = sh.incoming else {
+            return w.fail(format!("server {}: unexpected snapshot of shard {id}", self.rank));
+        };
+        let moved = sh.sync.snapshot_landed(v);
+        sh.vals.insert(v, value);
+        sh.incoming = Some((from, true));
+        w.publish(self.rank, id, v, value);
+        for r in moved {
+            w.send(me, Node::Worker(r), Msg::PullMoved { shard: id });
+        }
+    }
+
+    fn on_snapshot_done(&mut self, w: &mut World, id: u32) {
+        let Some(sh) = self.shards.get_mut(&id) else { return };
+        let Some(out) = sh.out.as_mut() else { return };
+        out.snapshot_busy = false;
+        let at = sh.sync.version() + 1;
+        let action = match out.src.announce(at) {
+            Ok(a) => a,
+            Err(e) => return w.fail(format!("server {}: cutover of shard {id}: {e}", self.rank)),
+        };
+        if let Err(e) = w.ctl(&ControlMsg::Cutover { shard: id, at }) {
+            return w.fail(format!("server {}: the control plane refused the cutover of shard {id} at {at}: {e}", self.rank));
+        }
+        if action == Some(SourceAction::Release) {
+            return self.release(w, id);
+        }
+        self.drain(w, id);
+    }
+
+    fn on_forward(&mut self, w: &mut World, id: u32, v: u64, digest: u64) {
+        let Some(sh) = self.shards.get_mut(&id) else {
+            return w.fail(format!("server {}: forward of shard {id}, which is not arriving here", self.rank));
+        };
+        if sh.incoming != Some((sh.incoming.map_or(0, |i| i.0), true)) {
+            return w.fail(format!("server {}: forward of shard {id} before its snapshot", self.rank));
+        }
+        let queued = sh.waiting.iter().filter(|p| matches!(p, Pending::Forward { .. })).count() as u64;
+        let expected = sh.sync.version() + 1 + queued;
+        if v != expected {
+            return w.fail(format!("server {}: forwarded version {v} of shard {id}, expected {expected}", self.rank));
+        }
+        self.update(w, id, Pending::Forward { v, digest });
+    }
+
+    fn on_ack(&mut self, w: &mut World, id: u32, v: u64) {
+        let Some(out) = self.shards.get_mut(&id).and_then(|sh| sh.out.as_mut()) else { return };
+        out.forward_busy = false;
+        if v != out.last_forward {
+            return w
+                .fail(format!("server {}: acknowledgement of version {v} of shard {id}, sent {}", self.rank, out.last_forward));
+        }
+        if out.src.on_forward_acked(v) == Some(SourceAction::Release) {
+            return self.release(w, id);
+        }
+        self.drain(w, id);
+    }
+
+    fn release(&mut self, w: &mut World, id: u32) {
+        self.shards.remove(&id);
+        w.migrations += 1;
+        if let Err(e) = w.ctl(&ControlMsg::Released { shard: id, bytes: 0, millis: 0 }) {
+            w.fail(format!("server {}: the control plane refused the release of shard {id}: {e}", self.rank));
+        }
+    }
+
+    fn on_order(&mut self, w: &mut World, o: Order) {
+        let rank = self.rank;
+        match o {
+            Order::MigrateIn { shard, from } => {
+                if self.shards.contains_key(&shard) {
+                    return w.fail(format!("server {rank}: ordered to receive shard {shard}, which it holds"));
+                }
+                let sh = Shard {
+                    sync: ShardSync::incoming(Consistency::Bsp, self.ranks, 0),
+                    vals: BTreeMap::new(),
+                    landing: vec![None; self.ranks as usize],
+                    waiting: VecDeque::new(),
+                    out: None,
+                    incoming: Some((from, false)),
+                };
+                self.shards.insert(shard, sh);
+                let keys = MigrationKeys { state_addr: 0, state_rkey: 0, grad_addr: 0, grad_rkey: 0 };
+                if let Err(e) = w.ctl(&ControlMsg::ShardReady { endpoint: endpoint(shard, rank), keys }) {
+                    w.fail(format!("server {rank}: shard {shard} ready refused: {e}"));
+                }
+            }
+            Order::MigrateOut { shard, to, .. } => {
+                let me = self.me();
+                let Some(sh) = self.shards.get_mut(&shard) else {
+                    return w.fail(format!("server {rank}: ordered to send shard {shard}, which it does not hold"));
+                };
+                let v0 = sh.sync.version();
+                let Some(&value) = sh.vals.get(&v0) else {
+                    return w.fail(format!("server {rank}: shard {shard} has no value at version {v0}"));
+                };
+                sh.out = Some(Out {
+                    src: Source::start(v0, self.membership.latest()),
+                    to,
+                    snapshot_busy: true,
+                    forward_busy: false,
+                    last_forward: v0,
+                });
+                let at = w.send(me, Node::Server(to), Msg::Snapshot { shard, v: v0, value });
+                w.complete_after(me, Msg::SnapshotDone { shard }, at);
+            }
+            Order::Retire => {
+                self.retired = true;
+                w.check_retired(rank);
+            }
+            Order::Propose { id } => {
+                let top = self.shards.values().map(|sh| sh.sync.version()).max().unwrap_or(0);
+                let hold = top + 1;
+                self.hold = Some(hold);
+                if let Err(e) = w.ctl(&ControlMsg::Vote { role: Role::Server, rank, id, hold }) {
+                    w.fail(format!("server {rank}: vote refused: {e}"));
+                }
+            }
+            Order::Members { at, workers, expired } => {
+                if let Err(e) = self.membership.schedule(at, at.saturating_sub(1), workers) {
+                    return w.fail(format!("server {rank}: membership change at {at}: {e}"));
+                }
+                for r in expired {
+                    self.lost.push((r, at));
+                    w.lost.insert((r, at));
+                    self.dead.insert(r);
+                    for sh in self.shards.values_mut() {
+                        sh.sync.drop_pending(r);
+                    }
+                }
+                self.hold = None;
+                let ids: Vec<u32> = self.shards.keys().copied().collect();
+                for id in ids {
+                    let Some(sh) = self.shards.get(&id) else { continue };
+                    let c = sh.sync.contributors(&self.membership, &self.lost, sh.sync.version());
+                    if let Some(t) = sh.sync.complete(&c) {
+                        self.update(w, id, Pending::Update(t));
+                    }
+                }
+            }
+        }
+    }
+}
