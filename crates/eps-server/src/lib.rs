@@ -227,6 +227,13 @@ struct Server {
     /// that follows it is answered "pull moved" too, even if the shard arrived
     /// here meanwhile (the worker counts one answer of each kind).
     moved_pushes: std::collections::BTreeSet<(u32, u32)>,
+    /// Pull WRITEs posted and not completed, by work-request id (the same pull
+    /// may be in flight twice: a read-only pull asked again): the published
+    /// buffer they read stays in use until they complete.
+    pulls_out: std::collections::BTreeMap<u64, u32>,
+    /// Pulls to a worker whose connection was dropped: they will never complete,
+    /// so the event loop releases their buffers (see `drop_conn`).
+    orphaned: Vec<u64>,
     retired: bool,
     /// By global shard id: (first element, elements).
     spans: Vec<(u64, u64)>,
@@ -310,6 +317,8 @@ pub fn run(cfg: &ServerConfig) -> Result<ServerSummary, ServerError> {
         lost: Vec::new(),
         retained: Vec::new(),
         moved_pushes: Default::default(),
+        pulls_out: Default::default(),
+        orphaned: Vec::new(),
         retired: false,
         spans: layout.shards.iter().map(|s| (s.start, s.len)).collect(),
     };

@@ -58,6 +58,9 @@ impl Server {
             for c in &wc[..k] {
                 self.on_completion(c)?;
             }
+            for wr_id in std::mem::take(&mut self.orphaned) {
+                self.on_send_done(wr_id, false)?;
+            }
             if k > 0 {
                 last = Instant::now();
             } else if last.elapsed() > Duration::from_micros(200) {
@@ -148,6 +151,10 @@ impl Server {
         if let Peer::Worker(h) = self.conns[ci].peer {
             for s in self.shards.iter_mut().flatten() {
                 s.sync.drop_pending(h.rank);
+            }
+            // Its pulls in flight may never complete now: release their buffers.
+            for (&wr, &n) in self.pulls_out.iter().filter(|(wr, _)| pull_wr_parts(**wr).1 == h.rank) {
+                self.orphaned.extend(std::iter::repeat_n(wr, n as usize));
             }
         }
     }
@@ -315,6 +322,13 @@ impl Server {
     fn on_send_done(&mut self, wr_id: u64, ok: bool) -> Result<(), ServerError> {
         match wr_id & (3 << 62) {
             WR_PULL => {
+                match self.pulls_out.get_mut(&wr_id) {
+                    Some(n) if *n > 1 => *n -= 1,
+                    Some(_) => {
+                        self.pulls_out.remove(&wr_id);
+                    }
+                    None => return Ok(()), // released when its connection was dropped
+                }
                 let (id, w, v) = pull_wr_parts(wr_id);
                 let Some(h) = self.held_mut(id) else { return Ok(()) };
                 h.sync.pull_written(v);
@@ -347,6 +361,7 @@ impl Server {
         let remote = RemoteAddr { addr: h.pull_addr + b.start * es, rkey: h.pull_rkey };
         let imm = Imm { kind: ImmKind::PullDone, shard: id, seq: v as u16 }.encode();
         conn.qp()?.post_send(&SendWr { wr_id: pull_wr(id, w, v), op: SendOp::WriteImm(remote, imm), sg: &sg, signaled: true })?;
+        *self.pulls_out.entry(pull_wr(id, w, v)).or_insert(0) += 1;
         self.summary.pulls += 1;
         Ok(())
     }
