@@ -30,6 +30,12 @@ fn train(control: SocketAddr, after: &dyn Fn(u32, u64)) -> Outcome {
     let n = w.layout().total as usize;
     let (mut p, mut g) = (vec![0f32; n], vec![0f32; n]);
     let steps = w.spec().job.steps;
+    if w.iteration() >= steps {
+        // Admitted after the last step: nothing to train, nothing pulled.
+        let out = Outcome { rank: w.rank(), membership: w.membership().clone(), params: None };
+        w.finish().unwrap();
+        return out;
+    }
     while w.iteration() < steps {
         if !w.begin().unwrap() {
             let membership = w.membership().clone();
@@ -60,6 +66,14 @@ fn scale_workers(control: SocketAddr, workers: u32) {
     }
 }
 
+fn status(control: SocketAddr) -> String {
+    let mut c = ControlClient::connect(control, &secret(), Duration::from_secs(10)).unwrap();
+    match c.call(&ControlMsg::Status).unwrap() {
+        ControlMsg::StatusReport { text } => text,
+        m => panic!("{m:?}"),
+    }
+}
+
 fn wait_for(progress: &AtomicU64, iteration: u64) {
     let deadline = Instant::now() + Duration::from_secs(60);
     while progress.load(Ordering::Acquire) < iteration {
@@ -71,7 +85,7 @@ fn wait_for(progress: &AtomicU64, iteration: u64) {
 #[test]
 fn joins_and_leaves_equal_the_reference_with_the_same_contributor_sets() {
     for (dtype, opt) in [("f32", "adam"), ("bf16", "momentum")] {
-        let text = common::spec_text(2, 2, 18, dtype, opt, "bsp").replace("[job]", "[job]\nmax_workers = 4");
+        let text = common::spec_text(2, 2, 24, dtype, opt, "bsp").replace("[job]", "[job]\nmax_workers = 4");
         let (spec, control) = start_control(&text);
         let progress = AtomicU64::new(0);
         let note = |rank: u32, t: u64| {
@@ -89,6 +103,17 @@ fn joins_and_leaves_equal_the_reference_with_the_same_contributor_sets() {
             scale_workers(control, 3);
             hs.push(s.spawn(|| train(control, &note)));
             wait_for(&progress, 8);
+            // `eps status` shows the progress (as of the workers' last long poll)
+            // and the contributor set.
+            let text = status(control);
+            let it: u64 = text
+                .lines()
+                .find_map(|l| l.strip_prefix("iteration: "))
+                .and_then(|l| l.split(' ').next())
+                .unwrap()
+                .parse()
+                .unwrap();
+            assert!((1..=24).contains(&it) && text.contains("contributing [0, 1, 2]"), "{text}");
             scale_workers(control, 2);
             wait_for(&progress, 11);
             scale_workers(control, 3);
@@ -105,6 +130,8 @@ fn joins_and_leaves_equal_the_reference_with_the_same_contributor_sets() {
         for o in &outcomes {
             match o.rank {
                 2 => assert!(o.params.is_none(), "rank 2 left the job"),
+                // A worker admitted at the last step or later trains nothing.
+                3 if epochs[3].0 >= 24 => assert!(o.params.is_none()),
                 r => assert!(o.params.as_ref() == Some(&want), "{dtype}: worker {r} differs from the reference for {epochs:?}"),
             }
         }

@@ -51,7 +51,8 @@ fn misbehave(control: SocketAddr, bad: Bad) -> bool {
     else {
         panic!("not registered")
     };
-    let ControlMsg::Map(map) = ctl.call(&ControlMsg::GetMap { worker: rank, adopted: 0, min_epoch: 0 }).unwrap() else {
+    let ControlMsg::Map(map) = ctl.call(&ControlMsg::GetMap { worker: rank, adopted: 0, min_epoch: 0, iteration: 0 }).unwrap()
+    else {
         panic!("no map")
     };
     let pd = SoftDevice::open().unwrap().alloc_pd();

@@ -73,6 +73,8 @@ pub struct Job {
     pub(crate) w: workers::Workers,
     /// The epoch each worker routes with (reported, not persisted).
     adopted: Vec<u64>,
+    /// The first iteration each worker has not begun (reported, not persisted).
+    progress: Vec<u64>,
     map: ShardMap,
     endpoints: Vec<Option<ShardEndpoint>>,
     previous: Vec<Option<(ShardEndpoint, u64)>>,
@@ -95,6 +97,7 @@ impl Job {
             servers: Vec::new(),
             w: workers::Workers::new(&spec.job)?,
             adopted: vec![0; spec.job.rank_limit() as usize],
+            progress: vec![0; spec.job.rank_limit() as usize],
             map: ShardMap::from_layout(&layout),
             endpoints: vec![None; n],
             previous: vec![None; n],
@@ -165,6 +168,13 @@ impl Job {
             *a = (*a).max(epoch);
         }
         self.retire_drained();
+    }
+
+    /// A worker reports its progress: the first iteration it has not begun.
+    pub fn worker_progress(&mut self, worker: u32, iteration: u64) {
+        if let Some(p) = self.progress.get_mut(worker as usize) {
+            *p = (*p).max(iteration);
+        }
     }
 
     /// Migrations that are not done.
@@ -425,6 +435,11 @@ impl Job {
     pub fn status(&self) -> String {
         let mut t = String::new();
         let _ = writeln!(t, "epoch: {}", self.map.epoch);
+        let training: Vec<u64> =
+            (0..self.progress.len() as u32).filter(|&r| self.w.routes(r)).map(|r| self.progress[r as usize]).collect();
+        if let (Some(lo), Some(hi)) = (training.iter().min(), training.iter().max()) {
+            let _ = writeln!(t, "iteration: {hi} (slowest worker at {lo})");
+        }
         self.w.status(&mut t);
         let ready = self.servers.iter().filter(|s| s.ready).count();
         let fs = self.servers.iter().filter(|s| s.finished).count();

@@ -175,12 +175,13 @@ fn serve(mut s: TcpStream, secret: &Secret, shared: &(Mutex<State>, Condvar)) ->
                     Err(message) => ControlMsg::Error { message },
                 }
             }
-            ControlMsg::GetMap { worker, adopted, min_epoch } => {
+            ControlMsg::GetMap { worker, adopted, min_epoch, iteration } => {
                 let mut st = locked();
                 // A worker waiting in a long poll is alive: its lease runs from
                 // the end of the poll (a worker killed meanwhile never renews it).
                 st.seen.insert(worker, Instant::now() + LONG_POLL);
                 st.job.worker_adopted(worker, adopted);
+                st.job.worker_progress(worker, iteration);
                 // Orders may follow (a drained server may now retire).
                 cv.notify_all();
                 let deadline = Instant::now() + LONG_POLL;

@@ -170,6 +170,9 @@ pub enum ControlMsg {
         adopted: u64,
         /// Smallest epoch wanted.
         min_epoch: u64,
+        /// The first iteration the worker has not begun (its progress, for
+        /// `eps status`).
+        iteration: u64,
     },
     /// Control -> worker: the map.
     Map(JobMap),
@@ -507,11 +510,12 @@ impl ControlMsg {
                 w.str(fabric_addr);
                 w.endpoints(shards);
             }
-            ControlMsg::GetMap { worker, adopted, min_epoch } => {
+            ControlMsg::GetMap { worker, adopted, min_epoch, iteration } => {
                 w.u8(4);
                 w.u32(*worker);
                 w.u64(*adopted);
                 w.u64(*min_epoch);
+                w.u64(*iteration);
             }
             ControlMsg::Map(m) => {
                 w.u8(5);
@@ -596,7 +600,7 @@ impl ControlMsg {
             1 => ControlMsg::Register { role: r.role()?, fabric_addr: r.str()? },
             2 => ControlMsg::Registered { rank: r.u32()?, spec_toml: r.str()? },
             3 => ControlMsg::ServerReady { rank: r.u32()?, fabric_addr: r.str()?, shards: r.endpoints()? },
-            4 => ControlMsg::GetMap { worker: r.u32()?, adopted: r.u64()?, min_epoch: r.u64()? },
+            4 => ControlMsg::GetMap { worker: r.u32()?, adopted: r.u64()?, min_epoch: r.u64()?, iteration: r.u64()? },
             5 => ControlMsg::Map(r.map()?),
             6 => ControlMsg::Finished { role: r.role()?, rank: r.u32()? },
             7 => ControlMsg::Status,
@@ -648,7 +652,7 @@ mod tests {
             ControlMsg::Register { role: Role::Server, fabric_addr: "127.0.0.1:5".into() },
             ControlMsg::Registered { rank: 3, spec_toml: "[job]".into() },
             ControlMsg::ServerReady { rank: 1, fabric_addr: "127.0.0.1:9".into(), shards: vec![ep(0, 1), ep(2, 1)] },
-            ControlMsg::GetMap { worker: 1, adopted: 2, min_epoch: 3 },
+            ControlMsg::GetMap { worker: 1, adopted: 2, min_epoch: 3, iteration: 4 },
             ControlMsg::Map(map),
             ControlMsg::Finished { role: Role::Worker, rank: 2 },
             ControlMsg::Status,

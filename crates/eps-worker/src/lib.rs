@@ -200,7 +200,8 @@ impl Worker {
         };
         let spec = JobSpec::from_toml(&spec_text)?;
         let layout = spec.layout()?;
-        let ControlMsg::Map(mut map) = ctl.call(&ControlMsg::GetMap { worker: rank, adopted: 0, min_epoch: 0 })? else {
+        let ControlMsg::Map(mut map) = ctl.call(&ControlMsg::GetMap { worker: rank, adopted: 0, min_epoch: 0, iteration: 0 })?
+        else {
             return Err(WorkerError::Unexpected);
         };
         // A worker started for a join that is still being voted on waits for the
@@ -210,7 +211,7 @@ impl Worker {
             if Instant::now() >= deadline {
                 return Err(WorkerError::Timeout("the membership change that admits this worker"));
             }
-            let req = ControlMsg::GetMap { worker: rank, adopted: 0, min_epoch: map.epoch + 1 };
+            let req = ControlMsg::GetMap { worker: rank, adopted: 0, min_epoch: map.epoch + 1, iteration: 0 };
             if let ControlMsg::Map(m) = ctl.call(&req)? {
                 map = m;
             }
@@ -349,7 +350,7 @@ impl Worker {
         let deadline = Instant::now() + self.timeout;
         let have = self.map.epoch;
         while Instant::now() < deadline {
-            let req = ControlMsg::GetMap { worker: self.rank, adopted: have, min_epoch: have + 1 };
+            let req = ControlMsg::GetMap { worker: self.rank, adopted: have, min_epoch: have + 1, iteration: self.iteration };
             if let ControlMsg::Map(m) = self.ctl.call(&req)?
                 && m.epoch > have
             {

@@ -100,7 +100,8 @@ pub(crate) fn spawn(cfg: &WorkerConfig, rank: u32, watch: Arc<MapWatch>) -> Resu
         while !watch.stop.load(Ordering::Relaxed) {
             let have = watch.newest.load(Ordering::Acquire);
             let adopted = watch.adopted.load(Ordering::Acquire);
-            match ctl.call(&ControlMsg::GetMap { worker: rank, adopted, min_epoch: have + 1 }) {
+            let iteration = watch.members.lock().unwrap_or_else(|p| p.into_inner()).next;
+            match ctl.call(&ControlMsg::GetMap { worker: rank, adopted, min_epoch: have + 1, iteration }) {
                 Ok(ControlMsg::Map(m)) if m.epoch > have => {
                     let e = m.epoch;
                     let vote = watch.observe(&m);
