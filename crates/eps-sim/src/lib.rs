@@ -329,7 +329,9 @@ impl World {
         self.watching.remove(&r);
         self.report.crashes += 1;
         self.note(format!("worker {r} crashed at iteration {t}"));
-        // Its connections close: the last thing each server hears from it.
+        // Its connections close: pull WRITEs to it may never complete, and the
+        // close is the last thing each server hears from it.
+        self.net.discard(|_, _, m| matches!(m, Msg::PullWritten { w, .. } if *w == r));
         for s in 0..self.servers.len() as u32 {
             self.send(Node::Worker(r), Node::Server(s), Msg::ConnLost { w: r });
         }

@@ -127,9 +127,13 @@ impl Net {
 
     /// The next delivery, advancing the clock to it.
     pub fn pop(&mut self) -> Option<(Node, Node, Msg)> {
-        let Reverse((at, seq)) = self.queue.pop()?;
-        self.now = at;
-        self.pending.remove(&seq)
+        loop {
+            let Reverse((at, seq)) = self.queue.pop()?;
+            if let Some(d) = self.pending.remove(&seq) {
+                self.now = at;
+                return Some(d);
+            }
+        }
     }
 
     /// Messages from a worker to `to` still in flight (other than its connection
@@ -139,6 +143,12 @@ impl Net {
             .values()
             .filter(|(f, t, m)| *t == to && matches!(f, Node::Worker(_)) && !matches!(m, Msg::ConnLost { .. }))
             .count()
+    }
+
+    /// Drops queued deliveries that match `f` (work requests a torn-down
+    /// connection never completes).
+    pub fn discard(&mut self, f: impl Fn(&Node, &Node, &Msg) -> bool) {
+        self.pending.retain(|_, (from, to, m)| !f(from, to, m));
     }
 
     /// Deliveries still queued.

@@ -60,6 +60,8 @@ pub(crate) struct SimServer {
     dead: BTreeSet<u32>,
     /// (worker, shard) whose last push was answered "moved".
     moved_pushes: BTreeSet<(u32, u32)>,
+    /// Pull WRITEs posted and not completed: (worker, shard, version) -> count.
+    pulls_out: BTreeMap<(u32, u32, u64), u32>,
     ranks: u32,
 }
 
@@ -79,6 +81,7 @@ impl SimServer {
             retired: false,
             dead: BTreeSet::new(),
             moved_pushes: BTreeSet::new(),
+            pulls_out: BTreeMap::new(),
             ranks,
         };
         for &id in shards {
@@ -132,12 +135,7 @@ impl SimServer {
         match msg {
             Msg::Push { w: r, shard, t, token } => self.on_push(w, r, shard, t, token),
             Msg::PullReq { w: r, shard, need } => self.on_pull_req(w, r, shard, need),
-            Msg::ConnLost { w: r } => {
-                self.dead.insert(r);
-                for sh in self.shards.values_mut() {
-                    sh.sync.drop_pending(r);
-                }
-            }
+            Msg::ConnLost { w: r } => self.drop_conn(w, r),
             Msg::PullWritten { shard, w: r, v } => self.on_pull_written(w, shard, r, v),
             Msg::Snapshot { shard, v, value } => self.on_snapshot(w, shard, v, value),
             Msg::SnapshotDone { shard } => self.on_snapshot_done(w, shard),
@@ -219,10 +217,34 @@ impl SimServer {
             return w.fail(format!("server {} asked to send version {v} of shard {id}, which it does not hold", self.rank));
         };
         let at = w.send(me, Node::Worker(r), Msg::PullDone { shard: id, v, value });
+        *self.pulls_out.entry((r, id, v)).or_insert(0) += 1;
         w.complete_after(me, Msg::PullWritten { shard: id, w: r, v }, at);
     }
 
+    /// Worker `r`'s connection closed: its pending pulls go, and its pulls in
+    /// flight release their buffers now (their completions may never come).
+    fn drop_conn(&mut self, w: &mut World, r: u32) {
+        self.dead.insert(r);
+        for sh in self.shards.values_mut() {
+            sh.sync.drop_pending(r);
+        }
+        let mine: Vec<((u32, u32, u64), u32)> =
+            self.pulls_out.iter().filter(|((x, _, _), _)| *x == r).map(|(&k, &n)| (k, n)).collect();
+        for ((r, id, v), n) in mine {
+            for _ in 0..n {
+                self.on_pull_written(w, id, r, v);
+            }
+        }
+    }
+
     fn on_pull_written(&mut self, w: &mut World, id: u32, r: u32, v: u64) {
+        match self.pulls_out.get_mut(&(r, id, v)) {
+            Some(n) if *n > 1 => *n -= 1,
+            Some(_) => {
+                self.pulls_out.remove(&(r, id, v));
+            }
+            None => return, // released when its connection closed
+        }
         let Some(sh) = self.shards.get_mut(&id) else { return };
         sh.sync.pull_written(v);
         if let Some(out) = sh.out.as_mut()
@@ -470,10 +492,7 @@ impl SimServer {
                 for r in expired {
                     self.lost.push((r, at));
                     w.lost.insert((r, at));
-                    self.dead.insert(r);
-                    for sh in self.shards.values_mut() {
-                        sh.sync.drop_pending(r);
-                    }
+                    self.drop_conn(w, r);
                 }
                 self.hold = None;
                 let ids: Vec<u32> = self.shards.keys().copied().collect();
