@@ -140,6 +140,48 @@ fn joins_and_leaves_equal_the_reference_with_the_same_contributor_sets() {
     }
 }
 
+/// The only contributor vanishes before pushing while a joiner waits for the
+/// version it starts from: the iterations nobody pushed are aggregated empty (the
+/// parameters carry over) instead of stalling the job.
+#[test]
+fn iterations_whose_every_contributor_vanished_carry_the_parameters_over() {
+    let text =
+        common::spec_text(1, 2, 10, "f32", "adam", "bsp").replace("[job]", "[job]\nmax_workers = 2\nworker_lease_ms = 1000");
+    let (spec, control) = start_control(&text);
+    let progress = AtomicU64::new(0);
+    let m = std::thread::scope(|s| {
+        for _ in 0..spec.job.servers {
+            s.spawn(move || run_server(control));
+        }
+        let first = s.spawn(|| {
+            let mut w = Worker::join(&worker_config(control)).unwrap();
+            let n = w.layout().total as usize;
+            let (mut p, mut g) = (vec![0f32; n], vec![0f32; n]);
+            while w.iteration() < 4 {
+                assert!(w.begin().unwrap());
+                step(&mut w, &mut p, &mut g);
+            }
+            progress.store(4, Ordering::Release);
+            // Vanish once a second worker is on its way, without pushing 4.
+            wait_for(&progress, 5);
+        });
+        wait_for(&progress, 4);
+        scale_workers(control, 2);
+        let joiner = s.spawn(|| train(control, &|_, _| {}));
+        progress.store(5, Ordering::Release);
+        first.join().unwrap();
+        let o = joiner.join().unwrap();
+        assert_eq!(o.rank, 1);
+        (o.membership, o.params.expect("the joiner trains to the end"))
+    });
+    let (m, got) = m;
+    // Rank 0 pushed iterations 0..4 only.
+    let sets = |t: u64| m.contributors(t).iter().copied().filter(|&r| r != 0 || t < 4).collect::<Vec<u32>>();
+    assert!(sets(4).is_empty(), "{:?}", m.epochs());
+    let want = common::reference_sets(&text, &sets, &mut |p, r, t, g| common::gradient(p, r, t, g));
+    assert!(got == want, "differs from the reference with iteration 4 empty: {:?}", m.epochs());
+}
+
 #[test]
 fn a_vanished_worker_is_removed_when_its_lease_expires() {
     let text = common::spec_text(3, 2, 12, "f32", "sgd", "bsp").replace("[job]", "[job]\nworker_lease_ms = 1000");

@@ -98,6 +98,12 @@ pub type Gradient<'a> = dyn FnMut(&[f32], u32, u64, &mut [f32]) + 'a;
 
 /// [`reference`] with any gradient.
 pub fn reference_with(text: &str, m: &Membership, grad: &mut Gradient<'_>) -> Vec<u8> {
+    reference_sets(text, &|t| m.contributors(t).to_vec(), grad)
+}
+
+/// The reference with any contributor set per iteration; an iteration without
+/// contributors leaves the parameters as they are.
+pub fn reference_sets(text: &str, sets: &dyn Fn(u64) -> Vec<u32>, grad: &mut Gradient<'_>) -> Vec<u8> {
     let spec = JobSpec::from_toml(text).unwrap();
     let layout = spec.layout().unwrap();
     let (opt, sched, dtype) = (spec.optimizer().unwrap(), spec.schedule().unwrap(), layout.dtype);
@@ -111,7 +117,10 @@ pub fn reference_with(text: &str, m: &Membership, grad: &mut Gradient<'_>) -> Ve
     for t in 0..spec.job.steps {
         reduce::narrow(dtype, &master, &mut wire);
         reduce::sum(dtype, &[&wire], &mut seen, 1);
-        let contributors = m.contributors(t);
+        let contributors = sets(t);
+        if contributors.is_empty() {
+            continue;
+        }
         let grads: Vec<Vec<u8>> = contributors
             .iter()
             .map(|&r| {

@@ -178,10 +178,20 @@ impl ShardSync {
     }
 
     /// BSP: the iteration whose contributions are all in and can be aggregated now
-    /// (the version has reached it), if any.
+    /// (the version has reached it), if any. An iteration whose every contributor
+    /// was removed before pushing (`contributors` empty) is complete at once and
+    /// aggregated empty: the parameters carry over to the next version. (Not on a
+    /// migration target still replaying its source's updates: the source carries
+    /// such an iteration and forwards it.)
     pub fn complete(&self, contributors: &[u32]) -> Option<u64> {
+        if self.mode != Consistency::Bsp {
+            return None;
+        }
+        if contributors.is_empty() {
+            return (self.held.is_none() && !self.catching_up).then_some(self.version);
+        }
         let t = self.held?;
-        (self.mode == Consistency::Bsp && t == self.version && self.full_count as usize == contributors.len()).then_some(t)
+        (t == self.version && self.full_count as usize == contributors.len()).then_some(t)
     }
 
     /// Published version.

@@ -168,8 +168,9 @@ impl Conn {
 enum Pending {
     /// Workers' contributions of an iteration (all, or one worker's).
     Update { iteration: u64, one: Option<u32> },
-    /// A forwarded update producing `version` (migration target).
-    Forward { version: u64 },
+    /// A forwarded update producing `version` (migration target); `carry`: an
+    /// iteration without contributions (the parameters carry over).
+    Forward { version: u64, carry: bool },
 }
 
 /// A shard held here.

@@ -341,6 +341,22 @@ impl ShardMemory {
         Ok(())
     }
 
+    /// Publishes into buffer `parity` of shard `id` a copy of the other buffer
+    /// (the current version): an iteration without contributions, whose
+    /// parameters carry over; the master copy and optimizer state stay.
+    ///
+    /// # Safety
+    /// As for [`ShardMemory::update`]: no pull uses buffer `parity`.
+    pub unsafe fn carry(&mut self, id: u32, parity: usize) {
+        let Some(b) = self.block_mut(id) else { return };
+        let src = published_offset(b.bytes as u64, 1 - parity) as usize;
+        let dst = published_offset(b.bytes as u64, parity) as usize;
+        // SAFETY: the caller guarantees no pull uses buffer `parity`; peers only
+        // READ the region, and no other reference to it exists meanwhile.
+        let all = unsafe { b.published.as_mut_slice() };
+        all.copy_within(src..src + b.bytes, dst);
+    }
+
     /// Sets the version stamp of buffer `parity` of shard `id` (readers that
     /// RDMA-READ the buffer check it before and after; see `STAMP_WRITING`).
     pub fn set_stamp(&mut self, id: u32, parity: usize, value: u64) {

@@ -193,9 +193,10 @@ impl Server {
         self.drain(id)
     }
 
-    /// After an update of shard `id` produced `version`: the source forwards it; the
-    /// target acknowledges a forward and aggregates held pushes once it caught up.
-    pub(crate) fn after_apply(&mut self, id: u32, p: Pending, version: u64) -> Result<(), ServerError> {
+    /// After an update of shard `id` produced `version`: the source forwards it (an
+    /// update without contributions, `carry`, as a zero-length forward); the target
+    /// acknowledges a forward and aggregates held pushes once it caught up.
+    pub(crate) fn after_apply(&mut self, id: u32, p: Pending, version: u64, carry: bool) -> Result<(), ServerError> {
         let Some(h) = self.shards.get_mut(id as usize).and_then(Option::as_mut) else { return Ok(()) };
         if let Some(out) = h.out.as_mut()
             && let Some(SourceAction::Forward { version }) = out.src.on_applied(version)
@@ -204,16 +205,17 @@ impl Server {
             let g = b.grad.as_ref().ok_or_else(|| ServerError::Migration("no gradient buffer".into()))?;
             let imm = Imm { kind: ImmKind::Forward, shard: id, seq: version as u16 }.encode();
             let remote = RemoteAddr { addr: out.keys.grad_addr, rkey: out.keys.grad_rkey };
+            let whole = [Sge::whole(g)];
             let wr = SendWr {
                 wr_id: WR_MIGRATE | WR_FORWARD | u64::from(id),
                 op: SendOp::WriteImm(remote, imm),
-                sg: &[Sge::whole(g)],
+                sg: if carry { &[] } else { &whole },
                 signaled: true,
             };
             self.conns[out.ci].qp()?.post_send(&wr)?;
             out.forward_busy = true;
             out.last_forward = version;
-            out.bytes += g.len() as u64;
+            out.bytes += if carry { 0 } else { g.len() as u64 };
         }
         if let (Pending::Forward { .. }, Some((_, Some(ci)))) = (p, h.incoming) {
             if let Peer::Server(src) = self.conns[ci].peer {
@@ -236,7 +238,7 @@ impl Server {
     }
 
     /// An immediate from a migration source (we are the target).
-    pub(crate) fn on_source_imm(&mut self, ci: usize, imm: u32) -> Result<(), ServerError> {
+    pub(crate) fn on_source_imm(&mut self, ci: usize, imm: u32, len: u32) -> Result<(), ServerError> {
         let Some(m) = Imm::decode(imm).filter(|m| m.kind == ImmKind::Forward) else {
             self.violation(ci, &format!("unexpected immediate {imm:#x} from a migration source"));
             return Ok(());
@@ -267,7 +269,8 @@ impl Server {
                     self.violation(ci, &format!("forwarded version {version} of shard {id}, expected {expected}"));
                     return Ok(());
                 }
-                self.update(id, Pending::Forward { version })
+                // A zero-length forward: an update without contributions.
+                self.update(id, Pending::Forward { version, carry: len == 0 })
             }
             None => {
                 self.violation(ci, &format!("forwarded shard {id}, which is not arriving here"));

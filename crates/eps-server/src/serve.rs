@@ -118,7 +118,7 @@ impl Server {
                 let imm = c.imm.unwrap_or(0);
                 match self.conns[ci].peer {
                     Peer::Worker(h) => self.on_worker_imm(ci, h, imm, c.byte_len)?,
-                    Peer::Server(_) => self.on_source_imm(ci, imm)?,
+                    Peer::Server(_) => self.on_source_imm(ci, imm, c.byte_len)?,
                     Peer::Target(_) => self.on_target_imm(ci, imm)?,
                     Peer::Unknown => self.violation(ci, "data before its hello"),
                 }
@@ -272,14 +272,19 @@ impl Server {
             }
             Pending::Forward { .. } => (Cow::Borrowed(&[][..]), 1.0, None),
         };
-        if let Pending::Forward { version } = p
+        let carry =
+            matches!(p, Pending::Forward { carry: true, .. } | Pending::Update { one: None, .. }) && contributors.is_empty();
+        if let Pending::Forward { version, .. } = p
             && version != next
         {
             return Err(ServerError::Migration(format!("forward of version {version} applied at version {}", next - 1)));
         }
         let u = UpdateArgs { agg: &*self.agg, opt: &self.opt, scalars, scale, threads: self.threads };
         self.mem.set_stamp(id, parity, eps_proto::layout::STAMP_WRITING);
-        if let Pending::Forward { .. } = p {
+        if carry {
+            // SAFETY: `free` said no pull uses `parity`.
+            unsafe { self.mem.carry(id, parity) };
+        } else if let Pending::Forward { .. } = p {
             // SAFETY: the forward landed (its immediate arrived after the data) and
             // the source writes the gradient buffer again only after our
             // acknowledgement; `free` said no pull uses `parity`.
@@ -306,7 +311,7 @@ impl Server {
         if let Some(w) = one {
             self.send_credit(w, id)?;
         }
-        self.after_apply(id, p, next)?;
+        self.after_apply(id, p, next, carry)?;
         let mut ready = std::mem::take(&mut self.ready);
         ready.clear();
         if let Some(h) = self.shards[id as usize].as_mut() {

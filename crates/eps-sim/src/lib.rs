@@ -51,6 +51,9 @@ pub struct Report {
     pub crashes: u64,
     /// Worker membership changes committed.
     pub membership_changes: u64,
+    /// Shard iterations aggregated without any contribution (every contributor
+    /// was removed before pushing).
+    pub empty_updates: u64,
 }
 
 /// A run that broke an invariant or stopped making progress.
@@ -108,6 +111,7 @@ pub(crate) struct World {
     /// Workers removed by lease expiry, with the commit's first iteration.
     pub(crate) lost: BTreeSet<(u32, u64)>,
     pub(crate) migrations: u64,
+    pub(crate) empty_updates: u64,
     report: Report,
     plan_left: u32,
     trace: VecDeque<String>,
@@ -304,15 +308,7 @@ impl World {
             // worker is gone cannot go on, and that is not what is checked here).
             let map = self.job.job_map();
             let latest = map.membership.last().map(|(_, s)| s.clone()).unwrap_or_default();
-            // Only workers already training count: a joiner that has not started
-            // does not contribute to the iterations under way.
-            let training = |w: &SimWorker| !matches!(w.state, WState::AwaitAdmit | WState::InitialPull) && w.live();
-            let live: Vec<u32> = self
-                .workers
-                .iter()
-                .filter(|(r, w)| latest.contains(r) && w.as_ref().is_some_and(training))
-                .map(|(&r, _)| r)
-                .collect();
+            let live: Vec<u32> = self.live_workers().into_iter().filter(|r| latest.contains(r)).collect();
             if live.len() >= 2 && map.proposal == 0 && self.report.crashes < 2 {
                 let r = live[self.rng.range(0, live.len() as u64 - 1) as usize];
                 self.crash(r);
@@ -484,6 +480,7 @@ pub fn run(seed: u64) -> Result<Report, Failure> {
         accepted: BTreeSet::new(),
         lost: BTreeSet::new(),
         migrations: 0,
+        empty_updates: 0,
         report: Report::default(),
         plan_left: 10,
         trace: VecDeque::new(),
@@ -530,6 +527,7 @@ pub fn run(seed: u64) -> Result<Report, Failure> {
     }
     w.report.time = w.net.now;
     w.report.migrations = w.migrations;
+    w.report.empty_updates = w.empty_updates;
     Ok(w.report)
 }
 

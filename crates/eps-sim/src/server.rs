@@ -301,6 +301,7 @@ impl SimServer {
                     return w.fail(format!("server {rank}: shard {id} aggregates iteration {iteration} at version {version}"));
                 }
                 let c = sh.sync.contributors(&self.membership, &self.lost, iteration).into_owned();
+                w.empty_updates += u64::from(c.is_empty());
                 let mut d = 0u64;
                 for &r in &c {
                     match sh.landing[r as usize].take() {

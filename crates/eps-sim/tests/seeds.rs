@@ -8,7 +8,7 @@ fn seeds() -> Vec<u64> {
     if let Some(s) = std::env::var("EPS_SIM_SEED").ok().and_then(|s| s.parse().ok()) {
         return vec![s];
     }
-    let n = std::env::var("EPS_SIM_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(400u64);
+    let n = std::env::var("EPS_SIM_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(2000u64);
     (0..n).collect()
 }
 
@@ -25,13 +25,20 @@ fn every_seed_keeps_the_invariants_and_finishes() {
                 totals.scales.1 += r.scales.1;
                 totals.crashes += r.crashes;
                 totals.membership_changes += r.membership_changes;
+                totals.empty_updates += r.empty_updates;
             }
             Err(f) => failures.push(f),
         }
     }
     println!(
-        "{} events, {} migrations, {} server and {} worker scale requests, {} membership changes, {} crashes",
-        totals.events, totals.migrations, totals.scales.0, totals.scales.1, totals.membership_changes, totals.crashes
+        "{} events, {} migrations, {} server and {} worker scale requests, {} membership changes, {} crashes, {} empty updates",
+        totals.events,
+        totals.migrations,
+        totals.scales.0,
+        totals.scales.1,
+        totals.membership_changes,
+        totals.crashes,
+        totals.empty_updates
     );
     if let Some(f) = failures.first() {
         let seeds: Vec<u64> = failures.iter().take(20).map(|f| f.seed).collect();
