@@ -23,6 +23,8 @@ fn help_explains_commands_and_flags() {
         assert!(t.contains(flag), "help lacks {flag}: {t}");
     }
     assert!(!t.contains("fabric-peer"), "the internal peer command stays hidden");
+    let o = eps(&["scale", "--help"]);
+    assert!(o.status.success() && text(&o).contains("--workers") && text(&o).contains("job.max_workers"), "{}", text(&o));
 }
 
 #[test]
@@ -125,8 +127,21 @@ fn a_worker_whose_servers_never_come_fails_with_a_message() {
         .env("EPS_JOB_SECRET", "cli-test")
         .output()
         .unwrap();
+    let scale = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_eps"))
+            .args(["scale", "--control", &addr])
+            .args(args)
+            .env("EPS_JOB_SECRET", "cli-test")
+            .output()
+            .unwrap()
+    };
+    let nothing = scale(&[]);
+    let early = scale(&["--workers", "2"]);
     let _ = control.kill();
     let _ = control.wait();
+    // `eps scale` says what is missing, and what the control plane refuses.
+    assert!(!nothing.status.success() && text(&nothing).contains("--servers N and/or --workers N"), "{}", text(&nothing));
+    assert!(!early.status.success() && text(&early).contains("still starting"), "{}", text(&early));
     assert!(!o.status.success());
     assert!(text(&o).contains("did not answer in time"), "{}", text(&o));
     assert!(st.status.success(), "{}", text(&st));
