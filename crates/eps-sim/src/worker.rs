@@ -151,12 +151,7 @@ impl SimWorker {
         (self.start, self.t, self.next) = (start, start, start);
         if start >= w.steps {
             // Admitted after the last step: nothing to train.
-            self.state = WState::Done;
-            w.gone(self.rank);
-            if let Err(e) = w.ctl(&ControlMsg::Finished { role: Role::Worker, rank: self.rank }) {
-                w.fail(format!("worker {}: finish refused: {e}", self.rank));
-            }
-            return;
+            return self.finish(w, WState::Done);
         }
         self.state = WState::InitialPull;
         self.pulled = 0;
@@ -247,6 +242,15 @@ impl SimWorker {
         }
     }
 
+    /// `Worker::finish`: done training (`Done`) or scaled away (`Left`).
+    fn finish(&mut self, w: &mut World, state: WState) {
+        self.state = state;
+        w.gone(self.rank);
+        if let Err(e) = w.ctl(&ControlMsg::Finished { role: Role::Worker, rank: self.rank }) {
+            w.fail(format!("worker {}: finish refused: {e}", self.rank));
+        }
+    }
+
     /// `Worker::begin`: waits while a vote holds this iteration; leaves if this
     /// worker does not contribute to it; else computes.
     fn begin(&mut self, w: &mut World) {
@@ -256,12 +260,7 @@ impl SimWorker {
         }
         self.next = self.next.max(self.t + 1);
         if !self.wm.contributors(self.t).contains(&self.rank) {
-            self.state = WState::Left;
-            w.gone(self.rank);
-            if let Err(e) = w.ctl(&ControlMsg::Finished { role: Role::Worker, rank: self.rank }) {
-                w.fail(format!("worker {}: finish refused: {e}", self.rank));
-            }
-            return;
+            return self.finish(w, WState::Left);
         }
         self.state = WState::Computing;
         let me = self.me();
@@ -310,11 +309,7 @@ impl SimWorker {
         if self.moved.is_empty() {
             self.t += 1;
             if self.t >= w.steps {
-                self.state = WState::Done;
-                w.gone(self.rank);
-                if let Err(e) = w.ctl(&ControlMsg::Finished { role: Role::Worker, rank: self.rank }) {
-                    w.fail(format!("worker {}: finish refused: {e}", self.rank));
-                }
+                self.finish(w, WState::Done);
             } else {
                 self.begin(w);
             }
