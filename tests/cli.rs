@@ -185,8 +185,9 @@ fn migrate_bench_pulls_through_migrations_and_plots_them() {
     // 10 + 2 x 6 + 6 steps, 4 timed pulls after each.
     assert_eq!(json_field(last, "pulls"), 112.0, "{last}");
     assert!(json_field(last, "steady_pulls") >= 30.0, "{last}");
-    // Snapshot (1 MiB of f32 parameters + the version tail) and at least one forward.
-    assert!(json_field(last, "migration_bytes") >= 2.0 * 1048576.0, "{last}");
+    // The snapshot (1 MiB of f32 parameters + the version tail), and a forward
+    // when the cutover is the iteration after the snapshot's.
+    assert!(json_field(last, "migration_bytes") > 1048576.0, "{last}");
     for k in ["pull_lat_us_p99_steady", "migration_ms", "migration_gbytes_per_s", "fabric_write_gbytes_per_s"] {
         assert!(json_field(last, k) > 0.0, "{k}: {last}");
     }

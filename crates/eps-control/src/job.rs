@@ -215,10 +215,12 @@ impl Job {
                 }
                 self.servers.push(ServerInfo::default());
                 let rank = self.servers.len() as u32 - 1;
-                // A server that joins later learns the contributor sets so far.
+                // A server that joins later learns the contributor sets so far,
+                // and which workers each change removed for an expired lease.
                 let earlier: Vec<(u64, Vec<u32>)> = self.w.members.epochs()[1..].to_vec();
                 for (at, workers) in earlier {
-                    self.order(rank, Order::Members { at, workers, expired: Vec::new() });
+                    let expired = self.w.lost.iter().filter(|&&(_, a)| a == at).map(|&(r, _)| r).collect();
+                    self.order(rank, Order::Members { at, workers, expired });
                 }
                 Ok(ControlMsg::Registered { rank, spec_toml: self.spec_text.clone() })
             }

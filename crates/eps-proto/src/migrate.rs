@@ -7,10 +7,14 @@
 //!    version), in order; B applies them with the same code, so it tracks A bitwise.
 //! 3. The control plane announces a cutover iteration `T` in a new epoch: pushes of
 //!    iterations `< T` go to A, of `>= T` to B. A serves pulls of versions `<= T`,
-//!    B of versions `>= v0` it holds, so some owner can always serve a pull.
+//!    B of versions `>= v0` it holds (it publishes `v0` from the snapshot), so some
+//!    owner can always serve a pull. `T` is `v0` itself when A has nothing of
+//!    iteration `v0` to apply yet (its held pushes go back to their workers), else
+//!    `v0 + 1`.
 //! 4. A releases the shard once B has acknowledged version `T` (a forward that is
-//!    sent but not yet delivered still counts as A's to serve) and every worker has
-//!    moved to the new epoch.
+//!    sent but not yet delivered still counts as A's to serve): B then serves `T`
+//!    and everything after, so no pull needs A any more (a worker whose request
+//!    reaches A later is answered "pull moved" and asks B).
 
 /// A migration protocol violation (a bug or a misrouted message).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
@@ -76,20 +80,12 @@ pub struct Source {
     forwarded: u64,
     /// Highest forwarded version B has acknowledged.
     acked: u64,
-    /// Per worker: moved to the new epoch.
-    moved: Vec<bool>,
 }
 
 impl Source {
     /// Starts a migration at A's current version `v0`; the snapshot of `v0` goes to B.
-    /// `workers` are the ranks whose pull of the cutover version A waits for.
-    pub fn start(v0: u64, workers: &[u32]) -> Self {
-        let n = workers.iter().max().map_or(0, |m| *m as usize + 1);
-        let mut moved = vec![true; n];
-        for &w in workers {
-            moved[w as usize] = false;
-        }
-        Self { phase: SourcePhase::Forwarding, version: v0, forwarded: v0, acked: v0, moved }
+    pub fn start(v0: u64) -> Self {
+        Self { phase: SourcePhase::Forwarding, version: v0, forwarded: v0, acked: v0 }
     }
 
     /// Phase.
@@ -109,7 +105,9 @@ impl Source {
         Some(SourceAction::Forward { version })
     }
 
-    /// The control plane announced the cutover iteration `at`.
+    /// The control plane announced the cutover iteration `at`. A cutover at the
+    /// snapshot's own version (nothing to forward: B holds that version and serves
+    /// it too) releases at once.
     pub fn announce(&mut self, at: u64) -> Result<Option<SourceAction>, MigrateError> {
         if at < self.version {
             return Err(MigrateError::LateCutover { at, version: self.version });
@@ -142,19 +140,10 @@ impl Source {
         self.try_release()
     }
 
-    /// Worker `w` now routes with the new epoch.
-    pub fn on_worker_moved(&mut self, w: u32) -> Option<SourceAction> {
-        if let Some(m) = self.moved.get_mut(w as usize) {
-            *m = true;
-        }
-        self.try_release()
-    }
-
     fn try_release(&mut self) -> Option<SourceAction> {
         if let SourcePhase::CuttingOver { at } = self.phase
             && self.forwarded >= at
             && self.acked >= at
-            && self.moved.iter().all(|&m| m)
         {
             self.phase = SourcePhase::Released;
             return Some(SourceAction::Release);
@@ -221,7 +210,7 @@ mod tests {
     }
 
     /// Random interleavings of A's updates, forwarding delays, the cutover
-    /// announcement, workers moving epochs and pulls: every requested version is
+    /// announcement and pulls: every requested version is
     /// servable by some owner, B tracks A exactly, and A releases at the end.
     #[test]
     fn random_schedules_keep_every_version_servable() {
@@ -231,7 +220,6 @@ mod tests {
                 r = mix(r);
                 r % n
             };
-            let workers = 1 + rnd(4) as u32;
             let v0 = rnd(5);
             let mut a_params = 7u64;
             let mut chain = vec![a_params];
@@ -239,7 +227,7 @@ mod tests {
                 a_params = step(a_params, v);
                 chain.push(a_params);
             }
-            let mut src = Source::start(v0, &(0..workers).collect::<Vec<_>>());
+            let mut src = Source::start(v0);
             let mut dst = Target::from_snapshot(v0);
             let mut b_params = a_params;
             let mut in_flight: std::collections::VecDeque<u64> = Default::default();
@@ -297,12 +285,6 @@ mod tests {
                             released = true;
                         }
                     }
-                    _ if announced.is_some() => {
-                        let w = rnd(workers as u64) as u32;
-                        if src.on_worker_moved(w) == Some(SourceAction::Release) {
-                            released = true;
-                        }
-                    }
                     _ => {}
                 }
                 if !released && src.phase() == SourcePhase::Released {
@@ -315,9 +297,22 @@ mod tests {
         }
     }
 
+    /// Cut over at the snapshot's version: nothing to forward, released at once;
+    /// at the version after, once B acknowledged it.
+    #[test]
+    fn a_cutover_releases_once_the_target_holds_its_version() {
+        let mut src = Source::start(5);
+        assert_eq!(src.announce(5), Ok(Some(SourceAction::Release)));
+        assert!(!src.serves(6) && src.accepts_push(5).is_err());
+        let mut src = Source::start(5);
+        assert_eq!(src.announce(6), Ok(None));
+        assert_eq!(src.on_applied(6), Some(SourceAction::Forward { version: 6 }));
+        assert_eq!(src.on_forward_acked(6), Some(SourceAction::Release));
+    }
+
     #[test]
     fn violations_are_reported() {
-        let mut src = Source::start(5, &[0]);
+        let mut src = Source::start(5);
         src.on_applied(6);
         assert_eq!(src.announce(4), Err(MigrateError::LateCutover { at: 4, version: 6 }));
         src.announce(8).unwrap();

@@ -109,8 +109,8 @@ pub struct ShardSync {
     catching_up: bool,
     /// Iteration of the contributions in slots (BSP).
     held: Option<u64>,
-    /// Lowest version this shard can serve: a migration target never publishes
-    /// its snapshot's version (the source serves it), only the versions after.
+    /// Lowest version this shard can serve: a migration target serves its
+    /// snapshot's version (published from the snapshot) and the versions after.
     floor: u64,
 }
 
@@ -140,19 +140,19 @@ impl ShardSync {
     pub fn incoming(mode: Consistency, workers: u32, version: u64) -> Self {
         let mut s = Self::new(mode, workers);
         s.version = version;
-        s.floor = version + 1;
+        s.floor = version.max(1);
         s.catching_up = true;
         s
     }
 
-    /// The snapshot of a migration target landed: the shard is at `version`
-    /// (contributions already held stay).
-    /// Pull requests waiting here for a version up to the snapshot's are dropped
-    /// and their workers returned: they routed with an old map and must ask the
-    /// owner that serves that version.
+    /// The snapshot of a migration target landed: the shard is at `version`,
+    /// published from the snapshot (contributions already held stay). Pull
+    /// requests waiting here for an earlier version are dropped and their workers
+    /// returned: they routed with an old map and must ask the owner that serves
+    /// that version. Then see [`ShardSync::ready_pulls`].
     pub fn snapshot_landed(&mut self, version: u64) -> Vec<u32> {
         self.version = version;
-        self.floor = version + 1;
+        self.floor = version;
         let mut moved = Vec::new();
         for (w, p) in self.pending.iter_mut().enumerate() {
             if p.is_some_and(|need| need < self.floor) {
@@ -167,6 +167,13 @@ impl ShardSync {
     /// [`ShardSync::snapshot_landed`]).
     pub fn serves(&self, need: u64) -> bool {
         need >= self.floor
+    }
+
+    /// A migration target learns that its source cut over at the snapshot's
+    /// version: no forward follows, this shard aggregates from that version on
+    /// (an iteration without contributions included).
+    pub fn caught_up(&mut self) {
+        self.catching_up = false;
     }
 
     /// A forwarded update (applied by the migration source) has been applied and
@@ -242,6 +249,33 @@ impl ShardSync {
             return Cow::Borrowed(base);
         }
         Cow::Owned(base.iter().copied().filter(|&r| !gone(r)).collect())
+    }
+
+    /// BSP, a migration source cutting over at its current version: gives back
+    /// the contributions held for it (their workers push them again to the new
+    /// owner) and the pull requests waiting here (for a version this shard will not
+    /// produce). Returns (workers whose push was held, workers whose pull waited).
+    pub fn evict(&mut self) -> (Vec<u32>, Vec<u32>) {
+        let held: Vec<u32> = (0..self.slot_full.len() as u32).filter(|&w| self.slot_full[w as usize]).collect();
+        self.slot_full.iter_mut().for_each(|s| *s = false);
+        self.full_count = 0;
+        self.held = None;
+        let waiting: Vec<u32> = (0..self.pending.len() as u32).filter(|&w| self.pending[w as usize].is_some()).collect();
+        self.pending.iter_mut().for_each(|p| *p = None);
+        (held, waiting)
+    }
+
+    /// Drops the pull requests waiting for a version after `v` (a migration
+    /// source that will not produce it) and returns their workers.
+    pub fn refuse_above(&mut self, v: u64) -> Vec<u32> {
+        let mut out = Vec::new();
+        for (w, p) in self.pending.iter_mut().enumerate() {
+            if p.is_some_and(|need| need > v) {
+                *p = None;
+                out.push(w as u32);
+            }
+        }
+        out
     }
 
     /// Whether `worker`'s landing slot holds a contribution not yet consumed.
@@ -473,6 +507,19 @@ mod membership_tests {
         assert_eq!(s.on_push(1, 1, second), Ok(PushOutcome::AggregateAll { iteration: 1 }));
     }
 
+    /// A source cutting over at its own version gives back what it holds.
+    #[test]
+    fn eviction_returns_held_pushes_and_waiting_pulls() {
+        const ALL: &[u32] = &[0, 1, 2];
+        let mut s = ShardSync::new(Consistency::Bsp, 3);
+        assert_eq!(s.on_push(0, 0, ALL), Ok(PushOutcome::Wait));
+        assert_eq!(s.on_push(2, 0, ALL), Ok(PushOutcome::Wait));
+        assert_eq!(s.on_pull(0, 1), Ok(None));
+        assert_eq!(s.evict(), (vec![0, 2], vec![0]));
+        assert!(!s.has_pushed(0) && s.complete(ALL).is_none());
+        assert_eq!(s.version(), 0);
+    }
+
     #[test]
     fn an_expired_worker_is_dropped_only_where_its_push_is_missing() {
         let mut m = Membership::new(vec![0, 1, 2]).unwrap();
@@ -517,7 +564,7 @@ mod membership_tests {
         assert_eq!(s.complete(ALL), None);
         assert_eq!(s.forwarded(), 6);
         assert_eq!(s.complete(ALL), None);
-        assert!(!s.serves(5) && s.serves(6), "a target never serves its snapshot's version");
+        assert!(!s.serves(4) && s.serves(5), "a target serves its snapshot's version and later ones");
         assert_eq!(s.forwarded(), 7);
         assert_eq!(s.complete(ALL), Some(7));
         assert_eq!(s.published(None), 8);
@@ -528,14 +575,19 @@ mod membership_tests {
         assert!(matches!(s.on_push(1, 9, ALL), Err(SyncError::StaleIteration { .. })));
         assert_eq!(s.on_push(1, 8, ALL), Ok(PushOutcome::Wait));
         // A target whose pushes arrive after the forwards aggregates at once.
-        let mut s = ShardSync::incoming(Consistency::Bsp, 2, 0);
-        // A pull of version 2 asked before the snapshot of version 2 landed is
-        // handed back: the source serves it.
+        let mut s = ShardSync::incoming(Consistency::Bsp, 3, 0);
+        // Pulls asked before the snapshot of version 2 landed: one of version 1 is
+        // handed back (the source serves it), one of version 2 is served from the
+        // snapshot, one of version 3 once the forward made it.
+        assert_eq!(s.on_pull(2, 1), Ok(None));
         assert_eq!(s.on_pull(1, 2), Ok(None));
         assert_eq!(s.on_pull(0, 3), Ok(None));
-        assert_eq!(s.snapshot_landed(2), vec![1]);
-        assert_eq!(s.forwarded(), 3);
+        assert_eq!(s.snapshot_landed(2), vec![2]);
         let mut ready = Vec::new();
+        s.ready_pulls(&mut ready);
+        assert_eq!(ready, vec![(1, 2)]);
+        assert_eq!(s.forwarded(), 3);
+        ready.clear();
         s.ready_pulls(&mut ready);
         assert_eq!(ready, vec![(0, 3)]);
         let mut s = ShardSync::incoming(Consistency::Bsp, 1, 2);

@@ -44,11 +44,22 @@ impl Server {
         }
         self.hold = None;
         for id in 0..self.shards.len() as u32 {
-            let Some(h) = self.shards[id as usize].as_ref() else { continue };
-            let c = h.sync.contributors(&self.membership, &self.lost, h.sync.version());
-            if let Some(t) = h.sync.complete(&c) {
-                self.update(id, Pending::Update { iteration: t, one: None })?;
-            }
+            self.try_complete(id)?;
+        }
+        Ok(())
+    }
+
+    /// Aggregates shard `id`'s current iteration if every contribution it
+    /// expects is in (and its contributor set is settled).
+    pub(crate) fn try_complete(&mut self, id: u32) -> Result<(), ServerError> {
+        let Some(h) = self.shards[id as usize].as_ref() else { return Ok(()) };
+        let v = h.sync.version();
+        if self.unsettled(v) {
+            return Ok(());
+        }
+        let c = h.sync.contributors(&self.membership, &self.lost, v);
+        if let Some(t) = h.sync.complete(&c) {
+            self.update(id, Pending::Update { iteration: t, one: None })?;
         }
         Ok(())
     }

@@ -22,7 +22,7 @@ use eps_fabric::prelude::*;
 use eps_proto::control::{ControlMsg, MigrationKeys, Order};
 use eps_proto::hello::{HELLO_LEN, Hello, PEER_BIT};
 use eps_proto::imm::{Imm, ImmKind, widen_seq};
-use eps_proto::migrate::{Source, SourceAction, SourcePhase};
+use eps_proto::migrate::{Source, SourceAction};
 use eps_proto::sync::ShardSync;
 
 use crate::{Held, Origin, Peer, Pending, Server, ServerError, WR_MIGRATE, WR_OTHER};
@@ -145,7 +145,7 @@ impl Server {
             signaled: true,
         })?;
         let out = Outgoing {
-            src: Source::start(v0, self.membership.latest()),
+            src: Source::start(v0),
             to,
             ci,
             keys,
@@ -174,18 +174,49 @@ impl Server {
         if wr_id & WR_FORWARD != 0 {
             return Ok(()); // the acknowledgement frees the buffer
         }
-        let Some(h) = self.held_mut(id) else { return Ok(()) };
+        let (membership, lost) = (&self.membership, &self.lost);
+        let Some(h) = self.shards.get_mut(id as usize).and_then(Option::as_mut) else { return Ok(()) };
+        let version = h.sync.version();
+        // No update ran while the snapshot was in flight, so every worker is still
+        // at most at iteration `version`. If that iteration's update is ready here
+        // (every contribution in), the cutover is the iteration after: this server
+        // applies it and forwards it. Otherwise the cutover is `version` itself:
+        // the target holds that version (it publishes it from the snapshot), the
+        // pushes of `version` held here are answered "moved" (their workers push
+        // again to the target) and the pulls waiting here "pull moved"; nothing is
+        // forwarded and the shard is released at once.
+        let c = h.sync.contributors(membership, lost, version);
+        let ready = h.sync.complete(&c).is_some() || !h.waiting.is_empty();
+        let at = if ready { version + 1 } else { version };
+        // Pull requests waiting here for a version after the cutover go to the
+        // target.
+        let (held, waiting) = if ready { (Vec::new(), h.sync.refuse_above(at)) } else { h.sync.evict() };
         let Some(out) = h.out.as_mut() else { return Ok(()) };
         out.snapshot_busy = false;
         out.snapshot_secs = out.snapshot_posted.elapsed().as_secs_f64();
-        // The next iteration: no update ran while the snapshot was in flight, so
-        // every worker is still at most at iteration `version`, whose push comes
-        // here. Workers learn the new epoch while that update runs (their map
-        // watcher wakes on the cutover); one that pushes here anyway is answered
-        // "moved" and pushes again.
-        let at = h.sync.version() + 1;
         let action = out.src.announce(at).map_err(|e| ServerError::Migration(e.to_string()))?;
         out.at = at;
+        if at == version {
+            // Tell the target: no forward follows (a zero-length forward of the
+            // snapshot's own version).
+            let ci = out.ci;
+            let imm = Imm { kind: ImmKind::Forward, shard: id, seq: version as u16 }.encode();
+            let remote = RemoteAddr { addr: out.keys.grad_addr, rkey: out.keys.grad_rkey };
+            self.conns[ci].qp()?.post_send(&SendWr {
+                wr_id: WR_OTHER,
+                op: SendOp::WriteImm(remote, imm),
+                sg: &[],
+                signaled: false,
+            })?;
+        }
+        for w in held {
+            self.send_moved(w, id, version as u16)?;
+        }
+        for w in waiting {
+            // Its pull request was here already: answered now, not when it comes.
+            self.moved_pushes.remove(&(w, id));
+            self.send_pull_moved(w, id, version as u16)?;
+        }
         self.ctl.call(&ControlMsg::Cutover { shard: id, at })?;
         if action == Some(SourceAction::Release) {
             return self.release(id);
@@ -228,11 +259,7 @@ impl Server {
                     signaled: false,
                 })?;
             }
-            let Some(h) = self.shards[id as usize].as_ref() else { return Ok(()) };
-            let c = h.sync.contributors(&self.membership, &self.lost, version);
-            if let Some(t) = h.sync.complete(&c) {
-                self.update(id, Pending::Update { iteration: t, one: None })?;
-            }
+            self.try_complete(id)?;
         }
         Ok(())
     }
@@ -246,25 +273,50 @@ impl Server {
         let id = m.shard;
         let snapshot_version = self.mem.snapshot_version(id);
         let Some(h) = self.held_mut(id) else {
+            if len == 0 {
+                // A "no forwards follow" notice that crossed this server's own
+                // migration of the shard onward: nothing to do.
+                return Ok(());
+            }
             self.violation(ci, &format!("forwarded shard {id}, which is not arriving here"));
             return Ok(());
         };
         match h.incoming {
             Some((from, None)) => {
-                // The snapshot: its version is in the region's tail.
+                // The snapshot: its version is in the region's tail. It is
+                // published at once (the same bits the source published), so this
+                // server serves that version too.
                 let v0 = snapshot_version.unwrap_or(0);
                 let moved = h.sync.snapshot_landed(v0);
                 h.incoming = Some((from, Some(ci)));
+                let parity = ShardSync::parity(v0);
+                self.mem.publish(id, parity);
+                self.mem.set_stamp(id, parity, v0);
                 eprintln!("eps server {}: snapshot of shard {id} at version {v0} landed", self.rank);
                 for w in moved {
                     self.send_pull_moved(w, id, v0 as u16)?;
                 }
-                Ok(())
+                let mut ready = Vec::new();
+                if let Some(h) = self.held_mut(id) {
+                    h.sync.ready_pulls(&mut ready);
+                }
+                for (w, v) in ready {
+                    self.send_pull(w, id, v)?;
+                }
+                // Pushes of the snapshot's version held here (a cutover at that
+                // version) may be complete now.
+                self.try_complete(id)
             }
             Some((_, Some(_))) => {
                 let queued = h.waiting.iter().filter(|p| matches!(p, Pending::Forward { .. })).count() as u64;
                 let expected = h.sync.version() + 1 + queued;
                 let version = widen_seq(m.seq, expected);
+                if len == 0 && queued == 0 && version == h.sync.version() {
+                    // The source cut over at the snapshot's version: we aggregate
+                    // from here on.
+                    h.sync.caught_up();
+                    return self.try_complete(id);
+                }
                 if version != expected {
                     self.violation(ci, &format!("forwarded version {version} of shard {id}, expected {expected}"));
                     return Ok(());
@@ -295,20 +347,6 @@ impl Server {
             return self.release(id);
         }
         self.drain(id)
-    }
-
-    /// The write of version `v` of shard `id` to worker `w` completed.
-    pub(crate) fn pull_written(&mut self, id: u32, w: u32, v: u64) -> Result<(), ServerError> {
-        let Some(out) = self.held_mut(id).and_then(|h| h.out.as_mut()) else {
-            return Ok(());
-        };
-        if let SourcePhase::CuttingOver { at } = out.src.phase()
-            && v == at
-            && out.src.on_worker_moved(w) == Some(SourceAction::Release)
-        {
-            return self.release(id);
-        }
-        Ok(())
     }
 
     /// Frees a migrated shard (its landing slots stay, see `Server::retained`) and

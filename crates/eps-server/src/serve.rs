@@ -232,7 +232,13 @@ impl Server {
         if !self.free(id) {
             if let Some(h) = self.shards[id as usize].as_mut() {
                 h.sync.set_publish_waiting(true);
-                h.waiting.push_back(p);
+                // An iteration found complete again while parked (a commit or a
+                // catch-up checks again) is parked once.
+                let again = matches!(p, Pending::Update { one: None, iteration }
+                    if h.waiting.iter().any(|q| matches!(q, Pending::Update { one: None, iteration: i } if *i == iteration)));
+                if !again {
+                    h.waiting.push_back(p);
+                }
             }
             return Ok(());
         }
@@ -334,10 +340,9 @@ impl Server {
                     }
                     None => return Ok(()), // released when its connection was dropped
                 }
-                let (id, w, v) = pull_wr_parts(wr_id);
+                let (id, _, v) = pull_wr_parts(wr_id);
                 let Some(h) = self.held_mut(id) else { return Ok(()) };
                 h.sync.pull_written(v);
-                self.pull_written(id, w, v)?;
                 self.drain(id)
             }
             WR_MIGRATE => self.on_migration_written(wr_id, ok),
@@ -353,7 +358,7 @@ impl Server {
         }
     }
 
-    fn send_pull(&mut self, w: u32, id: u32, v: u64) -> Result<(), ServerError> {
+    pub(crate) fn send_pull(&mut self, w: u32, id: u32, v: u64) -> Result<(), ServerError> {
         let Some((conn, h)) = self.worker_conn(w) else {
             if let Some(h) = self.shards[id as usize].as_mut() {
                 h.sync.pull_written(v);
@@ -388,7 +393,7 @@ impl Server {
         self.notify(w, Imm { kind: ImmKind::Credit, shard: id, seq: 0 })
     }
 
-    fn send_moved(&mut self, w: u32, id: u32, seq: u16) -> Result<(), ServerError> {
+    pub(crate) fn send_moved(&mut self, w: u32, id: u32, seq: u16) -> Result<(), ServerError> {
         self.summary.moved += 1;
         self.moved_pushes.insert((w, id));
         self.notify(w, Imm { kind: ImmKind::Moved, shard: id, seq })

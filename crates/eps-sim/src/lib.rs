@@ -237,7 +237,7 @@ impl World {
             }
             Node::Worker(r) => {
                 let Some(mut w) = self.workers.get_mut(&r).and_then(Option::take) else { return };
-                w.handle(self, msg);
+                w.handle(self, from, msg);
                 self.workers.insert(r, Some(w));
             }
             Node::Ctl => match msg {

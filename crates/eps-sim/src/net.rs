@@ -44,6 +44,9 @@ pub enum Msg {
     Forward { shard: u32, v: u64, digest: u64 },
     /// Target -> source.
     ForwardAck { shard: u32, v: u64 },
+    /// Source -> target: the cutover is at the snapshot's version; no forward
+    /// follows.
+    NoForwards { shard: u32 },
     /// Control -> server: new orders.
     Orders(Vec<Order>),
     /// Control -> worker: a newer map (the worker's long poll).

@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use eps_proto::control::{ControlMsg, MigrationKeys, Order, Role, ShardEndpoint};
 use eps_proto::membership::Membership;
-use eps_proto::migrate::{Source, SourceAction, SourcePhase};
+use eps_proto::migrate::{Source, SourceAction};
 use eps_proto::spec::Consistency;
 use eps_proto::sync::{PushOutcome, ShardSync};
 
@@ -141,6 +141,13 @@ impl SimServer {
             Msg::SnapshotDone { shard } => self.on_snapshot_done(w, shard),
             Msg::Forward { shard, v, digest } => self.on_forward(w, shard, v, digest),
             Msg::ForwardAck { shard, v } => self.on_ack(w, shard, v),
+            Msg::NoForwards { shard } => {
+                // The notice may cross this server's own migration of the shard
+                // onward (its order comes from the control plane): then ignored.
+                let Some(sh) = self.shards.get_mut(&shard) else { return };
+                sh.sync.caught_up();
+                self.try_complete(w, shard);
+            }
             Msg::Orders(os) => {
                 for o in os {
                     self.on_order(w, o);
@@ -247,13 +254,6 @@ impl SimServer {
         }
         let Some(sh) = self.shards.get_mut(&id) else { return };
         sh.sync.pull_written(v);
-        if let Some(out) = sh.out.as_mut()
-            && let SourcePhase::CuttingOver { at } = out.src.phase()
-            && v == at
-            && out.src.on_worker_moved(r) == Some(SourceAction::Release)
-        {
-            return self.release(w, id);
-        }
         self.drain(w, id);
     }
 
@@ -267,7 +267,11 @@ impl SimServer {
         if !self.free(id) {
             if let Some(sh) = self.shards.get_mut(&id) {
                 sh.sync.set_publish_waiting(true);
-                sh.waiting.push_back(p);
+                let again =
+                    matches!(p, Pending::Update(t) if sh.waiting.iter().any(|q| matches!(q, Pending::Update(u) if *u == t)));
+                if !again {
+                    sh.waiting.push_back(p);
+                }
             }
             return;
         }
@@ -356,10 +360,21 @@ impl SimServer {
         }
         if let (Pending::Forward { .. }, Some((from, true))) = (p, sh.incoming) {
             w.send(me, Node::Server(from), Msg::ForwardAck { shard: id, v: version });
-            let c = sh.sync.contributors(&self.membership, &self.lost, version).into_owned();
-            if let Some(t) = sh.sync.complete(&c) {
-                self.update(w, id, Pending::Update(t));
-            }
+            self.try_complete(w, id);
+        }
+    }
+
+    /// Aggregates the shard's current iteration if every contribution it expects
+    /// is in and its contributor set is settled.
+    fn try_complete(&mut self, w: &mut World, id: u32) {
+        let Some(sh) = self.shards.get(&id) else { return };
+        let v = sh.sync.version();
+        if self.hold.is_some_and(|h| v >= h) {
+            return;
+        }
+        let c = sh.sync.contributors(&self.membership, &self.lost, v);
+        if let Some(t) = sh.sync.complete(&c) {
+            self.update(w, id, Pending::Update(t));
         }
     }
 
@@ -378,13 +393,40 @@ impl SimServer {
         for r in moved {
             w.send(me, Node::Worker(r), Msg::PullMoved { shard: id });
         }
+        // The snapshot's version is published: pulls waiting for it are served.
+        let mut ready = Vec::new();
+        sh.sync.ready_pulls(&mut ready);
+        for (r, v) in ready {
+            self.send_pull(w, r, id, v);
+        }
+        self.try_complete(w, id);
     }
 
     fn on_snapshot_done(&mut self, w: &mut World, id: u32) {
+        let me = self.me();
         let Some(sh) = self.shards.get_mut(&id) else { return };
+        // The iteration after if its update is ready here, else this very version
+        // (the held pushes and waiting pulls go back to their workers).
+        let version = sh.sync.version();
+        let c = sh.sync.contributors(&self.membership, &self.lost, version);
+        let ready = sh.sync.complete(&c).is_some() || !sh.waiting.is_empty();
+        let at = if ready { version + 1 } else { version };
+        let (held, waiting) = if ready { (Vec::new(), sh.sync.refuse_above(at)) } else { sh.sync.evict() };
+        for &r in &held {
+            sh.landing[r as usize] = None;
+            w.accepted.remove(&(r, id, version));
+            self.moved_pushes.insert((r, id));
+            w.send(me, Node::Worker(r), Msg::Moved { shard: id, t: version });
+        }
+        for &r in &waiting {
+            self.moved_pushes.remove(&(r, id));
+            w.send(me, Node::Worker(r), Msg::PullMoved { shard: id });
+        }
         let Some(out) = sh.out.as_mut() else { return };
         out.snapshot_busy = false;
-        let at = sh.sync.version() + 1;
+        if at == version {
+            w.send(me, Node::Server(out.to), Msg::NoForwards { shard: id });
+        }
         let action = match out.src.announce(at) {
             Ok(a) => a,
             Err(e) => return w.fail(format!("server {}: cutover of shard {id}: {e}", self.rank)),
@@ -464,13 +506,7 @@ impl SimServer {
                 let Some(&value) = sh.vals.get(&v0) else {
                     return w.fail(format!("server {rank}: shard {shard} has no value at version {v0}"));
                 };
-                sh.out = Some(Out {
-                    src: Source::start(v0, self.membership.latest()),
-                    to,
-                    snapshot_busy: true,
-                    forward_busy: false,
-                    last_forward: v0,
-                });
+                sh.out = Some(Out { src: Source::start(v0), to, snapshot_busy: true, forward_busy: false, last_forward: v0 });
                 let at = w.send(me, Node::Server(to), Msg::Snapshot { shard, v: v0, value });
                 w.complete_after(me, Msg::SnapshotDone { shard }, at);
             }
@@ -498,11 +534,7 @@ impl SimServer {
                 self.hold = None;
                 let ids: Vec<u32> = self.shards.keys().copied().collect();
                 for id in ids {
-                    let Some(sh) = self.shards.get(&id) else { continue };
-                    let c = sh.sync.contributors(&self.membership, &self.lost, sh.sync.version());
-                    if let Some(t) = sh.sync.complete(&c) {
-                        self.update(w, id, Pending::Update(t));
-                    }
+                    self.try_complete(w, id);
                 }
             }
         }

@@ -54,10 +54,17 @@ pub(crate) struct SimWorker {
     tokens: Vec<u64>,
     /// Per shard: the map epoch its last push was routed with.
     push_epoch: Vec<u64>,
+    /// First pull: answers with data so far.
     pulled: usize,
-    pull_moved: usize,
-    moved_pushes: usize,
+    /// Per shard, in the current round: pull answered with data.
+    round_pulled: Vec<bool>,
+    /// Per shard, in the current round: pull requests not answered yet.
+    outstanding: Vec<u32>,
+    /// "Pull moved" answers of the round not handled yet: (shard, server).
+    pull_refused: Vec<(u32, Node)>,
     moved: Vec<(u32, u64)>,
+    /// First pull: shards refused by the owner of our map, waiting for a newer map.
+    refused: Vec<u32>,
 }
 
 impl SimWorker {
@@ -80,9 +87,11 @@ impl SimWorker {
             tokens: vec![0; shards],
             push_epoch: vec![0; shards],
             pulled: 0,
-            pull_moved: 0,
-            moved_pushes: 0,
+            round_pulled: vec![false; shards],
+            outstanding: vec![0; shards],
+            pull_refused: Vec::new(),
             moved: Vec::new(),
+            refused: Vec::new(),
         }
     }
 
@@ -98,15 +107,15 @@ impl SimWorker {
             })
             .collect();
         format!(
-            "map epoch {} routes [{}], newest {}, hold {:?}, pulled {} moved {:?} pull_moved {}/{}",
+            "map epoch {} routes [{}], newest {}, hold {:?}, pulled {} moved {:?} refused {:?} outstanding {:?}",
             self.map.epoch,
             routes.join(" "),
             self.newest_epoch,
             self.hold,
             self.pulled,
             self.moved,
-            self.pull_moved,
-            self.moved_pushes
+            self.pull_refused,
+            self.outstanding
         )
     }
 
@@ -163,7 +172,7 @@ impl SimWorker {
     }
 
     /// Handles one delivery.
-    pub(crate) fn handle(&mut self, w: &mut World, msg: Msg) {
+    pub(crate) fn handle(&mut self, w: &mut World, from: Node, msg: Msg) {
         if !self.live() {
             return;
         }
@@ -180,6 +189,23 @@ impl SimWorker {
                     self.begin(w);
                 }
             }
+            (Msg::PullMoved { shard }, WState::InitialPull) => {
+                // `Worker::pull`: ask the owner of the newest map; if it was the
+                // owner that refused, wait for a newer map first.
+                if let Some(m) = self.newest.take().filter(|m| m.epoch > self.map.epoch) {
+                    self.map = m;
+                }
+                let owner = self.map.routes[shard as usize].owner.owner;
+                if from == Node::Server(owner) {
+                    if w.job.epoch() > self.map.epoch {
+                        self.map = w.job.job_map();
+                    } else {
+                        self.refused.push(shard);
+                        return;
+                    }
+                }
+                self.ask_first(w, shard);
+            }
             (Msg::PullDone { shard, v, value }, WState::Waiting | WState::Refreshing) => {
                 // BSP: exactly the next version, unless this worker does not
                 // contribute to the next iteration (it leaves there, and the others
@@ -188,21 +214,32 @@ impl SimWorker {
                 if v != self.t + 1 && !(v > self.t + 1 && leaving) {
                     return w.fail(format!("worker {rank}: pull of shard {shard} gave version {v} in iteration {}", self.t));
                 }
-                self.have[shard as usize] = (v, value);
-                self.pulled += 1;
-                self.check_done(w);
+                let s = shard as usize;
+                self.have[s] = (v, value);
+                self.round_pulled[s] = true;
+                self.outstanding[s] = self.outstanding[s].saturating_sub(1);
+                self.step(w);
             }
             (Msg::Moved { shard, t }, WState::Waiting | WState::Refreshing) => {
                 self.moved.push((shard, t));
-                self.check_done(w);
+                self.step(w);
             }
-            (Msg::PullMoved { .. }, WState::Waiting | WState::Refreshing) => {
-                self.pull_moved += 1;
-                self.check_done(w);
+            (Msg::PullMoved { shard }, WState::Waiting | WState::Refreshing) => {
+                let s = shard as usize;
+                self.outstanding[s] = self.outstanding[s].saturating_sub(1);
+                self.pull_refused.push((shard, from));
+                self.step(w);
             }
             (Msg::Tick, WState::Computing) => self.push_all(w),
             (m, s) => w.fail(format!("worker {rank} in state {s:?} got {m:?}")),
         }
+    }
+
+    /// Asks the owner of `shard` in our map for the version this worker starts at.
+    fn ask_first(&mut self, w: &mut World, shard: u32) {
+        let owner = self.map.routes[shard as usize].owner.owner;
+        let me = self.me();
+        w.send(me, Node::Server(owner), Msg::PullReq { w: self.rank, shard, need: self.start });
     }
 
     /// The watcher takes in a map: membership, proposal and vote; then whatever
@@ -232,11 +269,17 @@ impl SimWorker {
         match self.state {
             WState::AwaitAdmit => self.try_admit(w),
             WState::Blocked => self.begin(w),
-            WState::Refreshing => {
+            WState::InitialPull if !self.refused.is_empty() => {
                 if let Some(m) = self.newest.take().filter(|m| m.epoch > self.map.epoch) {
                     self.map = m;
-                    self.repush(w);
                 }
+                for s in std::mem::take(&mut self.refused) {
+                    self.ask_first(w, s);
+                }
+            }
+            WState::Refreshing => {
+                self.state = WState::Waiting;
+                self.step(w);
             }
             _ => {}
         }
@@ -280,7 +323,9 @@ impl SimWorker {
             self.reported = self.map.epoch;
         }
         w.adopted(self.rank, self.reported);
-        (self.pulled, self.pull_moved, self.moved_pushes) = (0, 0, 0);
+        self.round_pulled.iter_mut().for_each(|p| *p = false);
+        self.outstanding.iter_mut().for_each(|o| *o = 0);
+        self.pull_refused.clear();
         self.moved.clear();
         for s in 0..self.have.len() {
             let (v, value) = self.have[s];
@@ -299,40 +344,69 @@ impl SimWorker {
         let (me, to) = (self.me(), Node::Server(owner));
         w.send(me, to, Msg::Push { w: self.rank, shard, t, token: self.tokens[shard as usize] });
         w.send(me, to, Msg::PullReq { w: self.rank, shard, need: t + 1 });
+        self.outstanding[shard as usize] += 1;
     }
 
-    fn check_done(&mut self, w: &mut World) {
-        let n = self.have.len();
-        if !((self.pulled >= n && self.pull_moved >= self.moved_pushes) || !self.moved.is_empty()) {
+    /// Takes a map newer than ours (the watcher's, or the control plane's right
+    /// now, as `refresh_map`'s long poll would return it); false if none exists.
+    fn take_newer_map(&mut self, w: &mut World) -> bool {
+        if let Some(m) = self.newest.take().filter(|m| m.epoch > self.map.epoch) {
+            self.map = m;
+            return true;
+        }
+        if w.job.epoch() > self.map.epoch {
+            self.map = w.job.job_map();
+            return true;
+        }
+        false
+    }
+
+    /// The `push_pull` loop after an answer: moved pushes go again to the new
+    /// owner, refused pulls are asked again of the owner (unless another request
+    /// for the shard is in flight), and the round ends once every shard has its
+    /// data and nothing is in flight. Waits for a newer map where one is needed.
+    fn step(&mut self, w: &mut World) {
+        if !self.moved.is_empty() {
+            // A map newer than the one those pushes used, if ours is not.
+            let used = self.moved.iter().map(|&(s, _)| self.push_epoch[s as usize]).min().unwrap_or(0);
+            if used >= self.map.epoch && !self.take_newer_map(w) {
+                self.state = WState::Refreshing;
+                return;
+            }
+            for (s, t) in std::mem::take(&mut self.moved) {
+                self.push_shard(w, s, t);
+            }
+        }
+        for (s, from) in std::mem::take(&mut self.pull_refused) {
+            let i = s as usize;
+            if self.round_pulled[i] || self.outstanding[i] > 0 {
+                continue;
+            }
+            if let Some(m) = self.newest.take().filter(|m| m.epoch > self.map.epoch) {
+                self.map = m;
+            }
+            if Node::Server(self.map.routes[i].owner.owner) == from && !self.take_newer_map(w) {
+                self.pull_refused.push((s, from));
+                self.state = WState::Refreshing;
+                continue;
+            }
+            let owner = self.map.routes[i].owner.owner;
+            let me = self.me();
+            w.send(me, Node::Server(owner), Msg::PullReq { w: self.rank, shard: s, need: self.t + 1 });
+            self.outstanding[i] += 1;
+        }
+        if !self.pull_refused.is_empty() {
             return;
         }
-        if self.moved.is_empty() {
+        self.state = WState::Waiting;
+        let done = self.round_pulled.iter().all(|&p| p) && self.outstanding.iter().all(|&o| o == 0);
+        if done && self.moved.is_empty() {
             self.t += 1;
             if self.t >= w.steps {
                 self.finish(w, WState::Done);
             } else {
                 self.begin(w);
             }
-            return;
         }
-        // `refresh_map`: a blocking long poll for a map newer than ours, unless
-        // ours is newer than the one the moved pushes used.
-        let used = self.moved.iter().map(|&(s, _)| self.push_epoch[s as usize]).min().unwrap_or(0);
-        if used < self.map.epoch {
-            self.repush(w);
-        } else if w.job.epoch() > self.map.epoch {
-            self.map = w.job.job_map();
-            self.repush(w);
-        } else {
-            self.state = WState::Refreshing;
-        }
-    }
-
-    fn repush(&mut self, w: &mut World) {
-        for (s, t) in std::mem::take(&mut self.moved) {
-            self.moved_pushes += 1;
-            self.push_shard(w, s, t);
-        }
-        self.state = WState::Waiting;
     }
 }

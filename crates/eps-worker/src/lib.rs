@@ -160,6 +160,12 @@ pub struct Worker {
     moved: Vec<(usize, u64)>,
     /// Per shard: the map epoch its last push was routed with.
     push_epoch: Vec<u64>,
+    /// "Pull moved" answers since the current pull began: (shard, server).
+    pulls_moved: Vec<(usize, u32)>,
+    /// Per shard, in the current round: pull answered with data.
+    round_pulled: Vec<bool>,
+    /// Per shard, in the current round: pull requests not answered yet.
+    outstanding: Vec<u32>,
     /// Pull requests answered "moved" since the current push_pull or pull began.
     pull_moved: usize,
     /// ASP: where each shard's published-buffer stamps are read into (16 bytes each).
@@ -258,6 +264,9 @@ impl Worker {
             credit: vec![true; n],
             moved: Vec::new(),
             push_epoch: vec![0; n],
+            pulls_moved: Vec::new(),
+            round_pulled: vec![false; n],
+            outstanding: vec![0; n],
             pull_moved: 0,
             stamps,
             reads_done: 0,
@@ -500,6 +509,11 @@ impl Worker {
         Ok(())
     }
 
+    /// Every shard of this round has its data and no pull request is in flight.
+    fn round_done(&self) -> bool {
+        self.round_pulled.iter().all(|&p| p) && self.outstanding.iter().all(|&o| o == 0)
+    }
+
     fn need_after_push(&self, t: u64) -> u64 {
         match self.mode {
             Consistency::Bsp => t + 1,
@@ -522,7 +536,10 @@ impl Worker {
         let t = self.iteration;
         self.pulled = 0;
         self.pull_moved = 0;
+        self.pulls_moved.clear();
         self.moved.clear();
+        self.round_pulled.iter_mut().for_each(|p| *p = false);
+        self.outstanding.iter_mut().for_each(|o| *o = 0);
         for sid in 0..self.layout.shards.len() {
             self.wait_until(|w| w.credit[sid], "a credit for the landing slot")?;
             self.push_shard(sid, t)?;
@@ -530,29 +547,44 @@ impl Worker {
         if self.mode == Consistency::Asp {
             self.read_pull()?;
         } else {
-            let n = self.layout.shards.len();
-            // A push answered "moved" is followed by its pull request, which the same
-            // server answers "moved" too: wait for those answers as well, so none is
-            // left in flight for a later call to mistake for its own.
-            let mut moved_pushes = 0;
+            // Every pull request is answered once, with data or "pull moved"; the
+            // round ends when every shard has its data and no request is in flight
+            // (none is left for a later call to mistake for its own).
             loop {
                 self.wait_until(
-                    |w| (w.pulled >= n && w.pull_moved >= moved_pushes) || !w.moved.is_empty(),
+                    |w| w.round_done() || !w.moved.is_empty() || !w.pulls_moved.is_empty(),
                     "pull answers from the servers",
                 )?;
-                if self.moved.is_empty() {
+                if self.moved.is_empty() && self.pulls_moved.is_empty() {
                     break;
                 }
-                // Routed with an old epoch: fetch the new map and push there (unless
-                // a map newer than the one those pushes used is here already: the
-                // answer was to a push sent before an earlier refresh).
-                let used = self.moved.iter().map(|&(sid, _)| self.push_epoch[sid]).min().unwrap_or(0);
-                if used >= self.map.epoch {
-                    self.refresh_map()?;
+                if !self.moved.is_empty() {
+                    // Routed with an old epoch: fetch the new map and push there
+                    // (unless a map newer than the one those pushes used is here
+                    // already: the answer was to a push sent before an earlier
+                    // refresh).
+                    let used = self.moved.iter().map(|&(sid, _)| self.push_epoch[sid]).min().unwrap_or(0);
+                    if used >= self.map.epoch {
+                        self.refresh_map()?;
+                    }
+                    for (sid, it) in std::mem::take(&mut self.moved) {
+                        self.push_shard(sid, it)?;
+                    }
                 }
-                for (sid, it) in std::mem::take(&mut self.moved) {
-                    moved_pushes += 1;
-                    self.push_shard(sid, it)?;
+                // A pull refused while its push was taken (a migration cut over
+                // meanwhile): ask the owner of the newest map, unless another
+                // request for the shard is in flight (a push sent again brings one).
+                for (sid, refused) in std::mem::take(&mut self.pulls_moved) {
+                    if self.round_pulled[sid] || self.outstanding[sid] > 0 {
+                        continue;
+                    }
+                    self.adopt_newest()?;
+                    if self.map.routes[sid].owner.owner == refused {
+                        self.refresh_map()?;
+                    }
+                    let to = self.slot_at(&self.map.routes[sid].owner)?;
+                    self.post_pull_req(sid, to, self.need_after_push(t))?;
+                    self.outstanding[sid] += 1;
                 }
             }
         }
@@ -584,6 +616,7 @@ impl Worker {
         self.post(owner, WR_PUSH | sid as u64, slot, push, Some((s.start * es, (s.len * es) as u32)))?;
         if self.mode != Consistency::Asp {
             self.post_pull_req(sid, (owner, slot), self.need_after_push(t))?;
+            self.outstanding[sid] += 1;
         }
         self.credit[sid] = false;
         self.stats.pushed_bytes += s.len * es;
@@ -612,6 +645,7 @@ impl Worker {
         for _attempt in 0..64 {
             self.pulled = 0;
             self.pull_moved = 0;
+            self.pulls_moved.clear();
             let route = &self.map.routes[sid];
             let ep = if old_gone { &route.owner } else { route.for_iteration(need.saturating_sub(1)) };
             let from_old = ep.owner != route.owner.owner;
@@ -631,18 +665,36 @@ impl Worker {
         Err(WorkerError::Timeout("a server that serves the shard (every one answered \"moved\")"))
     }
 
-    /// Pulls every shard once `need` is met (see `ShardSync::on_pull`).
+    /// Pulls every shard once `need` is met (see `ShardSync::on_pull`). A server
+    /// that no longer serves the version (a migration moved the shard meanwhile)
+    /// answers "pull moved": the pull is asked again of the owner in the newest map.
     fn pull(&mut self, need: u64) -> Result<(), WorkerError> {
         let start = Instant::now();
-        self.pulled = 0;
+        (self.pulled, self.pull_moved) = (0, 0);
+        self.pulls_moved.clear();
         for sid in 0..self.layout.shards.len() {
             let to = self.slot_at(self.route(sid, need.saturating_sub(1)))?;
             self.post_pull_req(sid, to, need)?;
         }
         let n = self.layout.shards.len();
-        self.wait_until(|w| w.pulled >= n, "pull answers from the servers")?;
-        self.stats.comm += start.elapsed();
-        Ok(())
+        let mut asked = n;
+        for _round in 0..64 {
+            self.wait_until(|w| w.pulled + w.pull_moved >= asked, "pull answers from the servers")?;
+            if self.pulled >= n {
+                self.stats.comm += start.elapsed();
+                return Ok(());
+            }
+            self.adopt_newest()?;
+            for (sid, refused) in std::mem::take(&mut self.pulls_moved) {
+                if self.map.routes[sid].owner.owner == refused {
+                    self.refresh_map()?;
+                }
+                let to = self.slot_at(&self.map.routes[sid].owner)?;
+                self.post_pull_req(sid, to, need)?;
+                asked += 1;
+            }
+        }
+        Err(WorkerError::Timeout("a server that serves the first version (every one answered \"pull moved\")"))
     }
 
     fn qp(&self, server: u32) -> Result<&SoftQp, WorkerError> {
@@ -807,13 +859,19 @@ impl Worker {
                     match m.kind {
                         ImmKind::PullDone => {
                             self.pulled += 1;
+                            self.round_pulled[sid] = true;
+                            self.outstanding[sid] = self.outstanding[sid].saturating_sub(1);
                             self.stats.pulled_bytes += c.byte_len as u64;
                             if self.mode == Consistency::Bsp {
                                 self.credit[sid] = true;
                             }
                         }
                         ImmKind::Credit => self.credit[sid] = true,
-                        ImmKind::PullMoved => self.pull_moved += 1,
+                        ImmKind::PullMoved => {
+                            self.pull_moved += 1;
+                            self.outstanding[sid] = self.outstanding[sid].saturating_sub(1);
+                            self.pulls_moved.push((sid, server));
+                        }
                         ImmKind::Moved => {
                             self.credit[sid] = true;
                             self.moved.push((sid, widen_seq(m.seq, self.iteration)));

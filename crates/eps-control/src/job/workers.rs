@@ -46,6 +46,9 @@ pub(crate) struct Workers {
     finished: Vec<bool>,
     /// Ranks removed because their lease expired.
     expired: Vec<u32>,
+    /// (rank, first iteration of the commit that removed it) for every expiry
+    /// committed, for servers that join later.
+    pub(crate) lost: Vec<(u32, u64)>,
     /// Committed contributor sets by iteration.
     pub(crate) members: Membership,
     proposal: Option<Proposal>,
@@ -64,6 +67,7 @@ impl Workers {
             registered: vec![false; limit as usize],
             finished: vec![false; limit as usize],
             expired: Vec::new(),
+            lost: Vec::new(),
             members: Membership::new((0..job.workers).collect()).map_err(|e| e.to_string())?,
             proposal: None,
             proposals: 0,
@@ -280,6 +284,7 @@ impl Job {
             return;
         }
         self.w.admitted = self.w.admitted.max(p.want.iter().max().map_or(0, |m| m + 1));
+        self.w.lost.extend(p.expired.iter().map(|&r| (r, at)));
         self.w.changes += 1;
         for r in self.unretired_servers() {
             self.order(r, Order::Members { at, workers: p.want.clone(), expired: p.expired.clone() });
