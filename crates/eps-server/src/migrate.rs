@@ -165,6 +165,13 @@ impl Server {
         Ok(())
     }
 
+    /// A zero-length WRITE_WITH_IMM to a peer server on connection `ci`.
+    fn notice(&self, ci: usize, remote: RemoteAddr, imm: Imm) -> Result<(), ServerError> {
+        let wr = SendWr { wr_id: WR_OTHER, op: SendOp::WriteImm(remote, imm.encode()), sg: &[], signaled: false };
+        self.conns[ci].qp()?.post_send(&wr)?;
+        Ok(())
+    }
+
     /// A snapshot or forward WRITE completed.
     pub(crate) fn on_migration_written(&mut self, wr_id: u64, ok: bool) -> Result<(), ServerError> {
         let id = (wr_id & 0xFFFF_FFFF) as u32;
@@ -199,15 +206,9 @@ impl Server {
         if at == version {
             // Tell the target: no forward follows (a zero-length forward of the
             // snapshot's own version).
-            let ci = out.ci;
-            let imm = Imm { kind: ImmKind::Forward, shard: id, seq: version as u16 }.encode();
             let remote = RemoteAddr { addr: out.keys.grad_addr, rkey: out.keys.grad_rkey };
-            self.conns[ci].qp()?.post_send(&SendWr {
-                wr_id: WR_OTHER,
-                op: SendOp::WriteImm(remote, imm),
-                sg: &[],
-                signaled: false,
-            })?;
+            let ci = out.ci;
+            self.notice(ci, remote, Imm { kind: ImmKind::Forward, shard: id, seq: version as u16 })?;
         }
         for w in held {
             self.send_moved(w, id, version as u16)?;
@@ -250,14 +251,8 @@ impl Server {
         }
         if let (Pending::Forward { .. }, Some((_, Some(ci)))) = (p, h.incoming) {
             if let Peer::Server(src) = self.conns[ci].peer {
-                let imm = Imm { kind: ImmKind::ForwardAck, shard: id, seq: version as u16 }.encode();
                 let remote = RemoteAddr { addr: src.pull_addr, rkey: src.pull_rkey };
-                self.conns[ci].qp()?.post_send(&SendWr {
-                    wr_id: WR_OTHER,
-                    op: SendOp::WriteImm(remote, imm),
-                    sg: &[],
-                    signaled: false,
-                })?;
+                self.notice(ci, remote, Imm { kind: ImmKind::ForwardAck, shard: id, seq: version as u16 })?;
             }
             self.try_complete(id)?;
         }
