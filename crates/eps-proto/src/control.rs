@@ -678,6 +678,13 @@ mod tests {
                 ],
             },
         ];
+        let mut x = 0x1234_5678_9abc_def0u64;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
         for m in msgs {
             let f = m.encode();
             assert_eq!(u32::from_le_bytes(f[..4].try_into().unwrap()) as usize, f.len() - 4);
@@ -685,6 +692,17 @@ mod tests {
             // Every truncation fails cleanly.
             for cut in 0..f.len() - 4 {
                 assert!(ControlMsg::decode(&f[4..4 + cut]).is_err());
+            }
+            // Mutated frames never panic; what decodes re-encodes to the same bytes.
+            for _ in 0..2_000 {
+                let mut b = f[4..].to_vec();
+                for _ in 0..1 + next() % 3 {
+                    let i = (next() % b.len() as u64) as usize;
+                    b[i] = next() as u8;
+                }
+                if let Ok(d) = ControlMsg::decode(&b) {
+                    assert_eq!(&d.encode()[4..], &b[..], "{d:?}");
+                }
             }
         }
         // Random bytes never panic.
