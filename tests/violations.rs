@@ -2,19 +2,18 @@
 //! worker's connection (the worker sees its transfers fail), and keeps serving the
 //! other workers to the end of the job.
 
+mod common;
+
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use eps_agg::CpuAggregator;
-use eps_control::store::MemStore;
-use eps_control::{ControlClient, ControlService};
+use common::{run_server, secret, start_control, worker_config};
+use eps_control::ControlClient;
 use eps_fabric::prelude::*;
-use eps_proto::JobSpec;
 use eps_proto::control::{ControlMsg, Role};
 use eps_proto::hello::Hello;
 use eps_proto::imm::{Imm, ImmKind};
-use eps_worker::{Worker, WorkerConfig, WorkerError};
+use eps_worker::{Worker, WorkerError};
 
 const SPEC: &str = r#"
 [job]
@@ -29,10 +28,6 @@ tensors = [{ name = "w", elements = 5000 }]
 kind = "sgd"
 lr = 0.01
 "#;
-
-fn secret() -> Secret {
-    Secret::new("violations-test").unwrap()
-}
 
 #[derive(Clone, Copy, Debug)]
 enum Bad {
@@ -97,24 +92,11 @@ fn misbehave(control: SocketAddr, bad: Bad) -> bool {
 }
 
 fn run(bad: Bad) {
-    let spec = JobSpec::from_toml(SPEC).unwrap();
-    let svc = ControlService::bind("127.0.0.1:0".parse().unwrap(), &spec, SPEC, secret(), Box::new(MemStore::default())).unwrap();
-    let control = svc.local_addr();
-    std::thread::spawn(move || svc.run());
+    let (_, control) = start_control(SPEC);
     std::thread::scope(|s| {
-        let server = s.spawn(move || {
-            let cfg = eps_server::ServerConfig {
-                control,
-                secret: secret(),
-                listen_ip: "127.0.0.1".parse().unwrap(),
-                aggregator: Arc::new(CpuAggregator::new(1)),
-                accept_timeout: Duration::from_secs(30),
-                update_threads: 1,
-            };
-            eps_server::run(&cfg).unwrap()
-        });
+        let server = s.spawn(move || run_server(control));
         let good = s.spawn(move || -> Result<u64, WorkerError> {
-            let mut w = Worker::join(&WorkerConfig { control, secret: secret(), timeout: Duration::from_secs(30) })?;
+            let mut w = Worker::join(&worker_config(control))?;
             assert!(matches!(w.tensor("nope"), Err(WorkerError::UnknownTensor(_))));
             assert!(matches!(w.write_grads(&[0.0; 3]), Err(WorkerError::Length { .. })));
             for _ in 0..20 {

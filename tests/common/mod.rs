@@ -65,8 +65,8 @@ pub fn start_control(text: &str) -> (JobSpec, SocketAddr) {
     (spec, control)
 }
 
-/// Runs one server until the job ends.
-pub fn run_server(control: SocketAddr) {
+/// Runs one server until the job ends; returns its summary.
+pub fn run_server(control: SocketAddr) -> eps_server::ServerSummary {
     let cfg = eps_server::ServerConfig {
         control,
         secret: secret(),
@@ -75,7 +75,7 @@ pub fn run_server(control: SocketAddr) {
         accept_timeout: Duration::from_secs(30),
         update_threads: 2,
     };
-    eps_server::run(&cfg).unwrap();
+    eps_server::run(&cfg).unwrap()
 }
 
 /// One training step of a worker: gradient of what it pulled, push, pull.
