@@ -59,9 +59,9 @@ pub struct ServerConfig {
 pub struct ServerSummary {
     /// Server rank.
     pub rank: u32,
-    /// Local shards.
+    /// Shards held at the end (migrations move shards in and out).
     pub shards: usize,
-    /// Parameter elements held.
+    /// Parameter elements held at the end.
     pub elements: u64,
     /// Updates applied (per shard, summed).
     pub updates: u64,
@@ -332,6 +332,8 @@ pub fn run(cfg: &ServerConfig) -> Result<ServerSummary, ServerError> {
     stop.store(true, Ordering::Relaxed);
     served?;
     s.ctl.call(&ControlMsg::Finished { role: Role::Server, rank })?;
+    s.summary.shards = s.shards.iter().flatten().count();
+    s.summary.elements = (0..s.shards.len()).filter(|&i| s.shards[i].is_some()).map(|i| s.spans[i].1).sum();
     Ok(s.summary)
 }
 
