@@ -139,15 +139,7 @@ impl LocalCluster {
     /// scale`.)
     pub fn spawn_worker(&mut self) -> Result<(), TrainError> {
         let name = format!("worker process {}", self.workers_started);
-        let mut c = Command::new(&self.exe)
-            .args(["worker", "--control", &self.addr, "--exit-with-parent"])
-            .args(&self.worker_args)
-            .env("EPS_JOB_SECRET", &self.secret)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .map_err(|source| TrainError::Spawn { what: name.clone(), source })?;
+        let mut c = self.role("worker", &self.worker_args, Stdio::piped(), &name)?;
         let out = c.stdout.take().expect("piped");
         let tx = self.tx.clone();
         self.readers.push(std::thread::spawn(move || {
@@ -158,6 +150,19 @@ impl LocalCluster {
         self.children.push((name, c));
         self.workers_started += 1;
         Ok(())
+    }
+
+    /// Starts `eps ROLE --control ADDR` with the job secret in its environment.
+    fn role(&self, role: &str, extra: &[String], stdout: Stdio, name: &str) -> Result<Child, TrainError> {
+        Command::new(&self.exe)
+            .args([role, "--control", &self.addr, "--exit-with-parent"])
+            .args(extra)
+            .env("EPS_JOB_SECRET", &self.secret)
+            .stdin(Stdio::null())
+            .stdout(stdout)
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|source| TrainError::Spawn { what: name.to_string(), source })
     }
 
     /// The control plane's address.
@@ -174,14 +179,7 @@ impl LocalCluster {
     /// must have room for it: see `eps scale`).
     pub fn spawn_server(&mut self) -> Result<(), TrainError> {
         let name = format!("server {}", self.servers_started);
-        let c = Command::new(&self.exe)
-            .args(["server", "--control", &self.addr, "--exit-with-parent"])
-            .env("EPS_JOB_SECRET", &self.secret)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .map_err(|source| TrainError::Spawn { what: name.clone(), source })?;
+        let c = self.role("server", &[], Stdio::null(), &name)?;
         self.children.push((name, c));
         self.servers_started += 1;
         Ok(())
