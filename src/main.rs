@@ -245,6 +245,7 @@ fn train(a: TrainArgs) -> Result<(), String> {
             .str("dtype", &spec.job.dtype)
             .int("scale_events", r.scale_events)
             .int("migrations", r.migrations)
+            .int("splits", r.splits)
             .int("membership_changes", r.membership_changes)
             .str("membership", &r.membership)
             .finish();

@@ -226,9 +226,9 @@ pub fn run(cfg: &MigrateBench) -> Result<MigrateReport, MigrateError> {
             "need at least 1 pull per step, 1 migration, 5 steady steps, 4 steps between migrations and 5 after".into(),
         ));
     }
-    // Shard 0 is the big one; a 4 KiB second shard makes one move balance the
-    // bytes when the second server joins.
-    let elements = cfg.shard_bytes / 4 + 1024;
+    // Two shards of SHARD bytes: when the second server joins, moving shard 0
+    // whole balances the bytes (no split), and it moves home when it leaves.
+    let elements = cfg.shard_bytes / 4 * 2;
     let steps = cfg.steady_steps + u64::from(cfg.migrations - 1) * cfg.gap_steps + cfg.after_steps;
     let text = format!(
         "[job]\nname = \"migrate\"\nworkers = 1\nservers = 1\nsteps = {steps}\nshard_bytes = {}\n\

@@ -179,6 +179,8 @@ pub struct TrainReport {
     pub scale_events: u64,
     /// Shard migrations they caused.
     pub migrations: u64,
+    /// Shard splits they caused.
+    pub splits: u64,
     /// Worker membership changes committed (joins, leaves, expiries).
     pub membership_changes: u64,
     /// Contributor sets by iteration (`FIRST:R,R,...;...`, see `worker::membership_text`).
@@ -254,7 +256,7 @@ pub fn run(
                 plan.len()
             )));
         }
-        (rep.scale_events, rep.migrations) = (o.events, o.migrations);
+        (rep.scale_events, rep.migrations, rep.splits) = (o.events, o.migrations, o.splits);
     }
     Ok(rep)
 }

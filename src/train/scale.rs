@@ -94,6 +94,8 @@ pub struct ScaleOutcome {
     pub events: u64,
     /// Migrations done (from the control plane's status).
     pub migrations: u64,
+    /// Shard splits done (from the control plane's status).
+    pub splits: u64,
     /// The first error, if any.
     pub error: Option<String>,
 }
@@ -173,7 +175,7 @@ fn run_plan(
     Ok(())
 }
 
-/// Follows `eps status` until no migration is in flight, no server is joining, no
+/// Follows `eps status` until no migration or split is in flight, no server is joining, no
 /// worker change is being voted on or waits for its workers to register, and at
 /// least `min_done` migrations are done (or the job ended), recording the number done.
 fn wait_settled(ctl: &mut ControlClient, out: &Mutex<ScaleOutcome>, min_done: u64) {
@@ -184,7 +186,10 @@ fn wait_settled(ctl: &mut ControlClient, out: &Mutex<ScaleOutcome>, min_done: u6
         let nums: Vec<u64> = line.split(|c: char| !c.is_ascii_digit()).filter_map(|x| x.parse().ok()).collect();
         if let [in_flight, done, ..] = nums[..] {
             out.lock().unwrap_or_else(|p| p.into_inner()).migrations = done;
-            let joining = text.lines().any(|l| l.contains(": joining,"));
+            let splits = text.lines().find_map(|l| l.strip_prefix("splits: ")?.split(' ').next()?.parse().ok());
+            out.lock().unwrap_or_else(|p| p.into_inner()).splits = splits.unwrap_or(0);
+            let splitting = text.lines().any(|l| l.starts_with("splits:") && l.contains("splitting"));
+            let joining = splitting || text.lines().any(|l| l.contains(": joining,"));
             let workers_busy = text.lines().any(|l| l.contains("being voted on") || l.contains("waiting to register"));
             if in_flight == 0 && !joining && !workers_busy && done >= min_done {
                 return;

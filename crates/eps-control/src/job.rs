@@ -11,7 +11,10 @@ use eps_proto::control::{ControlMsg, JobMap, MigrationKeys, Order, Role, Route, 
 use eps_proto::shardmap::{Move, ShardMap};
 use eps_proto::spec::Consistency;
 
+mod split;
 mod workers;
+
+pub use split::Span;
 
 /// Phase of one shard migration.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -82,6 +85,16 @@ pub struct Job {
     orders: Vec<(u32, Order)>,
     /// Added servers ready for their share of shards, planned one at a time.
     to_balance: Vec<u32>,
+    /// By shard id: its elements and the iterations it is used in.
+    spans: Vec<Span>,
+    /// A split ordered and not reported yet.
+    splitting: Option<split::Ordered>,
+    /// The plan of the server being balanced.
+    balancing: Option<split::Balancing>,
+    /// Splits done so far.
+    splits: u64,
+    /// Most live shards (splits stop there).
+    shard_cap: usize,
 }
 
 impl Job {
@@ -104,6 +117,11 @@ impl Job {
             migrations: Vec::new(),
             orders: Vec::new(),
             to_balance: Vec::new(),
+            spans: layout.shards.iter().map(|s| Span { start: s.start, len: s.len, from: 0, until: u64::MAX }).collect(),
+            splitting: None,
+            balancing: None,
+            splits: 0,
+            shard_cap: eps_proto::layout::live_shard_cap(n),
         })
     }
 
@@ -150,7 +168,15 @@ impl Job {
             .endpoints
             .iter()
             .zip(&self.previous)
-            .map(|(e, p)| Route { owner: e.clone().unwrap_or_else(empty_endpoint), previous: p.clone() })
+            .zip(&self.spans)
+            .map(|((e, p), g)| Route {
+                owner: e.clone().unwrap_or_else(empty_endpoint),
+                previous: p.clone(),
+                start: g.start,
+                len: g.len,
+                from: g.from,
+                until: g.until,
+            })
             .collect();
         let servers = self.servers.iter().enumerate().filter(|(_, s)| s.ready).map(|(r, s)| (r as u32, s.addr.clone())).collect();
         JobMap {
@@ -256,7 +282,8 @@ impl Job {
                 let s = *shard as usize;
                 self.previous[s] = self.endpoints[s].take().map(|old| (old, *at));
                 self.endpoints[s] = Some(ep);
-                self.map.shards[s].owner = self.migrations[i].to;
+                let k = self.map.index_of(*shard).ok_or_else(|| format!("shard {shard} is not in the map"))?;
+                self.map.shards[k].owner = self.migrations[i].to;
                 self.map.epoch += 1;
                 let from = self.migrations[i].from as usize;
                 if !self.map.shards.iter().any(|x| x.owner == from as u32) {
@@ -275,6 +302,7 @@ impl Job {
                 self.balance_next()?;
                 Ok(ControlMsg::Ok)
             }
+            ControlMsg::Split { shard, at, lo, hi } => self.split_done(*shard, *at, lo, hi),
             ControlMsg::Scale { servers } => self.scale(*servers),
             ControlMsg::Finished { role, rank } => {
                 match role {
@@ -318,7 +346,7 @@ impl Job {
             return Err(format!("server rank {rank} has not registered"));
         };
         for e in shards {
-            let owner = self.map.shards.get(e.shard as usize).map(|s| s.owner);
+            let owner = self.map.index_of(e.shard).map(|i| self.map.shards[i].owner);
             if owner != Some(rank) || e.owner != rank || self.endpoints[e.shard as usize].is_some() {
                 return Err(format!("server {rank} reported shard {} it does not own", e.shard));
             }
@@ -338,28 +366,10 @@ impl Job {
         Ok(ControlMsg::Ok)
     }
 
-    /// Plans the moves onto the next added server waiting for them, if no
-    /// migration is in flight.
-    fn balance_next(&mut self) -> Result<(), String> {
-        if self.migrations_in_flight() > 0 || self.to_balance.is_empty() {
-            return Ok(());
-        }
-        let rank = self.to_balance.remove(0);
-        let mut plan = self.map.clone();
-        let moves = plan.plan_add_whole(rank).map_err(|e| e.to_string())?;
-        self.map.servers.push(rank);
-        self.map.servers.sort_unstable();
-        self.start_moves(&moves);
-        if moves.is_empty() {
-            return self.balance_next();
-        }
-        Ok(())
-    }
-
-    fn start_moves(&mut self, moves: &[Move]) {
+    pub(crate) fn start_moves(&mut self, moves: &[Move]) {
         for mv in moves {
             let Some(i) = self.map.shard_of(mv.start) else { continue };
-            let shard = i as u32;
+            let shard = self.map.shards[i].id;
             self.migrations.push(Migration {
                 shard,
                 from: mv.from,
@@ -369,7 +379,7 @@ impl Job {
                 millis: 0,
                 target: None,
             });
-            self.order(mv.to, Order::MigrateIn { shard, from: mv.from });
+            self.order(mv.to, Order::MigrateIn { shard, from: mv.from, start: mv.start, len: mv.len });
         }
     }
 
@@ -386,11 +396,11 @@ impl Job {
         if self.w.proposal_id() != 0 {
             return Err("a worker membership change is being voted on; try again in a moment".into());
         }
-        let busy = self.migrations_in_flight();
+        let busy = self.migrations_in_flight() + usize::from(self.splitting.is_some()) + self.to_balance.len();
         let joining = self.servers.len() as u32 != self.server_slots || self.servers.iter().any(|s| !s.ready && !s.retired);
         if busy > 0 || joining {
             return Err(format!(
-                "a scale event is in progress ({busy} migrations, {} servers still joining); try again when `eps status` shows none",
+                "a scale event is in progress ({busy} migrations, splits or servers to balance, {} servers still joining); try again when `eps status` shows none",
                 self.server_slots - self.servers.len() as u32
             ));
         }
@@ -467,6 +477,10 @@ impl Job {
         }
         let done = self.migrations.len() - self.migrations_in_flight();
         let _ = writeln!(t, "migrations: {} in flight, {done} done", self.migrations_in_flight());
+        let _ = match &self.splitting {
+            Some(o) => writeln!(t, "splits: {} done, shard {} splitting on server {}", self.splits, o.shard, o.owner),
+            None => writeln!(t, "splits: {} done", self.splits),
+        };
         // The most recent finished ones with their figures, then those in flight.
         let finished: Vec<&Migration> = self.migrations.iter().filter(|m| m.phase == Phase::Done).collect();
         for m in &finished[finished.len().saturating_sub(8)..] {

@@ -157,6 +157,7 @@ fn serve(mut s: TcpStream, secret: &Secret, shared: &(Mutex<State>, Condvar)) ->
             | ControlMsg::ShardReady { .. }
             | ControlMsg::Cutover { .. }
             | ControlMsg::Released { .. }
+            | ControlMsg::Split { .. }
             | ControlMsg::Scale { .. }
             | ControlMsg::ScaleWorkers { .. }
             | ControlMsg::Vote { .. }

@@ -52,9 +52,25 @@ pub struct Route {
     /// While a cutover is recent: the previous owner, and the cutover iteration
     /// (pushes of earlier iterations, and pulls of versions up to it, go there).
     pub previous: Option<(ShardEndpoint, u64)>,
+    /// First element of the shard in the flat space.
+    pub start: u64,
+    /// Its elements.
+    pub len: u64,
+    /// First iteration whose pushes use this shard (a shard made by a split
+    /// exists from the split's iteration on; 0 otherwise).
+    pub from: u64,
+    /// First iteration whose pushes no longer use it (split at that iteration
+    /// into two new shards); `u64::MAX` while it is not split.
+    pub until: u64,
 }
 
 impl Route {
+    /// Whether pushes of `iteration` use this shard (and pulls of that version
+    /// may ask it).
+    pub fn alive(&self, iteration: u64) -> bool {
+        self.from <= iteration && iteration < self.until
+    }
+
     /// Where the push of `iteration` (and the pull that follows it) goes.
     pub fn for_iteration(&self, iteration: u64) -> &ShardEndpoint {
         match &self.previous {
@@ -82,6 +98,28 @@ pub struct JobMap {
 }
 
 impl JobMap {
+    /// Ids of the shards that iteration `t` pushes to (and whose pulls give
+    /// version `t`), in order of their first element: a partition of the space.
+    pub fn shards_at(&self, t: u64) -> Vec<usize> {
+        let mut ids: Vec<usize> = (0..self.routes.len()).filter(|&i| self.routes[i].alive(t)).collect();
+        ids.sort_by_key(|&i| self.routes[i].start);
+        ids
+    }
+
+    /// The shards of iteration `t` that cover shard `sid`'s elements: `sid`
+    /// itself while it is alive at `t`, else the shards a split made of it.
+    pub fn covering(&self, sid: usize, t: u64) -> Vec<usize> {
+        let Some(r) = self.routes.get(sid) else { return Vec::new() };
+        if r.alive(t) {
+            return vec![sid];
+        }
+        let (a, b) = (r.start, r.start + r.len);
+        self.shards_at(t)
+            .into_iter()
+            .filter(|&i| self.routes[i].start < b && a < self.routes[i].start + self.routes[i].len)
+            .collect()
+    }
+
     /// Fabric address of server `rank`.
     pub fn server_addr(&self, rank: u32) -> Option<&str> {
         self.servers.iter().find(|(r, _)| *r == rank).map(|(_, a)| a.as_str())
@@ -98,6 +136,10 @@ pub enum Order {
         shard: u32,
         /// Source server.
         from: u32,
+        /// First element of the shard.
+        start: u64,
+        /// Its elements.
+        len: u64,
     },
     /// Migrate `shard` to server `to` at `to_addr`, into `keys`.
     MigrateOut {
@@ -130,6 +172,19 @@ pub enum Order {
         workers: Vec<u32>,
         /// Workers removed because their lease expired.
         expired: Vec<u32>,
+    },
+    /// Split `shard` (BSP) at the first iteration it has not aggregated: elements
+    /// before `mid` become shard `lo`, the rest shard `hi`, both held here from
+    /// that iteration on; report `Split`.
+    Split {
+        /// Global shard id.
+        shard: u32,
+        /// First element of the upper part.
+        mid: u64,
+        /// Id of the lower part.
+        lo: u32,
+        /// Id of the upper part.
+        hi: u32,
     },
 }
 
@@ -190,6 +245,18 @@ pub enum ControlMsg {
         shard: u32,
         /// The cutover iteration.
         at: u64,
+    },
+    /// Server -> control: `shard` was split at iteration `at` (pushes of that
+    /// iteration on go to the two parts, which serve its version and later ones).
+    Split {
+        /// The shard split.
+        shard: u32,
+        /// The first iteration of the parts.
+        at: u64,
+        /// The lower part's endpoint.
+        lo: ShardEndpoint,
+        /// The upper part's endpoint.
+        hi: ShardEndpoint,
     },
     /// Migration source -> control: the shard is released.
     Released {
@@ -343,6 +410,10 @@ impl W {
                     self.u64(*at);
                 }
             }
+            self.u64(r.start);
+            self.u64(r.len);
+            self.u64(r.from);
+            self.u64(r.until);
         }
         self.u32(m.membership.len() as u32);
         for (from, set) in &m.membership {
@@ -359,10 +430,12 @@ impl W {
     }
     fn order(&mut self, o: &Order) {
         match o {
-            Order::MigrateIn { shard, from } => {
+            Order::MigrateIn { shard, from, start, len } => {
                 self.u8(1);
                 self.u32(*shard);
                 self.u32(*from);
+                self.u64(*start);
+                self.u64(*len);
             }
             Order::MigrateOut { shard, to, to_addr, keys } => {
                 self.u8(2);
@@ -381,6 +454,13 @@ impl W {
                 self.u64(*at);
                 self.ranks(workers);
                 self.ranks(expired);
+            }
+            Order::Split { shard, mid, lo, hi } => {
+                self.u8(6);
+                self.u32(*shard);
+                self.u64(*mid);
+                self.u32(*lo);
+                self.u32(*hi);
             }
         }
     }
@@ -448,7 +528,7 @@ impl R<'_> {
         for _ in 0..n {
             servers.push((self.u32()?, self.str()?));
         }
-        let n = self.count(25)?;
+        let n = self.count(57)?;
         let mut routes = Vec::with_capacity(n);
         for _ in 0..n {
             let owner = self.endpoint()?;
@@ -457,7 +537,8 @@ impl R<'_> {
                 1 => Some((self.endpoint()?, self.u64()?)),
                 t => return Err(DecodeError::Tag(t)),
             };
-            routes.push(Route { owner, previous });
+            let (start, len, from, until) = (self.u64()?, self.u64()?, self.u64()?, self.u64()?);
+            routes.push(Route { owner, previous, start, len, from, until });
         }
         let n = self.count(12)?;
         let mut membership = Vec::with_capacity(n);
@@ -474,7 +555,8 @@ impl R<'_> {
         Ok(match self.u8()? {
             4 => Order::Propose { id: self.u64()? },
             5 => Order::Members { at: self.u64()?, workers: self.ranks()?, expired: self.ranks()? },
-            1 => Order::MigrateIn { shard: self.u32()?, from: self.u32()? },
+            1 => Order::MigrateIn { shard: self.u32()?, from: self.u32()?, start: self.u64()?, len: self.u64()? },
+            6 => Order::Split { shard: self.u32()?, mid: self.u64()?, lo: self.u32()?, hi: self.u32()? },
             2 => Order::MigrateOut { shard: self.u32()?, to: self.u32()?, to_addr: self.str()?, keys: self.keys()? },
             3 => Order::Retire,
             t => return Err(DecodeError::Tag(t)),
@@ -576,6 +658,13 @@ impl ControlMsg {
                 w.u8(19);
                 w.u32(*rank);
             }
+            ControlMsg::Split { shard, at, lo, hi } => {
+                w.u8(20);
+                w.u32(*shard);
+                w.u64(*at);
+                w.endpoint(lo);
+                w.endpoint(hi);
+            }
             ControlMsg::Orders { last, orders } => {
                 w.u8(16);
                 w.u64(*last);
@@ -621,6 +710,7 @@ impl ControlMsg {
             17 => ControlMsg::ScaleWorkers { workers: r.u32()? },
             18 => ControlMsg::Vote { role: r.role()?, rank: r.u32()?, id: r.u64()?, hold: r.u64()? },
             19 => ControlMsg::Expire { rank: r.u32()? },
+            20 => ControlMsg::Split { shard: r.u32()?, at: r.u64()?, lo: r.endpoint()?, hi: r.endpoint()? },
             t => return Err(DecodeError::Tag(t)),
         };
         if !r.0.is_empty() {
@@ -644,7 +734,7 @@ mod tests {
         let map = JobMap {
             epoch: 7,
             servers: vec![(0, "127.0.0.1:1".into()), (3, "127.0.0.1:2".into())],
-            routes: vec![Route { owner: ep(0, 0), previous: None }, Route { owner: ep(1, 3), previous: Some((ep(1, 0), 12)) }],
+            routes: vec![route(ep(0, 0), None), route(ep(1, 3), Some((ep(1, 0), 12)))],
             membership: vec![(0, vec![0, 1]), (9, vec![0, 1, 2])],
             proposal: 3,
         };
@@ -667,10 +757,12 @@ mod tests {
             ControlMsg::ScaleWorkers { workers: 3 },
             ControlMsg::Vote { role: Role::Worker, rank: 1, id: 2, hold: 40 },
             ControlMsg::Expire { rank: 2 },
+            ControlMsg::Split { shard: 3, at: 17, lo: ep(5, 1), hi: ep(6, 1) },
             ControlMsg::Orders {
                 last: 9,
                 orders: vec![
-                    Order::MigrateIn { shard: 1, from: 0 },
+                    Order::MigrateIn { shard: 1, from: 0, start: 4096, len: 1024 },
+                    Order::Split { shard: 2, mid: 8192, lo: 7, hi: 8 },
                     Order::MigrateOut { shard: 1, to: 2, to_addr: "127.0.0.1:7".into(), keys },
                     Order::Retire,
                     Order::Propose { id: 4 },
@@ -720,11 +812,44 @@ mod tests {
         }
     }
 
+    fn route(owner: ShardEndpoint, previous: Option<(ShardEndpoint, u64)>) -> Route {
+        Route { owner, previous, start: 0, len: 1024, from: 0, until: u64::MAX }
+    }
+
     #[test]
     fn routes_follow_the_cutover() {
-        let r = Route { owner: ep(1, 3), previous: Some((ep(1, 0), 12)) };
+        let r = route(ep(1, 3), Some((ep(1, 0), 12)));
         assert_eq!(r.for_iteration(11).owner, 0);
         assert_eq!(r.for_iteration(12).owner, 3);
-        assert_eq!(Route { owner: ep(1, 3), previous: None }.for_iteration(0).owner, 3);
+        assert_eq!(route(ep(1, 3), None).for_iteration(0).owner, 3);
+    }
+
+    #[test]
+    fn splits_change_the_shards_of_an_iteration() {
+        // Shard 0 split at iteration 5 into 2 and 3; shard 3 split at 9 into 4 and 5.
+        let span = |id, start, len, from, until| Route { start, len, from, until, ..route(ep(id, 0), None) };
+        let map = JobMap {
+            epoch: 3,
+            servers: Vec::new(),
+            routes: vec![
+                span(0, 0, 4096, 0, 5),
+                span(1, 4096, 1024, 0, u64::MAX),
+                span(2, 0, 2048, 5, u64::MAX),
+                span(3, 2048, 2048, 5, 9),
+                span(4, 2048, 1024, 9, u64::MAX),
+                span(5, 3072, 1024, 9, u64::MAX),
+            ],
+            membership: Vec::new(),
+            proposal: 0,
+        };
+        assert_eq!(map.shards_at(4), vec![0, 1]);
+        assert_eq!(map.shards_at(5), vec![2, 3, 1]);
+        assert_eq!(map.shards_at(9), vec![2, 4, 5, 1]);
+        assert_eq!(map.covering(0, 4), vec![0]);
+        assert_eq!(map.covering(0, 5), vec![2, 3]);
+        assert_eq!(map.covering(0, 12), vec![2, 4, 5]);
+        assert_eq!(map.covering(3, 9), vec![4, 5]);
+        assert_eq!(map.covering(1, 9), vec![1]);
+        assert!(map.covering(9, 0).is_empty());
     }
 }

@@ -14,6 +14,13 @@ pub const SHARD_ALIGN_BYTES: u64 = 4096;
 /// Most shards a job can have (the immediate's shard field is 13 bits).
 pub const MAX_SHARDS: u32 = 1 << 13;
 
+/// Most shards a job whose layout has `initial` shards holds at once: splits
+/// (when servers are added) stop there. Servers and workers size their queues
+/// for it.
+pub fn live_shard_cap(initial: usize) -> usize {
+    (2 * initial + 16).min(MAX_SHARDS as usize)
+}
+
 /// Stamp of a published buffer that is being rewritten (or holds no version yet).
 pub const STAMP_WRITING: u64 = u64::MAX;
 

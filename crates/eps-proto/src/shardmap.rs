@@ -10,6 +10,8 @@ use crate::layout::{Layout, SHARD_ALIGN_BYTES};
 /// One shard of the map.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MapShard {
+    /// Global shard id (stable: a split gives both parts new ids).
+    pub id: u32,
     /// First element.
     pub start: u64,
     /// Elements.
@@ -31,6 +33,20 @@ pub struct Move {
     pub to: u32,
 }
 
+/// A split planned by a scale event: shard `shard` is cut at element `mid` into
+/// new shards `lo` (below) and `hi`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Split {
+    /// The shard cut.
+    pub shard: u32,
+    /// First element of the upper part.
+    pub mid: u64,
+    /// Id of the lower part.
+    pub lo: u32,
+    /// Id of the upper part.
+    pub hi: u32,
+}
+
 /// The shard map at one epoch.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ShardMap {
@@ -42,6 +58,8 @@ pub struct ShardMap {
     pub shards: Vec<MapShard>,
     /// Bytes per element of the wire dtype.
     pub elem_bytes: u64,
+    /// The id the next split part gets.
+    pub next_id: u32,
 }
 
 /// Why a scale event cannot be planned.
@@ -57,6 +75,16 @@ pub enum PlanError {
     /// Removing the last server would leave shards without an owner.
     #[error("cannot remove the last server")]
     LastServer,
+    /// No live shard has that id.
+    #[error("no shard has id {0}")]
+    NoShard(u32),
+    /// The shard is one alignment unit, or the split would not fall between
+    /// alignment boundaries inside it.
+    #[error("shard {0} cannot be split there")]
+    Unsplittable(u32),
+    /// Shard ids are spent (the data plane's immediates carry 13 bits).
+    #[error("no shard ids left")]
+    NoIds,
 }
 
 impl ShardMap {
@@ -65,9 +93,40 @@ impl ShardMap {
         Self {
             epoch: 0,
             servers: (0..layout.servers).collect(),
-            shards: layout.shards.iter().map(|s| MapShard { start: s.start, len: s.len, owner: s.server }).collect(),
+            shards: layout.shards.iter().map(|s| MapShard { id: s.id, start: s.start, len: s.len, owner: s.server }).collect(),
             elem_bytes: layout.dtype.size_bytes() as u64,
+            next_id: layout.shards.len() as u32,
         }
+    }
+
+    /// Index (in `shards`) of the live shard with id `id`.
+    pub fn index_of(&self, id: u32) -> Option<usize> {
+        self.shards.iter().position(|s| s.id == id)
+    }
+
+    /// Where shard `i` splits: its aligned midpoint (an element), if it can.
+    pub fn midpoint(&self, i: usize) -> Option<u64> {
+        let s = self.shards.get(i)?;
+        let a = self.align();
+        let half = (s.len / 2).div_ceil(a) * a;
+        (half > 0 && half < s.len).then_some(s.start + half)
+    }
+
+    /// Splits the live shard `id` at element `mid` into new shards `lo` and `hi`
+    /// (same owner); `next_id` moves past both.
+    pub fn split_at(&mut self, id: u32, mid: u64, lo: u32, hi: u32) -> Result<(), PlanError> {
+        let i = self.index_of(id).ok_or(PlanError::NoShard(id))?;
+        let s = self.shards[i];
+        if mid <= s.start || mid >= s.start + s.len || mid % self.align() != 0 {
+            return Err(PlanError::Unsplittable(id));
+        }
+        if lo.max(hi) >= crate::layout::MAX_SHARDS || lo == hi || self.index_of(lo).is_some() || self.index_of(hi).is_some() {
+            return Err(PlanError::NoIds);
+        }
+        self.shards[i] = MapShard { id: lo, start: s.start, len: mid - s.start, owner: s.owner };
+        self.shards.insert(i + 1, MapShard { id: hi, start: mid, len: s.start + s.len - mid, owner: s.owner });
+        self.next_id = self.next_id.max(lo.max(hi) + 1);
+        Ok(())
     }
 
     /// Elements per alignment unit (shard boundaries fall on multiples of it).
@@ -90,34 +149,37 @@ impl ShardMap {
         m
     }
 
-    /// Splits shard `i` at its aligned midpoint (both halves keep the owner).
-    /// Returns false when the shard is one alignment unit or less.
+    /// Splits shard `i` at its aligned midpoint into two new ids (both parts keep
+    /// the owner). Returns false when the shard is one alignment unit or less, or
+    /// ids are spent.
     pub fn split(&mut self, i: usize) -> bool {
-        let s = self.shards[i];
-        let a = self.align();
-        let half = (s.len / 2).div_ceil(a) * a;
-        if half == 0 || half >= s.len {
-            return false;
-        }
-        self.shards[i].len = half;
-        self.shards.insert(i + 1, MapShard { start: s.start + half, len: s.len - half, owner: s.owner });
-        true
+        let Some(mid) = self.midpoint(i) else { return false };
+        let (id, lo) = (self.shards[i].id, self.next_id);
+        self.split_at(id, mid, lo, lo + 1).is_ok()
     }
 
     /// Plans adding server `new`: splits applied to this map (the caller migrates the
     /// returned moves and then bumps the epoch with [`ShardMap::apply_moves`]).
-    /// Bytes end balanced to within one shard of the largest remaining size.
+    /// The new server ends with at least seven eighths of a fair share, or within
+    /// one shard of it when shards are one alignment unit.
     pub fn plan_add(&mut self, new: u32) -> Result<Vec<Move>, PlanError> {
+        Ok(self.plan_add_inner(new, true)?.1)
+    }
+
+    /// Like [`ShardMap::plan_add`], also returning the splits it made, in order
+    /// (applying them in that order to the original map with
+    /// [`ShardMap::split_at`] gives the planned map, ids included).
+    pub fn plan_add_splits(&mut self, new: u32) -> Result<(Vec<Split>, Vec<Move>), PlanError> {
         self.plan_add_inner(new, true)
     }
 
     /// Like [`ShardMap::plan_add`], moving whole shards only (no splits): balanced
     /// to within one shard.
     pub fn plan_add_whole(&mut self, new: u32) -> Result<Vec<Move>, PlanError> {
-        self.plan_add_inner(new, false)
+        Ok(self.plan_add_inner(new, false)?.1)
     }
 
-    fn plan_add_inner(&mut self, new: u32, split: bool) -> Result<Vec<Move>, PlanError> {
+    fn plan_add_inner(&mut self, new: u32, split: bool) -> Result<(Vec<Split>, Vec<Move>), PlanError> {
         if self.servers.contains(&new) {
             return Err(PlanError::AlreadyMember(new));
         }
@@ -126,6 +188,7 @@ impl ShardMap {
         let mut load = self.bytes_per_server();
         let mut taken = 0u64;
         let mut moves = Vec::new();
+        let mut splits = Vec::new();
         let mut moved: Vec<bool> = vec![false; self.shards.len()];
         // Bounded: every round either moves a shard or splits one, and splitting
         // stops at one alignment unit.
@@ -134,16 +197,25 @@ impl ShardMap {
             if deficit == 0 {
                 break;
             }
-            // The most loaded server gives its largest shard that is not moving.
+            // The most loaded server gives its largest shard that is not moving and
+            // fits the deficit, else its smallest one above it (to split, or to
+            // take if that overshoots less than leaving the deficit).
             let Some((&donor, _)) = load.iter().max_by_key(|(s, b)| (**b, u32::MAX - **s)) else { break };
-            let Some(i) = (0..self.shards.len())
-                .filter(|&i| self.shards[i].owner == donor && !moved[i])
-                .max_by_key(|&i| (self.shards[i].len, u64::MAX - self.shards[i].start))
-            else {
+            let mine = (0..self.shards.len()).filter(|&i| self.shards[i].owner == donor && !moved[i]);
+            let fits = |i: &usize| self.shards[*i].len * self.elem_bytes <= deficit;
+            let key = |i: &usize| (self.shards[*i].len, u64::MAX - self.shards[*i].start);
+            let best = mine.clone().filter(fits).max_by_key(key);
+            let Some(i) = best.or_else(|| mine.min_by_key(|i| (self.shards[*i].len, self.shards[*i].start))) else {
                 break;
             };
             let bytes = self.shards[i].len * self.elem_bytes;
-            if split && bytes > deficit && bytes > self.align() * self.elem_bytes && self.split(i) {
+            // Split only while the deficit is more than an eighth of the fair
+            // share: evening out the last few bytes is not worth the shards.
+            let worth = deficit.saturating_mul(8) > target;
+            let cut =
+                Split { shard: self.shards[i].id, mid: self.midpoint(i).unwrap_or(0), lo: self.next_id, hi: self.next_id + 1 };
+            if split && worth && bytes > deficit && bytes > self.align() * self.elem_bytes && self.split(i) {
+                splits.push(cut);
                 moved.insert(i + 1, false);
                 continue;
             }
@@ -156,7 +228,7 @@ impl ShardMap {
             *load.get_mut(&donor).expect("donor is a member") -= bytes;
             taken += bytes;
         }
-        Ok(moves)
+        Ok((splits, moves))
     }
 
     /// Plans removing server `gone`: each of its shards, largest first, goes to the
@@ -219,6 +291,9 @@ impl ShardMap {
             if !self.servers.contains(&s.owner) {
                 return Err(format!("shard {i} belongs to server {} which is not a member", s.owner));
             }
+            if s.id >= self.next_id || self.shards[..i].iter().any(|x| x.id == s.id) {
+                return Err(format!("shard {i} has id {}, used twice or not below next_id", s.id));
+            }
             next += s.len;
         }
         if next != total {
@@ -258,7 +333,12 @@ mod tests {
         assert!(m.split(0));
         assert_eq!(m.shards.len(), n + 1);
         assert_eq!((m.shards[0].len, m.shards[1].start), (1024, 1024));
+        assert_eq!((m.shards[0].id, m.shards[1].id, m.next_id), (n as u32, n as u32 + 1, n as u32 + 2));
+        assert_eq!(m.index_of(n as u32 + 1), Some(1));
         assert!(!m.split(0), "one alignment unit cannot split");
+        assert_eq!(m.split_at(0, 1024, 90, 91), Err(PlanError::NoShard(0)), "shard 0 is gone");
+        assert_eq!(m.split_at(1, 2100, 90, 91), Err(PlanError::Unsplittable(1)), "off alignment");
+        assert_eq!(m.split_at(1, 3072, 8191, 8192), Err(PlanError::NoIds));
         m.check(10_000).unwrap();
     }
 
@@ -283,19 +363,46 @@ mod tests {
                 } else {
                     let new = next_rank;
                     next_rank += 1;
-                    let moves = m.plan_add(new).unwrap();
+                    let mut plan = m.clone();
+                    let (splits, moves) = plan.plan_add_splits(new).unwrap();
+                    // The splits, done one by one on the map, give the plan's map.
+                    for sp in &splits {
+                        m.split_at(sp.shard, sp.mid, sp.lo, sp.hi).unwrap();
+                    }
+                    assert_eq!(m, plan, "seed {seed}");
                     let mut servers = m.servers.clone();
                     servers.push(new);
                     m = m.apply_moves(&moves, servers);
                     let load = m.bytes_per_server();
                     let biggest = m.shards.iter().map(|s| s.len * 4).max().unwrap();
                     let fair = load.values().sum::<u64>() / load.len() as u64;
-                    assert!(load[&new] + biggest >= fair, "seed {seed}: new server got {} of a fair {fair}", load[&new]);
+                    let got = load[&new];
+                    assert!(got * 8 >= fair * 7 || got + biggest >= fair, "seed {seed}: new server got {got} of a fair {fair}");
+                    assert!(got <= fair + biggest, "seed {seed}: new server got {got}, more than a fair {fair}");
                 }
                 assert_eq!(m.epoch, epoch + 1);
                 m.check(total).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
             }
         }
+    }
+
+    /// Adding a server splits no more shards than the balance needs.
+    #[test]
+    fn an_added_server_splits_few_shards() {
+        // 5 shards on 2 servers (3 + 2), one added: one whole shard and one half.
+        let mut m = map(5 * 16384, 65536, 2);
+        let (splits, moves) = m.plan_add_splits(2).unwrap();
+        assert_eq!(splits.len(), 1, "{splits:?}");
+        assert_eq!(moves.len(), 2, "{moves:?}");
+        // One shard on one server: split once, move half.
+        let mut m = map(16384, 65536, 1);
+        let (splits, moves) = m.plan_add_splits(1).unwrap();
+        assert_eq!((splits.len(), moves.len()), (1, 1));
+        assert_eq!(moves[0].len, 8192);
+        // Two equal shards: one moves whole.
+        let mut m = map(2 * 16384, 65536, 1);
+        let (splits, moves) = m.plan_add_splits(1).unwrap();
+        assert_eq!((splits.len(), moves.len(), moves[0].start), (0, 1, 0));
     }
 
     #[test]

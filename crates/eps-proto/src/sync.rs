@@ -134,6 +134,16 @@ impl ShardSync {
         }
     }
 
+    /// A shard that starts at `version`, published already (a part of a split):
+    /// it serves that version and the ones after, and aggregates iteration
+    /// `version` next.
+    pub fn at_version(mode: Consistency, workers: u32, version: u64) -> Self {
+        let mut s = Self::new(mode, workers);
+        s.version = version;
+        s.floor = version;
+        s
+    }
+
     /// A shard arriving by migration at version `version` (a snapshot): BSP pushes
     /// of a later iteration (the cutover) are held until forwarded updates
     /// ([`ShardSync::forwarded`]) bring the version up to it.

@@ -18,6 +18,7 @@ mod members;
 mod memory;
 mod migrate;
 mod serve;
+mod split;
 
 use std::collections::{HashMap, VecDeque};
 use std::net::{IpAddr, SocketAddr};
@@ -75,6 +76,8 @@ pub struct ServerSummary {
     pub migrated_in: u64,
     /// Pushes answered "moved" (routed with an old epoch).
     pub moved: u64,
+    /// Shards split here.
+    pub splits: u64,
 }
 
 /// Errors of the server role.
@@ -183,6 +186,8 @@ struct Held {
     /// Arriving: the source's rank, and once the snapshot has landed, the
     /// connection it came on (forwards follow there).
     incoming: Option<(u32, Option<usize>)>,
+    /// A split ordered and waiting for the shard to have no update parked.
+    split: Option<split::SplitOrder>,
 }
 
 struct Server {
@@ -269,22 +274,29 @@ pub fn run(cfg: &ServerConfig) -> Result<ServerSummary, ServerError> {
         mem.publish(s.id, 0);
         mem.set_stamp(s.id, 0, 0);
         mem.set_stamp(s.id, 1, eps_proto::layout::STAMP_WRITING);
-        shards[s.id as usize] =
-            Some(Held { sync: ShardSync::new(spec.job.consistency, ranks), waiting: VecDeque::new(), out: None, incoming: None });
+        shards[s.id as usize] = Some(Held {
+            sync: ShardSync::new(spec.job.consistency, ranks),
+            waiting: VecDeque::new(),
+            out: None,
+            incoming: None,
+            split: None,
+        });
     }
     let es = layout.dtype.size_bytes() as u64;
     let max_len = layout.shards.iter().map(|s| s.len).max().unwrap_or(0);
     let mut opts = QpOptions::new(cfg.secret.clone());
-    // Per peer: at most one pull answer and two credits per shard in flight.
-    opts.max_send_wr = 4 * total as u32 + 16;
-    opts.max_recv_wr = 2 * total as u32 + 8;
+    // Per peer: at most one pull answer and two credits per shard in flight, for
+    // as many shards as splits may make.
+    let cap = eps_proto::layout::live_shard_cap(total) as u32;
+    opts.max_send_wr = 4 * cap + 16;
+    opts.max_recv_wr = 2 * cap + 8;
     opts.max_sge = 1;
     // The largest message: a shard snapshot (f32 master and optimizer state).
     opts.max_msg_bytes = (max_len * es).max(max_len * 4 * (1 + opt.state_per_param() as u64) + 4096) as u32;
     opts.connect_timeout = cfg.accept_timeout;
     let listener = pd.listen(SocketAddr::new(cfg.listen_ip, 0), &opts)?;
     let fabric_addr = listener.local_addr().to_string();
-    let cq = pd.create_cq((ranks + 8) * (6 * total as u32 + 32))?;
+    let cq = pd.create_cq((ranks + 8) * (6 * cap + 32))?;
     let acks = pd.alloc_mr(64, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
     let mut s = Server {
         rank,

@@ -8,7 +8,7 @@
 
 use eps_agg::{AggError, Aggregator, DType, Optimizer, StepScalars};
 use eps_fabric::prelude::*;
-use eps_proto::layout::{PUBLISHED_HEADER, published_offset};
+use eps_proto::layout::{PUBLISHED_HEADER, STAMP_WRITING, published_offset};
 
 /// Elements per fused sum/step/publish pass (fits the L2 cache with its inputs).
 pub const FUSE_BLOCK: usize = 16 * 1024;
@@ -186,7 +186,57 @@ impl ShardMemory {
                 *m = init(start + i as u64);
             }
         }
+        if self.blocks.len() <= id as usize {
+            self.blocks.resize_with(id as usize + 1, || None);
+        }
         self.blocks[id as usize] = Some(b);
+        Ok(())
+    }
+
+    /// Splits shard `id` (at version `version`, published in buffer `parity`) into
+    /// new blocks `parts` = `[(lo, elements), (hi, elements)]`, which together
+    /// cover it in order: each gets its range of the master copy and optimizer
+    /// state, and publishes `version` into its buffer `parity` (the bits the
+    /// parent published there, narrowed from the same master values). The parent
+    /// stays until the caller removes it; on error nothing changed.
+    ///
+    /// The caller guarantees no WRITE into or from the parent's master/state region
+    /// is in flight (no migration), and that no update runs meanwhile.
+    pub fn split(&mut self, id: u32, parity: usize, version: u64, parts: [(u32, u64); 2]) -> Result<(), MemoryError> {
+        let Some(p) = self.get(id) else { return Ok(()) };
+        let (start, len) = (p.start, p.len);
+        if parts[0].1 + parts[1].1 != len || parts.iter().any(|&(pid, n)| n == 0 || pid == id) {
+            return Ok(());
+        }
+        let k = self.state_k;
+        let mut made = Vec::with_capacity(2);
+        let mut at = start;
+        for &(pid, n) in &parts {
+            if let Err(e) = self.add(pid, at, n, Origin::Init(&|_| 0.0)) {
+                for m in made {
+                    self.remove(m);
+                }
+                return Err(e);
+            }
+            made.push(pid);
+            at += n;
+        }
+        for &(pid, _) in &parts {
+            let Some(mut child) = self.remove(pid) else { continue };
+            let Some(p) = self.get(id) else { continue };
+            let (off, n) = ((child.start - start) as usize, child.len as usize);
+            // SAFETY: no WRITE into or from the parent's region is in flight and no
+            // update runs (the caller); it is only read here.
+            let src: &[f32] = bytemuck::cast_slice(unsafe { p.state.as_slice() });
+            // SAFETY: the child's region was just registered; its keys are not out yet.
+            let dst: &mut [f32] = bytemuck::cast_slice_mut(unsafe { child.state.as_mut_slice() });
+            dst[..n].copy_from_slice(&src[off..off + n]);
+            dst[n..n + n * k].copy_from_slice(&src[len as usize + off * k..len as usize + (off + n) * k]);
+            self.blocks[pid as usize] = Some(child);
+            self.publish(pid, parity);
+            self.set_stamp(pid, parity, version);
+            self.set_stamp(pid, 1 - parity, STAMP_WRITING);
+        }
         Ok(())
     }
 
@@ -405,5 +455,48 @@ mod tests {
         let msg = format!("{e}: {}", std::error::Error::source(&e).map(|s| s.to_string()).unwrap_or_default());
         assert!(msg.contains("published parameters") && msg.contains("879609"), "says how much: {msg}");
         assert!(msg.contains("shard 0"), "says which shard: {msg}");
+    }
+
+    /// The parts of a split hold exactly the parent's master values, optimizer
+    /// state and published bits of their ranges.
+    #[test]
+    fn a_split_copies_each_part_of_the_parent() {
+        let pd = SoftDevice::open().unwrap().alloc_pd();
+        let opt = Optimizer::Adam { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, decoupled: false };
+        for dtype in [DType::F32, DType::Bf16] {
+            let mut m = ShardMemory::new(&pd, dtype, 2, &opt, 1);
+            let (start, len, lo_len) = (4096u64, 5000u64, 2048u64);
+            m.add(0, start, len, Origin::Init(&|i| (i as f32).sin() * 3.0)).unwrap();
+            {
+                let b = m.block_mut(0).unwrap();
+                // SAFETY: test-local memory, no peer.
+                let all: &mut [f32] = bytemuck::cast_slice_mut(unsafe { b.state.as_mut_slice() });
+                for (i, x) in all[len as usize..len as usize * 3].iter_mut().enumerate() {
+                    *x = i as f32 * 0.5;
+                }
+            }
+            m.publish(0, 1);
+            m.set_stamp(0, 1, 7);
+            m.split(0, 1, 7, [(3, lo_len), (4, len - lo_len)]).unwrap();
+            let es = dtype.size_bytes();
+            let p = m.get(0).unwrap();
+            // SAFETY: test-local memory, no peer.
+            let (pst, ppub) = unsafe { (p.state.as_slice().to_vec(), p.published.as_slice().to_vec()) };
+            let pst: &[f32] = bytemuck::cast_slice(&pst);
+            let poff = published_offset(p.bytes as u64, 1) as usize;
+            for (id, off, n) in [(3u32, 0usize, lo_len as usize), (4, lo_len as usize, (len - lo_len) as usize)] {
+                let c = m.get(id).unwrap();
+                assert_eq!((c.start, c.len), (start + off as u64, n as u64));
+                // SAFETY: test-local memory, no peer.
+                let (cst, cpub) = unsafe { (c.state.as_slice(), c.published.as_slice()) };
+                let cst: &[f32] = bytemuck::cast_slice(cst);
+                assert_eq!(&cst[..n], &pst[off..off + n], "master of {id}");
+                assert_eq!(&cst[n..3 * n], &pst[len as usize + 2 * off..len as usize + 2 * (off + n)], "state of {id}");
+                let coff = published_offset(c.bytes as u64, 1) as usize;
+                assert_eq!(&cpub[coff..coff + n * es], &ppub[poff + off * es..poff + (off + n) * es], "published {id}");
+                assert_eq!(&cpub[8..16], &7u64.to_le_bytes(), "stamp of buffer 1");
+                assert_eq!(&cpub[..8], &STAMP_WRITING.to_le_bytes(), "stamp of buffer 0");
+            }
+        }
     }
 }

@@ -61,7 +61,8 @@ impl Outgoing {
 impl Server {
     pub(crate) fn on_order(&mut self, o: Order) -> Result<(), ServerError> {
         match o {
-            Order::MigrateIn { shard, from } => self.migrate_in(shard, from),
+            Order::MigrateIn { shard, from, start, len } => self.migrate_in(shard, from, start, len),
+            Order::Split { shard, mid, lo, hi } => self.on_split_order(shard, mid, lo, hi),
             Order::MigrateOut { shard, to, to_addr, keys } => self.migrate_out(shard, to, &to_addr, keys),
             Order::Retire => {
                 self.retired = true;
@@ -72,16 +73,22 @@ impl Server {
         }
     }
 
-    fn migrate_in(&mut self, id: u32, from: u32) -> Result<(), ServerError> {
-        let Some(&(start, len)) = self.spans.get(id as usize) else {
-            return Err(ServerError::Migration(format!("ordered to receive shard {id}, which the job does not have")));
-        };
-        if self.shards[id as usize].is_some() {
+    fn migrate_in(&mut self, id: u32, from: u32, start: u64, len: u64) -> Result<(), ServerError> {
+        if id >= eps_proto::layout::MAX_SHARDS || len == 0 {
+            return Err(ServerError::Migration(format!("ordered to receive shard {id} of {len} elements")));
+        }
+        if self.shards.get(id as usize).is_some_and(Option::is_some) {
             return Err(ServerError::Migration(format!("ordered to receive shard {id}, which is already here")));
         }
+        if self.shards.len() <= id as usize {
+            self.shards.resize_with(id as usize + 1, || None);
+            self.spans.resize(id as usize + 1, (0, 0));
+        }
+        self.spans[id as usize] = (start, len);
         self.mem.add(id, start, len, Origin::Incoming)?;
         let sync = ShardSync::incoming(self.mode, self.ranks, 0);
-        self.shards[id as usize] = Some(Held { sync, waiting: Default::default(), out: None, incoming: Some((from, None)) });
+        self.shards[id as usize] =
+            Some(Held { sync, waiting: Default::default(), out: None, incoming: Some((from, None)), split: None });
         let b = self.mem.get(id).ok_or_else(|| ServerError::Migration("shard memory vanished".into()))?;
         let grad = b.grad.as_ref().ok_or_else(|| ServerError::Migration("no gradient buffer".into()))?;
         let keys = MigrationKeys {

@@ -160,6 +160,8 @@ impl Server {
     }
 
     fn on_worker_imm(&mut self, ci: usize, h: Hello, imm: u32, len: u32) -> Result<(), ServerError> {
+        // (No map routes a shard to a server that never held it: ids past the
+        // ones this server knows are a violation.)
         let Some(m) = Imm::decode(imm).filter(|m| (m.shard as usize) < self.shards.len()) else {
             self.violation(ci, &format!("unknown immediate {imm:#x} (bad kind or shard)"));
             return Ok(());
@@ -253,7 +255,7 @@ impl Server {
             if !h.sync.can_publish() || busy {
                 return Ok(());
             }
-            let Some(p) = h.waiting.pop_front() else { return Ok(()) };
+            let Some(p) = h.waiting.pop_front() else { return self.try_split(id) };
             h.sync.set_publish_waiting(!h.waiting.is_empty());
             self.apply(id, p)?;
         }
@@ -327,7 +329,7 @@ impl Server {
             self.send_pull(w, id, v)?;
         }
         self.ready = ready;
-        Ok(())
+        self.try_split(id)
     }
 
     fn on_send_done(&mut self, wr_id: u64, ok: bool) -> Result<(), ServerError> {

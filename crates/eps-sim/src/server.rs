@@ -479,7 +479,7 @@ impl SimServer {
     fn on_order(&mut self, w: &mut World, o: Order) {
         let rank = self.rank;
         match o {
-            Order::MigrateIn { shard, from } => {
+            Order::MigrateIn { shard, from, .. } => {
                 if self.shards.contains_key(&shard) {
                     return w.fail(format!("server {rank}: ordered to receive shard {shard}, which it holds"));
                 }
@@ -510,6 +510,7 @@ impl SimServer {
                 let at = w.send(me, Node::Server(to), Msg::Snapshot { shard, v: v0, value });
                 w.complete_after(me, Msg::SnapshotDone { shard }, at);
             }
+            Order::Split { shard, .. } => w.fail(format!("server {rank}: ordered to split shard {shard}")),
             Order::Retire => {
                 self.retired = true;
                 w.check_retired(rank);

@@ -157,6 +157,10 @@ pub struct Worker {
     opts: QpOptions,
     /// Per global shard: the landing slot may be written.
     credit: Vec<bool>,
+    /// The shards of the current round (push_pull or first pull): the map's
+    /// shards of the iteration, with a split's parts in place of the shard they
+    /// replaced when a "moved" answer revealed it.
+    round: Vec<usize>,
     /// Pushes answered "moved" since the current push_pull began: (shard, iteration).
     moved: Vec<(usize, u64)>,
     /// Per shard: the map epoch its last push was routed with.
@@ -223,18 +227,19 @@ impl Worker {
                 map = m;
             }
         }
-        if map.routes.len() != layout.shards.len() {
+        if map.routes.len() < layout.shards.len() {
             return Err(WorkerError::Unexpected);
         }
         let dev = SoftDevice::open()?;
         let pd = dev.alloc_pd();
         let bytes = layout.bytes() as usize;
-        let n = layout.shards.len();
+        // Queues are sized for as many shards as splits may make.
+        let n = eps_proto::layout::live_shard_cap(layout.shards.len());
         let params = pd.alloc_mr(bytes, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
         let grads = pd.alloc_mr(bytes, Access::LOCAL_WRITE)?;
         let mut hello = pd.alloc_mr(HELLO_LEN, Access::LOCAL_WRITE)?;
         hello.write_at(0, &Hello { rank, pull_rkey: params.rkey(), pull_addr: params.addr() }.encode());
-        let stamps = pd.alloc_mr(16 * n.max(1), Access::LOCAL_WRITE)?;
+        let stamps = pd.alloc_mr(16 * eps_proto::layout::MAX_SHARDS as usize, Access::LOCAL_WRITE)?;
         let max_bytes = layout.shards.iter().map(|s| s.len as usize * layout.dtype.size_bytes()).max().unwrap_or(0);
         let mut opts = QpOptions::new(cfg.secret.clone());
         opts.max_send_wr = 2 * n as u32 + 8;
@@ -249,6 +254,7 @@ impl Worker {
         let start = membership.joined_at(rank).ok_or(WorkerError::Unsupported("this rank contributes to no iteration"))?;
         let watch = Arc::new(MapWatch::new(&map, membership.clone(), start));
         watch::spawn(cfg, rank, watch.clone())?;
+        let ids = map.routes.len();
         let mut w = Self {
             rank,
             mode: spec.job.consistency,
@@ -262,12 +268,13 @@ impl Worker {
             watch,
             cq,
             opts,
-            credit: vec![true; n],
+            credit: vec![true; ids],
+            round: Vec::new(),
             moved: Vec::new(),
-            push_epoch: vec![0; n],
+            push_epoch: vec![0; ids],
             pulls_moved: Vec::new(),
-            round_pulled: vec![false; n],
-            outstanding: vec![0; n],
+            round_pulled: vec![false; ids],
+            outstanding: vec![0; ids],
             pull_moved: 0,
             stamps,
             reads_done: 0,
@@ -283,8 +290,7 @@ impl Worker {
             hello,
             pd,
         };
-        let owners: Vec<u32> = w.map.routes.iter().map(|r| r.owner.owner).collect();
-        for o in owners {
+        for o in w.needed_owners() {
             w.connect(o)?;
         }
         if w.mode == Consistency::Asp {
@@ -331,15 +337,38 @@ impl Worker {
     }
 
     fn adopt(&mut self, m: JobMap) -> Result<(), WorkerError> {
-        if m.routes.len() != self.layout.shards.len() {
+        if m.routes.len() < self.map.routes.len() || m.routes.len() > eps_proto::layout::MAX_SHARDS as usize {
             return Err(WorkerError::Unexpected);
         }
         self.map = m;
-        let owners: Vec<u32> = self.map.routes.iter().map(|r| r.owner.owner).collect();
-        for o in owners {
+        // Shards made by splits since.
+        let ids = self.map.routes.len();
+        self.credit.resize(ids, true);
+        self.push_epoch.resize(ids, 0);
+        self.round_pulled.resize(ids, false);
+        self.outstanding.resize(ids, 0);
+        for o in self.needed_owners() {
             self.connect(o)?;
         }
         Ok(())
+    }
+
+    /// Servers this worker may still talk to: owners of shards not split before
+    /// its iteration, and previous owners until their cutover.
+    fn needed_owners(&self) -> Vec<u32> {
+        let t = self.iteration;
+        let mut v: Vec<u32> = Vec::new();
+        for r in self.map.routes.iter().filter(|r| r.until > t) {
+            v.push(r.owner.owner);
+            if let Some((p, at)) = &r.previous
+                && t < *at
+            {
+                v.push(p.owner);
+            }
+        }
+        v.sort_unstable();
+        v.dedup();
+        v
     }
 
     /// Reports (through the watcher's next poll) that this worker routes with its
@@ -377,6 +406,7 @@ impl Worker {
         self.map
             .routes
             .iter()
+            .filter(|r| r.until > t)
             .any(|r| r.owner.owner == rank || r.previous.as_ref().is_some_and(|(p, at)| p.owner == rank && t < *at))
     }
 
@@ -512,7 +542,55 @@ impl Worker {
 
     /// Every shard of this round has its data and no pull request is in flight.
     fn round_done(&self) -> bool {
-        self.round_pulled.iter().all(|&p| p) && self.outstanding.iter().all(|&o| o == 0)
+        self.round.iter().all(|&s| self.round_pulled[s]) && self.outstanding.iter().all(|&o| o == 0)
+    }
+
+    /// Starts a round over the map's shards of iteration `t`.
+    fn start_round(&mut self, t: u64) {
+        self.pulled = 0;
+        self.pull_moved = 0;
+        self.pulls_moved.clear();
+        self.moved.clear();
+        self.round_pulled.iter_mut().for_each(|p| *p = false);
+        self.outstanding.iter_mut().for_each(|o| *o = 0);
+        self.round = self.map.shards_at(t);
+    }
+
+    /// Puts a split's parts in place of shard `sid` in the round.
+    fn replace_in_round(&mut self, sid: usize, parts: &[usize]) {
+        self.round.retain(|&s| s != sid);
+        for &p in parts {
+            if !self.round.contains(&p) {
+                self.round.push(p);
+            }
+        }
+    }
+
+    /// Asks again the pulls answered "pull moved" (for version `need`): of the
+    /// owner in the newest map, or of the parts of a shard split meanwhile;
+    /// unless another request for the shard is in flight (a push sent again
+    /// brings one) or the shard left the round (its push was answered "moved").
+    fn ask_again(&mut self, need: u64) -> Result<(), WorkerError> {
+        for (sid, refused) in std::mem::take(&mut self.pulls_moved) {
+            if !self.round.contains(&sid) || self.round_pulled[sid] || self.outstanding[sid] > 0 {
+                continue;
+            }
+            self.adopt_newest()?;
+            let mut cover = self.map.covering(sid, need);
+            if cover == [sid] && self.map.routes[sid].owner.owner == refused {
+                self.refresh_map()?;
+                cover = self.map.covering(sid, need);
+            }
+            if cover != [sid] {
+                self.replace_in_round(sid, &cover);
+            }
+            for c in cover {
+                let to = self.slot_at(&self.map.routes[c].owner)?;
+                self.post_pull_req(c, to, need)?;
+                self.outstanding[c] += 1;
+            }
+        }
+        Ok(())
     }
 
     fn need_after_push(&self, t: u64) -> u64 {
@@ -535,13 +613,8 @@ impl Worker {
         self.adopt_newest()?;
         self.report_routing();
         let t = self.iteration;
-        self.pulled = 0;
-        self.pull_moved = 0;
-        self.pulls_moved.clear();
-        self.moved.clear();
-        self.round_pulled.iter_mut().for_each(|p| *p = false);
-        self.outstanding.iter_mut().for_each(|o| *o = 0);
-        for sid in 0..self.layout.shards.len() {
+        self.start_round(t);
+        for sid in self.round.clone() {
             self.wait_until(|w| w.credit[sid], "a credit for the landing slot")?;
             self.push_shard(sid, t)?;
         }
@@ -569,24 +642,22 @@ impl Worker {
                         self.refresh_map()?;
                     }
                     for (sid, it) in std::mem::take(&mut self.moved) {
-                        self.push_shard(sid, it)?;
+                        // A shard split at or before `it`: push its parts.
+                        let cover = self.map.covering(sid, it);
+                        if cover.is_empty() || cover == [sid] {
+                            self.push_shard(sid, it)?;
+                            continue;
+                        }
+                        self.replace_in_round(sid, &cover);
+                        for c in cover {
+                            self.wait_until(|w| w.credit[c], "a credit for the landing slot")?;
+                            self.push_shard(c, it)?;
+                        }
                     }
                 }
                 // A pull refused while its push was taken (a migration cut over
-                // meanwhile): ask the owner of the newest map, unless another
-                // request for the shard is in flight (a push sent again brings one).
-                for (sid, refused) in std::mem::take(&mut self.pulls_moved) {
-                    if self.round_pulled[sid] || self.outstanding[sid] > 0 {
-                        continue;
-                    }
-                    self.adopt_newest()?;
-                    if self.map.routes[sid].owner.owner == refused {
-                        self.refresh_map()?;
-                    }
-                    let to = self.slot_at(&self.map.routes[sid].owner)?;
-                    self.post_pull_req(sid, to, self.need_after_push(t))?;
-                    self.outstanding[sid] += 1;
-                }
+                // meanwhile), or after the shard was split: ask again.
+                self.ask_again(self.need_after_push(t))?;
             }
         }
         self.iteration += 1;
@@ -610,17 +681,17 @@ impl Worker {
     /// Pushes shard `sid`'s gradient of iteration `t` and asks for the version after.
     fn push_shard(&mut self, sid: usize, t: u64) -> Result<(), WorkerError> {
         let es = self.layout.dtype.size_bytes() as u64;
-        let s = self.layout.shards[sid];
+        let (start, len) = (self.map.routes[sid].start, self.map.routes[sid].len);
         let (owner, slot) = self.slot_at(self.route(sid, t))?;
         self.push_epoch[sid] = self.map.epoch;
         let push = Imm { kind: ImmKind::Push, shard: sid as u32, seq: t as u16 }.encode();
-        self.post(owner, WR_PUSH | sid as u64, slot, push, Some((s.start * es, (s.len * es) as u32)))?;
+        self.post(owner, WR_PUSH | sid as u64, slot, push, Some((start * es, (len * es) as u32)))?;
         if self.mode != Consistency::Asp {
             self.post_pull_req(sid, (owner, slot), self.need_after_push(t))?;
             self.outstanding[sid] += 1;
         }
         self.credit[sid] = false;
-        self.stats.pushed_bytes += s.len * es;
+        self.stats.pushed_bytes += len * es;
         Ok(())
     }
 

@@ -19,11 +19,14 @@ impl Worker {
         if self.mode == Consistency::Asp {
             return Err(WorkerError::Unsupported("pull_shard in ASP (pulls are RDMA READs there; use push_pull)"));
         }
-        if sid >= self.layout.shards.len() {
-            return Err(WorkerError::Length { what: "shard index", expected: self.layout.shards.len(), got: sid });
-        }
         let start = Instant::now();
         self.adopt_newest()?;
+        if sid >= self.map.routes.len() {
+            return Err(WorkerError::Length { what: "shard id", expected: self.map.routes.len(), got: sid });
+        }
+        if !self.map.routes[sid].alive(self.iteration) {
+            return Err(WorkerError::Unsupported("pull_shard of a shard that was split (pull its parts)"));
+        }
         self.report_routing();
         let need = self.iteration;
         // The old owner while it serves the version (it produced it; the new one may
@@ -57,29 +60,19 @@ impl Worker {
     /// answers "pull moved": the pull is asked again of the owner in the newest map.
     pub(crate) fn pull(&mut self, need: u64) -> Result<(), WorkerError> {
         let start = Instant::now();
-        (self.pulled, self.pull_moved) = (0, 0);
-        self.pulls_moved.clear();
-        for sid in 0..self.layout.shards.len() {
+        self.start_round(need);
+        for sid in self.round.clone() {
             let to = self.slot_at(self.route(sid, need.saturating_sub(1)))?;
             self.post_pull_req(sid, to, need)?;
+            self.outstanding[sid] += 1;
         }
-        let n = self.layout.shards.len();
-        let mut asked = n;
         for _round in 0..64 {
-            self.wait_until(|w| w.pulled + w.pull_moved >= asked, "pull answers from the servers")?;
-            if self.pulled >= n {
+            self.wait_until(|w| w.round_done() || !w.pulls_moved.is_empty(), "pull answers from the servers")?;
+            if self.round_done() {
                 self.stats.comm += start.elapsed();
                 return Ok(());
             }
-            self.adopt_newest()?;
-            for (sid, refused) in std::mem::take(&mut self.pulls_moved) {
-                if self.map.routes[sid].owner.owner == refused {
-                    self.refresh_map()?;
-                }
-                let to = self.slot_at(&self.map.routes[sid].owner)?;
-                self.post_pull_req(sid, to, need)?;
-                asked += 1;
-            }
+            self.ask_again(need)?;
         }
         Err(WorkerError::Timeout("a server that serves the first version (every one answered \"pull moved\")"))
     }
@@ -90,9 +83,8 @@ impl Worker {
     pub(crate) fn read_pull(&mut self) -> Result<(), WorkerError> {
         let start = Instant::now();
         let es = self.layout.dtype.size_bytes() as u64;
-        let n = self.layout.shards.len();
-        let mut todo: Vec<usize> = (0..n).collect();
-        let mut chosen = vec![(0usize, 0u64); n];
+        let mut todo: Vec<usize> = self.map.shards_at(self.iteration);
+        let mut chosen = vec![(0usize, 0u64); self.map.routes.len()];
         for _round in 0..1000 {
             // 1. Stamps of every shard still to read, then pick each one's newest buffer.
             self.read_stamps(&todo)?;
@@ -110,13 +102,13 @@ impl Worker {
             let ready: Vec<usize> = todo.iter().copied().filter(|&sid| chosen[sid].1 != u64::MAX).collect();
             self.reads_done = 0;
             for &sid in &ready {
-                let s = self.layout.shards[sid];
-                let ep = &self.map.routes[sid].owner;
-                let off = published_offset(s.len * es, chosen[sid].0);
+                let route = &self.map.routes[sid];
+                let (ep, start, len) = (&route.owner, route.start, route.len);
+                let off = published_offset(len * es, chosen[sid].0);
                 let from = RemoteAddr { addr: ep.published_addr + off, rkey: ep.published_rkey };
-                let sg = [Sge::new(&self.params, s.start * es, (s.len * es) as u32)];
+                let sg = [Sge::new(&self.params, start * es, (len * es) as u32)];
                 self.post_read(ep.owner, from, &sg)?;
-                self.stats.pulled_bytes += s.len * es;
+                self.stats.pulled_bytes += len * es;
             }
             let k = ready.len();
             self.wait_until(|w| w.reads_done >= k, "RDMA READs of the published parameters")?;

@@ -1,0 +1,107 @@
+//! Splitting a shard held here into two (BSP), ordered by the control plane
+//! while it balances an added server.
+//!
+//! The split happens at the first moment the shard has no update parked: at
+//! version `v`, with iteration `v` not aggregated. Both parts get new ids and
+//! memory of their own: their ranges of the f32 master copy and the optimizer
+//! state, and version `v` published from them (the parent's bits). Pushes of
+//! iteration `v` held for the parent are answered "moved" and the pulls waiting
+//! for `v + 1` "pull moved": their workers fetch the new map and push and pull
+//! the parts. The parent is freed at once (its landing slots stay registered, so a
+//! late push lands in bounds and is answered "moved"); a pull of version `v` that
+//! reaches it late is answered "pull moved" and asked again of the parts, which
+//! serve `v` too. Then the split is reported (`ControlMsg::Split`), which makes
+//! the new map.
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use eps_proto::Consistency;
+use eps_proto::control::ControlMsg;
+use eps_proto::sync::ShardSync;
+
+use crate::{Held, Server, ServerError};
+
+/// A split ordered and not done yet.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SplitOrder {
+    mid: u64,
+    lo: u32,
+    hi: u32,
+}
+
+impl Server {
+    /// The control plane ordered shard `id` split at element `mid` into `lo`, `hi`.
+    pub(crate) fn on_split_order(&mut self, id: u32, mid: u64, lo: u32, hi: u32) -> Result<(), ServerError> {
+        let bad = |why: &str| Err(ServerError::Migration(format!("ordered to split shard {id}: {why}")));
+        if self.mode != Consistency::Bsp {
+            return bad("splits need BSP consistency");
+        }
+        let Some(&(start, len)) = self.spans.get(id as usize) else { return bad("the job has no such shard") };
+        if mid <= start || mid >= start + len {
+            return bad("the split point is outside it");
+        }
+        if [lo, hi].iter().any(|&p| p == id || self.shards.get(p as usize).is_some_and(Option::is_some)) {
+            return bad("a part's id is taken");
+        }
+        let Some(h) = self.held_mut(id) else { return bad("it is not here") };
+        if h.out.is_some() || h.split.is_some() {
+            return bad("it is migrating or splitting already");
+        }
+        h.split = Some(SplitOrder { mid, lo, hi });
+        self.try_split(id)
+    }
+
+    /// Splits shard `id` if a split is ordered and no update is parked.
+    pub(crate) fn try_split(&mut self, id: u32) -> Result<(), ServerError> {
+        let Some(h) = self.shards.get(id as usize).and_then(Option::as_ref) else { return Ok(()) };
+        let Some(o) = h.split else { return Ok(()) };
+        if !h.waiting.is_empty() || h.sync.publish_waiting() || h.out.is_some() {
+            return Ok(());
+        }
+        let began = Instant::now();
+        let v = h.sync.version();
+        let (start, len) = self.spans[id as usize];
+        let parts = [(o.lo, o.mid - start), (o.hi, start + len - o.mid)];
+        self.mem.split(id, ShardSync::parity(v), v, parts)?;
+        let needed = o.hi.max(o.lo) as usize + 1;
+        if self.shards.len() < needed {
+            self.shards.resize_with(needed, || None);
+            self.spans.resize(needed, (0, 0));
+        }
+        self.spans[o.lo as usize] = (start, o.mid - start);
+        self.spans[o.hi as usize] = (o.mid, start + len - o.mid);
+        for p in [o.lo, o.hi] {
+            let sync = ShardSync::at_version(self.mode, self.ranks, v);
+            self.shards[p as usize] = Some(Held { sync, waiting: VecDeque::new(), out: None, incoming: None, split: None });
+        }
+        let Some(mut parent) = self.shards[id as usize].take() else { return Ok(()) };
+        if let Some(b) = self.mem.remove(id) {
+            self.retained.push(b.landing);
+        }
+        let (held, waiting) = parent.sync.evict();
+        for w in held {
+            self.send_moved(w, id, v as u16)?;
+        }
+        for w in waiting {
+            self.moved_pushes.remove(&(w, id));
+            self.send_pull_moved(w, id, v as u16)?;
+        }
+        let lo = self.endpoint(o.lo).ok_or_else(|| ServerError::Migration("split part vanished".into()))?;
+        let hi = self.endpoint(o.hi).ok_or_else(|| ServerError::Migration("split part vanished".into()))?;
+        eprintln!(
+            "eps server {}: split shard {id} at iteration {v} into shard {} ({} elements) and shard {} ({} elements) in {:.1} ms",
+            self.rank,
+            o.lo,
+            parts[0].1,
+            o.hi,
+            parts[1].1,
+            began.elapsed().as_secs_f64() * 1e3
+        );
+        self.summary.splits += 1;
+        self.ctl.call(&ControlMsg::Split { shard: id, at: v, lo, hi })?;
+        // An iteration whose every contributor is gone is complete at once.
+        self.try_complete(o.lo)?;
+        self.try_complete(o.hi)
+    }
+}
