@@ -7,7 +7,9 @@
 //! in-memory network with FIFO channels, random delays and a virtual clock
 //! ([`net`]). A scale plan drawn from the seed adds and removes servers (shard
 //! migrations) and workers (membership votes), and crashes workers (lease
-//! expiry). Parameters are stood in for by a 64-bit digest per shard version.
+//! expiry); balancing an added server splits shards. Parameters are stood in for
+//! by a 64-bit digest per alignment unit (1,024 elements) and version, so values
+//! and the reference do not depend on how shards are cut.
 //!
 //! After every delivery it checks that every version a live worker needs next is
 //! servable by some server, that every server publishing a version of a shard
@@ -54,6 +56,8 @@ pub struct Report {
     /// Shard iterations aggregated without any contribution (every contributor
     /// was removed before pushing).
     pub empty_updates: u64,
+    /// Shard splits.
+    pub splits: u64,
 }
 
 /// A run that broke an invariant or stopped making progress.
@@ -81,6 +85,13 @@ impl fmt::Display for Failure {
 }
 
 const STEPS_MAX: u64 = 40;
+/// Elements per alignment unit (4 KiB of f32): values are kept per unit.
+pub(crate) const UNIT: u64 = 1024;
+
+/// The alignment units of `len` elements from `start`.
+pub(crate) fn units(start: u64, len: u64) -> std::ops::Range<usize> {
+    (start / UNIT) as usize..(start + len).div_ceil(UNIT) as usize
+}
 /// Lines of trace a failure shows.
 const TRACE_LINES: usize = 300;
 const LEASE: u64 = 400;
@@ -93,7 +104,8 @@ pub(crate) struct World {
     net: Net,
     pub(crate) job: Job,
     pub(crate) steps: u64,
-    shards: u32,
+    /// Alignment units of the model.
+    units: usize,
     ranks: u32,
     /// Workers at the start.
     workers0: u32,
@@ -104,14 +116,15 @@ pub(crate) struct World {
     watching: BTreeSet<u32>,
     epoch_sent: u64,
     seen: BTreeMap<u32, u64>,
-    /// First value published for (shard, version).
-    published: BTreeMap<(u32, u64), u64>,
-    /// Pushes a server took: (worker, shard, iteration).
-    pub(crate) accepted: BTreeSet<(u32, u32, u64)>,
+    /// First value published for (unit, version).
+    published: BTreeMap<(usize, u64), u64>,
+    /// Pushes a server took: (worker, unit, iteration).
+    accepted: BTreeSet<(u32, usize, u64)>,
     /// Workers removed by lease expiry, with the commit's first iteration.
     pub(crate) lost: BTreeSet<(u32, u64)>,
     pub(crate) migrations: u64,
     pub(crate) empty_updates: u64,
+    pub(crate) splits: u64,
     report: Report,
     plan_left: u32,
     trace: VecDeque<String>,
@@ -190,27 +203,46 @@ impl World {
         }
     }
 
-    /// A server published `value` as version `v` of `shard`: the same value as
-    /// anyone else who published that version.
-    pub(crate) fn publish(&mut self, server: u32, shard: u32, v: u64, value: u64) {
-        match self.published.get(&(shard, v)) {
-            Some(&x) if x != value => {
-                self.fail(format!("server {server} published version {v} of shard {shard} as {value:x}, another server as {x:x}"))
-            }
-            Some(_) => {}
-            None => {
-                self.published.insert((shard, v), value);
+    /// A server published `value` (per unit, from unit `first`) as version `v`
+    /// of `shard`: for every unit, the same value as anyone else who published
+    /// that version of it (under any shard id).
+    pub(crate) fn publish(&mut self, server: u32, shard: u32, first: usize, v: u64, value: &[u64]) {
+        for (u, &x) in (first..).zip(value) {
+            match self.published.get(&(u, v)) {
+                Some(&y) if y != x => {
+                    return self.fail(format!(
+                        "server {server} published version {v} of unit {u} (shard {shard}) as {x:x}, another server as {y:x}"
+                    ));
+                }
+                Some(_) => {}
+                None => {
+                    self.published.insert((u, v), x);
+                }
             }
         }
     }
 
-    fn start_server(&mut self, shards: &[u32]) {
+    /// A server took worker `r`'s push of iteration `t` for these units.
+    pub(crate) fn accept(&mut self, r: u32, units: std::ops::Range<usize>, t: u64) {
+        for u in units {
+            self.accepted.insert((r, u, t));
+        }
+    }
+
+    /// A server gave back worker `r`'s push of iteration `t` ("moved").
+    pub(crate) fn unaccept(&mut self, r: u32, units: std::ops::Range<usize>, t: u64) {
+        for u in units {
+            self.accepted.remove(&(r, u, t));
+        }
+    }
+
+    fn start_server(&mut self, shards: &[(u32, u64, u64)]) {
         let reg = self.job.apply(&ControlMsg::Register { role: Role::Server, fabric_addr: String::new() });
         let Ok(ControlMsg::Registered { rank, .. }) = reg else { return };
         let s = SimServer::new(rank, self.ranks, self.workers0, shards, init_value);
         self.servers.push(Some(s));
         self.orders_after.push(0);
-        let eps = shards.iter().map(|&id| server::endpoint(id, rank)).collect();
+        let eps = shards.iter().map(|&(id, _, _)| server::endpoint(id, rank)).collect();
         if let Err(e) = self.ctl(&ControlMsg::ServerReady { rank, fabric_addr: format!("sim:{rank}"), shards: eps }) {
             self.fail(format!("server {rank} ready refused: {e}"));
         }
@@ -223,7 +255,7 @@ impl World {
         self.note(format!("worker {rank} registered"));
         self.seen.insert(rank, self.net.now);
         self.watching.insert(rank);
-        let mut w = SimWorker::new(rank, self.job.job_map(), self.shards as usize);
+        let mut w = SimWorker::new(rank, self.job.job_map(), self.units);
         w.try_admit(self);
         self.workers.insert(rank, Some(w));
     }
@@ -351,19 +383,25 @@ impl World {
         }
     }
 
-    /// Every version a live worker needs next is servable by some server.
+    /// Every version a live worker needs next is servable by some server (unless
+    /// the worker does not contribute to that iteration: it leaves there and does
+    /// not use the version).
     fn check_servable(&mut self) {
         let mut bad = None;
+        let members = Membership::from_epochs(self.job.job_map().membership);
         for w in self.workers.values().flatten() {
             if !w.live() || w.state == WState::AwaitAdmit {
                 continue;
             }
-            for s in 0..self.shards {
-                let need = w.need(s as usize);
-                let ok = self.servers.iter().flatten().any(|sv| !sv.retired && sv.serves(s, need));
+            for u in 0..self.units {
+                let need = w.need(u);
+                if members.as_ref().is_some_and(|m| !m.contributors(need).contains(&w.rank)) {
+                    continue;
+                }
+                let ok = self.servers.iter().flatten().any(|sv| !sv.retired && sv.serves_unit(u, need));
                 if !ok {
                     bad = Some(format!(
-                        "worker {} ({:?}, iteration {}) needs version {need} of shard {s}, which no server serves",
+                        "worker {} ({:?}, iteration {}) needs version {need} of unit {u}, which no server serves",
                         w.rank, w.state, w.t
                     ));
                 }
@@ -410,7 +448,7 @@ impl World {
         let Some(m) = Membership::from_epochs(self.job.job_map().membership) else {
             return self.fail("invalid final membership".into());
         };
-        for s in 0..self.shards {
+        for s in 0..self.units {
             let mut value = init_value(s);
             for t in 0..self.steps {
                 let mut d = 0u64;
@@ -419,15 +457,14 @@ impl World {
                     if gone && !self.accepted.contains(&(r, s, t)) {
                         continue;
                     }
-                    let token = h2(h2(u64::from(r), t), h2(u64::from(s), value));
-                    d = h2(d, h2(u64::from(r), token));
+                    d = h2(d, h2(u64::from(r), token(r, t, s, value)));
                 }
                 value = h2(h2(value, t), d);
                 match self.published.get(&(s, t + 1)) {
                     Some(&got) if got == value => {}
                     got => {
                         return self.fail(format!(
-                            "shard {s} version {} is {got:x?}, the reference for the contributor sets {:?} (lost {:?}) is {value:x}",
+                            "unit {s} version {} is {got:x?}, the reference for the contributor sets {:?} (lost {:?}) is {value:x}",
                             t + 1,
                             m.epochs(),
                             self.lost
@@ -440,23 +477,32 @@ impl World {
     }
 }
 
-/// Version 0 of a shard.
-fn init_value(shard: u32) -> u64 {
-    mix(0xE95 ^ u64::from(shard))
+/// Version 0 of a unit.
+fn init_value(unit: usize) -> u64 {
+    mix(0xE95 ^ unit as u64)
+}
+
+/// Worker `r`'s gradient digest for unit `u` in iteration `t`, computed from the
+/// unit's value `value` (of version `t`).
+pub(crate) fn token(r: u32, t: u64, u: usize, value: u64) -> u64 {
+    h2(h2(u64::from(r), t), h2(u as u64, value))
 }
 
 /// Runs the simulation for `seed`.
 pub fn run(seed: u64) -> Result<Report, Failure> {
     let mut rng = Rng::new(seed);
-    let shards = rng.range(1, 5) as u32;
+    let units = rng.range(1, 8);
+    // Shards of one to four units: adding a server splits some.
+    let shard_units = rng.range(1, 4);
     let servers = rng.range(1, 3) as u32;
     let workers = rng.range(1, 3) as u32;
     let steps = rng.range(12, STEPS_MAX);
     let max_workers = workers + 4;
     let text = format!(
-        "[job]\nworkers = {workers}\nservers = {servers}\nsteps = {steps}\nmax_workers = {max_workers}\nshard_bytes = 4096\n\
+        "[job]\nworkers = {workers}\nservers = {servers}\nsteps = {steps}\nmax_workers = {max_workers}\nshard_bytes = {}\n\
          [model]\ntensors = [{{ name = \"w\", elements = {} }}]\n",
-        shards * 1024
+        shard_units * 4 * UNIT,
+        units * UNIT
     );
     let spec = JobSpec::from_toml(&text).map_err(|e| fail_at(seed, 0, format!("spec: {e}")))?;
     let layout = spec.layout().map_err(|e| fail_at(seed, 0, format!("layout: {e}")))?;
@@ -467,7 +513,7 @@ pub fn run(seed: u64) -> Result<Report, Failure> {
         net: Net::new(max_delay),
         job,
         steps,
-        shards: layout.shards.len() as u32,
+        units: units as usize,
         ranks: max_workers,
         workers0: workers,
         servers: Vec::new(),
@@ -481,17 +527,18 @@ pub fn run(seed: u64) -> Result<Report, Failure> {
         lost: BTreeSet::new(),
         migrations: 0,
         empty_updates: 0,
+        splits: 0,
         report: Report::default(),
         plan_left: 10,
         trace: VecDeque::new(),
         failure: None,
     };
     for r in 0..servers {
-        let mine: Vec<u32> = layout.shards_of(r).map(|s| s.id).collect();
+        let mine: Vec<(u32, u64, u64)> = layout.shards_of(r).map(|s| (s.id, s.start, s.len)).collect();
         w.start_server(&mine);
     }
-    for s in 0..w.shards {
-        w.published.insert((s, 0), init_value(s));
+    for u in 0..w.units {
+        w.published.insert((u, 0), init_value(u));
     }
     for _ in 0..workers {
         w.start_worker();
@@ -528,6 +575,7 @@ pub fn run(seed: u64) -> Result<Report, Failure> {
     w.report.time = w.net.now;
     w.report.migrations = w.migrations;
     w.report.empty_updates = w.empty_updates;
+    w.report.splits = w.splits;
     Ok(w.report)
 }
 

@@ -22,14 +22,16 @@ pub enum Node {
 /// What travels.
 #[derive(Clone, Debug)]
 pub enum Msg {
-    /// Worker -> server: gradient of shard `shard` for iteration `t`.
-    Push { w: u32, shard: u32, t: u64, token: u64 },
+    /// Worker -> server: gradient of shard `shard` for iteration `t` (a digest per
+    /// alignment unit of the shard).
+    Push { w: u32, shard: u32, t: u64, token: Vec<u64> },
     /// Worker -> server: send shard `shard` at version >= `need`.
     PullReq { w: u32, shard: u32, need: u64 },
     /// Worker -> server: the worker's connection closed (sent last on its channel).
     ConnLost { w: u32 },
-    /// Server -> worker: version `v` of `shard` is in the worker's buffer.
-    PullDone { shard: u32, v: u64, value: u64 },
+    /// Server -> worker: version `v` of `shard` is in the worker's buffer (a value
+    /// per unit).
+    PullDone { shard: u32, v: u64, value: Vec<u64> },
     /// Server -> worker: the push was routed with an old epoch.
     Moved { shard: u32, t: u64 },
     /// Server -> worker: the pull request will not be served here.
@@ -37,11 +39,11 @@ pub enum Msg {
     /// Server -> itself: the WRITE of a pull completed.
     PullWritten { shard: u32, w: u32, v: u64 },
     /// Source -> target: the snapshot of `shard` at version `v`.
-    Snapshot { shard: u32, v: u64, value: u64 },
+    Snapshot { shard: u32, v: u64, value: Vec<u64> },
     /// Source -> itself: the snapshot WRITE completed.
     SnapshotDone { shard: u32 },
     /// Source -> target: the update producing version `v` (its contributions' digest).
-    Forward { shard: u32, v: u64, digest: u64 },
+    Forward { shard: u32, v: u64, digest: Vec<u64> },
     /// Target -> source.
     ForwardAck { shard: u32, v: u64 },
     /// Source -> target: the cutover is at the snapshot's version; no forward

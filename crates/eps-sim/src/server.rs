@@ -1,7 +1,7 @@
 //! A server as the simulation runs it: the decisions of `eps-server` (push and
 //! pull handling, held updates, the migration source and target, membership
-//! votes and commits) over the same protocol cores, with a 64-bit digest standing
-//! in for each shard's parameters.
+//! votes and commits, splits) over the same protocol cores, with a 64-bit digest
+//! per alignment unit standing in for each shard's parameters.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
@@ -11,16 +11,16 @@ use eps_proto::migrate::{Source, SourceAction};
 use eps_proto::spec::Consistency;
 use eps_proto::sync::{PushOutcome, ShardSync};
 
-use crate::World;
 use crate::net::{Msg, Node, h2};
+use crate::{World, units};
 
 /// An update waiting for its shard to be free.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 enum Pending {
     /// Aggregate this iteration's contributions.
     Update(u64),
     /// Replay the source's update producing version `v`.
-    Forward { v: u64, digest: u64 },
+    Forward { v: u64, digest: Vec<u64> },
 }
 
 /// The source side of a migration.
@@ -36,15 +36,38 @@ struct Out {
 /// One held shard.
 #[derive(Debug)]
 struct Shard {
+    /// First element and elements.
+    span: (u64, u64),
     sync: ShardSync,
-    /// Value of each version held.
-    vals: BTreeMap<u64, u64>,
-    /// Per worker rank: (iteration, gradient digest) in its landing slot.
-    landing: Vec<Option<(u64, u64)>>,
+    /// Value of each version held (a digest per unit).
+    vals: BTreeMap<u64, Vec<u64>>,
+    /// Per worker rank: (iteration, gradient digest per unit) in its landing slot.
+    landing: Vec<Option<(u64, Vec<u64>)>>,
     waiting: VecDeque<Pending>,
     out: Option<Out>,
     /// Migration target: (source, snapshot landed).
     incoming: Option<(u32, bool)>,
+    /// A split ordered: (first element of the upper part, lower id, upper id).
+    split: Option<(u64, u32, u32)>,
+}
+
+impl Shard {
+    fn new(span: (u64, u64), sync: ShardSync, ranks: u32) -> Self {
+        Self {
+            span,
+            sync,
+            vals: BTreeMap::new(),
+            landing: vec![None; ranks as usize],
+            waiting: VecDeque::new(),
+            out: None,
+            incoming: None,
+            split: None,
+        }
+    }
+
+    fn units(&self) -> std::ops::Range<usize> {
+        units(self.span.0, self.span.1)
+    }
 }
 
 /// One server.
@@ -70,8 +93,9 @@ pub(crate) fn endpoint(shard: u32, owner: u32) -> ShardEndpoint {
 }
 
 impl SimServer {
-    /// A server holding `shards` at version 0 (values from `init`).
-    pub(crate) fn new(rank: u32, ranks: u32, workers: u32, shards: &[u32], init: impl Fn(u32) -> u64) -> Self {
+    /// A server holding `shards` (id, first element, elements) at version 0
+    /// (unit values from `init`).
+    pub(crate) fn new(rank: u32, ranks: u32, workers: u32, shards: &[(u32, u64, u64)], init: impl Fn(usize) -> u64) -> Self {
         let mut s = Self {
             rank,
             shards: BTreeMap::new(),
@@ -84,15 +108,9 @@ impl SimServer {
             pulls_out: BTreeMap::new(),
             ranks,
         };
-        for &id in shards {
-            let sh = Shard {
-                sync: ShardSync::new(Consistency::Bsp, ranks),
-                vals: BTreeMap::from([(0, init(id))]),
-                landing: vec![None; ranks as usize],
-                waiting: VecDeque::new(),
-                out: None,
-                incoming: None,
-            };
+        for &(id, start, len) in shards {
+            let mut sh = Shard::new((start, len), ShardSync::new(Consistency::Bsp, ranks), ranks);
+            sh.vals.insert(0, units(start, len).map(&init).collect());
             s.shards.insert(id, sh);
         }
         s
@@ -103,6 +121,12 @@ impl SimServer {
     /// refuses the version.
     pub(crate) fn serves(&self, shard: u32, need: u64) -> bool {
         self.shards.get(&shard).is_some_and(|sh| sh.sync.serves(need) && sh.out.as_ref().is_none_or(|o| o.src.serves(need)))
+    }
+
+    /// Whether this server can serve version `need` of alignment unit `unit`
+    /// (through any shard that holds it).
+    pub(crate) fn serves_unit(&self, unit: usize, need: u64) -> bool {
+        self.shards.iter().any(|(&id, sh)| sh.units().contains(&unit) && self.serves(id, need))
     }
 
     /// Held shards with their version and migration state, for a stall report.
@@ -116,12 +140,14 @@ impl SimServer {
         );
         for (id, sh) in &self.shards {
             t += &format!(
-                "[shard {id} v{} waiting {} out {:?} in {:?} slots {:?}] ",
+                "[shard {id} units {:?} v{} waiting {} out {:?} in {:?} split {:?} slots {:?}] ",
+                sh.units(),
                 sh.sync.version(),
                 sh.waiting.len(),
                 sh.out.as_ref().map(|o| (o.src.phase(), o.to, o.snapshot_busy, o.forward_busy)),
                 sh.incoming,
-                sh.landing.iter().enumerate().filter_map(|(r, l)| l.map(|l| (r, l.0))).collect::<Vec<_>>()
+                sh.split,
+                sh.landing.iter().enumerate().filter_map(|(r, l)| l.as_ref().map(|l| (r, l.0))).collect::<Vec<_>>()
             );
         }
         t
@@ -161,7 +187,7 @@ impl SimServer {
         Node::Server(self.rank)
     }
 
-    fn on_push(&mut self, w: &mut World, r: u32, id: u32, t: u64, token: u64) {
+    fn on_push(&mut self, w: &mut World, r: u32, id: u32, t: u64, token: Vec<u64>) {
         let me = self.me();
         let Some(sh) = self.shards.get_mut(&id) else {
             self.moved_pushes.insert((r, id));
@@ -173,11 +199,15 @@ impl SimServer {
             w.send(me, Node::Worker(r), Msg::Moved { shard: id, t });
             return;
         }
+        if token.len() != sh.units().len() {
+            return w.fail(format!("server {}: push of shard {id} with {} unit digests", self.rank, token.len()));
+        }
+        let us = sh.units();
         if self.hold.is_some_and(|h| t >= h) {
             match sh.sync.on_push_unsettled(r, t) {
                 Ok(()) => {
                     sh.landing[r as usize] = Some((t, token));
-                    w.accepted.insert((r, id, t));
+                    w.accept(r, us, t);
                 }
                 Err(e) => w.fail(format!("server {}: push of worker {r}, shard {id}, iteration {t}: {e}", self.rank)),
             }
@@ -187,11 +217,11 @@ impl SimServer {
         match sh.sync.on_push(r, t, &c) {
             Ok(PushOutcome::Wait) => {
                 sh.landing[r as usize] = Some((t, token));
-                w.accepted.insert((r, id, t));
+                w.accept(r, us, t);
             }
             Ok(PushOutcome::AggregateAll { iteration }) => {
                 sh.landing[r as usize] = Some((t, token));
-                w.accepted.insert((r, id, t));
+                w.accept(r, us, t);
                 self.update(w, id, Pending::Update(iteration));
             }
             Ok(other) => w.fail(format!("server {}: BSP push gave {other:?}", self.rank)),
@@ -220,7 +250,7 @@ impl SimServer {
             sh.sync.pull_written(v);
             return;
         }
-        let Some(&value) = sh.vals.get(&v) else {
+        let Some(value) = sh.vals.get(&v).cloned() else {
             return w.fail(format!("server {} asked to send version {v} of shard {id}, which it does not hold", self.rank));
         };
         let at = w.send(me, Node::Worker(r), Msg::PullDone { shard: id, v, value });
@@ -285,7 +315,7 @@ impl SimServer {
             if !sh.sync.can_publish() || busy {
                 return;
             }
-            let Some(p) = sh.waiting.pop_front() else { return };
+            let Some(p) = sh.waiting.pop_front() else { return self.try_split(w, id) };
             sh.sync.set_publish_waiting(!sh.waiting.is_empty());
             self.apply(w, id, p);
         }
@@ -296,20 +326,24 @@ impl SimServer {
         let Some(sh) = self.shards.get_mut(&id) else { return };
         let version = sh.sync.version();
         let next = version + 1;
-        let Some(&old) = sh.vals.get(&version) else {
+        let Some(old) = sh.vals.get(&version).cloned() else {
             return w.fail(format!("server {rank}: shard {id} has no value for its version {version}"));
         };
-        let digest = match p {
+        let digest = match p.clone() {
             Pending::Update(iteration) => {
                 if iteration != version {
                     return w.fail(format!("server {rank}: shard {id} aggregates iteration {iteration} at version {version}"));
                 }
                 let c = sh.sync.contributors(&self.membership, &self.lost, iteration).into_owned();
                 w.empty_updates += u64::from(c.is_empty());
-                let mut d = 0u64;
+                let mut d = vec![0u64; old.len()];
                 for &r in &c {
                     match sh.landing[r as usize].take() {
-                        Some((it, tok)) if it == iteration => d = h2(d, h2(u64::from(r), tok)),
+                        Some((it, tok)) if it == iteration => {
+                            for (d, tok) in d.iter_mut().zip(tok) {
+                                *d = h2(*d, h2(u64::from(r), tok));
+                            }
+                        }
                         other => {
                             return w.fail(format!(
                                 "server {rank}: shard {id} aggregates iteration {iteration} of {c:?} but worker {r}'s slot holds {other:?}"
@@ -334,10 +368,11 @@ impl SimServer {
                 digest
             }
         };
-        let value = h2(h2(old, version), digest);
-        sh.vals.insert(next, value);
+        let value: Vec<u64> = old.iter().zip(&digest).map(|(&o, &d)| h2(h2(o, version), d)).collect();
+        let first = sh.units().start;
+        sh.vals.insert(next, value.clone());
         sh.sync.set_publish_waiting(!sh.waiting.is_empty());
-        w.publish(rank, id, next, value);
+        w.publish(rank, id, first, next, &value);
         self.after_apply(w, id, p, next, digest);
         let mut ready = Vec::new();
         if let Some(sh) = self.shards.get_mut(&id) {
@@ -346,9 +381,10 @@ impl SimServer {
         for (r, v) in ready {
             self.send_pull(w, r, id, v);
         }
+        self.try_split(w, id);
     }
 
-    fn after_apply(&mut self, w: &mut World, id: u32, p: Pending, version: u64, digest: u64) {
+    fn after_apply(&mut self, w: &mut World, id: u32, p: Pending, version: u64, digest: Vec<u64>) {
         let me = self.me();
         let Some(sh) = self.shards.get_mut(&id) else { return };
         if let Some(out) = sh.out.as_mut()
@@ -378,7 +414,7 @@ impl SimServer {
         }
     }
 
-    fn on_snapshot(&mut self, w: &mut World, id: u32, v: u64, value: u64) {
+    fn on_snapshot(&mut self, w: &mut World, id: u32, v: u64, value: Vec<u64>) {
         let me = self.me();
         let Some(sh) = self.shards.get_mut(&id) else {
             return w.fail(format!("server {}: snapshot of shard {id}, which is not arriving here", self.rank));
@@ -387,9 +423,10 @@ impl SimServer {
             return w.fail(format!("server {}: unexpected snapshot of shard {id}", self.rank));
         };
         let moved = sh.sync.snapshot_landed(v);
+        let first = sh.units().start;
+        w.publish(self.rank, id, first, v, &value);
         sh.vals.insert(v, value);
         sh.incoming = Some((from, true));
-        w.publish(self.rank, id, v, value);
         for r in moved {
             w.send(me, Node::Worker(r), Msg::PullMoved { shard: id });
         }
@@ -412,9 +449,10 @@ impl SimServer {
         let ready = sh.sync.complete(&c).is_some() || !sh.waiting.is_empty();
         let at = if ready { version + 1 } else { version };
         let (held, waiting) = if ready { (Vec::new(), sh.sync.refuse_above(at)) } else { sh.sync.evict() };
+        let us = sh.units();
         for &r in &held {
             sh.landing[r as usize] = None;
-            w.accepted.remove(&(r, id, version));
+            w.unaccept(r, us.clone(), version);
             self.moved_pushes.insert((r, id));
             w.send(me, Node::Worker(r), Msg::Moved { shard: id, t: version });
         }
@@ -440,7 +478,7 @@ impl SimServer {
         self.drain(w, id);
     }
 
-    fn on_forward(&mut self, w: &mut World, id: u32, v: u64, digest: u64) {
+    fn on_forward(&mut self, w: &mut World, id: u32, v: u64, digest: Vec<u64>) {
         let Some(sh) = self.shards.get_mut(&id) else {
             return w.fail(format!("server {}: forward of shard {id}, which is not arriving here", self.rank));
         };
@@ -479,18 +517,12 @@ impl SimServer {
     fn on_order(&mut self, w: &mut World, o: Order) {
         let rank = self.rank;
         match o {
-            Order::MigrateIn { shard, from, .. } => {
+            Order::MigrateIn { shard, from, start, len } => {
                 if self.shards.contains_key(&shard) {
                     return w.fail(format!("server {rank}: ordered to receive shard {shard}, which it holds"));
                 }
-                let sh = Shard {
-                    sync: ShardSync::incoming(Consistency::Bsp, self.ranks, 0),
-                    vals: BTreeMap::new(),
-                    landing: vec![None; self.ranks as usize],
-                    waiting: VecDeque::new(),
-                    out: None,
-                    incoming: Some((from, false)),
-                };
+                let mut sh = Shard::new((start, len), ShardSync::incoming(Consistency::Bsp, self.ranks, 0), self.ranks);
+                sh.incoming = Some((from, false));
                 self.shards.insert(shard, sh);
                 let keys = MigrationKeys { state_addr: 0, state_rkey: 0, grad_addr: 0, grad_rkey: 0 };
                 if let Err(e) = w.ctl(&ControlMsg::ShardReady { endpoint: endpoint(shard, rank), keys }) {
@@ -503,14 +535,23 @@ impl SimServer {
                     return w.fail(format!("server {rank}: ordered to send shard {shard}, which it does not hold"));
                 };
                 let v0 = sh.sync.version();
-                let Some(&value) = sh.vals.get(&v0) else {
+                let Some(value) = sh.vals.get(&v0).cloned() else {
                     return w.fail(format!("server {rank}: shard {shard} has no value at version {v0}"));
                 };
                 sh.out = Some(Out { src: Source::start(v0), to, snapshot_busy: true, forward_busy: false, last_forward: v0 });
                 let at = w.send(me, Node::Server(to), Msg::Snapshot { shard, v: v0, value });
                 w.complete_after(me, Msg::SnapshotDone { shard }, at);
             }
-            Order::Split { shard, .. } => w.fail(format!("server {rank}: ordered to split shard {shard}")),
+            Order::Split { shard, mid, lo, hi } => {
+                let Some(sh) = self.shards.get_mut(&shard) else {
+                    return w.fail(format!("server {rank}: ordered to split shard {shard}, which it does not hold"));
+                };
+                if sh.out.is_some() || sh.split.is_some() || mid <= sh.span.0 || mid >= sh.span.0 + sh.span.1 {
+                    return w.fail(format!("server {rank}: cannot split shard {shard} at {mid} ({})", self.describe()));
+                }
+                sh.split = Some((mid, lo, hi));
+                self.try_split(w, shard);
+            }
             Order::Retire => {
                 self.retired = true;
                 w.check_retired(rank);
@@ -539,5 +580,48 @@ impl SimServer {
                 }
             }
         }
+    }
+
+    /// `Server::try_split`: splits shard `id` once a split is ordered and no update
+    /// is parked; its held pushes are answered "moved", its waiting pulls "pull
+    /// moved", and the parts serve its version.
+    fn try_split(&mut self, w: &mut World, id: u32) {
+        let me = self.me();
+        let rank = self.rank;
+        let Some(sh) = self.shards.get(&id) else { return };
+        let Some((mid, lo, hi)) = sh.split else { return };
+        if !sh.waiting.is_empty() || sh.sync.publish_waiting() || sh.out.is_some() {
+            return;
+        }
+        let Some(mut parent) = self.shards.remove(&id) else { return };
+        let v = parent.sync.version();
+        let Some(value) = parent.vals.get(&v).cloned() else {
+            return w.fail(format!("server {rank}: shard {id} has no value for its version {v}"));
+        };
+        let (start, len) = parent.span;
+        let cut = ((mid - start) / crate::UNIT) as usize;
+        for (pid, span, vals) in [(lo, (start, mid - start), &value[..cut]), (hi, (mid, start + len - mid), &value[cut..])] {
+            let mut part = Shard::new(span, ShardSync::at_version(Consistency::Bsp, self.ranks, v), self.ranks);
+            part.vals.insert(v, vals.to_vec());
+            w.publish(rank, pid, part.units().start, v, vals);
+            self.shards.insert(pid, part);
+        }
+        let (held, waiting) = parent.sync.evict();
+        for &r in &held {
+            w.unaccept(r, parent.units(), v);
+            self.moved_pushes.insert((r, id));
+            w.send(me, Node::Worker(r), Msg::Moved { shard: id, t: v });
+        }
+        for &r in &waiting {
+            self.moved_pushes.remove(&(r, id));
+            w.send(me, Node::Worker(r), Msg::PullMoved { shard: id });
+        }
+        w.splits += 1;
+        let (el, eh) = (endpoint(lo, rank), endpoint(hi, rank));
+        if let Err(e) = w.ctl(&ControlMsg::Split { shard: id, at: v, lo: el, hi: eh }) {
+            return w.fail(format!("server {rank}: the control plane refused the split of shard {id}: {e}"));
+        }
+        self.try_complete(w, lo);
+        self.try_complete(w, hi);
     }
 }

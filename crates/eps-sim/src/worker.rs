@@ -1,12 +1,13 @@
 //! A worker as the simulation runs it: the decisions of `eps-worker` (join and
-//! its first pull, `begin` with its membership hold, push and pull of every shard,
-//! "moved" answers and map refreshes) and of its map watcher (long poll, votes).
+//! its first pull, `begin` with its membership hold, push and pull of every shard
+//! of the iteration, "moved" answers, map refreshes and the parts of split shards)
+//! and of its map watcher (long poll, votes).
 
 use eps_proto::control::{ControlMsg, JobMap, Role};
 use eps_proto::membership::Membership;
 
-use crate::World;
-use crate::net::{Msg, Node, h2};
+use crate::net::{Msg, Node};
+use crate::{World, token, units};
 
 /// Where a worker is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -49,49 +50,65 @@ pub(crate) struct SimWorker {
     next: u64,
     hold: Option<u64>,
     voted: u64,
-    /// Per shard: (version, value) of the parameters held.
+    /// Per alignment unit: (version, value) of the parameters held.
     pub(crate) have: Vec<(u64, u64)>,
+    /// Per unit: this iteration's gradient digest.
     tokens: Vec<u64>,
-    /// Per shard: the map epoch its last push was routed with.
+    /// The shards of the current round (first pull or push_pull).
+    round: Vec<u32>,
+    /// Per shard id: the map epoch its last push was routed with.
     push_epoch: Vec<u64>,
-    /// First pull: answers with data so far.
-    pulled: usize,
-    /// Per shard, in the current round: pull answered with data.
+    /// Per shard id, in the current round: pull answered with data.
     round_pulled: Vec<bool>,
-    /// Per shard, in the current round: pull requests not answered yet.
+    /// Per shard id, in the current round: pull requests not answered yet.
     outstanding: Vec<u32>,
     /// "Pull moved" answers of the round not handled yet: (shard, server).
     pull_refused: Vec<(u32, Node)>,
     moved: Vec<(u32, u64)>,
-    /// First pull: shards refused by the owner of our map, waiting for a newer map.
-    refused: Vec<u32>,
 }
 
 impl SimWorker {
-    pub(crate) fn new(rank: u32, map: JobMap, shards: usize) -> Self {
+    pub(crate) fn new(rank: u32, map: JobMap, units: usize) -> Self {
         let wm = Membership::from_epochs(map.membership.clone()).expect("the control plane's membership is valid");
-        Self {
+        let mut w = Self {
             rank,
             state: WState::AwaitAdmit,
             t: 0,
             start: 0,
             newest_epoch: map.epoch,
             reported: map.epoch,
-            map,
+            map: map.clone(),
             newest: None,
             wm,
             next: 0,
             hold: None,
             voted: 0,
-            have: vec![(0, 0); shards],
-            tokens: vec![0; shards],
-            push_epoch: vec![0; shards],
-            pulled: 0,
-            round_pulled: vec![false; shards],
-            outstanding: vec![0; shards],
+            have: vec![(0, 0); units],
+            tokens: vec![0; units],
+            round: Vec::new(),
+            push_epoch: Vec::new(),
+            round_pulled: Vec::new(),
+            outstanding: Vec::new(),
             pull_refused: Vec::new(),
             moved: Vec::new(),
-            refused: Vec::new(),
+        };
+        w.set_map(map);
+        w
+    }
+
+    /// Routes with `m` (shards made by splits get their per-shard state).
+    fn set_map(&mut self, m: JobMap) {
+        let n = m.routes.len();
+        self.map = m;
+        self.push_epoch.resize(n, 0);
+        self.round_pulled.resize(n, false);
+        self.outstanding.resize(n, 0);
+    }
+
+    /// Takes the watcher's map if it is newer than ours.
+    fn adopt_newest(&mut self) {
+        if let Some(m) = self.newest.take().filter(|m| m.epoch > self.map.epoch) {
+            self.set_map(m);
         }
     }
 
@@ -101,18 +118,23 @@ impl SimWorker {
             .map
             .routes
             .iter()
-            .map(|r| match &r.previous {
-                Some((p, at)) => format!("{}<{at}:{}", p.owner, r.owner.owner),
-                None => r.owner.owner.to_string(),
+            .enumerate()
+            .map(|(i, r)| {
+                let owner = match &r.previous {
+                    Some((p, at)) => format!("{}<{at}:{}", p.owner, r.owner.owner),
+                    None => r.owner.owner.to_string(),
+                };
+                format!("{i}@{}+{}[{},{}):{owner}", r.start, r.len, r.from, r.until)
             })
             .collect();
         format!(
-            "map epoch {} routes [{}], newest {}, hold {:?}, pulled {} moved {:?} refused {:?} outstanding {:?}",
+            "map epoch {} routes [{}], newest {}, hold {:?}, round {:?} pulled {:?} moved {:?} refused {:?} outstanding {:?}",
             self.map.epoch,
             routes.join(" "),
             self.newest_epoch,
             self.hold,
-            self.pulled,
+            self.round,
+            self.round.iter().map(|&s| self.round_pulled[s as usize]).collect::<Vec<_>>(),
             self.moved,
             self.pull_refused,
             self.outstanding
@@ -121,7 +143,7 @@ impl SimWorker {
 
     /// Whether this worker's current round routes anything to server `rank`.
     pub(crate) fn routes_to(&self, rank: u32) -> bool {
-        self.map.routes.iter().any(|r| r.for_iteration(self.t).owner == rank)
+        self.map.routes.iter().filter(|r| r.until > self.t).any(|r| r.for_iteration(self.t).owner == rank)
     }
 
     /// Whether the worker still takes part (its watcher runs).
@@ -133,19 +155,43 @@ impl SimWorker {
         Node::Worker(self.rank)
     }
 
-    /// The version of `shard` this worker needs next.
-    pub(crate) fn need(&self, shard: usize) -> u64 {
+    /// The version of alignment unit `unit` this worker needs next.
+    pub(crate) fn need(&self, unit: usize) -> u64 {
         match self.state {
             WState::AwaitAdmit | WState::InitialPull => self.start,
-            _ => self.have[shard].0 + 1,
+            _ => self.have[unit].0 + 1,
         }
+    }
+
+    /// Starts a round over the map's shards of iteration `t`.
+    fn start_round(&mut self, t: u64) {
+        self.round_pulled.iter_mut().for_each(|p| *p = false);
+        self.outstanding.iter_mut().for_each(|o| *o = 0);
+        self.pull_refused.clear();
+        self.moved.clear();
+        self.round = self.map.shards_at(t).into_iter().map(|s| s as u32).collect();
+    }
+
+    fn leaves_at(&self, t: u64) -> bool {
+        Membership::from_epochs(self.map.membership.clone()).is_some_and(|m| !m.contributors(t).contains(&self.rank))
+    }
+
+    fn replace_in_round(&mut self, shard: u32, parts: &[usize]) {
+        self.round.retain(|&s| s != shard);
+        for &p in parts {
+            if !self.round.contains(&(p as u32)) {
+                self.round.push(p as u32);
+            }
+        }
+    }
+
+    fn round_done(&self) -> bool {
+        self.round.iter().all(|&s| self.round_pulled[s as usize]) && self.outstanding.iter().all(|&o| o == 0)
     }
 
     /// `Worker::join` after registering: waits for the change that admits it.
     pub(crate) fn try_admit(&mut self, w: &mut World) {
-        if let Some(m) = self.newest.take().filter(|m| m.epoch > self.map.epoch) {
-            self.map = m;
-        }
+        self.adopt_newest();
         let admitted = self.map.membership.last().is_some_and(|(_, set)| set.contains(&self.rank));
         if self.map.proposal != 0 && !admitted {
             return;
@@ -163,12 +209,30 @@ impl SimWorker {
             return self.finish(w, WState::Done);
         }
         self.state = WState::InitialPull;
-        self.pulled = 0;
+        self.start_round(start);
         let me = self.me();
-        for s in 0..self.have.len() {
-            let owner = self.map.routes[s].for_iteration(start.saturating_sub(1)).owner;
-            w.send(me, Node::Server(owner), Msg::PullReq { w: self.rank, shard: s as u32, need: start });
+        for s in self.round.clone() {
+            let owner = self.map.routes[s as usize].for_iteration(start.saturating_sub(1)).owner;
+            w.send(me, Node::Server(owner), Msg::PullReq { w: self.rank, shard: s, need: start });
+            self.outstanding[s as usize] += 1;
         }
+    }
+
+    /// Takes in a pull answer: the shard's units now hold version `v`.
+    fn took(&mut self, w: &mut World, shard: u32, v: u64, value: &[u64]) {
+        let Some(r) = self.map.routes.get(shard as usize) else {
+            return w.fail(format!("worker {}: pull answer for unknown shard {shard}", self.rank));
+        };
+        let us = units(r.start, r.len);
+        if us.len() != value.len() {
+            return w.fail(format!("worker {}: pull of shard {shard} gave {} unit values", self.rank, value.len()));
+        }
+        for (u, &x) in us.zip(value) {
+            self.have[u] = (v, x);
+        }
+        let s = shard as usize;
+        self.round_pulled[s] = true;
+        self.outstanding[s] = self.outstanding[s].saturating_sub(1);
     }
 
     /// Handles one delivery.
@@ -183,28 +247,16 @@ impl SimWorker {
                 if v != self.start {
                     return w.fail(format!("worker {rank}: first pull of shard {shard} gave version {v}, not {}", self.start));
                 }
-                self.have[shard as usize] = (v, value);
-                self.pulled += 1;
-                if self.pulled == self.have.len() {
+                self.took(w, shard, v, &value);
+                if self.round_done() {
                     self.begin(w);
                 }
             }
             (Msg::PullMoved { shard }, WState::InitialPull) => {
-                // `Worker::pull`: ask the owner of the newest map; if it was the
-                // owner that refused, wait for a newer map first.
-                if let Some(m) = self.newest.take().filter(|m| m.epoch > self.map.epoch) {
-                    self.map = m;
-                }
-                let owner = self.map.routes[shard as usize].owner.owner;
-                if from == Node::Server(owner) {
-                    if w.job.epoch() > self.map.epoch {
-                        self.map = w.job.job_map();
-                    } else {
-                        self.refused.push(shard);
-                        return;
-                    }
-                }
-                self.ask_first(w, shard);
+                let s = shard as usize;
+                self.outstanding[s] = self.outstanding[s].saturating_sub(1);
+                self.pull_refused.push((shard, from));
+                self.ask_again(w, self.start);
             }
             (Msg::PullDone { shard, v, value }, WState::Waiting | WState::Refreshing) => {
                 // BSP: exactly the next version, unless this worker does not
@@ -214,10 +266,7 @@ impl SimWorker {
                 if v != self.t + 1 && !(v > self.t + 1 && leaving) {
                     return w.fail(format!("worker {rank}: pull of shard {shard} gave version {v} in iteration {}", self.t));
                 }
-                let s = shard as usize;
-                self.have[s] = (v, value);
-                self.round_pulled[s] = true;
-                self.outstanding[s] = self.outstanding[s].saturating_sub(1);
+                self.took(w, shard, v, &value);
                 self.step(w);
             }
             (Msg::Moved { shard, t }, WState::Waiting | WState::Refreshing) => {
@@ -235,11 +284,46 @@ impl SimWorker {
         }
     }
 
-    /// Asks the owner of `shard` in our map for the version this worker starts at.
-    fn ask_first(&mut self, w: &mut World, shard: u32) {
-        let owner = self.map.routes[shard as usize].owner.owner;
+    /// `Worker::ask_again`: refused pulls (for version `need`) go to the owner of
+    /// the newest map, or to the parts of a shard split meanwhile; if it was the
+    /// owner that refused, after a newer map. False if one waits for a map.
+    fn ask_again(&mut self, w: &mut World, need: u64) -> bool {
         let me = self.me();
-        w.send(me, Node::Server(owner), Msg::PullReq { w: self.rank, shard, need: self.start });
+        let mut waits = false;
+        for (s, from) in std::mem::take(&mut self.pull_refused) {
+            let i = s as usize;
+            if !self.round.contains(&s) || self.round_pulled[i] || self.outstanding[i] > 0 {
+                continue;
+            }
+            self.adopt_newest();
+            // Leaving at `need`: that version is not used (`Worker::leaves_at`).
+            if self.leaves_at(need) {
+                self.round_pulled[i] = true;
+                continue;
+            }
+            let mut cover = self.map.covering(i, need);
+            if cover == [i] && Node::Server(self.map.routes[i].owner.owner) == from {
+                if !self.take_newer_map(w) {
+                    self.pull_refused.push((s, from));
+                    waits = true;
+                    continue;
+                }
+                if self.leaves_at(need) {
+                    self.round_pulled[i] = true;
+                    continue;
+                }
+                cover = self.map.covering(i, need);
+            }
+            if cover != [i] {
+                self.replace_in_round(s, &cover);
+            }
+            for c in cover {
+                let owner = self.map.routes[c].owner.owner;
+                w.send(me, Node::Server(owner), Msg::PullReq { w: self.rank, shard: c as u32, need });
+                self.outstanding[c] += 1;
+            }
+        }
+        !waits
     }
 
     /// The watcher takes in a map: membership, proposal and vote; then whatever
@@ -269,13 +353,8 @@ impl SimWorker {
         match self.state {
             WState::AwaitAdmit => self.try_admit(w),
             WState::Blocked => self.begin(w),
-            WState::InitialPull if !self.refused.is_empty() => {
-                if let Some(m) = self.newest.take().filter(|m| m.epoch > self.map.epoch) {
-                    self.map = m;
-                }
-                for s in std::mem::take(&mut self.refused) {
-                    self.ask_first(w, s);
-                }
+            WState::InitialPull if !self.pull_refused.is_empty() => {
+                self.ask_again(w, self.start);
             }
             WState::Refreshing => {
                 self.state = WState::Waiting;
@@ -310,11 +389,9 @@ impl SimWorker {
         w.timer(me, 1, 8);
     }
 
-    /// `push_pull`: every shard's gradient to the owner of this iteration.
+    /// `push_pull`: every shard of this iteration to its owner.
     fn push_all(&mut self, w: &mut World) {
-        if let Some(m) = self.newest.take().filter(|m| m.epoch > self.map.epoch) {
-            self.map = m;
-        }
+        self.adopt_newest();
         // Every answer of the previous round came: nothing older is in flight; and
         // once no route of this iteration is a previous owner, no drained server
         // is needed any more.
@@ -323,26 +400,27 @@ impl SimWorker {
             self.reported = self.map.epoch;
         }
         w.adopted(self.rank, self.reported);
-        self.round_pulled.iter_mut().for_each(|p| *p = false);
-        self.outstanding.iter_mut().for_each(|o| *o = 0);
-        self.pull_refused.clear();
-        self.moved.clear();
-        for s in 0..self.have.len() {
-            let (v, value) = self.have[s];
-            if v != self.t {
-                return w.fail(format!("worker {}: iteration {} computed from version {v} of shard {s}", self.rank, self.t));
+        for u in 0..self.have.len() {
+            let (v, value) = self.have[u];
+            if v != t {
+                return w.fail(format!("worker {}: iteration {t} computed from version {v} of unit {u}", self.rank));
             }
-            self.tokens[s] = h2(h2(u64::from(self.rank), self.t), h2(s as u64, value));
-            self.push_shard(w, s as u32, self.t);
+            self.tokens[u] = token(self.rank, t, u, value);
+        }
+        self.start_round(t);
+        for s in self.round.clone() {
+            self.push_shard(w, s, t);
         }
         self.state = WState::Waiting;
     }
 
     fn push_shard(&mut self, w: &mut World, shard: u32, t: u64) {
-        let owner = self.map.routes[shard as usize].for_iteration(t).owner;
+        let r = &self.map.routes[shard as usize];
+        let owner = r.for_iteration(t).owner;
+        let token = self.tokens[units(r.start, r.len)].to_vec();
         self.push_epoch[shard as usize] = self.map.epoch;
         let (me, to) = (self.me(), Node::Server(owner));
-        w.send(me, to, Msg::Push { w: self.rank, shard, t, token: self.tokens[shard as usize] });
+        w.send(me, to, Msg::Push { w: self.rank, shard, t, token });
         w.send(me, to, Msg::PullReq { w: self.rank, shard, need: t + 1 });
         self.outstanding[shard as usize] += 1;
     }
@@ -351,20 +429,20 @@ impl SimWorker {
     /// now, as `refresh_map`'s long poll would return it); false if none exists.
     fn take_newer_map(&mut self, w: &mut World) -> bool {
         if let Some(m) = self.newest.take().filter(|m| m.epoch > self.map.epoch) {
-            self.map = m;
+            self.set_map(m);
             return true;
         }
         if w.job.epoch() > self.map.epoch {
-            self.map = w.job.job_map();
+            self.set_map(w.job.job_map());
             return true;
         }
         false
     }
 
     /// The `push_pull` loop after an answer: moved pushes go again to the new
-    /// owner, refused pulls are asked again of the owner (unless another request
-    /// for the shard is in flight), and the round ends once every shard has its
-    /// data and nothing is in flight. Waits for a newer map where one is needed.
+    /// owner (or to the parts of a shard split meanwhile), refused pulls are asked
+    /// again, and the round ends once every shard of the round has its data and
+    /// nothing is in flight. Waits for a newer map where one is needed.
     fn step(&mut self, w: &mut World) {
         if !self.moved.is_empty() {
             // A map newer than the one those pushes used, if ours is not.
@@ -374,33 +452,23 @@ impl SimWorker {
                 return;
             }
             for (s, t) in std::mem::take(&mut self.moved) {
-                self.push_shard(w, s, t);
+                let cover = self.map.covering(s as usize, t);
+                if cover.is_empty() || cover == [s as usize] {
+                    self.push_shard(w, s, t);
+                    continue;
+                }
+                self.replace_in_round(s, &cover);
+                for c in cover {
+                    self.push_shard(w, c as u32, t);
+                }
             }
         }
-        for (s, from) in std::mem::take(&mut self.pull_refused) {
-            let i = s as usize;
-            if self.round_pulled[i] || self.outstanding[i] > 0 {
-                continue;
-            }
-            if let Some(m) = self.newest.take().filter(|m| m.epoch > self.map.epoch) {
-                self.map = m;
-            }
-            if Node::Server(self.map.routes[i].owner.owner) == from && !self.take_newer_map(w) {
-                self.pull_refused.push((s, from));
-                self.state = WState::Refreshing;
-                continue;
-            }
-            let owner = self.map.routes[i].owner.owner;
-            let me = self.me();
-            w.send(me, Node::Server(owner), Msg::PullReq { w: self.rank, shard: s, need: self.t + 1 });
-            self.outstanding[i] += 1;
-        }
-        if !self.pull_refused.is_empty() {
+        if !self.ask_again(w, self.t + 1) {
+            self.state = WState::Refreshing;
             return;
         }
         self.state = WState::Waiting;
-        let done = self.round_pulled.iter().all(|&p| p) && self.outstanding.iter().all(|&o| o == 0);
-        if done && self.moved.is_empty() {
+        if self.round_done() && self.moved.is_empty() {
             self.t += 1;
             if self.t >= w.steps {
                 self.finish(w, WState::Done);

@@ -1,5 +1,5 @@
 //! Hundreds of seeded runs of the simulation (random server and worker scale
-//! events, migrations, crashes, network interleavings). A failure prints its seed;
+//! events, splits, migrations, crashes, network interleavings). A failure prints its seed;
 //! `EPS_SIM_SEED=N` replays exactly that run, `EPS_SIM_SEEDS=N` runs N seeds.
 
 use eps_sim::run;
@@ -26,14 +26,16 @@ fn every_seed_keeps_the_invariants_and_finishes() {
                 totals.crashes += r.crashes;
                 totals.membership_changes += r.membership_changes;
                 totals.empty_updates += r.empty_updates;
+                totals.splits += r.splits;
             }
             Err(f) => failures.push(f),
         }
     }
     println!(
-        "{} events, {} migrations, {} server and {} worker scale requests, {} membership changes, {} crashes, {} empty updates",
+        "{} events, {} migrations, {} splits, {} server and {} worker scale requests, {} membership changes, {} crashes, {} empty updates",
         totals.events,
         totals.migrations,
+        totals.splits,
         totals.scales.0,
         totals.scales.1,
         totals.membership_changes,
@@ -45,7 +47,7 @@ fn every_seed_keeps_the_invariants_and_finishes() {
         panic!("{} seeds failed (the first {}: {seeds:?})\nfirst:\n{f}", failures.len(), seeds.len());
     }
     // The plan must actually exercise the machinery.
-    assert!(totals.migrations > 0 && totals.membership_changes > 0 && totals.crashes > 0, "{totals:?}");
+    assert!(totals.migrations > 0 && totals.splits > 0 && totals.membership_changes > 0 && totals.crashes > 0, "{totals:?}");
 }
 
 #[test]

@@ -556,6 +556,11 @@ impl Worker {
         self.round = self.map.shards_at(t);
     }
 
+    /// Whether this worker does not contribute to iteration `t`, as of its map.
+    fn leaves_at(&self, t: u64) -> bool {
+        Membership::from_epochs(self.map.membership.clone()).is_some_and(|m| !m.contributors(t).contains(&self.rank))
+    }
+
     /// Puts a split's parts in place of shard `sid` in the round.
     fn replace_in_round(&mut self, sid: usize, parts: &[usize]) {
         self.round.retain(|&s| s != sid);
@@ -576,9 +581,19 @@ impl Worker {
                 continue;
             }
             self.adopt_newest()?;
+            // A worker that leaves at `need` does not use that version: a shard
+            // already past it (split or moved meanwhile) need not send it.
+            if self.leaves_at(need) {
+                self.round_pulled[sid] = true;
+                continue;
+            }
             let mut cover = self.map.covering(sid, need);
             if cover == [sid] && self.map.routes[sid].owner.owner == refused {
                 self.refresh_map()?;
+                if self.leaves_at(need) {
+                    self.round_pulled[sid] = true;
+                    continue;
+                }
                 cover = self.map.covering(sid, need);
             }
             if cover != [sid] {
