@@ -329,6 +329,11 @@ impl Server {
             self.send_pull(w, id, v)?;
         }
         self.ready = ready;
+        // The next iteration may be complete already: one whose every contributor
+        // was removed (it carries the parameters over).
+        if self.mode == eps_proto::Consistency::Bsp {
+            self.try_complete(id)?;
+        }
         self.try_split(id)
     }
 

@@ -381,6 +381,9 @@ impl SimServer {
         for (r, v) in ready {
             self.send_pull(w, r, id, v);
         }
+        // `Server::apply`: an iteration whose every contributor was removed is
+        // complete at once.
+        self.try_complete(w, id);
         self.try_split(w, id);
     }
 

@@ -56,15 +56,14 @@ pub(crate) struct SimWorker {
     tokens: Vec<u64>,
     /// The shards of the current round (first pull or push_pull).
     round: Vec<u32>,
-    /// Per shard id: the map epoch its last push was routed with.
-    push_epoch: Vec<u64>,
     /// Per shard id, in the current round: pull answered with data.
     round_pulled: Vec<bool>,
     /// Per shard id, in the current round: pull requests not answered yet.
     outstanding: Vec<u32>,
     /// "Pull moved" answers of the round not handled yet: (shard, server).
     pull_refused: Vec<(u32, Node)>,
-    moved: Vec<(u32, u64)>,
+    /// Pushes answered "moved": (shard, iteration, the server that answered).
+    moved: Vec<(u32, u64, Node)>,
 }
 
 impl SimWorker {
@@ -86,7 +85,6 @@ impl SimWorker {
             have: vec![(0, 0); units],
             tokens: vec![0; units],
             round: Vec::new(),
-            push_epoch: Vec::new(),
             round_pulled: Vec::new(),
             outstanding: Vec::new(),
             pull_refused: Vec::new(),
@@ -100,7 +98,6 @@ impl SimWorker {
     fn set_map(&mut self, m: JobMap) {
         let n = m.routes.len();
         self.map = m;
-        self.push_epoch.resize(n, 0);
         self.round_pulled.resize(n, false);
         self.outstanding.resize(n, 0);
     }
@@ -270,7 +267,7 @@ impl SimWorker {
                 self.step(w);
             }
             (Msg::Moved { shard, t }, WState::Waiting | WState::Refreshing) => {
-                self.moved.push((shard, t));
+                self.moved.push((shard, t, from));
                 self.step(w);
             }
             (Msg::PullMoved { shard }, WState::Waiting | WState::Refreshing) => {
@@ -418,7 +415,6 @@ impl SimWorker {
         let r = &self.map.routes[shard as usize];
         let owner = r.for_iteration(t).owner;
         let token = self.tokens[units(r.start, r.len)].to_vec();
-        self.push_epoch[shard as usize] = self.map.epoch;
         let (me, to) = (self.me(), Node::Server(owner));
         w.send(me, to, Msg::Push { w: self.rank, shard, t, token });
         w.send(me, to, Msg::PullReq { w: self.rank, shard, need: t + 1 });
@@ -445,13 +441,17 @@ impl SimWorker {
     /// nothing is in flight. Waits for a newer map where one is needed.
     fn step(&mut self, w: &mut World) {
         if !self.moved.is_empty() {
-            // A map newer than the one those pushes used, if ours is not.
-            let used = self.moved.iter().map(|&(s, _)| self.push_epoch[s as usize]).min().unwrap_or(0);
-            if used >= self.map.epoch && !self.take_newer_map(w) {
+            // A newer map if ours still routes a push to the server that refused it.
+            self.adopt_newest();
+            let stale = self.moved.iter().any(|&(s, t, from)| {
+                let r = &self.map.routes[s as usize];
+                r.alive(t) && Node::Server(r.for_iteration(t).owner) == from
+            });
+            if stale && !self.take_newer_map(w) {
                 self.state = WState::Refreshing;
                 return;
             }
-            for (s, t) in std::mem::take(&mut self.moved) {
+            for (s, t, _) in std::mem::take(&mut self.moved) {
                 let cover = self.map.covering(s as usize, t);
                 if cover.is_empty() || cover == [s as usize] {
                     self.push_shard(w, s, t);

@@ -161,10 +161,9 @@ pub struct Worker {
     /// shards of the iteration, with a split's parts in place of the shard they
     /// replaced when a "moved" answer revealed it.
     round: Vec<usize>,
-    /// Pushes answered "moved" since the current push_pull began: (shard, iteration).
-    moved: Vec<(usize, u64)>,
-    /// Per shard: the map epoch its last push was routed with.
-    push_epoch: Vec<u64>,
+    /// Pushes answered "moved" since the current push_pull began: (shard,
+    /// iteration, the server that answered).
+    moved: Vec<(usize, u64, u32)>,
     /// "Pull moved" answers since the current pull began: (shard, server).
     pulls_moved: Vec<(usize, u32)>,
     /// Per shard, in the current round: pull answered with data.
@@ -271,7 +270,6 @@ impl Worker {
             credit: vec![true; ids],
             round: Vec::new(),
             moved: Vec::new(),
-            push_epoch: vec![0; ids],
             pulls_moved: Vec::new(),
             round_pulled: vec![false; ids],
             outstanding: vec![0; ids],
@@ -344,7 +342,6 @@ impl Worker {
         // Shards made by splits since.
         let ids = self.map.routes.len();
         self.credit.resize(ids, true);
-        self.push_epoch.resize(ids, 0);
         self.round_pulled.resize(ids, false);
         self.outstanding.resize(ids, 0);
         for o in self.needed_owners() {
@@ -648,15 +645,17 @@ impl Worker {
                     break;
                 }
                 if !self.moved.is_empty() {
-                    // Routed with an old epoch: fetch the new map and push there
-                    // (unless a map newer than the one those pushes used is here
-                    // already: the answer was to a push sent before an earlier
-                    // refresh).
-                    let used = self.moved.iter().map(|&(sid, _)| self.push_epoch[sid]).min().unwrap_or(0);
-                    if used >= self.map.epoch {
+                    // Routed with an old epoch: push where the newest map says; if
+                    // it still routes a push to the server that refused it, fetch
+                    // a newer one first.
+                    self.adopt_newest()?;
+                    let stale = self.moved.iter().any(|&(sid, it, from)| {
+                        self.map.routes[sid].alive(it) && self.map.routes[sid].for_iteration(it).owner == from
+                    });
+                    if stale {
                         self.refresh_map()?;
                     }
-                    for (sid, it) in std::mem::take(&mut self.moved) {
+                    for (sid, it, _) in std::mem::take(&mut self.moved) {
                         // A shard split at or before `it`: push its parts.
                         let cover = self.map.covering(sid, it);
                         if cover.is_empty() || cover == [sid] {
@@ -698,7 +697,6 @@ impl Worker {
         let es = self.layout.dtype.size_bytes() as u64;
         let (start, len) = (self.map.routes[sid].start, self.map.routes[sid].len);
         let (owner, slot) = self.slot_at(self.route(sid, t))?;
-        self.push_epoch[sid] = self.map.epoch;
         let push = Imm { kind: ImmKind::Push, shard: sid as u32, seq: t as u16 }.encode();
         self.post(owner, WR_PUSH | sid as u64, slot, push, Some((start * es, (len * es) as u32)))?;
         if self.mode != Consistency::Asp {
@@ -805,7 +803,7 @@ impl Worker {
                         }
                         ImmKind::Moved => {
                             self.credit[sid] = true;
-                            self.moved.push((sid, widen_seq(m.seq, self.iteration)));
+                            self.moved.push((sid, widen_seq(m.seq, self.iteration), server));
                         }
                         _ => {}
                     }
