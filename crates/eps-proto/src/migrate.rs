@@ -152,6 +152,21 @@ impl Source {
     }
 }
 
+/// The cutover iteration a source chooses once its snapshot of `version` landed
+/// (BSP; no update ran meanwhile). When iteration `version` is complete here
+/// (`complete`: every contribution in), there are two ways: apply it and forward
+/// its f32 gradient (`version + 1`: the shard's f32 bytes on the wire, and an
+/// update on each side in series), or give its `contributors` pushes back to
+/// their workers, who push them again to the target (`version`: each pushes the
+/// shard's wire bytes, in parallel, and the target applies the update alone). The
+/// second is chosen while the pushes sent again carry at most twice the f32
+/// bytes of a forward (one or two f32 workers, up to four of bf16/f16). An
+/// incomplete iteration always cuts over at `version`.
+pub fn cutover_at(version: u64, complete: bool, contributors: usize, wire_elem_bytes: u64) -> u64 {
+    let push_again = contributors as u64 * wire_elem_bytes <= 2 * 4;
+    if complete && !push_again { version + 1 } else { version }
+}
+
 /// The target side (B) of one shard's migration.
 #[derive(Clone, Debug)]
 pub struct Target {
@@ -201,6 +216,17 @@ impl Target {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_cutover_forwards_only_when_pushing_again_costs_more() {
+        assert_eq!(cutover_at(7, false, 8, 4), 7, "incomplete: always at the snapshot");
+        assert_eq!(cutover_at(7, true, 1, 4), 7);
+        assert_eq!(cutover_at(7, true, 2, 4), 7);
+        assert_eq!(cutover_at(7, true, 3, 4), 8);
+        assert_eq!(cutover_at(7, true, 4, 2), 7, "bf16: four workers push half the bytes");
+        assert_eq!(cutover_at(7, true, 5, 2), 8);
+        assert_eq!(cutover_at(7, true, 0, 4), 7, "an empty iteration is aggregated by the target");
+    }
     use crate::init::mix;
 
     /// Parameters as a hash chain: version v+1 = H(version v, gradient of v). Equal

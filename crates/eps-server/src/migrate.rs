@@ -5,11 +5,13 @@
 //! Source A: on `MigrateOut` it dials the target B (once per target), WRITEs the
 //! shard's f32 master parameters and optimizer state (with their version `v0` in
 //! the region's tail) straight into B's registered region, then, once that WRITE
-//! completed, announces the cutover iteration `T = version + 1` to the control plane
-//! (which publishes it in a new epoch) and forwards the averaged gradient of every
-//! update it applies, up to version `T`, one at a time (B acknowledges each). Pushes
-//! of iterations `>= T` are answered "moved". A releases the shard once B
-//! acknowledged version `T` and every worker's pull of version `T` was written.
+//! completed, announces the cutover iteration `T` to the control plane (which
+//! publishes it in a new epoch): `T = version + 1` when that iteration is complete
+//! here and forwarding is cheaper than pushing it again, else `T = version` (the
+//! held pushes go back to their workers). It forwards the averaged gradient of
+//! every update it applies up to version `T`, one at a time (B acknowledges
+//! each). Pushes of iterations `>= T` are answered "moved". A releases the shard
+//! once B acknowledged version `T`.
 //!
 //! Target B: on `MigrateIn` it registers the shard's memory and reports it; the
 //! snapshot sets its version; each forward is applied with the optimizer code the
@@ -193,18 +195,24 @@ impl Server {
         let version = h.sync.version();
         // No update ran while the snapshot was in flight, so every worker is still
         // at most at iteration `version`. If that iteration's update is ready here
-        // (every contribution in), the cutover is the iteration after: this server
+        // (every contribution in) and forwarding it costs less than pushing it
+        // again (`cutover_at`), the cutover is the iteration after: this server
         // applies it and forwards it. Otherwise the cutover is `version` itself:
         // the target holds that version (it publishes it from the snapshot), the
         // pushes of `version` held here are answered "moved" (their workers push
         // again to the target) and the pulls waiting here "pull moved"; nothing is
         // forwarded and the shard is released at once.
         let c = h.sync.contributors(membership, lost, version);
-        let ready = h.sync.complete(&c).is_some() || !h.waiting.is_empty();
-        let at = if ready { version + 1 } else { version };
+        let complete = h.sync.complete(&c).is_some() || !h.waiting.is_empty();
+        let at = eps_proto::migrate::cutover_at(version, complete, c.len(), self.mem.dtype.size_bytes() as u64);
         // Pull requests waiting here for a version after the cutover go to the
         // target.
-        let (held, waiting) = if ready { (Vec::new(), h.sync.refuse_above(at)) } else { h.sync.evict() };
+        let (held, waiting) = if at > version { (Vec::new(), h.sync.refuse_above(at)) } else { h.sync.evict() };
+        if at == version {
+            // A complete iteration parked here goes back with its pushes.
+            h.waiting.retain(|p| !matches!(p, Pending::Update { .. }));
+            h.sync.set_publish_waiting(!h.waiting.is_empty());
+        }
         let Some(out) = h.out.as_mut() else { return Ok(()) };
         out.snapshot_busy = false;
         out.snapshot_secs = out.snapshot_posted.elapsed().as_secs_f64();

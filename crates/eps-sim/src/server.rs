@@ -449,9 +449,13 @@ impl SimServer {
         // (the held pushes and waiting pulls go back to their workers).
         let version = sh.sync.version();
         let c = sh.sync.contributors(&self.membership, &self.lost, version);
-        let ready = sh.sync.complete(&c).is_some() || !sh.waiting.is_empty();
-        let at = if ready { version + 1 } else { version };
-        let (held, waiting) = if ready { (Vec::new(), sh.sync.refuse_above(at)) } else { sh.sync.evict() };
+        let complete = sh.sync.complete(&c).is_some() || !sh.waiting.is_empty();
+        let at = eps_proto::migrate::cutover_at(version, complete, c.len(), 4);
+        let (held, waiting) = if at > version { (Vec::new(), sh.sync.refuse_above(at)) } else { sh.sync.evict() };
+        if at == version {
+            sh.waiting.retain(|p| !matches!(p, Pending::Update(_)));
+            sh.sync.set_publish_waiting(!sh.waiting.is_empty());
+        }
         let us = sh.units();
         for &r in &held {
             sh.landing[r as usize] = None;
