@@ -174,7 +174,11 @@ impl Server {
                 };
                 let near = held.sync.min_clock().max(held.sync.version());
                 let iteration = widen_seq(m.seq, near);
-                if held.out.as_ref().is_some_and(|o| o.src.accepts_push(iteration).is_err()) {
+                // A migration source takes pushes of its current iteration only:
+                // a later one comes from a worker that pulled the next version from
+                // the target (the cutover will be at this version), so it goes there.
+                let future = self.mode == eps_proto::Consistency::Bsp && iteration > held.sync.version();
+                if held.out.as_ref().is_some_and(|o| future || o.src.accepts_push(iteration).is_err()) {
                     return self.send_moved(h.rank, id, m.seq);
                 }
                 let want = self.mem.get(id).map_or(0, |b| b.bytes);

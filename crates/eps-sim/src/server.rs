@@ -194,7 +194,9 @@ impl SimServer {
             w.send(me, Node::Worker(r), Msg::Moved { shard: id, t });
             return;
         };
-        if sh.out.as_ref().is_some_and(|o| o.src.accepts_push(t).is_err()) {
+        // `Server`: a source takes pushes of its current iteration only.
+        let future = t > sh.sync.version();
+        if sh.out.as_ref().is_some_and(|o| future || o.src.accepts_push(t).is_err()) {
             self.moved_pushes.insert((r, id));
             w.send(me, Node::Worker(r), Msg::Moved { shard: id, t });
             return;
