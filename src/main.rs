@@ -186,8 +186,9 @@ fn train(a: TrainArgs) -> Result<(), String> {
     };
     let plan = eps::train::scale::parse_plan(a.scale_plan.as_deref().unwrap_or(""))?;
     let (mut spec, mut text) = eps::train::build_spec(a.spec.as_deref(), &o).map_err(|e| error_chain(&e))?;
-    if !plan.is_empty() && spec.job.consistency != eps_proto::Consistency::Bsp {
-        return Err("--scale-plan needs a BSP job (SSP and ASP jobs keep their servers and workers for now)".into());
+    let workers_change = plan.iter().any(|e| matches!(e.target, eps::train::scale::Target::Workers(_)));
+    if workers_change && spec.job.consistency != eps_proto::Consistency::Bsp {
+        return Err("--scale-plan with workers= needs a BSP job (SSP and ASP jobs keep their workers; servers= works)".into());
     }
     // Joins take new worker ranks: the plan decides how many the job may admit,
     // unless the spec says it.

@@ -111,9 +111,36 @@ fn bsp_scale_events_end_bitwise_equal_to_a_static_run() {
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("needs 4 worker ranks"), "{}", String::from_utf8_lossy(&o.stderr));
     std::fs::remove_file(capped).ok();
-    let o = eps(&["train", "--spec", spec.to_str().unwrap(), "--consistency", "ssp", "--scale-plan", "5:servers=2"]);
+    let o = eps(&["train", "--spec", spec.to_str().unwrap(), "--consistency", "ssp", "--scale-plan", "5:workers=3"]);
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("needs a BSP job"));
+    std::fs::remove_file(spec).ok();
+}
+
+/// SSP and ASP jobs add and remove servers while training runs: every shard
+/// moves through a redirect window (its source relays the contributions it
+/// still takes), and every contribution is applied exactly once across the
+/// servers (workers x steps x shards updates in all).
+#[test]
+fn ssp_and_asp_scale_events_apply_every_contribution_once() {
+    let spec = spec_file("async-scale", &SMALL.replace("steps = 25", "steps = 80"));
+    for mode in ["ssp", "asp"] {
+        let o = train(&spec, &["--consistency", mode, "--scale-plan", "8:servers=2,30:servers=3,55:servers=1"]);
+        let log = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(json_str(&o, "scale_events"), "3", "{mode}");
+        let migrations: u64 = json_str(&o, "migrations").parse().unwrap();
+        assert!(migrations >= 3, "{mode}: {migrations} migrations");
+        assert!(log.contains("relaying contributions"), "{mode}: no redirect window in the log:\n{log}");
+        let updates: u64 = log
+            .lines()
+            .filter_map(|l| l.split(" updates applied").next().filter(|_| l.contains(" updates applied")))
+            .map(|l| l.rsplit(' ').next().unwrap().parse::<u64>().unwrap())
+            .sum();
+        // 2 workers x 80 steps x 5 shards.
+        assert_eq!(updates, 2 * 80 * 5, "{mode}: contributions lost or applied twice; log:\n{log}");
+        let loss: f64 = json_str(&o, "final_loss").parse().unwrap();
+        assert!(loss.is_finite() && loss < 0.69, "{mode}: loss {loss}");
+    }
     std::fs::remove_file(spec).ok();
 }
 

@@ -49,6 +49,10 @@ pub struct Migration {
     /// Duration from order to release (known once done).
     pub millis: u64,
     target: Option<(ShardEndpoint, MigrationKeys)>,
+    /// SSP/ASP: the epoch of the cutover, and whether the source was told to
+    /// release (once every worker routes with that epoch).
+    cut_epoch: u64,
+    release_ordered: bool,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -193,6 +197,7 @@ impl Job {
         if let Some(a) = self.adopted.get_mut(worker as usize) {
             *a = (*a).max(epoch);
         }
+        self.release_async();
         self.retire_drained();
     }
 
@@ -285,10 +290,12 @@ impl Job {
                 let k = self.map.index_of(*shard).ok_or_else(|| format!("shard {shard} is not in the map"))?;
                 self.map.shards[k].owner = self.migrations[i].to;
                 self.map.epoch += 1;
+                self.migrations[i].cut_epoch = self.map.epoch;
                 let from = self.migrations[i].from as usize;
                 if !self.map.shards.iter().any(|x| x.owner == from as u32) {
                     self.servers[from].drained_at = self.map.epoch;
                 }
+                self.release_async();
                 Ok(ControlMsg::Ok)
             }
             ControlMsg::Released { shard, bytes, millis } => {
@@ -378,15 +385,14 @@ impl Job {
                 bytes: 0,
                 millis: 0,
                 target: None,
+                cut_epoch: 0,
+                release_ordered: false,
             });
             self.order(mv.to, Order::MigrateIn { shard, from: mv.from, start: mv.start, len: mv.len });
         }
     }
 
     fn scale(&mut self, want: u32) -> Result<ControlMsg, String> {
-        if self.consistency != Consistency::Bsp {
-            return Err("scaling servers of a running job needs BSP consistency (SSP and ASP jobs keep their servers)".into());
-        }
         if want == 0 {
             return Err("a job needs at least one server".into());
         }
@@ -422,6 +428,28 @@ impl Job {
             self.retire_drained();
         }
         Ok(ControlMsg::Ok)
+    }
+
+    /// SSP/ASP: a source cut over keeps taking pushes (and forwarding them) until
+    /// every worker routes with the cutover's epoch (a worker reports a new epoch
+    /// only with no push in flight); then it is told to release.
+    fn release_async(&mut self) {
+        if self.consistency == Consistency::Bsp {
+            return;
+        }
+        for i in 0..self.migrations.len() {
+            let m = &self.migrations[i];
+            if !matches!(m.phase, Phase::CuttingOver { .. }) || m.release_ordered {
+                continue;
+            }
+            let cut = m.cut_epoch;
+            if (0..self.adopted.len()).any(|w| self.w.routes(w as u32) && self.adopted[w] < cut) {
+                continue;
+            }
+            self.migrations[i].release_ordered = true;
+            let (from, shard) = (self.migrations[i].from, self.migrations[i].shard);
+            self.order(from, Order::Release { shard });
+        }
     }
 
     /// Orders leaving servers that hold nothing, and that no worker routes to any

@@ -173,6 +173,13 @@ pub enum Order {
         /// Workers removed because their lease expired.
         expired: Vec<u32>,
     },
+    /// SSP/ASP migration source: every worker routes `shard` to its new owner now
+    /// and none has a push to this server in flight; forward what is queued, then
+    /// release it and report `Released`.
+    Release {
+        /// Global shard id.
+        shard: u32,
+    },
     /// Split `shard` (BSP) at the first iteration it has not aggregated: elements
     /// before `mid` become shard `lo`, the rest shard `hi`, both held here from
     /// that iteration on; report `Split`.
@@ -455,6 +462,10 @@ impl W {
                 self.ranks(workers);
                 self.ranks(expired);
             }
+            Order::Release { shard } => {
+                self.u8(7);
+                self.u32(*shard);
+            }
             Order::Split { shard, mid, lo, hi } => {
                 self.u8(6);
                 self.u32(*shard);
@@ -556,6 +567,7 @@ impl R<'_> {
             4 => Order::Propose { id: self.u64()? },
             5 => Order::Members { at: self.u64()?, workers: self.ranks()?, expired: self.ranks()? },
             1 => Order::MigrateIn { shard: self.u32()?, from: self.u32()?, start: self.u64()?, len: self.u64()? },
+            7 => Order::Release { shard: self.u32()? },
             6 => Order::Split { shard: self.u32()?, mid: self.u64()?, lo: self.u32()?, hi: self.u32()? },
             2 => Order::MigrateOut { shard: self.u32()?, to: self.u32()?, to_addr: self.str()?, keys: self.keys()? },
             3 => Order::Retire,
@@ -763,6 +775,7 @@ mod tests {
                 orders: vec![
                     Order::MigrateIn { shard: 1, from: 0, start: 4096, len: 1024 },
                     Order::Split { shard: 2, mid: 8192, lo: 7, hi: 8 },
+                    Order::Release { shard: 3 },
                     Order::MigrateOut { shard: 1, to: 2, to_addr: "127.0.0.1:7".into(), keys },
                     Order::Retire,
                     Order::Propose { id: 4 },

@@ -173,6 +173,54 @@ impl ShardSync {
         moved
     }
 
+    /// SSP/ASP: the snapshot of a migration target landed, with the source's
+    /// version and per-worker clocks (contributions received from each worker).
+    /// The target serves from here on; the contributions the source takes after
+    /// the snapshot come as forwards ([`ShardSync::forwarded_from`]).
+    pub fn snapshot_landed_async(&mut self, version: u64, clocks: &[u64]) {
+        self.version = version;
+        self.floor = 0;
+        self.catching_up = false;
+        for (c, &x) in self.clock.iter_mut().zip(clocks) {
+            *c = x;
+        }
+    }
+
+    /// Per-worker clocks (contributions received from each worker).
+    pub fn clocks(&self) -> &[u64] {
+        &self.clock
+    }
+
+    /// SSP/ASP migration target: a contribution of `worker` that the source took
+    /// was applied here (forwarded). Returns the new version.
+    pub fn forwarded_from(&mut self, worker: u32) -> u64 {
+        if let Some(c) = self.clock.get_mut(worker as usize) {
+            *c += 1;
+        }
+        self.version += 1;
+        self.publish_waiting = false;
+        self.version
+    }
+
+    /// SSP/ASP migration source after its cutover: `worker`'s contribution left
+    /// its slot (forwarded, not applied here); the slot is free again.
+    pub fn consumed(&mut self, worker: u32) {
+        if let Some(s) = self.slot_full.get_mut(worker as usize)
+            && *s
+        {
+            *s = false;
+            self.full_count -= 1;
+        }
+    }
+
+    /// Drops every pull request waiting here and returns their workers (a source
+    /// that stops serving at its cutover).
+    pub fn refuse_all(&mut self) -> Vec<u32> {
+        let out = (0..self.pending.len() as u32).filter(|&w| self.pending[w as usize].is_some()).collect();
+        self.pending.iter_mut().for_each(|p| *p = None);
+        out
+    }
+
     /// Whether a pull of version `need` or later can be served here (see
     /// [`ShardSync::snapshot_landed`]).
     pub fn serves(&self, need: u64) -> bool {

@@ -17,6 +17,7 @@
 mod members;
 mod memory;
 mod migrate;
+mod relay;
 mod serve;
 mod split;
 
@@ -172,8 +173,9 @@ enum Pending {
     /// Workers' contributions of an iteration (all, or one worker's).
     Update { iteration: u64, one: Option<u32> },
     /// A forwarded update producing `version` (migration target); `carry`: an
-    /// iteration without contributions (the parameters carry over).
-    Forward { version: u64, carry: bool },
+    /// iteration without contributions (the parameters carry over); `worker`: in
+    /// SSP/ASP, the worker whose contribution it is (the version is not checked).
+    Forward { version: u64, carry: bool, worker: Option<u32> },
 }
 
 /// A shard held here.

@@ -124,8 +124,9 @@ pub enum MemoryError {
 }
 
 /// Bytes after the optimizer state in the master/state region: the version of a
-/// snapshot (u64), padded.
-const SNAPSHOT_TAIL: usize = 64;
+/// snapshot (u64), then the per-worker clocks of an SSP/ASP shard (u64 each, up to
+/// `MAX_WORKERS`), padded.
+const SNAPSHOT_TAIL: usize = 8 + 8 * MAX_WORKERS + 56;
 
 /// How a new block starts.
 #[allow(missing_debug_implementations)]
@@ -263,20 +264,46 @@ impl ShardMemory {
     /// snapshot WRITE of the region carries it.
     ///
     /// The caller guarantees no WRITE from or into the region is in flight.
-    pub fn set_snapshot_version(&mut self, id: u32, version: u64) {
+    pub fn set_snapshot_version(&mut self, id: u32, version: u64, clocks: &[u64]) {
         let Some(b) = self.block_mut(id) else { return };
         // SAFETY: no WRITE uses the region (above); nothing else references it.
         let all = unsafe { b.state.as_mut_slice() };
-        let n = all.len();
-        all[n - SNAPSHOT_TAIL..n - SNAPSHOT_TAIL + 8].copy_from_slice(&version.to_le_bytes());
+        let tail = all.len() - SNAPSHOT_TAIL;
+        all[tail..tail + 8].copy_from_slice(&version.to_le_bytes());
+        for (i, c) in clocks.iter().take(MAX_WORKERS).enumerate() {
+            all[tail + 8 + 8 * i..tail + 16 + 8 * i].copy_from_slice(&c.to_le_bytes());
+        }
     }
 
-    /// The snapshot version in shard `id`'s master/state region (after it landed).
-    pub fn snapshot_version(&self, id: u32) -> Option<u64> {
+    /// The snapshot version in shard `id`'s master/state region (after it landed),
+    /// and its per-worker clocks (`workers` of them).
+    pub fn snapshot_version(&self, id: u32) -> Option<(u64, Vec<u64>)> {
         let b = self.get(id)?;
-        let mut v = [0u8; 8];
-        b.state.read_at(b.state.len() - SNAPSHOT_TAIL, &mut v);
-        Some(u64::from_le_bytes(v))
+        let mut t = vec![0u8; SNAPSHOT_TAIL];
+        b.state.read_at(b.state.len() - SNAPSHOT_TAIL, &mut t);
+        let word = |i: usize| u64::from_le_bytes(t[8 * i..8 * i + 8].try_into().unwrap_or([0; 8]));
+        let clocks = (0..(self.workers as usize).min(MAX_WORKERS)).map(|i| word(1 + i)).collect();
+        Some((word(0), clocks))
+    }
+
+    /// SSP/ASP migration source: puts worker `worker`'s contribution in shard
+    /// `id`'s gradient buffer, widened to f32 and scaled by `scale` (the update the
+    /// target applies for it), to be forwarded.
+    ///
+    /// The caller guarantees the contribution has landed, the worker does not push
+    /// the shard again before it is credited, and no forward WRITE from the
+    /// gradient buffer is in flight.
+    pub fn fill_forward(&mut self, id: u32, worker: u32, scale: f32) {
+        let dtype = self.dtype;
+        let Some(b) = self.block_mut(id) else { return };
+        let Some(slot) = b.landing.get(worker as usize) else { return };
+        let Some(g) = b.grad.as_mut() else { return };
+        // SAFETY: the slot's contribution landed and its worker waits for a credit
+        // (above); the gradient buffer is not being sent (above).
+        let (src, dst) = unsafe { (slot.as_slice(), g.as_mut_slice()) };
+        let dst: &mut [f32] = bytemuck::cast_slice_mut(dst);
+        eps_agg::reduce::sum(dtype, &[src], dst, 1);
+        dst.iter_mut().for_each(|x| *x *= scale);
     }
 
     /// Gives shard `id` a gradient buffer to forward from (migration source).

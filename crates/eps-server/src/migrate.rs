@@ -29,7 +29,7 @@ use eps_proto::sync::ShardSync;
 
 use crate::{Held, Origin, Peer, Pending, Server, ServerError, WR_MIGRATE, WR_OTHER};
 
-const WR_FORWARD: u64 = 1 << 40;
+pub(crate) const WR_FORWARD: u64 = 1 << 40;
 
 /// The source side of one shard's migration.
 #[derive(Debug)]
@@ -37,19 +37,21 @@ pub(crate) struct Outgoing {
     pub(crate) src: Source,
     to: u32,
     /// Connection to the target.
-    ci: usize,
+    pub(crate) ci: usize,
     keys: MigrationKeys,
     started: Instant,
     /// When the snapshot WRITE was posted, and how long until it completed.
     snapshot_posted: Instant,
     snapshot_secs: f64,
     snapshot_bytes: u64,
-    bytes: u64,
+    pub(crate) bytes: u64,
     snapshot_busy: bool,
-    forward_busy: bool,
+    pub(crate) forward_busy: bool,
     last_forward: u64,
     /// The cutover iteration, once announced.
     at: u64,
+    /// SSP/ASP: the relay after the cutover (see `relay.rs`).
+    pub(crate) relay: Option<crate::relay::Relay>,
 }
 
 impl Outgoing {
@@ -58,6 +60,17 @@ impl Outgoing {
     pub(crate) fn busy(&self) -> bool {
         self.snapshot_busy || self.forward_busy
     }
+
+    /// The snapshot WRITE completed.
+    pub(crate) fn snapshot_done(&mut self) {
+        self.snapshot_busy = false;
+        self.snapshot_secs = self.snapshot_posted.elapsed().as_secs_f64();
+    }
+
+    /// Where forwards land on the target.
+    pub(crate) fn grad_remote(&self) -> RemoteAddr {
+        RemoteAddr { addr: self.keys.grad_addr, rkey: self.keys.grad_rkey }
+    }
 }
 
 impl Server {
@@ -65,6 +78,7 @@ impl Server {
         match o {
             Order::MigrateIn { shard, from, start, len } => self.migrate_in(shard, from, start, len),
             Order::Split { shard, mid, lo, hi } => self.on_split_order(shard, mid, lo, hi),
+            Order::Release { shard } => self.on_release_order(shard),
             Order::MigrateOut { shard, to, to_addr, keys } => self.migrate_out(shard, to, &to_addr, keys),
             Order::Retire => {
                 self.retired = true;
@@ -133,10 +147,20 @@ impl Server {
             return Err(ServerError::Migration(format!("shard {id} is already migrating")));
         }
         let v0 = h.sync.version();
+        // SSP/ASP: the workers' clocks, less contributions parked here (they are
+        // not in the snapshot; they are relayed after it).
+        let mut clocks = h.sync.clocks().to_vec();
+        for p in &h.waiting {
+            if let Pending::Update { one: Some(w), .. } = p
+                && let Some(c) = clocks.get_mut(*w as usize)
+            {
+                *c = c.saturating_sub(1);
+            }
+        }
         let started = Instant::now();
         let ci = self.target_conn(to, addr)?;
         self.mem.add_forward_buffer(id)?;
-        self.mem.set_snapshot_version(id, v0);
+        self.mem.set_snapshot_version(id, v0, &clocks);
         let b = self.mem.get(id).ok_or_else(|| ServerError::Migration("shard memory vanished".into()))?;
         let size = b.state.len() as u64;
         eprintln!(
@@ -167,6 +191,7 @@ impl Server {
             forward_busy: false,
             last_forward: v0,
             at: 0,
+            relay: None,
         };
         if let Some(h) = self.shards[id as usize].as_mut() {
             h.out = Some(out);
@@ -189,6 +214,9 @@ impl Server {
         }
         if wr_id & WR_FORWARD != 0 {
             return Ok(()); // the acknowledgement frees the buffer
+        }
+        if self.mode != eps_proto::Consistency::Bsp {
+            return self.async_cutover(id);
         }
         let (membership, lost) = (&self.membership, &self.lost);
         let Some(h) = self.shards.get_mut(id as usize).and_then(Option::as_mut) else { return Ok(()) };
@@ -214,8 +242,7 @@ impl Server {
             h.sync.set_publish_waiting(!h.waiting.is_empty());
         }
         let Some(out) = h.out.as_mut() else { return Ok(()) };
-        out.snapshot_busy = false;
-        out.snapshot_secs = out.snapshot_posted.elapsed().as_secs_f64();
+        out.snapshot_done();
         let action = out.src.announce(at).map_err(|e| ServerError::Migration(e.to_string()))?;
         out.at = at;
         if at == version {
@@ -264,10 +291,12 @@ impl Server {
             out.last_forward = version;
             out.bytes += if carry { 0 } else { g.len() as u64 };
         }
-        if let (Pending::Forward { .. }, Some((_, Some(ci)))) = (p, h.incoming) {
+        if let (Pending::Forward { worker, .. }, Some((_, Some(ci)))) = (p, h.incoming) {
             if let Peer::Server(src) = self.conns[ci].peer {
                 let remote = RemoteAddr { addr: src.pull_addr, rkey: src.pull_rkey };
-                self.notice(ci, remote, Imm { kind: ImmKind::ForwardAck, shard: id, seq: version as u16 })?;
+                // SSP/ASP: the acknowledgement names the contribution's worker.
+                let seq = worker.map_or(version as u16, |w| w as u16);
+                self.notice(ci, remote, Imm { kind: ImmKind::ForwardAck, shard: id, seq })?;
             }
             self.try_complete(id)?;
         }
@@ -282,6 +311,7 @@ impl Server {
         };
         let id = m.shard;
         let snapshot_version = self.mem.snapshot_version(id);
+        let bsp = self.mode == eps_proto::Consistency::Bsp;
         let Some(h) = self.held_mut(id) else {
             if len == 0 {
                 // A "no forwards follow" notice that crossed this server's own
@@ -296,8 +326,13 @@ impl Server {
                 // The snapshot: its version is in the region's tail. It is
                 // published at once (the same bits the source published), so this
                 // server serves that version too.
-                let v0 = snapshot_version.unwrap_or(0);
-                let moved = h.sync.snapshot_landed(v0);
+                let (v0, clocks) = snapshot_version.unwrap_or_default();
+                let moved = if bsp {
+                    h.sync.snapshot_landed(v0)
+                } else {
+                    h.sync.snapshot_landed_async(v0, &clocks);
+                    Vec::new()
+                };
                 h.incoming = Some((from, Some(ci)));
                 let parity = ShardSync::parity(v0);
                 self.mem.publish(id, parity);
@@ -317,6 +352,15 @@ impl Server {
                 // version) may be complete now.
                 self.try_complete(id)
             }
+            Some((_, Some(_))) if !bsp => {
+                // A contribution the source took after its cutover.
+                let w = u32::from(m.seq);
+                if w >= self.ranks || len == 0 {
+                    self.violation(ci, &format!("relayed a contribution of worker {w} ({len} bytes) for shard {id}"));
+                    return Ok(());
+                }
+                self.update(id, Pending::Forward { version: 0, carry: false, worker: Some(w) })
+            }
             Some((_, Some(_))) => {
                 let queued = h.waiting.iter().filter(|p| matches!(p, Pending::Forward { .. })).count() as u64;
                 let expected = h.sync.version() + 1 + queued;
@@ -332,7 +376,7 @@ impl Server {
                     return Ok(());
                 }
                 // A zero-length forward: an update without contributions.
-                self.update(id, Pending::Forward { version, carry: len == 0 })
+                self.update(id, Pending::Forward { version, carry: len == 0, worker: None })
             }
             None => {
                 self.violation(ci, &format!("forwarded shard {id}, which is not arriving here"));
@@ -351,6 +395,9 @@ impl Server {
         let Some(out) = self.held_mut(id).and_then(|h| h.out.as_mut()) else {
             return Ok(());
         };
+        if out.relay.is_some() {
+            return self.relay_acked(id);
+        }
         out.forward_busy = false;
         let version = widen_seq(m.seq, out.last_forward);
         if out.src.on_forward_acked(version) == Some(SourceAction::Release) {
@@ -361,7 +408,7 @@ impl Server {
 
     /// Frees a migrated shard (its landing slots stay, see `Server::retained`) and
     /// reports the migration's figures.
-    fn release(&mut self, id: u32) -> Result<(), ServerError> {
+    pub(crate) fn release(&mut self, id: u32) -> Result<(), ServerError> {
         let Some(h) = self.shards[id as usize].take() else { return Ok(()) };
         let Some(out) = h.out else { return Ok(()) };
         if let Some(b) = self.mem.remove(id) {
@@ -373,7 +420,7 @@ impl Server {
         let snapshot_bytes = out.snapshot_bytes;
         eprintln!(
             "eps server {}: migrated shard {id} to server {}: {} bytes in {:.1} ms ({:.2} GB/s): setup {:.1} ms, \
-             snapshot {:.1} ms ({:.2} GB/s), forwarding to the cutover at iteration {} {:.1} ms",
+             snapshot {:.1} ms ({:.2} GB/s), {} {:.1} ms",
             self.rank,
             out.to,
             out.bytes,
@@ -382,7 +429,10 @@ impl Server {
             setup * 1e3,
             snap * 1e3,
             snapshot_bytes as f64 / snap.max(1e-9) / 1e9,
-            out.at,
+            match out.relay {
+                Some(_) => "relaying contributions until every worker routed to the new owner".to_string(),
+                None => format!("forwarding to the cutover at iteration {}", out.at),
+            },
             (secs - setup - snap) * 1e3,
         );
         self.summary.migrated_out += 1;

@@ -212,7 +212,7 @@ impl Server {
                 }
                 let Some(held) = self.shards[id as usize].as_mut() else { return self.send_pull_moved(h.rank, id, m.seq) };
                 let need = widen_seq(m.seq, held.sync.version().max(held.sync.min_clock()));
-                if held.out.as_ref().is_some_and(|o| !o.src.serves(need)) || !held.sync.serves(need) {
+                if held.out.as_ref().is_some_and(|o| !o.src.serves(need) || o.relay.is_some()) || !held.sync.serves(need) {
                     return self.send_pull_moved(h.rank, id, m.seq);
                 }
                 match held.sync.on_pull(h.rank, need) {
@@ -235,6 +235,13 @@ impl Server {
 
     /// Applies an update to shard `id`, or parks it until the shard is free.
     pub(crate) fn update(&mut self, id: u32, p: Pending) -> Result<(), ServerError> {
+        // An SSP/ASP source after its cutover applies nothing: it relays.
+        if let (Pending::Update { one: Some(w), .. }, Some(r)) =
+            (p, self.held_mut(id).and_then(|h| h.out.as_mut()).and_then(|o| o.relay.as_mut()))
+        {
+            r.queue.push_back(w);
+            return self.pump(id);
+        }
         if !self.free(id) {
             if let Some(h) = self.shards[id as usize].as_mut() {
                 h.sync.set_publish_waiting(true);
@@ -286,7 +293,7 @@ impl Server {
         };
         let carry =
             matches!(p, Pending::Forward { carry: true, .. } | Pending::Update { one: None, .. }) && contributors.is_empty();
-        if let Pending::Forward { version, .. } = p
+        if let Pending::Forward { version, worker: None, .. } = p
             && version != next
         {
             return Err(ServerError::Migration(format!("forward of version {version} applied at version {}", next - 1)));
@@ -311,6 +318,9 @@ impl Server {
         self.mem.set_stamp(id, parity, next);
         let Some(h) = self.shards[id as usize].as_mut() else { return Ok(()) };
         match p {
+            Pending::Forward { worker: Some(w), .. } => {
+                h.sync.forwarded_from(w);
+            }
             Pending::Forward { .. } => {
                 h.sync.forwarded();
             }
@@ -400,7 +410,7 @@ impl Server {
         Ok(())
     }
 
-    fn send_credit(&mut self, w: u32, id: u32) -> Result<(), ServerError> {
+    pub(crate) fn send_credit(&mut self, w: u32, id: u32) -> Result<(), ServerError> {
         self.notify(w, Imm { kind: ImmKind::Credit, shard: id, seq: 0 })
     }
 

@@ -561,6 +561,7 @@ impl SimServer {
                 sh.split = Some((mid, lo, hi));
                 self.try_split(w, shard);
             }
+            Order::Release { shard } => w.fail(format!("server {rank}: SSP/ASP release of shard {shard} in a BSP job")),
             Order::Retire => {
                 self.retired = true;
                 w.check_retired(rank);

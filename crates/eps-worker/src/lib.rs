@@ -374,11 +374,26 @@ impl Worker {
     /// route for this iteration is its previous owner. A server scaled away
     /// retires only once every worker reported its draining epoch, so it never
     /// leaves while a worker still talks to it.
-    fn report_routing(&self) {
+    ///
+    /// In SSP/ASP a pushed contribution may still be on its way when a round
+    /// begins; a new epoch is reported only once every push was credited, so a
+    /// migration source relaying for this worker knows none will come.
+    fn report_routing(&mut self) -> Result<(), WorkerError> {
         let t = self.iteration;
         if self.map.routes.iter().all(|r| r.previous.as_ref().is_none_or(|(_, at)| t >= *at)) {
+            if self.watch.adopted.load(Ordering::Acquire) >= self.map.epoch {
+                return Ok(());
+            }
+            if self.mode != Consistency::Bsp {
+                self.wait_until(|w| w.credit.iter().all(|&c| c), "credits before routing with a new shard map")?;
+            }
             self.watch.adopted.store(self.map.epoch, Ordering::Release);
+            // Say so now rather than with the watcher's next long poll: a server
+            // waits for it to retire or to end a redirect window.
+            let (worker, adopted, iteration) = (self.rank, self.map.epoch, self.iteration);
+            self.ctl.call(&ControlMsg::GetMap { worker, adopted, min_epoch: 0, iteration })?;
         }
+        Ok(())
     }
 
     /// Blocks until a map newer than ours is known (after a "moved" answer).
@@ -623,7 +638,7 @@ impl Worker {
         }
         let start = Instant::now();
         self.adopt_newest()?;
-        self.report_routing();
+        self.report_routing()?;
         let t = self.iteration;
         self.start_round(t);
         for sid in self.round.clone() {

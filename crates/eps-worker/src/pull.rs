@@ -27,7 +27,7 @@ impl Worker {
         if !self.map.routes[sid].alive(self.iteration) {
             return Err(WorkerError::Unsupported("pull_shard of a shard that was split (pull its parts)"));
         }
-        self.report_routing();
+        self.report_routing()?;
         let need = self.iteration;
         // The old owner while it serves the version (it produced it; the new one may
         // still be catching up), then the owner.

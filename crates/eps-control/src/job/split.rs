@@ -64,7 +64,12 @@ impl Job {
         let Some(&rank) = self.to_balance.first() else { return Ok(()) };
         if self.balancing.is_none() {
             let mut plan = self.map.clone();
-            let (splits, moves) = plan.plan_add_splits(rank).map_err(|e| e.to_string())?;
+            let (splits, moves) = if self.consistency == eps_proto::Consistency::Bsp {
+                plan.plan_add_splits(rank).map_err(|e| e.to_string())?
+            } else {
+                // Splits need BSP (an iteration boundary to cut at).
+                (Vec::new(), plan.plan_add_whole(rank).map_err(|e| e.to_string())?)
+            };
             // Past the shard cap (or the ids), move whole shards only.
             let within = splits.len() + self.map.shards.len() <= self.shard_cap && plan.next_id <= MAX_SHARDS;
             self.balancing = Some(if within {
