@@ -283,10 +283,11 @@ enum BenchCmd {
     /// Pull latency while a shard migrates between two server processes.
     ///
     /// Starts a control plane, one server and one worker on 127.0.0.1 with a model
-    /// whose first shard has --shard-bytes (f32, SGD). The worker trains (one
-    /// push_pull per step) and between steps pulls that shard --pulls-per-step
-    /// times, timing each pull. After --steady-steps the job scales to two servers
-    /// and the shard migrates onto the new one (snapshot, forwarded updates,
+    /// of two shards of --shard-bytes each (f32, SGD). The worker trains (one
+    /// push_pull per step) and between steps pulls the first shard
+    /// --pulls-per-step times, timing each pull. After --steady-steps the job
+    /// scales to two servers and that shard migrates whole onto the new one
+    /// (snapshot, forwarded updates,
     /// cutover at an iteration boundary, release) while the pulls go on; every
     /// --gap-steps after that it shrinks back to one (the shard moves home) or grows
     /// again, --migrations times in all.
