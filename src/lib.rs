@@ -7,11 +7,13 @@
 //! - [`units`]: parsing of human sizes (`4KiB`, `64MiB`).
 //! - [`bench`]: the `eps bench ...` measurements.
 //! - [`roles`]: the control, server and worker commands.
+//! - [`rdma`]: `eps rdma devices` (RDMA devices and the choice among them).
 //! - [`train`]: `eps train`, a local cluster on the built-in synthetic task.
 
 pub use eps_fabric as fabric;
 
 pub mod bench;
+pub mod rdma;
 pub mod roles;
 pub mod train;
 pub mod units;

@@ -127,6 +127,9 @@ enum Cmd {
     /// Measure the system: fabric, aggregation, push/pull through real processes.
     #[command(subcommand)]
     Bench(BenchCmd),
+    /// RDMA devices for the `rdma` transport (built with the `rdma` feature).
+    #[command(subcommand)]
+    Rdma(RdmaCmd),
 }
 
 #[derive(clap::Args, Debug)]
@@ -256,6 +259,32 @@ fn train(a: TrainArgs) -> Result<(), String> {
 }
 
 #[derive(Subcommand, Debug)]
+enum RdmaCmd {
+    /// List this machine's RDMA devices, their ports and GIDs, and the device, port
+    /// and GID the `rdma` transport would use.
+    ///
+    /// Anything not named is chosen by a fixed rule: the first device with an active
+    /// port, its first active port, and on Ethernet (RoCE) the first RoCE v2 GID (an
+    /// IPv4-mapped one first), on InfiniBand GID 0. EPS_RDMA_DEVICE, EPS_RDMA_PORT and
+    /// EPS_RDMA_GID_INDEX name them too. Exits non-zero, saying what it found, when
+    /// no device can be used.
+    Devices {
+        /// Device to use (e.g. mlx5_0, rxe0).
+        #[arg(long)]
+        rdma_device: Option<String>,
+        /// Port of the device (from 1).
+        #[arg(long)]
+        rdma_port: Option<u8>,
+        /// GID index (RoCE v2 is detected when none is given).
+        #[arg(long)]
+        gid_index: Option<u32>,
+        /// Print one JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand, Debug)]
 enum BenchCmd {
     /// Bandwidth and latency of one fabric operation, perftest style.
     ///
@@ -325,8 +354,9 @@ struct FabricArgs {
     /// Operations kept in flight: 1 measures latency, more measures bandwidth.
     #[arg(long, default_value_t = 1)]
     depth: u32,
-    /// Transport provider. Only `soft` (userspace over TCP with io_uring) is built in
-    /// this version.
+    /// Transport provider: `soft` (userspace verbs over TCP with io_uring), `rdma`
+    /// (an RDMA device; fails, saying what it found, when none can be used), or
+    /// `auto` (rdma when usable, else soft; it says which).
     #[arg(long, default_value = "soft")]
     transport: String,
     /// Also print one JSON object with the results as the last line of stdout.
@@ -566,12 +596,7 @@ fn bench_agg(a: AggArgs) -> Result<(), String> {
 }
 
 fn bench_fabric(a: FabricArgs) -> Result<(), String> {
-    if a.transport != "soft" {
-        return Err(format!(
-            "transport {:?} is not available in this build; use --transport soft (userspace verbs over TCP)",
-            a.transport
-        ));
-    }
+    eps::rdma::transport(&a.transport)?;
     let cfg = FabricBench { op: a.op, size: a.size, iters: a.iters, depth: a.depth };
     let op = format!("{:?}", a.op).to_lowercase();
     eprintln!(
@@ -644,6 +669,9 @@ fn main() -> ExitCode {
         Cmd::Bench(BenchCmd::Pushpull(a)) => bench_pushpull(a),
         Cmd::Bench(BenchCmd::Migrate(a)) => bench_migrate(a),
         Cmd::Status { control } => eps::roles::status(control),
+        Cmd::Rdma(RdmaCmd::Devices { rdma_device, rdma_port, gid_index, json }) => {
+            eps::rdma::devices(&eps::rdma::Named { device: rdma_device, port: rdma_port, gid_index }, json)
+        }
         Cmd::Scale { control, servers, workers } => eps::roles::scale(control, servers, workers),
         Cmd::Bench(BenchCmd::Fabric(a)) => bench_fabric(a),
         Cmd::Bench(BenchCmd::Agg(a)) => bench_agg(a),

@@ -41,6 +41,14 @@ fn bad_input_is_a_clear_error() {
     let o = eps(&["bench", "fabric", "--transport", "rdma"]);
     assert!(!o.status.success());
     assert!(text(&o).contains("--transport soft"), "{}", text(&o));
+    let o = eps(&["bench", "fabric", "--transport", "carrier-pigeon"]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("auto, soft or rdma"), "{}", text(&o));
+    // This test binary's eps is built without the rdma feature: it says how to get it.
+    let o = eps(&["rdma", "devices"]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("--features rdma"), "{}", text(&o));
+    assert!(!text(&o).contains("panicked"));
     // The peer refuses to run without the job secret.
     let o = eps(&["bench", "fabric-peer", "--op", "write", "--size", "64", "--depth", "1"]);
     assert!(!o.status.success());

@@ -37,6 +37,13 @@ impl Json {
         self
     }
 
+    /// Adds a field whose value is JSON already (an array or object).
+    pub fn raw(mut self, k: &str, json: &str) -> Self {
+        self.key(k);
+        self.out.push_str(json);
+        self
+    }
+
     /// Adds an integer field.
     pub fn int(mut self, k: &str, v: u64) -> Self {
         self.key(k);

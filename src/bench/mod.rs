@@ -3,7 +3,7 @@
 
 pub mod agg;
 pub mod fabric;
-mod json;
+pub(crate) mod json;
 pub mod migrate;
 pub mod plot;
 pub mod pushpull;

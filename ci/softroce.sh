@@ -1,0 +1,203 @@
+#!/usr/bin/env bash
+# Runs the `rdma` provider's checks on soft-RoCE (rdma_rxe), for real.
+#
+# On a kernel with rdma_rxe it sets up an rxe device on a veth pair here and runs
+# the checks directly. On a kernel without RDMA support (this project's CI
+# machines) it boots a Debian 12 VM under QEMU (TCG: an emulator, so figures from
+# it are functional checks, never performance) with Debian's own kernel, which has
+# rdma_rxe, and runs the same checks inside; results come back over the serial
+# console and the exit status through QEMU's isa-debug-exit device.
+#
+# The checks are the executables built by `cargo test --no-run` for the targets
+# named in CHECKS below plus `eps rdma devices`; each prints PASS or FAIL.
+# The VM image is built once (debootstrap, about two minutes) and cached in
+# $EPS_SOFTROCE_CACHE (default /var/cache/eps-softroce) outside the clone.
+#
+# Usage: bash ci/softroce.sh               build, boot, check; fails if any check fails
+#        bash ci/softroce.sh --image-only  only build (or find) the cached VM image
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+CACHE=${EPS_SOFTROCE_CACHE:-/var/cache/eps-softroce}
+IMAGE_VERSION=2
+step() { printf '\n==> softroce: %s\n' "$*"; }
+die() { echo "softroce: $*" >&2; exit 1; }
+
+# --- what runs on the device -------------------------------------------------------
+# `cargo test --no-run` targets whose executables run against rxe (each probes for a
+# device; with EPS_RDMA_REQUIRE set, as here, a missing one fails).
+CHECKS=(-p eps-rdma --test rxe)
+
+apt_install() {
+    command -v apt-get >/dev/null || die "apt-get not found: install $* by hand"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+}
+
+need_build_deps() {
+    local missing=()
+    for p in libibverbs-dev librdmacm-dev libclang-dev pkg-config; do
+        dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+    done
+    if [ ${#missing[@]} -gt 0 ]; then
+        step "installing ${missing[*]}"
+        apt-get update -qq
+        apt_install "${missing[@]}"
+    fi
+}
+
+# Builds the checks and prints their paths, one per line.
+build_checks() {
+    cargo build --locked --features rdma --bin eps >&2
+    echo "target/debug/eps"
+    cargo test --locked "${CHECKS[@]}" --no-run --message-format=json 2>/dev/null |
+        python3 -c 'import json,sys
+for l in sys.stdin:
+    try: m = json.loads(l)
+    except ValueError: continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m.get("profile", {}).get("test"):
+        print(m["executable"])'
+}
+
+# The script every environment runs: a device, then each check.
+write_run_script() {
+    cat >"$1" <<'EOF'
+#!/bin/sh
+# Runs inside the VM (or on a host with rdma_rxe): $1 = directory of the checks.
+dir=$1
+fails=0
+check() { name=$1; shift; if "$@" >"/tmp/$name.log" 2>&1; then echo "PASS $name"; else echo "FAIL $name"; fails=$((fails + 1)); sed 's/^/    /' "/tmp/$name.log" | tail -n 40; fi; }
+modprobe rdma_rxe || { echo "FAIL modprobe rdma_rxe"; exit 1; }
+ip link add veth0 type veth peer name veth1
+ip addr add 10.77.0.1/24 dev veth0
+ip addr add 10.77.0.2/24 dev veth1
+ip link set veth0 up
+ip link set veth1 up
+ip link set lo up
+rdma link add rxe0 type rxe netdev veth0 || { echo "FAIL rdma link add"; exit 1; }
+sleep 1
+check ibv_devices ibv_devices
+check eps_rdma_devices "$dir/eps" rdma devices
+sed 's/^/    /' /tmp/eps_rdma_devices.log
+check eps_rdma_devices_json sh -c "\"$dir/eps\" rdma devices --json | grep -q '\"name\":\"rxe0\"'"
+for t in "$dir"/checks/*; do
+    [ -x "$t" ] || continue
+    check "$(basename "$t" | sed 's/-[0-9a-f]*$//')" env EPS_RDMA_REQUIRE=1 EPS_RDMA_ADDR=10.77.0.1 "$t" --test-threads 1 --nocapture
+done
+echo "SOFTROCE FAILURES $fails"
+exit "$fails"
+EOF
+    chmod +x "$1"
+}
+
+# --- a kernel with rdma_rxe: run here ----------------------------------------------
+if [ "${1:-}" != --image-only ] && modprobe rdma_rxe >/dev/null 2>&1; then
+    need_build_deps
+    step "this kernel has rdma_rxe: running the checks here"
+    mapfile -t built < <(build_checks)
+    work=$(mktemp -d)
+    mkdir -p "$work/checks"
+    cp "${built[0]}" "$work/eps"
+    for b in "${built[@]:1}"; do cp "$b" "$work/checks/"; done
+    write_run_script "$work/run.sh"
+    exec sh "$work/run.sh" "$work"
+fi
+
+# --- no rdma_rxe here: a VM ---------------------------------------------------------
+step "this kernel has no RDMA support: checking in a QEMU VM with Debian's kernel"
+need_build_deps
+if ! command -v qemu-system-x86_64 >/dev/null; then
+    step "installing qemu-system-x86 (from bookworm-backports, like the machine's qemu-utils)"
+    uris=$(awk '/^URIs:/ {print $2; exit}' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)
+    [ -n "$uris" ] || uris=$(awk '/^deb / {print $2; exit}' /etc/apt/sources.list 2>/dev/null || true)
+    [ -n "$uris" ] || die "cannot tell the Debian mirror from the apt sources"
+    if ! grep -rqs bookworm-backports /etc/apt/sources.list /etc/apt/sources.list.d/; then
+        printf 'Types: deb\nURIs: %s\nSuites: bookworm-backports\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
+            "$uris" >/etc/apt/sources.list.d/eps-backports.sources
+    fi
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -t bookworm-backports --no-install-recommends qemu-system-x86 >/dev/null
+fi
+for t in debootstrap mkfs.ext4; do
+    command -v "$t" >/dev/null || { step "installing $t"; apt-get update -qq; apt_install debootstrap e2fsprogs; }
+done
+
+mkdir -p "$CACHE"
+img="$CACHE/rootfs-v$IMAGE_VERSION.img"
+if [ ! -s "$img" ] || [ ! -s "$CACHE/vmlinuz" ] || [ ! -s "$CACHE/initrd.img" ]; then
+    step "building the VM image (cached in $CACHE)"
+    mirror=$(awk '/^URIs:/ {print $2; exit}' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)
+    [ -n "$mirror" ] || mirror=$(awk '/^deb / {print $2; exit}' /etc/apt/sources.list)
+    root=$(mktemp -d "$CACHE/root.XXXX")
+    debootstrap --variant=minbase \
+        --include=linux-image-amd64,initramfs-tools,kmod,udev,rdma-core,ibverbs-providers,ibverbs-utils,perftest,rdmacm-utils,iproute2,procps,libibverbs1,librdmacm1 \
+        bookworm "$root" "$mirror" >"$CACHE/debootstrap.log" 2>&1 || { tail -20 "$CACHE/debootstrap.log"; die "debootstrap failed"; }
+    kver=$(ls "$root/lib/modules" | head -1)
+    chroot "$root" depmod -a "$kver"
+    # The init: mount, run the payload's script from the second drive, report.
+    cat >"$root/eps-init.sh" <<'EOF'
+#!/bin/sh
+mount -t proc proc /proc
+mount -t sysfs sys /sys
+grep -q ' /dev ' /proc/mounts || mount -t devtmpfs dev /dev
+mkdir -p /payload /tmp
+mount -t ext4 /dev/vdb /payload || echo "FAIL mount payload"
+sh /payload/run.sh /payload
+code=$?
+echo "SOFTROCE EXIT $code"
+# isa-debug-exit: QEMU exits with (code << 1) | 1.
+printf "\\$(printf '%03o' "$code")" | dd of=/dev/port bs=1 seek=244 count=1 2>/dev/null
+echo o >/proc/sysrq-trigger
+EOF
+    chmod +x "$root/eps-init.sh"
+    cp "$root/boot/vmlinuz-$kver" "$CACHE/vmlinuz.new"
+    cp "$root/boot/initrd.img-$kver" "$CACHE/initrd.img.new"
+    rm -rf "$root/boot" "$root/usr/share/doc" "$root/usr/share/man" "$root/usr/share/locale" "$root/var/cache/apt" "$root/lib/firmware"
+    size=$(( $(du -sm "$root" | cut -f1) + 256 ))
+    mkfs.ext4 -q -F -L eps-root -d "$root" "$img.new" "${size}M"
+    rm -rf "$root"
+    mv "$CACHE/vmlinuz.new" "$CACHE/vmlinuz"
+    mv "$CACHE/initrd.img.new" "$CACHE/initrd.img"
+    mv "$img.new" "$img"
+fi
+
+if [ "${1:-}" = --image-only ]; then
+    echo "softroce: the VM image is in $CACHE"
+    exit 0
+fi
+
+step "building the checks"
+mapfile -t built < <(build_checks)
+[ ${#built[@]} -ge 1 ] || die "nothing was built"
+payload=$(mktemp -d)
+trap 'rm -rf "$payload"' EXIT
+mkdir -p "$payload/dir/checks"
+cp "${built[0]}" "$payload/dir/eps"
+for b in "${built[@]:1}"; do cp "$b" "$payload/dir/checks/"; done
+write_run_script "$payload/dir/run.sh"
+size=$(( $(du -sm "$payload/dir" | cut -f1) + 32 ))
+mkfs.ext4 -q -F -d "$payload/dir" "$payload/payload.img" "${size}M"
+
+step "booting the VM (TCG; about a minute)"
+start=$(date +%s)
+set +e
+timeout 900 qemu-system-x86_64 -accel tcg,thread=multi -cpu max -smp 2 -m 2048 \
+    -kernel "$CACHE/vmlinuz" -initrd "$CACHE/initrd.img" \
+    -append "root=/dev/vda rw console=ttyS0 quiet init=/eps-init.sh panic=-1" \
+    -drive "file=$img,if=virtio,format=raw,snapshot=on" \
+    -drive "file=$payload/payload.img,if=virtio,format=raw" \
+    -device isa-debug-exit,iobase=0xf4,iosize=0x04 \
+    -nographic -no-reboot -nic none </dev/null | tee "$payload/console.log" | grep -E '^(PASS|FAIL|    |SOFTROCE)'
+status=${PIPESTATUS[0]}
+set -e
+echo "softroce: the VM ran $(( $(date +%s) - start )) s"
+if [ "$status" -eq 124 ]; then
+    tail -40 "$payload/console.log"
+    die "the VM did not finish within 15 minutes"
+fi
+fails=$(( (status - 1) / 2 ))
+if [ $(( status % 2 )) -ne 1 ] || ! grep -q '^SOFTROCE EXIT' "$payload/console.log"; then
+    tail -40 "$payload/console.log"
+    die "the VM did not report (qemu exit status $status)"
+fi
+[ "$fails" -eq 0 ] || die "$fails soft-RoCE checks failed"
+echo "softroce: every check passed"

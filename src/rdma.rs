@@ -1,0 +1,121 @@
+//! `eps rdma devices`: the RDMA devices of this machine, their ports and GIDs,
+//! and the choice `--transport rdma` makes (built with the `rdma` feature).
+
+/// What the operator named: device, port, GID index (the rest is chosen).
+#[derive(Clone, Debug, Default)]
+pub struct Named {
+    /// `--rdma-device`.
+    pub device: Option<String>,
+    /// `--rdma-port`.
+    pub port: Option<u8>,
+    /// `--gid-index`.
+    pub gid_index: Option<u32>,
+}
+
+/// Lists the devices and the selection; an error (non-zero exit) when no device
+/// can be used, saying what was found.
+#[cfg(feature = "rdma")]
+pub fn devices(named: &Named, json: bool) -> Result<(), String> {
+    use crate::bench::json::Json;
+    use eps_rdma::{DeviceChoice, GidKind};
+
+    let choice = DeviceChoice { device: named.device.clone(), port: named.port, gid_index: named.gid_index }
+        .with_env()
+        .map_err(|e| e.to_string())?;
+    let devs = eps_rdma::devices().map_err(|e| e.to_string())?;
+    let chosen = eps_rdma::device::choose(&devs, &choice);
+    let kind = |k: &GidKind| match k {
+        GidKind::IbOrRoceV1 => "IB/RoCE v1".to_string(),
+        GidKind::RoceV2 => "RoCE v2".to_string(),
+        GidKind::Other(s) => s.clone(),
+    };
+    if json {
+        let mut ds = Vec::new();
+        for d in &devs {
+            let mut ps = Vec::new();
+            for p in &d.ports {
+                let gs: Vec<String> = p
+                    .gids
+                    .iter()
+                    .map(|g| {
+                        Json::new()
+                            .int("index", u64::from(g.index))
+                            .str("gid", &g.addr().to_string())
+                            .str("kind", &kind(&g.kind))
+                            .str("netdev", g.netdev.as_deref().unwrap_or(""))
+                            .finish()
+                    })
+                    .collect();
+                ps.push(
+                    Json::new()
+                        .int("port", u64::from(p.num))
+                        .str("state", &p.state)
+                        .str("link_layer", &p.link_layer)
+                        .int("mtu", u64::from(p.mtu))
+                        .raw("gids", &format!("[{}]", gs.join(",")))
+                        .finish(),
+                );
+            }
+            ds.push(Json::new().str("name", &d.name).raw("ports", &format!("[{}]", ps.join(","))).finish());
+        }
+        let sel = match &chosen {
+            Ok(s) => Json::new().str("selected", &s.to_string()),
+            Err(e) => Json::new().str("error", &e.to_string()),
+        };
+        println!("{}", sel.raw("devices", &format!("[{}]", ds.join(","))).finish());
+    } else {
+        for d in &devs {
+            println!("{}", d.name);
+            for p in &d.ports {
+                println!("  port {}: {}, {}, MTU {}", p.num, p.state, p.link_layer, p.mtu);
+                for g in &p.gids {
+                    let on = g.netdev.as_deref().map(|n| format!(" on {n}")).unwrap_or_default();
+                    println!("    GID {}: {} ({}{on})", g.index, g.addr(), kind(&g.kind));
+                }
+            }
+        }
+        if let Ok(s) = &chosen {
+            println!("{s}");
+        }
+    }
+    chosen.map(|_| ()).map_err(|e| e.to_string())
+}
+
+/// Without the `rdma` feature: says how to get it.
+#[cfg(not(feature = "rdma"))]
+pub fn devices(_named: &Named, _json: bool) -> Result<(), String> {
+    Err("this eps was built without RDMA support: rebuild it with `cargo build --release --features rdma` \
+         (needs the Debian packages libibverbs-dev, librdmacm-dev and libclang-dev)"
+        .into())
+}
+
+/// Why the `rdma` transport cannot carry data in this build: no usable device (the
+/// error says what was found), or the build lacks it, or its data path is not
+/// written yet.
+fn rdma_unavailable() -> String {
+    #[cfg(feature = "rdma")]
+    {
+        match eps_rdma::DeviceChoice::default().with_env().and_then(|c| eps_rdma::select(&c)) {
+            Err(e) => e.to_string(),
+            Ok(s) => format!("{s}; but the rdma provider's data path is not in this version"),
+        }
+    }
+    #[cfg(not(feature = "rdma"))]
+    {
+        "this eps was built without RDMA support (the `rdma` feature)".to_string()
+    }
+}
+
+/// Resolves `--transport auto|soft|rdma` to the provider that runs: `auto` takes
+/// rdma when it can carry data, else soft, and says which and why.
+pub fn transport(requested: &str) -> Result<&'static str, String> {
+    match requested {
+        "soft" => Ok("soft"),
+        "rdma" => Err(format!("--transport rdma: {}; use --transport soft (userspace verbs over TCP)", rdma_unavailable())),
+        "auto" => {
+            eprintln!("eps: --transport auto: using soft ({})", rdma_unavailable());
+            Ok("soft")
+        }
+        other => Err(format!("unknown transport {other:?}: use auto, soft or rdma")),
+    }
+}
