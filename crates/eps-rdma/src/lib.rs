@@ -5,14 +5,16 @@
 //! rdma-sys; the `eps` binary uses it with its `rdma` feature.
 //!
 //! What it does so far: device discovery and the selection of device, port and
-//! GID ([`device`]), which never guesses silently. The data path (registration,
-//! RC queue pairs over rdma_cm, the work requests, completion polling) is not
-//! here yet.
+//! GID ([`device`]), which never guesses silently; and unit tests of the
+//! rdma-sys inline helpers the data path will call (`inline_helpers.rs`). The
+//! data path (registration, RC queue pairs over rdma_cm, the work requests,
+//! completion polling) is not here yet.
 //!
 //! # Safety
 //! Every `unsafe` block calls libibverbs on pointers it returned (or on buffers of
 //! the size the call documents) and says so.
 
 pub mod device;
+mod inline_helpers;
 
 pub use device::{Device, DeviceChoice, Gid, GidKind, Port, RdmaError, Selection, devices, select};
