@@ -19,7 +19,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 CACHE=${EPS_SOFTROCE_CACHE:-/var/cache/eps-softroce}
-IMAGE_VERSION=2
+IMAGE_VERSION=3
 step() { printf '\n==> softroce: %s\n' "$*"; }
 die() { echo "softroce: $*" >&2; exit 1; }
 
@@ -136,9 +136,10 @@ if [ ! -s "$img" ] || [ ! -s "$CACHE/vmlinuz" ] || [ ! -s "$CACHE/initrd.img" ];
     # The init: mount, run the payload's script from the second drive, report.
     cat >"$root/eps-init.sh" <<'EOF'
 #!/bin/sh
-mount -t proc proc /proc
-mount -t sysfs sys /sys
-grep -q ' /dev ' /proc/mounts || mount -t devtmpfs dev /dev
+# (The initramfs may have mounted these already.)
+[ -e /proc/self ] || mount -t proc proc /proc
+[ -e /sys/class ] || mount -t sysfs sys /sys
+[ -e /dev/null ] || mount -t devtmpfs dev /dev
 mkdir -p /payload /tmp
 mount -t ext4 /dev/vdb /payload || echo "FAIL mount payload"
 sh /payload/run.sh /payload
