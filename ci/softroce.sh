@@ -65,7 +65,7 @@ write_run_script() {
 # Runs inside the VM (or on a host with rdma_rxe): $1 = directory of the checks.
 dir=$1
 fails=0
-check() { name=$1; shift; if "$@" >"/tmp/$name.log" 2>&1; then echo "PASS $name"; else echo "FAIL $name"; fails=$((fails + 1)); sed 's/^/    /' "/tmp/$name.log" | tail -n 40; fi; }
+check() { name=$1; shift; if "$@" >"/tmp/$name.log" 2>&1; then echo "PASS $name"; grep -h '^rdma' "/tmp/$name.log" | sed 's/^/    /'; else echo "FAIL $name"; fails=$((fails + 1)); sed 's/^/    /' "/tmp/$name.log" | tail -n 40; fi; }
 modprobe rdma_rxe || { echo "FAIL modprobe rdma_rxe"; exit 1; }
 ip link add veth0 type veth peer name veth1
 ip addr add 10.77.0.1/24 dev veth0
@@ -77,7 +77,7 @@ rdma link add rxe0 type rxe netdev veth0 || { echo "FAIL rdma link add"; exit 1;
 sleep 1
 check ibv_devices ibv_devices
 check eps_rdma_devices "$dir/eps" rdma devices
-sed 's/^/    /' /tmp/eps_rdma_devices.log
+sed '/^rdma/d; s/^/    /' /tmp/eps_rdma_devices.log
 check eps_rdma_devices_json sh -c "\"$dir/eps\" rdma devices --json | grep -q '\"name\":\"rxe0\"'"
 for t in "$dir"/checks/*; do
     [ -x "$t" ] || continue

@@ -135,3 +135,27 @@ fn ibv_post_recv_calls_the_context_op_with_its_arguments() {
     assert!(bad.is_null());
     assert_eq!(take(), vec![("post_recv", &qp as *const _ as usize, &wr as *const _ as u64, &bad as *const _ as usize)]);
 }
+
+#[test]
+fn rdma_get_peer_addr_names_the_routes_destination() {
+    // SAFETY: rdma_cm_id is plain data (pointers, integers, unions of sockaddrs);
+    // all-zero is a valid value.
+    let mut id: sys::rdma_cm_id = unsafe { std::mem::zeroed() };
+    let sin = libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: 4791u16.to_be(),
+        sin_addr: libc::in_addr { s_addr: u32::from(std::net::Ipv4Addr::new(10, 77, 0, 2)).to_be() },
+        sin_zero: [0; 8],
+    };
+    id.route.addr.dst_addr_union.dst_sin = sin;
+    // SAFETY: `id` is a valid rdma_cm_id value; the helper only takes a reference into it.
+    let sa = unsafe { sys::rdma_get_peer_addr(&id) };
+    assert_eq!(sa as *const libc::sockaddr as usize, &raw const id.route.addr.dst_addr_union as usize);
+    assert_eq!(sa.sa_family, libc::AF_INET as libc::sa_family_t);
+    // SAFETY: an AF_INET address, as written above.
+    let got = unsafe { &*(sa as *const libc::sockaddr).cast::<libc::sockaddr_in>() };
+    assert_eq!(
+        (u16::from_be(got.sin_port), u32::from_be(got.sin_addr.s_addr)),
+        (4791, u32::from(std::net::Ipv4Addr::new(10, 77, 0, 2)))
+    );
+}

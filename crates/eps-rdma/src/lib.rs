@@ -16,5 +16,7 @@
 
 pub mod device;
 mod inline_helpers;
+pub mod verbs;
 
 pub use device::{Device, DeviceChoice, Gid, GidKind, Port, RdmaError, Selection, devices, select};
+pub use verbs::{RdmaCq, RdmaDevice, RdmaListener, RdmaMr, RdmaPd, RdmaQp};

@@ -37,3 +37,95 @@ fn devices_are_found_and_the_selection_is_explained() {
     let e = select(&DeviceChoice { device: Some("no_such_dev".into()), ..Default::default() }).unwrap_err();
     assert!(matches!(e, RdmaError::UnknownDevice { .. }) && e.to_string().contains(&s.device), "{e}");
 }
+
+/// WRITE_WITH_IMM, READ and SEND/RECV between two queue pairs connected through
+/// rdma_cm on the selected device (both ends on it, at `EPS_RDMA_ADDR`).
+#[test]
+fn a_queue_pair_writes_reads_and_sends() {
+    use std::time::Duration;
+
+    use eps_fabric::prelude::*;
+    use eps_rdma::RdmaDevice;
+
+    let require = std::env::var_os("EPS_RDMA_REQUIRE").is_some();
+    let (Ok(addr), Ok(sel)) = (std::env::var("EPS_RDMA_ADDR"), select(&DeviceChoice::default())) else {
+        assert!(!require, "EPS_RDMA_REQUIRE is set but EPS_RDMA_ADDR or a device is missing");
+        println!("skipped: no RDMA device or no EPS_RDMA_ADDR here");
+        return;
+    };
+    let dev = RdmaDevice::open(&sel.device).expect("open the device through rdma_cm");
+    let (a_pd, b_pd) = (dev.alloc_pd().unwrap(), dev.alloc_pd().unwrap());
+    let (a_cq, b_cq) = (a_pd.create_cq(256).unwrap(), b_pd.create_cq(256).unwrap());
+    let mut opts = QpOptions::new(Secret::new("rxe-test").unwrap());
+    opts.max_send_wr = 32;
+    opts.max_recv_wr = 32;
+    opts.max_sge = 2;
+    let l = b_pd.listen(format!("{addr}:0").parse().unwrap(), &opts).expect("listen");
+    let at = l.local_addr();
+    assert_ne!(at.port(), 0, "the listener reports its port");
+    let (a, b) = std::thread::scope(|s| {
+        let h = s.spawn(|| l.accept(&b_cq, &b_cq, Duration::from_secs(20)).expect("accept"));
+        let a = a_pd.connect(at, &a_cq, &a_cq, &opts).expect("connect");
+        (a, h.join().unwrap())
+    });
+    assert_eq!(a.state(), QpState::ReadyToSend);
+    let wait = |cq: &eps_rdma::RdmaCq, n: usize| {
+        let mut got = Vec::new();
+        let mut buf = [Completion::EMPTY; 8];
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while got.len() < n {
+            let k = cq.poll(&mut buf).unwrap();
+            got.extend_from_slice(&buf[..k]);
+            assert!(std::time::Instant::now() < deadline, "timed out: {got:?}");
+            if k == 0 {
+                cq.wait(Duration::from_millis(5));
+            }
+        }
+        got
+    };
+    let data: Vec<u8> = (0..65536u32).map(|i| (i * 7 + 3) as u8).collect();
+    let mut src = a_pd.alloc_mr(data.len(), Access::LOCAL_WRITE).unwrap();
+    src.write_at(0, &data);
+    let dst = b_pd.alloc_mr(data.len(), Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ).unwrap();
+    // WRITE_WITH_IMM: the data lands, the receive completes with the immediate.
+    b.post_recv(&RecvWr { wr_id: 11, sg: &[] }).unwrap();
+    let wr = SendWr { wr_id: 1, op: SendOp::WriteImm(dst.remote(0), 0xDEAD_BEEF), sg: &[Sge::whole(&src)], signaled: true };
+    a.post_send(&wr).unwrap();
+    let c = wait(&a_cq, 1);
+    assert_eq!((c[0].wr_id, c[0].status, c[0].opcode), (1, WcStatus::Success, WcOpcode::Write));
+    let c = wait(&b_cq, 1);
+    assert_eq!(
+        (c[0].wr_id, c[0].status, c[0].opcode, c[0].imm),
+        (11, WcStatus::Success, WcOpcode::RecvWithImm, Some(0xDEAD_BEEF))
+    );
+    assert_eq!(c[0].qp_num, b.qp_num());
+    let mut got = vec![0u8; data.len()];
+    dst.read_at(0, &mut got);
+    assert!(got == data, "the WRITE's bytes");
+    // READ it back in two halves (scatter).
+    let back = a_pd.alloc_mr(data.len(), Access::LOCAL_WRITE).unwrap();
+    let half = (data.len() / 2) as u32;
+    let sg = [Sge::new(&back, u64::from(half), half), Sge::new(&back, 0, half)];
+    a.post_send(&SendWr { wr_id: 2, op: SendOp::Read(dst.remote(0)), sg: &sg, signaled: true }).unwrap();
+    let c = wait(&a_cq, 1);
+    assert_eq!((c[0].wr_id, c[0].status, c[0].opcode), (2, WcStatus::Success, WcOpcode::Read));
+    let mut got = vec![0u8; data.len()];
+    back.read_at(0, &mut got);
+    assert!(got[half as usize..] == data[..half as usize] && got[..half as usize] == data[half as usize..], "READ scatter");
+    // SEND into a posted RECV.
+    let inbox = b_pd.alloc_mr(4096, Access::LOCAL_WRITE).unwrap();
+    b.post_recv(&RecvWr { wr_id: 12, sg: &[Sge::whole(&inbox)] }).unwrap();
+    a.post_send(&SendWr { wr_id: 3, op: SendOp::Send, sg: &[Sge::new(&src, 0, 1000)], signaled: true }).unwrap();
+    let c = wait(&b_cq, 1);
+    assert_eq!((c[0].wr_id, c[0].status, c[0].opcode, c[0].byte_len), (12, WcStatus::Success, WcOpcode::Recv, 1000));
+    let mut got = vec![0u8; 1000];
+    inbox.read_at(0, &mut got);
+    assert!(got == data[..1000], "the SEND's bytes");
+    assert_eq!(wait(&a_cq, 1)[0].wr_id, 3);
+    // A bad rkey is a remote access error at the requester.
+    let bad = RemoteAddr { addr: dst.addr(), rkey: dst.rkey() ^ 0x5A5A };
+    a.post_send(&SendWr { wr_id: 4, op: SendOp::Write(bad), sg: &[Sge::new(&src, 0, 64)], signaled: true }).unwrap();
+    let c = wait(&a_cq, 1);
+    assert_eq!((c[0].wr_id, c[0].status), (4, WcStatus::RemoteAccess));
+    println!("rdma data path on {}: WRITE_WITH_IMM, READ, SEND/RECV and a bad rkey behave", sel.device);
+}
