@@ -1,7 +1,7 @@
 //! The fabric conformance suite, run against every provider available here.
 //!
 //! The `soft` provider always runs. The `rdma` provider runs the same cases when the
-//! crate is built with it and a device exists (a later issue adds it).
+//! crate is built with its feature (`ci/softroce.sh` does, on soft-RoCE).
 
 mod conformance {
     pub mod harness;
@@ -76,3 +76,11 @@ macro_rules! conformance_for {
 }
 
 conformance_for!(soft, || eps_fabric::soft::SoftDevice::open().expect("open soft device").alloc_pd());
+
+// With the `rdma` feature (ci/softroce.sh builds it and runs it on soft-RoCE, with
+// EPS_CONFORMANCE_ADDR set to the device's address): the selected device.
+#[cfg(feature = "rdma")]
+conformance_for!(rdma, || {
+    let sel = eps_rdma::select(&eps_rdma::DeviceChoice::default()).expect("an RDMA device (this suite needs one)");
+    eps_rdma::RdmaDevice::open(&sel.device).expect("open the RDMA device").alloc_pd().expect("a protection domain")
+});

@@ -364,8 +364,13 @@ impl QueuePair for RdmaQp {
     }
 
     fn state(&self) -> QpState {
-        // SAFETY: as above; `state` is the last state the library knows.
-        if unsafe { (*(*self.id).qp).state } == sys::ibv_qp_state::IBV_QPS_RTS { QpState::ReadyToSend } else { QpState::Error }
+        // SAFETY: plain data; zero is a valid value of both.
+        let (mut attr, mut init): (sys::ibv_qp_attr, sys::ibv_qp_init_attr) = unsafe { (std::mem::zeroed(), std::mem::zeroed()) };
+        // SAFETY: the QP is live; both out-parameters are whole.
+        let rc = unsafe {
+            sys::ibv_query_qp((*self.id).qp, &mut attr, sys::ibv_qp_attr_mask::IBV_QP_STATE.0 as libc::c_int, &mut init)
+        };
+        if rc == 0 && attr.qp_state == sys::ibv_qp_state::IBV_QPS_RTS { QpState::ReadyToSend } else { QpState::Error }
     }
 
     fn peer_addr(&self) -> SocketAddr {
