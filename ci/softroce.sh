@@ -80,11 +80,10 @@ check ibv_devices ibv_devices
 check eps_rdma_devices "$dir/eps" rdma devices
 sed '/^rdma/d; s/^/    /' /tmp/eps_rdma_devices.log
 check eps_rdma_devices_json sh -c "\"$dir/eps\" rdma devices --json | grep -q '\"name\":\"rxe0\"'"
-# Conformance cases the rdma provider does not pass yet (they need its software
-# layer: the job-secret handshake, message-size limits, queue accounting, SGEs of
-# another PD, and a vanished peer's retries). Listed here, and skipped, until then;
+# Conformance cases the rdma provider does not pass yet (the job-secret handshake,
+# the responder's message-size limit, and a vanished peer's retries). Listed here, and skipped, until then;
 # every other case runs.
-GAPS="rdma::wrong_secret_is_rejected rdma::invalid_request_errors rdma::queue_full_is_backpressure rdma::local_protection_errors rdma::peer_vanishes_mid_transfer"
+GAPS="rdma::wrong_secret_is_rejected rdma::invalid_request_errors rdma::peer_vanishes_mid_transfer"
 for t in "$dir"/checks/*; do
     [ -x "$t" ] || continue
     skips=""

@@ -14,6 +14,7 @@
 //! Every `unsafe` block calls libibverbs on pointers it returned (or on buffers of
 //! the size the call documents) and says so.
 
+mod acct;
 pub mod device;
 mod inline_helpers;
 pub mod verbs;

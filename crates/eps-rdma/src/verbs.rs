@@ -17,6 +17,8 @@ use eps_fabric::prelude::*;
 use eps_fabric::{QpState, Result};
 use rdma_sys as sys;
 
+use crate::acct::{Acct, CqSide};
+
 fn verbs_err(call: &'static str) -> FabricError {
     FabricError::Connect { peer: String::new(), stage: call, source: io::Error::last_os_error() }
 }
@@ -167,6 +169,7 @@ struct CqInner {
     cq: *mut sys::ibv_cq,
     ch: *mut sys::ibv_comp_channel,
     depth: u32,
+    side: CqSide,
 }
 
 // SAFETY: verbs objects may be used from any thread; libibverbs locks internally.
@@ -219,6 +222,8 @@ fn opcode(o: u32) -> WcOpcode {
 
 impl CompletionQueue for RdmaCq {
     fn poll(&self, out: &mut [Completion]) -> Result<usize> {
+        let made = self.0.side.drain(out);
+        let out = &mut out[made..];
         const BATCH: usize = 32;
         // SAFETY: ibv_wc is plain data; zero is a valid value.
         let mut wc: [sys::ibv_wc; BATCH] = unsafe { std::mem::zeroed() };
@@ -239,8 +244,9 @@ impl CompletionQueue for RdmaCq {
                 imm: with_imm.then(|| u32::from_be(unsafe { w.imm_data_invalidated_rkey_union.imm_data })),
                 qp_num: w.qp_num,
             };
+            self.0.side.completed(o);
         }
-        Ok(n as usize)
+        Ok(made + n as usize)
     }
 
     fn wait(&self, timeout: Duration) {
@@ -272,6 +278,8 @@ pub struct RdmaQp {
     ch: *mut sys::rdma_event_channel,
     peer: SocketAddr,
     max_sge: u32,
+    max_msg: u32,
+    acct: Arc<Acct>,
     _cqs: (Arc<CqInner>, Arc<CqInner>),
     _pd: Arc<PdInner>,
 }
@@ -283,14 +291,43 @@ unsafe impl Sync for RdmaQp {}
 
 impl Drop for RdmaQp {
     fn drop(&mut self) {
+        // SAFETY: the id's QP is live until destroyed below.
+        if let Some(n) = unsafe { (*self.id).qp.as_ref() }.map(|q| q.qp_num) {
+            self._cqs.0.side.detach(n);
+            self._cqs.1.side.detach(n);
+        }
         // SAFETY: the id, its QP and the channel are ours and torn down once, in
         // this order.
         unsafe {
             sys::rdma_disconnect(self.id);
-            sys::rdma_destroy_qp(self.id);
+            if !(*self.id).qp.is_null() {
+                sys::rdma_destroy_qp(self.id);
+            }
             sys::rdma_destroy_id(self.id);
             sys::rdma_destroy_event_channel(self.ch);
         }
+    }
+}
+
+impl RdmaQp {
+    /// Completes `wr_id` with `status` without the NIC (it never saw the request)
+    /// and moves the QP to the error state (its outstanding requests flush).
+    fn fail_locally(&self, wr_id: u64, status: WcStatus, opcode: WcOpcode) -> Result<()> {
+        let qp_num = self.qp_num();
+        self._cqs.0.side.inject(Completion { wr_id, status, opcode, byte_len: 0, imm: None, qp_num });
+        // SAFETY: plain data; zero is a valid value.
+        let mut attr: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
+        attr.qp_state = sys::ibv_qp_state::IBV_QPS_ERR;
+        // SAFETY: the QP is live; only the state is modified.
+        unsafe { sys::ibv_modify_qp((*self.id).qp, &mut attr, sys::ibv_qp_attr_mask::IBV_QP_STATE.0 as libc::c_int) };
+        Ok(())
+    }
+
+    /// Accounts the QP's requests on its CQs (once it exists).
+    fn attach(&self) {
+        let n = self.qp_num();
+        self._cqs.0.side.attach(n, self.acct.clone());
+        self._cqs.1.side.attach(n, self.acct.clone());
     }
 }
 
@@ -329,10 +366,28 @@ impl QueuePair for RdmaQp {
                 remote(&mut w, r);
             }
         }
+        let op = match wr.op {
+            SendOp::Send => WcOpcode::Send,
+            SendOp::Write(_) | SendOp::WriteImm(..) => WcOpcode::Write,
+            SendOp::Read(_) => WcOpcode::Read,
+        };
+        // Refused before the NIC: an SGE of another protection domain, or more
+        // bytes than this QP sends. Completes with the error, and the QP fails.
+        let total: u64 = wr.sg.iter().map(|s| u64::from(s.len)).sum();
+        if wr.sg.iter().any(|s| !Arc::ptr_eq(&s.mr._pd, &self._pd)) {
+            return self.fail_locally(wr.wr_id, WcStatus::LocalProtection, op);
+        }
+        if total > u64::from(self.max_msg) {
+            return self.fail_locally(wr.wr_id, WcStatus::LocalLength, op);
+        }
+        self.acct.take_send(wr.wr_id, op)?;
         let mut bad = ptr::null_mut();
         // SAFETY: the QP is connected; `w` and the SGEs it points to live through
         // the call (verbs copy the request into the send queue).
         let rc = unsafe { sys::ibv_post_send((*self.id).qp, &mut w, &mut bad) };
+        if rc != 0 {
+            self.acct.untake_send();
+        }
         match rc {
             0 => Ok(()),
             libc::ENOMEM => Err(FabricError::QueueFull { queue: "send", depth: 0 }),
@@ -348,9 +403,13 @@ impl QueuePair for RdmaQp {
         w.wr_id = wr.wr_id;
         w.sg_list = if sge.is_empty() { ptr::null_mut() } else { sge.as_mut_ptr() };
         w.num_sge = sge.len() as libc::c_int;
+        self.acct.take_recv(wr.wr_id)?;
         let mut bad = ptr::null_mut();
         // SAFETY: as for post_send.
         let rc = unsafe { sys::ibv_post_recv((*self.id).qp, &mut w, &mut bad) };
+        if rc != 0 {
+            self.acct.untake_recv();
+        }
         match rc {
             0 => Ok(()),
             libc::ENOMEM => Err(FabricError::QueueFull { queue: "receive", depth: 0 }),
@@ -529,14 +588,18 @@ impl Listener for RdmaListener {
         expect_event(ch, sys::rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED, deadline, "establishing")?;
         // SAFETY: the id's route holds the peer's address once connected.
         let peer = unsafe { peer_of(id) };
-        Ok(RdmaQp {
+        let qp = RdmaQp {
             id,
             ch,
             peer,
             max_sge: self.opts.max_sge,
+            max_msg: self.opts.max_msg_bytes,
+            acct: Arc::new(Acct::new(self.opts.max_send_wr, self.opts.max_recv_wr)),
             _cqs: (send_cq.0.clone(), recv_cq.0.clone()),
             _pd: self.pd.0.clone(),
-        })
+        };
+        qp.attach();
+        Ok(qp)
     }
 }
 
@@ -591,7 +654,7 @@ impl ProtectionDomain for RdmaPd {
             unsafe { sys::ibv_destroy_comp_channel(ch) };
             return Err(e);
         }
-        Ok(RdmaCq(Arc::new(CqInner { cq, ch, depth })))
+        Ok(RdmaCq(Arc::new(CqInner { cq, ch, depth, side: CqSide::default() })))
     }
 
     fn listen(&self, addr: SocketAddr, opts: &QpOptions) -> Result<RdmaListener> {
@@ -622,6 +685,8 @@ impl ProtectionDomain for RdmaPd {
             ch,
             peer: addr,
             max_sge: opts.max_sge,
+            max_msg: opts.max_msg_bytes,
+            acct: Arc::new(Acct::new(opts.max_send_wr, opts.max_recv_wr)),
             _cqs: (send_cq.0.clone(), recv_cq.0.clone()),
             _pd: self.0.clone(),
         };
@@ -652,6 +717,7 @@ impl ProtectionDomain for RdmaPd {
             return Err(verbs_err("rdma_connect"));
         }
         expect_event(ch, sys::rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED, deadline, "establishing")?;
+        qp.attach();
         Ok(qp)
     }
 }

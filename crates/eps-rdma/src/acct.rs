@@ -1,0 +1,191 @@
+//! The provider's software layer over the verbs queues, for what the fabric API
+//! promises and a NIC does not give by itself: queue depths exactly as asked (a
+//! NIC may allocate more; the API answers `QueueFull` at the asked depth), the
+//! opcode of a failed or flushed request (verbs leave it undefined), and
+//! completions for requests refused before the NIC sees them.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use eps_fabric::Result;
+use eps_fabric::prelude::*;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Requests posted on one QP and not completed yet, oldest first.
+#[derive(Debug)]
+pub(crate) struct Acct {
+    /// Send queue: (wr_id, opcode of its completion).
+    send: Mutex<VecDeque<(u64, WcOpcode)>>,
+    /// Receive queue: wr_ids.
+    recv: Mutex<VecDeque<u64>>,
+    max_send: u32,
+    max_recv: u32,
+}
+
+impl Acct {
+    pub(crate) fn new(max_send: u32, max_recv: u32) -> Self {
+        Self { send: Mutex::new(VecDeque::new()), recv: Mutex::new(VecDeque::new()), max_send, max_recv }
+    }
+
+    /// Takes a send-queue slot for `wr_id`, or says the queue is full.
+    pub(crate) fn take_send(&self, wr_id: u64, opcode: WcOpcode) -> Result<()> {
+        let mut q = lock(&self.send);
+        if q.len() >= self.max_send as usize {
+            return Err(FabricError::QueueFull { queue: "send", depth: self.max_send });
+        }
+        q.push_back((wr_id, opcode));
+        Ok(())
+    }
+
+    /// Gives back the slot just taken (the post failed).
+    pub(crate) fn untake_send(&self) {
+        lock(&self.send).pop_back();
+    }
+
+    /// Takes a receive-queue slot, or says the queue is full.
+    pub(crate) fn take_recv(&self, wr_id: u64) -> Result<()> {
+        let mut q = lock(&self.recv);
+        if q.len() >= self.max_recv as usize {
+            return Err(FabricError::QueueFull { queue: "receive", depth: self.max_recv });
+        }
+        q.push_back(wr_id);
+        Ok(())
+    }
+
+    /// Gives back the slot just taken (the post failed).
+    pub(crate) fn untake_recv(&self) {
+        lock(&self.recv).pop_back();
+    }
+
+    /// A completion of this QP arrived: frees its slot (and, on the send queue,
+    /// those of the unsignaled requests posted before it), and for a failed one
+    /// supplies the opcode the NIC left undefined.
+    pub(crate) fn completed(&self, c: &mut Completion) {
+        let recv_side = matches!(c.opcode, WcOpcode::Recv | WcOpcode::RecvWithImm);
+        if c.status.is_ok() && recv_side {
+            let mut q = lock(&self.recv);
+            if let Some(i) = q.iter().position(|&w| w == c.wr_id) {
+                q.remove(i);
+            }
+            return;
+        }
+        if c.status.is_ok() {
+            let mut q = lock(&self.send);
+            while let Some((w, _)) = q.pop_front() {
+                if w == c.wr_id {
+                    break;
+                }
+            }
+            return;
+        }
+        // Failed or flushed: the oldest outstanding request of either queue with
+        // this wr_id (both queues complete in order).
+        let mut s = lock(&self.send);
+        if s.front().is_some_and(|&(w, _)| w == c.wr_id) {
+            let (_, op) = s.pop_front().unwrap_or((0, WcOpcode::Send));
+            c.opcode = op;
+            return;
+        }
+        let mut r = lock(&self.recv);
+        if r.front() == Some(&c.wr_id) {
+            r.pop_front();
+            c.opcode = WcOpcode::Recv;
+            return;
+        }
+        if let Some(i) = s.iter().position(|&(w, _)| w == c.wr_id) {
+            let (_, op) = s.remove(i).unwrap_or((0, WcOpcode::Send));
+            c.opcode = op;
+        } else if let Some(i) = r.iter().position(|&w| w == c.wr_id) {
+            r.remove(i);
+            c.opcode = WcOpcode::Recv;
+        }
+    }
+}
+
+/// Per completion queue: completions made here, and the QPs completing on it.
+#[derive(Debug, Default)]
+pub(crate) struct CqSide {
+    injected: Mutex<VecDeque<Completion>>,
+    qps: Mutex<HashMap<u32, Arc<Acct>>>,
+}
+
+impl CqSide {
+    /// A completion for a request refused before the NIC saw it.
+    pub(crate) fn inject(&self, c: Completion) {
+        lock(&self.injected).push_back(c);
+    }
+
+    /// Moves injected completions into `out`; returns how many.
+    pub(crate) fn drain(&self, out: &mut [Completion]) -> usize {
+        let mut q = lock(&self.injected);
+        let n = out.len().min(q.len());
+        for (o, c) in out.iter_mut().zip(q.drain(..n)) {
+            *o = c;
+        }
+        n
+    }
+
+    pub(crate) fn attach(&self, qp_num: u32, acct: Arc<Acct>) {
+        lock(&self.qps).insert(qp_num, acct);
+    }
+
+    pub(crate) fn detach(&self, qp_num: u32) {
+        lock(&self.qps).remove(&qp_num);
+    }
+
+    /// Accounts a completion the NIC delivered.
+    pub(crate) fn completed(&self, c: &mut Completion) {
+        let acct = lock(&self.qps).get(&c.qp_num).cloned();
+        if let Some(a) = acct {
+            a.completed(c);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn c(wr_id: u64, status: WcStatus, opcode: WcOpcode) -> Completion {
+        Completion { wr_id, status, opcode, byte_len: 0, imm: None, qp_num: 1 }
+    }
+
+    #[test]
+    fn depths_are_exact_and_a_signaled_completion_frees_the_unsignaled_before_it() {
+        let a = Acct::new(3, 1);
+        for w in 0..3 {
+            a.take_send(w, WcOpcode::Write).unwrap();
+        }
+        assert!(matches!(a.take_send(9, WcOpcode::Write), Err(FabricError::QueueFull { queue: "send", depth: 3 })));
+        a.completed(&mut c(1, WcStatus::Success, WcOpcode::Write)); // 0 was unsignaled
+        a.take_send(3, WcOpcode::Send).unwrap();
+        a.take_send(4, WcOpcode::Send).unwrap();
+        assert!(a.take_send(5, WcOpcode::Send).is_err());
+        a.take_recv(7).unwrap();
+        assert!(matches!(a.take_recv(8), Err(FabricError::QueueFull { queue: "receive", depth: 1 })));
+        a.completed(&mut c(7, WcStatus::Success, WcOpcode::Recv));
+        a.take_recv(8).unwrap();
+    }
+
+    #[test]
+    fn failed_completions_get_the_opcode_of_their_request() {
+        let a = Acct::new(8, 8);
+        a.take_send(1, WcOpcode::Read).unwrap();
+        a.take_send(2, WcOpcode::Send).unwrap();
+        a.take_recv(2).unwrap();
+        // The NIC leaves the opcode of a flushed completion undefined.
+        let mut x = c(1, WcStatus::RemoteAccess, WcOpcode::Send);
+        a.completed(&mut x);
+        assert_eq!(x.opcode, WcOpcode::Read);
+        let mut y = c(2, WcStatus::WrFlush, WcOpcode::Write);
+        a.completed(&mut y);
+        assert_eq!(y.opcode, WcOpcode::Send, "the send queue's request first");
+        let mut z = c(2, WcStatus::WrFlush, WcOpcode::Write);
+        a.completed(&mut z);
+        assert_eq!(z.opcode, WcOpcode::Recv);
+        a.take_send(3, WcOpcode::Write).unwrap();
+    }
+}
