@@ -16,6 +16,7 @@
 
 mod acct;
 pub mod device;
+mod handshake;
 mod inline_helpers;
 pub mod verbs;
 

@@ -18,6 +18,7 @@ use eps_fabric::{QpState, Result};
 use rdma_sys as sys;
 
 use crate::acct::{Acct, CqSide};
+use crate::handshake::{self, Msg};
 
 fn verbs_err(call: &'static str) -> FabricError {
     FabricError::Connect { peer: String::new(), stage: call, source: io::Error::last_os_error() }
@@ -438,7 +439,15 @@ impl QueuePair for RdmaQp {
 }
 
 /// Waits up to `timeout` for the next event on `ch`; returns (type, id, status).
-fn next_event(ch: *mut sys::rdma_event_channel, timeout: Duration) -> Result<(u32, *mut sys::rdma_cm_id, i32)> {
+/// One rdma_cm event: its type, id, status and private data (connection events).
+struct Event {
+    kind: u32,
+    id: *mut sys::rdma_cm_id,
+    status: i32,
+    private: Vec<u8>,
+}
+
+fn next_event(ch: *mut sys::rdma_event_channel, timeout: Duration) -> Result<Event> {
     // SAFETY: the channel is live.
     let fd = unsafe { (*ch).fd };
     let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
@@ -452,28 +461,33 @@ fn next_event(ch: *mut sys::rdma_event_channel, timeout: Duration) -> Result<(u3
     if unsafe { sys::rdma_get_cm_event(ch, &mut ev) } != 0 {
         return Err(verbs_err("rdma_get_cm_event"));
     }
-    // SAFETY: `ev` is a live event until acknowledged.
-    let out = unsafe { ((*ev).event, (*ev).id, (*ev).status) };
-    // SAFETY: acknowledged once.
+    // SAFETY: `ev` is a live event until acknowledged; for connection events its
+    // `param.conn` names `private_data_len` bytes owned by the event.
+    let out = unsafe {
+        let e = &*ev;
+        let conn = e.param.conn;
+        let private = if conn.private_data.is_null() {
+            Vec::new()
+        } else {
+            std::slice::from_raw_parts(conn.private_data.cast::<u8>(), conn.private_data_len as usize).to_vec()
+        };
+        Event { kind: e.event, id: e.id, status: e.status, private }
+    };
+    // SAFETY: acknowledged once, after the private data was copied.
     unsafe { sys::rdma_ack_cm_event(ev) };
     Ok(out)
 }
 
-fn expect_event(
-    ch: *mut sys::rdma_event_channel,
-    want: u32,
-    deadline: Instant,
-    stage: &'static str,
-) -> Result<*mut sys::rdma_cm_id> {
-    let (ev, id, st) = next_event(ch, deadline.saturating_duration_since(Instant::now()))?;
-    if ev != want {
+fn expect_event(ch: *mut sys::rdma_event_channel, want: u32, deadline: Instant, stage: &'static str) -> Result<Event> {
+    let e = next_event(ch, deadline.saturating_duration_since(Instant::now()))?;
+    if e.kind != want {
         return Err(FabricError::Connect {
             peer: String::new(),
             stage,
-            source: io::Error::other(format!("rdma_cm event {ev} (status {st}) instead of {want}")),
+            source: io::Error::other(format!("rdma_cm event {} (status {}) instead of {want}", e.kind, e.status)),
         });
     }
-    Ok(id)
+    Ok(e)
 }
 
 fn sockaddr(a: SocketAddr) -> Result<libc::sockaddr_in> {
@@ -519,6 +533,8 @@ pub struct RdmaListener {
     addr: SocketAddr,
     pd: RdmaPd,
     opts: QpOptions,
+    /// Challenges given out and not answered yet: (nonce_s, nonce_c, when).
+    challenges: std::sync::Mutex<std::collections::VecDeque<([u8; 16], [u8; 16], Instant)>>,
 }
 
 // SAFETY: the listener's id and channel are used by one accept at a time (&self
@@ -564,7 +580,7 @@ impl Listener for RdmaListener {
 
     fn accept(&self, send_cq: &RdmaCq, recv_cq: &RdmaCq, timeout: Duration) -> Result<RdmaQp> {
         let deadline = Instant::now() + timeout;
-        let id = expect_event(self.ch, sys::rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_REQUEST, deadline, "connect request")?;
+        let (id, reply) = self.next_proven(deadline)?;
         // Its own channel, so its events do not mix with other connections'.
         // SAFETY: creates a channel we own.
         let ch = unsafe { sys::rdma_create_event_channel() };
@@ -581,7 +597,10 @@ impl Listener for RdmaListener {
             return Err(verbs_err("rdma_create_qp"));
         }
         let mut param = conn_param(&self.opts);
-        // SAFETY: `id` has a QP; `param` is valid for the call.
+        let reply = reply.encode();
+        param.private_data = reply.as_ptr().cast();
+        param.private_data_len = reply.len() as u8;
+        // SAFETY: `id` has a QP; `param` and the bytes it names are valid for the call.
         if unsafe { sys::rdma_accept(id, &mut param) } != 0 {
             return Err(verbs_err("rdma_accept"));
         }
@@ -603,6 +622,58 @@ impl Listener for RdmaListener {
     }
 }
 
+impl RdmaListener {
+    /// Waits for a connect request whose peer proved the job secret (see
+    /// `handshake.rs`), answering the others; returns its id and the reply to
+    /// accept it with.
+    fn next_proven(&self, deadline: Instant) -> Result<(*mut sys::rdma_cm_id, Msg)> {
+        loop {
+            let e = next_event(self.ch, deadline.saturating_duration_since(Instant::now()))?;
+            if e.kind != sys::rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_REQUEST {
+                continue;
+            }
+            let mut ch = self.challenges.lock().unwrap_or_else(|p| p.into_inner());
+            ch.retain(|c| c.2.elapsed() < Duration::from_secs(60));
+            let answer = match Msg::decode(&e.private) {
+                Some(Msg::Hello { nonce_c }) => {
+                    let nonce_s = eps_fabric::auth::nonce().map_err(FabricError::Engine)?;
+                    if ch.len() >= 256 {
+                        ch.pop_front();
+                    }
+                    ch.push_back((nonce_s, nonce_c, Instant::now()));
+                    Msg::Challenge { nonce_s }
+                }
+                Some(Msg::Proof { nonce_s, proof_c }) => {
+                    // Each challenge answers once.
+                    let pos = ch.iter().position(|c| c.0 == nonce_s);
+                    let given = pos.and_then(|i| ch.remove(i));
+                    match given {
+                        Some((_, nonce_c, _))
+                            if eps_fabric::auth::proofs_equal(
+                                &proof_c,
+                                &handshake::proof_c(&self.opts.secret, &nonce_c, &nonce_s),
+                            ) =>
+                        {
+                            let proof_s = handshake::proof_s(&self.opts.secret, &nonce_c, &nonce_s);
+                            return Ok((e.id, Msg::Accepted { proof_s }));
+                        }
+                        _ => Msg::Denied,
+                    }
+                }
+                _ => Msg::Denied,
+            };
+            drop(ch);
+            let b = answer.encode();
+            // SAFETY: `e.id` is the request's id; the bytes live through the call;
+            // the id is destroyed once, after the reject.
+            unsafe {
+                sys::rdma_reject(e.id, b.as_ptr().cast(), b.len() as u8);
+                sys::rdma_destroy_id(e.id);
+            }
+        }
+    }
+}
+
 /// # Safety
 /// `id` is a live, connected rdma_cm id.
 unsafe fn peer_of(id: *mut sys::rdma_cm_id) -> SocketAddr {
@@ -614,6 +685,65 @@ unsafe fn peer_of(id: *mut sys::rdma_cm_id) -> SocketAddr {
     // SAFETY: an AF_INET address is a sockaddr_in (the union's storage holds it).
     let sin = unsafe { &*(sa as *const libc::sockaddr).cast::<libc::sockaddr_in>() };
     SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)), u16::from_be(sin.sin_port)))
+}
+
+impl RdmaPd {
+    /// One connection attempt to `addr` carrying `msg`: resolves, creates the QP,
+    /// connects, and returns the QP with the event that answered (established or
+    /// rejected, with the listener's private data).
+    fn dial(
+        &self,
+        addr: SocketAddr,
+        send_cq: &RdmaCq,
+        recv_cq: &RdmaCq,
+        opts: &QpOptions,
+        msg: &Msg,
+        deadline: Instant,
+    ) -> Result<(RdmaQp, Event)> {
+        let (ch, id) = new_id()?;
+        // Owns id and channel from here (its Drop tears them down on error).
+        let qp = RdmaQp {
+            id,
+            ch,
+            peer: addr,
+            max_sge: opts.max_sge,
+            max_msg: opts.max_msg_bytes,
+            acct: Arc::new(Acct::new(opts.max_send_wr, opts.max_recv_wr)),
+            _cqs: (send_cq.0.clone(), recv_cq.0.clone()),
+            _pd: self.0.clone(),
+        };
+        let mut sin = sockaddr(addr)?;
+        let ms = deadline.saturating_duration_since(Instant::now()).as_millis().clamp(1, i32::MAX as u128) as i32;
+        // SAFETY: `id` is live; `sin` is valid for the call.
+        if unsafe { sys::rdma_resolve_addr(id, ptr::null_mut(), (&mut sin as *mut libc::sockaddr_in).cast(), ms) } != 0 {
+            return Err(verbs_err("rdma_resolve_addr"));
+        }
+        expect_event(ch, sys::rdma_cm_event_type::RDMA_CM_EVENT_ADDR_RESOLVED, deadline, "address resolution")?;
+        // SAFETY: the address is resolved.
+        if unsafe { sys::rdma_resolve_route(id, ms) } != 0 {
+            return Err(verbs_err("rdma_resolve_route"));
+        }
+        expect_event(ch, sys::rdma_cm_event_type::RDMA_CM_EVENT_ROUTE_RESOLVED, deadline, "route resolution")?;
+        // SAFETY: resolved ids name their device's context.
+        if unsafe { (*id).verbs } != self.0.ctx {
+            return Err(FabricError::InvalidArgument("the peer is reached through another RDMA device than this PD's"));
+        }
+        let mut attr = qp_attr(send_cq, recv_cq, opts);
+        // SAFETY: `id` is on our device; the PD is live.
+        if unsafe { sys::rdma_create_qp(id, self.0.pd, &mut attr) } != 0 {
+            return Err(verbs_err("rdma_create_qp"));
+        }
+        let mut param = conn_param(opts);
+        let b = msg.encode();
+        param.private_data = b.as_ptr().cast();
+        param.private_data_len = b.len() as u8;
+        // SAFETY: `id` has a QP; `param` and the bytes it names are valid for the call.
+        if unsafe { sys::rdma_connect(id, &mut param) } != 0 {
+            return Err(verbs_err("rdma_connect"));
+        }
+        let e = next_event(ch, deadline.saturating_duration_since(Instant::now()))?;
+        Ok((qp, e))
+    }
 }
 
 impl ProtectionDomain for RdmaPd {
@@ -659,7 +789,7 @@ impl ProtectionDomain for RdmaPd {
 
     fn listen(&self, addr: SocketAddr, opts: &QpOptions) -> Result<RdmaListener> {
         let (ch, id) = new_id()?;
-        let mut l = RdmaListener { id, ch, addr, pd: self.clone(), opts: opts.clone() };
+        let mut l = RdmaListener { id, ch, addr, pd: self.clone(), opts: opts.clone(), challenges: Default::default() };
         let mut sin = sockaddr(addr)?;
         let fail = |source| FabricError::Listen { addr, source };
         // SAFETY: `id` is live; `sin` is a valid IPv4 sockaddr for the call.
@@ -677,47 +807,37 @@ impl ProtectionDomain for RdmaPd {
     }
 
     fn connect(&self, addr: SocketAddr, send_cq: &RdmaCq, recv_cq: &RdmaCq, opts: &QpOptions) -> Result<RdmaQp> {
+        use sys::rdma_cm_event_type::{RDMA_CM_EVENT_ESTABLISHED as ESTABLISHED, RDMA_CM_EVENT_REJECTED as REJECTED};
         let deadline = Instant::now() + opts.connect_timeout;
-        let (ch, id) = new_id()?;
-        // Owns id and channel from here (its Drop tears them down on error).
-        let qp = RdmaQp {
-            id,
-            ch,
-            peer: addr,
-            max_sge: opts.max_sge,
-            max_msg: opts.max_msg_bytes,
-            acct: Arc::new(Acct::new(opts.max_send_wr, opts.max_recv_wr)),
-            _cqs: (send_cq.0.clone(), recv_cq.0.clone()),
-            _pd: self.0.clone(),
+        let peer = addr.to_string();
+        let auth = |reason| FabricError::AuthFailed { peer: peer.clone(), reason };
+        let unexpected = |e: &Event| FabricError::Connect {
+            peer: peer.clone(),
+            stage: "the handshake",
+            source: io::Error::other(format!("rdma_cm event {} (status {})", e.kind, e.status)),
         };
-        let mut sin = sockaddr(addr)?;
-        let ms = opts.connect_timeout.as_millis().clamp(1, i32::MAX as u128) as i32;
-        // SAFETY: `id` is live; `sin` is valid for the call.
-        if unsafe { sys::rdma_resolve_addr(id, ptr::null_mut(), (&mut sin as *mut libc::sockaddr_in).cast(), ms) } != 0 {
-            return Err(verbs_err("rdma_resolve_addr"));
+        // 1. Hello: answered by a challenge (see handshake.rs).
+        let nonce_c = eps_fabric::auth::nonce().map_err(FabricError::Engine)?;
+        let (first, e) = self.dial(addr, send_cq, recv_cq, opts, &Msg::Hello { nonce_c }, deadline)?;
+        drop(first);
+        let nonce_s = match (e.kind, Msg::decode(&e.private)) {
+            (REJECTED, Some(Msg::Challenge { nonce_s })) => nonce_s,
+            (REJECTED, Some(Msg::Denied)) => return Err(auth("the listener refused the connection")),
+            (ESTABLISHED, _) => return Err(auth("the listener accepted without the handshake")),
+            _ => return Err(unexpected(&e)),
+        };
+        // 2. The proof; the listener's comes back with its accept.
+        let proof_c = handshake::proof_c(&opts.secret, &nonce_c, &nonce_s);
+        let (qp, e) = self.dial(addr, send_cq, recv_cq, opts, &Msg::Proof { nonce_s, proof_c }, deadline)?;
+        let want = handshake::proof_s(&opts.secret, &nonce_c, &nonce_s);
+        match (e.kind, Msg::decode(&e.private)) {
+            (ESTABLISHED, Some(Msg::Accepted { proof_s })) if eps_fabric::auth::proofs_equal(&proof_s, &want) => {
+                qp.attach();
+                Ok(qp)
+            }
+            (ESTABLISHED, _) => Err(auth("the listener did not prove the job secret")),
+            (REJECTED, Some(Msg::Denied)) => Err(auth("the listener refused the proof (a different job secret?)")),
+            _ => Err(unexpected(&e)),
         }
-        expect_event(ch, sys::rdma_cm_event_type::RDMA_CM_EVENT_ADDR_RESOLVED, deadline, "address resolution")?;
-        // SAFETY: the address is resolved.
-        if unsafe { sys::rdma_resolve_route(id, ms) } != 0 {
-            return Err(verbs_err("rdma_resolve_route"));
-        }
-        expect_event(ch, sys::rdma_cm_event_type::RDMA_CM_EVENT_ROUTE_RESOLVED, deadline, "route resolution")?;
-        // SAFETY: resolved ids name their device's context.
-        if unsafe { (*id).verbs } != self.0.ctx {
-            return Err(FabricError::InvalidArgument("the peer is reached through another RDMA device than this PD's"));
-        }
-        let mut attr = qp_attr(send_cq, recv_cq, opts);
-        // SAFETY: `id` is on our device; the PD is live.
-        if unsafe { sys::rdma_create_qp(id, self.0.pd, &mut attr) } != 0 {
-            return Err(verbs_err("rdma_create_qp"));
-        }
-        let mut param = conn_param(opts);
-        // SAFETY: `id` has a QP; `param` is valid for the call.
-        if unsafe { sys::rdma_connect(id, &mut param) } != 0 {
-            return Err(verbs_err("rdma_connect"));
-        }
-        expect_event(ch, sys::rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED, deadline, "establishing")?;
-        qp.attach();
-        Ok(qp)
     }
 }
