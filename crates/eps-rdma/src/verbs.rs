@@ -525,6 +525,9 @@ fn conn_param(o: &QpOptions) -> sys::rdma_conn_param {
     p
 }
 
+/// A challenge given out: (nonce_s, the dialer's nonce_c, when).
+type Challenge = ([u8; 16], [u8; 16], Instant);
+
 /// An rdma_cm listener.
 #[derive(Debug)]
 pub struct RdmaListener {
@@ -533,8 +536,8 @@ pub struct RdmaListener {
     addr: SocketAddr,
     pd: RdmaPd,
     opts: QpOptions,
-    /// Challenges given out and not answered yet: (nonce_s, nonce_c, when).
-    challenges: std::sync::Mutex<std::collections::VecDeque<([u8; 16], [u8; 16], Instant)>>,
+    /// Challenges given out and not answered yet.
+    challenges: std::sync::Mutex<std::collections::VecDeque<Challenge>>,
 }
 
 // SAFETY: the listener's id and channel are used by one accept at a time (&self
