@@ -490,6 +490,18 @@ fn expect_event(ch: *mut sys::rdma_event_channel, want: u32, deadline: Instant, 
     Ok(e)
 }
 
+/// The QP's ACK timeout exponent (4.096 us x 2^16: about 0.27 s; a vanished peer
+/// is declared after 7 retries, about 2 s), set before the QP is connected.
+const ACK_TIMEOUT: u8 = 16;
+
+fn set_ack_timeout(id: *mut sys::rdma_cm_id) {
+    let mut t = ACK_TIMEOUT;
+    // SAFETY: `id` is live; the option is one byte (RDMA_OPTION_ID = 0,
+    // RDMA_OPTION_ID_ACK_TIMEOUT = 3 in rdma_cma.h). A kernel without the option
+    // keeps its default.
+    unsafe { sys::rdma_set_option(id, 0, 3, (&mut t as *mut u8).cast(), 1) };
+}
+
 fn sockaddr(a: SocketAddr) -> Result<libc::sockaddr_in> {
     let SocketAddr::V4(v4) = a else { return Err(FabricError::InvalidArgument("rdma needs an IPv4 address")) };
     Ok(libc::sockaddr_in {
@@ -594,6 +606,7 @@ impl Listener for RdmaListener {
         if unsafe { sys::rdma_migrate_id(id, ch) } != 0 {
             return Err(verbs_err("rdma_migrate_id"));
         }
+        set_ack_timeout(id);
         let mut attr = qp_attr(send_cq, recv_cq, &self.opts);
         // SAFETY: `id` is bound to our device (the listener's address); the PD is live.
         if unsafe { sys::rdma_create_qp(id, self.pd.0.pd, &mut attr) } != 0 {
@@ -722,6 +735,7 @@ impl RdmaPd {
             return Err(verbs_err("rdma_resolve_addr"));
         }
         expect_event(ch, sys::rdma_cm_event_type::RDMA_CM_EVENT_ADDR_RESOLVED, deadline, "address resolution")?;
+        set_ack_timeout(id);
         // SAFETY: the address is resolved.
         if unsafe { sys::rdma_resolve_route(id, ms) } != 0 {
             return Err(verbs_err("rdma_resolve_route"));
