@@ -337,6 +337,8 @@ enum BenchCmd {
         size: u64,
         #[arg(long)]
         depth: u32,
+        #[arg(long, default_value = "soft")]
+        transport: String,
     },
 }
 
@@ -596,16 +598,16 @@ fn bench_agg(a: AggArgs) -> Result<(), String> {
 }
 
 fn bench_fabric(a: FabricArgs) -> Result<(), String> {
-    eps::rdma::transport(&a.transport)?;
+    let transport = eps::rdma::transport(&a.transport)?;
     let cfg = FabricBench { op: a.op, size: a.size, iters: a.iters, depth: a.depth };
     let op = format!("{:?}", a.op).to_lowercase();
     eprintln!(
-        "eps bench fabric: op={op} size={} iters={} depth={} transport=soft (peer process on 127.0.0.1)",
+        "eps bench fabric: op={op} size={} iters={} depth={} transport={transport} (peer process on this machine)",
         format_size(a.size),
         a.iters,
         a.depth
     );
-    let r = fabric::run(&cfg).map_err(|e| error_chain(&e))?;
+    let r = if transport == "rdma" { fabric::run_rdma(&cfg) } else { fabric::run(&cfg) }.map_err(|e| error_chain(&e))?;
     println!(
         "{:<10} {:>10} {:>8} {:>6} {:>10} {:>10} {:>10} {:>10}",
         "op", "size", "iters", "depth", "GB/s", "p50 us", "p99 us", "max us"
@@ -627,7 +629,7 @@ fn bench_fabric(a: FabricArgs) -> Result<(), String> {
             .int("size_bytes", a.size)
             .int("iters", a.iters)
             .int("depth", a.depth as u64)
-            .str("transport", "soft")
+            .str("transport", transport)
             .num("bw_gbytes_per_s", r.bw_gbytes_per_s)
             .num("lat_us_p50", r.lat_us_p50)
             .num("lat_us_p99", r.lat_us_p99)
@@ -675,7 +677,9 @@ fn main() -> ExitCode {
         Cmd::Scale { control, servers, workers } => eps::roles::scale(control, servers, workers),
         Cmd::Bench(BenchCmd::Fabric(a)) => bench_fabric(a),
         Cmd::Bench(BenchCmd::Agg(a)) => bench_agg(a),
-        Cmd::Bench(BenchCmd::FabricPeer { op, size, depth }) => fabric::run_peer(op, size, depth).map_err(|e| error_chain(&e)),
+        Cmd::Bench(BenchCmd::FabricPeer { op, size, depth, transport }) => {
+            fabric::run_peer(op, size, depth, &transport).map_err(|e| error_chain(&e))
+        }
     };
     match res {
         Ok(()) => ExitCode::SUCCESS,

@@ -89,33 +89,56 @@ pub fn devices(_named: &Named, _json: bool) -> Result<(), String> {
         .into())
 }
 
-/// Why the `rdma` transport cannot carry data in this build: no usable device (the
-/// error says what was found), or the build lacks it, or its data path is not
-/// written yet.
-fn rdma_unavailable() -> String {
-    #[cfg(feature = "rdma")]
-    {
-        match eps_rdma::DeviceChoice::default().with_env().and_then(|c| eps_rdma::select(&c)) {
-            Err(e) => e.to_string(),
-            Ok(s) => format!("{s}; but the rdma provider's data path is not in this version"),
-        }
-    }
-    #[cfg(not(feature = "rdma"))]
-    {
-        "this eps was built without RDMA support (the `rdma` feature)".to_string()
-    }
+/// The selected RDMA device (flags are not taken here; the `EPS_RDMA_*`
+/// variables are), logged; or why none can be used.
+#[cfg(feature = "rdma")]
+fn rdma_selection() -> Result<eps_rdma::Selection, String> {
+    eps_rdma::DeviceChoice::default().with_env().and_then(|c| eps_rdma::select(&c)).map_err(|e| e.to_string())
+}
+
+#[cfg(not(feature = "rdma"))]
+fn rdma_selection() -> Result<std::convert::Infallible, String> {
+    Err("this eps was built without RDMA support (the `rdma` feature)".to_string())
+}
+
+/// A protection domain on the selected RDMA device and the IPv4 address of its
+/// GID (where the benchmark's peer listens), for `eps bench fabric`.
+#[cfg(feature = "rdma")]
+pub fn bench_pd() -> Result<(eps_rdma::RdmaPd, std::net::IpAddr), String> {
+    let sel = rdma_selection()?;
+    eprintln!("eps: {sel}");
+    let ip = sel.gid.addr().to_ipv4_mapped().ok_or_else(|| {
+        format!("the selected GID {} is not an IPv4 address; name an IPv4 RoCE v2 GID with EPS_RDMA_GID_INDEX", sel.gid.addr())
+    })?;
+    let dev = eps_rdma::RdmaDevice::open(&sel.device).map_err(|e| e.to_string())?;
+    Ok((dev.alloc_pd().map_err(|e| e.to_string())?, ip.into()))
+}
+
+/// Without the `rdma` feature: says how to get it.
+#[cfg(not(feature = "rdma"))]
+pub fn bench_pd() -> Result<(eps_fabric::soft::SoftPd, std::net::IpAddr), String> {
+    rdma_selection().map(|never| match never {})
 }
 
 /// Resolves `--transport auto|soft|rdma` to the provider that runs: `auto` takes
-/// rdma when it can carry data, else soft, and says which and why.
+/// rdma when a device is usable, else soft, and says which and why.
 pub fn transport(requested: &str) -> Result<&'static str, String> {
     match requested {
         "soft" => Ok("soft"),
-        "rdma" => Err(format!("--transport rdma: {}; use --transport soft (userspace verbs over TCP)", rdma_unavailable())),
-        "auto" => {
-            eprintln!("eps: --transport auto: using soft ({})", rdma_unavailable());
-            Ok("soft")
-        }
+        "rdma" => match rdma_selection() {
+            Ok(_) => Ok("rdma"),
+            Err(e) => Err(format!("--transport rdma: {e}; use --transport soft (userspace verbs over TCP)")),
+        },
+        "auto" => match rdma_selection() {
+            Ok(s) => {
+                eprintln!("eps: --transport auto: using rdma ({s})");
+                Ok("rdma")
+            }
+            Err(e) => {
+                eprintln!("eps: --transport auto: using soft ({e})");
+                Ok("soft")
+            }
+        },
         other => Err(format!("unknown transport {other:?}: use auto, soft or rdma")),
     }
 }

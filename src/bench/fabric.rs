@@ -1,12 +1,14 @@
 //! `eps bench fabric`: perftest-style bandwidth and latency of one fabric operation
-//! between this process and a peer process it starts on 127.0.0.1.
+//! between this process and a peer process it starts on this machine: over the
+//! `soft` provider on 127.0.0.1, or over the `rdma` provider at the selected RDMA
+//! device's address (the code is generic over the provider).
 //!
 //! Latency is the full operation latency: from posting one signaled operation to its
 //! completion at the initiator. For a WRITE that includes the target's
 //! acknowledgement, so it is a round trip; it is not halved.
 
 use std::io::{BufRead, BufReader};
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -67,6 +69,9 @@ pub enum BenchError {
     /// The configuration cannot be run.
     #[error("invalid benchmark configuration: {0}")]
     Config(&'static str),
+    /// The transport cannot be used.
+    #[error("{0}")]
+    Transport(String),
 }
 
 /// Parameters of one run.
@@ -151,11 +156,12 @@ impl Drop for PeerProcess {
 }
 
 /// Starts the peer process and returns it with its address and region.
-fn start_peer(cfg: &FabricBench, secret: &str) -> Result<(PeerProcess, SocketAddr, RemoteAddr), BenchError> {
+fn start_peer(cfg: &FabricBench, secret: &str, transport: &str) -> Result<(PeerProcess, SocketAddr, RemoteAddr), BenchError> {
     let exe =
         std::env::current_exe().map_err(|e| BenchError::Peer { what: "cannot find the eps executable", source: Some(e) })?;
     let mut child = Command::new(exe)
         .args(["bench", "fabric-peer", "--op", cfg.op.name(), "--size", &cfg.size.to_string(), "--depth", &cfg.depth.to_string()])
+        .args(["--transport", transport])
         .env(SECRET_ENV, secret)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -173,23 +179,30 @@ fn start_peer(cfg: &FabricBench, secret: &str) -> Result<(PeerProcess, SocketAdd
     if f.next() != Some(READY) {
         return Err(bad());
     }
-    let port: u16 = f.next().and_then(|x| x.parse().ok()).ok_or_else(bad)?;
+    let at: SocketAddr = f.next().and_then(|x| x.parse().ok()).ok_or_else(bad)?;
     let addr: u64 = f.next().and_then(|x| x.parse().ok()).ok_or_else(bad)?;
     let rkey: u32 = f.next().and_then(|x| x.parse().ok()).ok_or_else(bad)?;
-    Ok((peer, SocketAddr::from(([127, 0, 0, 1], port)), RemoteAddr { addr, rkey }))
+    Ok((peer, at, RemoteAddr { addr, rkey }))
 }
 
-/// The peer side: registers a region, accepts one QP, serves until it closes.
-pub fn run_peer(op: Op, size: u64, depth: u32) -> Result<(), BenchError> {
+/// The peer side over `transport`: registers a region, accepts one QP, serves
+/// until it closes.
+pub fn run_peer(op: Op, size: u64, depth: u32, transport: &str) -> Result<(), BenchError> {
+    if transport == "rdma" {
+        let (pd, ip) = crate::rdma::bench_pd().map_err(BenchError::Transport)?;
+        return peer_on(pd, ip, op, size, depth);
+    }
+    peer_on(SoftDevice::open()?.alloc_pd(), IpAddr::from([127, 0, 0, 1]), op, size, depth)
+}
+
+fn peer_on<P: ProtectionDomain>(pd: P, ip: IpAddr, op: Op, size: u64, depth: u32) -> Result<(), BenchError> {
     let cfg = FabricBench { op, size, iters: 1, depth };
     let len = cfg.validate()?;
     let secret = std::env::var(SECRET_ENV).map_err(|_| BenchError::Config("the peer needs EPS_JOB_SECRET in its environment"))?;
-    let dev = SoftDevice::open()?;
-    let pd = dev.alloc_pd();
     let mr = pd.alloc_mr(len as usize, Access::ALL)?;
     let cq = pd.create_cq(depth * 4 + 16)?;
-    let l = pd.listen(SocketAddr::from(([127, 0, 0, 1], 0)), &cfg.opts(Secret::new(secret)?))?;
-    println!("{READY} {} {} {}", l.local_addr().port(), mr.addr(), mr.rkey());
+    let l = pd.listen(SocketAddr::new(ip, 0), &cfg.opts(Secret::new(secret)?))?;
+    println!("{READY} {} {} {}", l.local_addr(), mr.addr(), mr.rkey());
     let qp = l.accept(&cq, &cq, Duration::from_secs(30))?;
     let sg = [Sge::whole(&mr)];
     if op == Op::Send {
@@ -218,13 +231,22 @@ pub fn run_peer(op: Op, size: u64, depth: u32) -> Result<(), BenchError> {
     }
 }
 
-/// Runs the benchmark against a fresh peer process.
+/// Runs the benchmark over the `soft` provider against a fresh peer process.
 pub fn run(cfg: &FabricBench) -> Result<FabricReport, BenchError> {
+    run_on(SoftDevice::open()?.alloc_pd(), cfg, "soft")
+}
+
+/// Runs the benchmark over the `rdma` provider (the selected device) against a
+/// fresh peer process on the same device.
+pub fn run_rdma(cfg: &FabricBench) -> Result<FabricReport, BenchError> {
+    let (pd, _) = crate::rdma::bench_pd().map_err(BenchError::Transport)?;
+    run_on(pd, cfg, "rdma")
+}
+
+fn run_on<P: ProtectionDomain>(pd: P, cfg: &FabricBench, transport: &str) -> Result<FabricReport, BenchError> {
     let len = cfg.validate()?;
     let secret = random_secret()?;
-    let (_peer, addr, remote) = start_peer(cfg, &secret)?;
-    let dev = SoftDevice::open()?;
-    let pd = dev.alloc_pd();
+    let (_peer, addr, remote) = start_peer(cfg, &secret, transport)?;
     let mr = pd.alloc_mr(len as usize, Access::ALL)?;
     let cq = pd.create_cq(cfg.depth * 2 + 16)?;
     let qp = pd.connect(addr, &cq, &cq, &cfg.opts(Secret::new(secret)?))?;
@@ -235,10 +257,10 @@ pub fn run(cfg: &FabricBench) -> Result<FabricReport, BenchError> {
     };
     let sg = [Sge::whole(&mr)];
     let warmup = (cfg.iters / 10).clamp(1, 1000);
-    drive(&qp, &cq, op, &sg, cfg, warmup, None)?;
+    drive::<P>(&qp, &cq, op, &sg, cfg, warmup, None)?;
     let mut hist = Histogram::<u64>::new_with_bounds(1, 600_000_000_000, 3).expect("valid histogram bounds");
     let start = Instant::now();
-    drive(&qp, &cq, op, &sg, cfg, cfg.iters, Some(&mut hist))?;
+    drive::<P>(&qp, &cq, op, &sg, cfg, cfg.iters, Some(&mut hist))?;
     let elapsed = start.elapsed();
     let us = |q: f64| hist.value_at_quantile(q) as f64 / 1e3;
     Ok(FabricReport {
@@ -253,11 +275,11 @@ pub fn run(cfg: &FabricBench) -> Result<FabricReport, BenchError> {
 
 /// Keeps `cfg.depth` operations in flight until `iters` have completed, recording
 /// each one's post-to-completion latency.
-fn drive(
-    qp: &SoftQp,
-    cq: &SoftCq,
+fn drive<P: ProtectionDomain>(
+    qp: &P::Qp,
+    cq: &P::Cq,
     op: SendOp,
-    sg: &[Sge<'_, SoftMr>],
+    sg: &[Sge<'_, P::Mr>],
     cfg: &FabricBench,
     iters: u64,
     mut hist: Option<&mut Histogram<u64>>,
