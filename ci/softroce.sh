@@ -85,6 +85,10 @@ check eps_rdma_devices_json sh -c "\"$dir/eps\" rdma devices --json | grep -q '\
 for op in write read send; do
     check "eps_bench_fabric_rdma_$op" "$dir/eps" bench fabric --transport rdma --op "$op" --size 64KiB --iters 200 --depth 4 --json
 done
+# Named choices, `auto`, and a device that does not exist (the error lists rxe0).
+check eps_bench_fabric_rdma_named "$dir/eps" bench fabric --transport rdma --rdma-device rxe0 --rdma-port 1 --gid-index 1 --size 4KiB --iters 50
+check eps_bench_fabric_auto_is_rdma sh -c '"$0" bench fabric --transport auto --size 4KiB --iters 50 --json | grep -q "\"transport\":\"rdma\""' "$dir/eps"
+check eps_rdma_unknown_device sh -c 'out=$("$0" bench fabric --transport rdma --rdma-device nosuch 2>&1); test $? -ne 0 && echo "$out" | grep -q rxe0' "$dir/eps"
 # Conformance cases the rdma provider does not pass yet: the responder's
 # message-size limit, and a vanished peer (on rxe no completion at all arrives
 # within the suite's 20 s). Listed here, and skipped, until then;

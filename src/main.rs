@@ -339,6 +339,12 @@ enum BenchCmd {
         depth: u32,
         #[arg(long, default_value = "soft")]
         transport: String,
+        #[arg(long)]
+        rdma_device: Option<String>,
+        #[arg(long)]
+        rdma_port: Option<u8>,
+        #[arg(long)]
+        gid_index: Option<u32>,
     },
 }
 
@@ -361,6 +367,17 @@ struct FabricArgs {
     /// `auto` (rdma when usable, else soft; it says which).
     #[arg(long, default_value = "soft")]
     transport: String,
+    /// RDMA device for `--transport rdma|auto` (default: the first with an active
+    /// port; `eps rdma devices` lists them). Also EPS_RDMA_DEVICE.
+    #[arg(long)]
+    rdma_device: Option<String>,
+    /// Port of the RDMA device (default: its first active port). Also EPS_RDMA_PORT.
+    #[arg(long)]
+    rdma_port: Option<u8>,
+    /// GID index (default: the first RoCE v2 GID with an IPv4 address on Ethernet,
+    /// 0 on InfiniBand). Also EPS_RDMA_GID_INDEX.
+    #[arg(long)]
+    gid_index: Option<u32>,
     /// Also print one JSON object with the results as the last line of stdout.
     #[arg(long)]
     json: bool,
@@ -598,7 +615,8 @@ fn bench_agg(a: AggArgs) -> Result<(), String> {
 }
 
 fn bench_fabric(a: FabricArgs) -> Result<(), String> {
-    let transport = eps::rdma::transport(&a.transport)?;
+    let named = eps::rdma::Named { device: a.rdma_device.clone(), port: a.rdma_port, gid_index: a.gid_index };
+    let transport = eps::rdma::transport(&a.transport, &named)?;
     let cfg = FabricBench { op: a.op, size: a.size, iters: a.iters, depth: a.depth };
     let op = format!("{:?}", a.op).to_lowercase();
     eprintln!(
@@ -607,7 +625,7 @@ fn bench_fabric(a: FabricArgs) -> Result<(), String> {
         a.iters,
         a.depth
     );
-    let r = if transport == "rdma" { fabric::run_rdma(&cfg) } else { fabric::run(&cfg) }.map_err(|e| error_chain(&e))?;
+    let r = if transport == "rdma" { fabric::run_rdma(&cfg, &named) } else { fabric::run(&cfg) }.map_err(|e| error_chain(&e))?;
     println!(
         "{:<10} {:>10} {:>8} {:>6} {:>10} {:>10} {:>10} {:>10}",
         "op", "size", "iters", "depth", "GB/s", "p50 us", "p99 us", "max us"
@@ -677,8 +695,9 @@ fn main() -> ExitCode {
         Cmd::Scale { control, servers, workers } => eps::roles::scale(control, servers, workers),
         Cmd::Bench(BenchCmd::Fabric(a)) => bench_fabric(a),
         Cmd::Bench(BenchCmd::Agg(a)) => bench_agg(a),
-        Cmd::Bench(BenchCmd::FabricPeer { op, size, depth, transport }) => {
-            fabric::run_peer(op, size, depth, &transport).map_err(|e| error_chain(&e))
+        Cmd::Bench(BenchCmd::FabricPeer { op, size, depth, transport, rdma_device, rdma_port, gid_index }) => {
+            let named = eps::rdma::Named { device: rdma_device, port: rdma_port, gid_index };
+            fabric::run_peer(op, size, depth, &transport, &named).map_err(|e| error_chain(&e))
         }
     };
     match res {

@@ -2,7 +2,7 @@
 //! and the choice `--transport rdma` makes (built with the `rdma` feature).
 
 /// What the operator named: device, port, GID index (the rest is chosen).
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Named {
     /// `--rdma-device`.
     pub device: Option<String>,
@@ -89,23 +89,43 @@ pub fn devices(_named: &Named, _json: bool) -> Result<(), String> {
         .into())
 }
 
-/// The selected RDMA device (flags are not taken here; the `EPS_RDMA_*`
-/// variables are), logged; or why none can be used.
+impl Named {
+    /// The flags that name the same choice, for a child process.
+    pub fn args(&self) -> Vec<String> {
+        let mut v = Vec::new();
+        if let Some(d) = &self.device {
+            v.extend(["--rdma-device".to_string(), d.clone()]);
+        }
+        if let Some(p) = self.port {
+            v.extend(["--rdma-port".to_string(), p.to_string()]);
+        }
+        if let Some(g) = self.gid_index {
+            v.extend(["--gid-index".to_string(), g.to_string()]);
+        }
+        v
+    }
+}
+
+/// The RDMA device selected for what `named` names (the `EPS_RDMA_*` variables
+/// fill what it leaves open); or why none can be used.
 #[cfg(feature = "rdma")]
-fn rdma_selection() -> Result<eps_rdma::Selection, String> {
-    eps_rdma::DeviceChoice::default().with_env().and_then(|c| eps_rdma::select(&c)).map_err(|e| e.to_string())
+fn rdma_selection(named: &Named) -> Result<eps_rdma::Selection, String> {
+    eps_rdma::DeviceChoice { device: named.device.clone(), port: named.port, gid_index: named.gid_index }
+        .with_env()
+        .and_then(|c| eps_rdma::select(&c))
+        .map_err(|e| e.to_string())
 }
 
 #[cfg(not(feature = "rdma"))]
-fn rdma_selection() -> Result<std::convert::Infallible, String> {
+fn rdma_selection(_named: &Named) -> Result<std::convert::Infallible, String> {
     Err("this eps was built without RDMA support (the `rdma` feature)".to_string())
 }
 
 /// A protection domain on the selected RDMA device and the IPv4 address of its
 /// GID (where the benchmark's peer listens), for `eps bench fabric`.
 #[cfg(feature = "rdma")]
-pub fn bench_pd() -> Result<(eps_rdma::RdmaPd, std::net::IpAddr), String> {
-    let sel = rdma_selection()?;
+pub fn bench_pd(named: &Named) -> Result<(eps_rdma::RdmaPd, std::net::IpAddr), String> {
+    let sel = rdma_selection(named)?;
     eprintln!("eps: {sel}");
     let ip = sel.gid.addr().to_ipv4_mapped().ok_or_else(|| {
         format!("the selected GID {} is not an IPv4 address; name an IPv4 RoCE v2 GID with EPS_RDMA_GID_INDEX", sel.gid.addr())
@@ -116,20 +136,20 @@ pub fn bench_pd() -> Result<(eps_rdma::RdmaPd, std::net::IpAddr), String> {
 
 /// Without the `rdma` feature: says how to get it.
 #[cfg(not(feature = "rdma"))]
-pub fn bench_pd() -> Result<(eps_fabric::soft::SoftPd, std::net::IpAddr), String> {
-    rdma_selection().map(|never| match never {})
+pub fn bench_pd(named: &Named) -> Result<(eps_fabric::soft::SoftPd, std::net::IpAddr), String> {
+    rdma_selection(named).map(|never| match never {})
 }
 
 /// Resolves `--transport auto|soft|rdma` to the provider that runs: `auto` takes
 /// rdma when a device is usable, else soft, and says which and why.
-pub fn transport(requested: &str) -> Result<&'static str, String> {
+pub fn transport(requested: &str, named: &Named) -> Result<&'static str, String> {
     match requested {
         "soft" => Ok("soft"),
-        "rdma" => match rdma_selection() {
+        "rdma" => match rdma_selection(named) {
             Ok(_) => Ok("rdma"),
             Err(e) => Err(format!("--transport rdma: {e}; use --transport soft (userspace verbs over TCP)")),
         },
-        "auto" => match rdma_selection() {
+        "auto" => match rdma_selection(named) {
             Ok(s) => {
                 eprintln!("eps: --transport auto: using rdma ({s})");
                 Ok("rdma")

@@ -156,12 +156,18 @@ impl Drop for PeerProcess {
 }
 
 /// Starts the peer process and returns it with its address and region.
-fn start_peer(cfg: &FabricBench, secret: &str, transport: &str) -> Result<(PeerProcess, SocketAddr, RemoteAddr), BenchError> {
+fn start_peer(
+    cfg: &FabricBench,
+    secret: &str,
+    transport: &str,
+    named: &crate::rdma::Named,
+) -> Result<(PeerProcess, SocketAddr, RemoteAddr), BenchError> {
     let exe =
         std::env::current_exe().map_err(|e| BenchError::Peer { what: "cannot find the eps executable", source: Some(e) })?;
     let mut child = Command::new(exe)
         .args(["bench", "fabric-peer", "--op", cfg.op.name(), "--size", &cfg.size.to_string(), "--depth", &cfg.depth.to_string()])
         .args(["--transport", transport])
+        .args(named.args())
         .env(SECRET_ENV, secret)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -187,9 +193,9 @@ fn start_peer(cfg: &FabricBench, secret: &str, transport: &str) -> Result<(PeerP
 
 /// The peer side over `transport`: registers a region, accepts one QP, serves
 /// until it closes.
-pub fn run_peer(op: Op, size: u64, depth: u32, transport: &str) -> Result<(), BenchError> {
+pub fn run_peer(op: Op, size: u64, depth: u32, transport: &str, named: &crate::rdma::Named) -> Result<(), BenchError> {
     if transport == "rdma" {
-        let (pd, ip) = crate::rdma::bench_pd().map_err(BenchError::Transport)?;
+        let (pd, ip) = crate::rdma::bench_pd(named).map_err(BenchError::Transport)?;
         return peer_on(pd, ip, op, size, depth);
     }
     peer_on(SoftDevice::open()?.alloc_pd(), IpAddr::from([127, 0, 0, 1]), op, size, depth)
@@ -233,20 +239,25 @@ fn peer_on<P: ProtectionDomain>(pd: P, ip: IpAddr, op: Op, size: u64, depth: u32
 
 /// Runs the benchmark over the `soft` provider against a fresh peer process.
 pub fn run(cfg: &FabricBench) -> Result<FabricReport, BenchError> {
-    run_on(SoftDevice::open()?.alloc_pd(), cfg, "soft")
+    run_on(SoftDevice::open()?.alloc_pd(), cfg, "soft", &crate::rdma::Named::default())
 }
 
 /// Runs the benchmark over the `rdma` provider (the selected device) against a
 /// fresh peer process on the same device.
-pub fn run_rdma(cfg: &FabricBench) -> Result<FabricReport, BenchError> {
-    let (pd, _) = crate::rdma::bench_pd().map_err(BenchError::Transport)?;
-    run_on(pd, cfg, "rdma")
+pub fn run_rdma(cfg: &FabricBench, named: &crate::rdma::Named) -> Result<FabricReport, BenchError> {
+    let (pd, _) = crate::rdma::bench_pd(named).map_err(BenchError::Transport)?;
+    run_on(pd, cfg, "rdma", named)
 }
 
-fn run_on<P: ProtectionDomain>(pd: P, cfg: &FabricBench, transport: &str) -> Result<FabricReport, BenchError> {
+fn run_on<P: ProtectionDomain>(
+    pd: P,
+    cfg: &FabricBench,
+    transport: &str,
+    named: &crate::rdma::Named,
+) -> Result<FabricReport, BenchError> {
     let len = cfg.validate()?;
     let secret = random_secret()?;
-    let (_peer, addr, remote) = start_peer(cfg, &secret, transport)?;
+    let (_peer, addr, remote) = start_peer(cfg, &secret, transport, named)?;
     let mr = pd.alloc_mr(len as usize, Access::ALL)?;
     let cq = pd.create_cq(cfg.depth * 2 + 16)?;
     let qp = pd.connect(addr, &cq, &cq, &cfg.opts(Secret::new(secret)?))?;
