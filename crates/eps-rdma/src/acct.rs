@@ -1,8 +1,10 @@
 //! The provider's software layer over the verbs queues, for what the fabric API
 //! promises and a NIC does not give by itself: queue depths exactly as asked (a
 //! NIC may allocate more; the API answers `QueueFull` at the asked depth), the
-//! opcode of a failed or flushed request (verbs leave it undefined), and
-//! completions for requests refused before the NIC sees them.
+//! opcode of a failed or flushed request (verbs leave it undefined), completions
+//! for requests refused before the NIC sees them, and periodic signaling: in a
+//! long run of unsignaled requests every `depth / 2`-th is signaled inside (its
+//! successful completion is not reported), so their slots come back.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -17,8 +19,10 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// Requests posted on one QP and not completed yet, oldest first.
 #[derive(Debug)]
 pub(crate) struct Acct {
-    /// Send queue: (wr_id, opcode of its completion).
-    send: Mutex<VecDeque<(u64, WcOpcode)>>,
+    /// Send queue: (wr_id, opcode of its completion, signaled only inside).
+    send: Mutex<VecDeque<(u64, WcOpcode, bool)>>,
+    /// Unsignaled requests posted since the last signaled one.
+    run: Mutex<u32>,
     /// Receive queue: wr_ids.
     recv: Mutex<VecDeque<u64>>,
     max_send: u32,
@@ -27,17 +31,21 @@ pub(crate) struct Acct {
 
 impl Acct {
     pub(crate) fn new(max_send: u32, max_recv: u32) -> Self {
-        Self { send: Mutex::new(VecDeque::new()), recv: Mutex::new(VecDeque::new()), max_send, max_recv }
+        Self { send: Mutex::new(VecDeque::new()), recv: Mutex::new(VecDeque::new()), run: Mutex::new(0), max_send, max_recv }
     }
 
-    /// Takes a send-queue slot for `wr_id`, or says the queue is full.
-    pub(crate) fn take_send(&self, wr_id: u64, opcode: WcOpcode) -> Result<()> {
+    /// Takes a send-queue slot for `wr_id`, or says the queue is full. Returns
+    /// whether the request must be signaled (asked, or signaled inside).
+    pub(crate) fn take_send(&self, wr_id: u64, opcode: WcOpcode, signaled: bool) -> Result<bool> {
         let mut q = lock(&self.send);
         if q.len() >= self.max_send as usize {
             return Err(FabricError::QueueFull { queue: "send", depth: self.max_send });
         }
-        q.push_back((wr_id, opcode));
-        Ok(())
+        let mut run = lock(&self.run);
+        let inside = !signaled && *run + 1 >= (self.max_send / 2).max(1);
+        *run = if signaled || inside { 0 } else { *run + 1 };
+        q.push_back((wr_id, opcode, inside));
+        Ok(signaled || inside)
     }
 
     /// Gives back the slot just taken (the post failed).
@@ -62,46 +70,48 @@ impl Acct {
 
     /// A completion of this QP arrived: frees its slot (and, on the send queue,
     /// those of the unsignaled requests posted before it), and for a failed one
-    /// supplies the opcode the NIC left undefined.
-    pub(crate) fn completed(&self, c: &mut Completion) {
+    /// supplies the opcode the NIC left undefined. Returns false for the success
+    /// of a request signaled only inside (not reported).
+    pub(crate) fn completed(&self, c: &mut Completion) -> bool {
         let recv_side = matches!(c.opcode, WcOpcode::Recv | WcOpcode::RecvWithImm);
         if c.status.is_ok() && recv_side {
             let mut q = lock(&self.recv);
             if let Some(i) = q.iter().position(|&w| w == c.wr_id) {
                 q.remove(i);
             }
-            return;
+            return true;
         }
         if c.status.is_ok() {
             let mut q = lock(&self.send);
-            while let Some((w, _)) = q.pop_front() {
+            while let Some((w, _, inside)) = q.pop_front() {
                 if w == c.wr_id {
-                    break;
+                    return !inside;
                 }
             }
-            return;
+            return true;
         }
         // Failed or flushed: the oldest outstanding request of either queue with
         // this wr_id (both queues complete in order).
         let mut s = lock(&self.send);
-        if s.front().is_some_and(|&(w, _)| w == c.wr_id) {
-            let (_, op) = s.pop_front().unwrap_or((0, WcOpcode::Send));
+        if s.front().is_some_and(|&(w, _, _)| w == c.wr_id) {
+            let (_, op, _) = s.pop_front().unwrap_or((0, WcOpcode::Send, false));
             c.opcode = op;
-            return;
+            return true;
         }
         let mut r = lock(&self.recv);
         if r.front() == Some(&c.wr_id) {
             r.pop_front();
             c.opcode = WcOpcode::Recv;
-            return;
+            return true;
         }
-        if let Some(i) = s.iter().position(|&(w, _)| w == c.wr_id) {
-            let (_, op) = s.remove(i).unwrap_or((0, WcOpcode::Send));
+        if let Some(i) = s.iter().position(|&(w, _, _)| w == c.wr_id) {
+            let (_, op, _) = s.remove(i).unwrap_or((0, WcOpcode::Send, false));
             c.opcode = op;
         } else if let Some(i) = r.iter().position(|&w| w == c.wr_id) {
             r.remove(i);
             c.opcode = WcOpcode::Recv;
         }
+        true
     }
 }
 
@@ -136,12 +146,10 @@ impl CqSide {
         lock(&self.qps).remove(&qp_num);
     }
 
-    /// Accounts a completion the NIC delivered.
-    pub(crate) fn completed(&self, c: &mut Completion) {
+    /// Accounts a completion the NIC delivered; false if it is not reported.
+    pub(crate) fn completed(&self, c: &mut Completion) -> bool {
         let acct = lock(&self.qps).get(&c.qp_num).cloned();
-        if let Some(a) = acct {
-            a.completed(c);
-        }
+        acct.is_none_or(|a| a.completed(c))
     }
 }
 
@@ -157,13 +165,13 @@ mod tests {
     fn depths_are_exact_and_a_signaled_completion_frees_the_unsignaled_before_it() {
         let a = Acct::new(3, 1);
         for w in 0..3 {
-            a.take_send(w, WcOpcode::Write).unwrap();
+            assert!(a.take_send(w, WcOpcode::Write, true).unwrap());
         }
-        assert!(matches!(a.take_send(9, WcOpcode::Write), Err(FabricError::QueueFull { queue: "send", depth: 3 })));
-        a.completed(&mut c(1, WcStatus::Success, WcOpcode::Write)); // 0 was unsignaled
-        a.take_send(3, WcOpcode::Send).unwrap();
-        a.take_send(4, WcOpcode::Send).unwrap();
-        assert!(a.take_send(5, WcOpcode::Send).is_err());
+        assert!(matches!(a.take_send(9, WcOpcode::Write, true), Err(FabricError::QueueFull { queue: "send", depth: 3 })));
+        assert!(a.completed(&mut c(1, WcStatus::Success, WcOpcode::Write))); // frees 0 and 1
+        a.take_send(3, WcOpcode::Send, true).unwrap();
+        a.take_send(4, WcOpcode::Send, true).unwrap();
+        assert!(a.take_send(5, WcOpcode::Send, true).is_err());
         a.take_recv(7).unwrap();
         assert!(matches!(a.take_recv(8), Err(FabricError::QueueFull { queue: "receive", depth: 1 })));
         a.completed(&mut c(7, WcStatus::Success, WcOpcode::Recv));
@@ -173,8 +181,8 @@ mod tests {
     #[test]
     fn failed_completions_get_the_opcode_of_their_request() {
         let a = Acct::new(8, 8);
-        a.take_send(1, WcOpcode::Read).unwrap();
-        a.take_send(2, WcOpcode::Send).unwrap();
+        a.take_send(1, WcOpcode::Read, true).unwrap();
+        a.take_send(2, WcOpcode::Send, true).unwrap();
         a.take_recv(2).unwrap();
         // The NIC leaves the opcode of a flushed completion undefined.
         let mut x = c(1, WcStatus::RemoteAccess, WcOpcode::Send);
@@ -186,6 +194,25 @@ mod tests {
         let mut z = c(2, WcStatus::WrFlush, WcOpcode::Write);
         a.completed(&mut z);
         assert_eq!(z.opcode, WcOpcode::Recv);
-        a.take_send(3, WcOpcode::Write).unwrap();
+        a.take_send(3, WcOpcode::Write, true).unwrap();
+    }
+
+    #[test]
+    fn long_unsignaled_runs_are_signaled_inside_and_those_successes_not_reported() {
+        let a = Acct::new(8, 8);
+        // Depth 8: every 4th unsignaled request is signaled inside.
+        let sig: Vec<bool> = (0..8).map(|w| a.take_send(w, WcOpcode::Write, false).unwrap()).collect();
+        assert_eq!(sig, [false, false, false, true, false, false, false, true]);
+        assert!(a.take_send(8, WcOpcode::Write, false).is_err(), "full");
+        // The NIC completes the inside-signaled ones: slots free, nothing reported.
+        assert!(!a.completed(&mut c(3, WcStatus::Success, WcOpcode::Write)));
+        assert!(!a.completed(&mut c(7, WcStatus::Success, WcOpcode::Write)));
+        for w in 8..16 {
+            a.take_send(w, WcOpcode::Write, false).unwrap();
+        }
+        // An error of an inside-signaled request is reported (errors always are).
+        let mut e = c(11, WcStatus::RemoteAccess, WcOpcode::Send);
+        assert!(a.completed(&mut e));
+        assert_eq!(e.opcode, WcOpcode::Write);
     }
 }

@@ -234,9 +234,10 @@ impl CompletionQueue for RdmaCq {
         if n < 0 {
             return Err(FabricError::CqOverrun { depth: self.0.depth });
         }
-        for (o, w) in out.iter_mut().zip(&wc[..n as usize]) {
+        let mut kept = 0;
+        for w in &wc[..n as usize] {
             let with_imm = w.wc_flags & sys::ibv_wc_flags::IBV_WC_WITH_IMM.0 != 0;
-            *o = Completion {
+            let mut c = Completion {
                 wr_id: w.wr_id,
                 status: status(w.status),
                 opcode: opcode(w.opcode),
@@ -245,9 +246,12 @@ impl CompletionQueue for RdmaCq {
                 imm: with_imm.then(|| u32::from_be(unsafe { w.imm_data_invalidated_rkey_union.imm_data })),
                 qp_num: w.qp_num,
             };
-            self.0.side.completed(o);
+            if self.0.side.completed(&mut c) {
+                out[kept] = c;
+                kept += 1;
+            }
         }
-        Ok(made + n as usize)
+        Ok(made + kept)
     }
 
     fn wait(&self, timeout: Duration) {
@@ -280,6 +284,8 @@ pub struct RdmaQp {
     peer: SocketAddr,
     max_sge: u32,
     max_msg: u32,
+    /// Bytes a request may carry inline (0: none).
+    max_inline: u32,
     acct: Arc<Acct>,
     _cqs: (Arc<CqInner>, Arc<CqInner>),
     _pd: Arc<PdInner>,
@@ -381,7 +387,15 @@ impl QueuePair for RdmaQp {
         if total > u64::from(self.max_msg) {
             return self.fail_locally(wr.wr_id, WcStatus::LocalLength, op);
         }
-        self.acct.take_send(wr.wr_id, op)?;
+        if self.acct.take_send(wr.wr_id, op, wr.signaled)? {
+            w.send_flags |= sys::ibv_send_flags::IBV_SEND_SIGNALED.0;
+        }
+        // Small payloads go inline (copied at post time), once their SGEs are
+        // checked to lie inside their regions (the NIC does not check inline data).
+        let inside = wr.sg.iter().all(|s| s.offset + u64::from(s.len) <= s.mr.len() as u64);
+        if op != WcOpcode::Read && total > 0 && total <= u64::from(self.max_inline) && inside {
+            w.send_flags |= sys::ibv_send_flags::IBV_SEND_INLINE.0;
+        }
         let mut bad = ptr::null_mut();
         // SAFETY: the QP is connected; `w` and the SGEs it points to live through
         // the call (verbs copy the request into the send queue).
@@ -526,6 +540,23 @@ fn qp_attr(send: &RdmaCq, recv: &RdmaCq, o: &QpOptions) -> sys::ibv_qp_init_attr
     a
 }
 
+/// Bytes of inline data asked for (the device may give more, or none).
+const INLINE_ASK: u32 = 64;
+
+/// Creates `id`'s QP, with inline data when the device allows it; returns the
+/// inline size it got.
+fn create_qp(id: *mut sys::rdma_cm_id, pd: *mut sys::ibv_pd, send: &RdmaCq, recv: &RdmaCq, o: &QpOptions) -> Result<u32> {
+    for inline in [INLINE_ASK, 0] {
+        let mut attr = qp_attr(send, recv, o);
+        attr.cap.max_inline_data = inline;
+        // SAFETY: `id` is bound to the PD's device; `attr` is valid for the call.
+        if unsafe { sys::rdma_create_qp(id, pd, &mut attr) } == 0 {
+            return Ok(attr.cap.max_inline_data.min(inline));
+        }
+    }
+    Err(verbs_err("rdma_create_qp"))
+}
+
 fn conn_param(o: &QpOptions) -> sys::rdma_conn_param {
     // SAFETY: rdma_conn_param is plain data; zero is a valid value.
     let mut p: sys::rdma_conn_param = unsafe { std::mem::zeroed() };
@@ -607,11 +638,7 @@ impl Listener for RdmaListener {
             return Err(verbs_err("rdma_migrate_id"));
         }
         set_ack_timeout(id);
-        let mut attr = qp_attr(send_cq, recv_cq, &self.opts);
-        // SAFETY: `id` is bound to our device (the listener's address); the PD is live.
-        if unsafe { sys::rdma_create_qp(id, self.pd.0.pd, &mut attr) } != 0 {
-            return Err(verbs_err("rdma_create_qp"));
-        }
+        let max_inline = create_qp(id, self.pd.0.pd, send_cq, recv_cq, &self.opts)?;
         let mut param = conn_param(&self.opts);
         let reply = reply.encode();
         param.private_data = reply.as_ptr().cast();
@@ -629,6 +656,7 @@ impl Listener for RdmaListener {
             peer,
             max_sge: self.opts.max_sge,
             max_msg: self.opts.max_msg_bytes,
+            max_inline,
             acct: Arc::new(Acct::new(self.opts.max_send_wr, self.opts.max_recv_wr)),
             _cqs: (send_cq.0.clone(), recv_cq.0.clone()),
             _pd: self.pd.0.clone(),
@@ -718,12 +746,13 @@ impl RdmaPd {
     ) -> Result<(RdmaQp, Event)> {
         let (ch, id) = new_id()?;
         // Owns id and channel from here (its Drop tears them down on error).
-        let qp = RdmaQp {
+        let mut qp = RdmaQp {
             id,
             ch,
             peer: addr,
             max_sge: opts.max_sge,
             max_msg: opts.max_msg_bytes,
+            max_inline: 0,
             acct: Arc::new(Acct::new(opts.max_send_wr, opts.max_recv_wr)),
             _cqs: (send_cq.0.clone(), recv_cq.0.clone()),
             _pd: self.0.clone(),
@@ -745,11 +774,7 @@ impl RdmaPd {
         if unsafe { (*id).verbs } != self.0.ctx {
             return Err(FabricError::InvalidArgument("the peer is reached through another RDMA device than this PD's"));
         }
-        let mut attr = qp_attr(send_cq, recv_cq, opts);
-        // SAFETY: `id` is on our device; the PD is live.
-        if unsafe { sys::rdma_create_qp(id, self.0.pd, &mut attr) } != 0 {
-            return Err(verbs_err("rdma_create_qp"));
-        }
+        qp.max_inline = create_qp(id, self.0.pd, send_cq, recv_cq, opts)?;
         let mut param = conn_param(opts);
         let b = msg.encode();
         param.private_data = b.as_ptr().cast();

@@ -129,3 +129,70 @@ fn a_queue_pair_writes_reads_and_sends() {
     assert_eq!((c[0].wr_id, c[0].status), (4, WcStatus::RemoteAccess));
     println!("rdma data path on {}: WRITE_WITH_IMM, READ, SEND/RECV and a bad rkey behave", sel.device);
 }
+
+/// A long run of unsignaled small WRITEs (sent inline where the device allows)
+/// on a shallow send queue: the provider signals some inside, so the queue never
+/// stays full, and reports nothing but the one signaled completion at the end.
+#[test]
+fn unsignaled_runs_do_not_fill_the_send_queue() {
+    use std::time::{Duration, Instant};
+
+    use eps_fabric::prelude::*;
+    use eps_rdma::RdmaDevice;
+
+    let require = std::env::var_os("EPS_RDMA_REQUIRE").is_some();
+    let (Ok(addr), Ok(sel)) = (std::env::var("EPS_RDMA_ADDR"), select(&DeviceChoice::default())) else {
+        assert!(!require, "EPS_RDMA_REQUIRE is set but EPS_RDMA_ADDR or a device is missing");
+        println!("skipped: no RDMA device or no EPS_RDMA_ADDR here");
+        return;
+    };
+    let dev = RdmaDevice::open(&sel.device).unwrap();
+    let (a_pd, b_pd) = (dev.alloc_pd().unwrap(), dev.alloc_pd().unwrap());
+    let (a_cq, b_cq) = (a_pd.create_cq(64).unwrap(), b_pd.create_cq(64).unwrap());
+    let mut opts = QpOptions::new(Secret::new("rxe-test").unwrap());
+    opts.max_send_wr = 16;
+    opts.max_recv_wr = 4;
+    let l = b_pd.listen(format!("{addr}:0").parse().unwrap(), &opts).unwrap();
+    let at = l.local_addr();
+    let (a, _b) = std::thread::scope(|s| {
+        let h = s.spawn(|| l.accept(&b_cq, &b_cq, Duration::from_secs(20)).unwrap());
+        (a_pd.connect(at, &a_cq, &a_cq, &opts).unwrap(), h.join().unwrap())
+    });
+    let n = 1000u64;
+    let mut src = a_pd.alloc_mr(8 * n as usize, Access::LOCAL_WRITE).unwrap();
+    for i in 0..n {
+        src.write_at(8 * i as usize, &(i + 1).to_le_bytes());
+    }
+    let dst = b_pd.alloc_mr(8, Access::LOCAL_WRITE | Access::REMOTE_WRITE).unwrap();
+    let mut reported = Vec::new();
+    let mut buf = [Completion::EMPTY; 16];
+    let deadline = Instant::now() + Duration::from_secs(60);
+    for i in 0..n {
+        let sg = [Sge::new(&src, 8 * i, 8)];
+        let wr = SendWr { wr_id: i, op: SendOp::Write(dst.remote(0)), sg: &sg, signaled: i == n - 1 };
+        loop {
+            match a.post_send(&wr) {
+                Ok(()) => break,
+                Err(FabricError::QueueFull { .. }) => {
+                    assert!(Instant::now() < deadline, "the send queue stayed full");
+                    let k = a_cq.poll(&mut buf).unwrap();
+                    reported.extend_from_slice(&buf[..k]);
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+    }
+    while reported.is_empty() {
+        assert!(Instant::now() < deadline, "the last WRITE never completed");
+        let k = a_cq.poll(&mut buf).unwrap();
+        reported.extend_from_slice(&buf[..k]);
+    }
+    std::thread::sleep(Duration::from_millis(20));
+    let k = a_cq.poll(&mut buf).unwrap();
+    reported.extend_from_slice(&buf[..k]);
+    assert_eq!(reported.iter().map(|c| (c.wr_id, c.status)).collect::<Vec<_>>(), [(n - 1, WcStatus::Success)]);
+    let mut v = [0u8; 8];
+    dst.read_at(0, &mut v);
+    assert_eq!(u64::from_le_bytes(v), n, "RC order: the last WRITE's value");
+    println!("rdma: {n} unsignaled WRITEs through a 16-deep send queue, one completion reported");
+}
