@@ -89,21 +89,24 @@ done
 check eps_bench_fabric_rdma_named "$dir/eps" bench fabric --transport rdma --rdma-device rxe0 --rdma-port 1 --gid-index 1 --size 4KiB --iters 50
 check eps_bench_fabric_auto_is_rdma sh -c '"$0" bench fabric --transport auto --size 4KiB --iters 50 --json | grep -q "\"transport\":\"rdma\""' "$dir/eps"
 check eps_rdma_unknown_device sh -c 'out=$("$0" bench fabric --transport rdma --rdma-device nosuch 2>&1); test $? -ne 0 && echo "$out" | grep -q rxe0' "$dir/eps"
-# Conformance cases the rdma provider does not pass yet: the responder's
-# message-size limit (it needs the limits exchanged and the responder's QP failed
-# too), and a vanished peer (rxe in this kernel keeps retransmitting a 16 MiB
-# WRITE to a destroyed QP: no completion in 60 s, the QP stays in RTS; the
-# provider must act on rdma_cm's DISCONNECTED event itself). Listed here, and skipped, until then;
-# every other case runs.
-GAPS="rdma::invalid_request_errors rdma::peer_vanishes_mid_transfer"
+# Conformance cases the rdma provider does not pass here, skipped and listed:
+# invalid_request_errors: its first part (a message over the responder's limit)
+# passes, but rxe answers a SEND longer than the posted receive with a remote
+# operation error, where the suite (and the InfiniBand spec) expect remote invalid
+# request.
+GAPS="rdma::invalid_request_errors"
 for t in "$dir"/checks/*; do
     [ -x "$t" ] || continue
-    skips=""
+    filter=""
     case "$(basename "$t")" in
-        fabric_conformance*) for g in $GAPS; do skips="$skips --skip $g"; done; echo "NOT YET (skipped): $GAPS" ;;
+        fabric_conformance*)
+            # Only the rdma cases (the soft ones run on the host).
+            filter="rdma::"
+            for g in $GAPS; do filter="$filter --skip $g"; done
+            [ -z "$GAPS" ] || echo "NOT YET (skipped): $GAPS" ;;
     esac
     # shellcheck disable=SC2086
-    check "$(basename "$t" | sed 's/-[0-9a-f]*$//')" env EPS_RDMA_REQUIRE=1 EPS_RDMA_ADDR=10.77.0.1 EPS_CONFORMANCE_ADDR=10.77.0.1:0 "$t" --test-threads 1 --nocapture --exact $skips
+    check "$(basename "$t" | sed 's/-[0-9a-f]*$//')" env EPS_RDMA_REQUIRE=1 EPS_RDMA_ADDR=10.77.0.1 EPS_CONFORMANCE_ADDR=10.77.0.1:0 "$t" --test-threads 1 --nocapture $filter
 done
 echo "SOFTROCE FAILURES $fails"
 exit "$fails"

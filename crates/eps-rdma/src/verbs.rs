@@ -171,6 +171,54 @@ struct CqInner {
     ch: *mut sys::ibv_comp_channel,
     depth: u32,
     side: CqSide,
+    /// The connections completing here: QP number -> (rdma_cm event channel, QP),
+    /// watched for a peer's disconnect; and when they were last looked at.
+    watch: std::sync::Mutex<(Instant, std::collections::HashMap<u32, (usize, usize)>)>,
+}
+
+/// How often `poll` looks at the connections' rdma_cm events.
+const WATCH_EVERY: Duration = Duration::from_millis(5);
+
+impl CqInner {
+    /// A peer that disconnected (it closed its QP, or its process ended) fails our
+    /// QP, so that its outstanding requests complete (flushed) instead of being
+    /// retransmitted to nobody, and its receives flush.
+    fn watch_disconnects(&self) {
+        let mut w = self.watch.lock().unwrap_or_else(|p| p.into_inner());
+        if w.0.elapsed() < WATCH_EVERY || w.1.is_empty() {
+            return;
+        }
+        w.0 = Instant::now();
+        for &(ch, qp) in w.1.values() {
+            let ch = ch as *mut sys::rdma_event_channel;
+            // SAFETY: entries are removed (under this lock) before their QP and
+            // channel are destroyed, so both are live here.
+            let fd = unsafe { (*ch).fd };
+            let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+            // SAFETY: one valid pollfd; no wait.
+            if unsafe { libc::poll(&mut p, 1, 0) } <= 0 {
+                continue;
+            }
+            let Ok(e) = next_event(ch, Duration::ZERO) else { continue };
+            use sys::rdma_cm_event_type::*;
+            if matches!(e.kind, RDMA_CM_EVENT_DISCONNECTED | RDMA_CM_EVENT_DEVICE_REMOVAL | RDMA_CM_EVENT_TIMEWAIT_EXIT) {
+                // SAFETY: as above; only the state is modified.
+                unsafe { fail_qp(qp as *mut sys::ibv_qp) };
+            }
+        }
+    }
+}
+
+/// Moves a QP to the error state (its outstanding requests flush).
+///
+/// # Safety
+/// `qp` is a live QP.
+unsafe fn fail_qp(qp: *mut sys::ibv_qp) {
+    // SAFETY: plain data; zero is a valid value.
+    let mut attr: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
+    attr.qp_state = sys::ibv_qp_state::IBV_QPS_ERR;
+    // SAFETY: the caller's promise; only the state is modified.
+    unsafe { sys::ibv_modify_qp(qp, &mut attr, sys::ibv_qp_attr_mask::IBV_QP_STATE.0 as libc::c_int) };
 }
 
 // SAFETY: verbs objects may be used from any thread; libibverbs locks internally.
@@ -223,6 +271,7 @@ fn opcode(o: u32) -> WcOpcode {
 
 impl CompletionQueue for RdmaCq {
     fn poll(&self, out: &mut [Completion]) -> Result<usize> {
+        self.0.watch_disconnects();
         let made = self.0.side.drain(out);
         let out = &mut out[made..];
         const BATCH: usize = 32;
@@ -284,6 +333,8 @@ pub struct RdmaQp {
     peer: SocketAddr,
     max_sge: u32,
     max_msg: u32,
+    /// The largest message the peer accepts (from the handshake).
+    peer_max_msg: u32,
     /// Bytes a request may carry inline (0: none).
     max_inline: u32,
     acct: Arc<Acct>,
@@ -300,8 +351,10 @@ impl Drop for RdmaQp {
     fn drop(&mut self) {
         // SAFETY: the id's QP is live until destroyed below.
         if let Some(n) = unsafe { (*self.id).qp.as_ref() }.map(|q| q.qp_num) {
-            self._cqs.0.side.detach(n);
-            self._cqs.1.side.detach(n);
+            for cq in [&self._cqs.0, &self._cqs.1] {
+                cq.side.detach(n);
+                cq.watch.lock().unwrap_or_else(|p| p.into_inner()).1.remove(&n);
+            }
         }
         // SAFETY: the id, its QP and the channel are ours and torn down once, in
         // this order.
@@ -322,19 +375,20 @@ impl RdmaQp {
     fn fail_locally(&self, wr_id: u64, status: WcStatus, opcode: WcOpcode) -> Result<()> {
         let qp_num = self.qp_num();
         self._cqs.0.side.inject(Completion { wr_id, status, opcode, byte_len: 0, imm: None, qp_num });
-        // SAFETY: plain data; zero is a valid value.
-        let mut attr: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
-        attr.qp_state = sys::ibv_qp_state::IBV_QPS_ERR;
-        // SAFETY: the QP is live; only the state is modified.
-        unsafe { sys::ibv_modify_qp((*self.id).qp, &mut attr, sys::ibv_qp_attr_mask::IBV_QP_STATE.0 as libc::c_int) };
+        // SAFETY: the QP is live.
+        unsafe { fail_qp((*self.id).qp) };
         Ok(())
     }
 
     /// Accounts the QP's requests on its CQs (once it exists).
     fn attach(&self) {
         let n = self.qp_num();
-        self._cqs.0.side.attach(n, self.acct.clone());
-        self._cqs.1.side.attach(n, self.acct.clone());
+        // SAFETY: the id's QP is live.
+        let qp = unsafe { (*self.id).qp } as usize;
+        for cq in [&self._cqs.0, &self._cqs.1] {
+            cq.side.attach(n, self.acct.clone());
+            cq.watch.lock().unwrap_or_else(|p| p.into_inner()).1.insert(n, (self.ch as usize, qp));
+        }
     }
 }
 
@@ -386,6 +440,14 @@ impl QueuePair for RdmaQp {
         }
         if total > u64::from(self.max_msg) {
             return self.fail_locally(wr.wr_id, WcStatus::LocalLength, op);
+        }
+        // More than the peer accepts: its error, as its responder would give it;
+        // the connection is closed so that the peer's QP fails too.
+        if total > u64::from(self.peer_max_msg) {
+            self.fail_locally(wr.wr_id, WcStatus::RemoteInvalidRequest, op)?;
+            // SAFETY: the id is live; the peer sees a disconnect.
+            unsafe { sys::rdma_disconnect(self.id) };
+            return Ok(());
         }
         if self.acct.take_send(wr.wr_id, op, wr.signaled)? {
             w.send_flags |= sys::ibv_send_flags::IBV_SEND_SIGNALED.0;
@@ -568,8 +630,8 @@ fn conn_param(o: &QpOptions) -> sys::rdma_conn_param {
     p
 }
 
-/// A challenge given out: (nonce_s, the dialer's nonce_c, when).
-type Challenge = ([u8; 16], [u8; 16], Instant);
+/// A challenge given out: (nonce_s, the dialer's nonce_c and message limit, when).
+type Challenge = ([u8; 16], [u8; 16], u32, Instant);
 
 /// An rdma_cm listener.
 #[derive(Debug)]
@@ -626,7 +688,7 @@ impl Listener for RdmaListener {
 
     fn accept(&self, send_cq: &RdmaCq, recv_cq: &RdmaCq, timeout: Duration) -> Result<RdmaQp> {
         let deadline = Instant::now() + timeout;
-        let (id, reply) = self.next_proven(deadline)?;
+        let (id, reply, peer_max) = self.next_proven(deadline)?;
         // Its own channel, so its events do not mix with other connections'.
         // SAFETY: creates a channel we own.
         let ch = unsafe { sys::rdma_create_event_channel() };
@@ -656,6 +718,7 @@ impl Listener for RdmaListener {
             peer,
             max_sge: self.opts.max_sge,
             max_msg: self.opts.max_msg_bytes,
+            peer_max_msg: peer_max,
             max_inline,
             acct: Arc::new(Acct::new(self.opts.max_send_wr, self.opts.max_recv_wr)),
             _cqs: (send_cq.0.clone(), recv_cq.0.clone()),
@@ -670,21 +733,21 @@ impl RdmaListener {
     /// Waits for a connect request whose peer proved the job secret (see
     /// `handshake.rs`), answering the others; returns its id and the reply to
     /// accept it with.
-    fn next_proven(&self, deadline: Instant) -> Result<(*mut sys::rdma_cm_id, Msg)> {
+    fn next_proven(&self, deadline: Instant) -> Result<(*mut sys::rdma_cm_id, Msg, u32)> {
         loop {
             let e = next_event(self.ch, deadline.saturating_duration_since(Instant::now()))?;
             if e.kind != sys::rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_REQUEST {
                 continue;
             }
             let mut ch = self.challenges.lock().unwrap_or_else(|p| p.into_inner());
-            ch.retain(|c| c.2.elapsed() < Duration::from_secs(60));
+            ch.retain(|c| c.3.elapsed() < Duration::from_secs(60));
             let answer = match Msg::decode(&e.private) {
-                Some(Msg::Hello { nonce_c }) => {
+                Some(Msg::Hello { nonce_c, max_msg }) => {
                     let nonce_s = eps_fabric::auth::nonce().map_err(FabricError::Engine)?;
                     if ch.len() >= 256 {
                         ch.pop_front();
                     }
-                    ch.push_back((nonce_s, nonce_c, Instant::now()));
+                    ch.push_back((nonce_s, nonce_c, max_msg, Instant::now()));
                     Msg::Challenge { nonce_s }
                 }
                 Some(Msg::Proof { nonce_s, proof_c }) => {
@@ -692,14 +755,14 @@ impl RdmaListener {
                     let pos = ch.iter().position(|c| c.0 == nonce_s);
                     let given = pos.and_then(|i| ch.remove(i));
                     match given {
-                        Some((_, nonce_c, _))
+                        Some((_, nonce_c, peer_max, _))
                             if eps_fabric::auth::proofs_equal(
                                 &proof_c,
                                 &handshake::proof_c(&self.opts.secret, &nonce_c, &nonce_s),
                             ) =>
                         {
                             let proof_s = handshake::proof_s(&self.opts.secret, &nonce_c, &nonce_s);
-                            return Ok((e.id, Msg::Accepted { proof_s }));
+                            return Ok((e.id, Msg::Accepted { proof_s, max_msg: self.opts.max_msg_bytes }, peer_max));
                         }
                         _ => Msg::Denied,
                     }
@@ -752,6 +815,7 @@ impl RdmaPd {
             peer: addr,
             max_sge: opts.max_sge,
             max_msg: opts.max_msg_bytes,
+            peer_max_msg: u32::MAX,
             max_inline: 0,
             acct: Arc::new(Acct::new(opts.max_send_wr, opts.max_recv_wr)),
             _cqs: (send_cq.0.clone(), recv_cq.0.clone()),
@@ -826,7 +890,13 @@ impl ProtectionDomain for RdmaPd {
             unsafe { sys::ibv_destroy_comp_channel(ch) };
             return Err(e);
         }
-        Ok(RdmaCq(Arc::new(CqInner { cq, ch, depth, side: CqSide::default() })))
+        Ok(RdmaCq(Arc::new(CqInner {
+            cq,
+            ch,
+            depth,
+            side: CqSide::default(),
+            watch: std::sync::Mutex::new((Instant::now(), Default::default())),
+        })))
     }
 
     fn listen(&self, addr: SocketAddr, opts: &QpOptions) -> Result<RdmaListener> {
@@ -860,7 +930,8 @@ impl ProtectionDomain for RdmaPd {
         };
         // 1. Hello: answered by a challenge (see handshake.rs).
         let nonce_c = eps_fabric::auth::nonce().map_err(FabricError::Engine)?;
-        let (first, e) = self.dial(addr, send_cq, recv_cq, opts, &Msg::Hello { nonce_c }, deadline)?;
+        let hello = Msg::Hello { nonce_c, max_msg: opts.max_msg_bytes };
+        let (first, e) = self.dial(addr, send_cq, recv_cq, opts, &hello, deadline)?;
         drop(first);
         let nonce_s = match (e.kind, Msg::decode(&e.private)) {
             (REJECTED, Some(Msg::Challenge { nonce_s })) => nonce_s,
@@ -870,10 +941,11 @@ impl ProtectionDomain for RdmaPd {
         };
         // 2. The proof; the listener's comes back with its accept.
         let proof_c = handshake::proof_c(&opts.secret, &nonce_c, &nonce_s);
-        let (qp, e) = self.dial(addr, send_cq, recv_cq, opts, &Msg::Proof { nonce_s, proof_c }, deadline)?;
+        let (mut qp, e) = self.dial(addr, send_cq, recv_cq, opts, &Msg::Proof { nonce_s, proof_c }, deadline)?;
         let want = handshake::proof_s(&opts.secret, &nonce_c, &nonce_s);
         match (e.kind, Msg::decode(&e.private)) {
-            (ESTABLISHED, Some(Msg::Accepted { proof_s })) if eps_fabric::auth::proofs_equal(&proof_s, &want) => {
+            (ESTABLISHED, Some(Msg::Accepted { proof_s, max_msg })) if eps_fabric::auth::proofs_equal(&proof_s, &want) => {
+                qp.peer_max_msg = max_msg;
                 qp.attach();
                 Ok(qp)
             }
