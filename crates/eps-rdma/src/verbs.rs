@@ -173,8 +173,11 @@ struct CqInner {
     side: CqSide,
     /// The connections completing here: QP number -> (rdma_cm event channel, QP),
     /// watched for a peer's disconnect; and when they were last looked at.
-    watch: std::sync::Mutex<(Instant, std::collections::HashMap<u32, (usize, usize)>)>,
+    watch: std::sync::Mutex<(Instant, Watched)>,
 }
+
+/// QP number -> (its rdma_cm event channel, its QP), as addresses.
+type Watched = std::collections::HashMap<u32, (usize, usize)>;
 
 /// How often `poll` looks at the connections' rdma_cm events.
 const WATCH_EVERY: Duration = Duration::from_millis(5);
