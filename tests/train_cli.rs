@@ -131,10 +131,11 @@ fn ssp_and_asp_scale_events_apply_every_contribution_once() {
         let migrations: u64 = json_str(&o, "migrations").parse().unwrap();
         assert!(migrations >= 3, "{mode}: {migrations} migrations");
         assert!(log.contains("relaying contributions"), "{mode}: no redirect window in the log:\n{log}");
+        // Each server's summary says "N updates applied" (the servers write to the
+        // same stderr, so two summaries may share a line).
         let updates: u64 = log
-            .lines()
-            .filter_map(|l| l.split(" updates applied").next().filter(|_| l.contains(" updates applied")))
-            .map(|l| l.rsplit(' ').next().unwrap().parse::<u64>().unwrap())
+            .match_indices(" updates applied")
+            .map(|(i, _)| log[..i].rsplit(|c: char| !c.is_ascii_digit()).next().unwrap().parse::<u64>().unwrap())
             .sum();
         // 2 workers x 80 steps x 5 shards.
         assert_eq!(updates, 2 * 80 * 5, "{mode}: contributions lost or applied twice; log:\n{log}");
