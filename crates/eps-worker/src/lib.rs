@@ -573,8 +573,11 @@ impl Worker {
         Membership::from_epochs(self.map.membership.clone()).is_some_and(|m| !m.contributors(t).contains(&self.rank))
     }
 
-    /// Puts a split's parts in place of shard `sid` in the round.
+    /// Puts a split's parts in place of shard `sid` in the round. The shard is
+    /// gone: its landing slot will not be written again, so no credit for it is
+    /// awaited (its pull, refused, never brings one).
     fn replace_in_round(&mut self, sid: usize, parts: &[usize]) {
+        self.credit[sid] = true;
         self.round.retain(|&s| s != sid);
         for &p in parts {
             if !self.round.contains(&p) {
