@@ -155,7 +155,7 @@ if [ ! -s "$img" ] || [ ! -s "$CACHE/vmlinuz" ] || [ ! -s "$CACHE/initrd.img" ];
     root=$(mktemp -d "$CACHE/root.XXXX")
     debootstrap --variant=minbase \
         --include=linux-image-amd64,initramfs-tools,kmod,udev,rdma-core,ibverbs-providers,ibverbs-utils,perftest,rdmacm-utils,iproute2,procps,libibverbs1,librdmacm1 \
-        bookworm "$root" "$mirror" >"$CACHE/debootstrap.log" 2>&1 || { tail -20 "$CACHE/debootstrap.log"; die "debootstrap failed"; }
+        bookworm "$root" "$mirror" >"$CACHE/debootstrap.log" 2>&1 || { tail -20 "$CACHE/debootstrap.log"; rm -rf "$root"; die "debootstrap failed"; }
     kver=$(ls "$root/lib/modules" | head -1)
     chroot "$root" depmod -a "$kver"
     # The init: mount, run the payload's script from the second drive, report.

@@ -45,29 +45,12 @@ fn a_queue_pair_writes_reads_and_sends() {
     use std::time::Duration;
 
     use eps_fabric::prelude::*;
-    use eps_rdma::RdmaDevice;
 
-    let require = std::env::var_os("EPS_RDMA_REQUIRE").is_some();
-    let (Ok(addr), Ok(sel)) = (std::env::var("EPS_RDMA_ADDR"), select(&DeviceChoice::default())) else {
-        assert!(!require, "EPS_RDMA_REQUIRE is set but EPS_RDMA_ADDR or a device is missing");
-        println!("skipped: no RDMA device or no EPS_RDMA_ADDR here");
-        return;
-    };
-    let dev = RdmaDevice::open(&sel.device).expect("open the device through rdma_cm");
-    let (a_pd, b_pd) = (dev.alloc_pd().unwrap(), dev.alloc_pd().unwrap());
-    let (a_cq, b_cq) = (a_pd.create_cq(256).unwrap(), b_pd.create_cq(256).unwrap());
     let mut opts = QpOptions::new(Secret::new("rxe-test").unwrap());
     opts.max_send_wr = 32;
     opts.max_recv_wr = 32;
     opts.max_sge = 2;
-    let l = b_pd.listen(format!("{addr}:0").parse().unwrap(), &opts).expect("listen");
-    let at = l.local_addr();
-    assert_ne!(at.port(), 0, "the listener reports its port");
-    let (a, b) = std::thread::scope(|s| {
-        let h = s.spawn(|| l.accept(&b_cq, &b_cq, Duration::from_secs(20)).expect("accept"));
-        let a = a_pd.connect(at, &a_cq, &a_cq, &opts).expect("connect");
-        (a, h.join().unwrap())
-    });
+    let Some(Pair { device, a_pd, b_pd, a_cq, b_cq, a, b }) = pair(&opts, 256) else { return };
     assert_eq!(a.state(), QpState::ReadyToSend);
     let wait = |cq: &eps_rdma::RdmaCq, n: usize| {
         let mut got = Vec::new();
@@ -127,7 +110,7 @@ fn a_queue_pair_writes_reads_and_sends() {
     a.post_send(&SendWr { wr_id: 4, op: SendOp::Write(bad), sg: &[Sge::new(&src, 0, 64)], signaled: true }).unwrap();
     let c = wait(&a_cq, 1);
     assert_eq!((c[0].wr_id, c[0].status), (4, WcStatus::RemoteAccess));
-    println!("rdma data path on {}: WRITE_WITH_IMM, READ, SEND/RECV and a bad rkey behave", sel.device);
+    println!("rdma data path on {device}: WRITE_WITH_IMM, READ, SEND/RECV and a bad rkey behave");
 }
 
 /// A long run of unsignaled small WRITEs (sent inline where the device allows)
@@ -138,26 +121,11 @@ fn unsignaled_runs_do_not_fill_the_send_queue() {
     use std::time::{Duration, Instant};
 
     use eps_fabric::prelude::*;
-    use eps_rdma::RdmaDevice;
 
-    let require = std::env::var_os("EPS_RDMA_REQUIRE").is_some();
-    let (Ok(addr), Ok(sel)) = (std::env::var("EPS_RDMA_ADDR"), select(&DeviceChoice::default())) else {
-        assert!(!require, "EPS_RDMA_REQUIRE is set but EPS_RDMA_ADDR or a device is missing");
-        println!("skipped: no RDMA device or no EPS_RDMA_ADDR here");
-        return;
-    };
-    let dev = RdmaDevice::open(&sel.device).unwrap();
-    let (a_pd, b_pd) = (dev.alloc_pd().unwrap(), dev.alloc_pd().unwrap());
-    let (a_cq, b_cq) = (a_pd.create_cq(64).unwrap(), b_pd.create_cq(64).unwrap());
     let mut opts = QpOptions::new(Secret::new("rxe-test").unwrap());
     opts.max_send_wr = 16;
     opts.max_recv_wr = 4;
-    let l = b_pd.listen(format!("{addr}:0").parse().unwrap(), &opts).unwrap();
-    let at = l.local_addr();
-    let (a, _b) = std::thread::scope(|s| {
-        let h = s.spawn(|| l.accept(&b_cq, &b_cq, Duration::from_secs(20)).unwrap());
-        (a_pd.connect(at, &a_cq, &a_cq, &opts).unwrap(), h.join().unwrap())
-    });
+    let Some(Pair { a_pd, b_pd, a_cq, a, b: _b, .. }) = pair(&opts, 64) else { return };
     let n = 1000u64;
     let mut src = a_pd.alloc_mr(8 * n as usize, Access::LOCAL_WRITE).unwrap();
     for i in 0..n {
@@ -195,4 +163,40 @@ fn unsignaled_runs_do_not_fill_the_send_queue() {
     dst.read_at(0, &mut v);
     assert_eq!(u64::from_le_bytes(v), n, "RC order: the last WRITE's value");
     println!("rdma: {n} unsignaled WRITEs through a 16-deep send queue, one completion reported");
+}
+
+/// Two queue pairs connected through rdma_cm on the selected device (both ends on
+/// it, at `EPS_RDMA_ADDR`), each side with its own PD and CQ; `None` (the test
+/// skips, saying so) where there is no device, unless `EPS_RDMA_REQUIRE` is set.
+struct Pair {
+    device: String,
+    a_pd: eps_rdma::RdmaPd,
+    b_pd: eps_rdma::RdmaPd,
+    a_cq: eps_rdma::RdmaCq,
+    b_cq: eps_rdma::RdmaCq,
+    a: eps_rdma::RdmaQp,
+    b: eps_rdma::RdmaQp,
+}
+
+fn pair(opts: &eps_fabric::QpOptions, cq_depth: u32) -> Option<Pair> {
+    use eps_fabric::prelude::*;
+
+    let require = std::env::var_os("EPS_RDMA_REQUIRE").is_some();
+    let (Ok(addr), Ok(sel)) = (std::env::var("EPS_RDMA_ADDR"), select(&DeviceChoice::default())) else {
+        assert!(!require, "EPS_RDMA_REQUIRE is set but EPS_RDMA_ADDR or a device is missing");
+        println!("skipped: no RDMA device or no EPS_RDMA_ADDR here");
+        return None;
+    };
+    let dev = eps_rdma::RdmaDevice::open(&sel.device).expect("open the device through rdma_cm");
+    let (a_pd, b_pd) = (dev.alloc_pd().unwrap(), dev.alloc_pd().unwrap());
+    let (a_cq, b_cq) = (a_pd.create_cq(cq_depth).unwrap(), b_pd.create_cq(cq_depth).unwrap());
+    let l = b_pd.listen(format!("{addr}:0").parse().unwrap(), opts).expect("listen");
+    let at = l.local_addr();
+    assert_ne!(at.port(), 0, "the listener reports its port");
+    let (a, b) = std::thread::scope(|s| {
+        let h = s.spawn(|| l.accept(&b_cq, &b_cq, std::time::Duration::from_secs(20)).expect("accept"));
+        let a = a_pd.connect(at, &a_cq, &a_cq, opts).expect("connect");
+        (a, h.join().unwrap())
+    });
+    Some(Pair { device: sel.device, a_pd, b_pd, a_cq, b_cq, a, b })
 }
