@@ -269,15 +269,8 @@ enum RdmaCmd {
     /// EPS_RDMA_GID_INDEX name them too. Exits non-zero, saying what it found, when
     /// no device can be used.
     Devices {
-        /// Device to use (e.g. mlx5_0, rxe0).
-        #[arg(long)]
-        rdma_device: Option<String>,
-        /// Port of the device (from 1).
-        #[arg(long)]
-        rdma_port: Option<u8>,
-        /// GID index (RoCE v2 is detected when none is given).
-        #[arg(long)]
-        gid_index: Option<u32>,
+        #[command(flatten)]
+        rdma: eps::rdma::Named,
         /// Print one JSON object instead of text.
         #[arg(long)]
         json: bool,
@@ -339,12 +332,8 @@ enum BenchCmd {
         depth: u32,
         #[arg(long, default_value = "soft")]
         transport: String,
-        #[arg(long)]
-        rdma_device: Option<String>,
-        #[arg(long)]
-        rdma_port: Option<u8>,
-        #[arg(long)]
-        gid_index: Option<u32>,
+        #[command(flatten)]
+        rdma: eps::rdma::Named,
     },
 }
 
@@ -367,17 +356,9 @@ struct FabricArgs {
     /// `auto` (rdma when usable, else soft; it says which).
     #[arg(long, default_value = "soft")]
     transport: String,
-    /// RDMA device for `--transport rdma|auto` (default: the first with an active
-    /// port; `eps rdma devices` lists them). Also EPS_RDMA_DEVICE.
-    #[arg(long)]
-    rdma_device: Option<String>,
-    /// Port of the RDMA device (default: its first active port). Also EPS_RDMA_PORT.
-    #[arg(long)]
-    rdma_port: Option<u8>,
-    /// GID index (default: the first RoCE v2 GID with an IPv4 address on Ethernet,
-    /// 0 on InfiniBand). Also EPS_RDMA_GID_INDEX.
-    #[arg(long)]
-    gid_index: Option<u32>,
+    /// The RDMA device for `--transport rdma|auto`.
+    #[command(flatten)]
+    rdma: eps::rdma::Named,
     /// Also print one JSON object with the results as the last line of stdout.
     #[arg(long)]
     json: bool,
@@ -615,7 +596,7 @@ fn bench_agg(a: AggArgs) -> Result<(), String> {
 }
 
 fn bench_fabric(a: FabricArgs) -> Result<(), String> {
-    let named = eps::rdma::Named { device: a.rdma_device.clone(), port: a.rdma_port, gid_index: a.gid_index };
+    let named = a.rdma.clone();
     let transport = eps::rdma::transport(&a.transport, &named)?;
     let cfg = FabricBench { op: a.op, size: a.size, iters: a.iters, depth: a.depth };
     let op = format!("{:?}", a.op).to_lowercase();
@@ -689,15 +670,12 @@ fn main() -> ExitCode {
         Cmd::Bench(BenchCmd::Pushpull(a)) => bench_pushpull(a),
         Cmd::Bench(BenchCmd::Migrate(a)) => bench_migrate(a),
         Cmd::Status { control } => eps::roles::status(control),
-        Cmd::Rdma(RdmaCmd::Devices { rdma_device, rdma_port, gid_index, json }) => {
-            eps::rdma::devices(&eps::rdma::Named { device: rdma_device, port: rdma_port, gid_index }, json)
-        }
+        Cmd::Rdma(RdmaCmd::Devices { rdma, json }) => eps::rdma::devices(&rdma, json),
         Cmd::Scale { control, servers, workers } => eps::roles::scale(control, servers, workers),
         Cmd::Bench(BenchCmd::Fabric(a)) => bench_fabric(a),
         Cmd::Bench(BenchCmd::Agg(a)) => bench_agg(a),
-        Cmd::Bench(BenchCmd::FabricPeer { op, size, depth, transport, rdma_device, rdma_port, gid_index }) => {
-            let named = eps::rdma::Named { device: rdma_device, port: rdma_port, gid_index };
-            fabric::run_peer(op, size, depth, &transport, &named).map_err(|e| error_chain(&e))
+        Cmd::Bench(BenchCmd::FabricPeer { op, size, depth, transport, rdma }) => {
+            fabric::run_peer(op, size, depth, &transport, &rdma).map_err(|e| error_chain(&e))
         }
     };
     match res {

@@ -1,14 +1,21 @@
 //! `eps rdma devices`: the RDMA devices of this machine, their ports and GIDs,
 //! and the choice `--transport rdma` makes (built with the `rdma` feature).
 
-/// What the operator named: device, port, GID index (the rest is chosen).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+/// What the operator named: device, port, GID index (the rest is chosen); the
+/// command-line flags of every command that uses an RDMA device.
+#[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args)]
 pub struct Named {
-    /// `--rdma-device`.
+    /// RDMA device (default: the first with an active port; `eps rdma devices`
+    /// lists them). Also EPS_RDMA_DEVICE.
+    #[arg(long = "rdma-device")]
     pub device: Option<String>,
-    /// `--rdma-port`.
+    /// Port of the RDMA device, from 1 (default: its first active port). Also
+    /// EPS_RDMA_PORT.
+    #[arg(long = "rdma-port")]
     pub port: Option<u8>,
-    /// `--gid-index`.
+    /// GID index (default: the first RoCE v2 GID with an IPv4 address on
+    /// Ethernet, 0 on InfiniBand). Also EPS_RDMA_GID_INDEX.
+    #[arg(long)]
     pub gid_index: Option<u32>,
 }
 
