@@ -16,4 +16,5 @@ pub mod bench;
 pub mod rdma;
 pub mod roles;
 pub mod train;
+pub mod transport;
 pub mod units;

@@ -55,9 +55,12 @@ enum Cmd {
         /// Control-plane address.
         #[arg(long)]
         control: SocketAddr,
-        /// IP to accept workers on (the port is picked by the OS).
-        #[arg(long, default_value = "127.0.0.1")]
-        listen_ip: IpAddr,
+        /// IP to accept workers on (the port is picked by the OS) [default:
+        /// 127.0.0.1 on the soft transport, the RDMA device's GID address on rdma].
+        #[arg(long)]
+        listen_ip: Option<IpAddr>,
+        #[command(flatten)]
+        fabric: eps::transport::TransportFlags,
         /// Threads an update of a large shard is split over, at most 2 (0: one per core).
         #[arg(long, default_value_t = 1)]
         threads: usize,
@@ -79,6 +82,8 @@ enum Cmd {
         /// Print progress every this many steps (rank 0).
         #[arg(long, default_value_t = 50)]
         progress_every: u64,
+        #[command(flatten)]
+        fabric: eps::transport::TransportFlags,
         /// Seconds to wait for the control plane, the plan and each transfer.
         #[arg(long, default_value_t = 120)]
         timeout: u64,
@@ -173,6 +178,9 @@ struct TrainArgs {
     /// must allow it), at 450 the job shrinks to 1 server. BSP jobs only.
     #[arg(long, value_name = "STEP:servers=N|workers=N,...")]
     scale_plan: Option<String>,
+    /// The data-plane transport of every server and worker (one choice for all).
+    #[command(flatten)]
+    fabric: eps::transport::TransportFlags,
 }
 
 fn train(a: TrainArgs) -> Result<(), String> {
@@ -222,7 +230,11 @@ fn train(a: TrainArgs) -> Result<(), String> {
         format_size(layout.bytes()),
         layout.shards.len()
     );
-    let r = eps::train::run(&spec, &text, a.progress_every.max(1), &plan, |l| eprintln!("{l}")).map_err(|e| error_chain(&e))?;
+    let chosen = eps::transport::choose(&a.fabric, Some(&spec.fabric))?;
+    eprintln!("eps train: {} transport for every server and worker", chosen.name());
+    let fabric_args = a.fabric.child_args(&chosen);
+    let r = eps::train::run(&spec, &text, a.progress_every.max(1), &plan, &fabric_args, |l| eprintln!("{l}"))
+        .map_err(|e| error_chain(&e))?;
     println!(
         "trained {} steps in {:.1} s: held-out accuracy {:.4} (teacher {:.4}), loss {:.4}",
         r.steps, r.elapsed_s, r.final_accuracy, r.teacher_accuracy, r.final_loss
@@ -238,6 +250,7 @@ fn train(a: TrainArgs) -> Result<(), String> {
             .num("final_accuracy", r.final_accuracy)
             .num("teacher_accuracy", r.teacher_accuracy)
             .str("params_checksum", &r.params_checksum)
+            .str("transport", chosen.name())
             .num("samples_per_s", r.samples_per_s)
             .num("push_gbytes_per_s", r.push_gbytes_per_s)
             .num("pull_gbytes_per_s", r.pull_gbytes_per_s)
@@ -650,13 +663,13 @@ fn main() -> ExitCode {
             }
             eps::roles::control(listen, &spec, &state_dir)
         }
-        Cmd::Server { control, listen_ip, threads, timeout, exit_with_parent } => {
+        Cmd::Server { control, listen_ip, fabric, threads, timeout, exit_with_parent } => {
             if exit_with_parent {
                 eps::roles::exit_with_parent();
             }
-            eps::roles::server(control, listen_ip, threads, Duration::from_secs(timeout.max(1)))
+            eps::roles::server(control, listen_ip, threads, Duration::from_secs(timeout.max(1)), &fabric)
         }
-        Cmd::Worker { control, progress_every, timeout, bench_iters, bench_migrate, exit_with_parent } => {
+        Cmd::Worker { control, progress_every, fabric, timeout, bench_iters, bench_migrate, exit_with_parent } => {
             if exit_with_parent {
                 eps::roles::exit_with_parent();
             }
@@ -665,7 +678,7 @@ fn main() -> ExitCode {
                 (_, Some(pulls_per_step)) => WorkerBench::Migrate { pulls_per_step },
                 _ => WorkerBench::None,
             };
-            eps::roles::worker(control, progress_every, bench, Duration::from_secs(timeout.max(1)))
+            eps::roles::worker(control, progress_every, bench, Duration::from_secs(timeout.max(1)), &fabric)
         }
         Cmd::Bench(BenchCmd::Pushpull(a)) => bench_pushpull(a),
         Cmd::Bench(BenchCmd::Migrate(a)) => bench_migrate(a),

@@ -116,56 +116,48 @@ impl Named {
 /// The RDMA device selected for what `named` names (the `EPS_RDMA_*` variables
 /// fill what it leaves open); or why none can be used.
 #[cfg(feature = "rdma")]
-fn rdma_selection(named: &Named) -> Result<eps_rdma::Selection, String> {
+pub fn selection(named: &Named) -> Result<eps_rdma::Selection, String> {
     eps_rdma::DeviceChoice { device: named.device.clone(), port: named.port, gid_index: named.gid_index }
         .with_env()
         .and_then(|c| eps_rdma::select(&c))
         .map_err(|e| e.to_string())
 }
 
+/// Without the `rdma` feature no device can be selected.
 #[cfg(not(feature = "rdma"))]
-fn rdma_selection(_named: &Named) -> Result<std::convert::Infallible, String> {
+pub fn selection(_named: &Named) -> Result<std::convert::Infallible, String> {
     Err("this eps was built without RDMA support (the `rdma` feature)".to_string())
+}
+
+/// Opens a protection domain on the selected device and logs the selection
+/// (device, port, GID, MTU); returns it with the IPv4 address of the GID, where
+/// this process's peers reach it through rdma_cm.
+#[cfg(feature = "rdma")]
+pub fn open(sel: &eps_rdma::Selection) -> Result<(eps_rdma::RdmaPd, std::net::IpAddr), String> {
+    eprintln!("eps: {sel}");
+    let ip = sel.gid.addr().to_ipv4_mapped().ok_or_else(|| {
+        format!("the selected GID {} is not an IPv4 address; name an IPv4 RoCE v2 GID with --gid-index", sel.gid.addr())
+    })?;
+    let dev = eps_rdma::RdmaDevice::open(&sel.device).map_err(|e| format!("{}: {e}", sel.device))?;
+    Ok((dev.alloc_pd().map_err(|e| format!("{}: {e}", sel.device))?, ip.into()))
 }
 
 /// A protection domain on the selected RDMA device and the IPv4 address of its
 /// GID (where the benchmark's peer listens), for `eps bench fabric`.
 #[cfg(feature = "rdma")]
 pub fn bench_pd(named: &Named) -> Result<(eps_rdma::RdmaPd, std::net::IpAddr), String> {
-    let sel = rdma_selection(named)?;
-    eprintln!("eps: {sel}");
-    let ip = sel.gid.addr().to_ipv4_mapped().ok_or_else(|| {
-        format!("the selected GID {} is not an IPv4 address; name an IPv4 RoCE v2 GID with EPS_RDMA_GID_INDEX", sel.gid.addr())
-    })?;
-    let dev = eps_rdma::RdmaDevice::open(&sel.device).map_err(|e| e.to_string())?;
-    Ok((dev.alloc_pd().map_err(|e| e.to_string())?, ip.into()))
+    open(&selection(named)?)
 }
 
 /// Without the `rdma` feature: says how to get it.
 #[cfg(not(feature = "rdma"))]
 pub fn bench_pd(named: &Named) -> Result<(eps_fabric::soft::SoftPd, std::net::IpAddr), String> {
-    rdma_selection(named).map(|never| match never {})
+    selection(named).map(|never| match never {})
 }
 
-/// Resolves `--transport auto|soft|rdma` to the provider that runs: `auto` takes
-/// rdma when a device is usable, else soft, and says which and why.
+/// Resolves `--transport auto|soft|rdma` of `eps bench fabric` to the provider
+/// that runs (see [`crate::transport::choose`]).
 pub fn transport(requested: &str, named: &Named) -> Result<&'static str, String> {
-    match requested {
-        "soft" => Ok("soft"),
-        "rdma" => match rdma_selection(named) {
-            Ok(_) => Ok("rdma"),
-            Err(e) => Err(format!("--transport rdma: {e}; use --transport soft (userspace verbs over TCP)")),
-        },
-        "auto" => match rdma_selection(named) {
-            Ok(s) => {
-                eprintln!("eps: --transport auto: using rdma ({s})");
-                Ok("rdma")
-            }
-            Err(e) => {
-                eprintln!("eps: --transport auto: using soft ({e})");
-                Ok("soft")
-            }
-        },
-        other => Err(format!("unknown transport {other:?}: use auto, soft or rdma")),
-    }
+    let flags = crate::transport::TransportFlags { transport: Some(requested.to_string()), rdma: named.clone() };
+    crate::transport::choose(&flags, None).map(|c| c.name())
 }

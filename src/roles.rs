@@ -11,6 +11,8 @@ use eps_control::store::FileStore;
 use eps_fabric::Secret;
 use eps_proto::JobSpec;
 
+use crate::transport::{self, OnFabric, TransportFlags};
+
 /// The job secret from the environment (never from the command line, where other
 /// users of the machine could read it).
 pub fn secret_from_env(spec: Option<&JobSpec>) -> Result<Secret, String> {
@@ -54,34 +56,86 @@ pub fn control(listen: SocketAddr, spec_path: &Path, state_dir: &Path) -> Result
     svc.run().map_err(|e| crate_error(&e))
 }
 
-/// `eps server`.
-pub fn server(control: SocketAddr, listen_ip: IpAddr, threads: usize, timeout: Duration) -> Result<(), String> {
+/// `eps server`: registers, takes the transport from the flags, the environment
+/// or the job spec, and serves until the control plane retires it.
+pub fn server(
+    control: SocketAddr,
+    listen_ip: Option<IpAddr>,
+    threads: usize,
+    timeout: Duration,
+    fabric: &TransportFlags,
+) -> Result<(), String> {
     let cfg = eps_server::ServerConfig {
         control,
         secret: secret_from_env(None)?,
-        listen_ip,
+        listen_ip: listen_ip.unwrap_or(IpAddr::from([127, 0, 0, 1])),
         aggregator: Arc::new(CpuAggregator::new(1)),
         accept_timeout: timeout,
         update_threads: if threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { threads },
     };
-    let s = eps_server::run(&cfg).map_err(|e| crate_error(&e))?;
+    let reg = eps_server::register(&cfg).map_err(|e| crate_error(&e))?;
+    let chosen = transport::choose(fabric, Some(&reg.spec().fabric))?;
+    struct Serve {
+        cfg: eps_server::ServerConfig,
+        reg: eps_server::Registration,
+        listen_ip: Option<IpAddr>,
+    }
+    impl OnFabric for Serve {
+        type Out = Result<eps_server::ServerSummary, eps_server::ServerError>;
+        fn run<P: eps_fabric::Fabric>(mut self, pd: P, ip: Option<IpAddr>) -> Self::Out {
+            // An explicit --listen-ip wins; else the provider's own address.
+            if let (None, Some(ip)) = (self.listen_ip, ip) {
+                self.cfg.listen_ip = ip;
+            }
+            eps_server::run_on(&self.cfg, self.reg, pd)
+        }
+    }
+    let s = transport::run_on(&chosen, Serve { cfg, reg, listen_ip })?.map_err(|e| crate_error(&e))?;
     eprintln!(
-        "eps server {}: {} shards, {} parameters, {} updates applied, {} pulls served, {} protocol violations",
-        s.rank, s.shards, s.elements, s.updates, s.pulls, s.violations
+        "eps server {}: {} shards, {} parameters, {} updates applied, {} pulls served, {} protocol violations ({} transport)",
+        s.rank,
+        s.shards,
+        s.elements,
+        s.updates,
+        s.pulls,
+        s.violations,
+        chosen.name()
     );
     Ok(())
 }
 
-/// `eps worker`: the built-in task, or the worker side of a benchmark.
-pub fn worker(control: SocketAddr, every: u64, bench: WorkerBench, timeout: Duration) -> Result<(), String> {
+/// `eps worker`: the built-in task, or the worker side of a benchmark, on the
+/// transport the flags, the environment or the job spec name.
+pub fn worker(
+    control: SocketAddr,
+    every: u64,
+    bench: WorkerBench,
+    timeout: Duration,
+    fabric: &TransportFlags,
+) -> Result<(), String> {
     let cfg = eps_worker::WorkerConfig { control, secret: secret_from_env(None)?, timeout };
-    match bench {
-        WorkerBench::PushPull { iters } => crate::bench::pushpull::run_worker(&cfg, iters.max(1)).map_err(|e| crate_error(&e)),
-        WorkerBench::Migrate { pulls_per_step } => {
-            crate::bench::migrate::run_worker(&cfg, pulls_per_step.max(1)).map_err(|e| crate_error(&e))
-        }
-        WorkerBench::None => crate::train::worker::run(&cfg, every.max(1)).map_err(|e| crate_error(&e)),
+    let reg = eps_worker::register(&cfg).map_err(|e| crate_error(&e))?;
+    let chosen = transport::choose(fabric, Some(&reg.spec().fabric))?;
+    struct Work {
+        cfg: eps_worker::WorkerConfig,
+        reg: eps_worker::Registration,
+        bench: WorkerBench,
+        every: u64,
     }
+    impl OnFabric for Work {
+        type Out = Result<(), String>;
+        fn run<P: eps_fabric::Fabric>(self, pd: P, _ip: Option<IpAddr>) -> Self::Out {
+            let w = eps_worker::Worker::join_on(&self.cfg, self.reg, pd).map_err(|e| crate_error(&e))?;
+            match self.bench {
+                WorkerBench::PushPull { iters } => crate::bench::pushpull::run_worker(w, iters.max(1)).map_err(|e| crate_error(&e)),
+                WorkerBench::Migrate { pulls_per_step } => {
+                    crate::bench::migrate::run_worker(w, pulls_per_step.max(1)).map_err(|e| crate_error(&e))
+                }
+                WorkerBench::None => crate::train::worker::run(w, self.every.max(1)).map_err(|e| crate_error(&e)),
+            }
+        }
+    }
+    transport::run_on(&chosen, Work { cfg, reg, bench, every })?
 }
 
 /// What an `eps worker` process runs instead of the built-in task, for a benchmark.

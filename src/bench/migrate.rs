@@ -21,11 +21,12 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use eps_control::{ControlClient, ControlError};
 use eps_fabric::Secret;
 use eps_proto::control::ControlMsg;
-use eps_worker::{Worker, WorkerConfig, WorkerError};
+use eps_worker::{Worker, WorkerError};
 
 use crate::train::scale::Spawn;
 
 use crate::bench::fabric::{self, FabricBench, Op};
+use crate::train::cluster::soft_args;
 use crate::train::{LocalCluster, TrainError, field, num};
 
 /// Parameters of one run.
@@ -172,8 +173,7 @@ fn unix_us() -> u64 {
 /// The worker side: train `spec.job.steps` steps, timing `pulls` pulls of shard 0
 /// after each; prints `EPS_PROGRESS step=N` per step and at the end
 /// `EPS_PULLS failed=F error=.. samples=T:L,T:L,...`.
-pub fn run_worker(cfg: &WorkerConfig, pulls: u32) -> Result<(), WorkerError> {
-    let mut w = Worker::join(cfg)?;
+pub fn run_worker<P: eps_fabric::Fabric>(mut w: Worker<P>, pulls: u32) -> Result<(), WorkerError> {
     let steps = w.spec().job.steps;
     let mut samples = String::new();
     let mut failure: Option<String> = None;
@@ -238,7 +238,7 @@ pub fn run(cfg: &MigrateBench) -> Result<MigrateReport, MigrateError> {
     let spec = eps_proto::JobSpec::from_toml(&text).map_err(TrainError::from)?;
     let fabric_before = fabric::run(&FabricBench { op: Op::Write, size: 4 << 20, iters: 300, depth: 8 })?;
     let pulls = cfg.pulls_per_step.to_string();
-    let cluster = LocalCluster::start(&spec, &text, &["--bench-migrate", &pulls])?;
+    let cluster = LocalCluster::start(&spec, &text, &["--bench-migrate", &pulls], &soft_args())?;
     let control: SocketAddr =
         cluster.control_addr().parse().map_err(|_| MigrateError::Migration("bad control-plane address".into()))?;
     let secret = Secret::new(cluster.secret()).map_err(|_| MigrateError::Migration("bad job secret".into()))?;

@@ -4,9 +4,10 @@
 
 use std::time::Instant;
 
-use eps_worker::{Worker, WorkerConfig, WorkerError};
+use eps_worker::{Worker, WorkerError};
 
 use crate::bench::fabric::{self, FabricBench, Op};
+use crate::train::cluster::soft_args;
 use crate::train::{LocalCluster, TrainError, field, num};
 
 /// Warm-up iterations before measuring.
@@ -59,8 +60,7 @@ pub enum PushPullError {
 
 /// The worker side: join, warm up, then time `iters` push_pull calls; prints
 /// `EPS_BENCH rank=R p50_ms=..`.
-pub fn run_worker(cfg: &WorkerConfig, iters: u64) -> Result<(), WorkerError> {
-    let mut w = Worker::join(cfg)?;
+pub fn run_worker<P: eps_fabric::Fabric>(mut w: Worker<P>, iters: u64) -> Result<(), WorkerError> {
     for _ in 0..WARMUP {
         w.push_pull()?;
     }
@@ -99,7 +99,7 @@ pub fn run(cfg: &PushPullBench) -> Result<PushPullReport, PushPullError> {
     let spec = eps_proto::JobSpec::from_toml(&text).map_err(TrainError::from)?;
     let fabric_before = fabric::run(&FabricBench { op: Op::Write, size: 4 << 20, iters: 300, depth: 8 })?;
     let iters = cfg.iters.to_string();
-    let cluster = LocalCluster::start(&spec, &text, &["--bench-iters", &iters])?;
+    let cluster = LocalCluster::start(&spec, &text, &["--bench-iters", &iters], &soft_args())?;
     let mut p50 = None;
     cluster.supervise(None, |l| {
         if l.starts_with("EPS_BENCH") && field(l, "rank") == Some("0") {

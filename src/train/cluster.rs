@@ -16,6 +16,12 @@ use eps_proto::JobSpec;
 use super::scale::Spawn;
 use super::{TrainError, field};
 
+/// The transport flags of a local cluster on the `soft` transport (the
+/// benchmarks measure that one).
+pub fn soft_args() -> Vec<String> {
+    vec!["--transport".into(), "soft".into()]
+}
+
 /// The running processes of one job.
 pub struct LocalCluster {
     children: Vec<(String, Child)>,
@@ -32,6 +38,8 @@ pub struct LocalCluster {
     workers_started: u32,
     /// Extra arguments of every `eps worker`.
     worker_args: Vec<String>,
+    /// The transport flags every server and worker gets.
+    fabric_args: Vec<String>,
     /// Where worker stdout lines go.
     tx: mpsc::Sender<String>,
 }
@@ -60,8 +68,9 @@ fn path_str(p: &Path) -> &str {
 
 impl LocalCluster {
     /// Starts the control plane, `spec.job.servers` servers and `spec.job.workers`
-    /// workers (`eps worker` with `worker_args`). Worker stdout lines are collected.
-    pub fn start(spec: &JobSpec, spec_text: &str, worker_args: &[&str]) -> Result<Self, TrainError> {
+    /// workers (`eps worker` with `worker_args`), servers and workers with
+    /// `fabric_args` (the transport flags). Worker stdout lines are collected.
+    pub fn start(spec: &JobSpec, spec_text: &str, worker_args: &[&str], fabric_args: &[String]) -> Result<Self, TrainError> {
         let stop = Arc::new(AtomicBool::new(false));
         {
             let stop = stop.clone();
@@ -92,7 +101,8 @@ impl LocalCluster {
             addr: String::new(),
             servers_started: 0,
             workers_started: 0,
-            worker_args: worker_args.iter().map(|a| a.to_string()).collect(),
+            worker_args: worker_args.iter().map(|a| a.to_string()).chain(fabric_args.iter().cloned()).collect(),
+            fabric_args: fabric_args.to_vec(),
             tx,
         };
         let spawn = |what: &str, args: &[&str], piped: bool| -> Result<Child, TrainError> {
@@ -179,7 +189,7 @@ impl LocalCluster {
     /// must have room for it: see `eps scale`).
     pub fn spawn_server(&mut self) -> Result<(), TrainError> {
         let name = format!("server {}", self.servers_started);
-        let c = self.role("server", &[], Stdio::null(), &name)?;
+        let c = self.role("server", &self.fabric_args, Stdio::null(), &name)?;
         self.children.push((name, c));
         self.servers_started += 1;
         Ok(())

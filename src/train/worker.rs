@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use eps_worker::{Worker, WorkerConfig, WorkerError};
+use eps_worker::{Worker, WorkerError};
 use sha2::{Digest, Sha256};
 
 use super::task::{Sample, Task};
@@ -59,8 +59,7 @@ pub enum TrainWorkerError {
 
 /// Joins the job and trains; prints `EPS_PROGRESS` lines every `every` steps (rank 0)
 /// and `EPS_DONE` at the end (every rank; rank 0 adds the evaluation).
-pub fn run(cfg: &WorkerConfig, every: u64) -> Result<(), TrainWorkerError> {
-    let mut w = Worker::join(cfg)?;
+pub fn run<P: eps_fabric::Fabric>(mut w: Worker<P>, every: u64) -> Result<(), TrainWorkerError> {
     let spec = w.spec().clone();
     if spec.model.preset.is_none() {
         return Err(TrainWorkerError::NoTask);

@@ -319,3 +319,31 @@ pub trait ProtectionDomain: Send + Sync {
     /// Connects a queue pair to a listener at `addr`.
     fn connect(&self, addr: SocketAddr, send_cq: &Self::Cq, recv_cq: &Self::Cq, opts: &QpOptions) -> Result<Self::Qp>;
 }
+
+/// A memory region in host memory, which the CPU may read and write in place
+/// (aggregation, the optimizer, a worker's compute) between transfers.
+pub trait HostRegion: MemoryRegion {
+    /// The region's bytes.
+    ///
+    /// # Safety
+    /// No operation that writes this region (a peer's WRITE, an incoming SEND, a local
+    /// READ or RECV) may be in flight while the slice lives.
+    unsafe fn as_slice(&self) -> &[u8];
+
+    /// The region's bytes, mutably.
+    ///
+    /// # Safety
+    /// No operation that reads or writes this region may be in flight while the slice lives.
+    unsafe fn as_mut_slice(&mut self) -> &mut [u8];
+}
+
+/// Everything the server and worker roles need of a provider: a protection domain
+/// that can be shared between threads, whose regions are host memory and whose
+/// completion queues and listeners may move to threads of their own. Every
+/// provider's protection domain is one (`SoftPd`, `RdmaPd`).
+pub trait Fabric:
+    ProtectionDomain<Mr: HostRegion + 'static, Cq: Clone + 'static, Qp: 'static, Listener: 'static> + Clone + 'static
+{
+    /// The provider's name, for logs (`soft`, `rdma`).
+    const NAME: &'static str;
+}

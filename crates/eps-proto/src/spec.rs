@@ -69,7 +69,29 @@ pub struct JobSpec {
     /// Learning-rate schedule.
     #[serde(default)]
     pub lr_schedule: ScheduleSection,
+    /// The data-plane transport and RDMA device (command-line flags and the
+    /// environment override these).
+    #[serde(default)]
+    pub fabric: FabricSection,
 }
+
+/// `[fabric]`: which transport the servers and workers use, and on which RDMA
+/// device. Every field is optional.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FabricSection {
+    /// `auto` (rdma when a usable device exists, else soft), `soft` or `rdma`.
+    pub transport: Option<String>,
+    /// RDMA device name (e.g. `mlx5_0`, `rxe0`).
+    pub rdma_device: Option<String>,
+    /// Port of the RDMA device, from 1.
+    pub rdma_port: Option<u8>,
+    /// GID index on that port.
+    pub gid_index: Option<u32>,
+}
+
+/// The transports `fabric.transport` and `--transport` name.
+pub const TRANSPORTS: [&str; 3] = ["auto", "soft", "rdma"];
 
 /// `[job]`.
 #[derive(Clone, Debug, PartialEq, Deserialize)]
@@ -349,6 +371,14 @@ impl JobSpec {
         }
         if j.steps == 0 {
             return Err(bad("job.steps", "must be at least 1"));
+        }
+        if let Some(t) = &self.fabric.transport
+            && !TRANSPORTS.contains(&t.as_str())
+        {
+            return Err(bad("fabric.transport", format!("{t:?}: use auto, soft or rdma")));
+        }
+        if self.fabric.rdma_port == Some(0) {
+            return Err(bad("fabric.rdma_port", "ports are numbered from 1"));
         }
         self.dtype()?;
         if j.shard_bytes < 4096 || j.shard_bytes > 1 << 30 {

@@ -152,6 +152,19 @@ impl MemoryRegion for RdmaMr {
     }
 }
 
+impl HostRegion for RdmaMr {
+    unsafe fn as_slice(&self) -> &[u8] {
+        self.buf.as_slice()
+    }
+    unsafe fn as_mut_slice(&mut self) -> &mut [u8] {
+        self.buf.as_mut_slice()
+    }
+}
+
+impl Fabric for RdmaPd {
+    const NAME: &'static str = "rdma";
+}
+
 fn access_flags(a: Access) -> u32 {
     let mut f = 0;
     if a.contains(Access::LOCAL_WRITE) {

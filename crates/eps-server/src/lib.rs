@@ -153,16 +153,16 @@ enum Peer {
     Target(u32),
 }
 
-struct Conn {
+struct Conn<P: Fabric> {
     /// `None` once closed.
-    qp: Option<SoftQp>,
+    qp: Option<P::Qp>,
     peer: Peer,
     alive: bool,
-    hello: SoftMr,
+    hello: P::Mr,
 }
 
-impl Conn {
-    fn qp(&self) -> Result<&SoftQp, FabricError> {
+impl<P: Fabric> Conn<P> {
+    fn qp(&self) -> Result<&P::Qp, FabricError> {
         self.qp.as_ref().ok_or(FabricError::InvalidArgument("the connection is closed"))
     }
 }
@@ -192,7 +192,7 @@ struct Held {
     split: Option<split::SplitOrder>,
 }
 
-struct Server {
+struct Server<P: Fabric> {
     rank: u32,
     /// Workers at the start (SSP/ASP scale each contribution by it).
     workers: u32,
@@ -202,21 +202,21 @@ struct Server {
     opt: Optimizer,
     sched: LrSchedule,
     agg: Arc<dyn Aggregator>,
-    mem: ShardMemory,
+    mem: ShardMemory<P>,
     /// By global shard id.
     shards: Vec<Option<Held>>,
-    conns: Vec<Conn>,
+    conns: Vec<Conn<P>>,
     /// Worker rank -> connection index.
     by_rank: Vec<Option<usize>>,
     /// QP number -> connection index.
     by_qp: HashMap<u32, usize>,
     /// Target server rank -> connection index (dialed for migrations).
     targets: HashMap<u32, usize>,
-    pd: SoftPd,
-    cq: SoftCq,
+    pd: P,
+    cq: P::Cq,
     opts: QpOptions,
     /// Acknowledgements of forwarded updates land here (zero-length writes).
-    acks: SoftMr,
+    acks: P::Mr,
     ctl: ControlClient,
     summary: ServerSummary,
     ready: Vec<(u32, u64)>,
@@ -230,7 +230,7 @@ struct Server {
     lost: Vec<(u32, u64)>,
     /// Landing regions of released shards, kept so that a push routed with an old
     /// epoch still lands in bounds and is answered "moved".
-    retained: Vec<Vec<SoftMr>>,
+    retained: Vec<Vec<P::Mr>>,
     /// (worker, shard) whose last push was answered "moved": the pull request
     /// that follows it is answered "pull moved" too, even if the shard arrived
     /// here meanwhile (the worker counts one answer of each kind).
@@ -247,15 +247,54 @@ struct Server {
     spans: Vec<(u64, u64)>,
 }
 
-/// Runs a server until the control plane retires it (the job is over, or it was
-/// scaled away and holds nothing).
-pub fn run(cfg: &ServerConfig) -> Result<ServerSummary, ServerError> {
+/// A server that has registered with the control plane: its rank and the job's
+/// spec, from which the caller picks the fabric to run on (see [`run_on`]).
+pub struct Registration {
+    rank: u32,
+    spec: JobSpec,
+    ctl: ControlClient,
+}
+
+impl std::fmt::Debug for Registration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registration").field("rank", &self.rank).field("job", &self.spec.job.name).finish()
+    }
+}
+
+impl Registration {
+    /// The rank the control plane gave this server.
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+    /// The job's spec.
+    pub fn spec(&self) -> &JobSpec {
+        &self.spec
+    }
+}
+
+/// Registers with the control plane as a server.
+pub fn register(cfg: &ServerConfig) -> Result<Registration, ServerError> {
     let mut ctl = ControlClient::connect(cfg.control, &cfg.secret, cfg.accept_timeout)?;
     let (rank, spec_text) = match ctl.call(&ControlMsg::Register { role: Role::Server, fabric_addr: String::new() })? {
         ControlMsg::Registered { rank, spec_toml } => (rank, spec_toml),
         _ => return Err(ServerError::Unexpected),
     };
     let spec = JobSpec::from_toml(&spec_text)?;
+    Ok(Registration { rank, spec, ctl })
+}
+
+/// Runs a server on the `soft` fabric until the control plane retires it (the job
+/// is over, or it was scaled away and holds nothing).
+pub fn run(cfg: &ServerConfig) -> Result<ServerSummary, ServerError> {
+    let reg = register(cfg)?;
+    run_on(cfg, reg, SoftDevice::open()?.alloc_pd())
+}
+
+/// Runs a registered server with its memory and connections on `pd`'s provider
+/// (`cfg.listen_ip` must be an address of that provider's device), until the
+/// control plane retires it.
+pub fn run_on<P: Fabric>(cfg: &ServerConfig, reg: Registration, pd: P) -> Result<ServerSummary, ServerError> {
+    let Registration { rank, spec, ctl } = reg;
     let layout = spec.layout()?;
     let (opt, sched) = (spec.optimizer()?, spec.schedule()?);
     let workers = spec.job.workers;
@@ -264,8 +303,6 @@ pub fn run(cfg: &ServerConfig) -> Result<ServerSummary, ServerError> {
     if ranks as usize > MAX_WORKERS {
         return Err(ServerError::TooManyWorkers(ranks));
     }
-    let dev = SoftDevice::open()?;
-    let pd = dev.alloc_pd();
     let seed = spec.job.seed;
     let total = layout.shards.len();
     let mut mem = ShardMemory::new(&pd, layout.dtype, ranks, &opt, total);
@@ -340,7 +377,7 @@ pub fn run(cfg: &ServerConfig) -> Result<ServerSummary, ServerError> {
     let endpoints: Vec<ShardEndpoint> = s.mem.held().filter_map(|id| s.endpoint(id)).collect();
     s.ctl.call(&ControlMsg::ServerReady { rank, fabric_addr, shards: endpoints })?;
     let stop = Arc::new(AtomicBool::new(false));
-    let accepted = spawn_acceptor(listener, cq, stop.clone());
+    let accepted = spawn_acceptor::<P>(listener, cq, stop.clone());
     let orders = spawn_order_poller(cfg, rank)?;
     let served = s.serve(&accepted, &orders);
     stop.store(true, Ordering::Relaxed);
@@ -354,7 +391,7 @@ pub fn run(cfg: &ServerConfig) -> Result<ServerSummary, ServerError> {
 /// Accepts connections on a thread of its own (workers join, migration sources
 /// dial in at any time) and hands them to the event loop.
 /// The thread stops within a second of `stop` being set.
-fn spawn_acceptor(listener: SoftListener, cq: SoftCq, stop: Arc<AtomicBool>) -> Receiver<SoftQp> {
+fn spawn_acceptor<P: Fabric>(listener: P::Listener, cq: P::Cq, stop: Arc<AtomicBool>) -> Receiver<P::Qp> {
     let (tx, rx) = channel();
     std::thread::spawn(move || {
         while !stop.load(Ordering::Relaxed) {

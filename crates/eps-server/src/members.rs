@@ -3,11 +3,12 @@
 //! it is committed), and the commit (settles held iterations; drops the missing
 //! contributions of workers whose lease expired).
 
+use eps_fabric::Fabric;
 use eps_proto::control::{ControlMsg, Role};
 
 use crate::{Pending, Server, ServerError};
 
-impl Server {
+impl<P: Fabric> Server<P> {
     /// Whether pushes of `iteration` must wait for a membership vote to end.
     pub(crate) fn unsettled(&self, iteration: u64) -> bool {
         self.hold.is_some_and(|h| iteration >= h)

@@ -68,7 +68,7 @@ fn fused(u: &UpdateArgs<'_>, dtype: DType, k: usize, mut p: Part<'_>) -> Result<
 
 /// The memory of one shard.
 #[derive(Debug)]
-pub struct ShardBlock {
+pub struct ShardBlock<P: Fabric> {
     /// Global shard id.
     pub id: u32,
     /// First element in the flat space.
@@ -78,28 +78,28 @@ pub struct ShardBlock {
     /// Bytes of one copy in the wire dtype.
     pub bytes: usize,
     /// Stamps, then published buffer 0 and buffer 1.
-    pub published: SoftMr,
+    pub published: P::Mr,
     /// Landing slots, one region per worker rank.
-    pub landing: Vec<SoftMr>,
+    pub landing: Vec<P::Mr>,
     /// f32 master parameters (`len`), then the optimizer state (`len * state_k`).
-    pub state: SoftMr,
+    pub state: P::Mr,
     /// f32 gradient buffer of a migration (source: forwarded from; target: received
     /// into).
-    pub grad: Option<SoftMr>,
+    pub grad: Option<P::Mr>,
 }
 
 /// All shards of one server.
 #[derive(Debug)]
-pub struct ShardMemory {
+pub struct ShardMemory<P: Fabric> {
     /// Wire dtype.
     pub dtype: DType,
     /// Workers (landing slots per shard).
     pub workers: u32,
     /// Optimizer state values per parameter.
     pub state_k: usize,
-    pd: SoftPd,
+    pd: P,
     /// By global shard id: the shard's block, if held here.
-    blocks: Vec<Option<ShardBlock>>,
+    blocks: Vec<Option<ShardBlock<P>>>,
     /// Scratch for the averaged gradient of one block, per computing thread.
     grads: [Vec<f32>; 2],
 }
@@ -139,9 +139,9 @@ pub enum Origin<'a> {
     Incoming,
 }
 
-impl ShardMemory {
+impl<P: Fabric> ShardMemory<P> {
     /// An empty set of shards.
-    pub fn new(pd: &SoftPd, dtype: DType, workers: u32, opt: &Optimizer, total_shards: usize) -> Self {
+    pub fn new(pd: &P, dtype: DType, workers: u32, opt: &Optimizer, total_shards: usize) -> Self {
         Self {
             dtype,
             workers,
@@ -152,7 +152,7 @@ impl ShardMemory {
         }
     }
 
-    fn alloc(&self, id: u32, what: &'static str, bytes: usize, access: Access) -> Result<SoftMr, MemoryError> {
+    fn alloc(&self, id: u32, what: &'static str, bytes: usize, access: Access) -> Result<P::Mr, MemoryError> {
         self.pd.alloc_mr(bytes.max(1), access).map_err(|source| MemoryError::Register {
             what,
             shard: id,
@@ -179,7 +179,7 @@ impl ShardMemory {
         let access = if incoming { Access::LOCAL_WRITE | Access::REMOTE_WRITE } else { Access::LOCAL_WRITE };
         let state = self.alloc(id, "master parameters and optimizer state", state_bytes, access)?;
         let grad = if incoming { Some(self.alloc(id, "migration gradient buffer", len as usize * 4, access)?) } else { None };
-        let mut b = ShardBlock { id, start, len, bytes, published, landing, state, grad };
+        let mut b = ShardBlock::<P> { id, start, len, bytes, published, landing, state, grad };
         if let Origin::Init(init) = origin {
             // SAFETY: the region was just registered and its keys not yet given out.
             let all: &mut [f32] = bytemuck::cast_slice_mut(unsafe { b.state.as_mut_slice() });
@@ -242,16 +242,16 @@ impl ShardMemory {
     }
 
     /// Frees shard `id`'s memory (its regions are deregistered at once).
-    pub fn remove(&mut self, id: u32) -> Option<ShardBlock> {
+    pub fn remove(&mut self, id: u32) -> Option<ShardBlock<P>> {
         self.blocks.get_mut(id as usize)?.take()
     }
 
     /// Shard `id`'s block, if held here.
-    pub fn get(&self, id: u32) -> Option<&ShardBlock> {
+    pub fn get(&self, id: u32) -> Option<&ShardBlock<P>> {
         self.blocks.get(id as usize)?.as_ref()
     }
 
-    fn block_mut(&mut self, id: u32) -> Option<&mut ShardBlock> {
+    fn block_mut(&mut self, id: u32) -> Option<&mut ShardBlock<P>> {
         self.blocks.get_mut(id as usize)?.as_mut()
     }
 

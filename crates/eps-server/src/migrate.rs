@@ -73,7 +73,7 @@ impl Outgoing {
     }
 }
 
-impl Server {
+impl<P: Fabric> Server<P> {
     pub(crate) fn on_order(&mut self, o: Order) -> Result<(), ServerError> {
         match o {
             Order::MigrateIn { shard, from, start, len } => self.migrate_in(shard, from, start, len),

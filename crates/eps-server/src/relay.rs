@@ -34,7 +34,7 @@ pub(crate) struct Relay {
     release: bool,
 }
 
-impl Server {
+impl<P: Fabric> Server<P> {
     /// The snapshot of SSP/ASP shard `id` landed: stop applying, hand the
     /// contributions parked meanwhile to the relay, refuse the waiting pulls, and
     /// report the cutover.

@@ -19,7 +19,7 @@ use crate::{
     pull_wr_parts,
 };
 
-impl Server {
+impl<P: Fabric> Server<P> {
     /// Shard `id`'s state, if held here.
     pub(crate) fn held_mut(&mut self, id: u32) -> Option<&mut crate::Held> {
         self.shards.get_mut(id as usize)?.as_mut()
@@ -39,7 +39,7 @@ impl Server {
 
     pub(crate) fn serve(
         &mut self,
-        accepted: &Receiver<SoftQp>,
+        accepted: &Receiver<P::Qp>,
         orders: &Receiver<Result<Order, ControlError>>,
     ) -> Result<(), ServerError> {
         let mut wc = [Completion::EMPTY; 64];
@@ -72,7 +72,7 @@ impl Server {
 
     /// Registers a connection: posts the hello receive (unless we dialed it) and
     /// receives for immediates.
-    pub(crate) fn add_conn(&mut self, qp: SoftQp, peer: Peer) -> Result<usize, ServerError> {
+    pub(crate) fn add_conn(&mut self, qp: P::Qp, peer: Peer) -> Result<usize, ServerError> {
         let hello = self.pd.alloc_mr(HELLO_LEN, Access::LOCAL_WRITE)?;
         let mut recvs = self.opts.max_recv_wr;
         if matches!(peer, Peer::Unknown) {
@@ -371,7 +371,7 @@ impl Server {
         }
     }
 
-    fn worker_conn(&self, w: u32) -> Option<(&Conn, Hello)> {
+    fn worker_conn(&self, w: u32) -> Option<(&Conn<P>, Hello)> {
         let conn = &self.conns[self.by_rank.get(w as usize).copied().flatten()?];
         match (conn.peer, conn.alive) {
             (Peer::Worker(h), true) => Some((conn, h)),

@@ -16,6 +16,7 @@
 use std::collections::VecDeque;
 use std::time::Instant;
 
+use eps_fabric::Fabric;
 use eps_proto::Consistency;
 use eps_proto::control::ControlMsg;
 use eps_proto::sync::ShardSync;
@@ -30,7 +31,7 @@ pub(crate) struct SplitOrder {
     hi: u32,
 }
 
-impl Server {
+impl<P: Fabric> Server<P> {
     /// The control plane ordered shard `id` split at element `mid` into `lo`, `hi`.
     pub(crate) fn on_split_order(&mut self, id: u32, mid: u64, lo: u32, hi: u32) -> Result<(), ServerError> {
         let bad = |why: &str| Err(ServerError::Migration(format!("ordered to split shard {id}: {why}")));

@@ -139,21 +139,21 @@ const WR_HELLO: u64 = 3 << 62;
 const WR_READ: u64 = 1 << 61;
 
 /// A worker of a running job.
-pub struct Worker {
+pub struct Worker<P: Fabric = SoftPd> {
     rank: u32,
     spec: JobSpec,
     layout: Layout,
     mode: Consistency,
-    params: SoftMr,
-    grads: SoftMr,
+    params: P::Mr,
+    grads: P::Mr,
     /// By server rank: the connection, once dialed.
-    qps: Vec<Option<SoftQp>>,
+    qps: Vec<Option<P::Qp>>,
     /// QP number -> server rank.
     qp_rank: HashMap<u32, u32>,
     /// The map pushes are routed with.
     map: JobMap,
     watch: Arc<MapWatch>,
-    cq: SoftCq,
+    cq: P::Cq,
     opts: QpOptions,
     /// Per global shard: the landing slot may be written.
     credit: Vec<bool>,
@@ -173,7 +173,7 @@ pub struct Worker {
     /// Pull requests answered "moved" since the current push_pull or pull began.
     pull_moved: usize,
     /// ASP: where each shard's published-buffer stamps are read into (16 bytes each).
-    stamps: SoftMr,
+    stamps: P::Mr,
     /// RDMA READs completed since the current read round began.
     reads_done: usize,
     iteration: u64,
@@ -189,48 +189,91 @@ pub struct Worker {
     stats: WorkerStats,
     ctl: ControlClient,
     timeout: Duration,
-    hello: SoftMr,
-    pd: SoftPd,
+    hello: P::Mr,
+    pd: P,
 }
 
-impl std::fmt::Debug for Worker {
+impl<P: Fabric> std::fmt::Debug for Worker<P> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Worker").field("rank", &self.rank).field("iteration", &self.iteration).finish()
     }
 }
 
-impl Worker {
-    /// Joins the job: registers, waits for the shard map, registers buffers,
-    /// connects to every server, and pulls version 0 of the parameters.
+/// A worker that has registered with the control plane and holds the shard map
+/// it starts with: the caller picks the fabric from the spec (see [`Worker::join_on`]).
+pub struct Registration {
+    rank: u32,
+    spec: JobSpec,
+    layout: Layout,
+    map: JobMap,
+    ctl: ControlClient,
+}
+
+impl std::fmt::Debug for Registration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registration").field("rank", &self.rank).field("job", &self.spec.job.name).finish()
+    }
+}
+
+impl Registration {
+    /// The rank the control plane gave this worker.
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+    /// The job's spec.
+    pub fn spec(&self) -> &JobSpec {
+        &self.spec
+    }
+}
+
+/// Registers with the control plane as a worker and waits for the shard map (and,
+/// for a worker started to join a running job, for the change that admits it).
+pub fn register(cfg: &WorkerConfig) -> Result<Registration, WorkerError> {
+    let mut ctl = ControlClient::connect(cfg.control, &cfg.secret, cfg.timeout)?;
+    let (rank, spec_text) = match ctl.call(&ControlMsg::Register { role: Role::Worker, fabric_addr: String::new() })? {
+        ControlMsg::Registered { rank, spec_toml } => (rank, spec_toml),
+        _ => return Err(WorkerError::Unexpected),
+    };
+    let spec = JobSpec::from_toml(&spec_text)?;
+    let layout = spec.layout()?;
+    let ControlMsg::Map(mut map) = ctl.call(&ControlMsg::GetMap { worker: rank, adopted: 0, min_epoch: 0, iteration: 0 })?
+    else {
+        return Err(WorkerError::Unexpected);
+    };
+    // A worker started for a join that is still being voted on waits for the
+    // commit, which names the iteration it starts at.
+    let deadline = Instant::now() + cfg.timeout;
+    while map.proposal != 0 && !map.membership.last().is_some_and(|(_, set)| set.contains(&rank)) {
+        if Instant::now() >= deadline {
+            return Err(WorkerError::Timeout("the membership change that admits this worker"));
+        }
+        let req = ControlMsg::GetMap { worker: rank, adopted: 0, min_epoch: map.epoch + 1, iteration: 0 };
+        if let ControlMsg::Map(m) = ctl.call(&req)? {
+            map = m;
+        }
+    }
+    if map.routes.len() < layout.shards.len() {
+        return Err(WorkerError::Unexpected);
+    }
+    Ok(Registration { rank, spec, layout, map, ctl })
+}
+
+impl Worker<SoftPd> {
+    /// Joins the job on the `soft` fabric: registers, waits for the shard map,
+    /// registers buffers, connects to every server, and pulls version 0 of the
+    /// parameters.
     pub fn join(cfg: &WorkerConfig) -> Result<Self, WorkerError> {
-        let mut ctl = ControlClient::connect(cfg.control, &cfg.secret, cfg.timeout)?;
-        let (rank, spec_text) = match ctl.call(&ControlMsg::Register { role: Role::Worker, fabric_addr: String::new() })? {
-            ControlMsg::Registered { rank, spec_toml } => (rank, spec_toml),
-            _ => return Err(WorkerError::Unexpected),
-        };
-        let spec = JobSpec::from_toml(&spec_text)?;
-        let layout = spec.layout()?;
-        let ControlMsg::Map(mut map) = ctl.call(&ControlMsg::GetMap { worker: rank, adopted: 0, min_epoch: 0, iteration: 0 })?
-        else {
-            return Err(WorkerError::Unexpected);
-        };
-        // A worker started for a join that is still being voted on waits for the
-        // commit, which names the iteration it starts at.
-        let deadline = Instant::now() + cfg.timeout;
-        while map.proposal != 0 && !map.membership.last().is_some_and(|(_, set)| set.contains(&rank)) {
-            if Instant::now() >= deadline {
-                return Err(WorkerError::Timeout("the membership change that admits this worker"));
-            }
-            let req = ControlMsg::GetMap { worker: rank, adopted: 0, min_epoch: map.epoch + 1, iteration: 0 };
-            if let ControlMsg::Map(m) = ctl.call(&req)? {
-                map = m;
-            }
-        }
-        if map.routes.len() < layout.shards.len() {
-            return Err(WorkerError::Unexpected);
-        }
-        let dev = SoftDevice::open()?;
-        let pd = dev.alloc_pd();
+        let reg = register(cfg)?;
+        Self::join_on(cfg, reg, SoftDevice::open()?.alloc_pd())
+    }
+}
+
+impl<P: Fabric> Worker<P> {
+    /// Joins the job as registered, with buffers and connections on `pd`'s
+    /// provider: registers buffers, connects to every server, and pulls the first
+    /// parameters.
+    pub fn join_on(cfg: &WorkerConfig, reg: Registration, pd: P) -> Result<Self, WorkerError> {
+        let Registration { rank, spec, layout, map, ctl } = reg;
         let bytes = layout.bytes() as usize;
         // Queues are sized for as many shards as splits may make.
         let n = eps_proto::layout::live_shard_cap(layout.shards.len());
@@ -726,7 +769,7 @@ impl Worker {
         Ok(())
     }
 
-    fn qp(&self, server: u32) -> Result<&SoftQp, WorkerError> {
+    fn qp(&self, server: u32) -> Result<&P::Qp, WorkerError> {
         self.qps.get(server as usize).and_then(Option::as_ref).ok_or(WorkerError::NoAddress(server))
     }
 
@@ -737,7 +780,7 @@ impl Worker {
         loop {
             let res = {
                 let sg_buf;
-                let sg: &[Sge<'_, SoftMr>] = match grad {
+                let sg: &[Sge<'_, P::Mr>] = match grad {
                     Some((off, len)) => {
                         sg_buf = [Sge::new(&self.grads, off, len)];
                         &sg_buf
@@ -850,7 +893,7 @@ impl Worker {
     }
 }
 
-impl Drop for Worker {
+impl<P: Fabric> Drop for Worker<P> {
     fn drop(&mut self) {
         self.watch.stop.store(true, Ordering::Relaxed);
     }

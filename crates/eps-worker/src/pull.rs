@@ -9,7 +9,7 @@ use eps_proto::layout::published_offset;
 
 use crate::{WR_READ, Worker, WorkerError};
 
-impl Worker {
+impl<P: Fabric> Worker<P> {
     /// Pulls shard `sid` again at the version this worker holds (BSP and SSP), from
     /// whichever server serves that version now: during a migration the old owner
     /// up to the cutover version, the new one after it. A server that no longer serves it
@@ -145,7 +145,7 @@ impl Worker {
         self.wait_until(|w| w.reads_done >= k, "RDMA READs of the published parameters")
     }
 
-    fn post_read(&self, server: u32, from: RemoteAddr, sg: &[Sge<'_, SoftMr>]) -> Result<(), WorkerError> {
+    fn post_read(&self, server: u32, from: RemoteAddr, sg: &[Sge<'_, P::Mr>]) -> Result<(), WorkerError> {
         loop {
             match self.qp(server)?.post_send(&SendWr { wr_id: WR_READ, op: SendOp::Read(from), sg, signaled: true }) {
                 Err(FabricError::QueueFull { .. }) => {

@@ -21,7 +21,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, RwLock};
 
-use crate::api::{Access, MemoryRegion, ProtectionDomain, QpOptions};
+use crate::api::{Access, Fabric, HostRegion, MemoryRegion, ProtectionDomain, QpOptions};
 use crate::error::Result;
 use crate::mem::RegionBuf;
 
@@ -67,6 +67,10 @@ impl SoftDevice {
 pub struct SoftPd {
     pub(crate) dev: Arc<DeviceInner>,
     pub(crate) pd: u32,
+}
+
+impl Fabric for SoftPd {
+    const NAME: &'static str = "soft";
 }
 
 impl ProtectionDomain for SoftPd {
@@ -127,28 +131,21 @@ pub struct SoftMr {
     table: Arc<MrTable>,
 }
 
-impl SoftMr {
-    pub(crate) fn inner(&self) -> &Arc<MrInner> {
-        &self.inner
-    }
-
-    /// The region's bytes.
-    ///
-    /// # Safety
-    /// No operation that writes this region (a peer's WRITE, an incoming SEND, a local
-    /// READ or RECV) may be in flight while the slice lives.
-    pub unsafe fn as_slice(&self) -> &[u8] {
+impl HostRegion for SoftMr {
+    unsafe fn as_slice(&self) -> &[u8] {
         // SAFETY: the caller excludes concurrent writers; the mapping lives as long as self.
         unsafe { std::slice::from_raw_parts(self.inner.buf.as_ptr(), self.inner.buf.len()) }
     }
 
-    /// The region's bytes, mutably.
-    ///
-    /// # Safety
-    /// No operation that reads or writes this region may be in flight while the slice lives.
-    pub unsafe fn as_mut_slice(&mut self) -> &mut [u8] {
+    unsafe fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: as above, and `&mut self` excludes other local users.
         unsafe { std::slice::from_raw_parts_mut(self.inner.buf.as_ptr(), self.inner.buf.len()) }
+    }
+}
+
+impl SoftMr {
+    pub(crate) fn inner(&self) -> &Arc<MrInner> {
+        &self.inner
     }
 }
 

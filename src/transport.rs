@@ -1,0 +1,142 @@
+//! `--transport auto|soft|rdma` for the roles: which provider a server or worker
+//! runs its data plane on, and on which RDMA device.
+//!
+//! Each choice is taken from the command line first, then the environment
+//! (`EPS_TRANSPORT`, `EPS_RDMA_DEVICE`, `EPS_RDMA_PORT`, `EPS_RDMA_GID_INDEX`),
+//! then the job spec's `[fabric]` section, and defaults to `auto`: rdma when a
+//! usable device exists, else soft, saying which and why.
+
+use std::net::IpAddr;
+
+use eps_fabric::Fabric;
+use eps_proto::spec::{FabricSection, TRANSPORTS};
+
+use crate::rdma::Named;
+
+/// The transport flags of `eps server`, `eps worker` and `eps train`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args)]
+pub struct TransportFlags {
+    /// Data-plane transport: `soft` (userspace verbs over TCP with io_uring),
+    /// `rdma` (an RDMA device; fails, saying what it found, when none can be used)
+    /// or `auto` (rdma when a device is usable, else soft; it says which).
+    /// Default: EPS_TRANSPORT, else the spec's fabric.transport, else auto.
+    #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(TRANSPORTS))]
+    pub transport: Option<String>,
+    /// The RDMA device for `--transport rdma|auto`.
+    #[command(flatten)]
+    pub rdma: Named,
+}
+
+impl TransportFlags {
+    /// The flags naming `chosen` (and the device flags given here), for a child
+    /// process, so that every process of a local cluster runs on the same choice.
+    pub fn child_args(&self, chosen: &Chosen) -> Vec<String> {
+        let mut v = vec!["--transport".to_string(), chosen.name().to_string()];
+        match chosen {
+            #[cfg(feature = "rdma")]
+            Chosen::Rdma(sel) => {
+                v.extend(["--rdma-device".to_string(), sel.device.clone()]);
+                v.extend(["--rdma-port".to_string(), sel.port.to_string()]);
+                v.extend(["--gid-index".to_string(), sel.gid.index.to_string()]);
+            }
+            _ => v.extend(self.rdma.args()),
+        }
+        v
+    }
+}
+
+/// A selected RDMA device (without the `rdma` feature there is none).
+#[cfg(feature = "rdma")]
+pub type RdmaSelection = eps_rdma::Selection;
+/// A selected RDMA device (without the `rdma` feature there is none).
+#[cfg(not(feature = "rdma"))]
+pub type RdmaSelection = std::convert::Infallible;
+
+/// The provider chosen for a process.
+#[derive(Clone, Debug)]
+pub enum Chosen {
+    /// Userspace verbs over TCP.
+    Soft,
+    /// This RDMA device, port and GID.
+    Rdma(RdmaSelection),
+}
+
+impl Chosen {
+    /// `soft` or `rdma`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Chosen::Soft => "soft",
+            Chosen::Rdma(_) => "rdma",
+        }
+    }
+}
+
+/// Resolves the flags, the environment and the spec's `[fabric]` section (flags
+/// first) to a provider. `rdma` without a usable device is an error that says what
+/// was found and points to `--transport soft`; `auto` says which it took and why.
+pub fn choose(flags: &TransportFlags, spec: Option<&FabricSection>) -> Result<Chosen, String> {
+    let env = std::env::var("EPS_TRANSPORT").ok().filter(|v| !v.is_empty());
+    let requested = flags.transport.clone().or(env).or_else(|| spec.and_then(|s| s.transport.clone()));
+    let requested = requested.unwrap_or_else(|| "auto".to_string());
+    let mut named = flags.rdma.clone();
+    // The environment fills what the flags leave open (in `rdma_selection`), the
+    // spec only what both leave open.
+    if let Some(s) = spec {
+        let env_set = |k: &str| std::env::var(k).is_ok_and(|v| !v.is_empty());
+        if named.device.is_none() && !env_set("EPS_RDMA_DEVICE") {
+            named.device = s.rdma_device.clone();
+        }
+        if named.port.is_none() && !env_set("EPS_RDMA_PORT") {
+            named.port = s.rdma_port;
+        }
+        if named.gid_index.is_none() && !env_set("EPS_RDMA_GID_INDEX") {
+            named.gid_index = s.gid_index;
+        }
+    }
+    match requested.as_str() {
+        "soft" => Ok(Chosen::Soft),
+        "rdma" => match crate::rdma::selection(&named) {
+            Ok(s) => Ok(Chosen::Rdma(s)),
+            Err(e) if e.contains("--transport soft") => Err(format!("--transport rdma: {e}")),
+            Err(e) => Err(format!("--transport rdma: {e}; use --transport soft (userspace verbs over TCP)")),
+        },
+        "auto" => match crate::rdma::selection(&named) {
+            Ok(s) => {
+                eprintln!("eps: --transport auto: using rdma");
+                Ok(Chosen::Rdma(s))
+            }
+            Err(e) => {
+                eprintln!("eps: --transport auto: using soft ({e})");
+                Ok(Chosen::Soft)
+            }
+        },
+        other => Err(format!("unknown transport {other:?} (from EPS_TRANSPORT or fabric.transport): use auto, soft or rdma")),
+    }
+}
+
+/// Work that runs on whichever provider was chosen.
+pub trait OnFabric {
+    /// What the work returns.
+    type Out;
+    /// Runs on `pd`; `ip` is the address peers reach this process at on that
+    /// provider (`None`: any the caller likes, the provider is not tied to one).
+    fn run<P: Fabric>(self, pd: P, ip: Option<IpAddr>) -> Self::Out;
+}
+
+/// Opens the chosen provider (logging the RDMA device, port, GID and MTU) and runs
+/// `work` on it.
+pub fn run_on<W: OnFabric>(chosen: &Chosen, work: W) -> Result<W::Out, String> {
+    match chosen {
+        Chosen::Soft => {
+            let pd = eps_fabric::soft::SoftDevice::open().map_err(|e| format!("the soft transport: {e}"))?.alloc_pd();
+            Ok(work.run(pd, None))
+        }
+        #[cfg(feature = "rdma")]
+        Chosen::Rdma(sel) => {
+            let (pd, ip) = crate::rdma::open(sel)?;
+            Ok(work.run(pd, Some(ip)))
+        }
+        #[cfg(not(feature = "rdma"))]
+        Chosen::Rdma(never) => match *never {},
+    }
+}
