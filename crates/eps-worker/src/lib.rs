@@ -94,6 +94,17 @@ pub enum WorkerError {
         /// The completion status.
         status: WcStatus,
     },
+    /// A server this worker still routes to closed its connection (its posted
+    /// receives were flushed): it exited or failed.
+    #[error("server {server} closed its connection while this worker still routes to it (iteration {iteration}, shard map epoch {epoch})")]
+    ServerGone {
+        /// The server's rank.
+        server: u32,
+        /// The worker's iteration.
+        iteration: u64,
+        /// The epoch of the worker's shard map.
+        epoch: u64,
+    },
     /// No tensor has that name.
     #[error("unknown tensor {0:?}")]
     UnknownTensor(String),
@@ -443,8 +454,12 @@ impl<P: Fabric> Worker<P> {
     fn refresh_map(&mut self) -> Result<(), WorkerError> {
         let deadline = Instant::now() + self.timeout;
         let have = self.map.epoch;
+        // Report only the epoch `report_routing` decided: the map held may still
+        // route to a previous owner this worker has not passed the cutover of,
+        // and reporting it would let that owner retire while still needed.
+        let adopted = self.watch.adopted.load(Ordering::Acquire);
         while Instant::now() < deadline {
-            let req = ControlMsg::GetMap { worker: self.rank, adopted: have, min_epoch: have + 1, iteration: self.iteration };
+            let req = ControlMsg::GetMap { worker: self.rank, adopted, min_epoch: have + 1, iteration: self.iteration };
             if let ControlMsg::Map(m) = self.ctl.call(&req)?
                 && m.epoch > have
             {
@@ -833,6 +848,9 @@ impl<P: Fabric> Worker<P> {
                         *q = None;
                     }
                     continue;
+                }
+                if matches!(c.opcode, WcOpcode::Recv | WcOpcode::RecvWithImm) {
+                    return Err(WorkerError::ServerGone { server, iteration: self.iteration, epoch: self.map.epoch });
                 }
                 let what = if c.wr_id & (3 << 62) == WR_PUSH { "push" } else { "pull" };
                 return Err(WorkerError::Transfer { what, shard: (c.wr_id & 0xFFFF_FFFF) as u32, status: c.status });
