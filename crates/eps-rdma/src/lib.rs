@@ -21,4 +21,4 @@ mod inline_helpers;
 pub mod verbs;
 
 pub use device::{Device, DeviceChoice, Gid, GidKind, Port, RdmaError, Selection, devices, select};
-pub use verbs::{RdmaCq, RdmaDevice, RdmaListener, RdmaMr, RdmaPd, RdmaQp};
+pub use verbs::{RdmaCq, RdmaDevice, RdmaListener, RdmaMr, RdmaPd, RdmaQp, RegCacheStats};

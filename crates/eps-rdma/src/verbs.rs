@@ -20,7 +20,9 @@ use rdma_sys as sys;
 use crate::acct::{Acct, CqSide};
 
 mod cm;
+mod regcache;
 pub use cm::RdmaListener;
+pub use regcache::RegCacheStats;
 
 fn verbs_err(call: &'static str) -> FabricError {
     FabricError::Connect { peer: String::new(), stage: call, source: io::Error::last_os_error() }
@@ -78,7 +80,15 @@ impl RdmaDevice {
         if pd.is_null() {
             return Err(verbs_err("ibv_alloc_pd"));
         }
-        Ok(RdmaPd(Arc::new(PdInner { pd, ctx: self.ctx })))
+        let cache = match regcache::RegCache::from_env() {
+            Ok(c) => c,
+            Err(e) => {
+                // SAFETY: allocated just above, used by nothing.
+                unsafe { sys::ibv_dealloc_pd(pd) };
+                return Err(e);
+            }
+        };
+        Ok(RdmaPd(Arc::new(PdInner { pd, ctx: self.ctx, cache })))
     }
 }
 
@@ -86,6 +96,8 @@ impl RdmaDevice {
 struct PdInner {
     pd: *mut sys::ibv_pd,
     ctx: *mut sys::ibv_context,
+    /// Dropped regions kept registered for reuse (see `regcache`).
+    cache: regcache::RegCache,
 }
 
 // SAFETY: verbs objects may be used from any thread; libibverbs locks internally.
@@ -95,7 +107,9 @@ unsafe impl Sync for PdInner {}
 
 impl Drop for PdInner {
     fn drop(&mut self) {
-        // SAFETY: every region, QP and CQ holds an Arc of this, so none is left.
+        self.cache.clear();
+        // SAFETY: every region, QP and CQ holds an Arc of this, so none is left,
+        // and the pool was just emptied.
         unsafe { sys::ibv_dealloc_pd(self.pd) };
     }
 }
@@ -104,11 +118,19 @@ impl Drop for PdInner {
 #[derive(Clone, Debug)]
 pub struct RdmaPd(Arc<PdInner>);
 
+impl RdmaPd {
+    /// What the registration cache did so far.
+    pub fn reg_cache_stats(&self) -> RegCacheStats {
+        self.0.cache.stats()
+    }
+}
+
 /// A registered memory region.
 #[derive(Debug)]
 pub struct RdmaMr {
     mr: *mut sys::ibv_mr,
-    buf: RegionBuf,
+    /// Taken out only in `drop`.
+    buf: std::mem::ManuallyDrop<RegionBuf>,
     access: Access,
     _pd: Arc<PdInner>,
 }
@@ -121,8 +143,13 @@ unsafe impl Sync for RdmaMr {}
 
 impl Drop for RdmaMr {
     fn drop(&mut self) {
-        // SAFETY: registered once, deregistered once; the buffer outlives it.
-        unsafe { sys::ibv_dereg_mr(self.mr) };
+        // SAFETY: `buf` is taken once, here, and not used after.
+        let buf = unsafe { std::mem::ManuallyDrop::take(&mut self.buf) };
+        if let Err((mr, buf)) = self._pd.cache.put(self._pd.pd, self.mr, buf, self.access) {
+            // SAFETY: registered once, deregistered once, before its buffer goes.
+            unsafe { sys::ibv_dereg_mr(mr) };
+            drop(buf);
+        }
     }
 }
 
@@ -570,7 +597,14 @@ impl ProtectionDomain for RdmaPd {
         if mr.is_null() {
             return Err(FabricError::Alloc { bytes: buf.len() as u64, source: io::Error::last_os_error() });
         }
-        Ok(RdmaMr { mr, buf, access, _pd: self.0.clone() })
+        Ok(RdmaMr { mr, buf: std::mem::ManuallyDrop::new(buf), access, _pd: self.0.clone() })
+    }
+
+    fn alloc_mr(&self, len: usize, access: Access) -> Result<RdmaMr> {
+        match self.0.cache.take(self.0.pd, len, access, access_flags(access)) {
+            Some((mr, buf)) => Ok(RdmaMr { mr, buf: std::mem::ManuallyDrop::new(buf), access, _pd: self.0.clone() }),
+            None => self.register(RegionBuf::new(len)?, access),
+        }
     }
 
     fn create_cq(&self, depth: u32) -> Result<RdmaCq> {

@@ -165,6 +165,56 @@ fn unsignaled_runs_do_not_fill_the_send_queue() {
     println!("rdma: {n} unsignaled WRITEs through a 16-deep send queue, one completion reported");
 }
 
+/// The registration cache: a dropped region comes back (zeroed) for the next
+/// allocation of its length and access, and while it is pooled its old rkey is
+/// refused with a remote access error.
+#[test]
+fn dropped_regions_are_reused_and_unreachable_while_pooled() {
+    use std::time::{Duration, Instant};
+
+    use eps_fabric::prelude::*;
+
+    let opts = QpOptions::new(Secret::new("rxe-test").unwrap());
+    let Some(Pair { a_pd, b_pd, a_cq, a, b: _b, .. }) = pair(&opts, 64) else { return };
+    let all = Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ;
+    let len = 1 << 20;
+    let mut target = b_pd.alloc_mr(len, all).unwrap();
+    target.write_at(0, &[0xAB; 4096]);
+    let (addr, stale) = (target.addr(), target.remote(0));
+    let before = b_pd.reg_cache_stats();
+    drop(target);
+    let pooled = b_pd.reg_cache_stats();
+    println!("rdma: registration cache after a drop: {pooled:?}");
+    assert_eq!(pooled.revocable, Some(true), "the device revokes remote access in place (ibv_rereg_mr)");
+    assert_eq!((pooled.pooled, pooled.pooled_bytes), (before.pooled + 1, before.pooled_bytes + len));
+    // A WRITE with the pooled region's rkey fails at the writer.
+    let src = a_pd.alloc_mr(4096, Access::LOCAL_WRITE).unwrap();
+    a.post_send(&SendWr { wr_id: 5, op: SendOp::Write(stale), sg: &[Sge::whole(&src)], signaled: true }).unwrap();
+    let mut buf = [Completion::EMPTY; 4];
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let c = loop {
+        let k = a_cq.poll(&mut buf).unwrap();
+        if k > 0 {
+            break buf[0];
+        }
+        assert!(Instant::now() < deadline, "the WRITE to a pooled region never completed");
+        a_cq.wait(Duration::from_millis(5));
+    };
+    assert_eq!((c.wr_id, c.status), (5, WcStatus::RemoteAccess), "a pooled region is out of remote reach");
+    // The same length and access comes back from the pool, zeroed.
+    let again = b_pd.alloc_mr(len, all).unwrap();
+    let after = b_pd.reg_cache_stats();
+    assert_eq!((again.addr(), after.hits, after.pooled), (addr, before.hits + 1, before.pooled));
+    let mut head = vec![1u8; 4096];
+    again.read_at(0, &mut head);
+    assert!(head.iter().all(|&x| x == 0), "a region from the pool is zeroed");
+    // Other access is a miss.
+    let other = b_pd.alloc_mr(len, Access::LOCAL_WRITE).unwrap();
+    assert_ne!(other.addr(), addr);
+    assert_eq!(b_pd.reg_cache_stats().misses, after.misses + 1);
+    println!("rdma: registration cache: {:?}", b_pd.reg_cache_stats());
+}
+
 /// Two queue pairs connected through rdma_cm on the selected device (both ends on
 /// it, at `EPS_RDMA_ADDR`), each side with its own PD and CQ; `None` (the test
 /// skips, saying so) where there is no device, unless `EPS_RDMA_REQUIRE` is set.

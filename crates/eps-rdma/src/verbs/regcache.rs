@@ -1,0 +1,194 @@
+//! The registration cache: regions dropped by their owner stay registered (pages
+//! pinned, translations in the NIC) in a pool of their protection domain, and a
+//! later `alloc_mr` of the same length and access takes one from there instead of
+//! mapping, faulting and pinning fresh memory. Servers allocate a shard's regions
+//! each time a shard arrives (migration, split) and drop them when it leaves, so an
+//! elastic job registers the same sizes over and over.
+//!
+//! Remote access is revoked while a region is pooled: it is re-registered
+//! (`ibv_rereg_mr`, access change only) with local access alone, so a peer still
+//! holding its rkey gets a remote access error instead of writing into the pool.
+//! A device that cannot change access in place gets no pooling: its regions are
+//! deregistered at once, as without the cache. A region handed out again keeps its
+//! keys (verbs do not promise new ones on a change of access); EPS never uses a
+//! released region's keys (a shard's memory is released only once every worker
+//! routes elsewhere, and its landing regions are kept until the job ends).
+//!
+//! The pool holds at most `EPS_RDMA_REG_CACHE_MIB` MiB per protection domain
+//! (default 256; 0 turns the cache off).
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use eps_fabric::Result;
+use eps_fabric::prelude::*;
+use rdma_sys as sys;
+
+/// Default size limit of a pool.
+const DEFAULT_LIMIT_MIB: usize = 256;
+
+/// What a protection domain's registration cache did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RegCacheStats {
+    /// `alloc_mr` calls served from the pool.
+    pub hits: u64,
+    /// `alloc_mr` calls that registered fresh memory.
+    pub misses: u64,
+    /// Regions in the pool now.
+    pub pooled: usize,
+    /// Bytes in the pool now.
+    pub pooled_bytes: usize,
+    /// The pool's limit in bytes (0: off).
+    pub limit_bytes: usize,
+    /// `Some(false)` once the device refused to revoke remote access in place
+    /// (the cache then stays off); `None` until a region was first pooled.
+    pub revocable: Option<bool>,
+}
+
+/// A region the pool did not take: the caller deregisters it.
+pub(crate) type Unpooled = (*mut sys::ibv_mr, RegionBuf);
+
+/// A region in the pool: still registered, with local access only.
+struct Pooled {
+    mr: *mut sys::ibv_mr,
+    buf: RegionBuf,
+}
+
+#[derive(Default)]
+struct Pool {
+    free: HashMap<(usize, u8), Vec<Pooled>>,
+    stats: RegCacheStats,
+}
+
+/// One protection domain's pool.
+pub(crate) struct RegCache {
+    pool: Mutex<Pool>,
+}
+
+// SAFETY: the pooled ibv_mr handles are only used under the mutex, and verbs
+// objects may be used from any thread.
+unsafe impl Send for RegCache {}
+// SAFETY: as above.
+unsafe impl Sync for RegCache {}
+
+impl std::fmt::Debug for RegCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RegCache").field("stats", &self.stats()).finish()
+    }
+}
+
+impl RegCache {
+    /// A pool limited by `EPS_RDMA_REG_CACHE_MIB` (a malformed value is an error
+    /// naming it).
+    pub(crate) fn from_env() -> Result<Self> {
+        let mib = match std::env::var("EPS_RDMA_REG_CACHE_MIB") {
+            Ok(v) if !v.is_empty() => v
+                .parse::<usize>()
+                .map_err(|_| FabricError::InvalidArgument("EPS_RDMA_REG_CACHE_MIB must be a whole number of MiB"))?,
+            _ => DEFAULT_LIMIT_MIB,
+        };
+        Ok(Self::new(mib.saturating_mul(1 << 20)))
+    }
+
+    /// A pool of at most `limit_bytes`.
+    pub(crate) fn new(limit_bytes: usize) -> Self {
+        let pool = Pool { stats: RegCacheStats { limit_bytes, ..RegCacheStats::default() }, ..Pool::default() };
+        Self { pool: Mutex::new(pool) }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Pool> {
+        self.pool.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The counters.
+    pub(crate) fn stats(&self) -> RegCacheStats {
+        self.lock().stats
+    }
+
+    /// A pooled region of exactly `len` bytes, zeroed, with `flags` (verbs access
+    /// flags) restored; `None` on a miss (counted).
+    pub(crate) fn take(&self, pd: *mut sys::ibv_pd, len: usize, access: Access, flags: u32) -> Option<(*mut sys::ibv_mr, RegionBuf)> {
+        let mut p = self.lock();
+        let found = p.free.get_mut(&(len, access.bits())).and_then(Vec::pop);
+        let Some(Pooled { mr, mut buf }) = found else {
+            p.stats.misses += 1;
+            return None;
+        };
+        p.stats.pooled -= 1;
+        p.stats.pooled_bytes -= len;
+        // SAFETY: `mr` is a live registration of `buf` in `pd`; only its access
+        // changes.
+        let rc = unsafe {
+            sys::ibv_rereg_mr(
+                mr,
+                sys::ibv_rereg_mr_flags::IBV_REREG_MR_CHANGE_ACCESS.0 as libc::c_int,
+                pd,
+                std::ptr::null_mut(),
+                0,
+                flags as libc::c_int,
+            )
+        };
+        if rc != 0 {
+            // Unusable: drop it and register afresh.
+            // SAFETY: registered once, deregistered once.
+            unsafe { sys::ibv_dereg_mr(mr) };
+            p.stats.misses += 1;
+            return None;
+        }
+        p.stats.hits += 1;
+        drop(p);
+        buf.as_mut_slice().fill(0);
+        Some((mr, buf))
+    }
+
+    /// Takes a dropped region into the pool, revoking its remote access; hands it
+    /// back when it cannot be pooled (full, off, or the device cannot revoke).
+    pub(crate) fn put(
+        &self,
+        pd: *mut sys::ibv_pd,
+        mr: *mut sys::ibv_mr,
+        buf: RegionBuf,
+        access: Access,
+    ) -> std::result::Result<(), Unpooled> {
+        let mut p = self.lock();
+        let len = buf.len();
+        if p.stats.revocable == Some(false) || p.stats.pooled_bytes.saturating_add(len) > p.stats.limit_bytes {
+            return Err((mr, buf));
+        }
+        let local = sys::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0;
+        // SAFETY: `mr` is a live registration of `buf` in `pd`; only its access
+        // changes, so no peer can reach the memory through the old rkey.
+        let rc = unsafe {
+            sys::ibv_rereg_mr(
+                mr,
+                sys::ibv_rereg_mr_flags::IBV_REREG_MR_CHANGE_ACCESS.0 as libc::c_int,
+                pd,
+                std::ptr::null_mut(),
+                0,
+                local as libc::c_int,
+            )
+        };
+        p.stats.revocable = Some(rc == 0);
+        if rc != 0 {
+            return Err((mr, buf));
+        }
+        p.free.entry((len, access.bits())).or_default().push(Pooled { mr, buf });
+        p.stats.pooled += 1;
+        p.stats.pooled_bytes += len;
+        Ok(())
+    }
+
+    /// Deregisters everything pooled (before the protection domain goes).
+    pub(crate) fn clear(&self) {
+        let mut p = self.lock();
+        for (_, v) in p.free.drain() {
+            for Pooled { mr, buf } in v {
+                // SAFETY: registered once, deregistered once, before its buffer goes.
+                unsafe { sys::ibv_dereg_mr(mr) };
+                drop(buf);
+            }
+        }
+        p.stats.pooled = 0;
+        p.stats.pooled_bytes = 0;
+    }
+}
