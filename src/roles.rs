@@ -127,7 +127,9 @@ pub fn worker(
         fn run<P: eps_fabric::Fabric>(self, pd: P, _ip: Option<IpAddr>) -> Self::Out {
             let w = eps_worker::Worker::join_on(&self.cfg, self.reg, pd).map_err(|e| crate_error(&e))?;
             match self.bench {
-                WorkerBench::PushPull { iters } => crate::bench::pushpull::run_worker(w, iters.max(1)).map_err(|e| crate_error(&e)),
+                WorkerBench::PushPull { iters } => {
+                    crate::bench::pushpull::run_worker(w, iters.max(1)).map_err(|e| crate_error(&e))
+                }
                 WorkerBench::Migrate { pulls_per_step } => {
                     crate::bench::migrate::run_worker(w, pulls_per_step.max(1)).map_err(|e| crate_error(&e))
                 }

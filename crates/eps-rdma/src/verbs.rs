@@ -1,11 +1,9 @@
 //! The data path over libibverbs and librdmacm: protection domain, registered
 //! memory, completion queues, and reliable connected queue pairs set up through
-//! rdma_cm, implementing the fabric API (`eps_fabric::api`).
-//!
-//! Not done yet (so not reachable from the `eps` command line): the job-secret
-//! handshake before remote access is enabled, a registration cache, periodic
-//! signaling of unsignaled writes, inline sends, and the conformance suite's
-//! error cases; see the crate docs.
+//! rdma_cm (`cm.rs`, with the job-secret handshake before a connection is
+//! accepted), implementing the fabric API (`eps_fabric::api`): periodic signaling
+//! of unsignaled work requests and exact queue accounting (`acct.rs`), inline
+//! sends of small messages, the registration cache (`regcache.rs`).
 
 use std::io;
 use std::net::SocketAddr;
@@ -22,7 +20,7 @@ use crate::acct::{Acct, CqSide};
 mod cm;
 mod regcache;
 pub use cm::RdmaListener;
-pub use regcache::RegCacheStats;
+pub use regcache::{RegCacheConfig, RegCacheStats};
 
 fn verbs_err(call: &'static str) -> FabricError {
     FabricError::Connect { peer: String::new(), stage: call, source: io::Error::last_os_error() }
@@ -74,21 +72,20 @@ impl RdmaDevice {
     }
 
     /// A new protection domain.
+    /// Its registration cache is configured by the environment
+    /// (`RegCacheConfig::from_env`).
     pub fn alloc_pd(&self) -> Result<RdmaPd> {
+        self.alloc_pd_with(RegCacheConfig::from_env()?)
+    }
+
+    /// A new protection domain whose registration cache behaves as `cache` says.
+    pub fn alloc_pd_with(&self, cache: RegCacheConfig) -> Result<RdmaPd> {
         // SAFETY: `ctx` is open (above).
         let pd = unsafe { sys::ibv_alloc_pd(self.ctx) };
         if pd.is_null() {
             return Err(verbs_err("ibv_alloc_pd"));
         }
-        let cache = match regcache::RegCache::from_env() {
-            Ok(c) => c,
-            Err(e) => {
-                // SAFETY: allocated just above, used by nothing.
-                unsafe { sys::ibv_dealloc_pd(pd) };
-                return Err(e);
-            }
-        };
-        Ok(RdmaPd(Arc::new(PdInner { pd, ctx: self.ctx, cache })))
+        Ok(RdmaPd(Arc::new(PdInner { pd, ctx: self.ctx, cache: regcache::RegCache::new(cache) })))
     }
 }
 

@@ -96,7 +96,9 @@ pub enum WorkerError {
     },
     /// A server this worker still routes to closed its connection (its posted
     /// receives were flushed): it exited or failed.
-    #[error("server {server} closed its connection while this worker still routes to it (iteration {iteration}, shard map epoch {epoch})")]
+    #[error(
+        "server {server} closed its connection while this worker still routes to it (iteration {iteration}, shard map epoch {epoch})"
+    )]
     ServerGone {
         /// The server's rank.
         server: u32,
@@ -247,8 +249,7 @@ pub fn register(cfg: &WorkerConfig) -> Result<Registration, WorkerError> {
     };
     let spec = JobSpec::from_toml(&spec_text)?;
     let layout = spec.layout()?;
-    let ControlMsg::Map(mut map) = ctl.call(&ControlMsg::GetMap { worker: rank, adopted: 0, min_epoch: 0, iteration: 0 })?
-    else {
+    let ControlMsg::Map(mut map) = ctl.call(&ControlMsg::GetMap { worker: rank, adopted: 0, min_epoch: 0, iteration: 0 })? else {
         return Err(WorkerError::Unexpected);
     };
     // A worker started for a join that is still being voted on waits for the

@@ -8,11 +8,13 @@
 //! Remote access is revoked while a region is pooled: it is re-registered
 //! (`ibv_rereg_mr`, access change only) with local access alone, so a peer still
 //! holding its rkey gets a remote access error instead of writing into the pool.
-//! A device that cannot change access in place gets no pooling: its regions are
-//! deregistered at once, as without the cache. A region handed out again keeps its
-//! keys (verbs do not promise new ones on a change of access); EPS never uses a
-//! released region's keys (a shard's memory is released only once every worker
-//! routes elsewhere, and its landing regions are kept until the job ends).
+//! A device that cannot change access in place (rxe before Linux 6.2 or so) gets
+//! no pooling by default: its regions are deregistered at once, as without the
+//! cache; `EPS_RDMA_REG_CACHE_UNREVOKED=1` pools them anyway, remote access left
+//! on. A region handed out again keeps its keys (verbs do not promise new ones on
+//! a change of access); EPS never uses a released region's keys (a shard's memory
+//! is released only once every worker routes elsewhere, and its landing regions
+//! are kept until the job ends).
 //!
 //! The pool holds at most `EPS_RDMA_REG_CACHE_MIB` MiB per protection domain
 //! (default 256; 0 turns the cache off).
@@ -41,23 +43,60 @@ pub struct RegCacheStats {
     /// The pool's limit in bytes (0: off).
     pub limit_bytes: usize,
     /// `Some(false)` once the device refused to revoke remote access in place
-    /// (the cache then stays off); `None` until a region was first pooled.
+    /// (the cache then pools nothing unless told to pool unrevoked regions);
+    /// `None` until a region was first dropped.
     pub revocable: Option<bool>,
 }
 
 /// A region the pool did not take: the caller deregisters it.
 pub(crate) type Unpooled = (*mut sys::ibv_mr, RegionBuf);
 
-/// A region in the pool: still registered, with local access only.
+/// A region in the pool: still registered, with local access only when `revoked`.
 struct Pooled {
     mr: *mut sys::ibv_mr,
     buf: RegionBuf,
+    revoked: bool,
 }
 
-#[derive(Default)]
+/// How a pool behaves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RegCacheConfig {
+    /// Most bytes pooled (0: no cache).
+    pub limit_bytes: usize,
+    /// Pool regions even where remote access cannot be revoked in place.
+    pub unrevoked: bool,
+}
+
+impl Default for RegCacheConfig {
+    fn default() -> Self {
+        Self { limit_bytes: DEFAULT_LIMIT_MIB << 20, unrevoked: false }
+    }
+}
+
+impl RegCacheConfig {
+    /// The defaults, with `EPS_RDMA_REG_CACHE_MIB` and
+    /// `EPS_RDMA_REG_CACHE_UNREVOKED` applied (a malformed value is an error
+    /// naming it).
+    pub fn from_env() -> Result<Self> {
+        let mut c = Self::default();
+        if let Some(v) = std::env::var("EPS_RDMA_REG_CACHE_MIB").ok().filter(|v| !v.is_empty()) {
+            let mib: usize =
+                v.parse().map_err(|_| FabricError::InvalidArgument("EPS_RDMA_REG_CACHE_MIB must be a whole number of MiB"))?;
+            c.limit_bytes = mib.saturating_mul(1 << 20);
+        }
+        match std::env::var("EPS_RDMA_REG_CACHE_UNREVOKED").ok().as_deref() {
+            None | Some("" | "0") => {}
+            Some("1") => c.unrevoked = true,
+            Some(_) => return Err(FabricError::InvalidArgument("EPS_RDMA_REG_CACHE_UNREVOKED must be 0 or 1")),
+        }
+        Ok(c)
+    }
+}
+
 struct Pool {
     free: HashMap<(usize, u8), Vec<Pooled>>,
     stats: RegCacheStats,
+    unrevoked: bool,
 }
 
 /// One protection domain's pool.
@@ -78,22 +117,10 @@ impl std::fmt::Debug for RegCache {
 }
 
 impl RegCache {
-    /// A pool limited by `EPS_RDMA_REG_CACHE_MIB` (a malformed value is an error
-    /// naming it).
-    pub(crate) fn from_env() -> Result<Self> {
-        let mib = match std::env::var("EPS_RDMA_REG_CACHE_MIB") {
-            Ok(v) if !v.is_empty() => v
-                .parse::<usize>()
-                .map_err(|_| FabricError::InvalidArgument("EPS_RDMA_REG_CACHE_MIB must be a whole number of MiB"))?,
-            _ => DEFAULT_LIMIT_MIB,
-        };
-        Ok(Self::new(mib.saturating_mul(1 << 20)))
-    }
-
-    /// A pool of at most `limit_bytes`.
-    pub(crate) fn new(limit_bytes: usize) -> Self {
-        let pool = Pool { stats: RegCacheStats { limit_bytes, ..RegCacheStats::default() }, ..Pool::default() };
-        Self { pool: Mutex::new(pool) }
+    /// A pool as `cfg` says.
+    pub(crate) fn new(cfg: RegCacheConfig) -> Self {
+        let stats = RegCacheStats { limit_bytes: cfg.limit_bytes, ..RegCacheStats::default() };
+        Self { pool: Mutex::new(Pool { free: HashMap::new(), stats, unrevoked: cfg.unrevoked }) }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Pool> {
@@ -107,26 +134,36 @@ impl RegCache {
 
     /// A pooled region of exactly `len` bytes, zeroed, with `flags` (verbs access
     /// flags) restored; `None` on a miss (counted).
-    pub(crate) fn take(&self, pd: *mut sys::ibv_pd, len: usize, access: Access, flags: u32) -> Option<(*mut sys::ibv_mr, RegionBuf)> {
+    pub(crate) fn take(
+        &self,
+        pd: *mut sys::ibv_pd,
+        len: usize,
+        access: Access,
+        flags: u32,
+    ) -> Option<(*mut sys::ibv_mr, RegionBuf)> {
         let mut p = self.lock();
         let found = p.free.get_mut(&(len, access.bits())).and_then(Vec::pop);
-        let Some(Pooled { mr, mut buf }) = found else {
+        let Some(Pooled { mr, mut buf, revoked }) = found else {
             p.stats.misses += 1;
             return None;
         };
         p.stats.pooled -= 1;
         p.stats.pooled_bytes -= len;
-        // SAFETY: `mr` is a live registration of `buf` in `pd`; only its access
-        // changes.
-        let rc = unsafe {
-            sys::ibv_rereg_mr(
-                mr,
-                sys::ibv_rereg_mr_flags::IBV_REREG_MR_CHANGE_ACCESS.0 as libc::c_int,
-                pd,
-                std::ptr::null_mut(),
-                0,
-                flags as libc::c_int,
-            )
+        let rc = if !revoked {
+            0
+        } else {
+            // SAFETY: `mr` is a live registration of `buf` in `pd`; only its access
+            // changes (back to what it was registered with).
+            unsafe {
+                sys::ibv_rereg_mr(
+                    mr,
+                    sys::ibv_rereg_mr_flags::IBV_REREG_MR_CHANGE_ACCESS.0 as libc::c_int,
+                    pd,
+                    std::ptr::null_mut(),
+                    0,
+                    flags as libc::c_int,
+                )
+            }
         };
         if rc != 0 {
             // Unusable: drop it and register afresh.
@@ -152,27 +189,31 @@ impl RegCache {
     ) -> std::result::Result<(), Unpooled> {
         let mut p = self.lock();
         let len = buf.len();
-        if p.stats.revocable == Some(false) || p.stats.pooled_bytes.saturating_add(len) > p.stats.limit_bytes {
+        if p.stats.pooled_bytes.saturating_add(len) > p.stats.limit_bytes || (p.stats.revocable == Some(false) && !p.unrevoked) {
             return Err((mr, buf));
         }
         let local = sys::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0;
-        // SAFETY: `mr` is a live registration of `buf` in `pd`; only its access
-        // changes, so no peer can reach the memory through the old rkey.
-        let rc = unsafe {
-            sys::ibv_rereg_mr(
-                mr,
-                sys::ibv_rereg_mr_flags::IBV_REREG_MR_CHANGE_ACCESS.0 as libc::c_int,
-                pd,
-                std::ptr::null_mut(),
-                0,
-                local as libc::c_int,
-            )
+        let rc = if p.stats.revocable == Some(false) {
+            -1
+        } else {
+            // SAFETY: `mr` is a live registration of `buf` in `pd`; only its access
+            // changes, so no peer can reach the memory through the old rkey.
+            unsafe {
+                sys::ibv_rereg_mr(
+                    mr,
+                    sys::ibv_rereg_mr_flags::IBV_REREG_MR_CHANGE_ACCESS.0 as libc::c_int,
+                    pd,
+                    std::ptr::null_mut(),
+                    0,
+                    local as libc::c_int,
+                )
+            }
         };
         p.stats.revocable = Some(rc == 0);
-        if rc != 0 {
+        if rc != 0 && !p.unrevoked {
             return Err((mr, buf));
         }
-        p.free.entry((len, access.bits())).or_default().push(Pooled { mr, buf });
+        p.free.entry((len, access.bits())).or_default().push(Pooled { mr, buf, revoked: rc == 0 });
         p.stats.pooled += 1;
         p.stats.pooled_bytes += len;
         Ok(())
@@ -182,7 +223,7 @@ impl RegCache {
     pub(crate) fn clear(&self) {
         let mut p = self.lock();
         for (_, v) in p.free.drain() {
-            for Pooled { mr, buf } in v {
+            for Pooled { mr, buf, .. } in v {
                 // SAFETY: registered once, deregistered once, before its buffer goes.
                 unsafe { sys::ibv_dereg_mr(mr) };
                 drop(buf);
