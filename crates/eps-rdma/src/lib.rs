@@ -28,4 +28,4 @@ mod inline_helpers;
 pub mod verbs;
 
 pub use device::{Device, DeviceChoice, Gid, GidKind, Port, RdmaError, Selection, devices, select};
-pub use verbs::{RdmaCq, RdmaDevice, RdmaListener, RdmaMr, RdmaPd, RdmaQp, RegCacheConfig, RegCacheStats};
+pub use verbs::{DeviceMemory, RdmaCq, RdmaDevice, RdmaListener, RdmaMr, RdmaPd, RdmaQp, RegCacheConfig, RegCacheStats};

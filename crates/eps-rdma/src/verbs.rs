@@ -18,8 +18,10 @@ use rdma_sys as sys;
 use crate::acct::{Acct, CqSide};
 
 mod cm;
+mod mr;
 mod regcache;
 pub use cm::RdmaListener;
+pub use mr::{DeviceMemory, RdmaMr};
 pub use regcache::{RegCacheConfig, RegCacheStats};
 
 fn verbs_err(call: &'static str) -> FabricError {
@@ -122,86 +124,8 @@ impl RdmaPd {
     }
 }
 
-/// A registered memory region.
-#[derive(Debug)]
-pub struct RdmaMr {
-    mr: *mut sys::ibv_mr,
-    /// Taken out only in `drop`.
-    buf: std::mem::ManuallyDrop<RegionBuf>,
-    access: Access,
-    _pd: Arc<PdInner>,
-}
-
-// SAFETY: the region's bytes are reached through `read_at`/`write_at` (copies) and
-// by the NIC; the ibv_mr handle is immutable after registration.
-unsafe impl Send for RdmaMr {}
-// SAFETY: as above.
-unsafe impl Sync for RdmaMr {}
-
-impl Drop for RdmaMr {
-    fn drop(&mut self) {
-        // SAFETY: `buf` is taken once, here, and not used after.
-        let buf = unsafe { std::mem::ManuallyDrop::take(&mut self.buf) };
-        if let Err((mr, buf)) = self._pd.cache.put(self._pd.pd, self.mr, buf, self.access) {
-            // SAFETY: registered once, deregistered once, before its buffer goes.
-            unsafe { sys::ibv_dereg_mr(mr) };
-            drop(buf);
-        }
-    }
-}
-
-impl MemoryRegion for RdmaMr {
-    fn lkey(&self) -> u32 {
-        // SAFETY: `mr` is registered for the life of self.
-        unsafe { (*self.mr).lkey }
-    }
-    fn rkey(&self) -> u32 {
-        // SAFETY: as above.
-        unsafe { (*self.mr).rkey }
-    }
-    fn addr(&self) -> u64 {
-        self.buf.as_ptr() as u64
-    }
-    fn len(&self) -> usize {
-        self.buf.len()
-    }
-    fn access(&self) -> Access {
-        self.access
-    }
-    fn read_at(&self, offset: usize, out: &mut [u8]) {
-        out.copy_from_slice(&self.buf.as_slice()[offset..offset + out.len()]);
-    }
-    fn write_at(&mut self, offset: usize, data: &[u8]) {
-        self.buf.as_mut_slice()[offset..offset + data.len()].copy_from_slice(data);
-    }
-}
-
-impl HostRegion for RdmaMr {
-    unsafe fn as_slice(&self) -> &[u8] {
-        self.buf.as_slice()
-    }
-    unsafe fn as_mut_slice(&mut self) -> &mut [u8] {
-        self.buf.as_mut_slice()
-    }
-}
-
 impl Fabric for RdmaPd {
     const NAME: &'static str = "rdma";
-}
-
-fn access_flags(a: Access) -> u32 {
-    let mut f = 0;
-    if a.contains(Access::LOCAL_WRITE) {
-        f |= sys::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0;
-    }
-    if a.contains(Access::REMOTE_WRITE) {
-        // Verbs require local write with remote write.
-        f |= sys::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0 | sys::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0;
-    }
-    if a.contains(Access::REMOTE_READ) {
-        f |= sys::ibv_access_flags::IBV_ACCESS_REMOTE_READ.0;
-    }
-    f
 }
 
 #[derive(Debug)]
@@ -501,7 +425,7 @@ impl QueuePair for RdmaQp {
         // Refused before the NIC: an SGE of another protection domain, or more
         // bytes than this QP sends. Completes with the error, and the QP fails.
         let total: u64 = wr.sg.iter().map(|s| u64::from(s.len)).sum();
-        if wr.sg.iter().any(|s| !Arc::ptr_eq(&s.mr._pd, &self._pd)) {
+        if wr.sg.iter().any(|s| !Arc::ptr_eq(&s.mr.pd, &self._pd)) {
             return self.fail_locally(wr.wr_id, WcStatus::LocalProtection, op);
         }
         if total > u64::from(self.max_msg) {
@@ -586,22 +510,12 @@ impl ProtectionDomain for RdmaPd {
     type Qp = RdmaQp;
     type Listener = RdmaListener;
 
-    fn register(&self, mut buf: RegionBuf, access: Access) -> Result<RdmaMr> {
-        let flags = access_flags(access);
-        // SAFETY: the buffer is ours and lives in the returned region as long as
-        // the registration.
-        let mr = unsafe { sys::ibv_reg_mr(self.0.pd, buf.as_mut_slice().as_mut_ptr().cast(), buf.len(), flags as libc::c_int) };
-        if mr.is_null() {
-            return Err(FabricError::Alloc { bytes: buf.len() as u64, source: io::Error::last_os_error() });
-        }
-        Ok(RdmaMr { mr, buf: std::mem::ManuallyDrop::new(buf), access, _pd: self.0.clone() })
+    fn register(&self, buf: RegionBuf, access: Access) -> Result<RdmaMr> {
+        mr::register_host(&self.0, buf, access)
     }
 
     fn alloc_mr(&self, len: usize, access: Access) -> Result<RdmaMr> {
-        match self.0.cache.take(self.0.pd, len, access, access_flags(access)) {
-            Some((mr, buf)) => Ok(RdmaMr { mr, buf: std::mem::ManuallyDrop::new(buf), access, _pd: self.0.clone() }),
-            None => self.register(RegionBuf::new(len)?, access),
-        }
+        mr::alloc_host(&self.0, len, access)
     }
 
     fn create_cq(&self, depth: u32) -> Result<RdmaCq> {

@@ -109,6 +109,16 @@ pub enum ServerError {
     /// A membership change cannot be applied.
     #[error("membership: {0}")]
     Membership(String),
+    /// A work request could not be posted.
+    #[error("posting {op:?} to {peer}: {source}")]
+    Post {
+        /// Who the connection is to.
+        peer: String,
+        /// The operation.
+        op: SendOp,
+        /// Why.
+        source: FabricError,
+    },
     /// More workers than one server can sum.
     #[error("{0} workers: a server sums at most 64 contributions")]
     TooManyWorkers(u32),
@@ -153,6 +163,17 @@ enum Peer {
     Target(u32),
 }
 
+impl std::fmt::Display for Peer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Peer::Unknown => f.write_str("a peer that has not said hello"),
+            Peer::Worker(h) => write!(f, "worker {}", h.rank),
+            Peer::Server(h) => write!(f, "migration source server {}", h.rank & !eps_proto::hello::PEER_BIT),
+            Peer::Target(r) => write!(f, "migration target server {r}"),
+        }
+    }
+}
+
 struct Conn<P: Fabric> {
     /// `None` once closed.
     qp: Option<P::Qp>,
@@ -164,6 +185,11 @@ struct Conn<P: Fabric> {
 impl<P: Fabric> Conn<P> {
     fn qp(&self) -> Result<&P::Qp, FabricError> {
         self.qp.as_ref().ok_or(FabricError::InvalidArgument("the connection is closed"))
+    }
+
+    /// Posts a send-queue work request; an error names the peer and the operation.
+    fn post(&self, wr: &SendWr<'_, P::Mr>) -> Result<(), ServerError> {
+        self.qp()?.post_send(wr).map_err(|source| ServerError::Post { peer: self.peer.to_string(), op: wr.op, source })
     }
 }
 

@@ -134,7 +134,7 @@ impl<P: Fabric> Server<P> {
         let hello = Hello { rank: self.rank | PEER_BIT, pull_rkey: self.acks.rkey(), pull_addr: self.acks.addr() };
         conn.hello.write_at(0, &hello.encode());
         let sg = [Sge::new(&conn.hello, 0, HELLO_LEN as u32)];
-        conn.qp()?.post_send(&SendWr { wr_id: WR_OTHER, op: SendOp::Send, sg: &sg, signaled: false })?;
+        conn.post(&SendWr { wr_id: WR_OTHER, op: SendOp::Send, sg: &sg, signaled: false })?;
         self.targets.insert(to, ci);
         Ok(ci)
     }
@@ -171,7 +171,7 @@ impl<P: Fabric> Server<P> {
         let remote = RemoteAddr { addr: keys.state_addr, rkey: keys.state_rkey };
         let sg = [Sge::whole(&b.state)];
         let snapshot_posted = Instant::now();
-        self.conns[ci].qp()?.post_send(&SendWr {
+        self.conns[ci].post(&SendWr {
             wr_id: WR_MIGRATE | u64::from(id),
             op: SendOp::WriteImm(remote, imm),
             sg: &sg,
@@ -202,7 +202,7 @@ impl<P: Fabric> Server<P> {
     /// A zero-length WRITE_WITH_IMM to a peer server on connection `ci`.
     fn notice(&self, ci: usize, remote: RemoteAddr, imm: Imm) -> Result<(), ServerError> {
         let wr = SendWr { wr_id: WR_OTHER, op: SendOp::WriteImm(remote, imm.encode()), sg: &[], signaled: false };
-        self.conns[ci].qp()?.post_send(&wr)?;
+        self.conns[ci].post(&wr)?;
         Ok(())
     }
 
@@ -286,7 +286,7 @@ impl<P: Fabric> Server<P> {
                 sg: if carry { &[] } else { &whole },
                 signaled: true,
             };
-            self.conns[out.ci].qp()?.post_send(&wr)?;
+            self.conns[out.ci].post(&wr)?;
             out.forward_busy = true;
             out.last_forward = version;
             out.bytes += if carry { 0 } else { g.len() as u64 };

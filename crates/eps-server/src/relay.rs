@@ -83,7 +83,7 @@ impl<P: Fabric> Server<P> {
         let wr =
             SendWr { wr_id: WR_MIGRATE | WR_FORWARD | u64::from(id), op: SendOp::WriteImm(remote, imm), sg: &sg, signaled: true };
         let bytes = g.len() as u64;
-        self.conns[ci].qp()?.post_send(&wr)?;
+        self.conns[ci].post(&wr)?;
         if let Some(out) = self.held_mut(id).and_then(|h| h.out.as_mut()) {
             out.forward_busy = true;
             out.bytes += bytes;

@@ -391,7 +391,7 @@ impl<P: Fabric> Server<P> {
         let sg = [Sge::new(&b.published, published_offset(b.bytes as u64, ShardSync::parity(v)), b.bytes as u32)];
         let remote = RemoteAddr { addr: h.pull_addr + b.start * es, rkey: h.pull_rkey };
         let imm = Imm { kind: ImmKind::PullDone, shard: id, seq: v as u16 }.encode();
-        conn.qp()?.post_send(&SendWr { wr_id: pull_wr(id, w, v), op: SendOp::WriteImm(remote, imm), sg: &sg, signaled: true })?;
+        conn.post(&SendWr { wr_id: pull_wr(id, w, v), op: SendOp::WriteImm(remote, imm), sg: &sg, signaled: true })?;
         *self.pulls_out.entry(pull_wr(id, w, v)).or_insert(0) += 1;
         self.summary.pulls += 1;
         Ok(())
@@ -401,7 +401,7 @@ impl<P: Fabric> Server<P> {
     fn notify(&mut self, w: u32, imm: Imm) -> Result<(), ServerError> {
         let Some((conn, h)) = self.worker_conn(w) else { return Ok(()) };
         let remote = RemoteAddr { addr: h.pull_addr, rkey: h.pull_rkey };
-        conn.qp()?.post_send(&SendWr {
+        conn.post(&SendWr {
             wr_id: WR_OTHER,
             op: SendOp::WriteImm(remote, imm.encode()),
             sg: &[],
