@@ -16,11 +16,23 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// A request on the send queue.
+#[derive(Clone, Copy, Debug)]
+struct Posted {
+    wr_id: u64,
+    /// The opcode of its completion.
+    opcode: WcOpcode,
+    /// The NIC reports its completion (asked, or signaled inside).
+    signaled: bool,
+    /// Signaled inside only: its success is not reported.
+    inside: bool,
+}
+
 /// Requests posted on one QP and not completed yet, oldest first.
 #[derive(Debug)]
 pub(crate) struct Acct {
-    /// Send queue: (wr_id, opcode of its completion, signaled only inside).
-    send: Mutex<VecDeque<(u64, WcOpcode, bool)>>,
+    /// Send queue, in posting order.
+    send: Mutex<VecDeque<Posted>>,
     /// Unsignaled requests posted since the last signaled one.
     run: Mutex<u32>,
     /// Receive queue: wr_ids.
@@ -44,7 +56,7 @@ impl Acct {
         let mut run = lock(&self.run);
         let inside = !signaled && *run + 1 >= (self.max_send / 2).max(1);
         *run = if signaled || inside { 0 } else { *run + 1 };
-        q.push_back((wr_id, opcode, inside));
+        q.push_back(Posted { wr_id, opcode, signaled: signaled || inside, inside });
         Ok(signaled || inside)
     }
 
@@ -82,10 +94,15 @@ impl Acct {
             return true;
         }
         if c.status.is_ok() {
+            // The send queue completes in order and a success is reported for
+            // signaled requests only: this is the oldest signaled one, and the
+            // unsignaled ones before it are done too. (Matching by wr_id would
+            // stop at the first request sharing it: callers may reuse ids.)
             let mut q = lock(&self.send);
-            while let Some((w, _, inside)) = q.pop_front() {
-                if w == c.wr_id {
-                    return !inside;
+            while let Some(p) = q.pop_front() {
+                if p.signaled {
+                    debug_assert_eq!(p.wr_id, c.wr_id, "send completions come in posting order");
+                    return !p.inside;
                 }
             }
             return true;
@@ -93,9 +110,8 @@ impl Acct {
         // Failed or flushed: the oldest outstanding request of either queue with
         // this wr_id (both queues complete in order).
         let mut s = lock(&self.send);
-        if s.front().is_some_and(|&(w, _, _)| w == c.wr_id) {
-            let (_, op, _) = s.pop_front().unwrap_or((0, WcOpcode::Send, false));
-            c.opcode = op;
+        if s.front().is_some_and(|p| p.wr_id == c.wr_id) {
+            c.opcode = s.pop_front().map_or(WcOpcode::Send, |p| p.opcode);
             return true;
         }
         let mut r = lock(&self.recv);
@@ -104,9 +120,10 @@ impl Acct {
             c.opcode = WcOpcode::Recv;
             return true;
         }
-        if let Some(i) = s.iter().position(|&(w, _, _)| w == c.wr_id) {
-            let (_, op, _) = s.remove(i).unwrap_or((0, WcOpcode::Send, false));
-            c.opcode = op;
+        if let Some(i) = s.iter().position(|p| p.wr_id == c.wr_id) {
+            // Requests before it succeeded unsignaled.
+            let p = s.drain(..=i).next_back();
+            c.opcode = p.map_or(WcOpcode::Send, |p| p.opcode);
         } else if let Some(i) = r.iter().position(|&w| w == c.wr_id) {
             r.remove(i);
             c.opcode = WcOpcode::Recv;
@@ -163,12 +180,21 @@ mod tests {
 
     #[test]
     fn depths_are_exact_and_a_signaled_completion_frees_the_unsignaled_before_it() {
+        let u = Acct::new(4, 1);
+        u.take_send(0, WcOpcode::Write, false).unwrap();
+        (1..4).for_each(|w| drop(u.take_send(w, WcOpcode::Write, true).unwrap()));
+        assert!(u.take_send(4, WcOpcode::Write, true).is_err());
+        assert!(u.completed(&mut c(1, WcStatus::Success, WcOpcode::Write))); // frees 0 and 1
+        u.take_send(4, WcOpcode::Write, true).unwrap();
+        u.take_send(5, WcOpcode::Write, true).unwrap();
+        assert!(u.take_send(6, WcOpcode::Write, true).is_err());
         let a = Acct::new(3, 1);
         for w in 0..3 {
             assert!(a.take_send(w, WcOpcode::Write, true).unwrap());
         }
         assert!(matches!(a.take_send(9, WcOpcode::Write, true), Err(FabricError::QueueFull { queue: "send", depth: 3 })));
-        assert!(a.completed(&mut c(1, WcStatus::Success, WcOpcode::Write))); // frees 0 and 1
+        assert!(a.completed(&mut c(0, WcStatus::Success, WcOpcode::Write)));
+        assert!(a.completed(&mut c(1, WcStatus::Success, WcOpcode::Write)));
         a.take_send(3, WcOpcode::Send, true).unwrap();
         a.take_send(4, WcOpcode::Send, true).unwrap();
         assert!(a.take_send(5, WcOpcode::Send, true).is_err());
@@ -211,8 +237,33 @@ mod tests {
             a.take_send(w, WcOpcode::Write, false).unwrap();
         }
         // An error of an inside-signaled request is reported (errors always are).
+        // (8..11 succeeded unsignaled before it.)
         let mut e = c(11, WcStatus::RemoteAccess, WcOpcode::Send);
         assert!(a.completed(&mut e));
         assert_eq!(e.opcode, WcOpcode::Write);
+    }
+
+    #[test]
+    fn slots_come_back_when_every_request_shares_one_wr_id() {
+        // Callers may give every unsignaled notice the same wr_id: each inside
+        // signal still frees the whole run before it.
+        let a = Acct::new(8, 8);
+        for round in 0..100u32 {
+            let mut inside = 0;
+            for _ in 0..4 {
+                if a.take_send(7, WcOpcode::Write, false).unwrap_or_else(|e| panic!("round {round}: {e}")) {
+                    inside += 1;
+                }
+            }
+            assert_eq!(inside, 1, "one of every depth/2 is signaled inside");
+            assert!(!a.completed(&mut c(7, WcStatus::Success, WcOpcode::Write)), "not reported");
+        }
+        // A signaled request among them is reported, and frees what is before it.
+        a.take_send(7, WcOpcode::Write, false).unwrap();
+        a.take_send(7, WcOpcode::Send, true).unwrap();
+        assert!(a.completed(&mut c(7, WcStatus::Success, WcOpcode::Send)));
+        for _ in 0..8 {
+            a.take_send(7, WcOpcode::Write, true).unwrap();
+        }
     }
 }
