@@ -182,7 +182,9 @@ mod tests {
     fn depths_are_exact_and_a_signaled_completion_frees_the_unsignaled_before_it() {
         let u = Acct::new(4, 1);
         u.take_send(0, WcOpcode::Write, false).unwrap();
-        (1..4).for_each(|w| drop(u.take_send(w, WcOpcode::Write, true).unwrap()));
+        for w in 1..4 {
+            u.take_send(w, WcOpcode::Write, true).unwrap();
+        }
         assert!(u.take_send(4, WcOpcode::Write, true).is_err());
         assert!(u.completed(&mut c(1, WcStatus::Success, WcOpcode::Write))); // frees 0 and 1
         u.take_send(4, WcOpcode::Write, true).unwrap();
