@@ -118,6 +118,25 @@ pub fn unsignaled_and_ordering<P: ProtectionDomain>(mk: impl Fn() -> P) {
         r.read_at(i * 8, &mut v);
         assert_eq!(u64::from_le_bytes(v), i as u64 + 1);
     }
+    // Ten queues' worth of unsignaled requests that all share one wr_id: the
+    // provider gets their slots back, so the queue is never full for good, and
+    // none is reported.
+    let sg = [Sge::new(&src, 0, 8)];
+    let wr = SendWr { wr_id: 7, op: SendOp::Write(dst.remote(0)), sg: &sg, signaled: false };
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let mut buf = [Completion::EMPTY; 16];
+    for _ in 0..10 * opts().max_send_wr {
+        loop {
+            match p.a.post_send(&wr) {
+                Ok(()) => break,
+                Err(FabricError::QueueFull { .. }) => {
+                    assert!(std::time::Instant::now() < deadline, "the send queue stayed full");
+                    assert_eq!(p.a_cq.poll(&mut buf).unwrap(), 0, "unsignaled successes are not reported");
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+    }
 }
 
 pub fn many_qps_one_cq<P: ProtectionDomain>(mk: impl Fn() -> P) {
