@@ -44,6 +44,23 @@ fn bad_input_is_a_clear_error() {
     let o = eps(&["bench", "fabric", "--transport", "carrier-pigeon"]);
     assert!(!o.status.success());
     assert!(text(&o).contains("auto, soft or rdma"), "{}", text(&o));
+    // The roles: an explicit rdma transport without a device (or, as here,
+    // without the feature) fails before any process starts, naming the way out;
+    // a bad EPS_TRANSPORT or spec value is named.
+    let o = eps(&["train", "--transport", "rdma", "--steps", "1"]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("--transport rdma") && text(&o).contains("--transport soft"), "{}", text(&o));
+    assert!(!text(&o).contains("panicked"));
+    let o = Command::new(env!("CARGO_BIN_EXE_eps"))
+        .args(["train", "--steps", "1"])
+        .env("EPS_TRANSPORT", "carrier-pigeon")
+        .output()
+        .expect("run eps");
+    assert!(!o.status.success());
+    assert!(text(&o).contains("EPS_TRANSPORT") && text(&o).contains("auto, soft or rdma"), "{}", text(&o));
+    let o = eps(&["server", "--control", "127.0.0.1:1", "--transport", "tcp"]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("possible values: auto, soft, rdma"), "{}", text(&o));
     // This test binary's eps is built without the rdma feature: it says how to get it.
     let o = eps(&["rdma", "devices"]);
     assert!(!o.status.success());

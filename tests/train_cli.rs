@@ -68,6 +68,9 @@ fn bsp_result_is_independent_of_server_count_and_reproducible() {
         assert!(v > 0.0, "{key} = {v}");
     }
     assert_eq!(json_str(&one, "steps"), "25");
+    // No RDMA device here: the default `auto` runs on soft and says why.
+    assert_eq!(json_str(&one, "transport"), "soft");
+    assert!(String::from_utf8_lossy(&one.stderr).contains("--transport auto: using soft"));
     // A different worker count is a different training run.
     let three_workers = train(&spec, &["--workers", "3"]);
     assert_ne!(c1, json_str(&three_workers, "params_checksum"));

@@ -546,6 +546,18 @@ mod tests {
     }
 
     #[test]
+    fn the_fabric_section_is_optional_and_read() {
+        let s = JobSpec::from_toml("[job]\n[model]\npreset = \"synthetic\"").unwrap();
+        assert_eq!(s.fabric, FabricSection::default());
+        let s = JobSpec::from_toml(
+            "[job]\n[model]\npreset = \"synthetic\"\n[fabric]\ntransport = \"rdma\"\nrdma_device = \"rxe0\"\nrdma_port = 1\ngid_index = 3",
+        )
+        .unwrap();
+        assert_eq!(s.fabric.transport.as_deref(), Some("rdma"));
+        assert_eq!((s.fabric.rdma_device.as_deref(), s.fabric.rdma_port, s.fabric.gid_index), (Some("rxe0"), Some(1), Some(3)));
+    }
+
+    #[test]
     fn errors_name_the_field() {
         let cases = [
             ("[job]\nworkerz = 2\n[model]\npreset = \"synthetic\"", "workerz"),
@@ -558,6 +570,9 @@ mod tests {
             ("[job]\nworkers = \"two\"\n[model]\npreset = \"synthetic\"", "workers"),
             ("[job]", "model.tensors"),
             ("[job]\nconsistency = \"ssp\"\nstaleness = 0\n[model]\npreset = \"synthetic\"", "job.staleness"),
+            ("[job]\n[model]\npreset = \"synthetic\"\n[fabric]\ntransport = \"tcp\"", "fabric.transport"),
+            ("[job]\n[model]\npreset = \"synthetic\"\n[fabric]\nrdma_port = 0", "fabric.rdma_port"),
+            ("[job]\n[model]\npreset = \"synthetic\"\n[fabric]\ndevice = \"mlx5_0\"", "device"),
         ];
         for (text, field) in cases {
             let e = JobSpec::from_toml(text).unwrap_err().to_string();

@@ -8,7 +8,7 @@
 //! Remote access is revoked while a region is pooled: it is re-registered
 //! (`ibv_rereg_mr`, access change only) with local access alone, so a peer still
 //! holding its rkey gets a remote access error instead of writing into the pool.
-//! A device that cannot change access in place (rxe before Linux 6.2 or so) gets
+//! A device that cannot change access in place (rxe in Linux 6.1) gets
 //! no pooling by default: its regions are deregistered at once, as without the
 //! cache; `EPS_RDMA_REG_CACHE_UNREVOKED=1` pools them anyway, remote access left
 //! on. A region handed out again keeps its keys (verbs do not promise new ones on
