@@ -40,11 +40,16 @@ if [ ${#missing[@]} -gt 0 ]; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
+# The CUDA kernels are compiled (NVRTC) and assembled (ptxas) for sm_80 and sm_90
+# even here, without a GPU: NVIDIA's pip wheels of both, cached.
+step "CUDA compiler tools (NVRTC, ptxas)"
+eval "$(bash ci/cuda-tools.sh)"
+
 step "format check"
 cargo fmt --all --check
 
 step "clippy (warnings denied)"
-cargo clippy --workspace --all-targets --locked --features rdma -- -D warnings
+cargo clippy --workspace --all-targets --locked --features rdma,cuda -- -D warnings
 
 step "doc tests"
 cargo test --workspace --doc --locked

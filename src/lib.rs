@@ -12,6 +12,7 @@
 
 pub use eps_fabric as fabric;
 
+pub mod aggregator;
 pub mod bench;
 pub mod rdma;
 pub mod roles;

@@ -61,6 +61,8 @@ enum Cmd {
         listen_ip: Option<IpAddr>,
         #[command(flatten)]
         fabric: eps::transport::TransportFlags,
+        #[command(flatten)]
+        agg: eps::aggregator::AggregatorFlag,
         /// Threads an update of a large shard is split over, at most 2 (0: one per core).
         #[arg(long, default_value_t = 1)]
         threads: usize,
@@ -181,6 +183,8 @@ struct TrainArgs {
     /// The data-plane transport of every server and worker (one choice for all).
     #[command(flatten)]
     fabric: eps::transport::TransportFlags,
+    #[command(flatten)]
+    agg: eps::aggregator::AggregatorFlag,
 }
 
 fn train(a: TrainArgs) -> Result<(), String> {
@@ -232,8 +236,13 @@ fn train(a: TrainArgs) -> Result<(), String> {
     );
     let chosen = eps::transport::choose(&a.fabric, Some(&spec.fabric))?;
     eprintln!("eps train: {} transport for every server and worker", chosen.name());
-    let fabric_args = a.fabric.child_args(&chosen);
-    let r = eps::train::run(&spec, &text, a.progress_every.max(1), &plan, &fabric_args, |l| eprintln!("{l}"))
+    let agg = eps::aggregator::choose(&a.agg, spec.job.aggregator.as_deref())?;
+    eprintln!("eps train: {} aggregator on every server", agg.name());
+    let children = eps::train::cluster::ChildArgs {
+        both: a.fabric.child_args(&chosen),
+        servers: vec!["--aggregator".into(), agg.name().into()],
+    };
+    let r = eps::train::run(&spec, &text, a.progress_every.max(1), &plan, &children, |l| eprintln!("{l}"))
         .map_err(|e| error_chain(&e))?;
     println!(
         "trained {} steps in {:.1} s: held-out accuracy {:.4} (teacher {:.4}), loss {:.4}",
@@ -251,6 +260,7 @@ fn train(a: TrainArgs) -> Result<(), String> {
             .num("teacher_accuracy", r.teacher_accuracy)
             .str("params_checksum", &r.params_checksum)
             .str("transport", chosen.name())
+            .str("aggregator", agg.name())
             .num("samples_per_s", r.samples_per_s)
             .num("push_gbytes_per_s", r.push_gbytes_per_s)
             .num("pull_gbytes_per_s", r.pull_gbytes_per_s)
@@ -307,6 +317,14 @@ enum BenchCmd {
     /// f32 arrays of --size bytes. gbytes_per_s counts the inputs read plus the
     /// accumulator written; mem_gbytes_per_s counts 2 reads + 1 write.
     Agg(AggArgs),
+    /// GB/s of the GPU kernels against the device-to-device copy rate (needs
+    /// `--features cuda` and a GPU).
+    ///
+    /// In one run: a device-to-device copy of --size bytes (bytes read + written),
+    /// an 8-way f32 sum of --size-byte inputs (8 reads + 1 write), and a fused Adam
+    /// step over --size bytes of parameters (7 f32 values moved per parameter);
+    /// medians of --reps repetitions timed with CUDA events.
+    Gpu(GpuArgs),
     /// Push + pull iterations of a model through real processes.
     ///
     /// Starts a control plane, --servers servers and --workers workers on 127.0.0.1
@@ -372,6 +390,19 @@ struct FabricArgs {
     /// The RDMA device for `--transport rdma|auto`.
     #[command(flatten)]
     rdma: eps::rdma::Named,
+    /// Also print one JSON object with the results as the last line of stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(clap::Args, Debug)]
+struct GpuArgs {
+    /// Bytes per buffer; suffixes KiB, MiB, GiB (binary) or kB, MB, GB.
+    #[arg(long, value_parser = parse_size, default_value = "256MiB")]
+    size: u64,
+    /// Timed repetitions per figure (after a warm-up).
+    #[arg(long, default_value_t = 20)]
+    reps: usize,
     /// Also print one JSON object with the results as the last line of stdout.
     #[arg(long)]
     json: bool,
@@ -663,11 +694,11 @@ fn main() -> ExitCode {
             }
             eps::roles::control(listen, &spec, &state_dir)
         }
-        Cmd::Server { control, listen_ip, fabric, threads, timeout, exit_with_parent } => {
+        Cmd::Server { control, listen_ip, fabric, agg, threads, timeout, exit_with_parent } => {
             if exit_with_parent {
                 eps::roles::exit_with_parent();
             }
-            eps::roles::server(control, listen_ip, threads, Duration::from_secs(timeout.max(1)), &fabric)
+            eps::roles::server(control, listen_ip, threads, Duration::from_secs(timeout.max(1)), &fabric, &agg)
         }
         Cmd::Worker { control, progress_every, fabric, timeout, bench_iters, bench_migrate, exit_with_parent } => {
             if exit_with_parent {
@@ -687,6 +718,7 @@ fn main() -> ExitCode {
         Cmd::Scale { control, servers, workers } => eps::roles::scale(control, servers, workers),
         Cmd::Bench(BenchCmd::Fabric(a)) => bench_fabric(a),
         Cmd::Bench(BenchCmd::Agg(a)) => bench_agg(a),
+        Cmd::Bench(BenchCmd::Gpu(a)) => eps::bench::gpu::run(a.size, a.reps, a.json),
         Cmd::Bench(BenchCmd::FabricPeer { op, size, depth, transport, rdma }) => {
             fabric::run_peer(op, size, depth, &transport, &rdma).map_err(|e| error_chain(&e))
         }

@@ -5,7 +5,6 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use eps_agg::CpuAggregator;
 use eps_control::ControlService;
 use eps_control::store::FileStore;
 use eps_fabric::Secret;
@@ -64,17 +63,20 @@ pub fn server(
     threads: usize,
     timeout: Duration,
     fabric: &TransportFlags,
+    agg: &crate::aggregator::AggregatorFlag,
 ) -> Result<(), String> {
-    let cfg = eps_server::ServerConfig {
+    let mut cfg = eps_server::ServerConfig {
         control,
         secret: secret_from_env(None)?,
         listen_ip: listen_ip.unwrap_or(IpAddr::from([127, 0, 0, 1])),
-        aggregator: Arc::new(CpuAggregator::new(1)),
+        aggregator: Arc::new(eps_agg::CpuAggregator::new(1)),
         accept_timeout: timeout,
         update_threads: if threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { threads },
     };
     let reg = eps_server::register(&cfg).map_err(|e| crate_error(&e))?;
     let chosen = transport::choose(fabric, Some(&reg.spec().fabric))?;
+    let kind = crate::aggregator::choose(agg, reg.spec().job.aggregator.as_deref())?;
+    cfg.aggregator = crate::aggregator::build(kind, 1)?;
     struct Serve {
         cfg: eps_server::ServerConfig,
         reg: eps_server::Registration,
@@ -92,14 +94,15 @@ pub fn server(
     }
     let s = transport::run_on(&chosen, Serve { cfg, reg, listen_ip })?.map_err(|e| crate_error(&e))?;
     eprintln!(
-        "eps server {}: {} shards, {} parameters, {} updates applied, {} pulls served, {} protocol violations ({} transport)",
+        "eps server {}: {} shards, {} parameters, {} updates applied, {} pulls served, {} protocol violations ({} transport, {} aggregator)",
         s.rank,
         s.shards,
         s.elements,
         s.updates,
         s.pulls,
         s.violations,
-        chosen.name()
+        chosen.name(),
+        kind.name()
     );
     Ok(())
 }

@@ -61,6 +61,15 @@ fn bad_input_is_a_clear_error() {
     let o = eps(&["server", "--control", "127.0.0.1:1", "--transport", "tcp"]);
     assert!(!o.status.success());
     assert!(text(&o).contains("possible values: auto, soft, rdma"), "{}", text(&o));
+    // The aggregator: cuda without a GPU (here: without the feature) fails before
+    // any process starts, naming the way out; so does the GPU benchmark.
+    let o = eps(&["train", "--aggregator", "cuda", "--steps", "1"]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("--aggregator cpu") && text(&o).contains("--features cuda"), "{}", text(&o));
+    let o = eps(&["bench", "gpu"]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("--features cuda"), "{}", text(&o));
+    assert!(!text(&o).contains("panicked"));
     // This test binary's eps is built without the rdma feature: it says how to get it.
     let o = eps(&["rdma", "devices"]);
     assert!(!o.status.success());

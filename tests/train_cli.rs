@@ -70,6 +70,7 @@ fn bsp_result_is_independent_of_server_count_and_reproducible() {
     assert_eq!(json_str(&one, "steps"), "25");
     // No RDMA device here: the default `auto` runs on soft and says why.
     assert_eq!(json_str(&one, "transport"), "soft");
+    assert_eq!(json_str(&one, "aggregator"), "cpu");
     assert!(String::from_utf8_lossy(&one.stderr).contains("--transport auto: using soft"));
     // A different worker count is a different training run.
     let three_workers = train(&spec, &["--workers", "3"]);

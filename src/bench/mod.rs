@@ -3,6 +3,7 @@
 
 pub mod agg;
 pub mod fabric;
+pub mod gpu;
 pub(crate) mod json;
 pub mod migrate;
 pub mod plot;

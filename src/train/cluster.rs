@@ -16,10 +16,19 @@ use eps_proto::JobSpec;
 use super::scale::Spawn;
 use super::{TrainError, field};
 
-/// The transport flags of a local cluster on the `soft` transport (the
-/// benchmarks measure that one).
-pub fn soft_args() -> Vec<String> {
-    vec!["--transport".into(), "soft".into()]
+/// Flags for the processes of a local cluster.
+#[derive(Clone, Debug, Default)]
+pub struct ChildArgs {
+    /// For servers and workers (the transport).
+    pub both: Vec<String>,
+    /// For servers only (the aggregator).
+    pub servers: Vec<String>,
+}
+
+/// A local cluster on the `soft` transport and the CPU aggregator (the benchmarks
+/// measure those).
+pub fn soft_args() -> ChildArgs {
+    ChildArgs { both: vec!["--transport".into(), "soft".into()], servers: vec!["--aggregator".into(), "cpu".into()] }
 }
 
 /// The running processes of one job.
@@ -38,8 +47,8 @@ pub struct LocalCluster {
     workers_started: u32,
     /// Extra arguments of every `eps worker`.
     worker_args: Vec<String>,
-    /// The transport flags every server and worker gets.
-    fabric_args: Vec<String>,
+    /// The flags every server gets (transport, aggregator).
+    server_args: Vec<String>,
     /// Where worker stdout lines go.
     tx: mpsc::Sender<String>,
 }
@@ -69,8 +78,9 @@ fn path_str(p: &Path) -> &str {
 impl LocalCluster {
     /// Starts the control plane, `spec.job.servers` servers and `spec.job.workers`
     /// workers (`eps worker` with `worker_args`), servers and workers with
-    /// `fabric_args` (the transport flags). Worker stdout lines are collected.
-    pub fn start(spec: &JobSpec, spec_text: &str, worker_args: &[&str], fabric_args: &[String]) -> Result<Self, TrainError> {
+    /// `children.both` (the transport flags), servers with `children.servers` too.
+    /// Worker stdout lines are collected.
+    pub fn start(spec: &JobSpec, spec_text: &str, worker_args: &[&str], children: &ChildArgs) -> Result<Self, TrainError> {
         let stop = Arc::new(AtomicBool::new(false));
         {
             let stop = stop.clone();
@@ -101,8 +111,8 @@ impl LocalCluster {
             addr: String::new(),
             servers_started: 0,
             workers_started: 0,
-            worker_args: worker_args.iter().map(|a| a.to_string()).chain(fabric_args.iter().cloned()).collect(),
-            fabric_args: fabric_args.to_vec(),
+            worker_args: worker_args.iter().map(|a| a.to_string()).chain(children.both.iter().cloned()).collect(),
+            server_args: children.both.iter().chain(&children.servers).cloned().collect(),
             tx,
         };
         let spawn = |what: &str, args: &[&str], piped: bool| -> Result<Child, TrainError> {
@@ -189,7 +199,7 @@ impl LocalCluster {
     /// must have room for it: see `eps scale`).
     pub fn spawn_server(&mut self) -> Result<(), TrainError> {
         let name = format!("server {}", self.servers_started);
-        let c = self.role("server", &self.fabric_args, Stdio::null(), &name)?;
+        let c = self.role("server", &self.server_args, Stdio::null(), &name)?;
         self.children.push((name, c));
         self.servers_started += 1;
         Ok(())

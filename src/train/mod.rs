@@ -194,13 +194,13 @@ pub fn run(
     spec_text: &str,
     every: u64,
     plan: &[scale::ScaleEvent],
-    fabric_args: &[String],
+    children: &cluster::ChildArgs,
     mut progress: impl FnMut(&str),
 ) -> Result<TrainReport, TrainError> {
     // With a plan, rank 0 reports every step so that events happen on time.
     let report_every = if plan.is_empty() { every } else { 1 };
     let every_s = report_every.to_string();
-    let cluster = LocalCluster::start(spec, spec_text, &["--progress-every", &every_s], fabric_args)?;
+    let cluster = LocalCluster::start(spec, spec_text, &["--progress-every", &every_s], children)?;
     let step = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     let (tx, more) = std::sync::mpsc::channel();
     let outcome = if plan.is_empty() {

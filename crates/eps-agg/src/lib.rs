@@ -98,6 +98,9 @@ pub enum AggError {
         /// Actual bytes.
         got: usize,
     },
+    /// The device (a GPU) failed.
+    #[error("aggregator device: {0}")]
+    Device(String),
 }
 
 /// Reduction and optimizer steps over one shard's memory.

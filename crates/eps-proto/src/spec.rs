@@ -90,6 +90,9 @@ pub struct FabricSection {
     pub gid_index: Option<u32>,
 }
 
+/// The aggregators `job.aggregator` and `--aggregator` name.
+pub const AGGREGATORS: [&str; 3] = ["auto", "cpu", "cuda"];
+
 /// The transports `fabric.transport` and `--transport` name.
 pub const TRANSPORTS: [&str; 3] = ["auto", "soft", "rdma"];
 
@@ -138,6 +141,10 @@ pub struct JobSection {
     /// from the job at the next iteration boundary.
     #[serde(default = "default_lease_ms")]
     pub worker_lease_ms: u64,
+    /// Where servers sum and step: `auto` (a GPU when one is usable, else the
+    /// CPU), `cpu` or `cuda` (command-line flags and the environment override it).
+    #[serde(default)]
+    pub aggregator: Option<String>,
 }
 
 fn default_lease_ms() -> u64 {
@@ -372,6 +379,11 @@ impl JobSpec {
         if j.steps == 0 {
             return Err(bad("job.steps", "must be at least 1"));
         }
+        if let Some(a) = &j.aggregator
+            && !AGGREGATORS.contains(&a.as_str())
+        {
+            return Err(bad("job.aggregator", format!("{a:?}: use auto, cpu or cuda")));
+        }
         if let Some(t) = &self.fabric.transport
             && !TRANSPORTS.contains(&t.as_str())
         {
@@ -572,6 +584,7 @@ mod tests {
             ("[job]\nconsistency = \"ssp\"\nstaleness = 0\n[model]\npreset = \"synthetic\"", "job.staleness"),
             ("[job]\n[model]\npreset = \"synthetic\"\n[fabric]\ntransport = \"tcp\"", "fabric.transport"),
             ("[job]\n[model]\npreset = \"synthetic\"\n[fabric]\nrdma_port = 0", "fabric.rdma_port"),
+            ("[job]\naggregator = \"tpu\"\n[model]\npreset = \"synthetic\"", "job.aggregator"),
             ("[job]\n[model]\npreset = \"synthetic\"\n[fabric]\ndevice = \"mlx5_0\"", "device"),
         ];
         for (text, field) in cases {

@@ -1,0 +1,35 @@
+//! `eps bench gpu`: the GPU kernels' GB/s as a fraction of the device-to-device
+//! copy rate of the same run (`eps_cuda::bench`).
+
+/// Runs the measurement and prints a table (and a JSON line with `json`).
+#[cfg(feature = "cuda")]
+pub fn run(size: u64, reps: usize, json: bool) -> Result<(), String> {
+    let gpu = eps_cuda::Gpu::open(0).map_err(|e| format!("eps bench gpu: {e}"))?;
+    let elements = (size / 4).max(1024) as usize;
+    eprintln!("eps bench gpu: {}; buffers of {} f32 values, {reps} repetitions", gpu.info(), elements);
+    let r = eps_cuda::bench::run(&gpu, elements, reps).map_err(|e| format!("eps bench gpu: {e}"))?;
+    println!("{:<14} {:>10} {:>10}", "kernel", "GB/s", "x copy");
+    println!("{:<14} {:>10.1} {:>10.3}", "d2d copy", r.copy_gbps, 1.0);
+    println!("{:<14} {:>10.1} {:>10.3}", "sum 8 x f32", r.sum8_gbps, r.sum8_ratio());
+    println!("{:<14} {:>10.1} {:>10.3}", "adam (fused)", r.adam_gbps, r.adam_ratio());
+    if json {
+        let j = super::Json::new()
+            .str("device", &gpu.info().name)
+            .int("elements", r.elements as u64)
+            .int("reps", r.reps as u64)
+            .num("copy_gbytes_per_s", r.copy_gbps)
+            .num("sum8_gbytes_per_s", r.sum8_gbps)
+            .num("adam_gbytes_per_s", r.adam_gbps)
+            .num("sum8_ratio", r.sum8_ratio())
+            .num("adam_ratio", r.adam_ratio())
+            .finish();
+        println!("{j}");
+    }
+    Ok(())
+}
+
+/// Without the `cuda` feature: says how to get it.
+#[cfg(not(feature = "cuda"))]
+pub fn run(_size: u64, _reps: usize, _json: bool) -> Result<(), String> {
+    Err("this eps was built without CUDA support: rebuild it with `cargo build --release --features cuda`".into())
+}
