@@ -227,6 +227,134 @@ fn dropped_regions_are_reused_and_unreachable_while_pooled() {
     println!("rdma: registration cache: {:?}", b_pd.reg_cache_stats());
 }
 
+/// Host pages exported as a dmabuf through /dev/udmabuf (a memfd's pages), standing
+/// in for GPU memory: `register_dmabuf` runs for real. Devices without dmabuf
+/// support (rxe) refuse it with an error, never a crash; devices with it take
+/// WRITEs into it.
+#[derive(Debug)]
+struct Udmabuf {
+    dmabuf: std::os::fd::OwnedFd,
+    _memfd: std::os::fd::OwnedFd,
+    map: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the mapping is shared memory read and written through copies only.
+unsafe impl Send for Udmabuf {}
+// SAFETY: as above.
+unsafe impl Sync for Udmabuf {}
+
+impl Drop for Udmabuf {
+    fn drop(&mut self) {
+        // SAFETY: mapped once in `new` with this length.
+        unsafe { libc::munmap(self.map.cast(), self.len) };
+    }
+}
+
+impl Udmabuf {
+    /// `len` bytes (a multiple of the page size), or `None` without /dev/udmabuf.
+    fn new(len: usize) -> Option<Self> {
+        use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+        let dev = std::fs::OpenOptions::new().read(true).write(true).open("/dev/udmabuf").ok()?;
+        // SAFETY: a valid C string; the fd is owned below.
+        let memfd = unsafe { libc::memfd_create(c"eps-udmabuf".as_ptr(), libc::MFD_ALLOW_SEALING) };
+        assert!(memfd >= 0, "memfd_create");
+        // SAFETY: just created, owned from here on.
+        let memfd = unsafe { OwnedFd::from_raw_fd(memfd) };
+        // SAFETY: plain calls on our fd.
+        unsafe {
+            assert_eq!(libc::ftruncate(memfd.as_raw_fd(), len as libc::off_t), 0);
+            assert_eq!(libc::fcntl(memfd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK), 0);
+        }
+        #[repr(C)]
+        struct Create {
+            memfd: u32,
+            flags: u32,
+            offset: u64,
+            size: u64,
+        }
+        const UDMABUF_CREATE: libc::c_ulong = 0x4018_7542; // _IOW('u', 0x42, struct udmabuf_create)
+        let req =
+            Create { memfd: memfd.as_raw_fd() as u32, flags: 1 /* UDMABUF_FLAGS_CLOEXEC */, offset: 0, size: len as u64 };
+        // SAFETY: the request struct is laid out as the kernel's and outlives the call.
+        let fd = unsafe { libc::ioctl(dev.as_raw_fd(), UDMABUF_CREATE, &req) };
+        assert!(fd >= 0, "UDMABUF_CREATE: {}", std::io::Error::last_os_error());
+        // SAFETY: the ioctl returned a new fd that we own.
+        let dmabuf = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: a shared mapping of the memfd, `len` bytes, checked below.
+        let map = unsafe {
+            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, memfd.as_raw_fd(), 0)
+        };
+        assert_ne!(map, libc::MAP_FAILED);
+        Some(Self { dmabuf, _memfd: memfd, map: map.cast(), len })
+    }
+}
+
+impl eps_rdma::DeviceMemory for Udmabuf {
+    fn dmabuf_fd(&self) -> std::os::fd::RawFd {
+        use std::os::fd::AsRawFd;
+        self.dmabuf.as_raw_fd()
+    }
+    fn dmabuf_offset(&self) -> u64 {
+        0
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn iova(&self) -> u64 {
+        self.map as u64
+    }
+    fn read(&self, offset: usize, out: &mut [u8]) {
+        // SAFETY: in bounds (the provider checks), the mapping lives as long as self.
+        unsafe { std::ptr::copy_nonoverlapping(self.map.add(offset), out.as_mut_ptr(), out.len()) }
+    }
+    fn write(&self, offset: usize, data: &[u8]) {
+        // SAFETY: as above.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.map.add(offset), data.len()) }
+    }
+}
+
+#[test]
+fn dmabuf_memory_registers_or_is_refused_cleanly() {
+    use std::time::{Duration, Instant};
+
+    use eps_fabric::prelude::*;
+
+    let opts = QpOptions::new(Secret::new("rxe-test").unwrap());
+    let Some(Pair { device, a_pd, b_pd, a_cq, a, b: _b, .. }) = pair(&opts, 64) else { return };
+    let len = 1 << 16;
+    let Some(mem) = Udmabuf::new(len) else {
+        println!("skipped: no /dev/udmabuf here to make a dmabuf from");
+        return;
+    };
+    let all = Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ;
+    let mut target = match b_pd.register_dmabuf(Box::new(mem), all) {
+        Ok(mr) => mr,
+        Err(e) => {
+            println!("rdma: {device} refuses dmabuf registration (no GPUDirect RDMA here): {e}");
+            assert!(matches!(e, FabricError::Alloc { .. }), "a registration error: {e}");
+            return;
+        }
+    };
+    assert!(!target.is_host());
+    target.write_at(0, &[0u8; 4096]);
+    let mut src = a_pd.alloc_mr(4096, Access::LOCAL_WRITE).unwrap();
+    src.write_at(0, &[0x5A; 4096]);
+    a.post_send(&SendWr { wr_id: 1, op: SendOp::Write(target.remote(512)), sg: &[Sge::whole(&src)], signaled: true }).unwrap();
+    let mut buf = [Completion::EMPTY; 4];
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while a_cq.poll(&mut buf).unwrap() == 0 {
+        assert!(Instant::now() < deadline, "the WRITE never completed");
+        a_cq.wait(Duration::from_millis(5));
+    }
+    assert_eq!(buf[0].status, WcStatus::Success);
+    let mut got = vec![0u8; 4096];
+    target.read_at(512, &mut got);
+    assert!(got.iter().all(|&x| x == 0x5A), "the WRITE landed in the dmabuf's pages");
+    println!("rdma: {device} registered a dmabuf and took a WRITE into it");
+}
+
 /// Two queue pairs connected through rdma_cm on the selected device (both ends on
 /// it, at `EPS_RDMA_ADDR`), each side with its own PD and CQ; `None` (the test
 /// skips, saying so) where there is no device, unless `EPS_RDMA_REQUIRE` is set.
