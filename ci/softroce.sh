@@ -68,6 +68,8 @@ dir=$1
 fails=0
 check() { name=$1; shift; if "$@" >"/tmp/$name.log" 2>&1; then echo "PASS $name"; grep -hE '^(rdma|test result|\{)' "/tmp/$name.log" | sed 's/^/    /'; else echo "FAIL $name"; fails=$((fails + 1)); sed 's/^/    /' "/tmp/$name.log" | tail -n 60; fi; }
 modprobe rdma_rxe || { echo "FAIL modprobe rdma_rxe"; exit 1; }
+# /dev/udmabuf: host pages as a dmabuf, for the dmabuf registration test.
+modprobe udmabuf 2>/dev/null || true
 ip link add veth0 type veth peer name veth1
 ip addr add 10.77.0.1/24 dev veth0
 ip addr add 10.77.0.2/24 dev veth1

@@ -325,14 +325,14 @@ fn dmabuf_memory_registers_or_is_refused_cleanly() {
     let Some(Pair { device, a_pd, b_pd, a_cq, a, b: _b, .. }) = pair(&opts, 64) else { return };
     let len = 1 << 16;
     let Some(mem) = Udmabuf::new(len) else {
-        println!("skipped: no /dev/udmabuf here to make a dmabuf from");
+        println!("\nrdma: dmabuf registration skipped: no /dev/udmabuf here to make a dmabuf from");
         return;
     };
     let all = Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ;
     let mut target = match b_pd.register_dmabuf(Box::new(mem), all) {
         Ok(mr) => mr,
         Err(e) => {
-            println!("rdma: {device} refuses dmabuf registration (no GPUDirect RDMA here): {e}");
+            println!("\nrdma: {device} refuses dmabuf registration (no GPUDirect RDMA here): {e}");
             assert!(matches!(e, FabricError::Alloc { .. }), "a registration error: {e}");
             return;
         }
@@ -352,7 +352,7 @@ fn dmabuf_memory_registers_or_is_refused_cleanly() {
     let mut got = vec![0u8; 4096];
     target.read_at(512, &mut got);
     assert!(got.iter().all(|&x| x == 0x5A), "the WRITE landed in the dmabuf's pages");
-    println!("rdma: {device} registered a dmabuf and took a WRITE into it");
+    println!("\nrdma: {device} registered a dmabuf and took a WRITE into it");
 }
 
 /// Two queue pairs connected through rdma_cm on the selected device (both ends on
