@@ -5,8 +5,8 @@
 
 use std::sync::Arc;
 
-use eps_agg::{Aggregator, CpuAggregator};
-use eps_proto::spec::AGGREGATORS;
+use clap::builder::PossibleValue;
+use eps_agg::{Aggregator, CpuAggregator, ShardDevice};
 
 /// The `--aggregator` flag of `eps server` and `eps train`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args)]
@@ -15,7 +15,14 @@ pub struct AggregatorFlag {
     /// fails, saying why, when none is usable) or `auto` (a GPU when one is usable,
     /// else the CPU; it says which). Default: EPS_AGGREGATOR, else the spec's
     /// job.aggregator, else auto.
-    #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(AGGREGATORS))]
+    #[arg(long, value_parser = clap::builder::PossibleValuesParser::new([
+        PossibleValue::new("auto"),
+        PossibleValue::new("cpu"),
+        PossibleValue::new("cuda"),
+        // The device path (shards' master copies and state in separate memory)
+        // with host memory as the device: for tests of that path without a GPU.
+        PossibleValue::new("host-device").hide(true),
+    ]))]
     pub aggregator: Option<String>,
 }
 
@@ -24,8 +31,10 @@ pub struct AggregatorFlag {
 pub enum AggKind {
     /// CPU threads.
     Cpu,
-    /// The first GPU.
+    /// The first GPU, holding the shards' master copies and optimizer state.
     Cuda,
+    /// The device path with host memory as the device (testing).
+    HostDevice,
 }
 
 impl AggKind {
@@ -34,6 +43,7 @@ impl AggKind {
         match self {
             AggKind::Cpu => "cpu",
             AggKind::Cuda => "cuda",
+            AggKind::HostDevice => "host-device",
         }
     }
 }
@@ -55,6 +65,7 @@ pub fn choose(flag: &AggregatorFlag, spec: Option<&str>) -> Result<AggKind, Stri
     let requested = flag.aggregator.clone().or(env).or_else(|| spec.map(str::to_string)).unwrap_or_else(|| "auto".into());
     match requested.as_str() {
         "cpu" => Ok(AggKind::Cpu),
+        "host-device" => Ok(AggKind::HostDevice),
         "cuda" => match gpu() {
             Ok(g) => {
                 eprintln!("eps: aggregating on {g}");
@@ -76,12 +87,22 @@ pub fn choose(flag: &AggregatorFlag, spec: Option<&str>) -> Result<AggKind, Stri
     }
 }
 
-/// The aggregator of `kind`; the CPU one with `threads` threads.
-pub fn build(kind: AggKind, threads: usize) -> Result<Arc<dyn Aggregator>, String> {
+/// A server's math: the aggregator for shards in host memory, and the device that
+/// holds the shards instead, if any.
+pub type Built = (Arc<dyn Aggregator>, Option<Arc<dyn ShardDevice>>);
+
+/// The aggregator of `kind` (the CPU one with `threads` threads for shards in host
+/// memory) and the device that holds the shards, if any.
+pub fn build(kind: AggKind, threads: usize) -> Result<Built, String> {
+    let cpu: Arc<dyn Aggregator> = Arc::new(CpuAggregator::new(threads));
     match kind {
-        AggKind::Cpu => Ok(Arc::new(CpuAggregator::new(threads))),
+        AggKind::Cpu => Ok((cpu, None)),
+        AggKind::HostDevice => Ok((cpu, Some(Arc::new(eps_agg::HostDevice)))),
         #[cfg(feature = "cuda")]
-        AggKind::Cuda => Ok(Arc::new(eps_cuda::CudaAggregator::open(0).map_err(|e| format!("the GPU aggregator: {e}"))?)),
+        AggKind::Cuda => {
+            let d = eps_cuda::CudaDevice::open(0).map_err(|e| format!("the GPU: {e}"))?;
+            Ok((cpu, Some(Arc::new(d))))
+        }
         #[cfg(not(feature = "cuda"))]
         AggKind::Cuda => Err(gpu().unwrap_err()),
     }

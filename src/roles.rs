@@ -70,13 +70,14 @@ pub fn server(
         secret: secret_from_env(None)?,
         listen_ip: listen_ip.unwrap_or(IpAddr::from([127, 0, 0, 1])),
         aggregator: Arc::new(eps_agg::CpuAggregator::new(1)),
+        device: None,
         accept_timeout: timeout,
         update_threads: if threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { threads },
     };
     let reg = eps_server::register(&cfg).map_err(|e| crate_error(&e))?;
     let chosen = transport::choose(fabric, Some(&reg.spec().fabric))?;
     let kind = crate::aggregator::choose(agg, reg.spec().job.aggregator.as_deref())?;
-    cfg.aggregator = crate::aggregator::build(kind, 1)?;
+    (cfg.aggregator, cfg.device) = crate::aggregator::build(kind, 1)?;
     struct Serve {
         cfg: eps_server::ServerConfig,
         reg: eps_server::Registration,

@@ -108,6 +108,18 @@ fn bsp_scale_events_end_bitwise_equal_to_a_static_run() {
             "{extra:?}: scaled run differs; its log:\n{}",
             String::from_utf8_lossy(&scaled.stderr)
         );
+        // The device path (master copies and optimizer state in a device's memory,
+        // here host memory standing in for a GPU's, the host copy poisoned while
+        // stale): the same bits through splits and migrations.
+        args.extend_from_slice(&["--aggregator", "host-device"]);
+        let device = train(&spec, &args);
+        assert_eq!(json_str(&device, "aggregator"), "host-device");
+        assert_eq!(
+            json_str(&fixed, "params_checksum"),
+            json_str(&device, "params_checksum"),
+            "{extra:?}: the device path differs; its log:\n{}",
+            String::from_utf8_lossy(&device.stderr)
+        );
     }
     // Plans are checked before anything starts.
     let capped = spec_file("capped", &SMALL.replace("[job]", "[job]\nmax_workers = 3"));
@@ -128,8 +140,9 @@ fn bsp_scale_events_end_bitwise_equal_to_a_static_run() {
 #[test]
 fn ssp_and_asp_scale_events_apply_every_contribution_once() {
     let spec = spec_file("async-scale", &SMALL.replace("steps = 25", "steps = 80"));
-    for mode in ["ssp", "asp"] {
-        let o = train(&spec, &["--consistency", mode, "--scale-plan", "8:servers=2,30:servers=3,55:servers=1"]);
+    for (mode, agg) in [("ssp", "cpu"), ("asp", "cpu"), ("asp", "host-device")] {
+        let o =
+            train(&spec, &["--consistency", mode, "--scale-plan", "8:servers=2,30:servers=3,55:servers=1", "--aggregator", agg]);
         let log = String::from_utf8_lossy(&o.stderr);
         assert_eq!(json_str(&o, "scale_events"), "3", "{mode}");
         let migrations: u64 = json_str(&o, "migrations").parse().unwrap();

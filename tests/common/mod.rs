@@ -72,6 +72,7 @@ pub fn run_server(control: SocketAddr) -> eps_server::ServerSummary {
         secret: secret(),
         listen_ip: "127.0.0.1".parse().unwrap(),
         aggregator: Arc::new(CpuAggregator::new(1)),
+        device: None,
         accept_timeout: Duration::from_secs(30),
         update_threads: 2,
     };

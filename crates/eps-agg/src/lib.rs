@@ -17,11 +17,13 @@
 
 #![deny(unsafe_code)]
 
+pub mod device;
 pub mod optim;
 pub mod reduce;
 #[allow(unsafe_code)]
 mod simd;
 
+pub use device::{DeviceShard, HostDevice, ShardDevice};
 pub use optim::{Decay, LrSchedule, Optimizer, StepScalars};
 
 /// Element type of gradients and published parameters on the wire. Accumulation and

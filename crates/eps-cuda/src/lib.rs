@@ -14,6 +14,9 @@
 //! check them against f64 references and against the CPU.
 //!
 //! - [`Gpu`]: a device, its stream and the loaded kernels; launches on device spans.
+//! - [`CudaDevice`]: shards in GPU memory (`eps_agg::ShardDevice`): master copies
+//!   and optimizer state stay there; an update moves only the contributions in and
+//!   the published parameters out.
 //! - [`CudaAggregator`]: the `eps_agg::Aggregator` seam on a GPU, for host buffers
 //!   (each call copies its inputs in and its results out).
 //! - [`bench`]: GB/s of the kernels against the device-to-device copy rate.
@@ -24,6 +27,7 @@
 
 mod agg;
 pub mod bench;
+mod device;
 mod kernels;
 
 use std::marker::PhantomData;
@@ -32,6 +36,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
 
 pub use agg::CudaAggregator;
+pub use device::CudaDevice;
 pub use kernels::ptx_for;
 
 /// Why the GPU cannot be used, or what failed on it.

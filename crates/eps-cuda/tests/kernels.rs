@@ -352,3 +352,55 @@ fn without_a_driver_everything_is_an_error_not_a_panic() {
     assert!(matches!(Gpu::open(0), Err(eps_cuda::CudaError::NoDriver)));
     assert!(CudaAggregator::open(0).is_err());
 }
+
+/// Shards in GPU memory give the bits of the same shard on the host device (the
+/// CPU code): updates with and without a forward copy, forwarded updates,
+/// publishing, and the master copy and state brought back.
+#[test]
+fn gpu_shards_track_the_cpu() {
+    use eps_agg::{HostDevice, ShardDevice};
+
+    let Some(_) = gpu() else { return };
+    let cuda = eps_cuda::CudaDevice::open(0).unwrap();
+    let mut seed = 99u64;
+    for dtype in [DType::F32, DType::Bf16, DType::F16] {
+        for o in OPTIMIZERS {
+            for &n in &[1usize, 33, 4097, (1 << 20) + 5] {
+                let k = o.state_per_param();
+                let (mut a, mut b) = (cuda.alloc(dtype, n, k).unwrap(), HostDevice.alloc(dtype, n, k).unwrap());
+                let mut ms = random(n, &mut seed, 1.0);
+                ms.extend(random(n * k, &mut seed, 0.1).iter().map(|x| x.abs()));
+                a.upload(&ms).unwrap();
+                b.upload(&ms).unwrap();
+                let es = dtype.size_bytes();
+                for step in 0..3u64 {
+                    let enc: Vec<Vec<u8>> = (0..3).map(|_| encode(dtype, &random(n, &mut seed, 2.0))).collect();
+                    let ins: Vec<&[u8]> = enc.iter().map(|e| e.as_slice()).collect();
+                    let s = o.scalars(step, LR);
+                    let (mut pa, mut pb) = (vec![POISON; n * es], vec![0u8; n * es]);
+                    let (mut fa, mut fb) = (vec![f32::NAN; n], vec![0f32; n]);
+                    let fwd = step == 1;
+                    a.update(&ins, 1.0 / 3.0, &o, s, fwd.then_some(&mut fa[..]), &mut pa).unwrap();
+                    b.update(&ins, 1.0 / 3.0, &o, s, fwd.then_some(&mut fb[..]), &mut pb).unwrap();
+                    assert_eq!(pa, pb, "{dtype:?} {} n={n} step {step}: published", o.name());
+                    if fwd {
+                        assert!(fa.iter().zip(&fb).all(|(x, y)| x.to_bits() == y.to_bits()), "forwarded gradient");
+                    }
+                }
+                let g = random(n, &mut seed, 0.01);
+                let (mut pa, mut pb) = (vec![POISON; n * es], vec![0u8; n * es]);
+                a.apply(&g, &o, o.scalars(3, LR), &mut pa).unwrap();
+                b.apply(&g, &o, o.scalars(3, LR), &mut pb).unwrap();
+                assert_eq!(pa, pb, "{dtype:?} {} n={n}: forwarded update", o.name());
+                let (mut da, mut db) = (vec![f32::NAN; n * (1 + k)], vec![0f32; n * (1 + k)]);
+                a.download(&mut da).unwrap();
+                b.download(&mut db).unwrap();
+                assert!(da.iter().zip(&db).all(|(x, y)| x.to_bits() == y.to_bits()), "master copy and state");
+                let (mut pa, mut pb) = (vec![POISON; n * es], vec![0u8; n * es]);
+                a.publish(&mut pa).unwrap();
+                b.publish(&mut pb).unwrap();
+                assert_eq!(pa, pb);
+            }
+        }
+    }
+}

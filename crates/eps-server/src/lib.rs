@@ -48,8 +48,11 @@ pub struct ServerConfig {
     pub secret: Secret,
     /// IP to listen on for workers (the port is chosen by the OS).
     pub listen_ip: IpAddr,
-    /// The aggregator (CPU or GPU).
+    /// The aggregator (CPU or GPU), for shards in host memory.
     pub aggregator: Arc<dyn Aggregator>,
+    /// Where shards' master copies and optimizer state live between updates (a
+    /// GPU), if not in host memory; updates then run there.
+    pub device: Option<Arc<dyn eps_agg::ShardDevice>>,
     /// How long to wait for every worker to connect.
     pub accept_timeout: Duration,
     /// Threads an update of a large shard is split over (1 or 2).
@@ -331,12 +334,12 @@ pub fn run_on<P: Fabric>(cfg: &ServerConfig, reg: Registration, pd: P) -> Result
     }
     let seed = spec.job.seed;
     let total = layout.shards.len();
-    let mut mem = ShardMemory::new(&pd, layout.dtype, ranks, &opt, total);
+    let mut mem = ShardMemory::new(&pd, layout.dtype, ranks, &opt, total, cfg.device.clone());
     let init = |i: u64| eps_proto::init::param(seed, i);
     let mut shards: Vec<Option<Held>> = (0..total).map(|_| None).collect();
     for s in layout.shards_of(rank) {
         mem.add(s.id, s.start, s.len, Origin::Init(&init))?;
-        mem.publish(s.id, 0);
+        mem.publish(s.id, 0)?;
         mem.set_stamp(s.id, 0, 0);
         mem.set_stamp(s.id, 1, eps_proto::layout::STAMP_WRITING);
         shards[s.id as usize] = Some(Held {

@@ -6,7 +6,9 @@
 //! an f32 gradient buffer (the source forwards each averaged gradient from it; the
 //! target receives into it).
 
-use eps_agg::{AggError, Aggregator, DType, Optimizer, StepScalars};
+use std::sync::Arc;
+
+use eps_agg::{AggError, Aggregator, DType, DeviceShard, Optimizer, ShardDevice, StepScalars};
 use eps_fabric::prelude::*;
 use eps_proto::layout::{PUBLISHED_HEADER, STAMP_WRITING, published_offset};
 
@@ -86,6 +88,9 @@ pub struct ShardBlock<P: Fabric> {
     /// f32 gradient buffer of a migration (source: forwarded from; target: received
     /// into).
     pub grad: Option<P::Mr>,
+    /// With a device: the shard's device memory, and whether it holds the current
+    /// master copy and state (else `state` does).
+    dev: Option<(Box<dyn DeviceShard>, bool)>,
 }
 
 /// All shards of one server.
@@ -102,6 +107,8 @@ pub struct ShardMemory<P: Fabric> {
     blocks: Vec<Option<ShardBlock<P>>>,
     /// Scratch for the averaged gradient of one block, per computing thread.
     grads: [Vec<f32>; 2],
+    /// Where master copies and optimizer state live between updates, if not here.
+    device: Option<Arc<dyn ShardDevice>>,
 }
 
 /// Why memory could not be set up.
@@ -120,6 +127,15 @@ pub enum MemoryError {
         /// The fabric's error.
         #[source]
         source: FabricError,
+    },
+    /// The device failed (allocating, or copying a shard's master copy and state).
+    #[error("shard {shard} on the device")]
+    Device {
+        /// Global shard id.
+        shard: u32,
+        /// The device's error.
+        #[source]
+        source: AggError,
     },
 }
 
@@ -140,8 +156,16 @@ pub enum Origin<'a> {
 }
 
 impl<P: Fabric> ShardMemory<P> {
-    /// An empty set of shards.
-    pub fn new(pd: &P, dtype: DType, workers: u32, opt: &Optimizer, total_shards: usize) -> Self {
+    /// An empty set of shards; their master copies and state live on `device`
+    /// between updates when one is given.
+    pub fn new(
+        pd: &P,
+        dtype: DType,
+        workers: u32,
+        opt: &Optimizer,
+        total_shards: usize,
+        device: Option<Arc<dyn ShardDevice>>,
+    ) -> Self {
         Self {
             dtype,
             workers,
@@ -149,7 +173,23 @@ impl<P: Fabric> ShardMemory<P> {
             pd: pd.clone(),
             blocks: (0..total_shards).map(|_| None).collect(),
             grads: [vec![0f32; FUSE_BLOCK], vec![0f32; FUSE_BLOCK]],
+            device,
         }
+    }
+
+    /// Brings shard `id`'s master/state region up to date from the device (a no-op
+    /// without one, or when it is current).
+    ///
+    /// The caller guarantees no WRITE into or from the region is in flight.
+    pub fn to_host(&mut self, id: u32) -> Result<(), MemoryError> {
+        let k = self.state_k;
+        let Some(b) = self.block_mut(id) else { return Ok(()) };
+        let Some((dev, owns)) = b.dev.as_mut().filter(|(_, owns)| *owns) else { return Ok(()) };
+        // SAFETY: no WRITE uses the region (above); nothing else references it.
+        let all: &mut [f32] = bytemuck::cast_slice_mut(unsafe { b.state.as_mut_slice() });
+        dev.download(&mut all[..b.len as usize * (1 + k)]).map_err(|source| MemoryError::Device { shard: id, source })?;
+        *owns = false;
+        Ok(())
     }
 
     fn alloc(&self, id: u32, what: &'static str, bytes: usize, access: Access) -> Result<P::Mr, MemoryError> {
@@ -179,7 +219,14 @@ impl<P: Fabric> ShardMemory<P> {
         let access = if incoming { Access::LOCAL_WRITE | Access::REMOTE_WRITE } else { Access::LOCAL_WRITE };
         let state = self.alloc(id, "master parameters and optimizer state", state_bytes, access)?;
         let grad = if incoming { Some(self.alloc(id, "migration gradient buffer", len as usize * 4, access)?) } else { None };
-        let mut b = ShardBlock::<P> { id, start, len, bytes, published, landing, state, grad };
+        let dev = match &self.device {
+            Some(d) => Some((
+                d.alloc(self.dtype, len as usize, self.state_k).map_err(|source| MemoryError::Device { shard: id, source })?,
+                false,
+            )),
+            None => None,
+        };
+        let mut b = ShardBlock::<P> { id, start, len, bytes, published, landing, state, grad, dev };
         if let Origin::Init(init) = origin {
             // SAFETY: the region was just registered and its keys not yet given out.
             let all: &mut [f32] = bytemuck::cast_slice_mut(unsafe { b.state.as_mut_slice() });
@@ -209,6 +256,7 @@ impl<P: Fabric> ShardMemory<P> {
         if parts[0].1 + parts[1].1 != len || parts.iter().any(|&(pid, n)| n == 0 || pid == id) {
             return Ok(());
         }
+        self.to_host(id)?;
         let k = self.state_k;
         let mut made = Vec::with_capacity(2);
         let mut at = start;
@@ -234,7 +282,7 @@ impl<P: Fabric> ShardMemory<P> {
             dst[..n].copy_from_slice(&src[off..off + n]);
             dst[n..n + n * k].copy_from_slice(&src[len as usize + off * k..len as usize + (off + n) * k]);
             self.blocks[pid as usize] = Some(child);
-            self.publish(pid, parity);
+            self.publish(pid, parity).map_err(|source| MemoryError::Device { shard: pid, source })?;
             self.set_stamp(pid, parity, version);
             self.set_stamp(pid, 1 - parity, STAMP_WRITING);
         }
@@ -355,10 +403,14 @@ impl<P: Fabric> ShardMemory<P> {
         // SAFETY: the master/state region is only written remotely before the shard
         // is live here (a snapshot), and the caller excludes WRITEs from it.
         let all: &mut [f32] = bytemuck::cast_slice_mut(unsafe { b.state.as_mut_slice() });
+        let n_slots = contributors.len().min(MAX_WORKERS);
+        if let Some((dev, owns)) = b.dev.as_mut() {
+            on_device(dev.as_mut(), owns, &mut all[..len * (1 + k)])?;
+            return dev.update(&slots[..n_slots], u.scale, u.opt, u.scalars, fwd, dst);
+        }
         let (m, st) = all.split_at_mut(len);
         let st = &mut st[..len * k];
         let [g0, g1] = &mut self.grads;
-        let n_slots = contributors.len().min(MAX_WORKERS);
         if u.threads < 2 || len < 4 * FUSE_BLOCK {
             return fused(u, dtype, k, Part { slots, n_slots, master: m, state: st, dst, grad: g0, fwd });
         }
@@ -406,6 +458,10 @@ impl<P: Fabric> ShardMemory<P> {
         // SAFETY: the snapshot WRITE into this region completed before any forward
         // (RC ordering on the source's queue pair), and nothing else references it.
         let all: &mut [f32] = bytemuck::cast_slice_mut(unsafe { b.state.as_mut_slice() });
+        if let Some((dev, owns)) = b.dev.as_mut() {
+            on_device(dev.as_mut(), owns, &mut all[..len * (1 + k)])?;
+            return dev.apply(grad, u.opt, u.scalars, dst);
+        }
         let (m, st) = all.split_at_mut(len);
         let st = &mut st[..len * k];
         let mut start = 0;
@@ -452,12 +508,21 @@ impl<P: Fabric> ShardMemory<P> {
     /// Writes shard `id`'s master parameters into published buffer `parity`.
     ///
     /// The caller guarantees no pull is being written from that buffer (the shard's
-    /// `ShardSync::can_publish`).
-    pub fn publish(&mut self, id: u32, parity: usize) {
-        let dtype = self.dtype;
-        let Some(b) = self.block_mut(id) else { return };
+    /// `ShardSync::can_publish`) and no WRITE into or from the master/state region
+    /// is in flight.
+    pub fn publish(&mut self, id: u32, parity: usize) -> Result<(), AggError> {
+        let (dtype, k) = (self.dtype, self.state_k);
+        let Some(b) = self.block_mut(id) else { return Ok(()) };
         let off = published_offset(b.bytes as u64, parity) as usize;
-        let ShardBlock { published, state, len, bytes, .. } = b;
+        let ShardBlock { published, state, len, bytes, dev, .. } = b;
+        if let Some((dev, owns)) = dev.as_mut() {
+            // SAFETY: no WRITE uses the region (above); nothing else references it.
+            let all: &mut [f32] = bytemuck::cast_slice_mut(unsafe { state.as_mut_slice() });
+            on_device(dev.as_mut(), owns, &mut all[..*len as usize * (1 + k)])?;
+            // SAFETY: as below.
+            let dst = unsafe { &mut published.as_mut_slice()[off..off + *bytes] };
+            return dev.publish(dst);
+        }
         // SAFETY: no WRITE into or from the master/state region is in flight between
         // updates; it is only read here.
         let master: &[f32] = &bytemuck::cast_slice(unsafe { state.as_slice() })[..*len as usize];
@@ -466,7 +531,22 @@ impl<P: Fabric> ShardMemory<P> {
         // reference to the region exists while the slice lives.
         let dst = unsafe { &mut published.as_mut_slice()[off..off + *bytes] };
         eps_agg::reduce::narrow(dtype, master, dst);
+        Ok(())
     }
+}
+
+/// Makes the device hold the current master copy and state (`host`'s, when the
+/// host held it): in debug builds the host copy is then poisoned, so a read of it
+/// that skipped `to_host` shows (NaN parameters).
+fn on_device(dev: &mut dyn DeviceShard, owns: &mut bool, host: &mut [f32]) -> Result<(), AggError> {
+    if !*owns {
+        dev.upload(host)?;
+        *owns = true;
+        if cfg!(debug_assertions) {
+            host.fill(f32::NAN);
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -477,7 +557,7 @@ mod tests {
     fn too_much_memory_is_a_clear_error() {
         let pd = SoftDevice::open().unwrap().alloc_pd();
         let opt = Optimizer::Sgd { weight_decay: 0.0 };
-        let mut m = ShardMemory::new(&pd, DType::F32, 2, &opt, 1);
+        let mut m = ShardMemory::new(&pd, DType::F32, 2, &opt, 1, None);
         let e = m.add(0, 0, 1 << 40, Origin::Init(&|_| 0.0)).unwrap_err();
         let msg = format!("{e}: {}", std::error::Error::source(&e).map(|s| s.to_string()).unwrap_or_default());
         assert!(msg.contains("published parameters") && msg.contains("879609"), "says how much: {msg}");
@@ -491,7 +571,7 @@ mod tests {
         let pd = SoftDevice::open().unwrap().alloc_pd();
         let opt = Optimizer::Adam { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, decoupled: false };
         for dtype in [DType::F32, DType::Bf16] {
-            let mut m = ShardMemory::new(&pd, dtype, 2, &opt, 1);
+            let mut m = ShardMemory::new(&pd, dtype, 2, &opt, 1, None);
             let (start, len, lo_len) = (4096u64, 5000u64, 2048u64);
             m.add(0, start, len, Origin::Init(&|i| (i as f32).sin() * 3.0)).unwrap();
             {
@@ -502,7 +582,7 @@ mod tests {
                     *x = i as f32 * 0.5;
                 }
             }
-            m.publish(0, 1);
+            m.publish(0, 1).unwrap();
             m.set_stamp(0, 1, 7);
             m.split(0, 1, 7, [(3, lo_len), (4, len - lo_len)]).unwrap();
             let es = dtype.size_bytes();
@@ -524,6 +604,64 @@ mod tests {
                 assert_eq!(&cpub[8..16], &7u64.to_le_bytes(), "stamp of buffer 1");
                 assert_eq!(&cpub[..8], &STAMP_WRITING.to_le_bytes(), "stamp of buffer 0");
             }
+        }
+    }
+
+    /// With a device holding the master copies and state, updates, forwarded
+    /// updates, publishing and splits give the host path's bits, and `to_host`
+    /// brings the host region back to the device's values.
+    #[test]
+    fn the_device_path_equals_the_host_path() {
+        let pd = SoftDevice::open().unwrap().alloc_pd();
+        let opt = Optimizer::Adam { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01, decoupled: true };
+        let agg = eps_agg::CpuAggregator::new(1);
+        for dtype in [DType::F32, DType::F16] {
+            let es = dtype.size_bytes();
+            let (len, lo) = (40_000u64, 16_384u64);
+            let mut mems: Vec<ShardMemory<_>> = [None, Some(Arc::new(eps_agg::HostDevice) as Arc<dyn ShardDevice>)]
+                .into_iter()
+                .map(|d| ShardMemory::new(&pd, dtype, 3, &opt, 1, d))
+                .collect();
+            let mut published = Vec::new();
+            for m in &mut mems {
+                m.add(0, 0, len, Origin::Init(&|i| (i as f32 * 0.01).cos())).unwrap();
+                m.publish(0, 0).unwrap();
+                for step in 0..3u64 {
+                    let b = m.block_mut(0).unwrap();
+                    for (r, slot) in b.landing.iter_mut().enumerate() {
+                        let v: Vec<f32> = (0..len).map(|i| ((i + step * 7 + r as u64) as f32 * 0.37).sin()).collect();
+                        let mut bytes = vec![0u8; len as usize * es];
+                        eps_agg::reduce::narrow(dtype, &v, &mut bytes);
+                        slot.write_at(0, &bytes);
+                    }
+                    let u = UpdateArgs { agg: &agg, opt: &opt, scalars: opt.scalars(step, 0.01), scale: 1.0 / 3.0, threads: 1 };
+                    // SAFETY: test-local memory, no peer.
+                    unsafe { m.update(0, (step % 2) as usize, &[0, 1, 2], &u) }.unwrap();
+                }
+                // A forwarded update: through the migration gradient buffer.
+                m.add_forward_buffer(0).unwrap();
+                let g: Vec<f32> = (0..len).map(|i| (i as f32 * 0.11).sin() * 1e-2).collect();
+                m.block_mut(0).unwrap().grad.as_mut().unwrap().write_at(0, bytemuck::cast_slice(&g));
+                let u = UpdateArgs { agg: &agg, opt: &opt, scalars: opt.scalars(3, 0.01), scale: 1.0, threads: 1 };
+                // SAFETY: test-local memory, no peer.
+                unsafe { m.apply_forwarded(0, 1, &u) }.unwrap();
+                m.split(0, 1, 4, [(1, lo), (2, len - lo)]).unwrap();
+                let mut mine = Vec::new();
+                for id in [0u32, 1, 2] {
+                    m.to_host(id).unwrap();
+                    let b = m.get(id).unwrap();
+                    let mut all = vec![0u8; b.published.len()];
+                    b.published.read_at(0, &mut all);
+                    let mut st = vec![0u8; b.len as usize * 3 * 4];
+                    b.state.read_at(0, &mut st);
+                    mine.push((all, st));
+                }
+                published.push(mine);
+            }
+            assert!(
+                published[1].iter().flat_map(|(_, st)| st.chunks(4)).all(|x| !f32::from_le_bytes(x.try_into().unwrap()).is_nan())
+            );
+            assert_eq!(published[0], published[1], "{dtype:?}: the device path differs");
         }
     }
 }

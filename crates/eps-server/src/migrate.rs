@@ -160,6 +160,8 @@ impl<P: Fabric> Server<P> {
         let started = Instant::now();
         let ci = self.target_conn(to, addr)?;
         self.mem.add_forward_buffer(id)?;
+        // The snapshot is the host region: current from the device first.
+        self.mem.to_host(id)?;
         self.mem.set_snapshot_version(id, v0, &clocks);
         let b = self.mem.get(id).ok_or_else(|| ServerError::Migration("shard memory vanished".into()))?;
         let size = b.state.len() as u64;
@@ -335,7 +337,7 @@ impl<P: Fabric> Server<P> {
                 };
                 h.incoming = Some((from, Some(ci)));
                 let parity = ShardSync::parity(v0);
-                self.mem.publish(id, parity);
+                self.mem.publish(id, parity)?;
                 self.mem.set_stamp(id, parity, v0);
                 eprintln!("eps server {}: snapshot of shard {id} at version {v0} landed", self.rank);
                 for w in moved {
