@@ -19,6 +19,8 @@
 //!   the published parameters out.
 //! - [`CudaAggregator`]: the `eps_agg::Aggregator` seam on a GPU, for host buffers
 //!   (each call copies its inputs in and its results out).
+//! - `dmabuf` (feature `rdma`): GPU memory registered with an RDMA NIC through its
+//!   dmabuf (GPUDirect RDMA).
 //! - [`bench`]: GB/s of the kernels against the device-to-device copy rate.
 //!
 //! # Safety
@@ -28,6 +30,8 @@
 mod agg;
 pub mod bench;
 mod device;
+#[cfg(feature = "rdma")]
+pub mod dmabuf;
 mod kernels;
 
 use std::marker::PhantomData;
