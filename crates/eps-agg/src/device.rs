@@ -30,13 +30,34 @@ pub trait DeviceShard: Send + std::fmt::Debug {
     /// Copies the device's master parameters and state to the host.
     fn download(&mut self, master_state: &mut [f32]) -> Result<(), AggError>;
 
+    /// Lets the device copy from host buffer `host` (a landing slot) by DMA,
+    /// without bouncing through a buffer of its own (page-locks it), for this
+    /// shard's life. An error leaves copies from it working, only slower.
+    ///
+    /// # Safety
+    /// `host` stays mapped, at its address, until this shard is dropped.
+    unsafe fn pin(&mut self, host: &[u8]) -> Result<(), AggError> {
+        let _ = host;
+        Ok(())
+    }
+
+    /// Starts copying contribution `slot` (a worker rank) from `host` while other
+    /// contributions are still on the wire; the next `update` naming `slot` uses
+    /// this copy. A later `stage` of the slot replaces it.
+    ///
+    /// # Safety
+    /// `host` is neither written nor unmapped until the next `update` naming
+    /// `slot`, or the drop of this shard, returns.
+    unsafe fn stage(&mut self, slot: usize, host: &[u8]) -> Result<(), AggError>;
+
     /// One update: `grad = (inputs[0] + inputs[1] + ...) * scale` (rank order,
     /// f32 accumulation, as `Aggregator::reduce`), copied to `fwd` when given,
     /// then the optimizer step, then the master parameters narrowed into
-    /// `published` (wire dtype).
+    /// `published` (wire dtype). Each input is `(slot, host bytes)`: the staged
+    /// copy of the slot when there is one, else the host bytes, copied now.
     fn update(
         &mut self,
-        inputs: &[&[u8]],
+        inputs: &[(usize, &[u8])],
         scale: f32,
         opt: &Optimizer,
         s: StepScalars,
@@ -63,7 +84,13 @@ impl ShardDevice for HostDevice {
     }
 
     fn alloc(&self, dtype: DType, elements: usize, state_k: usize) -> Result<Box<dyn DeviceShard>, AggError> {
-        Ok(Box::new(HostShard { dtype, len: elements, ms: vec![0.0; elements * (1 + state_k)], grad: vec![0.0; elements] }))
+        Ok(Box::new(HostShard {
+            dtype,
+            len: elements,
+            ms: vec![0.0; elements * (1 + state_k)],
+            grad: vec![0.0; elements],
+            staged: Vec::new(),
+        }))
     }
 }
 
@@ -73,6 +100,10 @@ struct HostShard {
     len: usize,
     ms: Vec<f32>,
     grad: Vec<f32>,
+    /// By slot: the contribution copied when it was staged (a device's copy), so
+    /// the server's staging is exercised: a stale or missing stage shows in the
+    /// results.
+    staged: Vec<Option<Vec<u8>>>,
 }
 
 fn check(what: &'static str, expected: usize, got: usize) -> Result<(), AggError> {
@@ -102,16 +133,28 @@ impl DeviceShard for HostShard {
         Ok(())
     }
 
+    unsafe fn stage(&mut self, slot: usize, host: &[u8]) -> Result<(), AggError> {
+        check("staged contribution", self.len * self.dtype.size_bytes(), host.len())?;
+        if self.staged.len() <= slot {
+            self.staged.resize(slot + 1, None);
+        }
+        self.staged[slot] = Some(host.to_vec());
+        Ok(())
+    }
+
     fn update(
         &mut self,
-        inputs: &[&[u8]],
+        inputs: &[(usize, &[u8])],
         scale: f32,
         opt: &Optimizer,
         s: StepScalars,
         fwd: Option<&mut [f32]>,
         published: &mut [u8],
     ) -> Result<(), AggError> {
-        crate::Aggregator::reduce(&CpuAggregator::new(1), self.dtype, inputs, scale, &mut self.grad)?;
+        let taken: Vec<Option<Vec<u8>>> =
+            inputs.iter().map(|&(slot, _)| self.staged.get_mut(slot).and_then(Option::take)).collect();
+        let data: Vec<&[u8]> = inputs.iter().zip(&taken).map(|(&(_, host), st)| st.as_deref().unwrap_or(host)).collect();
+        crate::Aggregator::reduce(&CpuAggregator::new(1), self.dtype, &data, scale, &mut self.grad)?;
         if let Some(f) = fwd {
             check("forward buffer", self.len * 4, f.len() * 4)?;
             f.copy_from_slice(&self.grad);

@@ -1,13 +1,14 @@
 //! Shards in GPU memory (`eps_agg::ShardDevice`): each shard's master parameters
-//! and optimizer state stay on the GPU between updates. An update copies the
-//! contributions in (they land in host memory, where the fabric puts them), sums,
-//! steps and narrows on the GPU, and copies the published parameters out: per
-//! update the bus carries the contributions and one published copy, never the
-//! master copy or the optimizer state.
+//! and optimizer state stay on the GPU between updates. Contributions land in
+//! host memory (where the fabric puts them), page-locked for DMA; each starts its
+//! asynchronous copy to the GPU as soon as it lands (`stage`), while the others
+//! are still on the wire; the update then sums, steps and narrows on the GPU and
+//! copies the published parameters out. Per update the bus carries the
+//! contributions and one published copy, never the master copy or the state.
 
 use std::sync::Arc;
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, DevicePtrMut};
 use eps_agg::{AggError, DType, DeviceShard, Optimizer, ShardDevice, StepScalars};
 
 use crate::{CudaError, Gpu};
@@ -44,7 +45,18 @@ impl ShardDevice for CudaDevice {
         let ms = g.alloc::<f32>(elements * (1 + state_k)).map_err(dev_err)?;
         let grad = g.alloc::<f32>(elements).map_err(dev_err)?;
         let published = g.alloc::<u8>(elements * dtype.size_bytes()).map_err(dev_err)?;
-        Ok(Box::new(CudaShard { gpu: g.clone(), dtype, len: elements, state_k, ms, grad, published, inputs: None }))
+        Ok(Box::new(CudaShard {
+            gpu: g.clone(),
+            dtype,
+            len: elements,
+            state_k,
+            ms,
+            grad,
+            published,
+            slots: Vec::new(),
+            staged: Vec::new(),
+            pinned: Vec::new(),
+        }))
     }
 }
 
@@ -58,11 +70,51 @@ struct CudaShard {
     ms: CudaSlice<f32>,
     grad: CudaSlice<f32>,
     published: CudaSlice<u8>,
-    /// The contributions of an update, back to back (grown to the most seen).
-    inputs: Option<CudaSlice<u8>>,
+    /// By slot (worker rank): the contribution's device copy, made on first use.
+    slots: Vec<Option<CudaSlice<u8>>>,
+    /// By slot: a copy was started by `stage` and not used yet.
+    staged: Vec<bool>,
+    /// Host ranges page-locked by `pin` (unlocked on drop).
+    pinned: Vec<usize>,
+}
+
+// SAFETY: the pinned addresses are only handed back to the driver on drop; the
+// device buffers are cudarc's (Send).
+unsafe impl Send for CudaShard {}
+
+impl Drop for CudaShard {
+    fn drop(&mut self) {
+        // Copies from host slots may be in flight: they end before the slots may go.
+        let _ = self.gpu.sync();
+        for &p in &self.pinned {
+            // SAFETY: registered by `pin`, unregistered once; the memory is still
+            // mapped (the caller of `pin` promised it for this shard's life).
+            unsafe { cudarc::driver::sys::cuMemHostUnregister(p as *mut std::ffi::c_void) };
+        }
+    }
 }
 
 impl CudaShard {
+    /// Starts copying `host` into the device copy of `slot` (made on first use).
+    fn copy_slot(&mut self, slot: usize, host: &[u8]) -> Result<(), CudaError> {
+        if self.slots.len() <= slot {
+            self.slots.resize_with(slot + 1, || None);
+            self.staged.resize(slot + 1, false);
+        }
+        if self.slots[slot].is_none() {
+            self.slots[slot] = Some(self.gpu.alloc::<u8>(host.len())?);
+        }
+        let dst = self.slots[slot].as_mut().expect("made above");
+        let stream = self.gpu.stream().clone();
+        let (ptr, _sync) = dst.device_ptr_mut(&stream);
+        // SAFETY: the device buffer holds `host.len()` bytes (made for this shard's
+        // contribution size); the host bytes stay unchanged and mapped until the
+        // copy is used or the shard dropped (the callers' contract), and the copy
+        // is ordered before the kernels on the same stream.
+        unsafe { cudarc::driver::result::memcpy_htod_async(ptr, host, stream.cu_stream()) }?;
+        Ok(())
+    }
+
     fn check(&self, what: &'static str, expected: usize, got: usize) -> Result<(), AggError> {
         if expected == got { Ok(()) } else { Err(AggError::Length { what, expected, got }) }
     }
@@ -95,7 +147,7 @@ impl DeviceShard for CudaShard {
 
     fn update(
         &mut self,
-        inputs: &[&[u8]],
+        inputs: &[(usize, &[u8])],
         scale: f32,
         opt: &Optimizer,
         s: StepScalars,
@@ -103,30 +155,52 @@ impl DeviceShard for CudaShard {
         published: &mut [u8],
     ) -> Result<(), AggError> {
         let (n, bytes) = (self.len, self.len * self.dtype.size_bytes());
-        if let Some(bad) = inputs.iter().find(|x| x.len() != bytes) {
+        if let Some((_, bad)) = inputs.iter().find(|(_, x)| x.len() != bytes) {
             return Err(AggError::Length { what: "gradient contribution", expected: bytes, got: bad.len() });
         }
         self.check("published buffer", bytes, published.len())?;
         let run = |me: &mut Self| -> Result<(), CudaError> {
+            for &(slot, host) in inputs {
+                if !me.staged.get(slot).copied().unwrap_or(false) {
+                    me.copy_slot(slot, host)?;
+                }
+            }
             let g = me.gpu.clone();
-            let need = (bytes * inputs.len()).max(1);
-            if me.inputs.as_ref().is_none_or(|b| b.len() < need) {
-                me.inputs = Some(g.alloc::<u8>(need)?);
-            }
-            let ins = me.inputs.as_mut().expect("allocated above");
-            for (r, x) in inputs.iter().enumerate() {
-                let mut dst = ins.slice_mut(r * bytes..(r + 1) * bytes);
-                g.stream().memcpy_htod(*x, &mut dst)?;
-            }
-            let ins = me.inputs.as_ref().expect("allocated above");
-            let spans = (0..inputs.len()).map(|r| g.span(ins, r * bytes, bytes)).collect::<Result<Vec<_>, _>>()?;
+            let spans = inputs
+                .iter()
+                .map(|&(slot, _)| g.span(me.slots[slot].as_ref().expect("copied above"), 0, bytes))
+                .collect::<Result<Vec<_>, _>>()?;
             g.sum(me.dtype, &spans, scale, g.span(&me.grad, 0, n)?)?;
+            drop(spans);
+            for &(slot, _) in inputs {
+                me.staged[slot] = false;
+            }
             if let Some(f) = fwd {
                 g.copy_out(&me.grad, f)?;
             }
             me.step_publish(opt, s, published)
         };
         run(self).map_err(dev_err)
+    }
+
+    unsafe fn pin(&mut self, host: &[u8]) -> Result<(), AggError> {
+        let p = host.as_ptr() as *mut std::ffi::c_void;
+        // SAFETY: the caller keeps `host` mapped for this shard's life; it is
+        // unregistered in drop. Flags 0: page-locked, used by this context.
+        let r = unsafe { cudarc::driver::sys::cuMemHostRegister_v2(p, host.len(), 0) };
+        if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+            return Err(AggError::Device(format!("cuMemHostRegister: {r:?}")));
+        }
+        self.pinned.push(p as usize);
+        Ok(())
+    }
+
+    unsafe fn stage(&mut self, slot: usize, host: &[u8]) -> Result<(), AggError> {
+        let bytes = self.len * self.dtype.size_bytes();
+        self.check("staged contribution", bytes, host.len())?;
+        self.copy_slot(slot, host).map_err(dev_err)?;
+        self.staged[slot] = true;
+        Ok(())
     }
 
     fn apply(&mut self, grad: &[f32], opt: &Optimizer, s: StepScalars, published: &mut [u8]) -> Result<(), AggError> {

@@ -375,11 +375,23 @@ fn gpu_shards_track_the_cpu() {
                 let es = dtype.size_bytes();
                 for step in 0..3u64 {
                     let enc: Vec<Vec<u8>> = (0..3).map(|_| encode(dtype, &random(n, &mut seed, 2.0))).collect();
-                    let ins: Vec<&[u8]> = enc.iter().map(|e| e.as_slice()).collect();
+                    let ins: Vec<(usize, &[u8])> = enc.iter().enumerate().map(|(r, e)| (r, e.as_slice())).collect();
                     let s = o.scalars(step, LR);
                     let (mut pa, mut pb) = (vec![POISON; n * es], vec![0u8; n * es]);
                     let (mut fa, mut fb) = (vec![f32::NAN; n], vec![0f32; n]);
                     let fwd = step == 1;
+                    // Contributions 0 and 2 start for the device as they "land"
+                    // (from step 1 on); contribution 1 is copied by the update.
+                    if step > 0 {
+                        for r in [0, 2] {
+                            // SAFETY: `enc` is neither written nor dropped before the
+                            // update below returns.
+                            unsafe {
+                                a.stage(r, &enc[r]).unwrap();
+                                b.stage(r, &enc[r]).unwrap();
+                            }
+                        }
+                    }
                     a.update(&ins, 1.0 / 3.0, &o, s, fwd.then_some(&mut fa[..]), &mut pa).unwrap();
                     b.update(&ins, 1.0 / 3.0, &o, s, fwd.then_some(&mut fb[..]), &mut pb).unwrap();
                     assert_eq!(pa, pb, "{dtype:?} {} n={n} step {step}: published", o.name());

@@ -71,6 +71,10 @@ fn fused(u: &UpdateArgs<'_>, dtype: DType, k: usize, mut p: Part<'_>) -> Result<
 /// The memory of one shard.
 #[derive(Debug)]
 pub struct ShardBlock<P: Fabric> {
+    /// With a device: the shard's device memory, and whether it holds the current
+    /// master copy and state (else `state` does). First, so that it is dropped
+    /// (ending the device's copies from the landing slots) before them.
+    dev: Option<(Box<dyn DeviceShard>, bool)>,
     /// Global shard id.
     pub id: u32,
     /// First element in the flat space.
@@ -88,9 +92,6 @@ pub struct ShardBlock<P: Fabric> {
     /// f32 gradient buffer of a migration (source: forwarded from; target: received
     /// into).
     pub grad: Option<P::Mr>,
-    /// With a device: the shard's device memory, and whether it holds the current
-    /// master copy and state (else `state` does).
-    dev: Option<(Box<dyn DeviceShard>, bool)>,
 }
 
 /// All shards of one server.
@@ -226,7 +227,16 @@ impl<P: Fabric> ShardMemory<P> {
             )),
             None => None,
         };
-        let mut b = ShardBlock::<P> { id, start, len, bytes, published, landing, state, grad, dev };
+        let mut b = ShardBlock::<P> { dev, id, start, len, bytes, published, landing, state, grad };
+        if let Some((d, _)) = b.dev.as_mut() {
+            for slot in &b.landing {
+                // SAFETY: the slot regions live in this block and are dropped after
+                // `dev` (field order), or kept longer (a released shard's landing
+                // regions are retained): they stay mapped for the device's life.
+                // Pinning is an optimization: an error leaves copies working.
+                let _ = unsafe { d.pin(slot.as_slice()) };
+            }
+        }
         if let Origin::Init(init) = origin {
             // SAFETY: the region was just registered and its keys not yet given out.
             let all: &mut [f32] = bytemuck::cast_slice_mut(unsafe { b.state.as_mut_slice() });
@@ -354,6 +364,21 @@ impl<P: Fabric> ShardMemory<P> {
         dst.iter_mut().for_each(|x| *x *= scale);
     }
 
+    /// With a device: starts copying worker `rank`'s contribution to shard `id` to
+    /// the device now, while others are still on the wire (the update that sums it
+    /// uses this copy).
+    ///
+    /// The caller guarantees the push landed and the worker writes the slot again
+    /// only after the update that sums it (it waits for a pull answer or a credit).
+    pub fn stage(&mut self, id: u32, rank: u32) -> Result<(), AggError> {
+        let Some(b) = self.block_mut(id) else { return Ok(()) };
+        let (Some((dev, _)), Some(slot)) = (b.dev.as_mut(), b.landing.get(rank as usize)) else { return Ok(()) };
+        // SAFETY: the slot is not written before the update that uses the copy
+        // (the caller), and it stays mapped at least as long as the device shard
+        // (see `add`).
+        unsafe { dev.stage(rank as usize, slot.as_slice()) }
+    }
+
     /// Gives shard `id` a gradient buffer to forward from (migration source).
     pub fn add_forward_buffer(&mut self, id: u32) -> Result<(), MemoryError> {
         let len = self.get(id).map_or(0, |b| b.len as usize);
@@ -406,7 +431,11 @@ impl<P: Fabric> ShardMemory<P> {
         let n_slots = contributors.len().min(MAX_WORKERS);
         if let Some((dev, owns)) = b.dev.as_mut() {
             on_device(dev.as_mut(), owns, &mut all[..len * (1 + k)])?;
-            return dev.update(&slots[..n_slots], u.scale, u.opt, u.scalars, fwd, dst);
+            let mut inputs: [(usize, &[u8]); MAX_WORKERS] = [(0, &[]); MAX_WORKERS];
+            for ((x, &r), s) in inputs.iter_mut().zip(contributors).zip(slots) {
+                *x = (r as usize, s);
+            }
+            return dev.update(&inputs[..n_slots], u.scale, u.opt, u.scalars, fwd, dst);
         }
         let (m, st) = all.split_at_mut(len);
         let st = &mut st[..len * k];
@@ -633,6 +662,11 @@ mod tests {
                         let mut bytes = vec![0u8; len as usize * es];
                         eps_agg::reduce::narrow(dtype, &v, &mut bytes);
                         slot.write_at(0, &bytes);
+                    }
+                    // From step 1 on, contributions 0 and 2 are staged as they land.
+                    if step > 0 {
+                        m.stage(0, 0).unwrap();
+                        m.stage(0, 2).unwrap();
                     }
                     let u = UpdateArgs { agg: &agg, opt: &opt, scalars: opt.scalars(step, 0.01), scale: 1.0 / 3.0, threads: 1 };
                     // SAFETY: test-local memory, no peer.

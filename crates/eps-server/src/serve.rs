@@ -186,6 +186,8 @@ impl<P: Fabric> Server<P> {
                     self.violation(ci, &format!("pushed {len} bytes for shard {id} (expected {want})"));
                     return Ok(());
                 }
+                // With a device, the contribution starts for it now.
+                self.mem.stage(id, h.rank)?;
                 if self.unsettled(iteration) {
                     let Some(held) = self.shards[id as usize].as_mut() else { return Ok(()) };
                     if let Err(e) = held.sync.on_push_unsettled(h.rank, iteration) {
