@@ -29,15 +29,20 @@ impl<P: Fabric> Worker<P> {
         }
         self.report_routing()?;
         let need = self.iteration;
-        // The old owner while it serves the version (it produced it; the new one may
-        // still be catching up), then the owner.
+        // The old owner while this worker still routes to it (before the cutover:
+        // the new owner may still be catching up), then the owner. From the
+        // cutover on the owner serves the version, and `report_routing` (above)
+        // may already have let the old owner retire.
         let mut old_gone = false;
         for _attempt in 0..64 {
             self.pulled = 0;
             self.pull_moved = 0;
             self.pulls_moved.clear();
             let route = &self.map.routes[sid];
-            let ep = if old_gone { &route.owner } else { route.for_iteration(need.saturating_sub(1)) };
+            let ep = match &route.previous {
+                Some((p, at)) if !old_gone && need < *at => p,
+                _ => &route.owner,
+            };
             let from_old = ep.owner != route.owner.owner;
             let to = self.slot_at(ep)?;
             self.post_pull_req(sid, to, need)?;
