@@ -6,7 +6,9 @@
 #
 # Builds with cargo when it is there; on a machine without Rust it uses binaries
 # built elsewhere: `bash bench/gpu.sh --build-only` puts them in target/gpu-check/
-# (carry that folder to the GPU machine). Results also go to $OUT (or
+# (carry that folder to the GPU machine), with the kernels' PTX built in (made
+# here by NVRTC from ci/cuda-tools.sh when nvcc is absent), so that the GPU
+# machine needs only its driver. Results also go to $OUT (or
 # target/gpu-check/out) as gpu-bench.jsonl and kernels.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +18,13 @@ mkdir -p "$bin" "$out"
 
 if command -v cargo >/dev/null; then
     echo "==> building eps and the kernel tests (--features cuda, release)"
+    if ! command -v nvcc >/dev/null && [ -z "${EPS_CUDA_PTX_DIR:-}" ]; then
+        # No toolkit: PTX from NVRTC (NVIDIA's wheel), built into the binaries.
+        eval "$(bash ci/cuda-tools.sh)"
+        cargo build --release --locked --features cuda --bin eps
+        target/release/eps bench gpu --emit-ptx "$bin/ptx"
+        export EPS_CUDA_PTX_DIR=$PWD/$bin/ptx
+    fi
     cargo build --release --locked --features cuda --bin eps
     cp target/release/eps "$bin/eps"
     t=$(cargo test --release --locked -p eps-cuda --test kernels --no-run --message-format=json 2>/dev/null |

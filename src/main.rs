@@ -397,6 +397,10 @@ struct FabricArgs {
 
 #[derive(clap::Args, Debug)]
 struct GpuArgs {
+    /// Only write the kernels' PTX for sm_80 and sm_90 into this directory (needs
+    /// NVRTC, not a GPU), for builds with EPS_CUDA_PTX_DIR.
+    #[arg(long, hide = true)]
+    emit_ptx: Option<PathBuf>,
     /// Bytes per buffer; suffixes KiB, MiB, GiB (binary) or kB, MB, GB.
     #[arg(long, value_parser = parse_size, default_value = "256MiB")]
     size: u64,
@@ -718,7 +722,10 @@ fn main() -> ExitCode {
         Cmd::Scale { control, servers, workers } => eps::roles::scale(control, servers, workers),
         Cmd::Bench(BenchCmd::Fabric(a)) => bench_fabric(a),
         Cmd::Bench(BenchCmd::Agg(a)) => bench_agg(a),
-        Cmd::Bench(BenchCmd::Gpu(a)) => eps::bench::gpu::run(a.size, a.reps, a.json),
+        Cmd::Bench(BenchCmd::Gpu(a)) => match a.emit_ptx {
+            Some(dir) => eps::bench::gpu::emit_ptx(&dir),
+            None => eps::bench::gpu::run(a.size, a.reps, a.json),
+        },
         Cmd::Bench(BenchCmd::FabricPeer { op, size, depth, transport, rdma }) => {
             fabric::run_peer(op, size, depth, &transport, &rdma).map_err(|e| error_chain(&e))
         }

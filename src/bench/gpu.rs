@@ -33,3 +33,21 @@ pub fn run(size: u64, reps: usize, json: bool) -> Result<(), String> {
 pub fn run(_size: u64, _reps: usize, _json: bool) -> Result<(), String> {
     Err("this eps was built without CUDA support: rebuild it with `cargo build --release --features cuda`".into())
 }
+
+/// Writes `eps_kernels_sm80.ptx` and `eps_kernels_sm90.ptx` into `dir`.
+#[cfg(feature = "cuda")]
+pub fn emit_ptx(dir: &std::path::Path) -> Result<(), String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    for (arch, name) in [("sm_80", "eps_kernels_sm80.ptx"), ("sm_90", "eps_kernels_sm90.ptx")] {
+        let ptx = eps_cuda::ptx_for(arch).map_err(|e| e.to_string())?;
+        std::fs::write(dir.join(name), ptx).map_err(|e| format!("{}: {e}", dir.join(name).display()))?;
+        eprintln!("eps bench gpu: wrote {}", dir.join(name).display());
+    }
+    Ok(())
+}
+
+/// Without the `cuda` feature: says how to get it.
+#[cfg(not(feature = "cuda"))]
+pub fn emit_ptx(_dir: &std::path::Path) -> Result<(), String> {
+    run(0, 0, false)
+}

@@ -48,6 +48,12 @@ struct AdamArgs {
 // SAFETY: plain data laid out as the kernel's `struct AdamArgs` (nine floats, an int).
 unsafe impl DeviceRepr for AdamArgs {}
 
+/// Whether the PTX is built into this binary (nvcc at build time, or
+/// `EPS_CUDA_PTX_DIR`), so no NVRTC is needed at run time.
+pub fn ptx_built_in() -> bool {
+    cfg!(eps_cuda_ptx)
+}
+
 /// The PTX of the kernels for `arch` (`sm_80` or `sm_90`): built in when nvcc ran
 /// at build time, else compiled now by NVRTC (which must be installed).
 pub fn ptx_for(arch: &'static str) -> Result<String, CudaError> {

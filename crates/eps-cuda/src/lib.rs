@@ -41,7 +41,7 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DeviceRepr, 
 
 pub use agg::CudaAggregator;
 pub use device::CudaDevice;
-pub use kernels::ptx_for;
+pub use kernels::{ptx_built_in, ptx_for};
 
 /// Why the GPU cannot be used, or what failed on it.
 #[derive(Debug, thiserror::Error)]
