@@ -6,7 +6,8 @@
 #
 # Builds with cargo when it is there; on a machine without Rust it uses binaries
 # built elsewhere: `bash bench/gpu.sh --build-only` puts them in target/gpu-check/
-# (carry that folder to the GPU machine), with the kernels' PTX built in (made
+# (carry that folder to the GPU machine and run `EPS_GPU_PREBUILT=1 bash
+# bench/gpu.sh` there), with the kernels' PTX built in (made
 # here by NVRTC from ci/cuda-tools.sh when nvcc is absent), so that the GPU
 # machine needs only its driver. Results also go to $OUT (or
 # target/gpu-check/out) as gpu-bench.jsonl and kernels.log.
@@ -16,7 +17,7 @@ bin=target/gpu-check
 out=${OUT:-$bin/out}
 mkdir -p "$bin" "$out"
 
-if command -v cargo >/dev/null; then
+if command -v cargo >/dev/null && [ -z "${EPS_GPU_PREBUILT:-}" ]; then
     echo "==> building eps and the kernel tests (--features cuda, release)"
     if ! command -v nvcc >/dev/null && [ -z "${EPS_CUDA_PTX_DIR:-}" ]; then
         # No toolkit: PTX from NVRTC (NVIDIA's wheel), built into the binaries.
