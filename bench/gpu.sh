@@ -42,7 +42,8 @@ fi
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 
 echo "==> kernel tests on the GPU"
-EPS_CUDA_REQUIRE=1 "$bin/kernels" --test-threads 1 --nocapture 2>&1 | tee "$out/kernels.log"
+tests_ok=1
+EPS_CUDA_REQUIRE=1 "$bin/kernels" --test-threads 1 --nocapture 2>&1 | tee "$out/kernels.log" || tests_ok=0
 
 echo "==> eps bench gpu, 3 runs"
 : >"$out/gpu-bench.jsonl"
@@ -59,3 +60,7 @@ print(f"{'d2d copy':<14} {med('copy_gbytes_per_s'):>10.1} {1.0:>8.3}")
 print(f"{'sum 8 x f32':<14} {med('sum8_gbytes_per_s'):>10.1} {med('sum8_ratio'):>8.3}")
 print(f"{'adam (fused)':<14} {med('adam_gbytes_per_s'):>10.1} {med('adam_ratio'):>8.3}")
 PY
+if [ "$tests_ok" = 0 ]; then
+    echo "KERNEL TESTS FAILED (see $out/kernels.log)" >&2
+    exit 1
+fi
