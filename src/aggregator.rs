@@ -11,7 +11,8 @@ use eps_agg::{Aggregator, CpuAggregator, ShardDevice};
 /// The `--aggregator` flag of `eps server` and `eps train`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args)]
 pub struct AggregatorFlag {
-    /// Where servers sum gradients and apply the optimizer: `cpu`, `cuda` (a GPU;
+    /// Where servers sum gradients and apply the optimizer: `cpu`, `cuda` (the
+    /// first GPU, which then holds the shards' parameters and optimizer state;
     /// fails, saying why, when none is usable) or `auto` (a GPU when one is usable,
     /// else the CPU; it says which). Default: EPS_AGGREGATOR, else the spec's
     /// job.aggregator, else auto.
