@@ -49,10 +49,14 @@ impl AggKind {
     }
 }
 
-/// Whether a GPU can aggregate here, or why not.
+/// Whether a GPU can aggregate here, or why not: a driver and a device, and the
+/// kernels give the CPU's bits on it (`CudaDevice::self_check`).
 #[cfg(feature = "cuda")]
 fn gpu() -> Result<String, String> {
-    eps_cuda::probe().map(|g| g.to_string()).map_err(|e| e.to_string())
+    let info = eps_cuda::probe().map_err(|e| e.to_string())?;
+    let d = eps_cuda::CudaDevice::open(info.ordinal).map_err(|e| format!("{info}: {e}"))?;
+    d.self_check().map_err(|e| format!("{info}: {e}"))?;
+    Ok(info.to_string())
 }
 
 #[cfg(not(feature = "cuda"))]

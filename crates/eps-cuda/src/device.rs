@@ -29,6 +29,58 @@ impl CudaDevice {
     pub fn gpu(&self) -> &Gpu {
         &self.gpu
     }
+
+    /// Runs a small shard through every kernel (each dtype, each optimizer, a
+    /// staged and an unstaged contribution, an odd length) and compares the bits
+    /// with the same shard on the CPU (`eps_agg::HostDevice`): a GPU path that does
+    /// not give the CPU's results is refused before it trains anything.
+    pub fn self_check(&self) -> Result<(), CudaError> {
+        use eps_agg::HostDevice;
+        let n = 4099;
+        let opts = [
+            Optimizer::Sgd { weight_decay: 0.01 },
+            Optimizer::Momentum { momentum: 0.9, nesterov: true, weight_decay: 0.01 },
+            Optimizer::Adam { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01, decoupled: true },
+        ];
+        let val = |i: usize, salt: usize| ((i * 37 + salt * 101) % 1000) as f32 / 500.0 - 1.0;
+        let fail = |what: String| CudaError::Driver(format!("self-check against the CPU failed: {what}"));
+        for dtype in [DType::F32, DType::Bf16, DType::F16] {
+            let es = dtype.size_bytes();
+            let enc: Vec<Vec<u8>> = (0..2)
+                .map(|r| {
+                    let v: Vec<f32> = (0..n).map(|i| val(i, r + 1)).collect();
+                    let mut b = vec![0u8; n * es];
+                    eps_agg::reduce::narrow(dtype, &v, &mut b);
+                    b
+                })
+                .collect();
+            for o in &opts {
+                let k = o.state_per_param();
+                let err = |e: AggError| fail(format!("{}/{}: {e}", dtype.name(), o.name()));
+                let (mut g, mut c) = (self.alloc(dtype, n, k).map_err(err)?, HostDevice.alloc(dtype, n, k).map_err(err)?);
+                let ms: Vec<f32> = (0..n * (1 + k)).map(|i| val(i, 7).abs() * if i < n { 1.0 } else { 0.01 }).collect();
+                g.upload(&ms).map_err(err)?;
+                c.upload(&ms).map_err(err)?;
+                // SAFETY: `enc` outlives the update below and is not written.
+                unsafe {
+                    g.stage(1, &enc[1]).map_err(err)?;
+                    c.stage(1, &enc[1]).map_err(err)?;
+                }
+                let ins = [(0, enc[0].as_slice()), (1, enc[1].as_slice())];
+                let (mut pg, mut pc) = (vec![0xFFu8; n * es], vec![0u8; n * es]);
+                let s = o.scalars(2, 0.01);
+                g.update(&ins, 0.5, o, s, None, &mut pg).map_err(err)?;
+                c.update(&ins, 0.5, o, s, None, &mut pc).map_err(err)?;
+                let (mut dg, mut dc) = (vec![f32::NAN; ms.len()], vec![0f32; ms.len()]);
+                g.download(&mut dg).map_err(err)?;
+                c.download(&mut dc).map_err(err)?;
+                if pg != pc || dg.iter().zip(&dc).any(|(a, b)| a.to_bits() != b.to_bits()) {
+                    return Err(fail(format!("{} {}: the GPU's bits differ from the CPU's", dtype.name(), o.name())));
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 fn dev_err(e: CudaError) -> AggError {

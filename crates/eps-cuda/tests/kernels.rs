@@ -362,6 +362,7 @@ fn gpu_shards_track_the_cpu() {
 
     let Some(_) = gpu() else { return };
     let cuda = eps_cuda::CudaDevice::open(0).unwrap();
+    cuda.self_check().unwrap();
     let mut seed = 99u64;
     for dtype in [DType::F32, DType::Bf16, DType::F16] {
         for o in OPTIMIZERS {
