@@ -130,23 +130,39 @@ pub fn selection(_named: &Named) -> Result<std::convert::Infallible, String> {
 }
 
 /// Opens a protection domain on the selected device and logs the selection
-/// (device, port, GID, MTU); returns it with the IPv4 address of the GID, where
-/// this process's peers reach it through rdma_cm.
+/// (device, port, GID, MTU).
 #[cfg(feature = "rdma")]
-pub fn open(sel: &eps_rdma::Selection) -> Result<(eps_rdma::RdmaPd, std::net::IpAddr), String> {
+pub fn open(sel: &eps_rdma::Selection) -> Result<eps_rdma::RdmaPd, String> {
     eprintln!("eps: {sel}");
-    let ip = sel.gid.addr().to_ipv4_mapped().ok_or_else(|| {
-        format!("the selected GID {} is not an IPv4 address; name an IPv4 RoCE v2 GID with --gid-index", sel.gid.addr())
-    })?;
     let dev = eps_rdma::RdmaDevice::open(&sel.device).map_err(|e| format!("{}: {e}", sel.device))?;
-    Ok((dev.alloc_pd().map_err(|e| format!("{}: {e}", sel.device))?, ip.into()))
+    dev.alloc_pd().map_err(|e| format!("{}: {e}", sel.device))
+}
+
+/// The IPv4 address peers reach the selected port at through rdma_cm: the GID's
+/// own (RoCE v2), else that of the port's network interface (IPoIB on
+/// InfiniBand); an error saying what to do when there is neither.
+#[cfg(feature = "rdma")]
+pub fn ip_of(sel: &eps_rdma::Selection) -> Result<std::net::IpAddr, String> {
+    if let Some(v4) = sel.gid.addr().to_ipv4_mapped() {
+        return Ok(v4.into());
+    }
+    eps_rdma::addr::port_ipv4(&sel.device, sel.port).map(Into::into).ok_or_else(|| {
+        format!(
+            "{} port {}: GID {} carries no IPv4 address and the port's network interface (IPoIB) has none: \
+             give the port's interface an IPv4 address, name a RoCE v2 GID with --gid-index, or pass --listen-ip",
+            sel.device,
+            sel.port,
+            sel.gid.addr()
+        )
+    })
 }
 
 /// A protection domain on the selected RDMA device and the IPv4 address of its
 /// GID (where the benchmark's peer listens), for `eps bench fabric`.
 #[cfg(feature = "rdma")]
 pub fn bench_pd(named: &Named) -> Result<(eps_rdma::RdmaPd, std::net::IpAddr), String> {
-    open(&selection(named)?)
+    let sel = selection(named)?;
+    Ok((open(&sel)?, ip_of(&sel)?))
 }
 
 /// Without the `rdma` feature: says how to get it.

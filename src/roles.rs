@@ -78,22 +78,23 @@ pub fn server(
     let chosen = transport::choose(fabric, Some(&reg.spec().fabric))?;
     let kind = crate::aggregator::choose(agg, reg.spec().job.aggregator.as_deref())?;
     (cfg.aggregator, cfg.device) = crate::aggregator::build(kind, 1)?;
+    // An explicit --listen-ip wins; else the provider's own address (rdma).
+    if listen_ip.is_none()
+        && let Some(ip) = chosen.listen_ip()?
+    {
+        cfg.listen_ip = ip;
+    }
     struct Serve {
         cfg: eps_server::ServerConfig,
         reg: eps_server::Registration,
-        listen_ip: Option<IpAddr>,
     }
     impl OnFabric for Serve {
         type Out = Result<eps_server::ServerSummary, eps_server::ServerError>;
-        fn run<P: eps_fabric::Fabric>(mut self, pd: P, ip: Option<IpAddr>) -> Self::Out {
-            // An explicit --listen-ip wins; else the provider's own address.
-            if let (None, Some(ip)) = (self.listen_ip, ip) {
-                self.cfg.listen_ip = ip;
-            }
+        fn run<P: eps_fabric::Fabric>(self, pd: P) -> Self::Out {
             eps_server::run_on(&self.cfg, self.reg, pd)
         }
     }
-    let s = transport::run_on(&chosen, Serve { cfg, reg, listen_ip })?.map_err(|e| crate_error(&e))?;
+    let s = transport::run_on(&chosen, Serve { cfg, reg })?.map_err(|e| crate_error(&e))?;
     eprintln!(
         "eps server {}: {} shards, {} parameters, {} updates applied, {} pulls served, {} protocol violations ({} transport, {} aggregator)",
         s.rank,
@@ -128,7 +129,7 @@ pub fn worker(
     }
     impl OnFabric for Work {
         type Out = Result<(), String>;
-        fn run<P: eps_fabric::Fabric>(self, pd: P, _ip: Option<IpAddr>) -> Self::Out {
+        fn run<P: eps_fabric::Fabric>(self, pd: P) -> Self::Out {
             let w = eps_worker::Worker::join_on(&self.cfg, self.reg, pd).map_err(|e| crate_error(&e))?;
             match self.bench {
                 WorkerBench::PushPull { iters } => {

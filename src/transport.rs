@@ -69,6 +69,19 @@ impl Chosen {
             Chosen::Rdma(_) => "rdma",
         }
     }
+
+    /// Where a server listens on this provider: `None` on soft (any address the
+    /// caller likes); on rdma the port's IPv4 address (its GID's, or its IPoIB
+    /// interface's), or an error saying what to do.
+    pub fn listen_ip(&self) -> Result<Option<IpAddr>, String> {
+        match self {
+            Chosen::Soft => Ok(None),
+            #[cfg(feature = "rdma")]
+            Chosen::Rdma(sel) => crate::rdma::ip_of(sel).map(Some),
+            #[cfg(not(feature = "rdma"))]
+            Chosen::Rdma(never) => match *never {},
+        }
+    }
 }
 
 /// Resolves the flags, the environment and the spec's `[fabric]` section (flags
@@ -118,9 +131,8 @@ pub fn choose(flags: &TransportFlags, spec: Option<&FabricSection>) -> Result<Ch
 pub trait OnFabric {
     /// What the work returns.
     type Out;
-    /// Runs on `pd`; `ip` is the address peers reach this process at on that
-    /// provider (`None`: any the caller likes, the provider is not tied to one).
-    fn run<P: Fabric>(self, pd: P, ip: Option<IpAddr>) -> Self::Out;
+    /// Runs on `pd`.
+    fn run<P: Fabric>(self, pd: P) -> Self::Out;
 }
 
 /// Opens the chosen provider (logging the RDMA device, port, GID and MTU) and runs
@@ -129,13 +141,10 @@ pub fn run_on<W: OnFabric>(chosen: &Chosen, work: W) -> Result<W::Out, String> {
     match chosen {
         Chosen::Soft => {
             let pd = eps_fabric::soft::SoftDevice::open().map_err(|e| format!("the soft transport: {e}"))?.alloc_pd();
-            Ok(work.run(pd, None))
+            Ok(work.run(pd))
         }
         #[cfg(feature = "rdma")]
-        Chosen::Rdma(sel) => {
-            let (pd, ip) = crate::rdma::open(sel)?;
-            Ok(work.run(pd, Some(ip)))
-        }
+        Chosen::Rdma(sel) => Ok(work.run(crate::rdma::open(sel)?)),
         #[cfg(not(feature = "rdma"))]
         Chosen::Rdma(never) => match *never {},
     }

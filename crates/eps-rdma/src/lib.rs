@@ -22,6 +22,7 @@
 //! the size the call documents) and says so.
 
 mod acct;
+pub mod addr;
 pub mod device;
 mod handshake;
 mod inline_helpers;
