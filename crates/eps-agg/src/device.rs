@@ -106,13 +106,9 @@ struct HostShard {
     staged: Vec<Option<Vec<u8>>>,
 }
 
-fn check(what: &'static str, expected: usize, got: usize) -> Result<(), AggError> {
-    if expected == got { Ok(()) } else { Err(AggError::Length { what, expected, got }) }
-}
-
 impl HostShard {
     fn step_and_publish(&mut self, opt: &Optimizer, s: StepScalars, published: &mut [u8]) -> Result<(), AggError> {
-        check("published buffer", self.len * self.dtype.size_bytes(), published.len())?;
+        AggError::check_len("published buffer", self.len * self.dtype.size_bytes(), published.len())?;
         let (m, st) = self.ms.split_at_mut(self.len);
         opt.apply(s, m, &self.grad, st);
         reduce::narrow(self.dtype, m, published);
@@ -122,19 +118,19 @@ impl HostShard {
 
 impl DeviceShard for HostShard {
     fn upload(&mut self, master_state: &[f32]) -> Result<(), AggError> {
-        check("master parameters and state", self.ms.len() * 4, master_state.len() * 4)?;
+        AggError::check_len("master parameters and state", self.ms.len() * 4, master_state.len() * 4)?;
         self.ms.copy_from_slice(master_state);
         Ok(())
     }
 
     fn download(&mut self, master_state: &mut [f32]) -> Result<(), AggError> {
-        check("master parameters and state", self.ms.len() * 4, master_state.len() * 4)?;
+        AggError::check_len("master parameters and state", self.ms.len() * 4, master_state.len() * 4)?;
         master_state.copy_from_slice(&self.ms);
         Ok(())
     }
 
     unsafe fn stage(&mut self, slot: usize, host: &[u8]) -> Result<(), AggError> {
-        check("staged contribution", self.len * self.dtype.size_bytes(), host.len())?;
+        AggError::check_len("staged contribution", self.len * self.dtype.size_bytes(), host.len())?;
         if self.staged.len() <= slot {
             self.staged.resize(slot + 1, None);
         }
@@ -156,20 +152,20 @@ impl DeviceShard for HostShard {
         let data: Vec<&[u8]> = inputs.iter().zip(&taken).map(|(&(_, host), st)| st.as_deref().unwrap_or(host)).collect();
         crate::Aggregator::reduce(&CpuAggregator::new(1), self.dtype, &data, scale, &mut self.grad)?;
         if let Some(f) = fwd {
-            check("forward buffer", self.len * 4, f.len() * 4)?;
+            AggError::check_len("forward buffer", self.len * 4, f.len() * 4)?;
             f.copy_from_slice(&self.grad);
         }
         self.step_and_publish(opt, s, published)
     }
 
     fn apply(&mut self, grad: &[f32], opt: &Optimizer, s: StepScalars, published: &mut [u8]) -> Result<(), AggError> {
-        check("gradient", self.len * 4, grad.len() * 4)?;
+        AggError::check_len("gradient", self.len * 4, grad.len() * 4)?;
         self.grad.copy_from_slice(grad);
         self.step_and_publish(opt, s, published)
     }
 
     fn publish(&mut self, published: &mut [u8]) -> Result<(), AggError> {
-        check("published buffer", self.len * self.dtype.size_bytes(), published.len())?;
+        AggError::check_len("published buffer", self.len * self.dtype.size_bytes(), published.len())?;
         reduce::narrow(self.dtype, &self.ms[..self.len], published);
         Ok(())
     }

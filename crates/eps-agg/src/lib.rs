@@ -108,6 +108,27 @@ pub enum AggError {
     Device(String),
 }
 
+impl AggError {
+    /// `Ok` when a buffer of `got` bytes is the `expected` size, else an error
+    /// naming `what`.
+    pub fn check_len(what: &'static str, expected: usize, got: usize) -> Result<(), AggError> {
+        if expected == got { Ok(()) } else { Err(AggError::Length { what, expected, got }) }
+    }
+
+    /// Every contribution of a sum holds `n` elements of `dtype`.
+    pub fn check_inputs<'a>(dtype: DType, n: usize, mut inputs: impl Iterator<Item = &'a [u8]>) -> Result<(), AggError> {
+        let want = n * dtype.size_bytes();
+        inputs.try_for_each(|x| Self::check_len("gradient contribution", want, x.len()))
+    }
+
+    /// The gradient and optimizer state of a step of `n` parameters fit `opt`.
+    pub fn check_step(opt: &Optimizer, n: usize, grad: usize, state: usize) -> Result<(), AggError> {
+        Self::check_len("gradient", n * 4, grad * 4)?;
+        let k = opt.state_per_param();
+        Self::check_len("optimizer state", n * k * 4, state * 4)
+    }
+}
+
 /// Reduction and optimizer steps over one shard's memory.
 pub trait Aggregator: Send + Sync + std::fmt::Debug {
     /// Name for logs (`cpu`, `cuda`).
@@ -145,10 +166,7 @@ impl Aggregator for CpuAggregator {
     }
 
     fn reduce(&self, dtype: DType, inputs: &[&[u8]], scale: f32, out: &mut [f32]) -> Result<(), AggError> {
-        let want = out.len() * dtype.size_bytes();
-        if let Some(bad) = inputs.iter().find(|x| x.len() != want) {
-            return Err(AggError::Length { what: "gradient contribution", expected: want, got: bad.len() });
-        }
+        AggError::check_inputs(dtype, out.len(), inputs.iter().copied())?;
         reduce::sum(dtype, inputs, out, self.threads);
         if scale != 1.0 {
             for x in out.iter_mut() {
@@ -159,14 +177,7 @@ impl Aggregator for CpuAggregator {
     }
 
     fn step(&self, opt: &Optimizer, s: StepScalars, params: &mut [f32], grad: &[f32], state: &mut [f32]) -> Result<(), AggError> {
-        let n = params.len();
-        if grad.len() != n {
-            return Err(AggError::Length { what: "gradient", expected: n * 4, got: grad.len() * 4 });
-        }
-        let k = opt.state_per_param();
-        if state.len() != n * k {
-            return Err(AggError::Length { what: "optimizer state", expected: n * k * 4, got: state.len() * 4 });
-        }
+        AggError::check_step(opt, params.len(), grad.len(), state.len())?;
         opt.apply(s, params, grad, state);
         Ok(())
     }

@@ -4,7 +4,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use eps_fabric::Secret;
-use eps_proto::control::ControlMsg;
+use eps_proto::control::{ControlMsg, Role};
 
 use crate::ControlError;
 use crate::conn::{auth_client, read_msg, write_msg};
@@ -45,6 +45,14 @@ impl ControlClient {
                 Err(ControlError::Timeout)
             }
             Err(e) => Err(e),
+        }
+    }
+
+    /// Registers as a server or worker: the rank given and the job spec's text.
+    pub fn register(&mut self, role: Role) -> Result<(u32, String), ControlError> {
+        match self.call(&ControlMsg::Register { role, fabric_addr: String::new() })? {
+            ControlMsg::Registered { rank, spec_toml } => Ok((rank, spec_toml)),
+            _ => Err(ControlError::Protocol("unexpected answer to a registration")),
         }
     }
 }

@@ -105,22 +105,12 @@ impl Aggregator for CudaAggregator {
     }
 
     fn reduce(&self, dtype: DType, inputs: &[&[u8]], scale: f32, out: &mut [f32]) -> Result<(), AggError> {
-        let want = out.len() * dtype.size_bytes();
-        if let Some(bad) = inputs.iter().find(|x| x.len() != want) {
-            return Err(AggError::Length { what: "gradient contribution", expected: want, got: bad.len() });
-        }
+        AggError::check_inputs(dtype, out.len(), inputs.iter().copied())?;
         self.reduce_on(dtype, inputs, scale, out).map_err(agg_err)
     }
 
     fn step(&self, opt: &Optimizer, s: StepScalars, params: &mut [f32], grad: &[f32], state: &mut [f32]) -> Result<(), AggError> {
-        let n = params.len();
-        if grad.len() != n {
-            return Err(AggError::Length { what: "gradient", expected: n * 4, got: grad.len() * 4 });
-        }
-        let k = opt.state_per_param();
-        if state.len() != n * k {
-            return Err(AggError::Length { what: "optimizer state", expected: n * k * 4, got: state.len() * 4 });
-        }
+        AggError::check_step(opt, params.len(), grad.len(), state.len())?;
         self.step_on(opt, s, params, grad, state).map_err(agg_err)
     }
 }

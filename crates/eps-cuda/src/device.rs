@@ -167,10 +167,6 @@ impl CudaShard {
         Ok(())
     }
 
-    fn check(&self, what: &'static str, expected: usize, got: usize) -> Result<(), AggError> {
-        if expected == got { Ok(()) } else { Err(AggError::Length { what, expected, got }) }
-    }
-
     /// Steps on the gradient in `grad`, narrows into the device's published copy and
     /// copies that to `published`.
     fn step_publish(&mut self, opt: &Optimizer, s: StepScalars, published: &mut [u8]) -> Result<(), CudaError> {
@@ -188,12 +184,12 @@ impl CudaShard {
 
 impl DeviceShard for CudaShard {
     fn upload(&mut self, master_state: &[f32]) -> Result<(), AggError> {
-        self.check("master parameters and state", self.ms.len() * 4, master_state.len() * 4)?;
+        AggError::check_len("master parameters and state", self.ms.len() * 4, master_state.len() * 4)?;
         self.gpu.copy_in(master_state, &mut self.ms).map_err(dev_err)
     }
 
     fn download(&mut self, master_state: &mut [f32]) -> Result<(), AggError> {
-        self.check("master parameters and state", self.ms.len() * 4, master_state.len() * 4)?;
+        AggError::check_len("master parameters and state", self.ms.len() * 4, master_state.len() * 4)?;
         self.gpu.copy_out(&self.ms, master_state).map_err(dev_err)
     }
 
@@ -207,10 +203,8 @@ impl DeviceShard for CudaShard {
         published: &mut [u8],
     ) -> Result<(), AggError> {
         let (n, bytes) = (self.len, self.len * self.dtype.size_bytes());
-        if let Some((_, bad)) = inputs.iter().find(|(_, x)| x.len() != bytes) {
-            return Err(AggError::Length { what: "gradient contribution", expected: bytes, got: bad.len() });
-        }
-        self.check("published buffer", bytes, published.len())?;
+        AggError::check_inputs(self.dtype, n, inputs.iter().map(|&(_, x)| x))?;
+        AggError::check_len("published buffer", bytes, published.len())?;
         let run = |me: &mut Self| -> Result<(), CudaError> {
             for &(slot, host) in inputs {
                 if !me.staged.get(slot).copied().unwrap_or(false) {
@@ -249,22 +243,22 @@ impl DeviceShard for CudaShard {
 
     unsafe fn stage(&mut self, slot: usize, host: &[u8]) -> Result<(), AggError> {
         let bytes = self.len * self.dtype.size_bytes();
-        self.check("staged contribution", bytes, host.len())?;
+        AggError::check_len("staged contribution", bytes, host.len())?;
         self.copy_slot(slot, host).map_err(dev_err)?;
         self.staged[slot] = true;
         Ok(())
     }
 
     fn apply(&mut self, grad: &[f32], opt: &Optimizer, s: StepScalars, published: &mut [u8]) -> Result<(), AggError> {
-        self.check("gradient", self.len * 4, grad.len() * 4)?;
-        self.check("published buffer", self.len * self.dtype.size_bytes(), published.len())?;
+        AggError::check_len("gradient", self.len * 4, grad.len() * 4)?;
+        AggError::check_len("published buffer", self.len * self.dtype.size_bytes(), published.len())?;
         let gpu = self.gpu.clone();
         gpu.copy_in(grad, &mut self.grad).map_err(dev_err)?;
         self.step_publish(opt, s, published).map_err(dev_err)
     }
 
     fn publish(&mut self, published: &mut [u8]) -> Result<(), AggError> {
-        self.check("published buffer", self.len * self.dtype.size_bytes(), published.len())?;
+        AggError::check_len("published buffer", self.len * self.dtype.size_bytes(), published.len())?;
         self.narrow_out(published).map_err(dev_err)
     }
 }

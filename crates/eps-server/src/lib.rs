@@ -304,10 +304,7 @@ impl Registration {
 /// Registers with the control plane as a server.
 pub fn register(cfg: &ServerConfig) -> Result<Registration, ServerError> {
     let mut ctl = ControlClient::connect(cfg.control, &cfg.secret, cfg.accept_timeout)?;
-    let (rank, spec_text) = match ctl.call(&ControlMsg::Register { role: Role::Server, fabric_addr: String::new() })? {
-        ControlMsg::Registered { rank, spec_toml } => (rank, spec_toml),
-        _ => return Err(ServerError::Unexpected),
-    };
+    let (rank, spec_text) = ctl.register(Role::Server)?;
     let spec = JobSpec::from_toml(&spec_text)?;
     Ok(Registration { rank, spec, ctl })
 }

@@ -41,10 +41,7 @@ impl Registration {
 /// for a worker started to join a running job, for the change that admits it).
 pub fn register(cfg: &WorkerConfig) -> Result<Registration, WorkerError> {
     let mut ctl = ControlClient::connect(cfg.control, &cfg.secret, cfg.timeout)?;
-    let (rank, spec_text) = match ctl.call(&ControlMsg::Register { role: Role::Worker, fabric_addr: String::new() })? {
-        ControlMsg::Registered { rank, spec_toml } => (rank, spec_toml),
-        _ => return Err(WorkerError::Unexpected),
-    };
+    let (rank, spec_text) = ctl.register(Role::Worker)?;
     let spec = JobSpec::from_toml(&spec_text)?;
     let layout = spec.layout()?;
     let ControlMsg::Map(mut map) = ctl.call(&ControlMsg::GetMap { worker: rank, adopted: 0, min_epoch: 0, iteration: 0 })? else {

@@ -99,6 +99,16 @@ struct Pool {
     unrevoked: bool,
 }
 
+/// Changes the access flags of `mr` in place (`ibv_rereg_mr`); 0 on success.
+///
+/// # Safety
+/// `mr` is a live registration in `pd`.
+unsafe fn change_access(pd: *mut sys::ibv_pd, mr: *mut sys::ibv_mr, flags: u32) -> libc::c_int {
+    let what = sys::ibv_rereg_mr_flags::IBV_REREG_MR_CHANGE_ACCESS.0 as libc::c_int;
+    // SAFETY: the caller's promise; no address or PD changes.
+    unsafe { sys::ibv_rereg_mr(mr, what, pd, std::ptr::null_mut(), 0, flags as libc::c_int) }
+}
+
 /// One protection domain's pool.
 pub(crate) struct RegCache {
     pool: Mutex<Pool>,
@@ -152,18 +162,9 @@ impl RegCache {
         let rc = if !revoked {
             0
         } else {
-            // SAFETY: `mr` is a live registration of `buf` in `pd`; only its access
-            // changes (back to what it was registered with).
-            unsafe {
-                sys::ibv_rereg_mr(
-                    mr,
-                    sys::ibv_rereg_mr_flags::IBV_REREG_MR_CHANGE_ACCESS.0 as libc::c_int,
-                    pd,
-                    std::ptr::null_mut(),
-                    0,
-                    flags as libc::c_int,
-                )
-            }
+            // SAFETY: `mr` is a live registration of `buf` in `pd`; its access goes
+            // back to what it was registered with.
+            unsafe { change_access(pd, mr, flags) }
         };
         if rc != 0 {
             // Unusable: drop it and register afresh.
@@ -196,18 +197,9 @@ impl RegCache {
         let rc = if p.stats.revocable == Some(false) {
             -1
         } else {
-            // SAFETY: `mr` is a live registration of `buf` in `pd`; only its access
-            // changes, so no peer can reach the memory through the old rkey.
-            unsafe {
-                sys::ibv_rereg_mr(
-                    mr,
-                    sys::ibv_rereg_mr_flags::IBV_REREG_MR_CHANGE_ACCESS.0 as libc::c_int,
-                    pd,
-                    std::ptr::null_mut(),
-                    0,
-                    local as libc::c_int,
-                )
-            }
+            // SAFETY: `mr` is a live registration of `buf` in `pd`; with local access
+            // only, no peer can reach the memory through the old rkey.
+            unsafe { change_access(pd, mr, local) }
         };
         p.stats.revocable = Some(rc == 0);
         if rc != 0 && !p.unrevoked {
