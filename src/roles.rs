@@ -77,7 +77,8 @@ pub fn server(
     let reg = eps_server::register(&cfg).map_err(|e| crate_error(&e))?;
     let chosen = transport::choose(fabric, Some(&reg.spec().fabric))?;
     let kind = crate::aggregator::choose(agg, reg.spec().job.aggregator.as_deref())?;
-    (cfg.aggregator, cfg.device) = crate::aggregator::build(kind, 1)?;
+    let built = crate::aggregator::build(kind, 1)?;
+    (cfg.aggregator, cfg.device) = (built.agg.clone(), built.device.clone());
     // An explicit --listen-ip wins; else the provider's own address (rdma).
     if listen_ip.is_none()
         && let Some(ip) = chosen.listen_ip()?
@@ -87,14 +88,21 @@ pub fn server(
     struct Serve {
         cfg: eps_server::ServerConfig,
         reg: eps_server::Registration,
+        built: crate::aggregator::Built,
     }
     impl OnFabric for Serve {
         type Out = Result<eps_server::ServerSummary, eps_server::ServerError>;
         fn run<P: eps_fabric::Fabric>(self, pd: P) -> Self::Out {
-            eps_server::run_on(&self.cfg, self.reg, pd)
+            let direct = self.built.direct();
+            eps_server::run_direct(&self.cfg, self.reg, pd, direct)
+        }
+        #[cfg(feature = "rdma")]
+        fn run_rdma(self, pd: eps_rdma::RdmaPd) -> Self::Out {
+            let direct = self.built.direct_rdma(&pd);
+            eps_server::run_direct(&self.cfg, self.reg, pd, direct)
         }
     }
-    let s = transport::run_on(&chosen, Serve { cfg, reg })?.map_err(|e| crate_error(&e))?;
+    let s = transport::run_on(&chosen, Serve { cfg, reg, built })?.map_err(|e| crate_error(&e))?;
     eprintln!(
         "eps server {}: {} shards, {} parameters, {} updates applied, {} pulls served, {} protocol violations ({} transport, {} aggregator)",
         s.rank,

@@ -133,6 +133,15 @@ pub trait OnFabric {
     type Out;
     /// Runs on `pd`.
     fn run<P: Fabric>(self, pd: P) -> Self::Out;
+
+    /// Runs on the `rdma` provider's `pd` (work that does more there overrides it).
+    #[cfg(feature = "rdma")]
+    fn run_rdma(self, pd: eps_rdma::RdmaPd) -> Self::Out
+    where
+        Self: Sized,
+    {
+        self.run(pd)
+    }
 }
 
 /// Opens the chosen provider (logging the RDMA device, port, GID and MTU) and runs
@@ -144,7 +153,7 @@ pub fn run_on<W: OnFabric>(chosen: &Chosen, work: W) -> Result<W::Out, String> {
             Ok(work.run(pd))
         }
         #[cfg(feature = "rdma")]
-        Chosen::Rdma(sel) => Ok(work.run(crate::rdma::open(sel)?)),
+        Chosen::Rdma(sel) => Ok(work.run_rdma(crate::rdma::open(sel)?)),
         #[cfg(not(feature = "rdma"))]
         Chosen::Rdma(never) => match *never {},
     }

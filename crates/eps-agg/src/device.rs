@@ -4,6 +4,11 @@
 //! between host and device only when the host needs them (a migration snapshot,
 //! a split).
 //!
+//! A shard may also read its contributions from, and publish into, memory of
+//! the device's own that the fabric reaches in place (`attach`: GPU memory
+//! registered with the NIC, GPUDirect RDMA), so that contributions and
+//! published parameters never cross into host memory.
+//!
 //! [`HostDevice`] is such a device made of host memory, computing with this
 //! crate's CPU code: the server's device path runs (and is tested) everywhere,
 //! with results bitwise those of the CPU path.
@@ -18,6 +23,25 @@ pub trait ShardDevice: Send + Sync + std::fmt::Debug {
     /// Device memory for one shard of `elements` parameters in wire dtype `dtype`,
     /// with `state_k` optimizer values per parameter.
     fn alloc(&self, dtype: DType, elements: usize, state_k: usize) -> Result<Box<dyn DeviceShard>, AggError>;
+}
+
+/// Memory of the device's own that a shard reads or writes in place.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Attached {
+    /// The landing slot of a contributor (a worker rank).
+    Slot(usize),
+    /// The published copies (an update writes one at the offset it is given).
+    Published,
+}
+
+/// Where an update writes the published parameters (`elements` values in the wire
+/// dtype).
+#[derive(Debug)]
+pub enum Out<'a> {
+    /// Host memory.
+    Host(&'a mut [u8]),
+    /// The attached published memory, from this byte offset.
+    Attached(usize),
 }
 
 /// One shard's device memory: the master parameters followed by the optimizer
@@ -41,6 +65,21 @@ pub trait DeviceShard: Send + std::fmt::Debug {
         Ok(())
     }
 
+    /// Makes the shard use `len` bytes at `addr`, an address in the device's own
+    /// memory (for a GPU, a device pointer), as `what`: an update then reads that
+    /// slot's contribution there (ignoring its host bytes and any staged copy),
+    /// or writes `Out::Attached` there. Devices that cannot say why.
+    ///
+    /// # Safety
+    /// The memory stays allocated, at `addr`, for this shard's life, and is
+    /// accessed by others under the rules of `update`: nothing writes a slot
+    /// while an update reads it, and nothing reads the published bytes an update
+    /// writes while it runs.
+    unsafe fn attach(&mut self, what: Attached, addr: u64, len: usize) -> Result<(), AggError> {
+        let _ = (what, addr, len);
+        Err(AggError::Device("this device cannot use memory in place".into()))
+    }
+
     /// Starts copying contribution `slot` (a worker rank) from `host` while other
     /// contributions are still on the wire; the next `update` naming `slot` uses
     /// this copy. A later `stage` of the slot replaces it.
@@ -53,8 +92,9 @@ pub trait DeviceShard: Send + std::fmt::Debug {
     /// One update: `grad = (inputs[0] + inputs[1] + ...) * scale` (rank order,
     /// f32 accumulation, as `Aggregator::reduce`), copied to `fwd` when given,
     /// then the optimizer step, then the master parameters narrowed into
-    /// `published` (wire dtype). Each input is `(slot, host bytes)`: the staged
-    /// copy of the slot when there is one, else the host bytes, copied now.
+    /// `out`. Each input is `(slot, host bytes)`: the slot's attached memory
+    /// when it has some, else its staged copy when there is one, else the host
+    /// bytes, copied now.
     fn update(
         &mut self,
         inputs: &[(usize, &[u8])],
@@ -62,19 +102,20 @@ pub trait DeviceShard: Send + std::fmt::Debug {
         opt: &Optimizer,
         s: StepScalars,
         fwd: Option<&mut [f32]>,
-        published: &mut [u8],
+        out: Out<'_>,
     ) -> Result<(), AggError>;
 
     /// The optimizer step with an averaged gradient from the host (a forwarded
-    /// update), then the master parameters narrowed into `published`.
-    fn apply(&mut self, grad: &[f32], opt: &Optimizer, s: StepScalars, published: &mut [u8]) -> Result<(), AggError>;
+    /// update), then the master parameters narrowed into `out`.
+    fn apply(&mut self, grad: &[f32], opt: &Optimizer, s: StepScalars, out: Out<'_>) -> Result<(), AggError>;
 
-    /// The master parameters narrowed into `published`.
-    fn publish(&mut self, published: &mut [u8]) -> Result<(), AggError>;
+    /// The master parameters narrowed into `out`.
+    fn publish(&mut self, out: Out<'_>) -> Result<(), AggError>;
 }
 
 /// A device made of host memory that computes with the CPU code: for running and
-/// testing the device path without a GPU.
+/// testing the device path without a GPU. Its "own memory" is the host's: an
+/// attached address is a host address.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct HostDevice;
 
@@ -90,8 +131,17 @@ impl ShardDevice for HostDevice {
             ms: vec![0.0; elements * (1 + state_k)],
             grad: vec![0.0; elements],
             staged: Vec::new(),
+            slots_at: Vec::new(),
+            published_at: None,
         }))
     }
+}
+
+/// Memory attached to a [`HostShard`]: a host address and length.
+#[derive(Clone, Copy, Debug)]
+struct At {
+    addr: usize,
+    len: usize,
 }
 
 #[derive(Debug)]
@@ -104,11 +154,35 @@ struct HostShard {
     /// the server's staging is exercised: a stale or missing stage shows in the
     /// results.
     staged: Vec<Option<Vec<u8>>>,
+    /// By slot: attached landing memory.
+    slots_at: Vec<Option<At>>,
+    /// Attached published memory.
+    published_at: Option<At>,
 }
 
 impl HostShard {
-    fn step_and_publish(&mut self, opt: &Optimizer, s: StepScalars, published: &mut [u8]) -> Result<(), AggError> {
-        AggError::check_len("published buffer", self.len * self.dtype.size_bytes(), published.len())?;
+    /// The bytes `out` names, checked against the published size.
+    fn out_bytes<'a>(&self, out: Out<'a>) -> Result<&'a mut [u8], AggError> {
+        let bytes = self.len * self.dtype.size_bytes();
+        let dst = match out {
+            Out::Host(d) => d,
+            Out::Attached(off) => {
+                let at = self.published_at.ok_or_else(|| AggError::Device("no published memory is attached".into()))?;
+                if off.checked_add(bytes).is_none_or(|e| e > at.len) {
+                    return Err(AggError::Device(format!("published bytes {off}+{bytes} lie outside the {} attached", at.len)));
+                }
+                // SAFETY: `attach`'s contract: the memory is mapped for this shard's
+                // life and nothing reads these bytes while an update writes them;
+                // the range was checked above.
+                unsafe { std::slice::from_raw_parts_mut((at.addr + off) as *mut u8, bytes) }
+            }
+        };
+        AggError::check_len("published buffer", bytes, dst.len())?;
+        Ok(dst)
+    }
+
+    fn step_and_publish(&mut self, opt: &Optimizer, s: StepScalars, out: Out<'_>) -> Result<(), AggError> {
+        let published = self.out_bytes(out)?;
         let (m, st) = self.ms.split_at_mut(self.len);
         opt.apply(s, m, &self.grad, st);
         reduce::narrow(self.dtype, m, published);
@@ -129,6 +203,21 @@ impl DeviceShard for HostShard {
         Ok(())
     }
 
+    unsafe fn attach(&mut self, what: Attached, addr: u64, len: usize) -> Result<(), AggError> {
+        let at = Some(At { addr: addr as usize, len });
+        match what {
+            Attached::Slot(slot) => {
+                AggError::check_len("attached landing slot", self.len * self.dtype.size_bytes(), len)?;
+                if self.slots_at.len() <= slot {
+                    self.slots_at.resize(slot + 1, None);
+                }
+                self.slots_at[slot] = at;
+            }
+            Attached::Published => self.published_at = at,
+        }
+        Ok(())
+    }
+
     unsafe fn stage(&mut self, slot: usize, host: &[u8]) -> Result<(), AggError> {
         AggError::check_len("staged contribution", self.len * self.dtype.size_bytes(), host.len())?;
         if self.staged.len() <= slot {
@@ -145,27 +234,36 @@ impl DeviceShard for HostShard {
         opt: &Optimizer,
         s: StepScalars,
         fwd: Option<&mut [f32]>,
-        published: &mut [u8],
+        out: Out<'_>,
     ) -> Result<(), AggError> {
         let taken: Vec<Option<Vec<u8>>> =
             inputs.iter().map(|&(slot, _)| self.staged.get_mut(slot).and_then(Option::take)).collect();
-        let data: Vec<&[u8]> = inputs.iter().zip(&taken).map(|(&(_, host), st)| st.as_deref().unwrap_or(host)).collect();
+        let data: Vec<&[u8]> = inputs
+            .iter()
+            .zip(&taken)
+            .map(|(&(slot, host), st)| match self.slots_at.get(slot).copied().flatten() {
+                // SAFETY: `attach`'s contract: mapped for this shard's life, and not
+                // written while an update reads it; its length was checked there.
+                Some(at) => unsafe { std::slice::from_raw_parts(at.addr as *const u8, at.len) },
+                None => st.as_deref().unwrap_or(host),
+            })
+            .collect();
         crate::Aggregator::reduce(&CpuAggregator::new(1), self.dtype, &data, scale, &mut self.grad)?;
         if let Some(f) = fwd {
             AggError::check_len("forward buffer", self.len * 4, f.len() * 4)?;
             f.copy_from_slice(&self.grad);
         }
-        self.step_and_publish(opt, s, published)
+        self.step_and_publish(opt, s, out)
     }
 
-    fn apply(&mut self, grad: &[f32], opt: &Optimizer, s: StepScalars, published: &mut [u8]) -> Result<(), AggError> {
+    fn apply(&mut self, grad: &[f32], opt: &Optimizer, s: StepScalars, out: Out<'_>) -> Result<(), AggError> {
         AggError::check_len("gradient", self.len * 4, grad.len() * 4)?;
         self.grad.copy_from_slice(grad);
-        self.step_and_publish(opt, s, published)
+        self.step_and_publish(opt, s, out)
     }
 
-    fn publish(&mut self, published: &mut [u8]) -> Result<(), AggError> {
-        AggError::check_len("published buffer", self.len * self.dtype.size_bytes(), published.len())?;
+    fn publish(&mut self, out: Out<'_>) -> Result<(), AggError> {
+        let published = self.out_bytes(out)?;
         reduce::narrow(self.dtype, &self.ms[..self.len], published);
         Ok(())
     }

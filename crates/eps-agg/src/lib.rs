@@ -15,7 +15,8 @@
 //! `unsafe` is denied except in `simd`, which calls kernels compiled for CPU
 //! features (AVX, F16C) after detecting them at run time, and in `device`, whose
 //! trait declares the unsafe contract of a device reading host memory after a
-//! call returns (its own code needs no `unsafe`).
+//! call returns, and whose host "device" reads and writes memory attached to it
+//! by address under that contract.
 
 #![deny(unsafe_code)]
 
@@ -26,7 +27,7 @@ pub mod reduce;
 #[allow(unsafe_code)]
 mod simd;
 
-pub use device::{DeviceShard, HostDevice, ShardDevice};
+pub use device::{Attached, DeviceShard, HostDevice, Out, ShardDevice};
 pub use optim::{Decay, LrSchedule, Optimizer, StepScalars};
 
 /// Element type of gradients and published parameters on the wire. Accumulation and

@@ -5,11 +5,16 @@
 //! are still on the wire; the update then sums, steps and narrows on the GPU and
 //! copies the published parameters out. Per update the bus carries the
 //! contributions and one published copy, never the master copy or the state.
+//!
+//! With GPUDirect RDMA the landing slots and published copies are GPU memory
+//! registered with the NIC and attached to the shard (`attach`): contributions
+//! are summed where they landed and parameters narrowed where peers read them,
+//! and the bus carries nothing per update.
 
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, DevicePtrMut};
-use eps_agg::{AggError, DType, DeviceShard, Optimizer, ShardDevice, StepScalars};
+use eps_agg::{AggError, Attached, DType, DeviceShard, Optimizer, Out, ShardDevice, StepScalars};
 
 use crate::{CudaError, Gpu};
 
@@ -26,7 +31,7 @@ impl CudaDevice {
     }
 
     /// The device.
-    pub fn gpu(&self) -> &Gpu {
+    pub fn gpu(&self) -> &Arc<Gpu> {
         &self.gpu
     }
 
@@ -69,13 +74,34 @@ impl CudaDevice {
                 let ins = [(0, enc[0].as_slice()), (1, enc[1].as_slice())];
                 let (mut pg, mut pc) = (vec![0xFFu8; n * es], vec![0u8; n * es]);
                 let s = o.scalars(2, 0.01);
-                g.update(&ins, 0.5, o, s, None, &mut pg).map_err(err)?;
-                c.update(&ins, 0.5, o, s, None, &mut pc).map_err(err)?;
+                g.update(&ins, 0.5, o, s, None, Out::Host(&mut pg)).map_err(err)?;
+                c.update(&ins, 0.5, o, s, None, Out::Host(&mut pc)).map_err(err)?;
                 let (mut dg, mut dc) = (vec![f32::NAN; ms.len()], vec![0f32; ms.len()]);
                 g.download(&mut dg).map_err(err)?;
                 c.download(&mut dc).map_err(err)?;
                 if pg != pc || dg.iter().zip(&dc).any(|(a, b)| a.to_bits() != b.to_bits()) {
                     return Err(fail(format!("{} {}: the GPU's bits differ from the CPU's", dtype.name(), o.name())));
+                }
+                // The GPUDirect path: contributions and the published copy in GPU
+                // memory attached by address.
+                let dev_in = enc.iter().map(|e| self.gpu.upload(e)).collect::<Result<Vec<_>, _>>()?;
+                let dev_out = self.gpu.alloc::<u8>(n * es + 24)?;
+                let mut a = self.alloc(dtype, n, k).map_err(err)?;
+                a.upload(&ms).map_err(err)?;
+                for (r, d) in dev_in.iter().enumerate() {
+                    let ptr = self.gpu.span(d, 0, n * es)?.device_ptr();
+                    // SAFETY: `dev_in` outlives `a` (declared before it) and is not
+                    // written while it lives.
+                    unsafe { a.attach(Attached::Slot(r), ptr, n * es) }.map_err(err)?;
+                }
+                let ptr = self.gpu.span(&dev_out, 0, n * es + 24)?.device_ptr();
+                // SAFETY: as above, for `dev_out`, read only after the update.
+                unsafe { a.attach(Attached::Published, ptr, n * es + 24) }.map_err(err)?;
+                a.update(&[(0, &[]), (1, &[])], 0.5, o, s, None, Out::Attached(24)).map_err(err)?;
+                let mut pa = vec![0xFFu8; n * es + 24];
+                self.gpu.copy_out(&dev_out, &mut pa)?;
+                if pa[24..] != pc[..] {
+                    return Err(fail(format!("{} {}: attached memory: the GPU's bits differ from the CPU's", dtype.name(), o.name())));
                 }
             }
         }
@@ -108,6 +134,8 @@ impl ShardDevice for CudaDevice {
             slots: Vec::new(),
             staged: Vec::new(),
             pinned: Vec::new(),
+            slots_at: Vec::new(),
+            published_at: None,
         }))
     }
 }
@@ -128,6 +156,10 @@ struct CudaShard {
     staged: Vec<bool>,
     /// Host ranges page-locked by `pin` (unlocked on drop).
     pinned: Vec<usize>,
+    /// By slot: attached landing memory (a device address).
+    slots_at: Vec<Option<u64>>,
+    /// Attached published memory: device address and bytes.
+    published_at: Option<(u64, usize)>,
 }
 
 // SAFETY: the pinned addresses are only handed back to the driver on drop; the
@@ -169,16 +201,40 @@ impl CudaShard {
 
     /// Steps on the gradient in `grad`, narrows into the device's published copy and
     /// copies that to `published`.
-    fn step_publish(&mut self, opt: &Optimizer, s: StepScalars, published: &mut [u8]) -> Result<(), CudaError> {
+    fn step_publish(&mut self, opt: &Optimizer, s: StepScalars, out: Out<'_>) -> Result<(), CudaError> {
         let (g, n, k) = (&self.gpu, self.len, self.state_k);
         g.step(opt, s, g.span(&self.ms, 0, n)?, g.span(&self.grad, 0, n)?, g.span(&self.ms, n, n * k)?)?;
-        self.narrow_out(published)
+        self.narrow_out(out)
     }
 
-    fn narrow_out(&mut self, published: &mut [u8]) -> Result<(), CudaError> {
-        let (g, n) = (&self.gpu, self.len);
-        g.narrow(self.dtype, g.span(&self.ms, 0, n)?, g.span(&self.published, 0, n * self.dtype.size_bytes())?)?;
-        g.copy_out(&self.published, published)
+    fn narrow_out(&mut self, out: Out<'_>) -> Result<(), CudaError> {
+        let (g, n, bytes) = (&self.gpu, self.len, self.len * self.dtype.size_bytes());
+        match out {
+            Out::Host(published) => {
+                g.narrow(self.dtype, g.span(&self.ms, 0, n)?, g.span(&self.published, 0, bytes)?)?;
+                g.copy_out(&self.published, published)
+            }
+            Out::Attached(off) => {
+                let (base, len) = self.published_at.ok_or_else(|| CudaError::Bounds("no published memory is attached".into()))?;
+                if off.checked_add(bytes).is_none_or(|e| e > len) {
+                    return Err(CudaError::Bounds(format!("published bytes {off}+{bytes} outside the {len} attached")));
+                }
+                // SAFETY: attached memory of this context, allocated for the shard's
+                // life (`attach`'s contract); the range was checked above.
+                let dst = unsafe { g.raw_span::<u8>(base + off as u64, bytes) };
+                g.narrow(self.dtype, g.span(&self.ms, 0, n)?, dst)?;
+                // Peers may read the bytes once the caller sets the stamp: done here.
+                g.sync()
+            }
+        }
+    }
+
+    /// Checks `out`'s size before any work is queued.
+    fn check_out(&self, out: &Out<'_>) -> Result<(), AggError> {
+        match out {
+            Out::Host(p) => AggError::check_len("published buffer", self.len * self.dtype.size_bytes(), p.len()),
+            Out::Attached(_) => Ok(()),
+        }
     }
 }
 
@@ -200,31 +256,42 @@ impl DeviceShard for CudaShard {
         opt: &Optimizer,
         s: StepScalars,
         fwd: Option<&mut [f32]>,
-        published: &mut [u8],
+        out: Out<'_>,
     ) -> Result<(), AggError> {
         let (n, bytes) = (self.len, self.len * self.dtype.size_bytes());
-        AggError::check_inputs(self.dtype, n, inputs.iter().map(|&(_, x)| x))?;
-        AggError::check_len("published buffer", bytes, published.len())?;
+        let attached = |me: &Self, slot: usize| me.slots_at.get(slot).copied().flatten();
+        AggError::check_inputs(self.dtype, n, inputs.iter().filter(|&&(s, _)| attached(self, s).is_none()).map(|&(_, x)| x))?;
+        self.check_out(&out)?;
         let run = |me: &mut Self| -> Result<(), CudaError> {
             for &(slot, host) in inputs {
-                if !me.staged.get(slot).copied().unwrap_or(false) {
+                if attached(me, slot).is_none() && !me.staged.get(slot).copied().unwrap_or(false) {
                     me.copy_slot(slot, host)?;
                 }
+            }
+            if inputs.iter().any(|&(slot, _)| attached(me, slot).is_some()) {
+                me.gpu.flush_rdma_writes()?;
             }
             let g = me.gpu.clone();
             let spans = inputs
                 .iter()
-                .map(|&(slot, _)| g.span(me.slots[slot].as_ref().expect("copied above"), 0, bytes))
+                .map(|&(slot, _)| match attached(me, slot) {
+                    // SAFETY: attached memory of this context, `bytes` long (checked
+                    // by `attach`), allocated for the shard's life.
+                    Some(ptr) => Ok(unsafe { g.raw_span::<u8>(ptr, bytes) }),
+                    None => g.span(me.slots[slot].as_ref().expect("copied above"), 0, bytes),
+                })
                 .collect::<Result<Vec<_>, _>>()?;
             g.sum(me.dtype, &spans, scale, g.span(&me.grad, 0, n)?)?;
             drop(spans);
             for &(slot, _) in inputs {
-                me.staged[slot] = false;
+                if let Some(st) = me.staged.get_mut(slot) {
+                    *st = false;
+                }
             }
             if let Some(f) = fwd {
                 g.copy_out(&me.grad, f)?;
             }
-            me.step_publish(opt, s, published)
+            me.step_publish(opt, s, out)
         };
         run(self).map_err(dev_err)
     }
@@ -249,16 +316,30 @@ impl DeviceShard for CudaShard {
         Ok(())
     }
 
-    fn apply(&mut self, grad: &[f32], opt: &Optimizer, s: StepScalars, published: &mut [u8]) -> Result<(), AggError> {
+    fn apply(&mut self, grad: &[f32], opt: &Optimizer, s: StepScalars, out: Out<'_>) -> Result<(), AggError> {
         AggError::check_len("gradient", self.len * 4, grad.len() * 4)?;
-        AggError::check_len("published buffer", self.len * self.dtype.size_bytes(), published.len())?;
+        self.check_out(&out)?;
         let gpu = self.gpu.clone();
         gpu.copy_in(grad, &mut self.grad).map_err(dev_err)?;
-        self.step_publish(opt, s, published).map_err(dev_err)
+        self.step_publish(opt, s, out).map_err(dev_err)
     }
 
-    fn publish(&mut self, published: &mut [u8]) -> Result<(), AggError> {
-        AggError::check_len("published buffer", self.len * self.dtype.size_bytes(), published.len())?;
-        self.narrow_out(published).map_err(dev_err)
+    fn publish(&mut self, out: Out<'_>) -> Result<(), AggError> {
+        self.check_out(&out)?;
+        self.narrow_out(out).map_err(dev_err)
+    }
+
+    unsafe fn attach(&mut self, what: Attached, addr: u64, len: usize) -> Result<(), AggError> {
+        match what {
+            Attached::Slot(slot) => {
+                AggError::check_len("attached landing slot", self.len * self.dtype.size_bytes(), len)?;
+                if self.slots_at.len() <= slot {
+                    self.slots_at.resize(slot + 1, None);
+                }
+                self.slots_at[slot] = Some(addr);
+            }
+            Attached::Published => self.published_at = Some((addr, len)),
+        }
+        Ok(())
     }
 }

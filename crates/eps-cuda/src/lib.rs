@@ -258,6 +258,39 @@ impl Gpu {
         Ok(Span { ptr: base + (offset * std::mem::size_of::<T>()) as u64, len, _of: PhantomData })
     }
 
+    /// `len` elements of `T` at device address `ptr`, memory this crate did not
+    /// allocate (attached to a shard by address).
+    ///
+    /// # Safety
+    /// `ptr..ptr + len * size_of::<T>()` is device memory of this context that
+    /// stays allocated while the span is used.
+    pub(crate) unsafe fn raw_span<T>(&self, ptr: u64, len: usize) -> Span<'static, T> {
+        Span { ptr, len, _of: PhantomData }
+    }
+
+    /// Makes the NIC's writes into this GPU's memory (GPUDirect RDMA) that
+    /// completed before the call visible to work queued after it, on GPUs that
+    /// need it (where the device says a flush is supported).
+    pub fn flush_rdma_writes(&self) -> Result<(), CudaError> {
+        use cudarc::driver::sys::{CUdevice_attribute, CUflushGPUDirectRDMAWritesScope as Scope, CUflushGPUDirectRDMAWritesTarget as Target};
+        // CU_FLUSH_GPU_DIRECT_RDMA_WRITES_OPTION_HOST: the call is supported.
+        if self.ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS)? & 1 == 0 {
+            return Ok(());
+        }
+        self.ctx.bind_to_thread()?;
+        // SAFETY: plain enum arguments; the context is current on this thread.
+        let r = unsafe {
+            cudarc::driver::sys::cuFlushGPUDirectRDMAWrites(
+                Target::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX,
+                Scope::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER,
+            )
+        };
+        if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+            return Err(CudaError::Driver(format!("cuFlushGPUDirectRDMAWrites: {r:?}")));
+        }
+        Ok(())
+    }
+
     /// The context (for device-to-device copies in benchmarks).
     pub(crate) fn ctx(&self) -> &Arc<CudaContext> {
         &self.ctx

@@ -358,7 +358,7 @@ fn without_a_driver_everything_is_an_error_not_a_panic() {
 /// publishing, and the master copy and state brought back.
 #[test]
 fn gpu_shards_track_the_cpu() {
-    use eps_agg::{HostDevice, ShardDevice};
+    use eps_agg::{HostDevice, Out, ShardDevice};
 
     let Some(_) = gpu() else { return };
     let cuda = eps_cuda::CudaDevice::open(0).unwrap();
@@ -393,8 +393,8 @@ fn gpu_shards_track_the_cpu() {
                             }
                         }
                     }
-                    a.update(&ins, 1.0 / 3.0, &o, s, fwd.then_some(&mut fa[..]), &mut pa).unwrap();
-                    b.update(&ins, 1.0 / 3.0, &o, s, fwd.then_some(&mut fb[..]), &mut pb).unwrap();
+                    a.update(&ins, 1.0 / 3.0, &o, s, fwd.then_some(&mut fa[..]), Out::Host(&mut pa)).unwrap();
+                    b.update(&ins, 1.0 / 3.0, &o, s, fwd.then_some(&mut fb[..]), Out::Host(&mut pb)).unwrap();
                     assert_eq!(pa, pb, "{dtype:?} {} n={n} step {step}: published", o.name());
                     if fwd {
                         assert!(fa.iter().zip(&fb).all(|(x, y)| x.to_bits() == y.to_bits()), "forwarded gradient");
@@ -402,18 +402,68 @@ fn gpu_shards_track_the_cpu() {
                 }
                 let g = random(n, &mut seed, 0.01);
                 let (mut pa, mut pb) = (vec![POISON; n * es], vec![0u8; n * es]);
-                a.apply(&g, &o, o.scalars(3, LR), &mut pa).unwrap();
-                b.apply(&g, &o, o.scalars(3, LR), &mut pb).unwrap();
+                a.apply(&g, &o, o.scalars(3, LR), Out::Host(&mut pa)).unwrap();
+                b.apply(&g, &o, o.scalars(3, LR), Out::Host(&mut pb)).unwrap();
                 assert_eq!(pa, pb, "{dtype:?} {} n={n}: forwarded update", o.name());
                 let (mut da, mut db) = (vec![f32::NAN; n * (1 + k)], vec![0f32; n * (1 + k)]);
                 a.download(&mut da).unwrap();
                 b.download(&mut db).unwrap();
                 assert!(da.iter().zip(&db).all(|(x, y)| x.to_bits() == y.to_bits()), "master copy and state");
                 let (mut pa, mut pb) = (vec![POISON; n * es], vec![0u8; n * es]);
-                a.publish(&mut pa).unwrap();
-                b.publish(&mut pb).unwrap();
+                a.publish(Out::Host(&mut pa)).unwrap();
+                b.publish(Out::Host(&mut pb)).unwrap();
                 assert_eq!(pa, pb);
             }
+        }
+    }
+}
+
+/// The GPUDirect path: contributions read where they landed in GPU memory and
+/// parameters narrowed into GPU memory at an odd offset, attached by address,
+/// give the bits of the host device with host memory attached the same way.
+#[test]
+fn gpu_shards_on_attached_memory_track_the_cpu() {
+    use eps_agg::{Attached, HostDevice, Out, ShardDevice};
+
+    let Some(_) = gpu() else { return };
+    let cuda = eps_cuda::CudaDevice::open(0).unwrap();
+    let g = cuda.gpu();
+    let mut seed = 7u64;
+    let o = OPTIMIZERS[OPTIMIZERS.len() - 1];
+    for dtype in [DType::F32, DType::Bf16] {
+        for &n in &[1usize, 4097, (1 << 20) + 5] {
+            let (es, k, off) = (dtype.size_bytes(), o.state_per_param(), 10usize);
+            let enc: Vec<Vec<u8>> = (0..4).map(|_| encode(dtype, &random(n, &mut seed, 2.0))).collect();
+            let dev_in: Vec<_> = enc.iter().map(|e| g.upload(e).unwrap()).collect();
+            let dev_out = g.alloc::<u8>(off + n * es).unwrap();
+            let mut host_out = vec![0u8; off + n * es];
+            let (mut a, mut b) = (cuda.alloc(dtype, n, k).unwrap(), HostDevice.alloc(dtype, n, k).unwrap());
+            let mut ms = random(n, &mut seed, 1.0);
+            ms.extend(random(n * k, &mut seed, 0.1).iter().map(|x| x.abs()));
+            a.upload(&ms).unwrap();
+            b.upload(&ms).unwrap();
+            for r in 0..4 {
+                // SAFETY: the buffers outlive the shards (declared before them) and
+                // are not written while the shards use them.
+                unsafe {
+                    a.attach(Attached::Slot(r), g.span(&dev_in[r], 0, n * es).unwrap().device_ptr(), n * es).unwrap();
+                    b.attach(Attached::Slot(r), enc[r].as_ptr() as u64, n * es).unwrap();
+                }
+            }
+            // SAFETY: as above.
+            unsafe {
+                a.attach(Attached::Published, g.span(&dev_out, 0, off + n * es).unwrap().device_ptr(), off + n * es).unwrap();
+                b.attach(Attached::Published, host_out.as_mut_ptr() as u64, off + n * es).unwrap();
+            }
+            for step in 0..2u64 {
+                let ins = [(3usize, &[][..]), (0, &[]), (2, &[])];
+                a.update(&ins, 0.25, &o, o.scalars(step, LR), None, Out::Attached(off)).unwrap();
+                b.update(&ins, 0.25, &o, o.scalars(step, LR), None, Out::Attached(off)).unwrap();
+                let mut pa = vec![POISON; off + n * es];
+                g.copy_out(&dev_out, &mut pa).unwrap();
+                assert_eq!(pa[off..], host_out[off..], "{dtype:?} n={n} step {step}: published in place");
+            }
+            drop((a, b));
         }
     }
 }

@@ -37,7 +37,7 @@ use eps_proto::membership::Membership;
 use eps_proto::sync::ShardSync;
 use eps_proto::{Consistency, JobSpec, SpecError};
 
-pub use memory::{MAX_WORKERS, MemoryError, Origin, ShardMemory, UpdateArgs};
+pub use memory::{DirectRegions, HostRegions, MAX_WORKERS, MemoryError, Origin, ShardMemory, UpdateArgs};
 
 /// How a server runs.
 #[derive(Clone, Debug)]
@@ -320,6 +320,18 @@ pub fn run(cfg: &ServerConfig) -> Result<ServerSummary, ServerError> {
 /// (`cfg.listen_ip` must be an address of that provider's device), until the
 /// control plane retires it.
 pub fn run_on<P: Fabric>(cfg: &ServerConfig, reg: Registration, pd: P) -> Result<ServerSummary, ServerError> {
+    run_direct(cfg, reg, pd, None)
+}
+
+/// As [`run_on`]; with `direct` (and `cfg.device`), the shards' landing slots and
+/// published copies are the device's own memory, which peers reach in place
+/// (GPUDirect RDMA) and the device sums from and publishes into.
+pub fn run_direct<P: Fabric>(
+    cfg: &ServerConfig,
+    reg: Registration,
+    pd: P,
+    direct: Option<Arc<dyn DirectRegions<P>>>,
+) -> Result<ServerSummary, ServerError> {
     let Registration { rank, spec, ctl } = reg;
     let layout = spec.layout()?;
     let (opt, sched) = (spec.optimizer()?, spec.schedule()?);
@@ -332,6 +344,9 @@ pub fn run_on<P: Fabric>(cfg: &ServerConfig, reg: Registration, pd: P) -> Result
     let seed = spec.job.seed;
     let total = layout.shards.len();
     let mut mem = ShardMemory::new(&pd, layout.dtype, ranks, &opt, total, cfg.device.clone());
+    if let Some(d) = direct {
+        mem = mem.with_direct(d);
+    }
     let init = |i: u64| eps_proto::init::param(seed, i);
     let mut shards: Vec<Option<Held>> = (0..total).map(|_| None).collect();
     for s in layout.shards_of(rank) {

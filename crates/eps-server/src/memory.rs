@@ -5,10 +5,17 @@
 //! migration can send or receive them in one WRITE), and, while the shard migrates,
 //! an f32 gradient buffer (the source forwards each averaged gradient from it; the
 //! target receives into it).
+//!
+//! With a device, the master copy and optimizer state live in its memory between
+//! updates; with [`DirectRegions`] as well, so do the landing slots and the
+//! published copies (GPU memory the NIC reaches in place, GPUDirect RDMA): the
+//! server then never touches those bytes with the CPU except through copies
+//! (`read_at`/`write_at`: stamps, a carried-over version, a forwarded
+//! contribution).
 
 use std::sync::Arc;
 
-use eps_agg::{AggError, Aggregator, DType, DeviceShard, Optimizer, ShardDevice, StepScalars};
+use eps_agg::{AggError, Aggregator, Attached, DType, DeviceShard, Optimizer, Out, ShardDevice, StepScalars};
 use eps_fabric::prelude::*;
 use eps_proto::layout::{PUBLISHED_HEADER, STAMP_WRITING, published_offset};
 
@@ -68,6 +75,35 @@ fn fused(u: &UpdateArgs<'_>, dtype: DType, k: usize, mut p: Part<'_>) -> Result<
     Ok(())
 }
 
+/// Memory of a shard device's own, registered with the fabric, that the device
+/// reads contributions from and publishes into in place: landing slots and
+/// published copies that peers reach with no copy through host memory (a GPU's
+/// memory registered with the NIC through a dmabuf: GPUDirect RDMA).
+pub trait DirectRegions<P: Fabric>: Send + Sync + std::fmt::Debug {
+    /// What the memory is, for the log.
+    fn describe(&self) -> String;
+
+    /// `bytes` of the device's memory registered with `pd` for `access`; the
+    /// region's `addr()` is its address in the device's memory (what
+    /// `DeviceShard::attach` takes).
+    fn alloc(&self, pd: &P, bytes: usize, access: Access) -> Result<P::Mr, FabricError>;
+}
+
+/// Host memory as a device's own, for `eps_agg::HostDevice` (whose addresses are
+/// host addresses): the direct path with the CPU as the device, to run and test
+/// it anywhere.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct HostRegions;
+
+impl<P: Fabric> DirectRegions<P> for HostRegions {
+    fn describe(&self) -> String {
+        "host memory, used in place by the host device".into()
+    }
+    fn alloc(&self, pd: &P, bytes: usize, access: Access) -> Result<P::Mr, FabricError> {
+        pd.alloc_mr(bytes, access)
+    }
+}
+
 /// The memory of one shard.
 #[derive(Debug)]
 pub struct ShardBlock<P: Fabric> {
@@ -75,6 +111,9 @@ pub struct ShardBlock<P: Fabric> {
     /// master copy and state (else `state` does). First, so that it is dropped
     /// (ending the device's copies from the landing slots) before them.
     dev: Option<(Box<dyn DeviceShard>, bool)>,
+    /// The landing slots and published copies are the device's memory, attached
+    /// to `dev` (the CPU reaches them only through `read_at`/`write_at`).
+    direct: bool,
     /// Global shard id.
     pub id: u32,
     /// First element in the flat space.
@@ -110,6 +149,8 @@ pub struct ShardMemory<P: Fabric> {
     grads: [Vec<f32>; 2],
     /// Where master copies and optimizer state live between updates, if not here.
     device: Option<Arc<dyn ShardDevice>>,
+    /// The device's own memory for landing slots and published copies, if used.
+    direct: Option<Arc<dyn DirectRegions<P>>>,
 }
 
 /// Why memory could not be set up.
@@ -175,7 +216,23 @@ impl<P: Fabric> ShardMemory<P> {
             blocks: (0..total_shards).map(|_| None).collect(),
             grads: [vec![0f32; FUSE_BLOCK], vec![0f32; FUSE_BLOCK]],
             device,
+            direct: None,
         }
+    }
+
+    /// Puts the landing slots and published copies of shards added from now on in
+    /// the device's own memory (`regions`), used there in place. Needs a device.
+    pub fn with_direct(mut self, regions: Arc<dyn DirectRegions<P>>) -> Self {
+        if self.device.is_some() {
+            self.direct = Some(regions);
+        }
+        self
+    }
+
+    /// Whether shards added from now on have their landing slots and published
+    /// copies in the device's memory.
+    pub fn is_direct(&self) -> bool {
+        self.direct.is_some()
     }
 
     /// Brings shard `id`'s master/state region up to date from the device (a no-op
@@ -202,18 +259,29 @@ impl<P: Fabric> ShardMemory<P> {
         })
     }
 
+    /// A landing slot or the published copies: in the device's memory when direct.
+    fn alloc_shared(&self, id: u32, what: &'static str, bytes: usize, access: Access) -> Result<P::Mr, MemoryError> {
+        let Some(d) = &self.direct else { return self.alloc(id, what, bytes, access) };
+        d.alloc(&self.pd, bytes.max(1), access).map_err(|source| MemoryError::Register {
+            what,
+            shard: id,
+            bytes: bytes as u64,
+            source,
+        })
+    }
+
     /// Allocates and registers the memory of shard `id` (`len` elements from
     /// `start`).
     pub fn add(&mut self, id: u32, start: u64, len: u64, origin: Origin<'_>) -> Result<(), MemoryError> {
         let bytes = len as usize * self.dtype.size_bytes();
-        let published = self.alloc(
+        let published = self.alloc_shared(
             id,
             "published parameters",
             PUBLISHED_HEADER as usize + 2 * bytes,
             Access::LOCAL_WRITE | Access::REMOTE_READ,
         )?;
         let landing = (0..self.workers)
-            .map(|_| self.alloc(id, "gradient landing slots", bytes, Access::LOCAL_WRITE | Access::REMOTE_WRITE))
+            .map(|_| self.alloc_shared(id, "gradient landing slots", bytes, Access::LOCAL_WRITE | Access::REMOTE_WRITE))
             .collect::<Result<Vec<_>, _>>()?;
         let state_bytes = len as usize * (1 + self.state_k) * 4 + SNAPSHOT_TAIL;
         let incoming = matches!(origin, Origin::Incoming);
@@ -227,8 +295,21 @@ impl<P: Fabric> ShardMemory<P> {
             )),
             None => None,
         };
-        let mut b = ShardBlock::<P> { dev, id, start, len, bytes, published, landing, state, grad };
-        if let Some((d, _)) = b.dev.as_mut() {
+        let direct = self.direct.is_some() && dev.is_some();
+        let mut b = ShardBlock::<P> { dev, direct, id, start, len, bytes, published, landing, state, grad };
+        if let (Some((d, _)), true) = (b.dev.as_mut(), direct) {
+            let dev_err = |source| MemoryError::Device { shard: id, source };
+            for (r, slot) in b.landing.iter().enumerate() {
+                // SAFETY: the slot region lives in this block and is dropped after
+                // `dev` (field order), or kept longer (retained); it holds `bytes`
+                // (allocated so). Workers write it only between the updates that
+                // use it (the protocol's rule for every landing slot).
+                unsafe { d.attach(Attached::Slot(r), slot.addr(), bytes) }.map_err(dev_err)?;
+            }
+            // SAFETY: as above; peers only READ the published region, and the
+            // consistency state machine keeps pulls off the buffer an update writes.
+            unsafe { d.attach(Attached::Published, b.published.addr(), b.published.len()) }.map_err(dev_err)?;
+        } else if let Some((d, _)) = b.dev.as_mut() {
             for slot in &b.landing {
                 // SAFETY: the slot regions live in this block and are dropped after
                 // `dev` (field order), or kept longer (a released shard's landing
@@ -356,10 +437,20 @@ impl<P: Fabric> ShardMemory<P> {
         let Some(b) = self.block_mut(id) else { return };
         let Some(slot) = b.landing.get(worker as usize) else { return };
         let Some(g) = b.grad.as_mut() else { return };
-        // SAFETY: the slot's contribution landed and its worker waits for a credit
-        // (above); the gradient buffer is not being sent (above).
-        let (src, dst) = unsafe { (slot.as_slice(), g.as_mut_slice()) };
-        let dst: &mut [f32] = bytemuck::cast_slice_mut(dst);
+        // In the device's memory, the contribution is copied out first.
+        let copied = b.direct.then(|| {
+            let mut c = vec![0u8; b.bytes];
+            slot.read_at(0, &mut c);
+            c
+        });
+        let src = match &copied {
+            Some(c) => c.as_slice(),
+            // SAFETY: the slot's contribution landed and its worker waits for a
+            // credit (above). (A direct slot has no host view: copied above.)
+            None => unsafe { slot.as_slice() },
+        };
+        // SAFETY: the gradient buffer is not being sent (above).
+        let dst: &mut [f32] = bytemuck::cast_slice_mut(unsafe { g.as_mut_slice() });
         eps_agg::reduce::sum(dtype, &[src], dst, 1);
         dst.iter_mut().for_each(|x| *x *= scale);
     }
@@ -371,7 +462,7 @@ impl<P: Fabric> ShardMemory<P> {
     /// The caller guarantees the push landed and the worker writes the slot again
     /// only after the update that sums it (it waits for a pull answer or a credit).
     pub fn stage(&mut self, id: u32, rank: u32) -> Result<(), AggError> {
-        let Some(b) = self.block_mut(id) else { return Ok(()) };
+        let Some(b) = self.block_mut(id).filter(|b| !b.direct) else { return Ok(()) };
         let (Some((dev, _)), Some(slot)) = (b.dev.as_mut(), b.landing.get(rank as usize)) else { return Ok(()) };
         // SAFETY: the slot is not written before the update that uses the copy
         // (the caller), and it stays mapped at least as long as the device shard
@@ -414,14 +505,13 @@ impl<P: Fabric> ShardMemory<P> {
         let Some(b) = self.blocks.get_mut(id as usize).and_then(Option::as_mut) else { return Ok(()) };
         let len = b.len as usize;
         let mut slots: [&[u8]; MAX_WORKERS] = [&[]; MAX_WORKERS];
-        for (x, &r) in slots.iter_mut().zip(contributors) {
-            // SAFETY: the caller excludes writers of these slots (see above).
-            *x = unsafe { b.landing[r as usize].as_slice() };
+        if !b.direct {
+            for (x, &r) in slots.iter_mut().zip(contributors) {
+                // SAFETY: the caller excludes writers of these slots (see above).
+                *x = unsafe { b.landing[r as usize].as_slice() };
+            }
         }
         let off = published_offset(b.bytes as u64, parity) as usize;
-        // SAFETY: the caller guarantees no pull uses this buffer; peers only READ the
-        // published region, and no other reference to it exists meanwhile.
-        let dst = unsafe { &mut b.published.as_mut_slice()[off..off + b.bytes] };
         // SAFETY: the caller excludes WRITEs from the gradient buffer; nothing else
         // references it.
         let fwd: Option<&mut [f32]> = b.grad.as_mut().map(|g| bytemuck::cast_slice_mut(unsafe { g.as_mut_slice() }));
@@ -435,8 +525,13 @@ impl<P: Fabric> ShardMemory<P> {
             for ((x, &r), s) in inputs.iter_mut().zip(contributors).zip(slots) {
                 *x = (r as usize, s);
             }
-            return dev.update(&inputs[..n_slots], u.scale, u.opt, u.scalars, fwd, dst);
+            // SAFETY: as below.
+            let out = if b.direct { Out::Attached(off) } else { Out::Host(unsafe { published_bytes(&mut b.published, off, b.bytes) }) };
+            return dev.update(&inputs[..n_slots], u.scale, u.opt, u.scalars, fwd, out);
         }
+        // SAFETY: the caller guarantees no pull uses this buffer; peers only READ the
+        // published region, and no other reference to it exists meanwhile.
+        let dst = unsafe { published_bytes(&mut b.published, off, b.bytes) };
         let (m, st) = all.split_at_mut(len);
         let st = &mut st[..len * k];
         let [g0, g1] = &mut self.grads;
@@ -482,15 +577,17 @@ impl<P: Fabric> ShardMemory<P> {
         // SAFETY: the source does not write the buffer until we acknowledge (above).
         let grad: &[f32] = bytemuck::cast_slice(unsafe { g.as_slice() });
         let off = published_offset(b.bytes as u64, parity) as usize;
-        // SAFETY: no pull uses this buffer (above); peers only READ the region.
-        let dst = unsafe { &mut b.published.as_mut_slice()[off..off + b.bytes] };
         // SAFETY: the snapshot WRITE into this region completed before any forward
         // (RC ordering on the source's queue pair), and nothing else references it.
         let all: &mut [f32] = bytemuck::cast_slice_mut(unsafe { b.state.as_mut_slice() });
         if let Some((dev, owns)) = b.dev.as_mut() {
             on_device(dev.as_mut(), owns, &mut all[..len * (1 + k)])?;
-            return dev.apply(grad, u.opt, u.scalars, dst);
+            // SAFETY: as below.
+            let out = if b.direct { Out::Attached(off) } else { Out::Host(unsafe { published_bytes(&mut b.published, off, b.bytes) }) };
+            return dev.apply(grad, u.opt, u.scalars, out);
         }
+        // SAFETY: no pull uses this buffer (above); peers only READ the region.
+        let dst = unsafe { published_bytes(&mut b.published, off, b.bytes) };
         let (m, st) = all.split_at_mut(len);
         let st = &mut st[..len * k];
         let mut start = 0;
@@ -513,6 +610,12 @@ impl<P: Fabric> ShardMemory<P> {
         let Some(b) = self.block_mut(id) else { return };
         let src = published_offset(b.bytes as u64, 1 - parity) as usize;
         let dst = published_offset(b.bytes as u64, parity) as usize;
+        if b.direct {
+            let mut v = vec![0u8; b.bytes];
+            b.published.read_at(src, &mut v);
+            b.published.write_at(dst, &v);
+            return;
+        }
         // SAFETY: the caller guarantees no pull uses buffer `parity`; peers only
         // READ the region, and no other reference to it exists meanwhile.
         let all = unsafe { b.published.as_mut_slice() };
@@ -524,6 +627,13 @@ impl<P: Fabric> ShardMemory<P> {
     pub fn set_stamp(&mut self, id: u32, parity: usize, value: u64) {
         let Some(b) = self.block_mut(id) else { return };
         std::sync::atomic::fence(std::sync::atomic::Ordering::Release);
+        if b.direct {
+            // A copy into the device's memory, ordered after the update's writes
+            // (the update returned once they were done).
+            b.published.write_at(8 * parity, &value.to_le_bytes());
+            std::sync::atomic::fence(std::sync::atomic::Ordering::Release);
+            return;
+        }
         // SAFETY: the stamp lies inside the header at the start of the published
         // region; peers only read it. A volatile store keeps it in program order with
         // the buffer writes around it.
@@ -543,14 +653,14 @@ impl<P: Fabric> ShardMemory<P> {
         let (dtype, k) = (self.dtype, self.state_k);
         let Some(b) = self.block_mut(id) else { return Ok(()) };
         let off = published_offset(b.bytes as u64, parity) as usize;
-        let ShardBlock { published, state, len, bytes, dev, .. } = b;
+        let ShardBlock { published, state, len, bytes, dev, direct, .. } = b;
         if let Some((dev, owns)) = dev.as_mut() {
             // SAFETY: no WRITE uses the region (above); nothing else references it.
             let all: &mut [f32] = bytemuck::cast_slice_mut(unsafe { state.as_mut_slice() });
             on_device(dev.as_mut(), owns, &mut all[..*len as usize * (1 + k)])?;
             // SAFETY: as below.
-            let dst = unsafe { &mut published.as_mut_slice()[off..off + *bytes] };
-            return dev.publish(dst);
+            let out = if *direct { Out::Attached(off) } else { Out::Host(unsafe { published_bytes(published, off, *bytes) }) };
+            return dev.publish(out);
         }
         // SAFETY: no WRITE into or from the master/state region is in flight between
         // updates; it is only read here.
@@ -562,6 +672,15 @@ impl<P: Fabric> ShardMemory<P> {
         eps_agg::reduce::narrow(dtype, master, dst);
         Ok(())
     }
+}
+
+/// Bytes `off..off + len` of a published region in host memory.
+///
+/// # Safety
+/// No pull is being written from those bytes and nothing else references them.
+unsafe fn published_bytes<M: HostRegion>(published: &mut M, off: usize, len: usize) -> &mut [u8] {
+    // SAFETY: the caller's contract.
+    unsafe { &mut published.as_mut_slice()[off..off + len] }
 }
 
 /// Makes the device hold the current master copy and state (`host`'s, when the
