@@ -120,6 +120,18 @@ fn bsp_scale_events_end_bitwise_equal_to_a_static_run() {
             "{extra:?}: the device path differs; its log:\n{}",
             String::from_utf8_lossy(&device.stderr)
         );
+        // The direct path (landing slots and published copies in the device's own
+        // memory, summed from and published into in place: GPUDirect's path).
+        *args.last_mut().unwrap() = "host-direct";
+        let direct = train(&spec, &args);
+        assert_eq!(json_str(&direct, "aggregator"), "host-direct");
+        assert!(String::from_utf8_lossy(&direct.stderr).contains("published copies in host memory, used in place"));
+        assert_eq!(
+            json_str(&fixed, "params_checksum"),
+            json_str(&direct, "params_checksum"),
+            "{extra:?}: the direct path differs; its log:\n{}",
+            String::from_utf8_lossy(&direct.stderr)
+        );
     }
     // Plans are checked before anything starts.
     let capped = spec_file("capped", &SMALL.replace("[job]", "[job]\nmax_workers = 3"));
@@ -140,7 +152,7 @@ fn bsp_scale_events_end_bitwise_equal_to_a_static_run() {
 #[test]
 fn ssp_and_asp_scale_events_apply_every_contribution_once() {
     let spec = spec_file("async-scale", &SMALL.replace("steps = 25", "steps = 80"));
-    for (mode, agg) in [("ssp", "cpu"), ("asp", "cpu"), ("asp", "host-device")] {
+    for (mode, agg) in [("ssp", "cpu"), ("asp", "cpu"), ("asp", "host-device"), ("ssp", "host-direct")] {
         let o =
             train(&spec, &["--consistency", mode, "--scale-plan", "8:servers=2,30:servers=3,55:servers=1", "--aggregator", agg]);
         let log = String::from_utf8_lossy(&o.stderr);

@@ -344,7 +344,8 @@ pub fn run_direct<P: Fabric>(
     let seed = spec.job.seed;
     let total = layout.shards.len();
     let mut mem = ShardMemory::new(&pd, layout.dtype, ranks, &opt, total, cfg.device.clone());
-    if let Some(d) = direct {
+    if let Some(d) = direct.filter(|_| cfg.device.is_some()) {
+        eprintln!("eps server {rank}: landing slots and published copies in {}", d.describe());
         mem = mem.with_direct(d);
     }
     let init = |i: u64| eps_proto::init::param(seed, i);

@@ -755,9 +755,11 @@ mod tests {
         }
     }
 
-    /// With a device holding the master copies and state, updates, forwarded
-    /// updates, publishing and splits give the host path's bits, and `to_host`
-    /// brings the host region back to the device's values.
+    /// With a device holding the master copies and state (and, direct, using the
+    /// landing slots and published copies in place), updates, forwarded updates,
+    /// a forward filled from a slot, a carried-over version, stamps, publishing
+    /// and splits give the host path's bits, and `to_host` brings the host region
+    /// back to the device's values.
     #[test]
     fn the_device_path_equals_the_host_path() {
         let pd = SoftDevice::open().unwrap().alloc_pd();
@@ -766,10 +768,14 @@ mod tests {
         for dtype in [DType::F32, DType::F16] {
             let es = dtype.size_bytes();
             let (len, lo) = (40_000u64, 16_384u64);
-            let mut mems: Vec<ShardMemory<_>> = [None, Some(Arc::new(eps_agg::HostDevice) as Arc<dyn ShardDevice>)]
+            let host = || Some(Arc::new(eps_agg::HostDevice) as Arc<dyn ShardDevice>);
+            let mut mems: Vec<ShardMemory<_>> = [None, host(), host()]
                 .into_iter()
                 .map(|d| ShardMemory::new(&pd, dtype, 3, &opt, 1, d))
                 .collect();
+            let direct = mems.pop().unwrap().with_direct(Arc::new(HostRegions));
+            assert!(direct.is_direct());
+            mems.push(direct);
             let mut published = Vec::new();
             for m in &mut mems {
                 m.add(0, 0, len, Origin::Init(&|i| (i as f32 * 0.01).cos())).unwrap();
@@ -798,6 +804,15 @@ mod tests {
                 let u = UpdateArgs { agg: &agg, opt: &opt, scalars: opt.scalars(3, 0.01), scale: 1.0, threads: 1 };
                 // SAFETY: test-local memory, no peer.
                 unsafe { m.apply_forwarded(0, 1, &u) }.unwrap();
+                m.set_stamp(0, 1, 4);
+                // A forward filled from slot 1, and version 4 carried over into
+                // buffer 0.
+                m.fill_forward(0, 1, 0.5);
+                let mut fwd = vec![0u8; len as usize * 4];
+                m.get(0).unwrap().grad.as_ref().unwrap().read_at(0, &mut fwd);
+                // SAFETY: test-local memory, no peer.
+                unsafe { m.carry(0, 0) };
+                m.set_stamp(0, 0, 5);
                 m.split(0, 1, 4, [(1, lo), (2, len - lo)]).unwrap();
                 let mut mine = Vec::new();
                 for id in [0u32, 1, 2] {
@@ -809,12 +824,14 @@ mod tests {
                     b.state.read_at(0, &mut st);
                     mine.push((all, st));
                 }
+                mine.push((fwd, Vec::new()));
                 published.push(mine);
             }
             assert!(
                 published[1].iter().flat_map(|(_, st)| st.chunks(4)).all(|x| !f32::from_le_bytes(x.try_into().unwrap()).is_nan())
             );
             assert_eq!(published[0], published[1], "{dtype:?}: the device path differs");
+            assert_eq!(published[0], published[2], "{dtype:?}: the direct path differs");
         }
     }
 }
