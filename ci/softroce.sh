@@ -107,17 +107,25 @@ shard_bytes = 65536
 preset = "synthetic"
 buckets = 16384
 SPEC
+# train TRANSPORT [AGGREGATOR]: its JSON line in /tmp/train_TRANSPORT[AGGREGATOR].json.
 train() {
-    "$dir/eps" train --spec /tmp/tiny.toml --scale-plan 10:servers=3,20:servers=1 --progress-every 10 --json --transport "$1" >"/tmp/train_$1.out" &&
-        tail -n 1 "/tmp/train_$1.out" >"/tmp/train_$1.json" && grep -q "\"transport\":\"$1\"" "/tmp/train_$1.json"
+    out="/tmp/train_$1$2"
+    "$dir/eps" train --spec /tmp/tiny.toml --scale-plan 10:servers=3,20:servers=1 --progress-every 10 --json --transport "$1" \
+        ${2:+--aggregator "$2"} >"$out.out" &&
+        tail -n 1 "$out.out" >"$out.json" && grep -q "\"transport\":\"$1\"" "$out.json"
 }
+# same RUN: RUN's checksum is the soft run's.
 same() {
-    a=$(grep -o '"params_checksum":"[0-9a-f]*"' /tmp/train_soft.json); b=$(grep -o '"params_checksum":"[0-9a-f]*"' /tmp/train_rdma.json)
-    test -n "$a" && test "$a" = "$b" && echo "rdma train: $b $(grep -o '"migrations":[0-9]*,"splits":[0-9]*' /tmp/train_rdma.json)"
+    a=$(grep -o '"params_checksum":"[0-9a-f]*"' /tmp/train_soft.json); b=$(grep -o '"params_checksum":"[0-9a-f]*"' "/tmp/train_$1.json")
+    test -n "$a" && test "$a" = "$b" && echo "$1 train: $b $(grep -o '"migrations":[0-9]*,"splits":[0-9]*' "/tmp/train_$1.json")"
 }
 check eps_train_soft train soft
 check eps_train_rdma train rdma
-check eps_train_rdma_equals_soft same
+check eps_train_rdma_equals_soft same rdma
+# The direct path (landing slots and published copies used in place by the
+# device, as with GPUDirect RDMA; here the host device) over rdma: the same bits.
+check eps_train_rdma_direct train rdma host-direct
+check eps_train_rdma_direct_equals_soft same rdmahost-direct
 # ASP (pulls are RDMA READs) with the servers scaled, and BSP with a worker joining
 # and one leaving: they must finish (their results depend on timing).
 check eps_train_rdma_asp "$dir/eps" train --spec /tmp/tiny.toml --consistency asp --scale-plan 10:servers=3,20:servers=1 --transport rdma
