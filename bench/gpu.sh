@@ -59,6 +59,7 @@ print(f"{'kernel':<14} {'GB/s':>10} {'x copy':>8}   (target >= 0.8)")
 print(f"{'d2d copy':<14} {med('copy_gbytes_per_s'):>10.1} {1.0:>8.3}")
 print(f"{'sum 8 x f32':<14} {med('sum8_gbytes_per_s'):>10.1} {med('sum8_ratio'):>8.3}")
 print(f"{'adam (fused)':<14} {med('adam_gbytes_per_s'):>10.1} {med('adam_ratio'):>8.3}")
+print(f"{'shard update':<14} {med('update_gbytes_per_s'):>10.1} {med('update_ratio'):>8.3}   (8 attached f32 contributions + adam + publish, GPUDirect's path)")
 PY
 if [ "$tests_ok" = 0 ]; then
     echo "KERNEL TESTS FAILED (see $out/kernels.log)" >&2

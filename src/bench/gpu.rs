@@ -4,7 +4,7 @@
 /// Runs the measurement and prints a table (and a JSON line with `json`).
 #[cfg(feature = "cuda")]
 pub fn run(size: u64, reps: usize, json: bool) -> Result<(), String> {
-    let gpu = eps_cuda::Gpu::open(0).map_err(|e| format!("eps bench gpu: {e}"))?;
+    let gpu = std::sync::Arc::new(eps_cuda::Gpu::open(0).map_err(|e| format!("eps bench gpu: {e}"))?);
     let elements = (size / 4).max(1024) as usize;
     eprintln!("eps bench gpu: {}; buffers of {} f32 values, {reps} repetitions", gpu.info(), elements);
     let r = eps_cuda::bench::run(&gpu, elements, reps).map_err(|e| format!("eps bench gpu: {e}"))?;
@@ -12,6 +12,7 @@ pub fn run(size: u64, reps: usize, json: bool) -> Result<(), String> {
     println!("{:<14} {:>10.1} {:>10.3}", "d2d copy", r.copy_gbps, 1.0);
     println!("{:<14} {:>10.1} {:>10.3}", "sum 8 x f32", r.sum8_gbps, r.sum8_ratio());
     println!("{:<14} {:>10.1} {:>10.3}", "adam (fused)", r.adam_gbps, r.adam_ratio());
+    println!("{:<14} {:>10.1} {:>10.3}", "shard update", r.update_gbps, r.update_ratio());
     if json {
         let j = super::Json::new()
             .str("device", &gpu.info().name)
@@ -22,6 +23,8 @@ pub fn run(size: u64, reps: usize, json: bool) -> Result<(), String> {
             .num("adam_gbytes_per_s", r.adam_gbps)
             .num("sum8_ratio", r.sum8_ratio())
             .num("adam_ratio", r.adam_ratio())
+            .num("update_gbytes_per_s", r.update_gbps)
+            .num("update_ratio", r.update_ratio())
             .finish();
         println!("{j}");
     }

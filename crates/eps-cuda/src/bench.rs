@@ -3,11 +3,17 @@
 //! once). Each figure is the median of timed repetitions (CUDA events around each
 //! one) after a warm-up; bytes counted are those each kernel must move at least:
 //! an 8-way f32 sum reads 8 inputs and writes 1 output, a fused Adam step reads
-//! parameters, gradient and two state values and writes parameters and state.
+//! parameters, gradient and two state values and writes parameters and state. A
+//! whole shard update of the GPUDirect path (8 f32 contributions attached where
+//! they landed, the Adam step, the f32 parameters narrowed into the attached
+//! published copy) must read 8 inputs and 3 values and write 3 values and the
+//! published copy: 15 buffers.
 
 use cudarc::driver::sys::CUevent_flags;
 
-use eps_agg::{DType, Optimizer};
+use std::sync::Arc;
+
+use eps_agg::{Attached, DType, Optimizer, Out, ShardDevice};
 
 use crate::{CudaError, Gpu};
 
@@ -22,6 +28,9 @@ pub struct GpuBench {
     pub sum8_gbps: f64,
     /// Fused Adam step, GB/s (7 f32 values per parameter moved).
     pub adam_gbps: f64,
+    /// A shard update on attached memory (8 contributions, Adam, publish), GB/s
+    /// (15 f32 values per parameter moved).
+    pub update_gbps: f64,
     /// Repetitions timed per figure.
     pub reps: usize,
 }
@@ -34,6 +43,10 @@ impl GpuBench {
     /// `adam_gbps / copy_gbps`.
     pub fn adam_ratio(&self) -> f64 {
         self.adam_gbps / self.copy_gbps
+    }
+    /// `update_gbps / copy_gbps`.
+    pub fn update_ratio(&self) -> f64 {
+        self.update_gbps / self.copy_gbps
     }
 }
 
@@ -59,7 +72,7 @@ fn time_ms(gpu: &Gpu, reps: usize, mut f: impl FnMut() -> Result<(), CudaError>)
 
 /// Measures with buffers of `elements` f32 values (the sum needs 10 of them, the
 /// Adam step 5 with its state): `reps` timed repetitions per figure.
-pub fn run(gpu: &Gpu, elements: usize, reps: usize) -> Result<GpuBench, CudaError> {
+pub fn run(gpu: &Arc<Gpu>, elements: usize, reps: usize) -> Result<GpuBench, CudaError> {
     let n = elements.max(1024);
     let gb = |bytes: f64, ms: f64| bytes / (ms * 1e-3) / 1e9;
     let copy_ms = {
@@ -83,12 +96,31 @@ pub fn run(gpu: &Gpu, elements: usize, reps: usize) -> Result<GpuBench, CudaErro
         let scalars = opt.scalars(10, 1e-3);
         time_ms(gpu, reps, || gpu.step(&opt, scalars, ps, gs, ss))?
     };
+    // A whole shard update on attached memory, as a GPUDirect server runs it.
+    let update_ms = {
+        let opt = Optimizer::Adam { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01, decoupled: true };
+        let (ins, out) = (gpu.alloc::<u8>(8 * n * 4)?, gpu.alloc::<u8>(n * 4)?);
+        let dev = crate::CudaDevice::from_gpu(gpu.clone());
+        let agg = |e: eps_agg::AggError| CudaError::Driver(e.to_string());
+        let mut shard = dev.alloc(DType::F32, n, opt.state_per_param()).map_err(agg)?;
+        for r in 0..8 {
+            let ptr = gpu.span(&ins, r * n * 4, n * 4)?.device_ptr();
+            // SAFETY: `ins` and `out` outlive `shard` (declared before it).
+            unsafe { shard.attach(Attached::Slot(r), ptr, n * 4) }.map_err(agg)?;
+        }
+        // SAFETY: as above.
+        unsafe { shard.attach(Attached::Published, gpu.span(&out, 0, n * 4)?.device_ptr(), n * 4) }.map_err(agg)?;
+        let inputs: Vec<(usize, &[u8])> = (0..8).map(|r| (r, &[][..])).collect();
+        let scalars = opt.scalars(10, 1e-3);
+        time_ms(gpu, reps, || shard.update(&inputs, 0.125, &opt, scalars, None, Out::Attached(0)).map_err(agg))?
+    };
     let bytes = (n * 4) as f64;
     Ok(GpuBench {
         elements: n,
         copy_gbps: gb(2.0 * bytes, copy_ms),
         sum8_gbps: gb(9.0 * bytes, sum_ms),
         adam_gbps: gb(7.0 * bytes, adam_ms),
+        update_gbps: gb(15.0 * bytes, update_ms),
         reps: reps.max(1),
     })
 }

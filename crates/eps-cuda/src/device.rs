@@ -30,6 +30,11 @@ impl CudaDevice {
         Ok(Self { gpu: Arc::new(Gpu::open(ordinal)?) })
     }
 
+    /// On a device already open.
+    pub fn from_gpu(gpu: Arc<Gpu>) -> Self {
+        Self { gpu }
+    }
+
     /// The device.
     pub fn gpu(&self) -> &Arc<Gpu> {
         &self.gpu
