@@ -30,9 +30,10 @@ if [ ! -e /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] && command -v apt-ge
 fi
 
 # The rdma provider (crates/eps-rdma) builds against libibverbs and librdmacm
-# through rdma-sys, whose bindings need libclang.
+# through rdma-sys, whose bindings need libclang; the tests compile the CUDA
+# kernels for the CPU with g++ (crates/eps-cuda/src/host.rs).
 missing=()
-for p in libibverbs-dev librdmacm-dev libclang-dev pkg-config; do
+for p in libibverbs-dev librdmacm-dev libclang-dev pkg-config g++; do
     dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
 done
 if [ ${#missing[@]} -gt 0 ]; then
@@ -44,6 +45,8 @@ fi
 # even here, without a GPU: NVIDIA's pip wheels of both, cached.
 step "CUDA compiler tools (NVRTC, ptxas)"
 eval "$(bash ci/cuda-tools.sh)"
+# ...and run on the CPU, thread by thread, against the CPU aggregator's bits.
+export EPS_HOST_KERNELS_REQUIRE=1
 
 step "format check"
 cargo fmt --all --check

@@ -14,6 +14,11 @@
 //
 // Built to PTX by nvcc for sm_80 and sm_90 when the toolkit is there, else
 // compiled at run time by NVRTC (crates/eps-cuda/build.rs). No header is needed.
+//
+// The tests also compile this file for the CPU (EPS_KERNELS_ON_HOST, with
+// crates/eps-cuda/src/host/cuda_on_host.h): every thread of a launch's grid runs
+// in turn, and the two f16 conversions below use the CPU's F16C instructions,
+// which round as the PTX ones do.
 
 typedef unsigned long long u64;
 typedef unsigned int u32;
@@ -35,9 +40,13 @@ struct Inputs {
 __device__ __forceinline__ float bf16_to_f32(u16 x) { return __uint_as_float(((u32)x) << 16); }
 
 __device__ __forceinline__ float f16_to_f32(u16 x) {
+#ifdef EPS_KERNELS_ON_HOST
+    return eps_host_f16_to_f32(x);
+#else
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
     return f;
+#endif
 }
 
 template <int DT>
@@ -233,9 +242,13 @@ __device__ __forceinline__ u16 f32_to_bf16(float x) {
 }
 
 __device__ __forceinline__ u16 f32_to_f16(float x) {
+#ifdef EPS_KERNELS_ON_HOST
+    return eps_host_f32_to_f16(x);
+#else
     u16 h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
     return h;
+#endif
 }
 
 extern "C" __global__ void eps_narrow_bf16(const float* __restrict__ src, u16* __restrict__ dst, u64 n) {

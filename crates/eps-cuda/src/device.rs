@@ -106,7 +106,11 @@ impl CudaDevice {
                 let mut pa = vec![0xFFu8; n * es + 24];
                 self.gpu.copy_out(&dev_out, &mut pa)?;
                 if pa[24..] != pc[..] {
-                    return Err(fail(format!("{} {}: attached memory: the GPU's bits differ from the CPU's", dtype.name(), o.name())));
+                    return Err(fail(format!(
+                        "{} {}: attached memory: the GPU's bits differ from the CPU's",
+                        dtype.name(),
+                        o.name()
+                    )));
                 }
             }
         }

@@ -24,7 +24,7 @@ const BLOCK: u32 = 256;
 /// The `Inputs` struct of the source: the contributions' device addresses.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
-struct Inputs([u64; MAX_INPUTS]);
+pub(crate) struct Inputs(pub(crate) [u64; MAX_INPUTS]);
 
 // SAFETY: plain data laid out as the kernel's `struct Inputs` (64 pointers).
 unsafe impl DeviceRepr for Inputs {}
@@ -32,7 +32,7 @@ unsafe impl DeviceRepr for Inputs {}
 /// The `AdamArgs` struct of the source.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
-struct AdamArgs {
+pub(crate) struct AdamArgs {
     step: f32,
     beta1: f32,
     beta2: f32,
@@ -126,34 +126,123 @@ fn grid(units: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 }
 }
 
+/// One kernel launch as planned from checked spans: the kernel, its arguments in
+/// the order of its signature, and the grid. The GPU runs it (`Gpu::launch`); the
+/// tests also run it on the CPU, with the kernels' source compiled for the host.
+// The sum's 64 input addresses live on the stack for one launch: no box.
+#[allow(clippy::large_enum_variant)]
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Launch {
+    /// `eps_sum_f32`, `eps_sum_bf16` or `eps_sum_f16`.
+    Sum { dtype: DType, inputs: Inputs, k: i32, scale: f32, out: u64, n: u64, vec: i32 },
+    /// `eps_sgd`.
+    Sgd { p: u64, g: u64, n: u64, lr: f32, wd: f32, vec: i32 },
+    /// `eps_momentum`.
+    Momentum { p: u64, g: u64, b: u64, n: u64, lr: f32, mu: f32, wd: f32, nesterov: i32, vec: i32 },
+    /// `eps_adam`.
+    Adam { p: u64, g: u64, mv: u64, n: u64, a: AdamArgs, vec: i32 },
+    /// `eps_narrow_bf16` (`f16: false`) or `eps_narrow_f16`.
+    Narrow { f16: bool, src: u64, dst: u64, n: u64 },
+}
+
+/// A launch and its grid.
+pub(crate) type Planned = (Launch, LaunchConfig);
+
+/// `out = (inputs[0] + inputs[1] + ...) * scale`: see [`Gpu::sum`].
+pub(crate) fn plan_sum(dtype: DType, inputs: &[Span<'_, u8>], scale: f32, out: Span<'_, f32>) -> Result<Planned, CudaError> {
+    if inputs.len() > MAX_INPUTS {
+        return Err(CudaError::Bounds(format!("{} inputs: a sum takes at most {MAX_INPUTS}", inputs.len())));
+    }
+    let n = out.len();
+    let es = dtype.size_bytes();
+    if let Some(bad) = inputs.iter().find(|x| x.len() != n * es) {
+        return Err(CudaError::Bounds(format!("an input of {} bytes; expected {}", bad.len(), n * es)));
+    }
+    let mut ptrs = Inputs([0; MAX_INPUTS]);
+    for (p, x) in ptrs.0.iter_mut().zip(inputs) {
+        *p = x.device_ptr();
+    }
+    let vec = i32::from(out.aligned16() && inputs.iter().all(|x| x.aligned16()));
+    let per = if dtype == DType::F32 { 4 } else { 8 };
+    let launch = Launch::Sum { dtype, inputs: ptrs, k: inputs.len() as i32, scale, out: out.device_ptr(), n: n as u64, vec };
+    Ok((launch, grid(n.div_ceil(per).max(1))))
+}
+
+/// One optimizer step: see [`Gpu::step`].
+pub(crate) fn plan_step(
+    opt: &Optimizer,
+    s: StepScalars,
+    params: Span<'_, f32>,
+    grad: Span<'_, f32>,
+    state: Span<'_, f32>,
+) -> Result<Planned, CudaError> {
+    let n = params.len();
+    let k = opt.state_per_param();
+    if grad.len() != n || state.len() != n * k {
+        return Err(CudaError::Bounds(format!(
+            "{n} parameters, {} gradients, {} state values (expected {})",
+            grad.len(),
+            state.len(),
+            n * k
+        )));
+    }
+    let vec = i32::from(params.aligned16() && grad.aligned16() && (k == 0 || state.aligned16()));
+    let (p, g, st, n64) = (params.device_ptr(), grad.device_ptr(), state.device_ptr(), n as u64);
+    let launch = match *opt {
+        Optimizer::Sgd { weight_decay } => Launch::Sgd { p, g, n: n64, lr: s.lr, wd: weight_decay, vec },
+        Optimizer::Momentum { momentum, nesterov, weight_decay } => {
+            Launch::Momentum { p, g, b: st, n: n64, lr: s.lr, mu: momentum, wd: weight_decay, nesterov: i32::from(nesterov), vec }
+        }
+        // The scalars as the CPU folds them (eps_agg::optim), in f32.
+        Optimizer::Adam { beta1, beta2, eps, weight_decay, decoupled } => Launch::Adam {
+            p,
+            g,
+            mv: st,
+            n: n64,
+            a: AdamArgs {
+                step: s.lr / s.bc1,
+                beta1,
+                beta2,
+                one_b1: 1.0 - beta1,
+                one_b2: 1.0 - beta2,
+                eps,
+                bc2_sqrt: s.bc2_sqrt,
+                wd: weight_decay,
+                decay: 1.0 - s.lr * weight_decay,
+                decoupled: i32::from(decoupled),
+            },
+            vec,
+        },
+    };
+    Ok((launch, grid(n.div_ceil(4).max(1))))
+}
+
+/// `dst = src` in `dtype`: see [`Gpu::narrow`].
+pub(crate) fn plan_narrow(dtype: DType, src: Span<'_, f32>, dst: Span<'_, u8>) -> Result<Planned, CudaError> {
+    let n = src.len();
+    if dst.len() != n * dtype.size_bytes() {
+        return Err(CudaError::Bounds(format!("{n} values into {} bytes of {}", dst.len(), dtype.name())));
+    }
+    let f16 = match dtype {
+        // f32 to f32: a one-input sum is a copy.
+        DType::F32 => {
+            let out = Span { ptr: dst.device_ptr(), len: n, _of: std::marker::PhantomData };
+            let src = Span { ptr: src.device_ptr(), len: n * 4, _of: std::marker::PhantomData };
+            return plan_sum(DType::F32, &[src], 1.0, out);
+        }
+        DType::Bf16 => false,
+        DType::F16 => true,
+    };
+    Ok((Launch::Narrow { f16, src: src.device_ptr(), dst: dst.device_ptr(), n: n as u64 }, grid(n.max(1))))
+}
+
 impl Gpu {
     /// `out = (inputs[0] + inputs[1] + ...) * scale` element by element, f32
     /// accumulation in input order (the multiply only when `scale != 1`), as
     /// `eps_agg::CpuAggregator::reduce`. Every input is a byte span of
     /// `out.len()` elements of `dtype`.
     pub fn sum(&self, dtype: DType, inputs: &[Span<'_, u8>], scale: f32, out: Span<'_, f32>) -> Result<(), CudaError> {
-        if inputs.len() > MAX_INPUTS {
-            return Err(CudaError::Bounds(format!("{} inputs: a sum takes at most {MAX_INPUTS}", inputs.len())));
-        }
-        let n = out.len();
-        let es = dtype.size_bytes();
-        if let Some(bad) = inputs.iter().find(|x| x.len() != n * es) {
-            return Err(CudaError::Bounds(format!("an input of {} bytes; expected {}", bad.len(), n * es)));
-        }
-        let mut ptrs = Inputs([0; MAX_INPUTS]);
-        for (p, x) in ptrs.0.iter_mut().zip(inputs) {
-            *p = x.device_ptr();
-        }
-        let vec = i32::from(out.aligned16() && inputs.iter().all(|x| x.aligned16()));
-        let per = if dtype == DType::F32 { 4 } else { 8 };
-        let (k, n64, out_ptr) = (inputs.len() as i32, n as u64, out.device_ptr());
-        let f = &self.k.sum[dtype.code() as usize];
-        let mut b = self.stream.launch_builder(f);
-        b.arg(&ptrs).arg(&k).arg(&scale).arg(&out_ptr).arg(&n64).arg(&vec);
-        // SAFETY: the spans were bounds-checked against live allocations and every
-        // input holds `n` elements (checked above); the kernel reads `k` inputs.
-        unsafe { b.launch(grid(n.div_ceil(per).max(1)))? };
-        Ok(())
+        self.launch(plan_sum(dtype, inputs, scale, out)?)
     }
 
     /// One optimizer step, as `eps_agg::Optimizer::apply`: `state` holds
@@ -166,78 +255,51 @@ impl Gpu {
         grad: Span<'_, f32>,
         state: Span<'_, f32>,
     ) -> Result<(), CudaError> {
-        let n = params.len();
-        let k = opt.state_per_param();
-        if grad.len() != n || state.len() != n * k {
-            return Err(CudaError::Bounds(format!(
-                "{n} parameters, {} gradients, {} state values (expected {})",
-                grad.len(),
-                state.len(),
-                n * k
-            )));
-        }
-        let vec = i32::from(params.aligned16() && grad.aligned16() && (k == 0 || state.aligned16()));
-        let (p, g, st, n64) = (params.device_ptr(), grad.device_ptr(), state.device_ptr(), n as u64);
-        let cfg = grid(n.div_ceil(4).max(1));
-        match *opt {
-            Optimizer::Sgd { weight_decay } => {
-                let mut b = self.stream.launch_builder(&self.k.sgd);
-                b.arg(&p).arg(&g).arg(&n64).arg(&s.lr).arg(&weight_decay).arg(&vec);
-                // SAFETY: bounds checked above and when the spans were made.
-                unsafe { b.launch(cfg)? };
-            }
-            Optimizer::Momentum { momentum, nesterov, weight_decay } => {
-                let nesterov = i32::from(nesterov);
-                let mut b = self.stream.launch_builder(&self.k.momentum);
-                b.arg(&p).arg(&g).arg(&st).arg(&n64).arg(&s.lr).arg(&momentum).arg(&weight_decay).arg(&nesterov).arg(&vec);
-                // SAFETY: as above.
-                unsafe { b.launch(cfg)? };
-            }
-            Optimizer::Adam { beta1, beta2, eps, weight_decay, decoupled } => {
-                // The scalars as the CPU folds them (eps_agg::optim), in f32.
-                let a = AdamArgs {
-                    step: s.lr / s.bc1,
-                    beta1,
-                    beta2,
-                    one_b1: 1.0 - beta1,
-                    one_b2: 1.0 - beta2,
-                    eps,
-                    bc2_sqrt: s.bc2_sqrt,
-                    wd: weight_decay,
-                    decay: 1.0 - s.lr * weight_decay,
-                    decoupled: i32::from(decoupled),
-                };
-                let mut b = self.stream.launch_builder(&self.k.adam);
-                b.arg(&p).arg(&g).arg(&st).arg(&n64).arg(&a).arg(&vec);
-                // SAFETY: as above.
-                unsafe { b.launch(cfg)? };
-            }
-        }
-        Ok(())
+        self.launch(plan_step(opt, s, params, grad, state)?)
     }
 
     /// `dst = src` in `dtype` (round to nearest even), as `eps_agg::reduce::narrow`;
     /// `dst` is a byte span of `src.len()` elements of `dtype`.
     pub fn narrow(&self, dtype: DType, src: Span<'_, f32>, dst: Span<'_, u8>) -> Result<(), CudaError> {
-        let n = src.len();
-        if dst.len() != n * dtype.size_bytes() {
-            return Err(CudaError::Bounds(format!("{n} values into {} bytes of {}", dst.len(), dtype.name())));
-        }
-        let f = match dtype {
-            // f32 to f32: a one-input sum is a copy.
-            DType::F32 => {
-                let out = Span { ptr: dst.device_ptr(), len: n, _of: std::marker::PhantomData };
-                let src = Span { ptr: src.device_ptr(), len: n * 4, _of: std::marker::PhantomData };
-                return self.sum(DType::F32, &[src], 1.0, out);
+        self.launch(plan_narrow(dtype, src, dst)?)
+    }
+
+    /// Queues a planned launch on the stream.
+    fn launch(&self, (launch, cfg): Planned) -> Result<(), CudaError> {
+        let k = &self.k;
+        match &launch {
+            Launch::Sum { dtype, inputs, k: n_in, scale, out, n, vec } => {
+                let mut b = self.stream.launch_builder(&k.sum[dtype.code() as usize]);
+                b.arg(inputs).arg(n_in).arg(scale).arg(out).arg(n).arg(vec);
+                // SAFETY: planned from spans bounds-checked against live allocations,
+                // every input holding `n` elements; the kernel reads `k` inputs.
+                unsafe { b.launch(cfg)? };
             }
-            DType::Bf16 => &self.k.narrow_bf16,
-            DType::F16 => &self.k.narrow_f16,
-        };
-        let (s, d, n64) = (src.device_ptr(), dst.device_ptr(), n as u64);
-        let mut b = self.stream.launch_builder(f);
-        b.arg(&s).arg(&d).arg(&n64);
-        // SAFETY: `dst` holds `n` 16-bit values (checked above).
-        unsafe { b.launch(grid(n.max(1)))? };
+            Launch::Sgd { p, g, n, lr, wd, vec } => {
+                let mut b = self.stream.launch_builder(&k.sgd);
+                b.arg(p).arg(g).arg(n).arg(lr).arg(wd).arg(vec);
+                // SAFETY: planned from bounds-checked spans of `n` elements.
+                unsafe { b.launch(cfg)? };
+            }
+            Launch::Momentum { p, g, b: st, n, lr, mu, wd, nesterov, vec } => {
+                let mut b = self.stream.launch_builder(&k.momentum);
+                b.arg(p).arg(g).arg(st).arg(n).arg(lr).arg(mu).arg(wd).arg(nesterov).arg(vec);
+                // SAFETY: as above.
+                unsafe { b.launch(cfg)? };
+            }
+            Launch::Adam { p, g, mv, n, a, vec } => {
+                let mut b = self.stream.launch_builder(&k.adam);
+                b.arg(p).arg(g).arg(mv).arg(n).arg(a).arg(vec);
+                // SAFETY: as above (the state holds `2n` values).
+                unsafe { b.launch(cfg)? };
+            }
+            Launch::Narrow { f16, src, dst, n } => {
+                let mut b = self.stream.launch_builder(if *f16 { &k.narrow_f16 } else { &k.narrow_bf16 });
+                b.arg(src).arg(dst).arg(n);
+                // SAFETY: `dst` holds `n` 16-bit values (checked when planned).
+                unsafe { b.launch(cfg)? };
+            }
+        }
         Ok(())
     }
 }

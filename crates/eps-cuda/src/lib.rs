@@ -32,6 +32,8 @@ pub mod bench;
 mod device;
 #[cfg(feature = "rdma")]
 pub mod dmabuf;
+#[cfg(test)]
+mod host;
 mod kernels;
 
 use std::marker::PhantomData;
@@ -272,7 +274,9 @@ impl Gpu {
     /// completed before the call visible to work queued after it, on GPUs that
     /// need it (where the device says a flush is supported).
     pub fn flush_rdma_writes(&self) -> Result<(), CudaError> {
-        use cudarc::driver::sys::{CUdevice_attribute, CUflushGPUDirectRDMAWritesScope as Scope, CUflushGPUDirectRDMAWritesTarget as Target};
+        use cudarc::driver::sys::{
+            CUdevice_attribute, CUflushGPUDirectRDMAWritesScope as Scope, CUflushGPUDirectRDMAWritesTarget as Target,
+        };
         // CU_FLUSH_GPU_DIRECT_RDMA_WRITES_OPTION_HOST: the call is supported.
         if self.ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS)? & 1 == 0 {
             return Ok(());

@@ -526,7 +526,8 @@ impl<P: Fabric> ShardMemory<P> {
                 *x = (r as usize, s);
             }
             // SAFETY: as below.
-            let out = if b.direct { Out::Attached(off) } else { Out::Host(unsafe { published_bytes(&mut b.published, off, b.bytes) }) };
+            let out =
+                if b.direct { Out::Attached(off) } else { Out::Host(unsafe { published_bytes(&mut b.published, off, b.bytes) }) };
             return dev.update(&inputs[..n_slots], u.scale, u.opt, u.scalars, fwd, out);
         }
         // SAFETY: the caller guarantees no pull uses this buffer; peers only READ the
@@ -583,7 +584,8 @@ impl<P: Fabric> ShardMemory<P> {
         if let Some((dev, owns)) = b.dev.as_mut() {
             on_device(dev.as_mut(), owns, &mut all[..len * (1 + k)])?;
             // SAFETY: as below.
-            let out = if b.direct { Out::Attached(off) } else { Out::Host(unsafe { published_bytes(&mut b.published, off, b.bytes) }) };
+            let out =
+                if b.direct { Out::Attached(off) } else { Out::Host(unsafe { published_bytes(&mut b.published, off, b.bytes) }) };
             return dev.apply(grad, u.opt, u.scalars, out);
         }
         // SAFETY: no pull uses this buffer (above); peers only READ the region.
@@ -769,10 +771,8 @@ mod tests {
             let es = dtype.size_bytes();
             let (len, lo) = (40_000u64, 16_384u64);
             let host = || Some(Arc::new(eps_agg::HostDevice) as Arc<dyn ShardDevice>);
-            let mut mems: Vec<ShardMemory<_>> = [None, host(), host()]
-                .into_iter()
-                .map(|d| ShardMemory::new(&pd, dtype, 3, &opt, 1, d))
-                .collect();
+            let mut mems: Vec<ShardMemory<_>> =
+                [None, host(), host()].into_iter().map(|d| ShardMemory::new(&pd, dtype, 3, &opt, 1, d)).collect();
             let direct = mems.pop().unwrap().with_direct(Arc::new(HostRegions));
             assert!(direct.is_direct());
             mems.push(direct);
