@@ -19,8 +19,11 @@ pub struct AggregatorFlag {
     /// Where servers sum gradients and apply the optimizer: `cpu`, `cuda` (the
     /// first GPU, which then holds the shards' parameters and optimizer state;
     /// fails, saying why, when none is usable) or `auto` (a GPU when one is usable,
-    /// else the CPU; it says which). Default: EPS_AGGREGATOR, else the spec's
-    /// job.aggregator, else auto.
+    /// else the CPU; it says which). On the rdma transport a GPU server also
+    /// keeps its landing slots and published copies in GPU memory registered
+    /// with the NIC (GPUDirect RDMA) where the GPU, NIC and kernel allow it
+    /// (EPS_GPUDIRECT=0: in page-locked host memory). Default: EPS_AGGREGATOR,
+    /// else the spec's job.aggregator, else auto.
     #[arg(long, value_parser = clap::builder::PossibleValuesParser::new([
         PossibleValue::new("auto"),
         PossibleValue::new("cpu"),
