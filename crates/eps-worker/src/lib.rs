@@ -128,6 +128,14 @@ pub enum WorkerError {
     /// Nothing arrived in time.
     #[error("timed out waiting for {0}")]
     Timeout(&'static str),
+    /// The servers did not answer every pull of an iteration in time.
+    #[error("timed out waiting for pull answers of iteration {iteration}: {missing}")]
+    PullTimeout {
+        /// The iteration.
+        iteration: u64,
+        /// The shards not answered, with their servers.
+        missing: String,
+    },
     /// The call does not apply to this job.
     #[error("not supported: {0}")]
     Unsupported(&'static str),
@@ -556,6 +564,22 @@ impl<P: Fabric> Worker<P> {
     }
 
     /// Every shard of this round has its data and no pull request is in flight.
+    /// The shards of this round still without an answer, with the servers asked
+    /// (for the error when they never come).
+    fn unanswered(&self, t: u64) -> String {
+        let missing: Vec<String> = self
+            .round
+            .iter()
+            .filter(|&&s| !self.round_pulled[s] || self.outstanding[s] > 0)
+            .map(|&s| {
+                let owner = self.map.routes.get(s).map(|r| r.for_iteration(t).owner);
+                let at = owner.map_or_else(|| "no route".to_string(), |o| format!("server {o}"));
+                format!("shard {s} ({at}, {} requests in flight)", self.outstanding[s])
+            })
+            .collect();
+        if missing.is_empty() { "every shard answered".into() } else { missing.join(", ") }
+    }
+
     fn round_done(&self) -> bool {
         self.round.iter().all(|&s| self.round_pulled[s]) && self.outstanding.iter().all(|&o| o == 0)
     }
@@ -661,7 +685,11 @@ impl<P: Fabric> Worker<P> {
                 self.wait_until(
                     |w| w.round_done() || !w.moved.is_empty() || !w.pulls_moved.is_empty(),
                     "pull answers from the servers",
-                )?;
+                )
+                .map_err(|e| match e {
+                    WorkerError::Timeout(_) => WorkerError::PullTimeout { iteration: t, missing: self.unanswered(t) },
+                    e => e,
+                })?;
                 if self.moved.is_empty() && self.pulls_moved.is_empty() {
                     break;
                 }
