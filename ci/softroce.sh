@@ -6,7 +6,8 @@
 # machines) it boots a Debian 12 VM under QEMU (TCG: an emulator, so figures from
 # it are functional checks, never performance) with Debian's own kernel, which has
 # rdma_rxe, and runs the same checks inside; results come back over the serial
-# console and the exit status through QEMU's isa-debug-exit device.
+# console (the terminal resets the console sends are stripped from its lines)
+# and the exit status through QEMU's isa-debug-exit device.
 #
 # The checks are the executables built by `cargo test --no-run` for the targets
 # named in CHECKS below plus `eps rdma devices`; each prints PASS or FAIL.
@@ -253,7 +254,8 @@ timeout 900 qemu-system-x86_64 -accel tcg,thread=multi -cpu max -smp 2 -m 2048 \
     -drive "file=$img,if=virtio,format=raw,snapshot=on" \
     -drive "file=$payload/payload.img,if=virtio,format=raw" \
     -device isa-debug-exit,iobase=0xf4,iosize=0x04 \
-    -nographic -no-reboot -nic none </dev/null | tee "$payload/console.log" | grep -E '^(PASS|FAIL|NOT YET|    |SOFTROCE)'
+    -nographic -no-reboot -nic none </dev/null | tee "$payload/console.log" |
+    sed -u -e 's/\x1b\[[0-9;?]*[A-Za-z]//g' -e 's/\x1bc//g' -e 's/\r$//' | grep -E '^(PASS|FAIL|NOT YET|    |SOFTROCE)'
 status=${PIPESTATUS[0]}
 set -e
 echo "softroce: the VM ran $(( $(date +%s) - start )) s"
