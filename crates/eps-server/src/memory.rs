@@ -526,8 +526,7 @@ impl<P: Fabric> ShardMemory<P> {
                 *x = (r as usize, s);
             }
             // SAFETY: as below.
-            let out =
-                if b.direct { Out::Attached(off) } else { Out::Host(unsafe { published_bytes(&mut b.published, off, b.bytes) }) };
+            let out = unsafe { out_to(b.direct, &mut b.published, off, b.bytes) };
             return dev.update(&inputs[..n_slots], u.scale, u.opt, u.scalars, fwd, out);
         }
         // SAFETY: the caller guarantees no pull uses this buffer; peers only READ the
@@ -584,8 +583,7 @@ impl<P: Fabric> ShardMemory<P> {
         if let Some((dev, owns)) = b.dev.as_mut() {
             on_device(dev.as_mut(), owns, &mut all[..len * (1 + k)])?;
             // SAFETY: as below.
-            let out =
-                if b.direct { Out::Attached(off) } else { Out::Host(unsafe { published_bytes(&mut b.published, off, b.bytes) }) };
+            let out = unsafe { out_to(b.direct, &mut b.published, off, b.bytes) };
             return dev.apply(grad, u.opt, u.scalars, out);
         }
         // SAFETY: no pull uses this buffer (above); peers only READ the region.
@@ -661,7 +659,7 @@ impl<P: Fabric> ShardMemory<P> {
             let all: &mut [f32] = bytemuck::cast_slice_mut(unsafe { state.as_mut_slice() });
             on_device(dev.as_mut(), owns, &mut all[..*len as usize * (1 + k)])?;
             // SAFETY: as below.
-            let out = if *direct { Out::Attached(off) } else { Out::Host(unsafe { published_bytes(published, off, *bytes) }) };
+            let out = unsafe { out_to(*direct, published, off, *bytes) };
             return dev.publish(out);
         }
         // SAFETY: no WRITE into or from the master/state region is in flight between
@@ -683,6 +681,19 @@ impl<P: Fabric> ShardMemory<P> {
 unsafe fn published_bytes<M: HostRegion>(published: &mut M, off: usize, len: usize) -> &mut [u8] {
     // SAFETY: the caller's contract.
     unsafe { &mut published.as_mut_slice()[off..off + len] }
+}
+
+/// Where a device shard publishes bytes `off..off + len` of a published region:
+/// in place when it is the device's memory (`direct`), else through the host view.
+///
+/// # Safety
+/// As [`published_bytes`].
+unsafe fn out_to<M: HostRegion>(direct: bool, published: &mut M, off: usize, len: usize) -> Out<'_> {
+    if direct {
+        return Out::Attached(off);
+    }
+    // SAFETY: the caller's contract.
+    Out::Host(unsafe { published_bytes(published, off, len) })
 }
 
 /// Makes the device hold the current master copy and state (`host`'s, when the
