@@ -293,6 +293,25 @@ pub trait Listener: Send + Sync + std::fmt::Debug {
     /// Waits up to `timeout` for one authenticated peer and returns its QP, whose
     /// completions go to `send_cq` and `recv_cq`.
     fn accept(&self, send_cq: &Self::Cq, recv_cq: &Self::Cq, timeout: Duration) -> Result<Self::Qp>;
+
+    /// As [`Listener::accept`], calling `prepare` on the QP before the peer can
+    /// send on it, so that the receives it posts are in place for the peer's
+    /// first messages: a SEND that finds none waits for the receiver-not-ready
+    /// retries of the transport (on real NICs milliseconds each; some soft-RoCE
+    /// kernels never resend). An error from `prepare` refuses the peer. By
+    /// default `prepare` runs right after `accept`; providers whose peers may send
+    /// at once override it.
+    fn accept_prepared(
+        &self,
+        send_cq: &Self::Cq,
+        recv_cq: &Self::Cq,
+        timeout: Duration,
+        prepare: &mut dyn FnMut(&Self::Qp) -> Result<()>,
+    ) -> Result<Self::Qp> {
+        let qp = self.accept(send_cq, recv_cq, timeout)?;
+        prepare(&qp)?;
+        Ok(qp)
+    }
 }
 
 /// A protection domain: registers memory and creates queue pairs. Memory of one

@@ -419,7 +419,7 @@ pub fn run_direct<P: Fabric>(
     let endpoints: Vec<ShardEndpoint> = s.mem.held().filter_map(|id| s.endpoint(id)).collect();
     s.ctl.call(&ControlMsg::ServerReady { rank, fabric_addr, shards: endpoints })?;
     let stop = Arc::new(AtomicBool::new(false));
-    let accepted = spawn_acceptor::<P>(listener, cq, stop.clone());
+    let accepted = spawn_acceptor::<P>(listener, cq, pd.clone(), s.opts.max_recv_wr, stop.clone());
     let orders = spawn_order_poller(cfg, rank)?;
     let served = s.serve(&accepted, &orders);
     stop.store(true, Ordering::Relaxed);
@@ -431,18 +431,38 @@ pub fn run_direct<P: Fabric>(
 }
 
 /// Accepts connections on a thread of its own (workers join, migration sources
-/// dial in at any time) and hands them to the event loop.
-/// The thread stops within a second of `stop` being set.
-fn spawn_acceptor<P: Fabric>(listener: P::Listener, cq: P::Cq, stop: Arc<AtomicBool>) -> Receiver<P::Qp> {
+/// dial in at any time) and hands them to the event loop, each with its receives
+/// posted before the peer could send (`depth` of them, the first for its hello)
+/// and its hello buffer. The thread stops within a second of `stop` being set.
+fn spawn_acceptor<P: Fabric>(
+    listener: P::Listener,
+    cq: P::Cq,
+    pd: P,
+    depth: u32,
+    stop: Arc<AtomicBool>,
+) -> Receiver<(P::Qp, P::Mr)> {
     let (tx, rx) = channel();
     std::thread::spawn(move || {
+        let mut spare = None;
         while !stop.load(Ordering::Relaxed) {
+            let hello = match spare.take().map_or_else(|| serve::hello_buffer(&pd), Ok) {
+                Ok(h) => h,
+                Err(e) => {
+                    eprintln!("eps server: cannot allocate a connection's hello buffer ({e}); retrying");
+                    std::thread::sleep(Duration::from_secs(1));
+                    continue;
+                }
+            };
             // Errors (a peer that fails authentication or hangs up, or no peer within
             // the second) concern that peer only.
-            if let Ok(qp) = listener.accept(&cq, &cq, Duration::from_secs(1))
-                && tx.send(qp).is_err()
-            {
-                return;
+            let mut prepare = |qp: &P::Qp| serve::post_receives::<P>(qp, Some(&hello), depth);
+            match listener.accept_prepared(&cq, &cq, Duration::from_secs(1), &mut prepare) {
+                Ok(qp) => {
+                    if tx.send((qp, hello)).is_err() {
+                        return;
+                    }
+                }
+                Err(_) => spare = Some(hello),
             }
         }
     });

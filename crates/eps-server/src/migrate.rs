@@ -129,7 +129,8 @@ impl<P: Fabric> Server<P> {
         }
         let sa = addr.parse().map_err(|_| ServerError::Migration(format!("server {to} has a bad fabric address {addr:?}")))?;
         let qp = self.pd.connect(sa, &self.cq, &self.cq, &self.opts)?;
-        let ci = self.add_conn(qp, Peer::Target(to))?;
+        crate::serve::post_receives::<P>(&qp, None, self.opts.max_recv_wr)?;
+        let ci = self.add_conn(qp, Peer::Target(to), crate::serve::hello_buffer(&self.pd)?);
         let conn = &mut self.conns[ci];
         let hello = Hello { rank: self.rank | PEER_BIT, pull_rkey: self.acks.rkey(), pull_addr: self.acks.addr() };
         conn.hello.write_at(0, &hello.encode());

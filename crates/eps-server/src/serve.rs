@@ -19,6 +19,28 @@ use crate::{
     pull_wr_parts,
 };
 
+/// How long a completion may wait for its accepted connection to be handed over.
+const EARLY_TTL: Duration = Duration::from_secs(10);
+
+/// A buffer for a connection's hello.
+pub(crate) fn hello_buffer<P: Fabric>(pd: &P) -> Result<P::Mr, FabricError> {
+    pd.alloc_mr(HELLO_LEN, Access::LOCAL_WRITE)
+}
+
+/// Posts a new connection's receives, `depth` in all: the hello's first (into
+/// `hello`, when the peer dialed us), then one per immediate.
+pub(crate) fn post_receives<P: Fabric>(qp: &P::Qp, hello: Option<&P::Mr>, depth: u32) -> Result<(), FabricError> {
+    let mut recvs = depth;
+    if let Some(h) = hello {
+        qp.post_recv(&RecvWr { wr_id: WR_HELLO, sg: &[Sge::whole(h)] })?;
+        recvs -= 1;
+    }
+    for _ in 0..recvs {
+        qp.post_recv(&RecvWr { wr_id: 0, sg: &[] })?;
+    }
+    Ok(())
+}
+
 impl<P: Fabric> Server<P> {
     /// Shard `id`'s state, if held here.
     pub(crate) fn held_mut(&mut self, id: u32) -> Option<&mut crate::Held> {
@@ -39,15 +61,16 @@ impl<P: Fabric> Server<P> {
 
     pub(crate) fn serve(
         &mut self,
-        accepted: &Receiver<P::Qp>,
+        accepted: &Receiver<(P::Qp, P::Mr)>,
         orders: &Receiver<Result<Order, ControlError>>,
     ) -> Result<(), ServerError> {
         let mut wc = [Completion::EMPTY; 64];
         let mut last = Instant::now();
+        // Completions of accepted connections not handed over yet (their receives
+        // are posted before the peer can send, on the acceptor's thread).
+        let mut early: Vec<(Completion, Instant)> = Vec::new();
         while !self.retired {
-            while let Ok(qp) = accepted.try_recv() {
-                self.add_conn(qp, Peer::Unknown)?;
-            }
+            self.admit(accepted, &mut early)?;
             while let Ok(o) = orders.try_recv() {
                 match o? {
                     Order::Retire => self.retired = true,
@@ -56,7 +79,15 @@ impl<P: Fabric> Server<P> {
             }
             let k = self.cq.poll(&mut wc)?;
             for c in &wc[..k] {
-                self.on_completion(c)?;
+                if !self.by_qp.contains_key(&c.qp_num) {
+                    self.admit(accepted, &mut early)?;
+                }
+                // In order per connection: after its early ones.
+                if self.by_qp.contains_key(&c.qp_num) && !early.iter().any(|(e, _)| e.qp_num == c.qp_num) {
+                    self.on_completion(c)?;
+                } else {
+                    early.push((*c, Instant::now()));
+                }
             }
             for wr_id in std::mem::take(&mut self.orphaned) {
                 self.on_send_done(wr_id, false)?;
@@ -70,22 +101,33 @@ impl<P: Fabric> Server<P> {
         Ok(())
     }
 
-    /// Registers a connection: posts the hello receive (unless we dialed it) and
-    /// receives for immediates.
-    pub(crate) fn add_conn(&mut self, qp: P::Qp, peer: Peer) -> Result<usize, ServerError> {
-        let hello = self.pd.alloc_mr(HELLO_LEN, Access::LOCAL_WRITE)?;
-        let mut recvs = self.opts.max_recv_wr;
-        if matches!(peer, Peer::Unknown) {
-            qp.post_recv(&RecvWr { wr_id: WR_HELLO, sg: &[Sge::whole(&hello)] })?;
-            recvs -= 1;
+    /// Takes the connections the acceptor handed over, then the early completions
+    /// whose connection is now known, in order; drops those still unknown after
+    /// `EARLY_TTL` (a connection that failed before it was handed over).
+    fn admit(&mut self, accepted: &Receiver<(P::Qp, P::Mr)>, early: &mut Vec<(Completion, Instant)>) -> Result<(), ServerError> {
+        while let Ok((qp, hello)) = accepted.try_recv() {
+            self.add_conn(qp, Peer::Unknown, hello);
         }
-        for _ in 0..recvs {
-            qp.post_recv(&RecvWr { wr_id: 0, sg: &[] })?;
+        if early.is_empty() {
+            return Ok(());
         }
+        for (c, since) in std::mem::take(early) {
+            if self.by_qp.contains_key(&c.qp_num) {
+                self.on_completion(&c)?;
+            } else if since.elapsed() < EARLY_TTL {
+                early.push((c, since));
+            }
+        }
+        Ok(())
+    }
+
+    /// Registers a connection whose receives are posted ([`post_receives`]), with
+    /// the buffer its hello lands in.
+    pub(crate) fn add_conn(&mut self, qp: P::Qp, peer: Peer, hello: P::Mr) -> usize {
         let ci = self.conns.len();
         self.by_qp.insert(qp.qp_num(), ci);
         self.conns.push(Conn { qp: Some(qp), peer, alive: true, hello });
-        Ok(ci)
+        ci
     }
 
     fn on_completion(&mut self, c: &Completion) -> Result<(), ServerError> {

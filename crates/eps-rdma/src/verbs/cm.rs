@@ -186,6 +186,18 @@ impl Listener for RdmaListener {
     }
 
     fn accept(&self, send_cq: &RdmaCq, recv_cq: &RdmaCq, timeout: Duration) -> Result<RdmaQp> {
+        self.accept_prepared(send_cq, recv_cq, timeout, &mut |_| Ok(()))
+    }
+
+    /// The QP exists (in INIT, receives allowed) before `rdma_accept`: `prepare`
+    /// posts the receives the peer's first SEND needs before the peer can send it.
+    fn accept_prepared(
+        &self,
+        send_cq: &RdmaCq,
+        recv_cq: &RdmaCq,
+        timeout: Duration,
+        prepare: &mut dyn FnMut(&RdmaQp) -> Result<()>,
+    ) -> Result<RdmaQp> {
         let deadline = Instant::now() + timeout;
         let (id, reply, peer_max) = self.next_proven(deadline)?;
         // Its own channel, so its events do not mix with other connections'.
@@ -200,6 +212,13 @@ impl Listener for RdmaListener {
         }
         set_ack_timeout(id);
         let max_inline = create_qp(id, self.pd.0.pd, send_cq, recv_cq, &self.opts)?;
+        // SAFETY: a connect request's id holds the peer's address in its route.
+        let peer = unsafe { peer_of(id) };
+        // From here the QP owns the id and the channel (torn down on error).
+        let mut qp = RdmaQp::new(id, ch, peer, &self.opts, (send_cq, recv_cq), &self.pd);
+        (qp.peer_max_msg, qp.max_inline) = (peer_max, max_inline);
+        qp.attach();
+        prepare(&qp)?;
         let mut param = conn_param(&self.opts);
         let reply = reply.encode();
         param.private_data = reply.as_ptr().cast();
@@ -209,11 +228,6 @@ impl Listener for RdmaListener {
             return Err(verbs_err("rdma_accept"));
         }
         expect_event(ch, sys::rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED, deadline, "establishing")?;
-        // SAFETY: the id's route holds the peer's address once connected.
-        let peer = unsafe { peer_of(id) };
-        let mut qp = RdmaQp::new(id, ch, peer, &self.opts, (send_cq, recv_cq), &self.pd);
-        (qp.peer_max_msg, qp.max_inline) = (peer_max, max_inline);
-        qp.attach();
         Ok(qp)
     }
 }
