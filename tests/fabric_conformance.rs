@@ -20,6 +20,10 @@ macro_rules! conformance_for {
                 suite::write_then_read($mk)
             }
             #[test]
+            fn prepared_receives_take_the_first_send() {
+                suite::prepared_receives_take_the_first_send($mk)
+            }
+            #[test]
             fn write_imm_consumes_recv() {
                 suite::write_imm_consumes_recv($mk)
             }

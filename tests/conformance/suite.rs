@@ -36,6 +36,33 @@ pub fn write_then_read<P: ProtectionDomain>(mk: impl Fn() -> P) {
     expect_none(&p.b_cq, Duration::from_millis(20));
 }
 
+/// Receives posted while accepting (`accept_prepared`: before the peer can send)
+/// take the SEND the peer posts as soon as it is connected.
+pub fn prepared_receives_take_the_first_send<P: ProtectionDomain>(mk: impl Fn() -> P) {
+    let (a_pd, b_pd) = (mk(), mk());
+    let (a_cq, b_cq) = (a_pd.create_cq(64).unwrap(), b_pd.create_cq(64).unwrap());
+    let o = opts();
+    let l = b_pd.listen(loopback(), &o).expect("listen");
+    let addr = l.local_addr();
+    let dst = b_pd.alloc_mr(64, RW).unwrap();
+    let mut src = a_pd.alloc_mr(64, RW).unwrap();
+    src.write_at(0, &pattern(64, 9));
+    let (_a, b) = std::thread::scope(|s| {
+        let h = s.spawn(|| {
+            let mut prepare = |qp: &P::Qp| qp.post_recv(&RecvWr { wr_id: 11, sg: &[Sge::whole(&dst)] });
+            l.accept_prepared(&b_cq, &b_cq, Duration::from_secs(20), &mut prepare).expect("accept")
+        });
+        let a = a_pd.connect(addr, &a_cq, &a_cq, &o).expect("connect");
+        a.post_send(&sw(1, SendOp::Send, &[Sge::whole(&src)])).unwrap();
+        (a, h.join().unwrap())
+    });
+    assert_eq!(wait(&a_cq, 1)[0].status, WcStatus::Success);
+    let cb = wait(&b_cq, 1);
+    assert_eq!((cb[0].wr_id, cb[0].opcode, cb[0].byte_len), (11, WcOpcode::Recv, 64));
+    assert_eq!(cb[0].qp_num, b.qp_num());
+    assert_eq!(read_all(&dst), pattern(64, 9));
+}
+
 pub fn write_imm_consumes_recv<P: ProtectionDomain>(mk: impl Fn() -> P) {
     let p = pair(&mk);
     let mut src = p.a_pd.alloc_mr(4096, RW).unwrap();
