@@ -372,11 +372,25 @@ impl RdmaQp {
 
     /// Accounts the QP's requests on its CQs (once it exists).
     fn attach(&self) {
+        self.account();
+        self.watch();
+    }
+
+    /// Its CQs account its completions from now on (before any receive is posted).
+    fn account(&self) {
+        let n = self.qp_num();
+        for cq in [&self._cqs.0, &self._cqs.1] {
+            cq.side.attach(n, self.acct.clone());
+        }
+    }
+
+    /// Its CQs watch its rdma_cm channel for the peer's disconnect from now on:
+    /// only once it is established, since the watch takes the channel's events.
+    fn watch(&self) {
         let n = self.qp_num();
         // SAFETY: the id's QP is live.
         let qp = unsafe { (*self.id).qp } as usize;
         for cq in [&self._cqs.0, &self._cqs.1] {
-            cq.side.attach(n, self.acct.clone());
             cq.watch.lock().unwrap_or_else(|p| p.into_inner()).1.insert(n, (self.ch as usize, qp));
         }
     }

@@ -217,7 +217,7 @@ impl Listener for RdmaListener {
         // From here the QP owns the id and the channel (torn down on error).
         let mut qp = RdmaQp::new(id, ch, peer, &self.opts, (send_cq, recv_cq), &self.pd);
         (qp.peer_max_msg, qp.max_inline) = (peer_max, max_inline);
-        qp.attach();
+        qp.account();
         prepare(&qp)?;
         let mut param = conn_param(&self.opts);
         let reply = reply.encode();
@@ -228,6 +228,7 @@ impl Listener for RdmaListener {
             return Err(verbs_err("rdma_accept"));
         }
         expect_event(ch, sys::rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED, deadline, "establishing")?;
+        qp.watch();
         Ok(qp)
     }
 }
