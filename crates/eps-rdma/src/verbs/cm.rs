@@ -364,30 +364,64 @@ pub(super) fn listen(pd: &RdmaPd, addr: SocketAddr, opts: &QpOptions) -> Result<
     Ok(l)
 }
 
+/// Dials `addr` and runs the handshake; a connection the CM failed to set up
+/// (`CONNECT_ERROR`, `UNREACHABLE`: on soft-RoCE now and then the dialer's move of
+/// its QP to RTR/RTS fails) is dialed again, after a pause that doubles from 20 ms,
+/// until `opts.connect_timeout`. Authentication failures are final.
 pub(super) fn connect(pd: &RdmaPd, addr: SocketAddr, send_cq: &RdmaCq, recv_cq: &RdmaCq, opts: &QpOptions) -> Result<RdmaQp> {
-    use sys::rdma_cm_event_type::{RDMA_CM_EVENT_ESTABLISHED as ESTABLISHED, RDMA_CM_EVENT_REJECTED as REJECTED};
     let deadline = Instant::now() + opts.connect_timeout;
+    let mut pause = Duration::from_millis(20);
+    loop {
+        match connect_once(pd, addr, send_cq, recv_cq, opts, deadline) {
+            Err((e, true)) if Instant::now() + pause < deadline => {
+                let why = std::error::Error::source(&e).map_or_else(String::new, |s| format!(": {s}"));
+                eprintln!("eps: rdma: {e}{why}; dialing {addr} again in {} ms", pause.as_millis());
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_secs(1));
+            }
+            r => return r.map_err(|(e, _)| e),
+        }
+    }
+}
+
+/// One dial and handshake; on error, whether dialing again may succeed.
+fn connect_once(
+    pd: &RdmaPd,
+    addr: SocketAddr,
+    send_cq: &RdmaCq,
+    recv_cq: &RdmaCq,
+    opts: &QpOptions,
+    deadline: Instant,
+) -> std::result::Result<RdmaQp, (FabricError, bool)> {
+    use sys::rdma_cm_event_type::{
+        RDMA_CM_EVENT_CONNECT_ERROR as CONNECT_ERROR, RDMA_CM_EVENT_ESTABLISHED as ESTABLISHED,
+        RDMA_CM_EVENT_REJECTED as REJECTED, RDMA_CM_EVENT_UNREACHABLE as UNREACHABLE,
+    };
+    let fin = |e: FabricError| (e, false);
     let peer = addr.to_string();
     let auth = |reason| FabricError::AuthFailed { peer: peer.clone(), reason };
-    let unexpected = |e: &Event| FabricError::Connect {
-        peer: peer.clone(),
-        stage: "the handshake",
-        source: io::Error::other(format!("rdma_cm event {} (status {})", e.kind, e.status)),
+    let unexpected = |e: &Event| {
+        let err = FabricError::Connect {
+            peer: peer.clone(),
+            stage: "the handshake",
+            source: io::Error::other(format!("rdma_cm event {} (status {})", e.kind, e.status)),
+        };
+        (err, matches!(e.kind, CONNECT_ERROR | UNREACHABLE))
     };
     // 1. Hello: answered by a challenge (see handshake.rs).
-    let nonce_c = eps_fabric::auth::nonce().map_err(FabricError::Engine)?;
+    let nonce_c = eps_fabric::auth::nonce().map_err(FabricError::Engine).map_err(fin)?;
     let hello = Msg::Hello { nonce_c, max_msg: opts.max_msg_bytes };
-    let (first, e) = pd.dial(addr, send_cq, recv_cq, opts, &hello, deadline)?;
+    let (first, e) = pd.dial(addr, send_cq, recv_cq, opts, &hello, deadline).map_err(fin)?;
     drop(first);
     let nonce_s = match (e.kind, Msg::decode(&e.private)) {
         (REJECTED, Some(Msg::Challenge { nonce_s })) => nonce_s,
-        (REJECTED, Some(Msg::Denied)) => return Err(auth("the listener refused the connection")),
-        (ESTABLISHED, _) => return Err(auth("the listener accepted without the handshake")),
+        (REJECTED, Some(Msg::Denied)) => return Err(fin(auth("the listener refused the connection"))),
+        (ESTABLISHED, _) => return Err(fin(auth("the listener accepted without the handshake"))),
         _ => return Err(unexpected(&e)),
     };
     // 2. The proof; the listener's comes back with its accept.
     let proof_c = handshake::proof_c(&opts.secret, &nonce_c, &nonce_s);
-    let (mut qp, e) = pd.dial(addr, send_cq, recv_cq, opts, &Msg::Proof { nonce_s, proof_c }, deadline)?;
+    let (mut qp, e) = pd.dial(addr, send_cq, recv_cq, opts, &Msg::Proof { nonce_s, proof_c }, deadline).map_err(fin)?;
     let want = handshake::proof_s(&opts.secret, &nonce_c, &nonce_s);
     match (e.kind, Msg::decode(&e.private)) {
         (ESTABLISHED, Some(Msg::Accepted { proof_s, max_msg })) if eps_fabric::auth::proofs_equal(&proof_s, &want) => {
@@ -395,8 +429,8 @@ pub(super) fn connect(pd: &RdmaPd, addr: SocketAddr, send_cq: &RdmaCq, recv_cq: 
             qp.attach();
             Ok(qp)
         }
-        (ESTABLISHED, _) => Err(auth("the listener did not prove the job secret")),
-        (REJECTED, Some(Msg::Denied)) => Err(auth("the listener refused the proof (a different job secret?)")),
+        (ESTABLISHED, _) => Err(fin(auth("the listener did not prove the job secret"))),
+        (REJECTED, Some(Msg::Denied)) => Err(fin(auth("the listener refused the proof (a different job secret?)"))),
         _ => Err(unexpected(&e)),
     }
 }
