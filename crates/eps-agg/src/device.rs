@@ -34,6 +34,47 @@ pub enum Attached {
     Published,
 }
 
+/// The memory attached to a shard (`DeviceShard::attach`), by address in the
+/// device's memory: what a device keeps and checks, whatever its kind.
+#[derive(Clone, Debug, Default)]
+pub struct Attachments {
+    slots: Vec<Option<u64>>,
+    published: Option<(u64, usize)>,
+}
+
+impl Attachments {
+    /// Records `len` bytes at `addr` as `what`; a landing slot must hold
+    /// `slot_bytes` (one contribution).
+    pub fn set(&mut self, what: Attached, addr: u64, len: usize, slot_bytes: usize) -> Result<(), AggError> {
+        match what {
+            Attached::Slot(slot) => {
+                AggError::check_len("attached landing slot", slot_bytes, len)?;
+                if self.slots.len() <= slot {
+                    self.slots.resize(slot + 1, None);
+                }
+                self.slots[slot] = Some(addr);
+            }
+            Attached::Published => self.published = Some((addr, len)),
+        }
+        Ok(())
+    }
+
+    /// The address of slot `slot`'s attached memory (`slot_bytes` long), if any.
+    pub fn slot(&self, slot: usize) -> Option<u64> {
+        self.slots.get(slot).copied().flatten()
+    }
+
+    /// The address of published bytes `off..off + bytes`, checked against the
+    /// attached published memory.
+    pub fn published(&self, off: usize, bytes: usize) -> Result<u64, AggError> {
+        let (base, len) = self.published.ok_or_else(|| AggError::Device("no published memory is attached".into()))?;
+        if off.checked_add(bytes).is_none_or(|e| e > len) {
+            return Err(AggError::Device(format!("published bytes {off}+{bytes} lie outside the {len} attached")));
+        }
+        Ok(base + off as u64)
+    }
+}
+
 /// Where an update writes the published parameters (`elements` values in the wire
 /// dtype).
 #[derive(Debug)]
@@ -131,17 +172,9 @@ impl ShardDevice for HostDevice {
             ms: vec![0.0; elements * (1 + state_k)],
             grad: vec![0.0; elements],
             staged: Vec::new(),
-            slots_at: Vec::new(),
-            published_at: None,
+            attached: Attachments::default(),
         }))
     }
-}
-
-/// Memory attached to a [`HostShard`]: a host address and length.
-#[derive(Clone, Copy, Debug)]
-struct At {
-    addr: usize,
-    len: usize,
 }
 
 #[derive(Debug)]
@@ -154,10 +187,8 @@ struct HostShard {
     /// the server's staging is exercised: a stale or missing stage shows in the
     /// results.
     staged: Vec<Option<Vec<u8>>>,
-    /// By slot: attached landing memory.
-    slots_at: Vec<Option<At>>,
-    /// Attached published memory.
-    published_at: Option<At>,
+    /// Attached memory (host addresses).
+    attached: Attachments,
 }
 
 impl HostShard {
@@ -167,14 +198,11 @@ impl HostShard {
         let dst = match out {
             Out::Host(d) => d,
             Out::Attached(off) => {
-                let at = self.published_at.ok_or_else(|| AggError::Device("no published memory is attached".into()))?;
-                if off.checked_add(bytes).is_none_or(|e| e > at.len) {
-                    return Err(AggError::Device(format!("published bytes {off}+{bytes} lie outside the {} attached", at.len)));
-                }
+                let addr = self.attached.published(off, bytes)?;
                 // SAFETY: `attach`'s contract: the memory is mapped for this shard's
                 // life and nothing reads these bytes while an update writes them;
-                // the range was checked above.
-                unsafe { std::slice::from_raw_parts_mut((at.addr + off) as *mut u8, bytes) }
+                // the range was checked by `published`.
+                unsafe { std::slice::from_raw_parts_mut(addr as usize as *mut u8, bytes) }
             }
         };
         AggError::check_len("published buffer", bytes, dst.len())?;
@@ -204,18 +232,7 @@ impl DeviceShard for HostShard {
     }
 
     unsafe fn attach(&mut self, what: Attached, addr: u64, len: usize) -> Result<(), AggError> {
-        let at = Some(At { addr: addr as usize, len });
-        match what {
-            Attached::Slot(slot) => {
-                AggError::check_len("attached landing slot", self.len * self.dtype.size_bytes(), len)?;
-                if self.slots_at.len() <= slot {
-                    self.slots_at.resize(slot + 1, None);
-                }
-                self.slots_at[slot] = at;
-            }
-            Attached::Published => self.published_at = at,
-        }
-        Ok(())
+        self.attached.set(what, addr, len, self.len * self.dtype.size_bytes())
     }
 
     unsafe fn stage(&mut self, slot: usize, host: &[u8]) -> Result<(), AggError> {
@@ -236,15 +253,17 @@ impl DeviceShard for HostShard {
         fwd: Option<&mut [f32]>,
         out: Out<'_>,
     ) -> Result<(), AggError> {
+        let host_bytes = self.len * self.dtype.size_bytes();
         let taken: Vec<Option<Vec<u8>>> =
             inputs.iter().map(|&(slot, _)| self.staged.get_mut(slot).and_then(Option::take)).collect();
         let data: Vec<&[u8]> = inputs
             .iter()
             .zip(&taken)
-            .map(|(&(slot, host), st)| match self.slots_at.get(slot).copied().flatten() {
+            .map(|(&(slot, host), st)| match self.attached.slot(slot) {
                 // SAFETY: `attach`'s contract: mapped for this shard's life, and not
-                // written while an update reads it; its length was checked there.
-                Some(at) => unsafe { std::slice::from_raw_parts(at.addr as *const u8, at.len) },
+                // written while an update reads it; `set` checked it holds one
+                // contribution.
+                Some(addr) => unsafe { std::slice::from_raw_parts(addr as usize as *const u8, host_bytes) },
                 None => st.as_deref().unwrap_or(host),
             })
             .collect();

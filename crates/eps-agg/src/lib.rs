@@ -27,7 +27,7 @@ pub mod reduce;
 #[allow(unsafe_code)]
 mod simd;
 
-pub use device::{Attached, DeviceShard, HostDevice, Out, ShardDevice};
+pub use device::{Attached, Attachments, DeviceShard, HostDevice, Out, ShardDevice};
 pub use optim::{Decay, LrSchedule, Optimizer, StepScalars};
 
 /// Element type of gradients and published parameters on the wire. Accumulation and

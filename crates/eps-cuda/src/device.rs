@@ -14,7 +14,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, DevicePtrMut};
-use eps_agg::{AggError, Attached, DType, DeviceShard, Optimizer, Out, ShardDevice, StepScalars};
+use eps_agg::{AggError, Attached, Attachments, DType, DeviceShard, Optimizer, Out, ShardDevice, StepScalars};
 
 use crate::{CudaError, Gpu};
 
@@ -143,8 +143,7 @@ impl ShardDevice for CudaDevice {
             slots: Vec::new(),
             staged: Vec::new(),
             pinned: Vec::new(),
-            slots_at: Vec::new(),
-            published_at: None,
+            attached: Attachments::default(),
         }))
     }
 }
@@ -165,10 +164,8 @@ struct CudaShard {
     staged: Vec<bool>,
     /// Host ranges page-locked by `pin` (unlocked on drop).
     pinned: Vec<usize>,
-    /// By slot: attached landing memory (a device address).
-    slots_at: Vec<Option<u64>>,
-    /// Attached published memory: device address and bytes.
-    published_at: Option<(u64, usize)>,
+    /// Attached memory (device addresses).
+    attached: Attachments,
 }
 
 // SAFETY: the pinned addresses are only handed back to the driver on drop; the
@@ -224,13 +221,10 @@ impl CudaShard {
                 g.copy_out(&self.published, published)
             }
             Out::Attached(off) => {
-                let (base, len) = self.published_at.ok_or_else(|| CudaError::Bounds("no published memory is attached".into()))?;
-                if off.checked_add(bytes).is_none_or(|e| e > len) {
-                    return Err(CudaError::Bounds(format!("published bytes {off}+{bytes} outside the {len} attached")));
-                }
+                let addr = self.attached.published(off, bytes).map_err(|e| CudaError::Bounds(e.to_string()))?;
                 // SAFETY: attached memory of this context, allocated for the shard's
-                // life (`attach`'s contract); the range was checked above.
-                let dst = unsafe { g.raw_span::<u8>(base + off as u64, bytes) };
+                // life (`attach`'s contract); `published` checked the range.
+                let dst = unsafe { g.raw_span::<u8>(addr, bytes) };
                 g.narrow(self.dtype, g.span(&self.ms, 0, n)?, dst)?;
                 // Peers may read the bytes once the caller sets the stamp: done here.
                 g.sync()
@@ -240,9 +234,10 @@ impl CudaShard {
 
     /// Checks `out`'s size before any work is queued.
     fn check_out(&self, out: &Out<'_>) -> Result<(), AggError> {
+        let bytes = self.len * self.dtype.size_bytes();
         match out {
-            Out::Host(p) => AggError::check_len("published buffer", self.len * self.dtype.size_bytes(), p.len()),
-            Out::Attached(_) => Ok(()),
+            Out::Host(p) => AggError::check_len("published buffer", bytes, p.len()),
+            Out::Attached(off) => self.attached.published(*off, bytes).map(|_| ()),
         }
     }
 }
@@ -268,7 +263,7 @@ impl DeviceShard for CudaShard {
         out: Out<'_>,
     ) -> Result<(), AggError> {
         let (n, bytes) = (self.len, self.len * self.dtype.size_bytes());
-        let attached = |me: &Self, slot: usize| me.slots_at.get(slot).copied().flatten();
+        let attached = |me: &Self, slot: usize| me.attached.slot(slot);
         AggError::check_inputs(self.dtype, n, inputs.iter().filter(|&&(s, _)| attached(self, s).is_none()).map(|&(_, x)| x))?;
         self.check_out(&out)?;
         let run = |me: &mut Self| -> Result<(), CudaError> {
@@ -339,16 +334,6 @@ impl DeviceShard for CudaShard {
     }
 
     unsafe fn attach(&mut self, what: Attached, addr: u64, len: usize) -> Result<(), AggError> {
-        match what {
-            Attached::Slot(slot) => {
-                AggError::check_len("attached landing slot", self.len * self.dtype.size_bytes(), len)?;
-                if self.slots_at.len() <= slot {
-                    self.slots_at.resize(slot + 1, None);
-                }
-                self.slots_at[slot] = Some(addr);
-            }
-            Attached::Published => self.published_at = Some((addr, len)),
-        }
-        Ok(())
+        self.attached.set(what, addr, len, self.len * self.dtype.size_bytes())
     }
 }

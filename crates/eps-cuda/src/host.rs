@@ -24,7 +24,13 @@ type NarrowFn = unsafe extern "C" fn(i32, u32, u32, *const f32, *mut u16, u64);
 
 /// The kernels compiled for the CPU.
 struct HostKernels {
-    lib: libloading::Library,
+    sum: SumFn,
+    sgd: SgdFn,
+    momentum: MomentumFn,
+    adam: AdamFn,
+    narrow: NarrowFn,
+    /// Keeps the entry points above loaded.
+    _lib: libloading::Library,
 }
 
 fn skip(why: &str) -> Option<HostKernels> {
@@ -63,13 +69,20 @@ impl HostKernels {
         // SAFETY: a library just built from our source; its initializers do nothing.
         let lib = unsafe { libloading::Library::new(&out) }.expect("load the host kernels");
         std::fs::remove_file(&out).ok();
-        Some(Self { lib })
-    }
-
-    fn f<T: Copy>(&self, name: &[u8]) -> T {
-        // SAFETY: the symbols are the `extern "C"` functions of host_kernels.cpp,
-        // whose signatures the types above repeat.
-        unsafe { *self.lib.get::<T>(name).expect("a host kernel entry point") }
+        fn f<T: Copy>(lib: &libloading::Library, name: &[u8]) -> T {
+            // SAFETY: the symbols are the `extern "C"` functions of
+            // host_kernels.cpp, whose signatures the types above repeat; the
+            // library stays loaded as long as the pointers (`_lib`).
+            unsafe { *lib.get::<T>(name).expect("a host kernel entry point") }
+        }
+        Some(Self {
+            sum: f(&lib, b"host_eps_sum"),
+            sgd: f(&lib, b"host_eps_sgd"),
+            momentum: f(&lib, b"host_eps_momentum"),
+            adam: f(&lib, b"host_eps_adam"),
+            narrow: f(&lib, b"host_eps_narrow"),
+            _lib: lib,
+        })
     }
 
     /// Runs `plan` on its own grid, or on `grid` (blocks, threads per block).
@@ -79,9 +92,7 @@ impl HostKernels {
     /// from spans of live host buffers).
     unsafe fn run(&self, (launch, cfg): Planned, grid: Option<(u32, u32)>) {
         let (b, t) = grid.unwrap_or((cfg.grid_dim.0, cfg.block_dim.0));
-        let (sum, sgd) = (self.f::<SumFn>(b"host_eps_sum"), self.f::<SgdFn>(b"host_eps_sgd"));
-        let (momentum, adam) = (self.f::<MomentumFn>(b"host_eps_momentum"), self.f::<AdamFn>(b"host_eps_adam"));
-        let narrow = self.f::<NarrowFn>(b"host_eps_narrow");
+        let Self { sum, sgd, momentum, adam, narrow, .. } = *self;
         // SAFETY: the caller's contract; each function reads and writes only the
         // spans the plan was made from.
         unsafe {
