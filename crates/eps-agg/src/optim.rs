@@ -60,6 +60,10 @@ impl LrSchedule {
 /// Optimizer kind and hyper-parameters.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Optimizer {
+    /// No optimizer on the server (`kind = "none"`): a step replaces the shard's
+    /// values with the averaged gradient, so what workers pull is that average
+    /// and their framework applies its own optimizer.
+    Average,
     /// Plain SGD with L2 weight decay.
     Sgd {
         /// L2 penalty added to the gradient.
@@ -93,7 +97,7 @@ impl Optimizer {
     /// f32 state values kept per parameter.
     pub fn state_per_param(&self) -> usize {
         match self {
-            Optimizer::Sgd { .. } => 0,
+            Optimizer::Average | Optimizer::Sgd { .. } => 0,
             Optimizer::Momentum { .. } => 1,
             Optimizer::Adam { .. } => 2,
         }
@@ -102,6 +106,7 @@ impl Optimizer {
     /// Short name.
     pub fn name(&self) -> &'static str {
         match self {
+            Optimizer::Average => "none",
             Optimizer::Sgd { .. } => "sgd",
             Optimizer::Momentum { nesterov: false, .. } => "momentum",
             Optimizer::Momentum { nesterov: true, .. } => "nesterov",
@@ -130,6 +135,7 @@ impl Optimizer {
         assert_eq!(state.len(), n * self.state_per_param(), "optimizer state length");
         let lr = s.lr;
         match *self {
+            Optimizer::Average => params.copy_from_slice(grad),
             Optimizer::Sgd { weight_decay: wd } => {
                 for (p, g) in params.iter_mut().zip(grad) {
                     let g = *g + wd * *p;
@@ -200,6 +206,7 @@ mod tests {
     #[test]
     fn optimizers_match_f64_definitions() {
         let opts = [
+            Optimizer::Average,
             Optimizer::Sgd { weight_decay: 0.01 },
             Optimizer::Momentum { momentum: 0.9, nesterov: false, weight_decay: 0.01 },
             Optimizer::Momentum { momentum: 0.9, nesterov: true, weight_decay: 0.0 },
@@ -219,6 +226,7 @@ mod tests {
                 for i in 0..n {
                     let gi = g[i] as f64;
                     match o {
+                        Optimizer::Average => rp[i] = gi,
                         Optimizer::Sgd { weight_decay: wd } => rp[i] -= lr * (gi + wd as f64 * rp[i]),
                         Optimizer::Momentum { momentum: mu, nesterov, weight_decay: wd } => {
                             let gg = gi + wd as f64 * rp[i];

@@ -48,6 +48,7 @@ impl CudaDevice {
         use eps_agg::HostDevice;
         let n = 4099;
         let opts = [
+            Optimizer::Average,
             Optimizer::Sgd { weight_decay: 0.01 },
             Optimizer::Momentum { momentum: 0.9, nesterov: true, weight_decay: 0.01 },
             Optimizer::Adam { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01, decoupled: true },

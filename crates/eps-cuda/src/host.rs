@@ -223,6 +223,7 @@ fn sums_on_the_cpu_give_the_aggregators_bits() {
 fn optimizer_steps_on_the_cpu_give_the_aggregators_bits() {
     let Some(h) = HostKernels::load() else { return };
     let opts = [
+        Optimizer::Average,
         Optimizer::Sgd { weight_decay: 0.0 },
         Optimizer::Sgd { weight_decay: 0.01 },
         Optimizer::Momentum { momentum: 0.9, nesterov: false, weight_decay: 0.0 },

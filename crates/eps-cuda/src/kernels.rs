@@ -189,6 +189,12 @@ pub(crate) fn plan_step(
     let vec = i32::from(params.aligned16() && grad.aligned16() && (k == 0 || state.aligned16()));
     let (p, g, st, n64) = (params.device_ptr(), grad.device_ptr(), state.device_ptr(), n as u64);
     let launch = match *opt {
+        // No optimizer: the parameters become the averaged gradient, a copy (a
+        // one-input sum, as an f32 narrow is).
+        Optimizer::Average => {
+            let g = Span { ptr: g, len: n * 4, _of: std::marker::PhantomData };
+            return plan_sum(DType::F32, &[g], 1.0, params);
+        }
         Optimizer::Sgd { weight_decay } => Launch::Sgd { p, g, n: n64, lr: s.lr, wd: weight_decay, vec },
         Optimizer::Momentum { momentum, nesterov, weight_decay } => {
             Launch::Momentum { p, g, b: st, n: n64, lr: s.lr, mu: momentum, wd: weight_decay, nesterov: i32::from(nesterov), vec }

@@ -191,7 +191,8 @@ fn sums_match_f64_and_the_cpu() {
 }
 
 /// The optimizers every step test runs.
-const OPTIMIZERS: [Optimizer; 5] = [
+const OPTIMIZERS: [Optimizer; 6] = [
+    Optimizer::Average,
     Optimizer::Sgd { weight_decay: 0.01 },
     Optimizer::Momentum { momentum: 0.9, nesterov: false, weight_decay: 0.01 },
     Optimizer::Momentum { momentum: 0.9, nesterov: true, weight_decay: 0.0 },
@@ -219,6 +220,7 @@ impl Reference {
         for i in 0..p.len() {
             let gi = f64::from(g[i]);
             match *o {
+                Optimizer::Average => p[i] = gi,
                 Optimizer::Sgd { weight_decay: wd } => p[i] -= lr * (gi + f64::from(wd) * p[i]),
                 Optimizer::Momentum { momentum: mu, nesterov, weight_decay: wd } => {
                     let gg = gi + f64::from(wd) * p[i];

@@ -205,7 +205,9 @@ fn default_vocab() -> u64 {
 #[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct OptimizerSection {
-    /// `sgd`, `momentum`, `nesterov`, `adam`, `adamw`.
+    /// `sgd`, `momentum`, `nesterov`, `adam`, `adamw`, or `none` (servers
+    /// average the contributions and publish the average gradient; the
+    /// framework applies its own optimizer).
     #[serde(default = "default_opt")]
     pub kind: String,
     /// Base learning rate.
@@ -488,13 +490,19 @@ impl JobSpec {
         }
         let wd = o.weight_decay;
         Ok(match o.kind.as_str() {
+            "none" => Optimizer::Average,
             "sgd" => Optimizer::Sgd { weight_decay: wd },
             "momentum" => Optimizer::Momentum { momentum: o.momentum, nesterov: false, weight_decay: wd },
             "nesterov" => Optimizer::Momentum { momentum: o.momentum, nesterov: true, weight_decay: wd },
             "adam" | "adamw" => {
                 Optimizer::Adam { beta1: o.beta1, beta2: o.beta2, eps: o.eps, weight_decay: wd, decoupled: o.kind == "adamw" }
             }
-            k => return Err(bad("optimizer.kind", format!("unknown optimizer {k:?} (sgd, momentum, nesterov, adam, adamw)"))),
+            k => {
+                return Err(bad(
+                    "optimizer.kind",
+                    format!("unknown optimizer {k:?} (none, sgd, momentum, nesterov, adam, adamw)"),
+                ));
+            }
         })
     }
 
