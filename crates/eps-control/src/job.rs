@@ -8,6 +8,8 @@ use std::fmt::Write as _;
 
 use eps_proto::JobSpec;
 use eps_proto::control::{ControlMsg, JobMap, MigrationKeys, Order, Role, Route, ShardEndpoint};
+use eps_proto::declare::TensorDecl;
+use eps_proto::layout::Layout;
 use eps_proto::shardmap::{Move, ShardMap};
 use eps_proto::spec::Consistency;
 
@@ -71,6 +73,8 @@ struct ServerInfo {
 #[derive(Debug)]
 pub struct Job {
     spec_text: String,
+    /// The workers declare the tensors and none has yet (no layout).
+    awaiting: bool,
     consistency: Consistency,
     initial_servers: u32,
     /// How many servers may register so far (grows with scale-ups).
@@ -102,12 +106,19 @@ pub struct Job {
 }
 
 impl Job {
-    /// A job at its start: nobody registered yet.
+    /// A job at its start: nobody registered yet. A spec whose workers declare
+    /// the tensors (`model.declare`) has no layout until the first declaration.
     pub fn new(spec: &JobSpec, spec_text: &str) -> Result<Self, String> {
-        let layout = spec.layout().map_err(|e| e.to_string())?;
-        let n = layout.shards.len();
-        Ok(Self {
+        let awaiting = spec.awaits_declaration();
+        let layout = if awaiting {
+            let dtype = spec.dtype().map_err(|e| e.to_string())?;
+            Layout { dtype, tensors: Vec::new(), total: 0, shards: Vec::new(), servers: spec.job.servers }
+        } else {
+            spec.layout().map_err(|e| e.to_string())?
+        };
+        let mut job = Self {
             spec_text: spec_text.to_string(),
+            awaiting,
             consistency: spec.job.consistency,
             initial_servers: spec.job.servers,
             server_slots: spec.job.servers,
@@ -116,22 +127,66 @@ impl Job {
             adopted: vec![0; spec.job.rank_limit() as usize],
             progress: vec![0; spec.job.rank_limit() as usize],
             map: ShardMap::from_layout(&layout),
-            endpoints: vec![None; n],
-            previous: vec![None; n],
+            endpoints: Vec::new(),
+            previous: Vec::new(),
             migrations: Vec::new(),
             orders: Vec::new(),
             to_balance: Vec::new(),
-            spans: layout.shards.iter().map(|s| Span { start: s.start, len: s.len, from: 0, until: u64::MAX }).collect(),
+            spans: Vec::new(),
             splitting: None,
             balancing: None,
             splits: 0,
-            shard_cap: eps_proto::layout::live_shard_cap(n),
-        })
+            shard_cap: 0,
+        };
+        job.set_layout(&layout);
+        Ok(job)
+    }
+
+    /// The shard map and everything sized by it, for `layout` at epoch 0.
+    fn set_layout(&mut self, layout: &Layout) {
+        let n = layout.shards.len();
+        self.map = ShardMap::from_layout(layout);
+        self.endpoints = vec![None; n];
+        self.previous = vec![None; n];
+        self.spans = layout.shards.iter().map(|s| Span { start: s.start, len: s.len, from: 0, until: u64::MAX }).collect();
+        self.shard_cap = eps_proto::layout::live_shard_cap(n);
     }
 
     /// Whether every initial server is ready (workers may start).
     pub fn initial_ready(&self) -> bool {
-        self.endpoints.iter().all(Option::is_some)
+        !self.awaiting && self.endpoints.iter().all(Option::is_some)
+    }
+
+    /// Whether the job's tensors are known (given by the spec, or declared by
+    /// the first worker).
+    pub fn layout_fixed(&self) -> bool {
+        !self.awaiting
+    }
+
+    /// The job spec's text as it stands (with the declared tensors once fixed).
+    pub fn spec_text(&self) -> &str {
+        &self.spec_text
+    }
+
+    /// A worker's declaration: the first fixes the layout of a job that awaits
+    /// one; any other must equal the job's tensors.
+    fn declare(&mut self, decl: &[TensorDecl]) -> Result<ControlMsg, String> {
+        if self.awaiting {
+            let text = eps_proto::declare::fix(&self.spec_text, decl).map_err(|e| format!("the declaration is refused: {e}"))?;
+            let spec = JobSpec::from_toml(&text).map_err(|e| e.to_string())?;
+            let layout = spec.layout().map_err(|e| e.to_string())?;
+            self.set_layout(&layout);
+            self.spec_text = text;
+            self.awaiting = false;
+        } else {
+            eps_proto::declare::validate(decl).map_err(|e| format!("the declaration is refused: {e}"))?;
+            let spec = JobSpec::from_toml(&self.spec_text).map_err(|e| e.to_string())?;
+            let dtype = spec.dtype().map_err(|e| e.to_string())?;
+            if let Some(d) = eps_proto::declare::first_difference(&spec.tensors(), dtype, decl) {
+                return Err(format!("this worker's tensors differ from the job's: {d}"));
+            }
+        }
+        Ok(ControlMsg::Registered { rank: u32::MAX, spec_toml: self.spec_text.clone() })
     }
 
     /// Whether every worker and every server that joined has finished.
@@ -259,6 +314,7 @@ impl Job {
                 let rank = self.w.register()?;
                 Ok(ControlMsg::Registered { rank, spec_toml: self.spec_text.clone() })
             }
+            ControlMsg::Declare { tensors } => self.declare(tensors),
             ControlMsg::ScaleWorkers { workers } => self.scale_workers(*workers),
             ControlMsg::Vote { role, rank, id, hold } => self.vote(*role, *rank, *id, *hold),
             ControlMsg::Expire { rank } => self.expire(*rank),
@@ -475,6 +531,9 @@ impl Job {
     pub fn status(&self) -> String {
         let mut t = String::new();
         let _ = writeln!(t, "epoch: {}", self.map.epoch);
+        if self.awaiting {
+            let _ = writeln!(t, "tensors: awaiting the first worker's declaration");
+        }
         let training: Vec<u64> =
             (0..self.progress.len() as u32).filter(|&r| self.w.routes(r)).map(|r| self.progress[r as usize]).collect();
         if let (Some(lo), Some(hi)) = (training.iter().min(), training.iter().max()) {

@@ -161,6 +161,7 @@ fn serve(mut s: TcpStream, secret: &Secret, shared: &(Mutex<State>, Condvar)) ->
             | ControlMsg::Scale { .. }
             | ControlMsg::ScaleWorkers { .. }
             | ControlMsg::Vote { .. }
+            | ControlMsg::Declare { .. }
             | ControlMsg::Finished { .. } => {
                 let mut st = locked();
                 if let ControlMsg::Vote { role: eps_proto::control::Role::Worker, rank, .. } = m {
@@ -196,6 +197,20 @@ fn serve(mut s: TcpStream, secret: &Secret, shared: &(Mutex<State>, Condvar)) ->
                 }
                 st.seen.insert(worker, Instant::now());
                 ControlMsg::Map(st.job.job_map())
+            }
+            ControlMsg::GetSpec { rank } => {
+                // A server registered before the first worker declared the
+                // tensors waits for them (long poll).
+                let mut st = locked();
+                let deadline = Instant::now() + LONG_POLL;
+                while !st.job.layout_fixed() {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        break;
+                    }
+                    st = cv.wait_timeout(st, left).unwrap_or_else(|p| p.into_inner()).0;
+                }
+                ControlMsg::Registered { rank, spec_toml: st.job.spec_text().to_string() }
             }
             ControlMsg::Poll { rank, after } => {
                 let mut st = locked();

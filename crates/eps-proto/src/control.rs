@@ -212,6 +212,23 @@ pub enum ControlMsg {
         /// The job spec as TOML.
         spec_toml: String,
     },
+    /// Worker -> control, before it registers: the model's tensors as this
+    /// worker knows them. The first declaration of a job whose spec says
+    /// `declare = true` fixes its layout; every other must be the same (the
+    /// error names the first difference), so a refused worker takes no rank.
+    /// Answered with `Registered` (rank `u32::MAX`: none) and the spec as fixed.
+    Declare {
+        /// The tensors, in the order of the flat parameter space.
+        tensors: Vec<crate::declare::TensorDecl>,
+    },
+    /// Server -> control: the spec once its tensors are declared (long poll:
+    /// may answer with a spec still awaiting them; ask again). Answered with
+    /// `Registered`. A worker that declares nothing asks it (rank `u32::MAX`)
+    /// before it registers, so that it takes no rank in a job it cannot join.
+    GetSpec {
+        /// The asking server's rank.
+        rank: u32,
+    },
     /// Server -> control: listening, with the shards it was given at start.
     ServerReady {
         /// Server rank.
@@ -558,6 +575,17 @@ impl R<'_> {
         }
         Ok(JobMap { epoch, servers, routes, membership, proposal: self.u64()? })
     }
+    fn decls(&mut self) -> Result<Vec<crate::declare::TensorDecl>, DecodeError> {
+        let n = self.count(13)?;
+        (0..n)
+            .map(|_| {
+                let (name, elements) = (self.str()?, self.u64()?);
+                let c = self.u8()?;
+                let dtype = eps_agg::DType::from_code(c).ok_or(DecodeError::Tag(c))?;
+                Ok(crate::declare::TensorDecl { name, elements, dtype })
+            })
+            .collect()
+    }
     fn ranks(&mut self) -> Result<Vec<u32>, DecodeError> {
         let n = self.count(4)?;
         (0..n).map(|_| self.u32()).collect()
@@ -677,6 +705,19 @@ impl ControlMsg {
                 w.endpoint(lo);
                 w.endpoint(hi);
             }
+            ControlMsg::Declare { tensors } => {
+                w.u8(21);
+                w.u32(tensors.len() as u32);
+                for t in tensors {
+                    w.str(&t.name);
+                    w.u64(t.elements);
+                    w.u8(t.dtype.code());
+                }
+            }
+            ControlMsg::GetSpec { rank } => {
+                w.u8(22);
+                w.u32(*rank);
+            }
             ControlMsg::Orders { last, orders } => {
                 w.u8(16);
                 w.u64(*last);
@@ -723,6 +764,8 @@ impl ControlMsg {
             18 => ControlMsg::Vote { role: r.role()?, rank: r.u32()?, id: r.u64()?, hold: r.u64()? },
             19 => ControlMsg::Expire { rank: r.u32()? },
             20 => ControlMsg::Split { shard: r.u32()?, at: r.u64()?, lo: r.endpoint()?, hi: r.endpoint()? },
+            21 => ControlMsg::Declare { tensors: r.decls()? },
+            22 => ControlMsg::GetSpec { rank: r.u32()? },
             t => return Err(DecodeError::Tag(t)),
         };
         if !r.0.is_empty() {
@@ -770,6 +813,13 @@ mod tests {
             ControlMsg::Vote { role: Role::Worker, rank: 1, id: 2, hold: 40 },
             ControlMsg::Expire { rank: 2 },
             ControlMsg::Split { shard: 3, at: 17, lo: ep(5, 1), hi: ep(6, 1) },
+            ControlMsg::Declare {
+                tensors: vec![
+                    crate::declare::TensorDecl { name: "fc.weight".into(), elements: 1 << 33, dtype: eps_agg::DType::Bf16 },
+                    crate::declare::TensorDecl { name: "fc.bias".into(), elements: 7, dtype: eps_agg::DType::Bf16 },
+                ],
+            },
+            ControlMsg::GetSpec { rank: 2 },
             ControlMsg::Orders {
                 last: 9,
                 orders: vec![

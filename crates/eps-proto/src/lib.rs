@@ -9,6 +9,7 @@
 #![forbid(unsafe_code)]
 
 pub mod control;
+pub mod declare;
 pub mod hello;
 pub mod imm;
 pub mod init;

@@ -168,6 +168,10 @@ pub struct ModelSection {
     /// Explicit tensors (used when no preset is given).
     #[serde(default)]
     pub tensors: Vec<TensorSpec>,
+    /// The tensors are declared by the first worker to join (a framework knows
+    /// them only at run time); the control plane then fixes them in the spec.
+    #[serde(default)]
+    pub declare: bool,
     /// Synthetic preset: hashed sparse-feature buckets (embedding rows).
     #[serde(default = "default_buckets")]
     pub buckets: u64,
@@ -409,8 +413,11 @@ impl JobSpec {
         {
             return Err(bad("model.preset", format!("unknown preset {p:?} (known: synthetic)")));
         }
-        if self.model.preset.is_none() && self.model.tensors.is_empty() {
-            return Err(bad("model.tensors", "give a preset or at least one tensor"));
+        if self.model.declare && (self.model.preset.is_some() || !self.model.tensors.is_empty()) {
+            return Err(bad("model.declare", "workers declare the tensors: give no preset and no tensors with it"));
+        }
+        if self.model.preset.is_none() && self.model.tensors.is_empty() && !self.model.declare {
+            return Err(bad("model.tensors", "give a preset, at least one tensor, or `declare = true` (workers declare them)"));
         }
         let m = &self.model;
         if m.preset.is_some() {
@@ -442,6 +449,12 @@ impl JobSpec {
         self.optimizer()?;
         self.schedule()?;
         Ok(())
+    }
+
+    /// Whether the tensors are still to be declared by the first worker (see
+    /// [`crate::declare`]); such a spec has no layout yet.
+    pub fn awaits_declaration(&self) -> bool {
+        self.model.declare
     }
 
     /// The model's tensors: the preset's, or the explicit list.
@@ -589,6 +602,8 @@ mod tests {
             ("[job]\n[model]\npreset = \"synthetic\"\n[lr_schedule]\ndecay = \"exp\"", "lr_schedule.decay"),
             ("[job]\nworkers = \"two\"\n[model]\npreset = \"synthetic\"", "workers"),
             ("[job]", "model.tensors"),
+            ("[job]\n[model]\npreset = \"synthetic\"\ndeclare = true", "model.declare"),
+            ("[job]\n[model]\ndeclare = true\ntensors = [{ name = \"w\", elements = 4 }]", "model.declare"),
             ("[job]\nconsistency = \"ssp\"\nstaleness = 0\n[model]\npreset = \"synthetic\"", "job.staleness"),
             ("[job]\n[model]\npreset = \"synthetic\"\n[fabric]\ntransport = \"tcp\"", "fabric.transport"),
             ("[job]\n[model]\npreset = \"synthetic\"\n[fabric]\nrdma_port = 0", "fabric.rdma_port"),

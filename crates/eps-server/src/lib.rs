@@ -301,11 +301,22 @@ impl Registration {
     }
 }
 
-/// Registers with the control plane as a server.
+/// Registers with the control plane as a server. When the job's workers
+/// declare its tensors (`model.declare`), waits (without a time limit) until
+/// the first one has.
 pub fn register(cfg: &ServerConfig) -> Result<Registration, ServerError> {
     let mut ctl = ControlClient::connect(cfg.control, &cfg.secret, cfg.accept_timeout)?;
     let (rank, spec_text) = ctl.register(Role::Server)?;
-    let spec = JobSpec::from_toml(&spec_text)?;
+    let mut spec = JobSpec::from_toml(&spec_text)?;
+    if spec.awaits_declaration() {
+        eprintln!("eps server {rank}: waiting for the first worker to declare the model's tensors");
+    }
+    while spec.awaits_declaration() {
+        match ctl.call(&ControlMsg::GetSpec { rank })? {
+            ControlMsg::Registered { spec_toml, .. } => spec = JobSpec::from_toml(&spec_toml)?,
+            _ => return Err(ServerError::Control(ControlError::Protocol("unexpected answer to a spec request"))),
+        }
+    }
     Ok(Registration { rank, spec, ctl })
 }
 

@@ -58,7 +58,7 @@ use eps_proto::{Consistency, JobSpec, SpecError};
 mod pull;
 mod register;
 mod watch;
-pub use register::{Registration, register};
+pub use register::{Registration, register, register_declaring};
 use watch::MapWatch;
 
 /// How a worker joins.

@@ -6,6 +6,7 @@ use std::time::Instant;
 use eps_control::ControlClient;
 use eps_proto::JobSpec;
 use eps_proto::control::{ControlMsg, JobMap, Role};
+use eps_proto::declare::TensorDecl;
 use eps_proto::layout::Layout;
 
 use crate::{WorkerConfig, WorkerError};
@@ -39,8 +40,30 @@ impl Registration {
 
 /// Registers with the control plane as a worker and waits for the shard map (and,
 /// for a worker started to join a running job, for the change that admits it).
+/// The job's spec must name its tensors: see [`register_declaring`] otherwise.
 pub fn register(cfg: &WorkerConfig) -> Result<Registration, WorkerError> {
+    register_declaring(cfg, None)
+}
+
+/// As [`register`], declaring the model's tensors first when `tensors` is
+/// given: the first declaration fixes the layout of a job whose spec says
+/// `model.declare = true`; any later one (or one for a job whose spec names
+/// its tensors) must be the same, or the control plane refuses it, naming
+/// the first difference ([`WorkerError::Control`]).
+pub fn register_declaring(cfg: &WorkerConfig, tensors: Option<&[TensorDecl]>) -> Result<Registration, WorkerError> {
     let mut ctl = ControlClient::connect(cfg.control, &cfg.secret, cfg.timeout)?;
+    // Declared (or the spec checked) before registering: a refused worker
+    // takes no rank.
+    let req = match tensors {
+        Some(tensors) => ControlMsg::Declare { tensors: tensors.to_vec() },
+        None => ControlMsg::GetSpec { rank: u32::MAX },
+    };
+    let ControlMsg::Registered { spec_toml, .. } = ctl.call(&req)? else {
+        return Err(WorkerError::Unexpected);
+    };
+    if JobSpec::from_toml(&spec_toml)?.awaits_declaration() {
+        return Err(WorkerError::Unsupported("the job's workers declare its tensors, and this one declared none"));
+    }
     let (rank, spec_text) = ctl.register(Role::Worker)?;
     let spec = JobSpec::from_toml(&spec_text)?;
     let layout = spec.layout()?;
