@@ -9,6 +9,7 @@
 //! - [`roles`]: the control, server and worker commands.
 //! - [`rdma`]: `eps rdma devices` (RDMA devices and the choice among them).
 //! - [`train`]: `eps train`, a local cluster on the built-in synthetic task.
+//! - [`up`]: `eps up`, a control plane and servers for a framework's workers.
 
 pub use eps_fabric as fabric;
 
@@ -19,3 +20,4 @@ pub mod roles;
 pub mod train;
 pub mod transport;
 pub mod units;
+pub mod up;

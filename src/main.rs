@@ -33,6 +33,15 @@ enum Cmd {
     /// processes on 127.0.0.1 with the embedded file-backed store, trains, and prints
     /// progress and a summary. Ctrl-C, or any process failing, stops them all.
     Train(TrainArgs),
+    /// Start a job for a framework's workers: a control plane and its servers.
+    ///
+    /// Starts the control plane and --servers servers as child processes and
+    /// waits for --workers workers to join through libeps or the Python package
+    /// (`import eps`). Prints `EPS_CONTROL=HOST:PORT` as its first line, then,
+    /// unless EPS_JOB_SECRET is set, `EPS_JOB_SECRET_FILE=PATH` (a secret it
+    /// generated, readable by this user only): export them for the workers.
+    /// Stops when every worker and server has finished, or on Ctrl-C.
+    Up(eps::up::UpArgs),
     /// Run the control plane of one job (membership, placement; never on the data path).
     Control {
         /// Address to listen on.
@@ -692,6 +701,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let res = match cli.cmd {
         Cmd::Train(a) => train(a),
+        Cmd::Up(a) => eps::up::run(a),
         Cmd::Control { listen, spec, state_dir, exit_with_parent } => {
             if exit_with_parent {
                 eps::roles::exit_with_parent();

@@ -13,10 +13,19 @@ use eps_proto::JobSpec;
 use crate::transport::{self, OnFabric, TransportFlags};
 
 /// The job secret from the environment (never from the command line, where other
-/// users of the machine could read it).
+/// users of the machine could read it): `EPS_JOB_SECRET`, else the file named by
+/// `EPS_JOB_SECRET_FILE` (as `eps up` writes it), else the spec's.
 pub fn secret_from_env(spec: Option<&JobSpec>) -> Result<Secret, String> {
-    let s = std::env::var("EPS_JOB_SECRET").ok().or_else(|| spec.and_then(|s| s.job.secret.clone()));
-    let s = s.ok_or("no job secret: set EPS_JOB_SECRET (or job.secret in the spec)")?;
+    let mut s = std::env::var("EPS_JOB_SECRET").ok().filter(|s| !s.is_empty());
+    if s.is_none()
+        && let Some(path) = std::env::var_os("EPS_JOB_SECRET_FILE")
+    {
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| format!("cannot read the job secret from EPS_JOB_SECRET_FILE={}: {e}", path.to_string_lossy()))?;
+        s = Some(text.trim().to_string());
+    }
+    let s = s.or_else(|| spec.and_then(|s| s.job.secret.clone()));
+    let s = s.ok_or("no job secret: set EPS_JOB_SECRET or EPS_JOB_SECRET_FILE (or job.secret in the spec)")?;
     Secret::new(s).map_err(|e| e.to_string())
 }
 

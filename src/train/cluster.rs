@@ -31,6 +31,18 @@ pub fn soft_args() -> ChildArgs {
     ChildArgs { both: vec!["--transport".into(), "soft".into()], servers: vec!["--aggregator".into(), "cpu".into()] }
 }
 
+/// How [`LocalCluster::launch`] starts a cluster.
+#[derive(Clone, Debug)]
+pub struct Launch {
+    /// The control plane's listen address (`IP:PORT`; port 0: any).
+    pub listen: String,
+    /// The job secret (default: the spec's, else a new random one).
+    pub secret: Option<String>,
+    /// Start `job.workers` `eps worker` processes (else the workers come from
+    /// elsewhere: a framework's processes).
+    pub workers: bool,
+}
+
 /// The running processes of one job.
 pub struct LocalCluster {
     children: Vec<(String, Child)>,
@@ -81,6 +93,19 @@ impl LocalCluster {
     /// `children.both` (the transport flags), servers with `children.servers` too.
     /// Worker stdout lines are collected.
     pub fn start(spec: &JobSpec, spec_text: &str, worker_args: &[&str], children: &ChildArgs) -> Result<Self, TrainError> {
+        let how = Launch { listen: "127.0.0.1:0".into(), secret: None, workers: true };
+        Self::launch(spec, spec_text, worker_args, children, &how)
+    }
+
+    /// As [`LocalCluster::start`], with the control plane's address, the job
+    /// secret and whether to start the workers given by `how`.
+    pub fn launch(
+        spec: &JobSpec,
+        spec_text: &str,
+        worker_args: &[&str],
+        children: &ChildArgs,
+        how: &Launch,
+    ) -> Result<Self, TrainError> {
         let stop = Arc::new(AtomicBool::new(false));
         {
             let stop = stop.clone();
@@ -90,7 +115,7 @@ impl LocalCluster {
         }
         let exe =
             std::env::current_exe().map_err(|source| TrainError::Spawn { what: "eps (current executable)".into(), source })?;
-        let secret = spec.job.secret.clone().unwrap_or_else(|| {
+        let secret = how.secret.clone().or_else(|| spec.job.secret.clone()).unwrap_or_else(|| {
             eps_fabric::auth::nonce().map(|n| n.iter().map(|b| format!("{b:02x}")).collect()).unwrap_or_else(|_| "eps".into())
         });
         let tag: String =
@@ -129,7 +154,7 @@ impl LocalCluster {
         let ctl_args = [
             "control",
             "--listen",
-            "127.0.0.1:0",
+            &how.listen,
             "--spec",
             path_str(&spec_path),
             "--state-dir",
@@ -148,7 +173,7 @@ impl LocalCluster {
         for _ in 0..spec.job.servers {
             cl.spawn_server()?;
         }
-        for _ in 0..spec.job.workers {
+        for _ in 0..if how.workers { spec.job.workers } else { 0 } {
             cl.spawn_worker()?;
         }
         Ok(cl)
@@ -193,6 +218,12 @@ impl LocalCluster {
     /// The job secret the processes share.
     pub fn secret(&self) -> &str {
         &self.secret
+    }
+
+    /// The cluster's private directory (the spec, the control plane's state),
+    /// removed when the cluster is dropped.
+    pub fn dir(&self) -> &Path {
+        &self.dir
     }
 
     /// Starts one more server process (it registers with the control plane, which

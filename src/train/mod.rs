@@ -9,7 +9,7 @@ pub mod worker;
 
 use std::path::{Path, PathBuf};
 
-pub use cluster::LocalCluster;
+pub use cluster::{Launch, LocalCluster};
 
 use eps_proto::JobSpec;
 
@@ -102,9 +102,22 @@ pub enum TrainError {
 
 /// Builds the spec text: a file (or the default job) with overrides applied.
 pub fn build_spec(path: Option<&Path>, o: &Overrides) -> Result<(JobSpec, String), TrainError> {
+    let (spec, text) = build_spec_or(path, DEFAULT_SPEC, o)?;
+    if spec.model.preset.is_none() {
+        return Err(eps_proto::SpecError::Field {
+            field: "model.preset",
+            reason: "`eps train` runs the built-in synthetic task; set preset = \"synthetic\"".into(),
+        }
+        .into());
+    }
+    Ok((spec, text))
+}
+
+/// The spec text of a file, or of `default` without one, with overrides applied.
+pub fn build_spec_or(path: Option<&Path>, default: &str, o: &Overrides) -> Result<(JobSpec, String), TrainError> {
     let text = match path {
         Some(p) => std::fs::read_to_string(p).map_err(|source| TrainError::ReadSpec { path: p.to_path_buf(), source })?,
-        None => DEFAULT_SPEC.to_string(),
+        None => default.to_string(),
     };
     let mut table: toml::Table =
         text.parse().map_err(|e: toml::de::Error| eps_proto::SpecError::Toml(e.to_string().trim().replace('\n', " ")))?;
@@ -144,13 +157,6 @@ pub fn build_spec(path: Option<&Path>, o: &Overrides) -> Result<(JobSpec, String
     }
     let text = toml::to_string(&table).expect("a TOML table serializes");
     let spec = JobSpec::from_toml(&text)?;
-    if spec.model.preset.is_none() {
-        return Err(eps_proto::SpecError::Field {
-            field: "model.preset",
-            reason: "`eps train` runs the built-in synthetic task; set preset = \"synthetic\"".into(),
-        }
-        .into());
-    }
     Ok((spec, text))
 }
 
