@@ -150,3 +150,70 @@ fn join_undeclared(control: std::net::SocketAddr) -> Result<Worker, WorkerError>
     let reg = eps_worker::register(&cfg)?;
     Worker::join_on(&cfg, reg, SoftDevice::open()?.alloc_pd())
 }
+
+/// A framework pushes tensors as its backward pass produces them (last layer
+/// first) and polls for their parameters: the result is the same bits as
+/// whole push_pulls, and a tensor whose shard also holds an unpushed tensor
+/// is not pulled before that one is pushed.
+#[test]
+fn tensor_by_tensor_pushes_equal_whole_push_pulls() {
+    let (text, explicit) = declared_text(2, 2, 5, "f32", "adam");
+    let (spec, control) = start_control(&text);
+    let got: Vec<Vec<u8>> = std::thread::scope(|s| {
+        for _ in 0..spec.job.servers {
+            s.spawn(move || run_server(control));
+        }
+        let hs: Vec<_> = (0..2)
+            .map(|_| {
+                s.spawn(move || {
+                    let mut w = join(control, &decl(DType::F32)).unwrap();
+                    let n = w.layout().total as usize;
+                    let (mut p, mut g) = (vec![0f32; n], vec![0f32; n]);
+                    for _ in 0..w.spec().job.steps - 1 {
+                        w.read_params(&mut p).unwrap();
+                        common::gradient(&p, w.rank(), w.iteration(), &mut g);
+                        w.write_grads(&g).unwrap();
+                        let t = w.iteration();
+                        // "b" (index 1) first: its first shard also holds the end of "w".
+                        w.push_tensors(&[1]).unwrap();
+                        assert!(w.in_round());
+                        std::thread::sleep(std::time::Duration::from_millis(20));
+                        assert!(!w.test_pull(&[1]).unwrap(), "b's first shard cannot be answered before w is pushed");
+                        let e = w.push_tensors(&[1]).unwrap_err();
+                        assert!(e.to_string().contains("twice"), "{e}");
+                        w.push_tensors(&[0]).unwrap();
+                        while !w.pushes_sent(&[0, 1]).unwrap() {
+                            std::thread::yield_now();
+                        }
+                        while !w.test_pull(&[1]).unwrap() {
+                            std::thread::yield_now();
+                        }
+                        w.pull_tensors(&[0, 1]).unwrap();
+                        assert!(!w.in_round());
+                        assert_eq!(w.iteration(), t + 1);
+                    }
+                    // No round open: nothing in flight, the parameters are in.
+                    assert!(w.test_pull(&[0]).unwrap());
+                    w.read_params(&mut p).unwrap();
+                    common::gradient(&p, w.rank(), w.iteration(), &mut g);
+                    w.write_grads(&g).unwrap();
+                    w.push_tensors(&[0]).unwrap();
+                    let e = w.pull_tensors(&[1]).unwrap_err();
+                    assert!(e.to_string().contains("not pushed in this iteration"), "{e}");
+                    w.push_tensors(&[1]).unwrap();
+                    w.pull_tensors(&[0, 1]).unwrap();
+                    let e = w.push_tensors(&[2]).unwrap_err();
+                    assert!(e.to_string().contains("tensor index"), "{e}");
+                    let out = w.params_bytes().to_vec();
+                    w.finish().unwrap();
+                    out
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let want = reference(&explicit, &Membership::new(vec![0, 1]).unwrap());
+    for (r, g) in got.iter().enumerate() {
+        assert!(g == &want, "worker {r} differs from the reference");
+    }
+}

@@ -57,6 +57,7 @@ use eps_proto::{Consistency, JobSpec, SpecError};
 
 mod pull;
 mod register;
+mod round;
 mod watch;
 pub use register::{Registration, register, register_declaring};
 use watch::MapWatch;
@@ -195,6 +196,10 @@ pub struct Worker<P: Fabric = SoftPd> {
     outstanding: Vec<u32>,
     /// Pull requests answered "moved" since the current push_pull or pull began.
     pull_moved: usize,
+    /// The iteration's round, once a push began it (see `round.rs`).
+    open: Option<round::Open>,
+    /// Per global shard: push WRITEs posted whose completion has not come.
+    sending: Vec<u32>,
     /// ASP: where each shard's published-buffer stamps are read into (16 bytes each).
     stamps: P::Mr,
     /// RDMA READs completed since the current read round began.
@@ -281,6 +286,8 @@ impl<P: Fabric> Worker<P> {
             round_pulled: vec![false; ids],
             outstanding: vec![0; ids],
             pull_moved: 0,
+            open: None,
+            sending: vec![0; ids],
             stamps,
             reads_done: 0,
             iteration: start,
@@ -351,6 +358,7 @@ impl<P: Fabric> Worker<P> {
         self.credit.resize(ids, true);
         self.round_pulled.resize(ids, false);
         self.outstanding.resize(ids, 0);
+        self.sending.resize(ids, 0);
         for o in self.needed_owners() {
             self.connect(o)?;
         }
@@ -658,76 +666,6 @@ impl<P: Fabric> Worker<P> {
         }
     }
 
-    /// Pushes this iteration's gradients and pulls the parameters of the next one,
-    /// shard by shard, all shards in flight at once. Returns when every shard's new
-    /// parameters are in the buffer. Routes with the newest shard map; a push the
-    /// old owner answers "moved" is sent again to the new one.
-    pub fn push_pull(&mut self) -> Result<(), WorkerError> {
-        if !self.begin()? {
-            return Err(WorkerError::Unsupported("this worker left the job at this iteration (see `Worker::begin`)"));
-        }
-        let start = Instant::now();
-        self.adopt_newest()?;
-        self.report_routing()?;
-        let t = self.iteration;
-        self.start_round(t);
-        for sid in self.round.clone() {
-            self.wait_until(|w| w.credit[sid], "a credit for the landing slot")?;
-            self.push_shard(sid, t)?;
-        }
-        if self.mode == Consistency::Asp {
-            self.read_pull()?;
-        } else {
-            // Every pull request is answered once, with data or "pull moved"; the
-            // round ends when every shard has its data and no request is in flight
-            // (none is left for a later call to mistake for its own).
-            loop {
-                self.wait_until(
-                    |w| w.round_done() || !w.moved.is_empty() || !w.pulls_moved.is_empty(),
-                    "pull answers from the servers",
-                )
-                .map_err(|e| match e {
-                    WorkerError::Timeout(_) => WorkerError::PullTimeout { iteration: t, missing: self.unanswered(t) },
-                    e => e,
-                })?;
-                if self.moved.is_empty() && self.pulls_moved.is_empty() {
-                    break;
-                }
-                if !self.moved.is_empty() {
-                    // Routed with an old epoch: push where the newest map says; if
-                    // it still routes a push to the server that refused it, fetch
-                    // a newer one first.
-                    self.adopt_newest()?;
-                    let stale = self.moved.iter().any(|&(sid, it, from)| {
-                        self.map.routes[sid].alive(it) && self.map.routes[sid].for_iteration(it).owner == from
-                    });
-                    if stale {
-                        self.refresh_map()?;
-                    }
-                    for (sid, it, _) in std::mem::take(&mut self.moved) {
-                        // A shard split at or before `it`: push its parts.
-                        let cover = self.map.covering(sid, it);
-                        if cover.is_empty() || cover == [sid] {
-                            self.push_shard(sid, it)?;
-                            continue;
-                        }
-                        self.replace_in_round(sid, &cover);
-                        for c in cover {
-                            self.wait_until(|w| w.credit[c], "a credit for the landing slot")?;
-                            self.push_shard(c, it)?;
-                        }
-                    }
-                }
-                // A pull refused while its push was taken (a migration cut over
-                // meanwhile), or after the shard was split: ask again.
-                self.ask_again(self.need_after_push(t))?;
-            }
-        }
-        self.iteration += 1;
-        self.stats.comm += start.elapsed();
-        Ok(())
-    }
-
     /// The server of `ep` and this worker's landing slot there.
     fn slot_at(&self, ep: &ShardEndpoint) -> Result<(u32, RemoteAddr), WorkerError> {
         let &(addr, rkey) = ep.landing.get(self.rank as usize).ok_or(WorkerError::Unexpected)?;
@@ -753,6 +691,7 @@ impl<P: Fabric> Worker<P> {
             self.outstanding[sid] += 1;
         }
         self.credit[sid] = false;
+        self.sending[sid] += 1;
         self.stats.pushed_bytes += len * es;
         Ok(())
     }
@@ -861,6 +800,11 @@ impl<P: Fabric> Worker<P> {
                     }
                 }
                 _ if c.wr_id == WR_HELLO => self.hellos_acked += 1,
+                _ if c.wr_id & (3 << 62) == WR_PUSH => {
+                    if let Some(n) = self.sending.get_mut((c.wr_id & 0xFFFF_FFFF) as usize) {
+                        *n = n.saturating_sub(1);
+                    }
+                }
                 WcOpcode::Read if c.wr_id == WR_READ => self.reads_done += 1,
                 _ => {}
             }

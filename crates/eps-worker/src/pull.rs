@@ -19,6 +19,9 @@ impl<P: Fabric> Worker<P> {
         if self.mode == Consistency::Asp {
             return Err(WorkerError::Unsupported("pull_shard in ASP (pulls are RDMA READs there; use push_pull)"));
         }
+        if self.open.is_some() {
+            return Err(WorkerError::Unsupported("pull_shard while an iteration's pushes are in flight (pull them first)"));
+        }
         let start = Instant::now();
         self.adopt_newest()?;
         if sid >= self.map.routes.len() {
