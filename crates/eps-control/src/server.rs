@@ -6,6 +6,7 @@
 
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -117,8 +118,18 @@ impl ControlService {
 
     /// Serves until every server and worker has reported `Finished`.
     pub fn run(self) -> Result<(), ControlError> {
+        self.run_until(&AtomicBool::new(false))
+    }
+
+    /// As [`ControlService::run`], or until `stop` is set (a host process
+    /// shutting down an embedded job: connections already open are served
+    /// until their peers close them).
+    pub fn run_until(self, stop: &AtomicBool) -> Result<(), ControlError> {
         self.listener.set_nonblocking(true).map_err(ControlError::Io)?;
         loop {
+            if stop.load(Ordering::Acquire) {
+                return Ok(());
+            }
             {
                 let mut st = self.shared.0.lock().unwrap_or_else(|p| p.into_inner());
                 if st.done_replied {

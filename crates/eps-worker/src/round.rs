@@ -151,6 +151,11 @@ impl<P: Fabric> Worker<P> {
         Ok(done)
     }
 
+    /// Whether tensor `i` was pushed in the open round.
+    pub fn is_pushed(&self, i: usize) -> bool {
+        self.open.as_ref().is_some_and(|o| o.pushed.get(i).copied().unwrap_or(false))
+    }
+
     /// Whether a round is open: some tensor was pushed in this iteration and
     /// the iteration's pulls are not all in.
     pub fn in_round(&self) -> bool {

@@ -1,0 +1,850 @@
+//! The worker calls: create, join (declaring tensors), buffers, iterations,
+//! non-blocking push/pull with request handles, membership, stats, finish.
+
+use std::collections::HashMap;
+use std::ffi::{CString, c_char, c_int, c_void};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use ::eps_worker as lib;
+use eps_agg::DType;
+use eps_fabric::prelude::*;
+use eps_proto::declare::TensorDecl;
+use lib::{Worker, WorkerConfig};
+
+use crate::handle::{self, Kind};
+use crate::status::{Res, c_str, eps_status, eps_status::*, fail, guard, non_null};
+
+/// Element types.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[allow(non_camel_case_types)]
+pub enum eps_dtype {
+    /// IEEE binary32.
+    EPS_DTYPE_F32 = 0,
+    /// bfloat16.
+    EPS_DTYPE_BF16 = 1,
+    /// IEEE binary16.
+    EPS_DTYPE_F16 = 2,
+}
+
+impl eps_dtype {
+    fn from_dtype(d: DType) -> Self {
+        match d {
+            DType::F32 => Self::EPS_DTYPE_F32,
+            DType::Bf16 => Self::EPS_DTYPE_BF16,
+            DType::F16 => Self::EPS_DTYPE_F16,
+        }
+    }
+}
+
+/// Options of `eps_worker_create`. Initialize with `eps_worker_options_init`,
+/// then set what differs: the library reads only the first `struct_size`
+/// bytes, so a program built against an older header (a smaller struct)
+/// keeps working, the fields it lacks taking their defaults.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct eps_worker_options {
+    /// `sizeof(eps_worker_options)` as the caller knows it (set by init).
+    pub struct_size: usize,
+    /// The job secret; NULL: `EPS_JOB_SECRET`, else the file named by
+    /// `EPS_JOB_SECRET_FILE` (as `eps up` prints it). Copied by create.
+    pub secret: *const c_char,
+    /// `"soft"` or `"auto"` (NULL: auto). This library speaks the soft
+    /// transport (verbs semantics over TCP); `"rdma"` is refused with
+    /// `EPS_ERR_UNSUPPORTED`.
+    pub transport: *const c_char,
+    /// Milliseconds to wait for the control plane, the servers and each
+    /// transfer (0: 120000).
+    pub timeout_ms: u32,
+}
+
+/// A tensor as a worker declares it at join.
+#[repr(C)]
+#[derive(Debug)]
+pub struct eps_tensor_decl {
+    /// Its name, NUL-terminated UTF-8, unique in the model (copied by join).
+    pub name: *const c_char,
+    /// Number of elements (at least 1).
+    pub elements: u64,
+    /// Element type (every tensor of a job has the same).
+    pub dtype: eps_dtype,
+}
+
+/// The worker as a whole, after join.
+#[repr(C)]
+#[derive(Debug)]
+pub struct eps_worker_info {
+    /// This worker's rank in the job.
+    pub rank: u32,
+    /// Tensors in the job's layout (indices `0..tensor_count`).
+    pub tensor_count: u32,
+    /// The job's element type.
+    pub dtype: eps_dtype,
+    /// Elements of the flat parameter space (all tensors, with alignment).
+    pub elements: u64,
+    /// Bytes of each of the two buffers.
+    pub bytes: u64,
+    /// The flat parameter buffer (registered memory the servers write into).
+    pub params: *mut c_void,
+    /// The flat gradient buffer (registered memory pushes read from).
+    pub grads: *mut c_void,
+    /// The iteration the next push belongs to.
+    pub iteration: u64,
+    /// `job.steps` of the job's spec.
+    pub steps: u64,
+    /// `job.batch` of the job's spec (samples per worker per iteration).
+    pub batch: u32,
+}
+
+/// One tensor of the job's layout.
+#[repr(C)]
+#[derive(Debug)]
+pub struct eps_tensor_info {
+    /// Its name (owned by the worker handle; valid until it is closed).
+    pub name: *const c_char,
+    /// Number of elements.
+    pub elements: u64,
+    /// First element in the flat buffers.
+    pub offset: u64,
+    /// Element type.
+    pub dtype: eps_dtype,
+    /// Its parameters inside the parameter buffer.
+    pub params: *mut c_void,
+    /// Its gradient inside the gradient buffer.
+    pub grads: *mut c_void,
+}
+
+/// What `eps_worker_begin` tells of the current iteration.
+#[repr(C)]
+#[derive(Debug)]
+pub struct eps_iteration {
+    /// The iteration.
+    pub iteration: u64,
+    /// 1 if this worker contributes to it; 0 if it left the job at this
+    /// boundary (it then calls `eps_worker_finish`).
+    pub contributes: c_int,
+    /// Its position among the iteration's contributors (in rank order).
+    pub contributor_index: u32,
+    /// How many workers contribute to the iteration (the gradient average's
+    /// divisor).
+    pub contributors: u32,
+    /// First sample of its data partition: the iteration's samples are dealt
+    /// out in rank order, `batch` per contributor, so no sample of a data
+    /// epoch is skipped or seen twice while workers join and leave.
+    pub sample_begin: u64,
+    /// One past its last sample.
+    pub sample_end: u64,
+}
+
+/// Transfer statistics.
+#[repr(C)]
+#[derive(Debug)]
+pub struct eps_worker_stats {
+    /// Gradient bytes pushed.
+    pub pushed_bytes: u64,
+    /// Parameter bytes pulled.
+    pub pulled_bytes: u64,
+    /// Nanoseconds from each iteration's first push to its last pull.
+    pub comm_ns: u64,
+    /// The iteration the next push belongs to.
+    pub iteration: u64,
+}
+
+/// A non-blocking push or pull in flight, completed by `eps_request_test` or
+/// `eps_request_wait`. A plain value: copy it freely; it is released by the
+/// call that reports it complete (testing it again is `EPS_ERR_INVALID_ARGUMENT`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct eps_request {
+    /// The worker it belongs to.
+    pub worker: *mut eps_worker,
+    /// Its number within that worker (0 is never used).
+    pub id: u64,
+}
+
+/// A worker of a job (opaque).
+#[allow(non_camel_case_types)]
+pub struct eps_worker {
+    state: Mutex<State>,
+}
+
+impl std::fmt::Debug for eps_worker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("eps_worker")
+    }
+}
+
+enum State {
+    Created(WorkerConfig),
+    Joined(Box<Joined>),
+    Finished,
+    Closed,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Op {
+    Push,
+    Pull,
+}
+
+struct Pending {
+    op: Op,
+    ids: Vec<usize>,
+    iteration: u64,
+}
+
+struct Joined {
+    w: Worker,
+    names: Vec<CString>,
+    pending: HashMap<u64, Pending>,
+    next_id: u64,
+}
+
+/// Most requests in flight per worker.
+const MAX_PENDING: usize = 4096;
+
+impl Joined {
+    /// Tensor indices: all of them for (NULL, 0).
+    ///
+    /// # Safety
+    /// `ids` is NULL or points to `n` readable `u32`s.
+    unsafe fn ids(&self, ids: *const u32, n: usize) -> Res<Vec<usize>> {
+        let count = self.w.tensor_count();
+        if ids.is_null() {
+            if n != 0 {
+                return Err(fail(EPS_ERR_NULL_POINTER, format!("tensor_ids is NULL with count {n}")));
+            }
+            return Ok((0..count).collect());
+        }
+        if n > count {
+            return Err(fail(EPS_ERR_INVALID_ARGUMENT, format!("{n} tensor ids for a job of {count} tensors")));
+        }
+        // SAFETY: not NULL, and `n` readable elements by the caller's contract.
+        let s = unsafe { std::slice::from_raw_parts(ids, n) };
+        s.iter()
+            .map(|&i| {
+                if (i as usize) < count {
+                    Ok(i as usize)
+                } else {
+                    Err(fail(EPS_ERR_NOT_FOUND, format!("tensor id {i}: the job has {count} tensors")))
+                }
+            })
+            .collect()
+    }
+
+    fn add(&mut self, p: Pending) -> Res<u64> {
+        if self.pending.len() >= MAX_PENDING {
+            return Err(fail(EPS_ERR_STATE, format!("{MAX_PENDING} requests in flight: test or wait for some first")));
+        }
+        self.next_id += 1;
+        self.pending.insert(self.next_id, p);
+        Ok(self.next_id)
+    }
+
+    /// Whether request `id` is complete (it is then released).
+    fn test(&mut self, id: u64) -> Res<bool> {
+        let p = self.pending.get(&id).ok_or_else(|| fail(EPS_ERR_INVALID_ARGUMENT, "unknown request (completed already?)"))?;
+        let done = if self.w.iteration() > p.iteration {
+            true
+        } else {
+            match p.op {
+                Op::Push => self.w.pushes_sent(&p.ids)?,
+                Op::Pull => self.w.test_pull(&p.ids)?,
+            }
+        };
+        if done {
+            self.pending.remove(&id);
+        }
+        Ok(done)
+    }
+}
+
+fn worker<'a>(w: *mut eps_worker) -> Res<&'a eps_worker> {
+    handle::get(w, Kind::Worker)
+}
+
+/// Runs `f` on a joined worker.
+fn joined<R>(w: *mut eps_worker, f: impl FnOnce(&mut Joined) -> Res<R>) -> Res<R> {
+    let h = worker(w)?;
+    let mut st = h.state.lock().unwrap_or_else(|p| p.into_inner());
+    match &mut *st {
+        State::Joined(j) => f(j),
+        State::Created(_) => Err(fail(EPS_ERR_STATE, "the worker has not joined (call eps_worker_join first)")),
+        State::Finished => Err(fail(EPS_ERR_STATE, "the worker has finished")),
+        State::Closed => Err(fail(EPS_ERR_INVALID_HANDLE, "an eps_worker that was closed already")),
+    }
+}
+
+/// Writes `v` to the out-parameter `out` after a NULL check.
+///
+/// # Safety
+/// `out` is NULL or valid for a write of `T`.
+unsafe fn put<T>(out: *mut T, v: T, what: &str) -> Res {
+    non_null(out, what)?;
+    // SAFETY: not NULL, and writable by the caller's contract.
+    unsafe { out.write(v) };
+    Ok(())
+}
+
+pub(crate) fn secret_from_env() -> Res<String> {
+    if let Ok(s) = std::env::var("EPS_JOB_SECRET")
+        && !s.is_empty()
+    {
+        return Ok(s);
+    }
+    if let Some(path) = std::env::var_os("EPS_JOB_SECRET_FILE") {
+        let text = std::fs::read_to_string(&path).map_err(|e| {
+            fail(EPS_ERR_INVALID_ARGUMENT, format!("cannot read EPS_JOB_SECRET_FILE={}: {e}", path.to_string_lossy()))
+        })?;
+        return Ok(text.trim().to_string());
+    }
+    Err(fail(EPS_ERR_INVALID_ARGUMENT, "no job secret: set options.secret, EPS_JOB_SECRET or EPS_JOB_SECRET_FILE"))
+}
+
+/// Sets every option to its default and `struct_size` to this header's size.
+///
+/// # Safety
+/// `opts` is NULL or points to writable memory for an `eps_worker_options`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn eps_worker_options_init(opts: *mut eps_worker_options) -> eps_status {
+    guard("eps_worker_options_init", || {
+        let o = eps_worker_options {
+            struct_size: size_of::<eps_worker_options>(),
+            secret: std::ptr::null(),
+            transport: std::ptr::null(),
+            timeout_ms: 0,
+        };
+        // SAFETY: the caller's contract.
+        unsafe { put(opts, o, "opts") }
+    })
+}
+
+/// Creates a worker of the job whose control plane is at `control`
+/// (`"HOST:PORT"`; NULL: the `EPS_CONTROL` environment variable). Nothing is
+/// contacted until `eps_worker_join`.
+///
+/// # Safety
+/// `control` is NULL or a NUL-terminated string; `opts` is NULL (defaults) or
+/// an initialized options struct; `out` is writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn eps_worker_create(
+    control: *const c_char,
+    opts: *const eps_worker_options,
+    out: *mut *mut eps_worker,
+) -> eps_status {
+    guard("eps_worker_create", || {
+        non_null(out, "out")?;
+        let control = if control.is_null() {
+            std::env::var("EPS_CONTROL")
+                .map_err(|_| fail(EPS_ERR_INVALID_ARGUMENT, "control is NULL and EPS_CONTROL is not set"))?
+        } else {
+            // SAFETY: the caller's contract.
+            unsafe { c_str(control, "control") }?.to_string()
+        };
+        let control = control.trim().parse().map_err(|_| {
+            fail(EPS_ERR_INVALID_ARGUMENT, format!("control address {control:?} is not IP:PORT (as eps up prints it)"))
+        })?;
+        let (mut secret, mut timeout_ms) = (None, 0u32);
+        if !opts.is_null() {
+            // SAFETY: not NULL; the caller initialized it. Only `struct_size`
+            // is read before it is checked.
+            let size = unsafe { (*opts).struct_size };
+            let full = size_of::<eps_worker_options>();
+            if size < size_of::<usize>() || size > 1 << 16 {
+                return Err(fail(EPS_ERR_VERSION, format!("opts.struct_size is {size}: call eps_worker_options_init first")));
+            }
+            // A smaller struct (an older header's): the fields it lacks keep
+            // their defaults; only the first `size` bytes are read.
+            let mut o =
+                eps_worker_options { struct_size: size, secret: std::ptr::null(), transport: std::ptr::null(), timeout_ms: 0 };
+            // SAFETY: the caller's struct has `min(size, full)` readable bytes.
+            unsafe {
+                std::ptr::copy_nonoverlapping(opts.cast::<u8>(), (&raw mut o).cast::<u8>(), size.min(full));
+            }
+            // A field cut by `size` is not there at all.
+            let has = |offset: usize, len: usize| size >= offset + len;
+            if !has(std::mem::offset_of!(eps_worker_options, secret), size_of::<*const c_char>()) {
+                o.secret = std::ptr::null();
+            }
+            if !has(std::mem::offset_of!(eps_worker_options, transport), size_of::<*const c_char>()) {
+                o.transport = std::ptr::null();
+            }
+            if !has(std::mem::offset_of!(eps_worker_options, timeout_ms), size_of::<u32>()) {
+                o.timeout_ms = 0;
+            }
+            if !o.secret.is_null() {
+                // SAFETY: the caller's contract.
+                secret = Some(unsafe { c_str(o.secret, "opts.secret") }?.to_string());
+            }
+            if !o.transport.is_null() {
+                // SAFETY: the caller's contract.
+                match unsafe { c_str(o.transport, "opts.transport") }? {
+                    "soft" | "auto" => {}
+                    "rdma" => {
+                        return Err(fail(
+                            EPS_ERR_UNSUPPORTED,
+                            "this libeps speaks the soft transport only (use \"soft\" or \"auto\")",
+                        ));
+                    }
+                    t => return Err(fail(EPS_ERR_INVALID_ARGUMENT, format!("opts.transport {t:?}: use \"soft\" or \"auto\""))),
+                }
+            }
+            timeout_ms = o.timeout_ms;
+        }
+        let secret = match secret {
+            Some(s) => s,
+            None => secret_from_env()?,
+        };
+        let secret = eps_fabric::Secret::new(secret).map_err(|e| fail(EPS_ERR_INVALID_ARGUMENT, e.to_string()))?;
+        let timeout = Duration::from_millis(if timeout_ms == 0 { 120_000 } else { timeout_ms.into() });
+        let h = Box::new(eps_worker { state: Mutex::new(State::Created(WorkerConfig { control, secret, timeout })) });
+        // SAFETY: `out` is not NULL (checked) and writable by contract.
+        unsafe { out.write(handle::give(Kind::Worker, h)) };
+        Ok(())
+    })
+}
+
+/// Joins the job: declares `tensors` (`count` of them; NULL and 0 when the
+/// job's spec names its tensors), registers its buffers, connects to every
+/// server and pulls the current parameters (a worker joining a running job
+/// gets the parameters of the iteration it starts at). The first
+/// declaration fixes a job's layout; a different one fails with
+/// `EPS_ERR_MISMATCH`, naming the first difference in `eps_last_error`.
+///
+/// # Safety
+/// `tensors` is NULL or points to `count` declarations whose names are
+/// NUL-terminated strings.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn eps_worker_join(w: *mut eps_worker, tensors: *const eps_tensor_decl, count: usize) -> eps_status {
+    guard("eps_worker_join", || {
+        let h = worker(w)?;
+        let mut st = h.state.lock().unwrap_or_else(|p| p.into_inner());
+        let cfg = match &*st {
+            State::Created(cfg) => cfg.clone(),
+            State::Joined(_) => return Err(fail(EPS_ERR_STATE, "the worker has joined already")),
+            State::Finished => return Err(fail(EPS_ERR_STATE, "the worker has finished")),
+            State::Closed => return Err(fail(EPS_ERR_INVALID_HANDLE, "an eps_worker that was closed already")),
+        };
+        let decl = if tensors.is_null() {
+            if count != 0 {
+                return Err(fail(EPS_ERR_NULL_POINTER, format!("tensors is NULL with count {count}")));
+            }
+            None
+        } else {
+            let mut v = Vec::with_capacity(count.min(eps_proto::declare::MAX_TENSORS + 1));
+            for i in 0..count {
+                // Fields are read through raw pointers, never a reference: the
+                // C caller may have put any value in the enum field.
+                // SAFETY: `tensors` is not NULL and has `count` elements.
+                let t = unsafe { tensors.add(i) };
+                // SAFETY: in bounds (above); plain reads of C-layout fields.
+                let (name, elements, code) = unsafe {
+                    (
+                        (&raw const (*t).name).read(),
+                        (&raw const (*t).elements).read(),
+                        (&raw const (*t).dtype).cast::<u32>().read(),
+                    )
+                };
+                // SAFETY: the caller's contract.
+                let name = unsafe { c_str(name, &format!("tensors[{i}].name")) }?.to_string();
+                let dtype = u8::try_from(code)
+                    .ok()
+                    .and_then(DType::from_code)
+                    .ok_or_else(|| fail(EPS_ERR_INVALID_ARGUMENT, format!("tensors[{i}].dtype is {code}, not an eps_dtype")))?;
+                v.push(TensorDecl { name, elements, dtype });
+                if v.len() > eps_proto::declare::MAX_TENSORS {
+                    break;
+                }
+            }
+            eps_proto::declare::validate(&v).map_err(|m| fail(EPS_ERR_INVALID_ARGUMENT, m))?;
+            Some(v)
+        };
+        let reg = lib::register_declaring(&cfg, decl.as_deref())?;
+        let pd = SoftDevice::open().map_err(lib::WorkerError::from)?.alloc_pd();
+        let w = Worker::join_on(&cfg, reg, pd)?;
+        let names = w
+            .layout()
+            .tensors
+            .iter()
+            .map(|t| CString::new(t.name.clone()).map_err(|_| fail(EPS_ERR_INVALID_ARGUMENT, "a tensor name holds a NUL byte")))
+            .collect::<Res<Vec<_>>>()?;
+        *st = State::Joined(Box::new(Joined { w, names, pending: HashMap::new(), next_id: 0 }));
+        Ok(())
+    })
+}
+
+/// The worker's rank, buffers and layout size.
+///
+/// # Safety
+/// `out` is writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn eps_worker_get_info(w: *mut eps_worker, out: *mut eps_worker_info) -> eps_status {
+    guard("eps_worker_get_info", || {
+        non_null(out, "out")?;
+        let info = joined(w, |j| {
+            let l = j.w.layout();
+            let (elements, bytes, dtype, tensor_count) = (l.total, l.bytes(), l.dtype, l.tensors.len() as u32);
+            let params = j.w.params_bytes().as_ptr() as *mut c_void;
+            let grads = j.w.grads_bytes_mut().as_mut_ptr().cast::<c_void>();
+            let spec = j.w.spec();
+            Ok(eps_worker_info {
+                rank: j.w.rank(),
+                tensor_count,
+                dtype: eps_dtype::from_dtype(dtype),
+                elements,
+                bytes,
+                params,
+                grads,
+                iteration: j.w.iteration(),
+                steps: spec.job.steps,
+                batch: spec.job.batch,
+            })
+        })?;
+        // SAFETY: the caller's contract.
+        unsafe { put(out, info, "out") }
+    })
+}
+
+/// Tensor `index` of the job's layout, with its views of the buffers.
+///
+/// # Safety
+/// `out` is writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn eps_worker_get_tensor(w: *mut eps_worker, index: u32, out: *mut eps_tensor_info) -> eps_status {
+    guard("eps_worker_get_tensor", || {
+        non_null(out, "out")?;
+        let info = joined(w, |j| {
+            let n = j.w.tensor_count();
+            let t =
+                j.w.layout()
+                    .tensors
+                    .get(index as usize)
+                    .cloned()
+                    .ok_or_else(|| fail(EPS_ERR_NOT_FOUND, format!("tensor index {index}: the job has {n} tensors")))?;
+            let es = j.w.dtype().size_bytes() as u64;
+            let dtype = eps_dtype::from_dtype(j.w.dtype());
+            let off = (t.offset * es) as usize;
+            // In bounds: a tensor lies inside the flat buffers.
+            let params = j.w.params_bytes()[off..].as_ptr() as *mut c_void;
+            let grads = j.w.grads_bytes_mut()[off..].as_mut_ptr().cast::<c_void>();
+            Ok(eps_tensor_info {
+                name: j.names[index as usize].as_ptr(),
+                elements: t.elements,
+                offset: t.offset,
+                dtype,
+                params,
+                grads,
+            })
+        })?;
+        // SAFETY: the caller's contract.
+        unsafe { put(out, info, "out") }
+    })
+}
+
+/// The index of the tensor named `name`.
+///
+/// # Safety
+/// `name` is a NUL-terminated string; `index` is writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn eps_worker_find_tensor(w: *mut eps_worker, name: *const c_char, index: *mut u32) -> eps_status {
+    guard("eps_worker_find_tensor", || {
+        // SAFETY: the caller's contract.
+        let name = unsafe { c_str(name, "name") }?;
+        non_null(index, "index")?;
+        let i = joined(w, |j| {
+            j.w.layout()
+                .tensors
+                .iter()
+                .position(|t| t.name == name)
+                .ok_or_else(|| fail(EPS_ERR_NOT_FOUND, format!("no tensor is named {name:?}")))
+        })?;
+        // SAFETY: the caller's contract.
+        unsafe { put(index, i as u32, "index") }
+    })
+}
+
+/// Begins the current iteration before its gradient is computed: waits while
+/// a membership change is voted on at this boundary, and says whether this
+/// worker contributes and which samples are its own (`batch` per
+/// contributor; 0: the spec's `job.batch`).
+///
+/// # Safety
+/// `out` is writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn eps_worker_begin(w: *mut eps_worker, batch: u64, out: *mut eps_iteration) -> eps_status {
+    guard("eps_worker_begin", || {
+        non_null(out, "out")?;
+        let it = joined(w, |j| {
+            let contributes = j.w.begin()?;
+            let t = j.w.iteration();
+            let batch = if batch == 0 { u64::from(j.w.spec().job.batch) } else { batch };
+            let m = j.w.membership();
+            let set = m.contributors(t);
+            let index = set.iter().position(|&r| r == j.w.rank());
+            let samples = j.w.samples(batch).unwrap_or(0..0);
+            Ok(eps_iteration {
+                iteration: t,
+                contributes: c_int::from(contributes),
+                contributor_index: index.map_or(u32::MAX, |i| i as u32),
+                contributors: set.len() as u32,
+                sample_begin: samples.start,
+                sample_end: samples.end,
+            })
+        })?;
+        // SAFETY: the caller's contract.
+        unsafe { put(out, it, "out") }
+    })
+}
+
+/// Shared body of the three non-blocking calls.
+///
+/// # Safety
+/// `ids` is NULL or points to `count` readable `u32`s; `req` is writable.
+unsafe fn start(
+    name: &str,
+    w: *mut eps_worker,
+    ids: *const u32,
+    count: usize,
+    req: *mut eps_request,
+    push: bool,
+    pull: bool,
+) -> eps_status {
+    guard(name, || {
+        non_null(req, "req")?;
+        let id = joined(w, |j| {
+            // SAFETY: the caller's contract.
+            let mut list = unsafe { j.ids(ids, count) }?;
+            if push && ids.is_null() && j.w.in_round() {
+                // "All tensors" while some were pushed this iteration: the rest.
+                list.retain(|&i| !j.w.is_pushed(i));
+            }
+            let t = j.w.iteration();
+            if push {
+                j.w.push_tensors(&list)?;
+            } else if !j.w.in_round() {
+                return Err(fail(EPS_ERR_STATE, "a pull with no push in this iteration (push first)"));
+            } else if let Some(&i) = list.iter().find(|&&i| !j.w.is_pushed(i)) {
+                return Err(fail(EPS_ERR_STATE, format!("a pull of tensor {i}, not pushed in this iteration (push it first)")));
+            }
+            let ids_for_test = if pull && ids.is_null() { (0..j.w.tensor_count()).collect() } else { list };
+            j.add(Pending { op: if pull { Op::Pull } else { Op::Push }, ids: ids_for_test, iteration: t })
+        })?;
+        // SAFETY: the caller's contract.
+        unsafe { put(req, eps_request { worker: w, id }, "req") }
+    })
+}
+
+/// Pushes the gradients of tensors `tensor_ids` (`count` of them; NULL and 0:
+/// every tensor not pushed yet in this iteration) without waiting: each shard
+/// goes out once every tensor it overlaps was pushed. The request completes
+/// when their gradient buffers may be written again. The first push of an
+/// iteration begins it.
+///
+/// # Safety
+/// `tensor_ids` is NULL or points to `count` readable ids; `req` is writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn eps_worker_push_start(
+    w: *mut eps_worker,
+    tensor_ids: *const u32,
+    count: usize,
+    req: *mut eps_request,
+) -> eps_status {
+    // SAFETY: the caller's contract, passed on.
+    unsafe { start("eps_worker_push_start", w, tensor_ids, count, req, true, false) }
+}
+
+/// Asks for the next parameters of tensors `tensor_ids` (NULL and 0: all),
+/// which must have been pushed in this iteration. The request completes when
+/// they are in the parameter buffer; the iteration ends when every tensor's are.
+///
+/// # Safety
+/// As `eps_worker_push_start`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn eps_worker_pull_start(
+    w: *mut eps_worker,
+    tensor_ids: *const u32,
+    count: usize,
+    req: *mut eps_request,
+) -> eps_status {
+    // SAFETY: the caller's contract, passed on.
+    unsafe { start("eps_worker_pull_start", w, tensor_ids, count, req, false, true) }
+}
+
+/// `eps_worker_push_start` then `eps_worker_pull_start` of the same tensors,
+/// as one request.
+///
+/// # Safety
+/// As `eps_worker_push_start`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn eps_worker_push_pull_start(
+    w: *mut eps_worker,
+    tensor_ids: *const u32,
+    count: usize,
+    req: *mut eps_request,
+) -> eps_status {
+    // SAFETY: the caller's contract, passed on.
+    unsafe { start("eps_worker_push_pull_start", w, tensor_ids, count, req, true, true) }
+}
+
+/// Pushes every tensor's gradient and waits for the next parameters.
+#[unsafe(no_mangle)]
+pub extern "C" fn eps_worker_push_pull(w: *mut eps_worker) -> eps_status {
+    guard("eps_worker_push_pull", || joined(w, |j| Ok(j.w.push_pull()?)))
+}
+
+/// Sets `*done` to 1 if `req` is complete (releasing it), else 0.
+///
+/// # Safety
+/// `req` points to a request this library filled in; `done` is writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn eps_request_test(req: *const eps_request, done: *mut c_int) -> eps_status {
+    guard("eps_request_test", || {
+        non_null(req, "req")?;
+        non_null(done, "done")?;
+        // SAFETY: not NULL; readable by the caller's contract.
+        let r = unsafe { *req };
+        let d = joined(r.worker, |j| j.test(r.id))?;
+        // SAFETY: the caller's contract.
+        unsafe { put(done, c_int::from(d), "done") }
+    })
+}
+
+/// Waits until `req` is complete (releasing it), or `timeout_ms` passed
+/// (`EPS_ERR_TIMEOUT`; the request stays in flight). 0: the worker's timeout.
+///
+/// # Safety
+/// `req` points to a request this library filled in.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn eps_request_wait(req: *const eps_request, timeout_ms: u32) -> eps_status {
+    guard("eps_request_wait", || {
+        non_null(req, "req")?;
+        // SAFETY: not NULL; readable by the caller's contract.
+        let r = unsafe { *req };
+        let limit = if timeout_ms == 0 { None } else { Some(Duration::from_millis(timeout_ms.into())) };
+        let started = Instant::now();
+        let mut spins = 0u32;
+        loop {
+            if joined(r.worker, |j| j.test(r.id))? {
+                return Ok(());
+            }
+            if limit.is_some_and(|l| started.elapsed() > l) {
+                return Err(fail(EPS_ERR_TIMEOUT, format!("request {} not complete after {timeout_ms} ms", r.id)));
+            }
+            // Spin while answers may be close, then yield the core.
+            spins += 1;
+            if spins > 64 {
+                std::thread::sleep(Duration::from_micros(50));
+            } else {
+                std::thread::yield_now();
+            }
+        }
+    })
+}
+
+/// The contributors of `iteration` as far as this worker knows (as of its
+/// last `eps_worker_begin`): up to `capacity` ranks into `ranks`, their
+/// number into `*count` (which may exceed `capacity`).
+///
+/// # Safety
+/// `ranks` is NULL (with capacity 0) or has room for `capacity` ranks; `count` is writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn eps_worker_members(
+    w: *mut eps_worker,
+    iteration: u64,
+    ranks: *mut u32,
+    capacity: usize,
+    count: *mut usize,
+) -> eps_status {
+    guard("eps_worker_members", || {
+        non_null(count, "count")?;
+        if ranks.is_null() && capacity != 0 {
+            return Err(fail(EPS_ERR_NULL_POINTER, format!("ranks is NULL with capacity {capacity}")));
+        }
+        let set = joined(w, |j| Ok(j.w.membership().contributors(iteration).to_vec()))?;
+        for (i, r) in set.iter().take(capacity).enumerate() {
+            // SAFETY: `i < capacity` and the buffer has room for `capacity` ranks.
+            unsafe { ranks.add(i).write(*r) };
+        }
+        // SAFETY: the caller's contract.
+        unsafe { put(count, set.len(), "count") }
+    })
+}
+
+/// The first iteration after `after` at which the contributor set changes, as
+/// far as this worker knows: compare `eps_worker_members` before and at it to
+/// see who joined and who left. `EPS_ERR_NOT_FOUND` when no change is known.
+///
+/// # Safety
+/// `at` is writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn eps_worker_next_change(w: *mut eps_worker, after: u64, at: *mut u64) -> eps_status {
+    guard("eps_worker_next_change", || {
+        non_null(at, "at")?;
+        let next = joined(w, |j| Ok(j.w.membership().epochs().iter().map(|e| e.0).find(|&t| t > after)))?;
+        let t = next.ok_or_else(|| fail(EPS_ERR_NOT_FOUND, format!("no membership change known after iteration {after}")))?;
+        // SAFETY: the caller's contract.
+        unsafe { put(at, t, "at") }
+    })
+}
+
+/// Transfer statistics so far.
+///
+/// # Safety
+/// `out` is writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn eps_worker_get_stats(w: *mut eps_worker, out: *mut eps_worker_stats) -> eps_status {
+    guard("eps_worker_get_stats", || {
+        non_null(out, "out")?;
+        let s = joined(w, |j| {
+            let s = j.w.stats();
+            Ok(eps_worker_stats {
+                pushed_bytes: s.pushed_bytes,
+                pulled_bytes: s.pulled_bytes,
+                comm_ns: s.comm.as_nanos().min(u128::from(u64::MAX)) as u64,
+                iteration: j.w.iteration(),
+            })
+        })?;
+        // SAFETY: the caller's contract.
+        unsafe { put(out, s, "out") }
+    })
+}
+
+/// Tells the control plane this worker is done (at the end of training, or
+/// after `eps_worker_begin` said it no longer contributes). The buffers are
+/// gone afterwards; the handle stays until `eps_worker_close`.
+#[unsafe(no_mangle)]
+pub extern "C" fn eps_worker_finish(w: *mut eps_worker) -> eps_status {
+    guard("eps_worker_finish", || {
+        let h = worker(w)?;
+        let mut st = h.state.lock().unwrap_or_else(|p| p.into_inner());
+        match std::mem::replace(&mut *st, State::Finished) {
+            State::Joined(j) => {
+                j.w.finish()?;
+                Ok(())
+            }
+            other => {
+                let msg = match &other {
+                    State::Created(_) => "the worker has not joined",
+                    State::Finished => "the worker has finished already",
+                    _ => "an eps_worker that was closed already",
+                };
+                *st = other;
+                Err(fail(EPS_ERR_STATE, msg))
+            }
+        }
+    })
+}
+
+/// Releases the worker. A worker closed without `eps_worker_finish` vanishes
+/// from the job: it is removed when its lease runs out. Any later call with
+/// the handle, a second close included, returns `EPS_ERR_INVALID_HANDLE`.
+#[unsafe(no_mangle)]
+pub extern "C" fn eps_worker_close(w: *mut eps_worker) -> eps_status {
+    guard("eps_worker_close", || {
+        let h = handle::close(w, Kind::Worker)?;
+        let old = std::mem::replace(&mut *h.state.lock().unwrap_or_else(|p| p.into_inner()), State::Closed);
+        drop(old);
+        Ok(())
+    })
+}
