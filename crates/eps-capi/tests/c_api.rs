@@ -35,7 +35,7 @@ pub fn build_c(src: &Path, name: &str) -> (PathBuf, bool) {
     if asan {
         cc.arg("-fsanitize=address");
     }
-    cc.arg("-I").arg(&include).arg(src).arg("-o").arg(&exe).arg("-L").arg(&lib).arg("-leps");
+    cc.arg("-I").arg(&include).arg(src).arg("-o").arg(&exe).arg("-L").arg(&lib).arg("-leps").arg("-lm");
     cc.arg(format!("-Wl,-rpath,{}", lib.display()));
     let st = cc.status().expect("run cc (a C compiler is needed for the C ABI tests: apt-get install gcc)");
     assert!(st.success(), "compiling {} failed", src.display());
@@ -59,4 +59,75 @@ fn bad_input_never_crashes_and_every_call_says_why() {
     println!("{text}");
     assert!(out.status.success(), "bad_input failed:\n{text}");
     assert!(text.contains("every check passed"));
+}
+
+/// `examples/c/train.c`, two processes against `eps up`, which stops by
+/// itself once they finished.
+#[test]
+fn the_c_example_trains_against_eps_up() {
+    use std::io::{BufRead, BufReader};
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/c/train.c");
+    let (exe, _) = build_c(&src, "train");
+    let eps = lib_dir().join("eps");
+    assert!(eps.exists(), "the eps binary is not in {}: build the workspace first", eps.display());
+    let mut up = Command::new(&eps)
+        .args(["up", "--workers", "2", "--servers", "2", "--steps", "150", "--lr", "0.05", "--transport", "soft", "--aggregator", "cpu"])
+        .env_remove("EPS_JOB_SECRET")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("start eps up");
+    let mut lines = BufReader::new(up.stdout.take().expect("piped")).lines();
+    let control = lines.next().expect("a first line").expect("utf-8");
+    let secret_file = lines.next().expect("a second line").expect("utf-8");
+    let control = control.strip_prefix("EPS_CONTROL=").unwrap_or_else(|| panic!("first line {control:?}")).to_string();
+    let secret_file =
+        secret_file.strip_prefix("EPS_JOB_SECRET_FILE=").unwrap_or_else(|| panic!("second line {secret_file:?}")).to_string();
+    let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&secret_file).expect("the secret file").permissions());
+    assert_eq!(mode & 0o777, 0o600, "the secret file is readable by its user only");
+    let workers: Vec<_> = (0..2)
+        .map(|_| {
+            Command::new(&exe)
+                .env("EPS_CONTROL", &control)
+                .env("EPS_JOB_SECRET_FILE", &secret_file)
+                .env_remove("EPS_JOB_SECRET")
+                .env("ASAN_OPTIONS", "detect_leaks=0")
+                .output_async()
+        })
+        .collect();
+    let outs: Vec<_> = workers.into_iter().map(|c| c.wait_with_output().expect("worker output")).collect();
+    let mut accuracy = None;
+    for o in &outs {
+        let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+        println!("{text}");
+        assert!(o.status.success(), "a worker failed:\n{text}");
+        if let Some(a) = text.lines().find_map(|l| l.strip_prefix("accuracy=")) {
+            accuracy = Some(a.trim().parse::<f64>().expect("a number"));
+        }
+    }
+    let accuracy = accuracy.expect("rank 0 prints the accuracy");
+    assert!(accuracy > 0.9, "held-out accuracy {accuracy}");
+    // The job has finished: eps up stops its servers and exits by itself.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = up.try_wait().expect("wait eps up") {
+            break s;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = up.kill();
+            panic!("eps up did not exit after the job finished");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert!(status.success(), "eps up exited with {status}");
+    assert!(!Path::new(&secret_file).exists(), "eps up removes its directory, secret included");
+}
+
+trait SpawnPiped {
+    fn output_async(&mut self) -> std::process::Child;
+}
+
+impl SpawnPiped for Command {
+    fn output_async(&mut self) -> std::process::Child {
+        self.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().expect("start a worker")
+    }
 }
