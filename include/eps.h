@@ -607,8 +607,10 @@ enum eps_status eps_worker_get_stats(struct eps_worker *w, struct eps_worker_sta
 
 /**
  * Tells the control plane this worker is done (at the end of training, or
- * after `eps_worker_begin` said it no longer contributes). The buffers are
- * gone afterwards; the handle stays until `eps_worker_close`.
+ * after `eps_worker_begin` said it no longer contributes). The buffers stay
+ * readable, holding the last parameters pulled, until `eps_worker_close`
+ * (`eps_worker_get_info`, `_get_tensor`, `_find_tensor` and `_get_stats`
+ * still work); nothing can be pushed or pulled.
  */
 enum eps_status eps_worker_finish(struct eps_worker *w);
 

@@ -178,7 +178,8 @@ impl std::fmt::Debug for eps_worker {
 enum State {
     Created(WorkerConfig),
     Joined(Box<Joined>),
-    Finished,
+    /// Finished: the buffers (the last parameters) stay readable until close.
+    Finished(Box<Joined>),
     Closed,
 }
 
@@ -264,14 +265,21 @@ fn worker<'a>(w: *mut eps_worker) -> Res<&'a eps_worker> {
     handle::get(w, Kind::Worker)
 }
 
-/// Runs `f` on a joined worker.
+/// Runs `f` on a joined worker (that has not finished).
 fn joined<R>(w: *mut eps_worker, f: impl FnOnce(&mut Joined) -> Res<R>) -> Res<R> {
+    with_joined(w, false, f)
+}
+
+/// Runs `f` on a joined worker; a finished one too if `finished_ok` (the
+/// calls that only read its layout, buffers and statistics).
+fn with_joined<R>(w: *mut eps_worker, finished_ok: bool, f: impl FnOnce(&mut Joined) -> Res<R>) -> Res<R> {
     let h = worker(w)?;
     let mut st = h.state.lock().unwrap_or_else(|p| p.into_inner());
     match &mut *st {
         State::Joined(j) => f(j),
+        State::Finished(j) if finished_ok => f(j),
         State::Created(_) => Err(fail(EPS_ERR_STATE, "the worker has not joined (call eps_worker_join first)")),
-        State::Finished => Err(fail(EPS_ERR_STATE, "the worker has finished")),
+        State::Finished(_) => Err(fail(EPS_ERR_STATE, "the worker has finished")),
         State::Closed => Err(fail(EPS_ERR_INVALID_HANDLE, "an eps_worker that was closed already")),
     }
 }
@@ -423,7 +431,7 @@ pub unsafe extern "C" fn eps_worker_join(w: *mut eps_worker, tensors: *const eps
         let cfg = match &*st {
             State::Created(cfg) => cfg.clone(),
             State::Joined(_) => return Err(fail(EPS_ERR_STATE, "the worker has joined already")),
-            State::Finished => return Err(fail(EPS_ERR_STATE, "the worker has finished")),
+            State::Finished(_) => return Err(fail(EPS_ERR_STATE, "the worker has finished")),
             State::Closed => return Err(fail(EPS_ERR_INVALID_HANDLE, "an eps_worker that was closed already")),
         };
         let decl = if tensors.is_null() {
@@ -482,7 +490,7 @@ pub unsafe extern "C" fn eps_worker_join(w: *mut eps_worker, tensors: *const eps
 pub unsafe extern "C" fn eps_worker_get_info(w: *mut eps_worker, out: *mut eps_worker_info) -> eps_status {
     guard("eps_worker_get_info", || {
         non_null(out, "out")?;
-        let info = joined(w, |j| {
+        let info = with_joined(w, true, |j| {
             let l = j.w.layout();
             let (elements, bytes, dtype, tensor_count) = (l.total, l.bytes(), l.dtype, l.tensors.len() as u32);
             let params = j.w.params_bytes().as_ptr() as *mut c_void;
@@ -514,7 +522,7 @@ pub unsafe extern "C" fn eps_worker_get_info(w: *mut eps_worker, out: *mut eps_w
 pub unsafe extern "C" fn eps_worker_get_tensor(w: *mut eps_worker, index: u32, out: *mut eps_tensor_info) -> eps_status {
     guard("eps_worker_get_tensor", || {
         non_null(out, "out")?;
-        let info = joined(w, |j| {
+        let info = with_joined(w, true, |j| {
             let n = j.w.tensor_count();
             let t =
                 j.w.layout()
@@ -552,7 +560,7 @@ pub unsafe extern "C" fn eps_worker_find_tensor(w: *mut eps_worker, name: *const
         // SAFETY: the caller's contract.
         let name = unsafe { c_str(name, "name") }?;
         non_null(index, "index")?;
-        let i = joined(w, |j| {
+        let i = with_joined(w, true, |j| {
             j.w.layout()
                 .tensors
                 .iter()
@@ -796,7 +804,7 @@ pub unsafe extern "C" fn eps_worker_next_change(w: *mut eps_worker, after: u64, 
 pub unsafe extern "C" fn eps_worker_get_stats(w: *mut eps_worker, out: *mut eps_worker_stats) -> eps_status {
     guard("eps_worker_get_stats", || {
         non_null(out, "out")?;
-        let s = joined(w, |j| {
+        let s = with_joined(w, true, |j| {
             let s = j.w.stats();
             Ok(eps_worker_stats {
                 pushed_bytes: s.pushed_bytes,
@@ -811,22 +819,26 @@ pub unsafe extern "C" fn eps_worker_get_stats(w: *mut eps_worker, out: *mut eps_
 }
 
 /// Tells the control plane this worker is done (at the end of training, or
-/// after `eps_worker_begin` said it no longer contributes). The buffers are
-/// gone afterwards; the handle stays until `eps_worker_close`.
+/// after `eps_worker_begin` said it no longer contributes). The buffers stay
+/// readable, holding the last parameters pulled, until `eps_worker_close`
+/// (`eps_worker_get_info`, `_get_tensor`, `_find_tensor` and `_get_stats`
+/// still work); nothing can be pushed or pulled.
 #[unsafe(no_mangle)]
 pub extern "C" fn eps_worker_finish(w: *mut eps_worker) -> eps_status {
     guard("eps_worker_finish", || {
         let h = worker(w)?;
         let mut st = h.state.lock().unwrap_or_else(|p| p.into_inner());
-        match std::mem::replace(&mut *st, State::Finished) {
-            State::Joined(j) => {
-                j.w.finish()?;
+        match std::mem::replace(&mut *st, State::Closed) {
+            State::Joined(mut j) => {
+                let r = j.w.finish_in_place();
+                *st = State::Finished(j);
+                r?;
                 Ok(())
             }
             other => {
                 let msg = match &other {
                     State::Created(_) => "the worker has not joined",
-                    State::Finished => "the worker has finished already",
+                    State::Finished(_) => "the worker has finished already",
                     _ => "an eps_worker that was closed already",
                 };
                 *st = other;

@@ -5,12 +5,29 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// `target/<profile>`, where cargo put `libeps.so` for this test run.
+/// `target/<profile>`, with `libeps.so` and the `eps` binary built fresh for
+/// this test run (cargo does not rebuild a cdylib-only library for its
+/// integration tests, so they build it here, once per test binary).
 fn lib_dir() -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable path");
-    let dir = exe.parent().and_then(Path::parent).expect("target/<profile>/deps/<test>");
-    assert!(dir.join("libeps.so").exists(), "libeps.so is not in {}: build eps-capi first", dir.display());
-    dir.to_path_buf()
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let exe = std::env::current_exe().expect("test executable path");
+            let dir = exe.parent().and_then(Path::parent).expect("target/<profile>/deps/<test>").to_path_buf();
+            let release = dir.file_name().is_some_and(|n| n == "release");
+            let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+            let mut c = Command::new(cargo);
+            c.args(["build", "--quiet", "-p", "eps-capi", "-p", "eps", "--lib", "--bin", "eps"]);
+            if release {
+                c.arg("--release");
+            }
+            c.current_dir(env!("CARGO_MANIFEST_DIR"));
+            let st = c.status().expect("run cargo build");
+            assert!(st.success(), "cargo build of libeps and eps failed");
+            assert!(dir.join("libeps.so").exists(), "libeps.so is not in {}", dir.display());
+            dir
+        })
+        .clone()
 }
 
 /// Whether `cc` can build and run an AddressSanitizer program here.
@@ -71,7 +88,21 @@ fn the_c_example_trains_against_eps_up() {
     let eps = lib_dir().join("eps");
     assert!(eps.exists(), "the eps binary is not in {}: build the workspace first", eps.display());
     let mut up = Command::new(&eps)
-        .args(["up", "--workers", "2", "--servers", "2", "--steps", "150", "--lr", "0.05", "--transport", "soft", "--aggregator", "cpu"])
+        .args([
+            "up",
+            "--workers",
+            "2",
+            "--servers",
+            "2",
+            "--steps",
+            "150",
+            "--lr",
+            "0.05",
+            "--transport",
+            "soft",
+            "--aggregator",
+            "cpu",
+        ])
         .env_remove("EPS_JOB_SECRET")
         .stdout(std::process::Stdio::piped())
         .spawn()

@@ -814,6 +814,13 @@ impl<P: Fabric> Worker<P> {
 
     /// Tells the control plane this worker is done and disconnects.
     pub fn finish(mut self) -> Result<WorkerStats, WorkerError> {
+        self.finish_in_place()
+    }
+
+    /// As [`Worker::finish`], keeping the worker (and so its buffers, which
+    /// hold the last parameters pulled) until it is dropped; nothing may be
+    /// pushed or pulled after it.
+    pub fn finish_in_place(&mut self) -> Result<WorkerStats, WorkerError> {
         // In SSP/ASP the last pushes may still await their credits: drain them so the
         // servers have applied everything before we leave.
         let deadline = Instant::now() + self.timeout;

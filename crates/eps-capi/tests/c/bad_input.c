@@ -210,6 +210,10 @@ int main(void) {
     EXPECT(eps_worker_finish(w), EPS_OK);
     EXPECT(eps_worker_finish(w), EPS_ERR_STATE);
     EXPECT(eps_worker_push_pull(w), EPS_ERR_STATE);
+    EXPECT(eps_worker_push_start(w, NULL, 0, &req), EPS_ERR_STATE);
+    /* The last parameters stay readable until close. */
+    EXPECT(eps_worker_get_tensor(w, 1, &bt), EPS_OK);
+    CHECK(((const float *)bt.params)[3] == -5.0f);
     EXPECT(eps_worker_close(w), EPS_OK);
     EXPECT(eps_worker_close(w), EPS_ERR_INVALID_HANDLE);
     EXPECT(eps_worker_push_pull(w), EPS_ERR_INVALID_HANDLE);
