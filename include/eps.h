@@ -251,6 +251,17 @@ typedef struct eps_worker_info {
    * `job.batch` of the job's spec (samples per worker per iteration).
    */
   uint32_t batch;
+  /**
+   * 1 when the job's servers publish the averaged gradient instead of
+   * parameters (`optimizer.kind = "none"`: the framework's optimizer
+   * steps); 0 when they run the optimizer.
+   */
+  int gradient_average;
+  /**
+   * `job.seed`: the servers' initial parameters are
+   * `eps_initial_params(seed, ...)`.
+   */
+  uint64_t seed;
 } eps_worker_info;
 
 /**
@@ -383,6 +394,17 @@ const char *eps_status_string(uint32_t status);
  * until this thread's next call.
  */
 const char *eps_last_error(void);
+
+/**
+ * The initial values the servers give elements `first .. first + count` of
+ * the flat parameter space of a job with seed `seed` (uniform in
+ * [-0.01, 0.01), a pure function of seed and index), into `out`: a program
+ * that trains the same model alone can start where EPS starts.
+ *
+ * # Safety
+ * `out` has room for `count` floats.
+ */
+enum eps_status eps_initial_params(uint64_t seed, uint64_t first, float *out, size_t count);
 
 /**
  * Starts a job inside this process: a control plane listening on `listen`

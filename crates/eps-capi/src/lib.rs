@@ -30,15 +30,18 @@
 mod cluster;
 mod handle;
 mod status;
+mod types;
 mod worker;
 
 use std::ffi::c_char;
 
 pub use cluster::*;
 pub use status::eps_status;
+pub use types::*;
 pub use worker::*;
 
 use status::eps_status::*;
+use status::{guard, non_null};
 
 /// Major version: a change means an incompatible ABI.
 pub const EPS_VERSION_MAJOR: u32 = 0;
@@ -105,4 +108,23 @@ pub extern "C" fn eps_status_string(status: u32) -> *const c_char {
 #[unsafe(no_mangle)]
 pub extern "C" fn eps_last_error() -> *const c_char {
     status::last_error_ptr()
+}
+
+/// The initial values the servers give elements `first .. first + count` of
+/// the flat parameter space of a job with seed `seed` (uniform in
+/// [-0.01, 0.01), a pure function of seed and index), into `out`: a program
+/// that trains the same model alone can start where EPS starts.
+///
+/// # Safety
+/// `out` has room for `count` floats.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn eps_initial_params(seed: u64, first: u64, out: *mut f32, count: usize) -> eps_status {
+    guard("eps_initial_params", || {
+        non_null(out, "out")?;
+        for i in 0..count {
+            // SAFETY: `i < count` and `out` has room for `count` floats.
+            unsafe { out.add(i).write(eps_proto::init::param(seed, first + i as u64)) };
+        }
+        Ok(())
+    })
 }

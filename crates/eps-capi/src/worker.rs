@@ -14,154 +14,7 @@ use lib::{Worker, WorkerConfig};
 
 use crate::handle::{self, Kind};
 use crate::status::{Res, c_str, eps_status, eps_status::*, fail, guard, non_null};
-
-/// Element types.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[allow(non_camel_case_types)]
-pub enum eps_dtype {
-    /// IEEE binary32.
-    EPS_DTYPE_F32 = 0,
-    /// bfloat16.
-    EPS_DTYPE_BF16 = 1,
-    /// IEEE binary16.
-    EPS_DTYPE_F16 = 2,
-}
-
-impl eps_dtype {
-    fn from_dtype(d: DType) -> Self {
-        match d {
-            DType::F32 => Self::EPS_DTYPE_F32,
-            DType::Bf16 => Self::EPS_DTYPE_BF16,
-            DType::F16 => Self::EPS_DTYPE_F16,
-        }
-    }
-}
-
-/// Options of `eps_worker_create`. Initialize with `eps_worker_options_init`,
-/// then set what differs: the library reads only the first `struct_size`
-/// bytes, so a program built against an older header (a smaller struct)
-/// keeps working, the fields it lacks taking their defaults.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct eps_worker_options {
-    /// `sizeof(eps_worker_options)` as the caller knows it (set by init).
-    pub struct_size: usize,
-    /// The job secret; NULL: `EPS_JOB_SECRET`, else the file named by
-    /// `EPS_JOB_SECRET_FILE` (as `eps up` prints it). Copied by create.
-    pub secret: *const c_char,
-    /// `"soft"` or `"auto"` (NULL: auto). This library speaks the soft
-    /// transport (verbs semantics over TCP); `"rdma"` is refused with
-    /// `EPS_ERR_UNSUPPORTED`.
-    pub transport: *const c_char,
-    /// Milliseconds to wait for the control plane, the servers and each
-    /// transfer (0: 120000).
-    pub timeout_ms: u32,
-}
-
-/// A tensor as a worker declares it at join.
-#[repr(C)]
-#[derive(Debug)]
-pub struct eps_tensor_decl {
-    /// Its name, NUL-terminated UTF-8, unique in the model (copied by join).
-    pub name: *const c_char,
-    /// Number of elements (at least 1).
-    pub elements: u64,
-    /// Element type (every tensor of a job has the same).
-    pub dtype: eps_dtype,
-}
-
-/// The worker as a whole, after join.
-#[repr(C)]
-#[derive(Debug)]
-pub struct eps_worker_info {
-    /// This worker's rank in the job.
-    pub rank: u32,
-    /// Tensors in the job's layout (indices `0..tensor_count`).
-    pub tensor_count: u32,
-    /// The job's element type.
-    pub dtype: eps_dtype,
-    /// Elements of the flat parameter space (all tensors, with alignment).
-    pub elements: u64,
-    /// Bytes of each of the two buffers.
-    pub bytes: u64,
-    /// The flat parameter buffer (registered memory the servers write into).
-    pub params: *mut c_void,
-    /// The flat gradient buffer (registered memory pushes read from).
-    pub grads: *mut c_void,
-    /// The iteration the next push belongs to.
-    pub iteration: u64,
-    /// `job.steps` of the job's spec.
-    pub steps: u64,
-    /// `job.batch` of the job's spec (samples per worker per iteration).
-    pub batch: u32,
-}
-
-/// One tensor of the job's layout.
-#[repr(C)]
-#[derive(Debug)]
-pub struct eps_tensor_info {
-    /// Its name (owned by the worker handle; valid until it is closed).
-    pub name: *const c_char,
-    /// Number of elements.
-    pub elements: u64,
-    /// First element in the flat buffers.
-    pub offset: u64,
-    /// Element type.
-    pub dtype: eps_dtype,
-    /// Its parameters inside the parameter buffer.
-    pub params: *mut c_void,
-    /// Its gradient inside the gradient buffer.
-    pub grads: *mut c_void,
-}
-
-/// What `eps_worker_begin` tells of the current iteration.
-#[repr(C)]
-#[derive(Debug)]
-pub struct eps_iteration {
-    /// The iteration.
-    pub iteration: u64,
-    /// 1 if this worker contributes to it; 0 if it left the job at this
-    /// boundary (it then calls `eps_worker_finish`).
-    pub contributes: c_int,
-    /// Its position among the iteration's contributors (in rank order).
-    pub contributor_index: u32,
-    /// How many workers contribute to the iteration (the gradient average's
-    /// divisor).
-    pub contributors: u32,
-    /// First sample of its data partition: the iteration's samples are dealt
-    /// out in rank order, `batch` per contributor, so no sample of a data
-    /// epoch is skipped or seen twice while workers join and leave.
-    pub sample_begin: u64,
-    /// One past its last sample.
-    pub sample_end: u64,
-}
-
-/// Transfer statistics.
-#[repr(C)]
-#[derive(Debug)]
-pub struct eps_worker_stats {
-    /// Gradient bytes pushed.
-    pub pushed_bytes: u64,
-    /// Parameter bytes pulled.
-    pub pulled_bytes: u64,
-    /// Nanoseconds from each iteration's first push to its last pull.
-    pub comm_ns: u64,
-    /// The iteration the next push belongs to.
-    pub iteration: u64,
-}
-
-/// A non-blocking push or pull in flight, completed by `eps_request_test` or
-/// `eps_request_wait`. A plain value: copy it freely; it is released by the
-/// call that reports it complete (testing it again is `EPS_ERR_INVALID_ARGUMENT`).
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct eps_request {
-    /// The worker it belongs to.
-    pub worker: *mut eps_worker,
-    /// Its number within that worker (0 is never used).
-    pub id: u64,
-}
+use crate::types::*;
 
 /// A worker of a job (opaque).
 #[allow(non_camel_case_types)]
@@ -507,6 +360,8 @@ pub unsafe extern "C" fn eps_worker_get_info(w: *mut eps_worker, out: *mut eps_w
                 iteration: j.w.iteration(),
                 steps: spec.job.steps,
                 batch: spec.job.batch,
+                gradient_average: c_int::from(spec.optimizer.kind == "none"),
+                seed: spec.job.seed,
             })
         })?;
         // SAFETY: the caller's contract.
