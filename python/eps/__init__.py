@@ -1,0 +1,339 @@
+"""EPS, the elastic parameter server, from Python.
+
+A thin layer over libeps (the C ABI): a :class:`Worker` joins a job started by
+``eps up`` (or hosted in this process by :class:`Cluster`), declares its
+tensors, and trains on NumPy views of EPS's registered buffers -- no copy per
+step. ``eps.torch`` builds PyTorch data-parallel training on it.
+
+    import eps
+    w = eps.Worker()                         # EPS_CONTROL, EPS_JOB_SECRET(_FILE)
+    w.join([("w", 1000, "f32"), ("b", 10, "f32")])
+    p, g = w.params(0), w.grads(0)           # numpy views of tensor "w"
+    while True:
+        it = w.begin()
+        if it is None or it.iteration >= w.info.steps:
+            break
+        g[:] = ...                           # the gradient, from p
+        w.push_pull()
+    w.finish(); w.close()
+"""
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._lib import (
+    DTYPE_BYTES,
+    DTYPE_NAMES,
+    DTYPES,
+    EPS_OK,
+    STATUS_NAMES,
+    Iteration as _Iteration,
+    Request as _Request,
+    TensorDecl as _TensorDecl,
+    TensorInfo as _TensorInfo,
+    WorkerInfo as _WorkerInfo,
+    WorkerOptions as _WorkerOptions,
+    WorkerStats as _WorkerStats,
+    lib as _lib,
+)
+
+__all__ = ["Cluster", "EpsError", "Iteration", "Request", "Worker", "initial_params", "scale", "version"]
+
+
+class EpsError(RuntimeError):
+    """A libeps call failed: ``status`` is the status name, the message says
+    which call, what and why."""
+
+    def __init__(self, status, message):
+        self.status = STATUS_NAMES[status] if 0 <= status < len(STATUS_NAMES) else str(status)
+        super().__init__(f"{self.status}: {message}")
+
+
+def _check(status):
+    if status != EPS_OK:
+        raise EpsError(status, _lib.eps_last_error().decode(errors="replace"))
+
+
+def _enc(s):
+    return None if s is None else str(s).encode()
+
+
+def version():
+    """libeps's version as (major, minor, patch)."""
+    v = _lib.eps_version()
+    return (v // 10000, v // 100 % 100, v % 100)
+
+
+@dataclass(frozen=True)
+class Iteration:
+    """What :meth:`Worker.begin` tells of the current iteration."""
+
+    iteration: int
+    #: This worker's position among the iteration's contributors.
+    index: int
+    #: How many workers contribute (the gradient average's divisor).
+    contributors: int
+    #: Its samples of the global sample stream (``batch`` per contributor,
+    #: dealt out in rank order: none skipped or seen twice as workers change).
+    samples: range
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    elements: int
+    offset: int
+    dtype: str
+
+
+class Request:
+    """A push or pull in flight; complete it with :meth:`wait` or :meth:`test`."""
+
+    def __init__(self, worker, raw):
+        self._worker = worker
+        self._raw = raw
+        self.done = False
+
+    def test(self):
+        """True once complete (without waiting)."""
+        if self.done:
+            return True
+        d = ctypes.c_int(0)
+        _check(_lib.eps_request_test(ctypes.byref(self._raw), ctypes.byref(d)))
+        self.done = bool(d.value)
+        return self.done
+
+    def wait(self, timeout_ms=0):
+        """Waits until complete (``timeout_ms`` 0: the worker's timeout)."""
+        if not self.done:
+            _check(_lib.eps_request_wait(ctypes.byref(self._raw), timeout_ms))
+            self.done = True
+
+
+def _ids(ids):
+    if ids is None:
+        return None, 0
+    ids = [int(i) for i in ids]
+    return (ctypes.c_uint32 * len(ids))(*ids), len(ids)
+
+
+class Worker:
+    """A worker of an EPS job.
+
+    ``control`` is the control plane's ``HOST:PORT`` (default: ``EPS_CONTROL``),
+    ``secret`` the job secret (default: ``EPS_JOB_SECRET``, else the file
+    named by ``EPS_JOB_SECRET_FILE``, as ``eps up`` prints them). Not
+    thread-safe beyond what libeps guarantees: calls are serialized.
+    """
+
+    def __init__(self, control=None, secret=None, timeout_ms=0):
+        opts = _WorkerOptions()
+        _check(_lib.eps_worker_options_init(ctypes.byref(opts)))
+        self._secret = _enc(secret)  # kept alive for the call
+        opts.secret = self._secret
+        opts.timeout_ms = timeout_ms
+        h = ctypes.c_void_p()
+        _check(_lib.eps_worker_create(_enc(control), ctypes.byref(opts), ctypes.byref(h)))
+        self._h = h
+        self._info = None
+        self._tensors = []
+
+    # -- joining ---------------------------------------------------------
+
+    def join(self, tensors=None):
+        """Joins the job, declaring ``tensors`` (``(name, elements, dtype)``
+        tuples, dtype ``"f32"``, ``"bf16"`` or ``"f16"``; None when the job's
+        spec names its tensors). Pulls the current parameters."""
+        if tensors is None:
+            _check(_lib.eps_worker_join(self._h, None, 0))
+        else:
+            arr = (_TensorDecl * len(tensors))()
+            names = []
+            for i, (name, elements, dtype) in enumerate(tensors):
+                if dtype not in DTYPES:
+                    raise ValueError(f"tensor {name!r}: dtype {dtype!r} is not one of {sorted(DTYPES)}")
+                names.append(str(name).encode())
+                arr[i] = _TensorDecl(names[-1], int(elements), DTYPES[dtype])
+            _check(_lib.eps_worker_join(self._h, arr, len(tensors)))
+        info = _WorkerInfo()
+        _check(_lib.eps_worker_get_info(self._h, ctypes.byref(info)))
+        self._info = info
+        self._tensors = []
+        for i in range(info.tensor_count):
+            t = _TensorInfo()
+            _check(_lib.eps_worker_get_tensor(self._h, i, ctypes.byref(t)))
+            self._tensors.append((TensorInfo(t.name.decode(), t.elements, t.offset, DTYPE_NAMES[t.dtype]), t.params, t.grads))
+        return self
+
+    @property
+    def info(self):
+        """The worker's rank, layout size, steps and batch of the spec, and
+        whether servers publish averaged gradients (``gradient_average``)."""
+        if self._info is None:
+            raise EpsError(4, "the worker has not joined (call join first)")
+        return self._info
+
+    @property
+    def rank(self):
+        return self.info.rank
+
+    @property
+    def tensors(self):
+        """The job's tensors, in layout order."""
+        return [t for t, _, _ in self._tensors]
+
+    def index(self, name):
+        """The index of the tensor named ``name``."""
+        i = ctypes.c_uint32()
+        _check(_lib.eps_worker_find_tensor(self._h, _enc(name), ctypes.byref(i)))
+        return i.value
+
+    # -- zero-copy views ---------------------------------------------------
+
+    def _view(self, ptr, elements, dtype):
+        nbytes = elements * DTYPE_BYTES[DTYPES[dtype]]
+        buf = (ctypes.c_uint8 * nbytes).from_address(ptr)
+        buf._eps_owner = self  # the view keeps the worker (and its memory) alive
+        np_dtype = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}[dtype]
+        return np.frombuffer(buf, dtype=np_dtype, count=elements)
+
+    def buffer(self, which, index=None):
+        """A ctypes byte array over a registered buffer (``"params"`` or
+        ``"grads"``), whole or of tensor ``index``: the memory behind views."""
+        if index is None:
+            ptr, n, dtype = getattr(self.info, which), self.info.elements, DTYPE_NAMES[self.info.dtype]
+        else:
+            t, p, g = self._tensors[index]
+            ptr, n, dtype = (p if which == "params" else g), t.elements, t.dtype
+        buf = (ctypes.c_uint8 * (n * DTYPE_BYTES[DTYPES[dtype]])).from_address(ptr)
+        buf._eps_owner = self
+        return buf
+
+    def params(self, index=None):
+        """A NumPy view of the parameters (all, or of tensor ``index``); bf16
+        as raw uint16. Written by the servers during a pull: read it between
+        pulls."""
+        if index is None:
+            return self._view(self.info.params, self.info.elements, DTYPE_NAMES[self.info.dtype])
+        t, p, _ = self._tensors[index]
+        return self._view(p, t.elements, t.dtype)
+
+    def grads(self, index=None):
+        """A NumPy view of the gradient buffer (all, or of tensor ``index``).
+        Leave a pushed tensor's gradient alone until its push completed."""
+        if index is None:
+            return self._view(self.info.grads, self.info.elements, DTYPE_NAMES[self.info.dtype])
+        t, _, g = self._tensors[index]
+        return self._view(g, t.elements, t.dtype)
+
+    # -- iterations ----------------------------------------------------------
+
+    def begin(self, batch=0):
+        """Begins the current iteration: None if this worker left the job at
+        this boundary (then :meth:`finish`), else its :class:`Iteration`."""
+        it = _Iteration()
+        _check(_lib.eps_worker_begin(self._h, batch, ctypes.byref(it)))
+        if not it.contributes:
+            return None
+        return Iteration(it.iteration, it.contributor_index, it.contributors, range(it.sample_begin, it.sample_end))
+
+    def _start(self, fn, ids):
+        arr, n = _ids(ids)
+        r = _Request()
+        _check(fn(self._h, arr, n, ctypes.byref(r)))
+        return Request(self, r)
+
+    def push(self, ids=None):
+        """Pushes the gradients of tensors ``ids`` (None: all not pushed yet in
+        this iteration) without waiting."""
+        return self._start(_lib.eps_worker_push_start, ids)
+
+    def pull(self, ids=None):
+        """Asks for the next parameters of tensors ``ids`` (pushed already)."""
+        return self._start(_lib.eps_worker_pull_start, ids)
+
+    def push_pull_start(self, ids=None):
+        return self._start(_lib.eps_worker_push_pull_start, ids)
+
+    def push_pull(self):
+        """Pushes every tensor and waits for the next parameters."""
+        _check(_lib.eps_worker_push_pull(self._h))
+
+    # -- membership and statistics -----------------------------------------
+
+    def members(self, iteration):
+        """The ranks contributing to ``iteration``, as far as this worker knows."""
+        cap = 64
+        while True:
+            arr = (ctypes.c_uint32 * cap)()
+            n = ctypes.c_size_t()
+            _check(_lib.eps_worker_members(self._h, iteration, arr, cap, ctypes.byref(n)))
+            if n.value <= cap:
+                return list(arr[: n.value])
+            cap = n.value
+
+    def next_change(self, after):
+        """The first iteration after ``after`` where the contributors change, or None."""
+        at = ctypes.c_uint64()
+        status = _lib.eps_worker_next_change(self._h, after, ctypes.byref(at))
+        if status == 5:  # EPS_ERR_NOT_FOUND
+            return None
+        _check(status)
+        return at.value
+
+    def stats(self):
+        s = _WorkerStats()
+        _check(_lib.eps_worker_get_stats(self._h, ctypes.byref(s)))
+        return {"pushed_bytes": s.pushed_bytes, "pulled_bytes": s.pulled_bytes, "comm_s": s.comm_ns / 1e9, "iteration": s.iteration}
+
+    def finish(self):
+        """Tells the job this worker is done; views stay readable until close."""
+        _check(_lib.eps_worker_finish(self._h))
+
+    def close(self):
+        """Releases the worker (idempotent here; views become invalid)."""
+        if self._h is not None:
+            _check(_lib.eps_worker_close(self._h))
+            self._h = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class Cluster:
+    """A job hosted in this process: a control plane and ``job.servers``
+    servers on threads (soft transport, CPU), for tests and embedding."""
+
+    def __init__(self, spec_toml, secret, listen="127.0.0.1:0"):
+        h = ctypes.c_void_p()
+        _check(_lib.eps_cluster_start(_enc(spec_toml), _enc(listen), _enc(secret), ctypes.byref(h)))
+        self._h = h
+        buf = ctypes.create_string_buffer(64)
+        _check(_lib.eps_cluster_get_address(h, buf, 64))
+        self.address = buf.value.decode()
+
+    def wait(self, timeout_ms=0):
+        _check(_lib.eps_cluster_wait(self._h, timeout_ms))
+
+    def close(self):
+        if self._h is not None:
+            _check(_lib.eps_cluster_close(self._h))
+            self._h = None
+
+
+def scale(control=None, secret=None, servers=-1, workers=-1):
+    """Grows or shrinks a running BSP job, as ``eps scale`` does (-1: unchanged)."""
+    _check(_lib.eps_scale(_enc(control), _enc(secret), servers, workers))
+
+
+def initial_params(seed, first, count):
+    """The servers' initial values of elements ``first..first+count`` for a
+    job with seed ``seed`` (float32 array)."""
+    out = np.empty(count, dtype=np.float32)
+    _check(_lib.eps_initial_params(seed, first, out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), count))
+    return out

@@ -1,0 +1,209 @@
+"""PyTorch data-parallel training over EPS.
+
+Wrap a model in one call and keep the training loop::
+
+    import eps, eps.torch
+    model = Net()
+    dm = eps.torch.DistributedModel(model)          # joins the job of EPS_CONTROL
+    sampler = eps.torch.ElasticSampler(len(dataset), batch=32, seed=0)
+    opt = torch.optim.Adam(model.parameters())      # only when the job's
+                                                    # optimizer is "none"
+    while (it := dm.begin()) is not None and it.iteration < steps:
+        x, y = dataset[sampler.indices(it)]
+        loss = loss_fn(model(x), y)
+        loss.backward()                             # pushes tensor by tensor
+        dm.step()                                   # waits for the pulls
+        if dm.gradient_average:
+            opt.step()                              # p.grad is the average
+    dm.finish()
+
+The parameters and gradients of the model become views of EPS's registered
+buffers (``p.data`` and ``p.grad``), so a step copies nothing. During the
+backward pass each parameter's gradient is pushed as soon as autograd has
+accumulated it (shards go out once all their tensors are in), overlapping
+communication with the rest of the backward pass, as DDP's buckets do.
+
+Two kinds of job:
+
+- a server-side optimizer (``sgd``, ``adam``...): the servers hold the
+  parameters; ``p.data`` is a view of the parameter buffer, which each pull
+  refreshes. A worker joining mid-training starts from the current
+  parameters. The model's own initial values are replaced by the servers'.
+- ``optimizer.kind = "none"``: the servers publish the averaged gradient;
+  ``step()`` makes ``p.grad`` a view of it and the framework's optimizer
+  steps. The parameters stay the model's own: start every worker from the
+  same values (same seed). A worker cannot join such a job mid-training
+  (the optimizer state lives in the workers).
+"""
+
+import numpy as np
+import torch
+
+import eps
+
+_TORCH_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+_FROM_NAME = {v: k for k, v in _TORCH_DTYPES.items()}
+
+
+def _view(buf, elements, dtype, shape):
+    """A tensor over a ctypes buffer, no copy (it keeps the buffer alive)."""
+    return torch.frombuffer(buf, dtype=dtype, count=elements).view(shape)
+
+
+class DistributedModel:
+    """``model``'s parameters as views of an EPS worker's buffers.
+
+    ``worker`` is an :class:`eps.Worker` that has not joined (default: one
+    for ``EPS_CONTROL``); the model's parameters that require gradients are
+    declared, in ``named_parameters()`` order, and the worker joins.
+    ``overlap`` pushes each gradient as autograd produces it (one backward per
+    step); without it ``step()`` pushes them all.
+    """
+
+    def __init__(self, model, worker=None, overlap=True, timeout_ms=0):
+        self.model = model
+        self.worker = worker if worker is not None else eps.Worker(timeout_ms=timeout_ms)
+        self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("the model has no parameters that require gradients")
+        dtypes = {p.dtype for _, p in self.params}
+        if len(dtypes) != 1 or next(iter(dtypes)) not in _TORCH_DTYPES:
+            raise ValueError(f"EPS jobs have one element type (f32, bf16 or f16); the model has {sorted(map(str, dtypes))}")
+        self.dtype = next(iter(dtypes))
+        name = _TORCH_DTYPES[self.dtype]
+        self.worker.join([(n, p.numel(), name) for n, p in self.params])
+        self.gradient_average = bool(self.worker.info.gradient_average)
+        self._grad_views = []
+        self._param_views = []
+        for i, (n, p) in enumerate(self.params):
+            t = self.worker.tensors[i]
+            if t.name != n or t.elements != p.numel():
+                raise eps.EpsError(6, f"tensor {i} of the job is {t.name!r} ({t.elements}), the model's is {n!r} ({p.numel()})")
+            g = _view(self.worker.buffer("grads", i), t.elements, self.dtype, p.shape)
+            pv = _view(self.worker.buffer("params", i), t.elements, self.dtype, p.shape)
+            self._grad_views.append(g)
+            self._param_views.append(pv)
+            if not self.gradient_average:
+                # The servers' parameters, pulled at join, in place of the
+                # model's own: every worker trains the same values.
+                p.data = pv
+        self._hooks = []
+        self._pushed = set()
+        self._requests = []
+        if overlap:
+            for i, (_, p) in enumerate(self.params):
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(i)))
+        self.zero_grad()
+
+    @property
+    def rank(self):
+        return self.worker.rank
+
+    def _install_grad(self, i):
+        p, g = self.params[i][1], self._grad_views[i]
+        if p.grad is None or p.grad.data_ptr() != g.data_ptr():
+            p.grad = g
+
+    def _hook(self, i):
+        def push(p):
+            g = self._grad_views[i]
+            if p.grad is not None and p.grad.data_ptr() != g.data_ptr():
+                # The loop replaced .grad (zero_grad(set_to_none=True)): copy.
+                g.copy_(p.grad)
+                p.grad = g
+            if i not in self._pushed:
+                self._pushed.add(i)
+                self._requests.append(self.worker.push([i]))
+
+        return push
+
+    def zero_grad(self):
+        """Zeroes the gradient views (making them ``p.grad`` again)."""
+        for i in range(len(self.params)):
+            self._install_grad(i)
+            self._grad_views[i].zero_()
+
+    def begin(self, batch=0):
+        """Begins the iteration: its :class:`eps.Iteration` (samples to train
+        on), or None if this worker left the job. Zeroes the gradients."""
+        it = self.worker.begin(batch)
+        if it is not None:
+            self.zero_grad()
+        return it
+
+    def step(self):
+        """Pushes what the backward pass did not, and waits for the next
+        parameters (server-side optimizer) or the averaged gradient, which
+        becomes ``p.grad`` for the framework's optimizer."""
+        rest = [i for i in range(len(self.params)) if i not in self._pushed]
+        if rest:
+            self._requests.append(self.worker.push(rest))
+        self.worker.pull().wait()
+        # The pushes completed with the pull; release their requests.
+        for r in self._requests:
+            r.test()
+        self._requests.clear()
+        self._pushed.clear()
+        if self.gradient_average:
+            for (_, p), avg in zip(self.params, self._param_views):
+                p.grad = avg
+
+    def finish(self):
+        """Leaves the job: the model keeps its last parameters (copied out of
+        EPS's memory), the worker finishes and closes."""
+        for h in self._hooks:
+            h.remove()
+        for _, p in self.params:
+            p.data = p.data.clone()
+            p.grad = None
+        self.worker.finish()
+        self.worker.close()
+
+
+class ElasticSampler:
+    """Dataset indices for an iteration's samples.
+
+    EPS deals each iteration's samples out to its contributors (``batch``
+    each, in rank order) from one global stream, so within a data epoch no
+    sample is skipped or seen twice while workers join and leave. Sample
+    ``s`` of the stream is position ``s % n`` of data epoch ``s // n``, whose
+    order is a permutation seeded by ``(seed, epoch)``.
+    """
+
+    def __init__(self, n, seed=0, shuffle=True):
+        if n <= 0:
+            raise ValueError("the dataset is empty")
+        self.n, self.seed, self.shuffle = n, seed, shuffle
+        self._perms = {}
+
+    def _perm(self, epoch):
+        if not self.shuffle:
+            return np.arange(self.n)
+        if epoch not in self._perms:
+            self._perms = {epoch: np.random.default_rng([self.seed, epoch]).permutation(self.n)}
+        return self._perms[epoch]
+
+    def indices(self, samples):
+        """Dataset indices of a range of stream samples (``Iteration.samples``)."""
+        if isinstance(samples, eps.Iteration):
+            samples = samples.samples
+        s = np.arange(samples.start, samples.stop)
+        out = np.empty(len(s), dtype=np.int64)
+        for epoch in np.unique(s // self.n):
+            m = (s // self.n) == epoch
+            out[m] = self._perm(int(epoch))[s[m] % self.n]
+        return out
+
+
+def initial_params(model, seed):
+    """Sets ``model``'s parameters (that require gradients, in
+    ``named_parameters()`` order) to the values EPS servers start a job with
+    seed ``seed`` from, so a single-process run can start where EPS starts."""
+    first = 0
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if not p.requires_grad:
+                continue
+            v = eps.initial_params(seed, first, p.numel())
+            p.copy_(torch.from_numpy(v).view(p.shape).to(p.dtype))
+            first += p.numel()
