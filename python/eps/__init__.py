@@ -36,7 +36,7 @@ from ._lib import (
     WorkerInfo as _WorkerInfo,
     WorkerOptions as _WorkerOptions,
     WorkerStats as _WorkerStats,
-    lib as _lib,
+    lib as _c,
 )
 
 __all__ = ["Cluster", "EpsError", "Iteration", "Request", "Worker", "initial_params", "scale", "version"]
@@ -53,7 +53,7 @@ class EpsError(RuntimeError):
 
 def _check(status):
     if status != EPS_OK:
-        raise EpsError(status, _lib.eps_last_error().decode(errors="replace"))
+        raise EpsError(status, _c.eps_last_error().decode(errors="replace"))
 
 
 def _enc(s):
@@ -62,7 +62,7 @@ def _enc(s):
 
 def version():
     """libeps's version as (major, minor, patch)."""
-    v = _lib.eps_version()
+    v = _c.eps_version()
     return (v // 10000, v // 100 % 100, v % 100)
 
 
@@ -101,14 +101,14 @@ class Request:
         if self.done:
             return True
         d = ctypes.c_int(0)
-        _check(_lib.eps_request_test(ctypes.byref(self._raw), ctypes.byref(d)))
+        _check(_c.eps_request_test(ctypes.byref(self._raw), ctypes.byref(d)))
         self.done = bool(d.value)
         return self.done
 
     def wait(self, timeout_ms=0):
         """Waits until complete (``timeout_ms`` 0: the worker's timeout)."""
         if not self.done:
-            _check(_lib.eps_request_wait(ctypes.byref(self._raw), timeout_ms))
+            _check(_c.eps_request_wait(ctypes.byref(self._raw), timeout_ms))
             self.done = True
 
 
@@ -130,12 +130,12 @@ class Worker:
 
     def __init__(self, control=None, secret=None, timeout_ms=0):
         opts = _WorkerOptions()
-        _check(_lib.eps_worker_options_init(ctypes.byref(opts)))
+        _check(_c.eps_worker_options_init(ctypes.byref(opts)))
         self._secret = _enc(secret)  # kept alive for the call
         opts.secret = self._secret
         opts.timeout_ms = timeout_ms
         h = ctypes.c_void_p()
-        _check(_lib.eps_worker_create(_enc(control), ctypes.byref(opts), ctypes.byref(h)))
+        _check(_c.eps_worker_create(_enc(control), ctypes.byref(opts), ctypes.byref(h)))
         self._h = h
         self._info = None
         self._tensors = []
@@ -147,7 +147,7 @@ class Worker:
         tuples, dtype ``"f32"``, ``"bf16"`` or ``"f16"``; None when the job's
         spec names its tensors). Pulls the current parameters."""
         if tensors is None:
-            _check(_lib.eps_worker_join(self._h, None, 0))
+            _check(_c.eps_worker_join(self._h, None, 0))
         else:
             arr = (_TensorDecl * len(tensors))()
             names = []
@@ -156,14 +156,14 @@ class Worker:
                     raise ValueError(f"tensor {name!r}: dtype {dtype!r} is not one of {sorted(DTYPES)}")
                 names.append(str(name).encode())
                 arr[i] = _TensorDecl(names[-1], int(elements), DTYPES[dtype])
-            _check(_lib.eps_worker_join(self._h, arr, len(tensors)))
+            _check(_c.eps_worker_join(self._h, arr, len(tensors)))
         info = _WorkerInfo()
-        _check(_lib.eps_worker_get_info(self._h, ctypes.byref(info)))
+        _check(_c.eps_worker_get_info(self._h, ctypes.byref(info)))
         self._info = info
         self._tensors = []
         for i in range(info.tensor_count):
             t = _TensorInfo()
-            _check(_lib.eps_worker_get_tensor(self._h, i, ctypes.byref(t)))
+            _check(_c.eps_worker_get_tensor(self._h, i, ctypes.byref(t)))
             self._tensors.append((TensorInfo(t.name.decode(), t.elements, t.offset, DTYPE_NAMES[t.dtype]), t.params, t.grads))
         return self
 
@@ -187,7 +187,7 @@ class Worker:
     def index(self, name):
         """The index of the tensor named ``name``."""
         i = ctypes.c_uint32()
-        _check(_lib.eps_worker_find_tensor(self._h, _enc(name), ctypes.byref(i)))
+        _check(_c.eps_worker_find_tensor(self._h, _enc(name), ctypes.byref(i)))
         return i.value
 
     # -- zero-copy views ---------------------------------------------------
@@ -234,7 +234,7 @@ class Worker:
         """Begins the current iteration: None if this worker left the job at
         this boundary (then :meth:`finish`), else its :class:`Iteration`."""
         it = _Iteration()
-        _check(_lib.eps_worker_begin(self._h, batch, ctypes.byref(it)))
+        _check(_c.eps_worker_begin(self._h, batch, ctypes.byref(it)))
         if not it.contributes:
             return None
         return Iteration(it.iteration, it.contributor_index, it.contributors, range(it.sample_begin, it.sample_end))
@@ -248,18 +248,18 @@ class Worker:
     def push(self, ids=None):
         """Pushes the gradients of tensors ``ids`` (None: all not pushed yet in
         this iteration) without waiting."""
-        return self._start(_lib.eps_worker_push_start, ids)
+        return self._start(_c.eps_worker_push_start, ids)
 
     def pull(self, ids=None):
         """Asks for the next parameters of tensors ``ids`` (pushed already)."""
-        return self._start(_lib.eps_worker_pull_start, ids)
+        return self._start(_c.eps_worker_pull_start, ids)
 
     def push_pull_start(self, ids=None):
-        return self._start(_lib.eps_worker_push_pull_start, ids)
+        return self._start(_c.eps_worker_push_pull_start, ids)
 
     def push_pull(self):
         """Pushes every tensor and waits for the next parameters."""
-        _check(_lib.eps_worker_push_pull(self._h))
+        _check(_c.eps_worker_push_pull(self._h))
 
     # -- membership and statistics -----------------------------------------
 
@@ -269,7 +269,7 @@ class Worker:
         while True:
             arr = (ctypes.c_uint32 * cap)()
             n = ctypes.c_size_t()
-            _check(_lib.eps_worker_members(self._h, iteration, arr, cap, ctypes.byref(n)))
+            _check(_c.eps_worker_members(self._h, iteration, arr, cap, ctypes.byref(n)))
             if n.value <= cap:
                 return list(arr[: n.value])
             cap = n.value
@@ -277,7 +277,7 @@ class Worker:
     def next_change(self, after):
         """The first iteration after ``after`` where the contributors change, or None."""
         at = ctypes.c_uint64()
-        status = _lib.eps_worker_next_change(self._h, after, ctypes.byref(at))
+        status = _c.eps_worker_next_change(self._h, after, ctypes.byref(at))
         if status == 5:  # EPS_ERR_NOT_FOUND
             return None
         _check(status)
@@ -285,17 +285,17 @@ class Worker:
 
     def stats(self):
         s = _WorkerStats()
-        _check(_lib.eps_worker_get_stats(self._h, ctypes.byref(s)))
+        _check(_c.eps_worker_get_stats(self._h, ctypes.byref(s)))
         return {"pushed_bytes": s.pushed_bytes, "pulled_bytes": s.pulled_bytes, "comm_s": s.comm_ns / 1e9, "iteration": s.iteration}
 
     def finish(self):
         """Tells the job this worker is done; views stay readable until close."""
-        _check(_lib.eps_worker_finish(self._h))
+        _check(_c.eps_worker_finish(self._h))
 
     def close(self):
         """Releases the worker (idempotent here; views become invalid)."""
         if self._h is not None:
-            _check(_lib.eps_worker_close(self._h))
+            _check(_c.eps_worker_close(self._h))
             self._h = None
 
     def __enter__(self):
@@ -311,29 +311,29 @@ class Cluster:
 
     def __init__(self, spec_toml, secret, listen="127.0.0.1:0"):
         h = ctypes.c_void_p()
-        _check(_lib.eps_cluster_start(_enc(spec_toml), _enc(listen), _enc(secret), ctypes.byref(h)))
+        _check(_c.eps_cluster_start(_enc(spec_toml), _enc(listen), _enc(secret), ctypes.byref(h)))
         self._h = h
         buf = ctypes.create_string_buffer(64)
-        _check(_lib.eps_cluster_get_address(h, buf, 64))
+        _check(_c.eps_cluster_get_address(h, buf, 64))
         self.address = buf.value.decode()
 
     def wait(self, timeout_ms=0):
-        _check(_lib.eps_cluster_wait(self._h, timeout_ms))
+        _check(_c.eps_cluster_wait(self._h, timeout_ms))
 
     def close(self):
         if self._h is not None:
-            _check(_lib.eps_cluster_close(self._h))
+            _check(_c.eps_cluster_close(self._h))
             self._h = None
 
 
 def scale(control=None, secret=None, servers=-1, workers=-1):
     """Grows or shrinks a running BSP job, as ``eps scale`` does (-1: unchanged)."""
-    _check(_lib.eps_scale(_enc(control), _enc(secret), servers, workers))
+    _check(_c.eps_scale(_enc(control), _enc(secret), servers, workers))
 
 
 def initial_params(seed, first, count):
     """The servers' initial values of elements ``first..first+count`` for a
     job with seed ``seed`` (float32 array)."""
     out = np.empty(count, dtype=np.float32)
-    _check(_lib.eps_initial_params(seed, first, out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), count))
+    _check(_c.eps_initial_params(seed, first, out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), count))
     return out

@@ -1,0 +1,127 @@
+"""eps.torch: a model's parameters and gradients are views of EPS's buffers,
+a step equals the same math done by hand, and the digits example trains as
+well through EPS as in one process (server-side Adam, the framework's Adam,
+and a worker joining mid-training)."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import eps
+import eps.torch as et
+
+REPO = Path(__file__).resolve().parents[2]
+SECRET = "torch-test-secret"
+
+
+def spec(optimizer, workers=2):
+    return (
+        f"[job]\nworkers = {workers}\nservers = 2\nsteps = 10\nshard_bytes = 4096\n"
+        f'[model]\ndeclare = true\n[optimizer]\nkind = "{optimizer}"\nlr = 0.5\n'
+    )
+
+
+def net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(30, 40), torch.nn.Tanh(), torch.nn.Linear(40, 3))
+
+
+def test_parameters_and_gradients_are_views_and_a_step_is_the_servers_sgd():
+    cl = eps.Cluster(spec("sgd"), SECRET)
+    results = {}
+
+    def work():
+        m = net()
+        dm = et.DistributedModel(m, eps.Worker(cl.address, SECRET))
+        for (name, p), i in zip(m.named_parameters(), range(4)):
+            buf_p = dm.worker.buffer("params", i)
+            buf_g = dm.worker.buffer("grads", i)
+            import ctypes
+
+            assert p.data.data_ptr() == ctypes.addressof(buf_p), name
+            assert p.grad.data_ptr() == ctypes.addressof(buf_g), name
+        x = torch.randn(8, 30, generator=torch.Generator().manual_seed(dm.rank))
+        it = dm.begin()
+        before = [p.detach().clone() for p in m.parameters()]
+        torch.nn.functional.mse_loss(m(x), torch.zeros(8, 3)).backward()
+        mine = [p.grad.clone() for p in m.parameters()]
+        dm.step()
+        results[dm.rank] = (before, mine, [p.detach().clone() for p in m.parameters()], it.contributors)
+        dm.finish()
+        assert all(p.grad is None for p in m.parameters())
+
+    ts = [threading.Thread(target=work) for _ in range(2)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    cl.wait(30000)
+    cl.close()
+    b0, g0, a0, n = results[0]
+    _, g1, a1, _ = results[1]
+    assert n == 2
+    for before, x, y, after0, after1 in zip(b0, g0, g1, a0, a1):
+        want = before - 0.5 * ((x + y) * 0.5)
+        assert torch.allclose(after0, want, atol=1e-6) and torch.equal(after0, after1)
+
+
+def test_optimizer_none_gives_the_framework_the_averaged_gradient():
+    cl = eps.Cluster(spec("none"), SECRET)
+    grads = {}
+
+    def work():
+        m = net()
+        dm = et.DistributedModel(m, eps.Worker(cl.address, SECRET))
+        assert dm.gradient_average
+        x = torch.randn(8, 30, generator=torch.Generator().manual_seed(dm.rank))
+        dm.begin()
+        torch.nn.functional.mse_loss(m(x), torch.zeros(8, 3)).backward()
+        mine = [p.grad.clone() for p in m.parameters()]
+        dm.step()
+        grads[dm.rank] = (mine, [p.grad.clone() for p in m.parameters()])
+        dm.finish()
+
+    ts = [threading.Thread(target=work) for _ in range(2)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    cl.wait(30000)
+    cl.close()
+    for x, y, avg in zip(grads[0][0], grads[1][0], grads[0][1]):
+        assert torch.allclose(avg, (x + y) * 0.5, atol=1e-7)
+
+
+def eps_bin():
+    b = os.environ.get("EPS_BIN") or str(REPO / "target" / "release" / "eps")
+    if not Path(b).exists():
+        pytest.fail(f"no eps binary at {b}: set EPS_BIN or build with cargo build --release")
+    return b
+
+
+def digits(*args):
+    cmd = [sys.executable, str(REPO / "examples" / "torch" / "train_digits.py"), "--json", "--eps", eps_bin(), *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--optimizer", "server-adam"],
+        ["--optimizer", "torch-adam"],
+        ["--optimizer", "server-adam", "--join-at", "100"],
+    ],
+    ids=["server-adam", "torch-adam", "join-at-100"],
+)
+def test_digits_through_eps_match_one_process(args):
+    local = digits("--workers", "2", "--local", *args)
+    dist = digits("--workers", "2", *args)
+    print(f"{args}: local {local}, eps {dist}")
+    assert dist["steps"] == local["steps"] == 300
+    assert dist["workers"] == local["workers"] == (3 if "--join-at" in args else 2)
+    assert local["final_accuracy"] > 0.9
+    assert abs(dist["final_accuracy"] - local["final_accuracy"]) <= 0.01
