@@ -62,6 +62,27 @@ cargo test --workspace --doc --locked
 step "rdma checks on soft-RoCE"
 bash ci/softroce.sh
 
+# The Python package over libeps (python/), PyTorch included: installed with
+# pip into the cached environment (building libeps in release), checked in a
+# fresh virtual environment too, then its tests, which drive the release eps.
+step "Python environment"
+VENV="$(bash ci/python-env.sh)"
+step "release build of eps (the Python tests and examples run it)"
+cargo build --release --locked --bin eps
+step "pip install ./python (builds libeps)"
+"$VENV/bin/pip" install -q ./python
+step "a fresh virtual environment: pip install ./python, import eps, eps.torch"
+fresh="$(mktemp -d)"
+python3 -m venv "$fresh/venv"
+"$fresh/venv/bin/pip" install -q ./python
+# torch comes from the cached environment (too large to fetch again).
+"$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' \
+    > "$("$fresh/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/eps-test-torch.pth"
+(cd "$fresh" && "$fresh/venv/bin/python" -c 'import eps, eps.torch; print("import eps, eps.torch: ok, libeps", eps.version())')
+rm -rf "$fresh"
+step "Python tests (pytest)"
+EPS_BIN="$PWD/target/release/eps" "$VENV/bin/python" -m pytest -q -p no:cacheprovider --import-mode=importlib python/tests
+
 # Last, so that its summary closes the run.
 step "tests"
 cargo nextest run --workspace --locked --no-fail-fast
