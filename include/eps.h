@@ -628,6 +628,15 @@ enum eps_status eps_worker_next_change(struct eps_worker *w, uint64_t after, uin
 enum eps_status eps_worker_get_stats(struct eps_worker *w, struct eps_worker_stats *out);
 
 /**
+ * Asks to leave the running job (BSP): the change is voted at the next
+ * iteration boundary nobody has begun, and the other workers go on without
+ * this one. Keep training until `eps_worker_begin` says it no longer
+ * contributes, then call `eps_worker_finish`. Refused (`EPS_ERR_CONTROL`,
+ * with the reason) for the last worker, or while another change is voted.
+ */
+enum eps_status eps_worker_leave(struct eps_worker *w);
+
+/**
  * Tells the control plane this worker is done (at the end of training, or
  * after `eps_worker_begin` said it no longer contributes). The buffers stay
  * readable, holding the last parameters pulled, until `eps_worker_close`

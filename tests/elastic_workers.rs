@@ -224,3 +224,58 @@ fn a_vanished_worker_is_removed_when_its_lease_expires() {
     assert!(finished.iter().all(|p| **p == want), "survivors differ from the reference without rank 1 from iteration 5");
     assert!(took < Duration::from_secs(30), "took {took:?}");
 }
+
+/// A worker that asks to leave (not the highest rank) trains until the vote
+/// commits, then finishes; the others go on, equal to the reference with the
+/// contributor sets the job used.
+#[test]
+fn a_worker_that_asks_to_leave_is_removed_at_a_boundary() {
+    let text = common::spec_text(3, 2, 14, "f32", "adam", "bsp");
+    let (spec, control) = start_control(&text);
+    let outcomes: Vec<Outcome> = std::thread::scope(|s| {
+        for _ in 0..spec.job.servers {
+            s.spawn(move || run_server(control));
+        }
+        let hs: Vec<_> = (0..3)
+            .map(|_| {
+                s.spawn(move || {
+                    let mut w = Worker::join(&worker_config(control)).unwrap();
+                    let n = w.layout().total as usize;
+                    let (mut p, mut g) = (vec![0f32; n], vec![0f32; n]);
+                    while w.iteration() < 14 {
+                        if !w.begin().unwrap() {
+                            let out = Outcome { rank: w.rank(), membership: w.membership().clone(), params: None };
+                            w.finish().unwrap();
+                            return out;
+                        }
+                        step(&mut w, &mut p, &mut g);
+                        if w.rank() == 1 && w.iteration() == 4 {
+                            // Retried while the job is busy (none here, but a vote may be).
+                            let deadline = Instant::now() + Duration::from_secs(30);
+                            while let Err(e) = w.leave() {
+                                assert!(e.to_string().contains("in progress") && Instant::now() < deadline, "{e}");
+                                std::thread::sleep(Duration::from_millis(5));
+                            }
+                        }
+                    }
+                    let out =
+                        Outcome { rank: w.rank(), membership: w.membership().clone(), params: Some(w.params_bytes().to_vec()) };
+                    w.finish().unwrap();
+                    out
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let m = outcomes.iter().find(|o| o.rank == 0).unwrap().membership.clone();
+    let sets: Vec<&[u32]> = m.epochs().iter().map(|(_, s)| &s[..]).collect();
+    assert_eq!(sets, [&[0, 1, 2][..], &[0, 2]], "{:?}", m.epochs());
+    assert!(m.epochs()[1].0 >= 5, "the change comes after the request: {:?}", m.epochs());
+    let want = reference(&text, &m);
+    for o in &outcomes {
+        match o.rank {
+            1 => assert!(o.params.is_none(), "rank 1 left"),
+            r => assert!(o.params.as_ref() == Some(&want), "worker {r} differs from the reference"),
+        }
+    }
+}

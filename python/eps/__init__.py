@@ -288,6 +288,11 @@ class Worker:
         _check(_c.eps_worker_get_stats(self._h, ctypes.byref(s)))
         return {"pushed_bytes": s.pushed_bytes, "pulled_bytes": s.pulled_bytes, "comm_s": s.comm_ns / 1e9, "iteration": s.iteration}
 
+    def leave(self):
+        """Asks to leave the running job: keep training until :meth:`begin`
+        returns None, then :meth:`finish`."""
+        _check(_c.eps_worker_leave(self._h))
+
     def finish(self):
         """Tells the job this worker is done; views stay readable until close."""
         _check(_c.eps_worker_finish(self._h))

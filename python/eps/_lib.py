@@ -132,6 +132,7 @@ _SIGNATURES = {
     "eps_worker_members": [c_void_p, c_uint64, POINTER(c_uint32), c_size_t, POINTER(c_size_t)],
     "eps_worker_next_change": [c_void_p, c_uint64, POINTER(c_uint64)],
     "eps_worker_get_stats": [c_void_p, POINTER(WorkerStats)],
+    "eps_worker_leave": [c_void_p],
     "eps_worker_finish": [c_void_p],
     "eps_worker_close": [c_void_p],
     "eps_cluster_start": [c_char_p, c_char_p, c_char_p, POINTER(c_void_p)],

@@ -109,6 +109,8 @@ def test_errors_carry_status_and_message():
         w.pull([0])
     with pytest.raises(eps.EpsError, match="EPS_ERR_INVALID_ARGUMENT"):
         eps.Worker("not-an-address", SECRET)
+    with pytest.raises(eps.EpsError, match="EPS_ERR_CONTROL.*last worker"):
+        w.leave()
     w.push_pull()
     w.finish()
     w.close()

@@ -673,6 +673,16 @@ pub unsafe extern "C" fn eps_worker_get_stats(w: *mut eps_worker, out: *mut eps_
     })
 }
 
+/// Asks to leave the running job (BSP): the change is voted at the next
+/// iteration boundary nobody has begun, and the other workers go on without
+/// this one. Keep training until `eps_worker_begin` says it no longer
+/// contributes, then call `eps_worker_finish`. Refused (`EPS_ERR_CONTROL`,
+/// with the reason) for the last worker, or while another change is voted.
+#[unsafe(no_mangle)]
+pub extern "C" fn eps_worker_leave(w: *mut eps_worker) -> eps_status {
+    guard("eps_worker_leave", || joined(w, |j| Ok(j.w.leave()?)))
+}
+
 /// Tells the control plane this worker is done (at the end of training, or
 /// after `eps_worker_begin` said it no longer contributes). The buffers stay
 /// readable, holding the last parameters pulled, until `eps_worker_close`

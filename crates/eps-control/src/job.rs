@@ -316,6 +316,7 @@ impl Job {
             }
             ControlMsg::Declare { tensors } => self.declare(tensors),
             ControlMsg::ScaleWorkers { workers } => self.scale_workers(*workers),
+            ControlMsg::Leave { rank } => self.leave(*rank),
             ControlMsg::Vote { role, rank, id, hold } => self.vote(*role, *rank, *id, *hold),
             ControlMsg::Expire { rank } => self.expire(*rank),
             ControlMsg::ServerReady { rank, fabric_addr, shards } => self.server_ready(*rank, fabric_addr, shards),

@@ -173,6 +173,7 @@ fn serve(mut s: TcpStream, secret: &Secret, shared: &(Mutex<State>, Condvar)) ->
             | ControlMsg::ScaleWorkers { .. }
             | ControlMsg::Vote { .. }
             | ControlMsg::Declare { .. }
+            | ControlMsg::Leave { .. }
             | ControlMsg::Finished { .. } => {
                 let mut st = locked();
                 if let ControlMsg::Vote { role: eps_proto::control::Role::Worker, rank, .. } = m {

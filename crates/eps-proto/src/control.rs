@@ -229,6 +229,12 @@ pub enum ControlMsg {
         /// The asking server's rank.
         rank: u32,
     },
+    /// Worker -> control: this worker leaves the running job (BSP): voted
+    /// and committed at an iteration boundary as a scale-down removing it.
+    Leave {
+        /// The leaving worker's rank.
+        rank: u32,
+    },
     /// Server -> control: listening, with the shards it was given at start.
     ServerReady {
         /// Server rank.
@@ -718,6 +724,10 @@ impl ControlMsg {
                 w.u8(22);
                 w.u32(*rank);
             }
+            ControlMsg::Leave { rank } => {
+                w.u8(23);
+                w.u32(*rank);
+            }
             ControlMsg::Orders { last, orders } => {
                 w.u8(16);
                 w.u64(*last);
@@ -766,6 +776,7 @@ impl ControlMsg {
             20 => ControlMsg::Split { shard: r.u32()?, at: r.u64()?, lo: r.endpoint()?, hi: r.endpoint()? },
             21 => ControlMsg::Declare { tensors: r.decls()? },
             22 => ControlMsg::GetSpec { rank: r.u32()? },
+            23 => ControlMsg::Leave { rank: r.u32()? },
             t => return Err(DecodeError::Tag(t)),
         };
         if !r.0.is_empty() {
@@ -820,6 +831,7 @@ mod tests {
                 ],
             },
             ControlMsg::GetSpec { rank: 2 },
+            ControlMsg::Leave { rank: 1 },
             ControlMsg::Orders {
                 last: 9,
                 orders: vec![

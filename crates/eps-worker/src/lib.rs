@@ -812,6 +812,14 @@ impl<P: Fabric> Worker<P> {
         Ok(k > 0)
     }
 
+    /// Asks to leave the running job (BSP): the change is voted at the next
+    /// iteration boundary nobody has begun; this worker trains until
+    /// [`Worker::begin`] says it no longer contributes, then finishes.
+    pub fn leave(&mut self) -> Result<(), WorkerError> {
+        self.ctl.call(&ControlMsg::Leave { rank: self.rank })?;
+        Ok(())
+    }
+
     /// Tells the control plane this worker is done and disconnects.
     pub fn finish(mut self) -> Result<WorkerStats, WorkerError> {
         self.finish_in_place()

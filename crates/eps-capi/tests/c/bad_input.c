@@ -100,6 +100,7 @@ int main(void) {
     EXPECT(eps_worker_push_start(w, NULL, 0, &req), EPS_ERR_STATE);
     EXPECT(eps_worker_get_info(w, &info), EPS_ERR_STATE);
     EXPECT(eps_worker_finish(w), EPS_ERR_STATE);
+    EXPECT(eps_worker_leave(w), EPS_ERR_STATE);
 
     /* Bad declarations. */
     eps_tensor_decl t[2] = {{"fc.weight", 3000, EPS_DTYPE_F32}, {"fc.bias", 10, EPS_DTYPE_F32}};
@@ -137,6 +138,10 @@ int main(void) {
     CHECK(strstr(eps_last_error(), "missing") != NULL);
     EXPECT(eps_worker_close(w2), EPS_OK);
     EXPECT(eps_worker_close(w2), EPS_ERR_INVALID_HANDLE);
+
+    /* The job's only worker cannot leave it. */
+    EXPECT(eps_worker_leave(w), EPS_ERR_CONTROL);
+    CHECK(strstr(eps_last_error(), "last worker") != NULL);
 
     /* Layout queries with bad arguments. */
     EXPECT(eps_worker_get_info(w, NULL), EPS_ERR_NULL_POINTER);

@@ -150,25 +150,10 @@ impl Workers {
 impl Job {
     /// `eps scale --workers N`.
     pub(super) fn scale_workers(&mut self, n: u32) -> Result<ControlMsg, String> {
-        if self.w.consistency != Consistency::Bsp {
-            return Err("changing the workers of a running job needs BSP consistency".into());
-        }
         if n == 0 {
             return Err("a job needs at least one worker".into());
         }
-        if !self.initial_ready() {
-            return Err("the job is still starting: its initial servers are not all ready".into());
-        }
-        let joining = (0..self.w.admitted as usize).any(|r| !self.w.registered[r] && !self.w.finished[r]);
-        let servers_busy = self.migrations_in_flight() > 0
-            || self.servers.len() as u32 != self.server_slots
-            || self.servers.iter().any(|s| !s.ready && !s.retired);
-        if self.w.proposal.is_some() || joining || servers_busy {
-            return Err(
-                "a scale event is in progress (workers joining, a vote, or migrations); try again when `eps status` shows none"
-                    .into(),
-            );
-        }
+        self.can_change_workers()?;
         let now = self.w.members.latest().to_vec();
         let want: Vec<u32> = if n as usize > now.len() {
             let more = n - now.len() as u32;
@@ -187,6 +172,44 @@ impl Job {
         }
         self.propose(want, Vec::new());
         Ok(ControlMsg::Ok)
+    }
+
+    /// Worker `rank` asks to leave the running job: the vote of a scale-down
+    /// that removes it (it trains until `begin` says it no longer contributes,
+    /// then finishes).
+    pub(super) fn leave(&mut self, rank: u32) -> Result<ControlMsg, String> {
+        self.can_change_workers()?;
+        let now = self.w.members.latest().to_vec();
+        if !now.contains(&rank) {
+            return Err(format!("worker {rank} does not contribute to the job"));
+        }
+        let want: Vec<u32> = now.iter().copied().filter(|&r| r != rank).collect();
+        if want.is_empty() {
+            return Err("the job's last worker cannot leave it (it finishes instead)".into());
+        }
+        self.propose(want, Vec::new());
+        Ok(ControlMsg::Ok)
+    }
+
+    /// Whether the contributor set may change now.
+    fn can_change_workers(&self) -> Result<(), String> {
+        if self.w.consistency != Consistency::Bsp {
+            return Err("changing the workers of a running job needs BSP consistency".into());
+        }
+        if !self.initial_ready() {
+            return Err("the job is still starting: its initial servers are not all ready".into());
+        }
+        let joining = (0..self.w.admitted as usize).any(|r| !self.w.registered[r] && !self.w.finished[r]);
+        let servers_busy = self.migrations_in_flight() > 0
+            || self.servers.len() as u32 != self.server_slots
+            || self.servers.iter().any(|s| !s.ready && !s.retired);
+        if self.w.proposal.is_some() || joining || servers_busy {
+            return Err(
+                "a scale event is in progress (workers joining, a vote, or migrations); try again when `eps status` shows none"
+                    .into(),
+            );
+        }
+        Ok(())
     }
 
     fn propose(&mut self, want: Vec<u32>, expired: Vec<u32>) {
