@@ -497,6 +497,25 @@ enum eps_status eps_worker_join(struct eps_worker *w,
                                 size_t count);
 
 /**
+ * As `eps_worker_join`, with parameter and gradient buffers the caller owns
+ * (a framework's memory), registered in place instead of the library's:
+ * `params` and `grads` each hold `bytes` bytes, which must be the sum of
+ * the tensors' elements times the element size (tensors lie end to end in
+ * declaration order). The parameters pulled at join overwrite `params`.
+ *
+ * # Safety
+ * As `eps_worker_join`; and both buffers stay valid, and are not freed,
+ * until `eps_worker_close` returned `EPS_OK` (it first waits until no pull
+ * or push is in flight; servers write into `params` during a pull).
+ */
+enum eps_status eps_worker_join_borrowed(struct eps_worker *w,
+                                         const struct eps_tensor_decl *tensors,
+                                         size_t count,
+                                         void *params,
+                                         void *grads,
+                                         size_t bytes);
+
+/**
  * The worker's rank, buffers and layout size.
  *
  * # Safety
@@ -649,6 +668,9 @@ enum eps_status eps_worker_finish(struct eps_worker *w);
  * Releases the worker. A worker closed without `eps_worker_finish` vanishes
  * from the job: it is removed when its lease runs out. Any later call with
  * the handle, a second close included, returns `EPS_ERR_INVALID_HANDLE`.
+ * With the caller's buffers (`eps_worker_join_borrowed`) it first waits until
+ * no pull or push is in flight; if that times out it returns
+ * `EPS_ERR_TIMEOUT` and the worker stays open (the buffers are still in use).
  */
 enum eps_status eps_worker_close(struct eps_worker *w);
 

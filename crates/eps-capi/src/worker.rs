@@ -50,6 +50,8 @@ struct Pending {
 
 struct Joined {
     w: Worker,
+    /// The buffers are the caller's (`eps_worker_join_borrowed`).
+    borrowed: bool,
     names: Vec<CString>,
     pending: HashMap<u64, Pending>,
     next_id: u64,
@@ -278,7 +280,51 @@ pub unsafe extern "C" fn eps_worker_create(
 /// NUL-terminated strings.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn eps_worker_join(w: *mut eps_worker, tensors: *const eps_tensor_decl, count: usize) -> eps_status {
-    guard("eps_worker_join", || {
+    // SAFETY: the caller's contract, passed on.
+    guard("eps_worker_join", || unsafe { join(w, tensors, count, None) })
+}
+
+/// As `eps_worker_join`, with parameter and gradient buffers the caller owns
+/// (a framework's memory), registered in place instead of the library's:
+/// `params` and `grads` each hold `bytes` bytes, which must be the sum of
+/// the tensors' elements times the element size (tensors lie end to end in
+/// declaration order). The parameters pulled at join overwrite `params`.
+///
+/// # Safety
+/// As `eps_worker_join`; and both buffers stay valid, and are not freed,
+/// until `eps_worker_close` returned `EPS_OK` (it first waits until no pull
+/// or push is in flight; servers write into `params` during a pull).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn eps_worker_join_borrowed(
+    w: *mut eps_worker,
+    tensors: *const eps_tensor_decl,
+    count: usize,
+    params: *mut c_void,
+    grads: *mut c_void,
+    bytes: usize,
+) -> eps_status {
+    guard("eps_worker_join_borrowed", || {
+        non_null(params, "params")?;
+        non_null(grads, "grads")?;
+        if params == grads {
+            return Err(fail(EPS_ERR_INVALID_ARGUMENT, "params and grads are the same buffer"));
+        }
+        // SAFETY: the caller's contract, passed on.
+        unsafe { join(w, tensors, count, Some((params.cast(), grads.cast(), bytes))) }
+    })
+}
+
+/// The body of both joins.
+///
+/// # Safety
+/// As `eps_worker_join_borrowed` (for `borrowed`) and `eps_worker_join`.
+unsafe fn join(
+    w: *mut eps_worker,
+    tensors: *const eps_tensor_decl,
+    count: usize,
+    borrowed: Option<(*mut u8, *mut u8, usize)>,
+) -> Res {
+    {
         let h = worker(w)?;
         let mut st = h.state.lock().unwrap_or_else(|p| p.into_inner());
         let cfg = match &*st {
@@ -321,18 +367,34 @@ pub unsafe extern "C" fn eps_worker_join(w: *mut eps_worker, tensors: *const eps
             eps_proto::declare::validate(&v).map_err(|m| fail(EPS_ERR_INVALID_ARGUMENT, m))?;
             Some(v)
         };
+        if let (Some((_, _, len)), Some(d)) = (borrowed, &decl) {
+            // Checked before the worker takes a rank in the job.
+            let want: u64 = d.iter().map(|t| t.elements.saturating_mul(t.dtype.size_bytes() as u64)).fold(0, u64::saturating_add);
+            if len as u64 != want {
+                return Err(fail(
+                    EPS_ERR_INVALID_ARGUMENT,
+                    format!(
+                        "the buffers hold {len} bytes; the declared tensors take {want} (elements times element size, end to end)"
+                    ),
+                ));
+            }
+        }
         let reg = lib::register_declaring(&cfg, decl.as_deref())?;
         let pd = SoftDevice::open().map_err(lib::WorkerError::from)?.alloc_pd();
-        let w = Worker::join_on(&cfg, reg, pd)?;
+        let w = match borrowed {
+            // SAFETY: the caller's contract (see eps_worker_join_borrowed).
+            Some((p, g, len)) => unsafe { Worker::join_borrowed(&cfg, reg, pd, p, g, len) }?,
+            None => Worker::join_on(&cfg, reg, pd)?,
+        };
         let names = w
             .layout()
             .tensors
             .iter()
             .map(|t| CString::new(t.name.clone()).map_err(|_| fail(EPS_ERR_INVALID_ARGUMENT, "a tensor name holds a NUL byte")))
             .collect::<Res<Vec<_>>>()?;
-        *st = State::Joined(Box::new(Joined { w, names, pending: HashMap::new(), next_id: 0 }));
+        *st = State::Joined(Box::new(Joined { w, borrowed: borrowed.is_some(), names, pending: HashMap::new(), next_id: 0 }));
         Ok(())
-    })
+    }
 }
 
 /// The worker's rank, buffers and layout size.
@@ -716,11 +778,22 @@ pub extern "C" fn eps_worker_finish(w: *mut eps_worker) -> eps_status {
 /// Releases the worker. A worker closed without `eps_worker_finish` vanishes
 /// from the job: it is removed when its lease runs out. Any later call with
 /// the handle, a second close included, returns `EPS_ERR_INVALID_HANDLE`.
+/// With the caller's buffers (`eps_worker_join_borrowed`) it first waits until
+/// no pull or push is in flight; if that times out it returns
+/// `EPS_ERR_TIMEOUT` and the worker stays open (the buffers are still in use).
 #[unsafe(no_mangle)]
 pub extern "C" fn eps_worker_close(w: *mut eps_worker) -> eps_status {
     guard("eps_worker_close", || {
-        let h = handle::close(w, Kind::Worker)?;
-        let old = std::mem::replace(&mut *h.state.lock().unwrap_or_else(|p| p.into_inner()), State::Closed);
+        let h = worker(w)?;
+        let mut st = h.state.lock().unwrap_or_else(|p| p.into_inner());
+        if let State::Joined(j) | State::Finished(j) = &mut *st
+            && j.borrowed
+        {
+            j.w.quiesce()?;
+        }
+        handle::close(w, Kind::Worker)?;
+        let old = std::mem::replace(&mut *st, State::Closed);
+        drop(st);
         drop(old);
         Ok(())
     })

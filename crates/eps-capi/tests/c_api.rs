@@ -78,6 +78,16 @@ fn bad_input_never_crashes_and_every_call_says_why() {
     assert!(text.contains("every check passed"));
 }
 
+#[test]
+fn caller_owned_buffers_are_registered_in_place() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/borrowed.c");
+    let (exe, _) = build_c(&src, "borrowed");
+    let out = Command::new(&exe).env("ASAN_OPTIONS", "detect_leaks=0").output().expect("run borrowed");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    println!("{text}");
+    assert!(out.status.success() && text.contains("every check passed"), "borrowed failed:\n{text}");
+}
+
 /// `examples/c/train.c`, two processes against `eps up`, which stops by
 /// itself once they finished.
 #[test]

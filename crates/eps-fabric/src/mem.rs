@@ -71,6 +71,28 @@ impl RegionBuf {
         Ok(Self { ptr, len, map_len })
     }
 
+    /// Memory its owner keeps, to be registered in place (a framework's own
+    /// buffers): never freed by this type (its length is its own, no mapping).
+    ///
+    /// # Safety
+    /// `ptr` points to `len` bytes valid for reads and writes that stay valid,
+    /// and are not freed or remapped, until the last memory region registered
+    /// from this buffer is dropped and no operation naming it is in flight
+    /// (peers write into it: the owner must not rely on its contents while
+    /// one may land).
+    pub unsafe fn borrowed(ptr: *mut u8, len: usize) -> Result<Self, FabricError> {
+        if len == 0 {
+            return Err(FabricError::InvalidArgument("a memory region cannot be empty"));
+        }
+        let ptr = NonNull::new(ptr).ok_or(FabricError::InvalidArgument("a memory region cannot start at NULL"))?;
+        Ok(Self { ptr, len, map_len: 0 })
+    }
+
+    /// Whether the memory is its owner's ([`RegionBuf::borrowed`]).
+    pub fn is_borrowed(&self) -> bool {
+        self.map_len == 0
+    }
+
     /// Maps a buffer holding a copy of `data`.
     pub fn from_slice(data: &[u8]) -> Result<Self, FabricError> {
         let mut b = Self::new(data.len().max(1))?;
@@ -109,6 +131,9 @@ impl RegionBuf {
 
 impl Drop for RegionBuf {
     fn drop(&mut self) {
+        if self.is_borrowed() {
+            return; // its owner frees it
+        }
         // SAFETY: the mapping was created by `new` with exactly this address and length
         // and nothing refers to it any more (self is being dropped).
         unsafe {
@@ -138,5 +163,20 @@ mod tests {
         assert!(RegionBuf::new(0).is_err());
         let c = RegionBuf::from_slice(b"abc").unwrap();
         assert_eq!(c.as_slice(), b"abc");
+    }
+
+    #[test]
+    fn borrowed_memory_is_used_in_place_and_left_to_its_owner() {
+        let mut owner = vec![1u8; 100];
+        // SAFETY: `owner` outlives `b` and nothing else touches it meanwhile.
+        let mut b = unsafe { RegionBuf::borrowed(owner.as_mut_ptr(), owner.len()) }.unwrap();
+        assert!(b.is_borrowed() && !RegionBuf::new(1).unwrap().is_borrowed());
+        assert_eq!(b.as_ptr(), owner.as_mut_ptr());
+        b.as_mut_slice()[5] = 9;
+        drop(b); // must not unmap or free
+        assert_eq!(owner[5], 9);
+        // SAFETY: as above (and never dereferenced: both are refused).
+        assert!(unsafe { RegionBuf::borrowed(owner.as_mut_ptr(), 0) }.is_err());
+        assert!(unsafe { RegionBuf::borrowed(std::ptr::null_mut(), 4) }.is_err());
     }
 }

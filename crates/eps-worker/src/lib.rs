@@ -242,12 +242,54 @@ impl<P: Fabric> Worker<P> {
     /// provider: registers buffers, connects to every server, and pulls the first
     /// parameters.
     pub fn join_on(cfg: &WorkerConfig, reg: Registration, pd: P) -> Result<Self, WorkerError> {
+        Self::join_with(cfg, reg, pd, None)
+    }
+
+    /// As [`Worker::join_on`], with parameter and gradient buffers the caller
+    /// owns (a framework's memory), registered in place: `params` and `grads`
+    /// each point to `len` bytes, which must be the layout's size
+    /// ([`eps_proto::layout::Layout::bytes`]: every tensor's elements, end to
+    /// end, in the wire dtype). The parameters pulled at join overwrite
+    /// `params`.
+    ///
+    /// # Safety
+    /// Both buffers stay valid, and are not freed, until the worker is dropped
+    /// with nothing in flight ([`Worker::quiesce`] says when); servers write
+    /// into `params` while a pull is in flight, and pushes read `grads` until
+    /// their WRITEs completed.
+    pub unsafe fn join_borrowed(
+        cfg: &WorkerConfig,
+        reg: Registration,
+        pd: P,
+        params: *mut u8,
+        grads: *mut u8,
+        len: usize,
+    ) -> Result<Self, WorkerError> {
+        let bytes = reg.layout.bytes() as usize;
+        if len != bytes {
+            return Err(WorkerError::Length { what: "buffer bytes", expected: bytes, got: len });
+        }
+        // SAFETY: the caller's contract, passed on.
+        let p = unsafe { eps_fabric::RegionBuf::borrowed(params, len) }?;
+        // SAFETY: as above.
+        let g = unsafe { eps_fabric::RegionBuf::borrowed(grads, len) }?;
+        Self::join_with(cfg, reg, pd, Some((p, g)))
+    }
+
+    fn join_with(
+        cfg: &WorkerConfig,
+        reg: Registration,
+        pd: P,
+        borrowed: Option<(eps_fabric::RegionBuf, eps_fabric::RegionBuf)>,
+    ) -> Result<Self, WorkerError> {
         let Registration { rank, spec, layout, map, ctl } = reg;
         let bytes = layout.bytes() as usize;
         // Queues are sized for as many shards as splits may make.
         let n = eps_proto::layout::live_shard_cap(layout.shards.len());
-        let params = pd.alloc_mr(bytes, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
-        let grads = pd.alloc_mr(bytes, Access::LOCAL_WRITE)?;
+        let (params, grads) = match borrowed {
+            Some((p, g)) => (pd.register(p, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?, pd.register(g, Access::LOCAL_WRITE)?),
+            None => (pd.alloc_mr(bytes, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?, pd.alloc_mr(bytes, Access::LOCAL_WRITE)?),
+        };
         let mut hello = pd.alloc_mr(HELLO_LEN, Access::LOCAL_WRITE)?;
         hello.write_at(0, &Hello { rank, pull_rkey: params.rkey(), pull_addr: params.addr() }.encode());
         let stamps = pd.alloc_mr(16 * eps_proto::layout::MAX_SHARDS as usize, Access::LOCAL_WRITE)?;
@@ -810,6 +852,17 @@ impl<P: Fabric> Worker<P> {
             }
         }
         Ok(k > 0)
+    }
+
+    /// Waits (up to the worker's timeout) until nothing is in flight: no pull
+    /// a server may still answer into the parameter buffer, no push still
+    /// reading the gradient buffer. After it, and once the worker is dropped,
+    /// borrowed buffers ([`Worker::join_borrowed`]) are their owner's again.
+    pub fn quiesce(&mut self) -> Result<(), WorkerError> {
+        self.wait_until(
+            |w| w.outstanding.iter().all(|&o| o == 0) && w.sending.iter().all(|&s| s == 0),
+            "the pulls and pushes in flight to end",
+        )
     }
 
     /// Asks to leave the running job (BSP): the change is voted at the next

@@ -188,6 +188,10 @@ impl RegCache {
         buf: RegionBuf,
         access: Access,
     ) -> std::result::Result<(), Unpooled> {
+        // Memory its owner keeps is never pooled: it goes back to its owner.
+        if buf.is_borrowed() {
+            return Err((mr, buf));
+        }
         let mut p = self.lock();
         let len = buf.len();
         if p.stats.pooled_bytes.saturating_add(len) > p.stats.limit_bytes || (p.stats.revocable == Some(false) && !p.unrevoked) {
