@@ -175,8 +175,9 @@ mod tests {
         b.as_mut_slice()[5] = 9;
         drop(b); // must not unmap or free
         assert_eq!(owner[5], 9);
-        // SAFETY: as above (and never dereferenced: both are refused).
+        // SAFETY: as above (and never dereferenced: it is refused).
         assert!(unsafe { RegionBuf::borrowed(owner.as_mut_ptr(), 0) }.is_err());
+        // SAFETY: refused before any use.
         assert!(unsafe { RegionBuf::borrowed(std::ptr::null_mut(), 4) }.is_err());
     }
 }
