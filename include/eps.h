@@ -177,9 +177,10 @@ typedef struct eps_worker_options {
    */
   const char *secret;
   /**
-   * `"soft"` or `"auto"` (NULL: auto). This library speaks the soft
-   * transport (verbs semantics over TCP); `"rdma"` is refused with
-   * `EPS_ERR_UNSUPPORTED`.
+   * `"soft"` (verbs semantics over TCP), `"rdma"` (an RDMA device; a
+   * library built without the `rdma` feature refuses it with
+   * `EPS_ERR_UNSUPPORTED`) or `"auto"` (rdma when a device is usable, else
+   * soft). NULL: `EPS_TRANSPORT`, else auto. `eps_worker_info` says which.
    */
   const char *transport;
   /**
@@ -187,6 +188,20 @@ typedef struct eps_worker_options {
    * transfer (0: 120000).
    */
   uint32_t timeout_ms;
+  /**
+   * The RDMA device (`"mlx5_0"`, `"rxe0"`); NULL: `EPS_RDMA_DEVICE`, else
+   * the first device with an active port.
+   */
+  const char *rdma_device;
+  /**
+   * Its port, from 1; 0: `EPS_RDMA_PORT`, else its first active port.
+   */
+  uint32_t rdma_port;
+  /**
+   * The GID index; -1: `EPS_RDMA_GID_INDEX`, else the first RoCE v2 GID
+   * with an IPv4 address.
+   */
+  int32_t gid_index;
 } eps_worker_options;
 
 /**
@@ -262,6 +277,10 @@ typedef struct eps_worker_info {
    * `eps_initial_params(seed, ...)`.
    */
   uint64_t seed;
+  /**
+   * The transport this worker runs on: `"soft"` or `"rdma"` (static).
+   */
+  const char *transport;
 } eps_worker_info;
 
 /**

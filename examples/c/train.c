@@ -64,8 +64,8 @@ int main(void) {
     const float *weight = wt.params, *bias = bt.params; /* views: no copies */
     float *gw = wt.grads, *gb = bt.grads;
     const uint64_t batch = 64;
-    fprintf(stderr, "train: rank %u joined at iteration %llu of %llu\n", info.rank, (unsigned long long)info.iteration,
-            (unsigned long long)info.steps);
+    fprintf(stderr, "train: rank %u joined at iteration %llu of %llu (%s transport)\n", info.rank,
+            (unsigned long long)info.iteration, (unsigned long long)info.steps, info.transport);
     for (;;) {
         eps_iteration it;
         check(eps_worker_begin(w, batch, &it), "eps_worker_begin");

@@ -124,15 +124,18 @@ class Worker:
 
     ``control`` is the control plane's ``HOST:PORT`` (default: ``EPS_CONTROL``),
     ``secret`` the job secret (default: ``EPS_JOB_SECRET``, else the file
-    named by ``EPS_JOB_SECRET_FILE``, as ``eps up`` prints them). Not
+    named by ``EPS_JOB_SECRET_FILE``, as ``eps up`` prints them),
+    ``transport`` ``"soft"``, ``"rdma"`` or ``"auto"`` (default:
+    ``EPS_TRANSPORT``, else auto; ``info.transport`` says which). Not
     thread-safe beyond what libeps guarantees: calls are serialized.
     """
 
-    def __init__(self, control=None, secret=None, timeout_ms=0):
+    def __init__(self, control=None, secret=None, timeout_ms=0, transport=None, rdma_device=None):
         opts = _WorkerOptions()
         _check(_c.eps_worker_options_init(ctypes.byref(opts)))
-        self._secret = _enc(secret)  # kept alive for the call
-        opts.secret = self._secret
+        # Kept alive for the call.
+        self._strings = (_enc(secret), _enc(transport), _enc(rdma_device))
+        opts.secret, opts.transport, opts.rdma_device = self._strings
         opts.timeout_ms = timeout_ms
         h = ctypes.c_void_p()
         _check(_c.eps_worker_create(_enc(control), ctypes.byref(opts), ctypes.byref(h)))

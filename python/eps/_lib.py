@@ -51,6 +51,9 @@ class WorkerOptions(Structure):
         ("secret", c_char_p),
         ("transport", c_char_p),
         ("timeout_ms", c_uint32),
+        ("rdma_device", c_char_p),
+        ("rdma_port", c_uint32),
+        ("gid_index", ctypes.c_int32),
     ]
 
 
@@ -72,6 +75,7 @@ class WorkerInfo(Structure):
         ("batch", c_uint32),
         ("gradient_average", c_int),
         ("seed", c_uint64),
+        ("transport", c_char_p),
     ]
 
 

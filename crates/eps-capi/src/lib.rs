@@ -27,6 +27,7 @@
 //! says what it requires of them. This crate is the ABI's gate: raw pointers
 //! are checked for NULL, read once into owned values, and never kept.
 
+mod any;
 mod cluster;
 mod handle;
 mod status;

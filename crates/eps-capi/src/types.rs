@@ -42,13 +42,22 @@ pub struct eps_worker_options {
     /// The job secret; NULL: `EPS_JOB_SECRET`, else the file named by
     /// `EPS_JOB_SECRET_FILE` (as `eps up` prints it). Copied by create.
     pub secret: *const c_char,
-    /// `"soft"` or `"auto"` (NULL: auto). This library speaks the soft
-    /// transport (verbs semantics over TCP); `"rdma"` is refused with
-    /// `EPS_ERR_UNSUPPORTED`.
+    /// `"soft"` (verbs semantics over TCP), `"rdma"` (an RDMA device; a
+    /// library built without the `rdma` feature refuses it with
+    /// `EPS_ERR_UNSUPPORTED`) or `"auto"` (rdma when a device is usable, else
+    /// soft). NULL: `EPS_TRANSPORT`, else auto. `eps_worker_info` says which.
     pub transport: *const c_char,
     /// Milliseconds to wait for the control plane, the servers and each
     /// transfer (0: 120000).
     pub timeout_ms: u32,
+    /// The RDMA device (`"mlx5_0"`, `"rxe0"`); NULL: `EPS_RDMA_DEVICE`, else
+    /// the first device with an active port.
+    pub rdma_device: *const c_char,
+    /// Its port, from 1; 0: `EPS_RDMA_PORT`, else its first active port.
+    pub rdma_port: u32,
+    /// The GID index; -1: `EPS_RDMA_GID_INDEX`, else the first RoCE v2 GID
+    /// with an IPv4 address.
+    pub gid_index: i32,
 }
 
 /// A tensor as a worker declares it at join.
@@ -94,6 +103,8 @@ pub struct eps_worker_info {
     /// `job.seed`: the servers' initial parameters are
     /// `eps_initial_params(seed, ...)`.
     pub seed: u64,
+    /// The transport this worker runs on: `"soft"` or `"rdma"` (static).
+    pub transport: *const c_char,
 }
 
 /// One tensor of the job's layout.

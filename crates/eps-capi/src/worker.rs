@@ -8,10 +8,10 @@ use std::time::{Duration, Instant};
 
 use ::eps_worker as lib;
 use eps_agg::DType;
-use eps_fabric::prelude::*;
 use eps_proto::declare::TensorDecl;
-use lib::{Worker, WorkerConfig};
+use lib::WorkerConfig;
 
+use crate::any::{AnyWorker, Transport};
 use crate::handle::{self, Kind};
 use crate::status::{Res, c_str, eps_status, eps_status::*, fail, guard, non_null};
 use crate::types::*;
@@ -29,7 +29,7 @@ impl std::fmt::Debug for eps_worker {
 }
 
 enum State {
-    Created(WorkerConfig),
+    Created(WorkerConfig, Transport),
     Joined(Box<Joined>),
     /// Finished: the buffers (the last parameters) stay readable until close.
     Finished(Box<Joined>),
@@ -49,7 +49,7 @@ struct Pending {
 }
 
 struct Joined {
-    w: Worker,
+    w: AnyWorker,
     /// The buffers are the caller's (`eps_worker_join_borrowed`).
     borrowed: bool,
     names: Vec<CString>,
@@ -133,7 +133,7 @@ fn with_joined<R>(w: *mut eps_worker, finished_ok: bool, f: impl FnOnce(&mut Joi
     match &mut *st {
         State::Joined(j) => f(j),
         State::Finished(j) if finished_ok => f(j),
-        State::Created(_) => Err(fail(EPS_ERR_STATE, "the worker has not joined (call eps_worker_join first)")),
+        State::Created(..) => Err(fail(EPS_ERR_STATE, "the worker has not joined (call eps_worker_join first)")),
         State::Finished(_) => Err(fail(EPS_ERR_STATE, "the worker has finished")),
         State::Closed => Err(fail(EPS_ERR_INVALID_HANDLE, "an eps_worker that was closed already")),
     }
@@ -165,6 +165,21 @@ pub(crate) fn secret_from_env() -> Res<String> {
     Err(fail(EPS_ERR_INVALID_ARGUMENT, "no job secret: set options.secret, EPS_JOB_SECRET or EPS_JOB_SECRET_FILE"))
 }
 
+impl eps_worker_options {
+    /// Every option at its default.
+    fn defaults(struct_size: usize) -> Self {
+        eps_worker_options {
+            struct_size,
+            secret: std::ptr::null(),
+            transport: std::ptr::null(),
+            timeout_ms: 0,
+            rdma_device: std::ptr::null(),
+            rdma_port: 0,
+            gid_index: -1,
+        }
+    }
+}
+
 /// Sets every option to its default and `struct_size` to this header's size.
 ///
 /// # Safety
@@ -172,15 +187,99 @@ pub(crate) fn secret_from_env() -> Res<String> {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn eps_worker_options_init(opts: *mut eps_worker_options) -> eps_status {
     guard("eps_worker_options_init", || {
-        let o = eps_worker_options {
-            struct_size: size_of::<eps_worker_options>(),
-            secret: std::ptr::null(),
-            transport: std::ptr::null(),
-            timeout_ms: 0,
-        };
         // SAFETY: the caller's contract.
-        unsafe { put(opts, o, "opts") }
+        unsafe { put(opts, eps_worker_options::defaults(size_of::<eps_worker_options>()), "opts") }
     })
+}
+
+/// What `eps_worker_create` takes from the options.
+struct Options {
+    secret: Option<String>,
+    transport: Transport,
+    timeout_ms: u32,
+}
+
+/// Reads the caller's options: only the first `struct_size` bytes (an older
+/// header's smaller struct leaves the later fields at their defaults).
+///
+/// # Safety
+/// `opts` is NULL or an initialized options struct of its `struct_size`.
+unsafe fn read_options(opts: *const eps_worker_options) -> Res<Options> {
+    let env_transport = std::env::var("EPS_TRANSPORT").ok().filter(|t| !t.is_empty());
+    let mut out = Options {
+        secret: None,
+        transport: Transport { kind: env_transport.unwrap_or_else(|| "auto".into()), ..Transport::default() },
+        timeout_ms: 0,
+    };
+    if opts.is_null() {
+        return Ok(out);
+    }
+    // SAFETY: not NULL; the caller initialized it. Only `struct_size` is read
+    // before it is checked.
+    let size = unsafe { (*opts).struct_size };
+    let full = size_of::<eps_worker_options>();
+    if size < size_of::<usize>() || size > 1 << 16 {
+        return Err(fail(EPS_ERR_VERSION, format!("opts.struct_size is {size}: call eps_worker_options_init first")));
+    }
+    let mut o = eps_worker_options::defaults(size);
+    // SAFETY: the caller's struct has `min(size, full)` readable bytes.
+    unsafe { std::ptr::copy_nonoverlapping(opts.cast::<u8>(), (&raw mut o).cast::<u8>(), size.min(full)) };
+    // A field cut by `size` is not there at all: back to its default.
+    let d = eps_worker_options::defaults(size);
+    let cut = |offset: usize, len: usize| size < offset + len;
+    let ptr = size_of::<*const c_char>();
+    if cut(std::mem::offset_of!(eps_worker_options, secret), ptr) {
+        o.secret = d.secret;
+    }
+    if cut(std::mem::offset_of!(eps_worker_options, transport), ptr) {
+        o.transport = d.transport;
+    }
+    if cut(std::mem::offset_of!(eps_worker_options, timeout_ms), 4) {
+        o.timeout_ms = d.timeout_ms;
+    }
+    if cut(std::mem::offset_of!(eps_worker_options, rdma_device), ptr) {
+        o.rdma_device = d.rdma_device;
+    }
+    if cut(std::mem::offset_of!(eps_worker_options, rdma_port), 4) {
+        o.rdma_port = d.rdma_port;
+    }
+    if cut(std::mem::offset_of!(eps_worker_options, gid_index), 4) {
+        o.gid_index = d.gid_index;
+    }
+    if !o.secret.is_null() {
+        // SAFETY: the caller's contract.
+        out.secret = Some(unsafe { c_str(o.secret, "opts.secret") }?.to_string());
+    }
+    if !o.transport.is_null() {
+        // SAFETY: the caller's contract.
+        out.transport.kind = unsafe { c_str(o.transport, "opts.transport") }?.to_string();
+    }
+    if !["soft", "rdma", "auto"].contains(&out.transport.kind.as_str()) {
+        return Err(fail(
+            EPS_ERR_INVALID_ARGUMENT,
+            format!("transport {:?}: use \"soft\", \"rdma\" or \"auto\"", out.transport.kind),
+        ));
+    }
+    if out.transport.kind == "rdma" && !cfg!(feature = "rdma") {
+        return Err(fail(
+            EPS_ERR_UNSUPPORTED,
+            "this libeps was built without the rdma transport (feature `rdma`): use \"soft\" or \"auto\"",
+        ));
+    }
+    if !o.rdma_device.is_null() {
+        // SAFETY: the caller's contract.
+        out.transport.device = Some(unsafe { c_str(o.rdma_device, "opts.rdma_device") }?.to_string());
+    }
+    if o.rdma_port > 255 {
+        return Err(fail(
+            EPS_ERR_INVALID_ARGUMENT,
+            format!("opts.rdma_port {} is not a port number (1-255, 0: any)", o.rdma_port),
+        ));
+    }
+    out.transport.port = (o.rdma_port != 0).then_some(o.rdma_port as u8);
+    out.transport.gid_index = u32::try_from(o.gid_index).ok();
+    out.timeout_ms = o.timeout_ms;
+    Ok(out)
 }
 
 /// Creates a worker of the job whose control plane is at `control`
@@ -208,60 +307,16 @@ pub unsafe extern "C" fn eps_worker_create(
         let control = control.trim().parse().map_err(|_| {
             fail(EPS_ERR_INVALID_ARGUMENT, format!("control address {control:?} is not IP:PORT (as eps up prints it)"))
         })?;
-        let (mut secret, mut timeout_ms) = (None, 0u32);
-        if !opts.is_null() {
-            // SAFETY: not NULL; the caller initialized it. Only `struct_size`
-            // is read before it is checked.
-            let size = unsafe { (*opts).struct_size };
-            let full = size_of::<eps_worker_options>();
-            if size < size_of::<usize>() || size > 1 << 16 {
-                return Err(fail(EPS_ERR_VERSION, format!("opts.struct_size is {size}: call eps_worker_options_init first")));
-            }
-            // A smaller struct (an older header's): the fields it lacks keep
-            // their defaults; only the first `size` bytes are read.
-            let mut o =
-                eps_worker_options { struct_size: size, secret: std::ptr::null(), transport: std::ptr::null(), timeout_ms: 0 };
-            // SAFETY: the caller's struct has `min(size, full)` readable bytes.
-            unsafe {
-                std::ptr::copy_nonoverlapping(opts.cast::<u8>(), (&raw mut o).cast::<u8>(), size.min(full));
-            }
-            // A field cut by `size` is not there at all.
-            let has = |offset: usize, len: usize| size >= offset + len;
-            if !has(std::mem::offset_of!(eps_worker_options, secret), size_of::<*const c_char>()) {
-                o.secret = std::ptr::null();
-            }
-            if !has(std::mem::offset_of!(eps_worker_options, transport), size_of::<*const c_char>()) {
-                o.transport = std::ptr::null();
-            }
-            if !has(std::mem::offset_of!(eps_worker_options, timeout_ms), size_of::<u32>()) {
-                o.timeout_ms = 0;
-            }
-            if !o.secret.is_null() {
-                // SAFETY: the caller's contract.
-                secret = Some(unsafe { c_str(o.secret, "opts.secret") }?.to_string());
-            }
-            if !o.transport.is_null() {
-                // SAFETY: the caller's contract.
-                match unsafe { c_str(o.transport, "opts.transport") }? {
-                    "soft" | "auto" => {}
-                    "rdma" => {
-                        return Err(fail(
-                            EPS_ERR_UNSUPPORTED,
-                            "this libeps speaks the soft transport only (use \"soft\" or \"auto\")",
-                        ));
-                    }
-                    t => return Err(fail(EPS_ERR_INVALID_ARGUMENT, format!("opts.transport {t:?}: use \"soft\" or \"auto\""))),
-                }
-            }
-            timeout_ms = o.timeout_ms;
-        }
-        let secret = match secret {
+        // SAFETY: the caller's contract.
+        let o = unsafe { read_options(opts) }?;
+        let secret = match o.secret {
             Some(s) => s,
             None => secret_from_env()?,
         };
         let secret = eps_fabric::Secret::new(secret).map_err(|e| fail(EPS_ERR_INVALID_ARGUMENT, e.to_string()))?;
-        let timeout = Duration::from_millis(if timeout_ms == 0 { 120_000 } else { timeout_ms.into() });
-        let h = Box::new(eps_worker { state: Mutex::new(State::Created(WorkerConfig { control, secret, timeout })) });
+        let timeout = Duration::from_millis(if o.timeout_ms == 0 { 120_000 } else { o.timeout_ms.into() });
+        let cfg = WorkerConfig { control, secret, timeout };
+        let h = Box::new(eps_worker { state: Mutex::new(State::Created(cfg, o.transport)) });
         // SAFETY: `out` is not NULL (checked) and writable by contract.
         unsafe { out.write(handle::give(Kind::Worker, h)) };
         Ok(())
@@ -327,8 +382,8 @@ unsafe fn join(
     {
         let h = worker(w)?;
         let mut st = h.state.lock().unwrap_or_else(|p| p.into_inner());
-        let cfg = match &*st {
-            State::Created(cfg) => cfg.clone(),
+        let (cfg, transport) = match &*st {
+            State::Created(cfg, t) => (cfg.clone(), t.clone()),
             State::Joined(_) => return Err(fail(EPS_ERR_STATE, "the worker has joined already")),
             State::Finished(_) => return Err(fail(EPS_ERR_STATE, "the worker has finished")),
             State::Closed => return Err(fail(EPS_ERR_INVALID_HANDLE, "an eps_worker that was closed already")),
@@ -380,12 +435,8 @@ unsafe fn join(
             }
         }
         let reg = lib::register_declaring(&cfg, decl.as_deref())?;
-        let pd = SoftDevice::open().map_err(lib::WorkerError::from)?.alloc_pd();
-        let w = match borrowed {
-            // SAFETY: the caller's contract (see eps_worker_join_borrowed).
-            Some((p, g, len)) => unsafe { Worker::join_borrowed(&cfg, reg, pd, p, g, len) }?,
-            None => Worker::join_on(&cfg, reg, pd)?,
-        };
+        // SAFETY: the caller's contract (see eps_worker_join_borrowed).
+        let w = unsafe { AnyWorker::join(&transport, &cfg, reg, borrowed) }?;
         let names = w
             .layout()
             .tensors
@@ -424,6 +475,7 @@ pub unsafe extern "C" fn eps_worker_get_info(w: *mut eps_worker, out: *mut eps_w
                 batch: spec.job.batch,
                 gradient_average: c_int::from(spec.optimizer.kind == "none"),
                 seed: spec.job.seed,
+                transport: j.w.transport().as_ptr(),
             })
         })?;
         // SAFETY: the caller's contract.
@@ -764,7 +816,7 @@ pub extern "C" fn eps_worker_finish(w: *mut eps_worker) -> eps_status {
             }
             other => {
                 let msg = match &other {
-                    State::Created(_) => "the worker has not joined",
+                    State::Created(..) => "the worker has not joined",
                     State::Finished(_) => "the worker has finished already",
                     _ => "an eps_worker that was closed already",
                 };

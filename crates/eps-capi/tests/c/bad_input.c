@@ -5,6 +5,7 @@
  * Built and run (under AddressSanitizer where the compiler has it) by
  * crates/eps-capi/tests/c_api.rs. */
 
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -88,8 +89,18 @@ int main(void) {
     bad = o;
     bad.transport = "carrier-pigeon";
     EXPECT(eps_worker_create(addr, &bad, &w), EPS_ERR_INVALID_ARGUMENT);
-    bad.transport = "rdma";
+    bad.transport = "rdma"; /* this build has no rdma transport */
     EXPECT(eps_worker_create(addr, &bad, &w), EPS_ERR_UNSUPPORTED);
+    bad = o;
+    bad.rdma_port = 300;
+    EXPECT(eps_worker_create(addr, &bad, &w), EPS_ERR_INVALID_ARGUMENT);
+    /* An older header's smaller struct: the fields past it take their defaults. */
+    bad = o;
+    bad.struct_size = offsetof(eps_worker_options, rdma_device);
+    bad.rdma_port = 300; /* past struct_size: not read */
+    eps_worker *old_header = NULL;
+    EXPECT(eps_worker_create(addr, &bad, &old_header), EPS_OK);
+    EXPECT(eps_worker_close(old_header), EPS_OK);
     EXPECT(eps_worker_create(addr, &o, &w), EPS_OK);
 
     /* Calls before join. */
@@ -147,6 +158,7 @@ int main(void) {
     EXPECT(eps_worker_get_info(w, NULL), EPS_ERR_NULL_POINTER);
     EXPECT(eps_worker_get_info(w, &info), EPS_OK);
     CHECK(info.tensor_count == 2 && info.dtype == EPS_DTYPE_F32 && info.rank == 0);
+    CHECK(strcmp(info.transport, "soft") == 0);
     eps_tensor_info ti;
     EXPECT(eps_worker_get_tensor(w, 2, &ti), EPS_ERR_NOT_FOUND);
     EXPECT(eps_worker_get_tensor(w, 0, NULL), EPS_ERR_NULL_POINTER);
