@@ -49,6 +49,10 @@ need_build_deps() {
 # Builds the checks and prints their paths, one per line.
 build_checks() {
     cargo build --locked --features rdma --bin eps >&2
+    # libeps with the rdma transport, and the C example linked to it (found
+    # next to it: rpath $ORIGIN).
+    cargo build --locked -p eps-capi --features rdma >&2
+    cc -std=c11 -O1 -I include examples/c/train.c -L target/debug -leps -lm -Wl,-rpath,'$ORIGIN' -o target/debug/train_c >&2
     echo "target/debug/eps"
     { cargo test --locked "${CHECKS[@]}" --no-run --message-format=json 2>/dev/null
       cargo test --locked --features rdma --test fabric_conformance --no-run --message-format=json 2>/dev/null; } |
@@ -67,7 +71,7 @@ write_run_script() {
 # Runs inside the VM (or on a host with rdma_rxe): $1 = directory of the checks.
 dir=$1
 fails=0
-check() { name=$1; shift; if "$@" >"/tmp/$name.log" 2>&1; then echo "PASS $name"; grep -hE '^(rdma|test result|\{)' "/tmp/$name.log" | sed 's/^/    /'; else echo "FAIL $name"; fails=$((fails + 1)); sed 's/^/    /' "/tmp/$name.log" | tail -n 60; fi; }
+check() { name=$1; shift; if "$@" >"/tmp/$name.log" 2>&1; then echo "PASS $name"; grep -hE '^(rdma|test result|accuracy|\{)' "/tmp/$name.log" | sed 's/^/    /'; else echo "FAIL $name"; fails=$((fails + 1)); sed 's/^/    /' "/tmp/$name.log" | tail -n 60; fi; }
 modprobe rdma_rxe || { echo "FAIL modprobe rdma_rxe"; exit 1; }
 # /dev/udmabuf: host pages as a dmabuf, for the dmabuf registration test.
 modprobe udmabuf 2>/dev/null || true
@@ -131,6 +135,26 @@ check eps_train_rdma_direct_equals_soft same rdmahost-direct
 # and one leaving: they must finish (their results depend on timing).
 check eps_train_rdma_asp "$dir/eps" train --spec /tmp/tiny.toml --consistency asp --scale-plan 10:servers=3,20:servers=1 --transport rdma
 check eps_train_rdma_workers "$dir/eps" train --spec /tmp/tiny.toml --scale-plan 10:workers=3,20:workers=2 --transport rdma
+# libeps over rdma: the C example, two processes against `eps up`, both on rxe.
+libeps_c() {
+    "$dir/eps" up --workers 2 --servers 2 --steps 40 --lr 0.05 --transport rdma >/tmp/up.env 2>/tmp/up.err &
+    up=$!
+    i=0
+    while [ "$(wc -l </tmp/up.env)" -lt 2 ] && [ $i -lt 600 ]; do sleep 0.1; i=$((i + 1)); done
+    # shellcheck disable=SC2046
+    export $(cat /tmp/up.env)
+    EPS_TRANSPORT=rdma "$dir/train_c" >/tmp/c0.out 2>/tmp/c0.err &
+    a=$!
+    EPS_TRANSPORT=rdma "$dir/train_c" >/tmp/c1.out 2>/tmp/c1.err &
+    b=$!
+    ok=0
+    wait $a || ok=1
+    wait $b || ok=1
+    wait $up || ok=1
+    cat /tmp/c0.err /tmp/c1.err
+    test $ok -eq 0 && grep -q "rdma transport" /tmp/c0.err && grep -q "rdma transport" /tmp/c1.err && cat /tmp/c0.out /tmp/c1.out | grep -h "^accuracy="
+}
+check libeps_c_example_rdma libeps_c
 # Conformance cases the rdma provider does not pass here, skipped and listed:
 # invalid_request_errors: its first part (a message over the responder's limit)
 # passes, but rxe answers a SEND longer than the posted receive with a remote
@@ -164,6 +188,7 @@ if [ "${1:-}" != --image-only ] && modprobe rdma_rxe >/dev/null 2>&1; then
     work=$(mktemp -d)
     mkdir -p "$work/checks"
     cp "${built[0]}" "$work/eps"
+    cp target/debug/libeps.so target/debug/train_c "$work/"
     for b in "${built[@]:1}"; do cp "$b" "$work/checks/"; done
     write_run_script "$work/run.sh"
     exec sh "$work/run.sh" "$work"
@@ -240,6 +265,7 @@ payload=$(mktemp -d)
 trap 'rm -rf "$payload"' EXIT
 mkdir -p "$payload/dir/checks"
 cp "${built[0]}" "$payload/dir/eps"
+cp target/debug/libeps.so target/debug/train_c "$payload/dir/"
 for b in "${built[@]:1}"; do cp "$b" "$payload/dir/checks/"; done
 write_run_script "$payload/dir/run.sh"
 size=$(( $(du -sm "$payload/dir" | cut -f1) + 32 ))

@@ -231,3 +231,52 @@ fn migrate_bench_pulls_through_migrations_and_plots_them() {
     let o = eps(&["bench", "migrate", "--shard-bytes", "1000"]);
     assert!(!o.status.success() && text(&o).contains("multiple of 4KiB"), "{}", text(&o));
 }
+
+/// `eps up`: its help, and bad input refused before anything starts; a job
+/// secret from the environment is used as it is (no secret file is printed),
+/// and Ctrl-C (SIGINT) stops the job it started.
+#[test]
+fn eps_up_explains_refuses_bad_input_and_stops_on_interrupt() {
+    let o = eps(&["up", "--help"]);
+    let t = text(&o);
+    assert!(o.status.success());
+    for s in ["EPS_CONTROL=HOST:PORT", "EPS_JOB_SECRET_FILE", "--workers", "--max-workers", "--optimizer", "none"] {
+        assert!(t.contains(s), "help lacks {s}: {t}");
+    }
+    let o = eps(&["up", "--workers", "0"]);
+    assert!(!o.status.success() && text(&o).contains("job.workers"), "{}", text(&o));
+    let o = eps(&["up", "--optimizer", "lamb"]);
+    assert!(!o.status.success() && text(&o).contains("optimizer.kind"), "{}", text(&o));
+    let o = eps(&["up", "--spec", "/nonexistent/job.toml"]);
+    assert!(!o.status.success() && text(&o).contains("/nonexistent/job.toml"), "{}", text(&o));
+    let o = eps(&["up", "--listen", "not-an-address"]);
+    assert!(!o.status.success() && !text(&o).contains("panicked"), "{}", text(&o));
+
+    use std::io::{BufRead, BufReader};
+    let mut up = Command::new(env!("CARGO_BIN_EXE_eps"))
+        .args(["up", "--workers", "1", "--servers", "1", "--transport", "soft", "--aggregator", "cpu"])
+        .env("EPS_JOB_SECRET", "cli-test-secret")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start eps up");
+    let mut out = BufReader::new(up.stdout.take().expect("piped"));
+    let mut first = String::new();
+    out.read_line(&mut first).expect("a first line");
+    assert!(first.starts_with("EPS_CONTROL=127.0.0.1:"), "{first:?}");
+    // With the secret from the environment, `eps status` reads it there too.
+    let addr = first.trim().trim_start_matches("EPS_CONTROL=").to_string();
+    let st = Command::new(env!("CARGO_BIN_EXE_eps"))
+        .args(["status", "--control", &addr])
+        .env("EPS_JOB_SECRET", "cli-test-secret")
+        .output()
+        .expect("eps status");
+    assert!(st.status.success() && text(&st).contains("awaiting the first worker's declaration"), "{}", text(&st));
+    let k = Command::new("kill").args(["-INT", &up.id().to_string()]).status().expect("kill -INT");
+    assert!(k.success());
+    let status = up.wait().expect("wait eps up");
+    assert!(!status.success(), "interrupted: a failure status");
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut out, &mut rest).expect("read the rest");
+    assert!(!rest.contains("EPS_JOB_SECRET_FILE"), "no secret file with EPS_JOB_SECRET set: {rest:?}");
+}
