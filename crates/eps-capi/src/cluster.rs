@@ -187,17 +187,8 @@ pub extern "C" fn eps_cluster_close(c: *mut eps_cluster) -> eps_status {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn eps_scale(control: *const c_char, secret: *const c_char, servers: c_int, workers: c_int) -> eps_status {
     guard("eps_scale", || {
-        let control = if control.is_null() {
-            std::env::var("EPS_CONTROL")
-                .map_err(|_| fail(EPS_ERR_INVALID_ARGUMENT, "control is NULL and EPS_CONTROL is not set"))?
-        } else {
-            // SAFETY: the caller's contract.
-            unsafe { c_str(control, "control") }?.to_string()
-        };
-        let addr: SocketAddr = control
-            .trim()
-            .parse()
-            .map_err(|_| fail(EPS_ERR_INVALID_ARGUMENT, format!("control address {control:?} is not IP:PORT")))?;
+        // SAFETY: the caller's contract.
+        let addr = unsafe { crate::status::control_arg(control) }?;
         let secret = if secret.is_null() {
             eps_fabric::Secret::new(crate::worker::secret_from_env()?)
                 .map_err(|e| fail(EPS_ERR_INVALID_ARGUMENT, e.to_string()))?

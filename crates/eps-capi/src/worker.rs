@@ -297,16 +297,8 @@ pub unsafe extern "C" fn eps_worker_create(
 ) -> eps_status {
     guard("eps_worker_create", || {
         non_null(out, "out")?;
-        let control = if control.is_null() {
-            std::env::var("EPS_CONTROL")
-                .map_err(|_| fail(EPS_ERR_INVALID_ARGUMENT, "control is NULL and EPS_CONTROL is not set"))?
-        } else {
-            // SAFETY: the caller's contract.
-            unsafe { c_str(control, "control") }?.to_string()
-        };
-        let control = control.trim().parse().map_err(|_| {
-            fail(EPS_ERR_INVALID_ARGUMENT, format!("control address {control:?} is not IP:PORT (as eps up prints it)"))
-        })?;
+        // SAFETY: the caller's contract.
+        let control = unsafe { crate::status::control_arg(control) }?;
         // SAFETY: the caller's contract.
         let o = unsafe { read_options(opts) }?;
         let secret = match o.secret {

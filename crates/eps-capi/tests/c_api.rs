@@ -52,7 +52,17 @@ pub fn build_c(src: &Path, name: &str) -> (PathBuf, bool) {
     if asan {
         cc.arg("-fsanitize=address");
     }
-    cc.arg("-I").arg(&include).arg(src).arg("-o").arg(&exe).arg("-L").arg(&lib).arg("-leps").arg("-lm");
+    cc.arg("-I")
+        .arg(&include)
+        .arg("-I")
+        .arg(src.parent().expect("a directory"))
+        .arg(src)
+        .arg("-o")
+        .arg(&exe)
+        .arg("-L")
+        .arg(&lib)
+        .arg("-leps")
+        .arg("-lm");
     cc.arg(format!("-Wl,-rpath,{}", lib.display()));
     let st = cc.status().expect("run cc (a C compiler is needed for the C ABI tests: apt-get install gcc)");
     assert!(st.success(), "compiling {} failed", src.display());

@@ -10,31 +10,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "check.h"
 #include "eps.h"
-
-static int failures = 0;
-
-#define EXPECT(call, want)                                                                  \
-    do {                                                                                    \
-        eps_status got_ = (call);                                                           \
-        if (got_ != (want)) {                                                               \
-            fprintf(stderr, "FAIL line %d: %s\n  returned %d (%s), expected %d (%s)\n  last error: %s\n", \
-                    __LINE__, #call, (int)got_, eps_status_string(got_), (int)(want),          \
-                    eps_status_string(want), eps_last_error());                             \
-            failures++;                                                                     \
-        } else if (got_ != EPS_OK && eps_last_error()[0] == '\0') {                          \
-            fprintf(stderr, "FAIL line %d: %s failed without a message\n", __LINE__, #call); \
-            failures++;                                                                     \
-        }                                                                                   \
-    } while (0)
-
-#define CHECK(cond)                                                         \
-    do {                                                                    \
-        if (!(cond)) {                                                      \
-            fprintf(stderr, "FAIL line %d: %s\n", __LINE__, #cond);       \
-            failures++;                                                     \
-        }                                                                   \
-    } while (0)
 
 static const char *SPEC =
     "[job]\nworkers = 1\nservers = 2\nsteps = 3\nshard_bytes = 4096\n"
@@ -241,10 +218,5 @@ int main(void) {
     EXPECT(eps_cluster_close(cl), EPS_ERR_INVALID_HANDLE);
     EXPECT(eps_cluster_get_address(cl, addr, sizeof addr), EPS_ERR_INVALID_HANDLE);
 
-    if (failures) {
-        fprintf(stderr, "%d checks failed\n", failures);
-        return 1;
-    }
-    printf("bad_input: every check passed\n");
-    return 0;
+    return report("bad_input");
 }

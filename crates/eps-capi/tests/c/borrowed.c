@@ -8,27 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "check.h"
 #include "eps.h"
-
-static int failures = 0;
-
-#define EXPECT(call, want)                                                                        \
-    do {                                                                                          \
-        eps_status got_ = (call);                                                                 \
-        if (got_ != (want)) {                                                                     \
-            fprintf(stderr, "FAIL line %d: %s returned %s, expected %s (%s)\n", __LINE__, #call, \
-                    eps_status_string(got_), eps_status_string(want), eps_last_error());          \
-            failures++;                                                                           \
-        }                                                                                         \
-    } while (0)
-
-#define CHECK(cond)                                                   \
-    do {                                                              \
-        if (!(cond)) {                                                \
-            fprintf(stderr, "FAIL line %d: %s\n", __LINE__, #cond); \
-            failures++;                                               \
-        }                                                             \
-    } while (0)
 
 int main(void) {
     const char *secret = "borrowed-test-secret";
@@ -80,10 +61,5 @@ int main(void) {
     free(grads);
     EXPECT(eps_cluster_wait(cl, 30000), EPS_OK);
     EXPECT(eps_cluster_close(cl), EPS_OK);
-    if (failures) {
-        fprintf(stderr, "%d checks failed\n", failures);
-        return 1;
-    }
-    printf("borrowed: every check passed\n");
-    return 0;
+    return report("borrowed");
 }
