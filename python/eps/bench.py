@@ -8,8 +8,10 @@ the soft transport, SGD on the servers, one f32 tensor of SIZE bytes): one
 trained by ``eps worker --bench-iters`` (Rust), one by this process through
 ``eps.Worker.push_pull`` (Python -> ctypes -> libeps), in alternating order.
 Each worker times ITERS push_pulls after 3 warm-up ones; the figure per round
-is the median iteration. ``ratio`` is Python's throughput over Rust's
-(median over rounds): 1.0 means the ABI costs nothing measurable.
+is the median iteration. ``ratio`` is Python's throughput over Rust's: the
+median over rounds of each round's ratio (its two figures are taken back to
+back, so the machine's other load weighs on both alike); 1.0 means the ABI
+costs nothing measurable.
 """
 
 import argparse
@@ -105,7 +107,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", type=parse_size, default=parse_size("100MB"), help="model bytes, f32 (default 100MB)")
     p.add_argument("--iters", type=int, default=10, help="timed push_pulls per worker and round (default 10)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds, each timing both workers (default 3)")
+    p.add_argument("--rounds", type=int, default=9, help="rounds, each timing both workers (default 9)")
     p.add_argument("--shard-bytes", type=parse_size, default=parse_size("4MiB"), help="shard size (default 4MiB)")
     p.add_argument("--eps", help="the eps binary (default: $EPS_BIN, PATH, target/release/eps)")
     p.add_argument("--json", action="store_true", help="end with one JSON line of results")
@@ -133,10 +135,14 @@ def main():
                 print(f"eps.bench: round {r + 1}: {name} push_pull of {a.size / 1e6:.0f} MB: {ms:.2f} ms", file=sys.stderr)
     rust_ms, py_ms = statistics.median(rust), statistics.median(py)
     gbs = lambda ms: 2 * a.size / (ms / 1e3) / 1e9  # noqa: E731 (pushed + pulled bytes)
-    ratio = rust_ms / py_ms
+    # Each round's two figures were taken back to back: their ratio cancels
+    # most of what the machine's other load does to both; the median of
+    # those ratios is the figure.
+    ratio = statistics.median(r / p for r, p in zip(rust, py))
     print(
         f"push_pull of {a.size / 1e6:.0f} MB: Rust {rust_ms:.2f} ms ({gbs(rust_ms):.2f} GB/s), "
-        f"Python through libeps {py_ms:.2f} ms ({gbs(py_ms):.2f} GB/s): ratio {ratio:.3f} (medians of {a.rounds} rounds)"
+        f"Python through libeps {py_ms:.2f} ms ({gbs(py_ms):.2f} GB/s); throughput ratio Python/Rust {ratio:.3f} "
+        f"(median of {a.rounds} rounds' ratios)"
     )
     if a.json:
         print(

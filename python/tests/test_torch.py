@@ -125,3 +125,12 @@ def test_digits_through_eps_match_one_process(args):
     assert dist["workers"] == local["workers"] == (3 if "--join-at" in args else 2)
     assert local["final_accuracy"] > 0.9
     assert abs(dist["final_accuracy"] - local["final_accuracy"]) <= 0.01
+
+
+def test_the_abi_bench_runs_and_reports_its_fields():
+    cmd = [sys.executable, "-m", "eps.bench", "--size", "4MB", "--rounds", "2", "--iters", "3", "--json", "--eps", eps_bin()]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd="/")
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["size_bytes"] == 4_000_000 and len(r["rust_rounds_ms"]) == len(r["python_rounds_ms"]) == 2
+    assert r["rust_iter_ms_p50"] > 0 and r["python_iter_ms_p50"] > 0 and r["ratio"] > 0
