@@ -5,11 +5,9 @@ Wrap a model in one call and keep the training loop::
     import eps, eps.torch
     model = Net()
     dm = eps.torch.DistributedModel(model)          # joins the job of EPS_CONTROL
-    sampler = eps.torch.ElasticSampler(len(dataset), batch=32, seed=0)
     opt = torch.optim.Adam(model.parameters())      # only when the job's
                                                     # optimizer is "none"
-    while (it := dm.begin()) is not None and it.iteration < steps:
-        x, y = dataset[sampler.indices(it)]
+    for it, (x, y) in eps.torch.ElasticLoader(dm, (xs, ys), batch=32, steps=steps):
         loss = loss_fn(model(x), y)
         loss.backward()                             # pushes tensor by tensor
         dm.step()                                   # waits for the pulls
@@ -92,6 +90,7 @@ class DistributedModel:
         self._requests = []
         if overlap:
             for i, (_, p) in enumerate(self.params):
+                self._hooks.append(p.register_hook(self._once(i)))
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(i)))
         self.zero_grad()
 
@@ -111,11 +110,23 @@ class DistributedModel:
                 # The loop replaced .grad (zero_grad(set_to_none=True)): copy.
                 g.copy_(p.grad)
                 p.grad = g
-            if i not in self._pushed:
-                self._pushed.add(i)
-                self._requests.append(self.worker.push([i]))
+            self._pushed.add(i)
+            self._requests.append(self.worker.push([i]))
 
         return push
+
+    def _once(self, i):
+        def check(grad):
+            if i in self._pushed:
+                # Refused before autograd accumulates it: the gradient's push
+                # may still be reading the buffer.
+                raise RuntimeError(
+                    f"parameter {self.params[i][0]!r} got a second gradient in one step: with overlap=True each step "
+                    "runs one backward (use DistributedModel(..., overlap=False) to accumulate over micro-batches)"
+                )
+            return grad
+
+        return check
 
     def zero_grad(self):
         """Zeroes the gradient views (making them ``p.grad`` again)."""
@@ -158,6 +169,33 @@ class DistributedModel:
             p.grad = None
         self.worker.finish()
         self.worker.close()
+
+
+class ElasticLoader:
+    """Batches of in-memory tensors that follow the job's membership: each
+    iteration (begun by ``dm.begin``) yields this worker's samples of it, so
+    that as workers join and leave no sample of a data epoch is skipped or
+    seen twice. Iterating stops at ``steps`` or when this worker left::
+
+        for it, (x, y) in eps.torch.ElasticLoader(dm, (xs, ys), batch=32, steps=300):
+            loss_fn(model(x), y).backward()
+            dm.step()
+    """
+
+    def __init__(self, dm, tensors, batch, steps, seed=0, shuffle=True):
+        n = {len(t) for t in tensors}
+        if len(n) != 1:
+            raise ValueError(f"the tensors have different lengths: {sorted(n)}")
+        self.dm, self.tensors, self.batch, self.steps = dm, tensors, batch, steps
+        self.sampler = ElasticSampler(n.pop(), seed=seed, shuffle=shuffle)
+
+    def __iter__(self):
+        while True:
+            it = self.dm.begin(self.batch)
+            if it is None or it.iteration >= self.steps:
+                return
+            idx = torch.from_numpy(self.sampler.indices(it))
+            yield it, tuple(t[idx] for t in self.tensors)
 
 
 class ElasticSampler:

@@ -134,3 +134,38 @@ def test_the_abi_bench_runs_and_reports_its_fields():
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["size_bytes"] == 4_000_000 and len(r["rust_rounds_ms"]) == len(r["python_rounds_ms"]) == 2
     assert r["rust_iter_ms_p50"] > 0 and r["python_iter_ms_p50"] > 0 and r["ratio"] > 0
+
+
+def test_the_elastic_loader_follows_membership_and_a_second_backward_is_refused():
+    cl = eps.Cluster(spec("sgd"), SECRET)
+    seen = {}
+
+    def work():
+        m = net()
+        dm = et.DistributedModel(m, eps.Worker(cl.address, SECRET))
+        xs = torch.arange(50, dtype=torch.float32).repeat(30, 1).T.contiguous()  # sample i is all i
+        ys = torch.zeros(50, 3)
+        rows = []
+        for it, (x, y) in et.ElasticLoader(dm, (xs, ys), batch=5, steps=4, shuffle=False):
+            assert x.shape == (5, 30) and it.contributors == 2
+            rows += [int(v) for v in x[:, 0]]
+            loss = torch.nn.functional.mse_loss(m(x / 50), y)
+            loss.backward(retain_graph=True)
+            if it.iteration == 3 and dm.rank == 0:
+                before = [p.grad.clone() for p in m.parameters()]
+                with pytest.raises(RuntimeError, match="second gradient in one step"):
+                    loss.backward()
+                # Refused before anything was accumulated into the buffers.
+                assert all(torch.equal(b, p.grad) for b, p in zip(before, m.parameters()))
+            dm.step()
+        seen[dm.rank] = rows
+        dm.finish()
+
+    ts = [threading.Thread(target=work) for _ in range(2)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    cl.wait(30000)
+    cl.close()
+    # 4 iterations x 2 workers x 5 samples: the first 40 of the stream, once each.
+    assert sorted(seen[0] + seen[1]) == list(range(40))
+    assert seen[0][:5] == [0, 1, 2, 3, 4] and seen[1][:5] == [5, 6, 7, 8, 9]
