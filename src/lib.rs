@@ -9,6 +9,7 @@
 //! - [`roles`]: the control, server and worker commands.
 //! - [`rdma`]: `eps rdma devices` (RDMA devices and the choice among them).
 //! - [`train`]: `eps train`, a local cluster on the built-in synthetic task.
+//! - [`sim`]: `eps sim`, the multi-job scheduler's simulator.
 //! - [`up`]: `eps up`, a control plane and servers for a framework's workers.
 
 pub use eps_fabric as fabric;
@@ -17,6 +18,7 @@ pub mod aggregator;
 pub mod bench;
 pub mod rdma;
 pub mod roles;
+pub mod sim;
 pub mod train;
 pub mod transport;
 pub mod units;

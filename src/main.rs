@@ -42,6 +42,15 @@ enum Cmd {
     /// generated, readable by this user only): export them for the workers.
     /// Stops when every worker and server has finished, or on Ctrl-C.
     Up(eps::up::UpArgs),
+    /// Simulate the multi-job scheduler on a trace: `static` (FIFO at the sizes
+    /// asked, a static PS cluster), `optimus` (marginal gain) and `eps` (new jobs
+    /// start at once on slots taken from running ones; freed slots go back).
+    ///
+    /// `eps sim --trace bench/traces/exploration.csv --compare` prints one row
+    /// per policy: feedback latency (submit to the job's feedback samples), JCT
+    /// of the jobs run to completion, makespan, utilization, rescales, the
+    /// longest queue wait. `eps sim generate` writes synthetic traces.
+    Sim(eps::sim::SimArgs),
     /// Run the control plane of one job (membership, placement; never on the data path).
     Control {
         /// Address to listen on.
@@ -702,6 +711,7 @@ fn main() -> ExitCode {
     let res = match cli.cmd {
         Cmd::Train(a) => train(a),
         Cmd::Up(a) => eps::up::run(a),
+        Cmd::Sim(a) => eps::sim::run(a),
         Cmd::Control { listen, spec, state_dir, exit_with_parent } => {
             if exit_with_parent {
                 eps::roles::exit_with_parent();

@@ -280,3 +280,35 @@ fn eps_up_explains_refuses_bad_input_and_stops_on_interrupt() {
     std::io::Read::read_to_string(&mut out, &mut rest).expect("read the rest");
     assert!(!rest.contains("EPS_JOB_SECRET_FILE"), "no secret file with EPS_JOB_SECRET set: {rest:?}");
 }
+
+/// `eps sim --compare` on the shipped exploration trace: `eps` gives feedback
+/// in at most half the time of a static cluster, and completes the jobs that
+/// run to completion in at most 0.9 of the time; bad traces are named.
+#[test]
+fn eps_sim_compares_policies_on_the_shipped_trace() {
+    let trace = concat!(env!("CARGO_MANIFEST_DIR"), "/bench/traces/exploration.csv");
+    let o = eps(&["sim", "--trace", trace, "--compare", "--json"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    let row =
+        |p: &str| out.lines().find(|l| l.contains(&format!("\"policy\":\"{p}\""))).unwrap_or_else(|| panic!("{out}")).to_string();
+    let (st, ep) = (row("static"), row("eps"));
+    assert!(out.contains("\"policy\":\"optimus\""), "{out}");
+    assert!(json_field(&ep, "avg_feedback_latency_s") <= 0.5 * json_field(&st, "avg_feedback_latency_s"), "{out}");
+    assert!(json_field(&ep, "avg_jct_s") <= 0.9 * json_field(&st, "avg_jct_s"), "{out}");
+    assert!(json_field(&ep, "max_queue_wait_s") <= json_field(&st, "max_queue_wait_s"), "{out}");
+    // Bad input: a missing file, a bad line (named), an unknown policy.
+    let o = eps(&["sim", "--trace", "/nonexistent.csv"]);
+    assert!(!o.status.success() && text(&o).contains("/nonexistent.csv"), "{}", text(&o));
+    let dir = std::env::temp_dir().join(format!("eps-sim-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bad = dir.join("bad.csv");
+    std::fs::write(&bad, format!("{}\na,1,100,1,32,10,50,0,1,2,1,1\n", eps_sched::trace::header())).unwrap();
+    let o = eps(&["sim", "--trace", bad.to_str().unwrap()]);
+    assert!(!o.status.success() && text(&o).contains("line 2, column `feedback_samples`"), "{}", text(&o));
+    let o = eps(&["sim", "--trace", trace, "--policy", "lottery"]);
+    assert!(!o.status.success() && text(&o).contains("static"), "{}", text(&o));
+    let o = eps(&["sim", "generate", "--kind", "steady", "--jobs", "5"]);
+    assert!(o.status.success() && eps_sched::trace::parse(&String::from_utf8_lossy(&o.stdout)).unwrap().len() == 5);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,0 +1,30 @@
+//! # eps-sched
+//!
+//! The multi-job elastic scheduler of EPS, as in the paper it follows: in
+//! feedback-driven exploration users kill most jobs after their first
+//! results, so a new job should get slots at once, taken from running jobs,
+//! and slots freed by killed or finished jobs should go back to the running
+//! ones. The core is free of I/O:
+//!
+//! - [`model`]: the cluster model (a job's throughput for its workers and
+//!   servers, what a rescale costs);
+//! - [`trace`]: job traces (CSV);
+//! - [`policy`]: the policies behind one trait: `static` (FIFO at the sizes
+//!   asked, today's PS clusters), `optimus` (marginal-gain allocation) and
+//!   `eps` (start at once by shrinking, give back by marginal gain, rescale
+//!   only when it pays);
+//! - [`sim`]: the discrete-event simulator that runs a trace under a policy;
+//! - [`synth`]: synthetic traces.
+
+#![forbid(unsafe_code)]
+
+pub mod model;
+pub mod policy;
+pub mod sim;
+pub mod synth;
+pub mod trace;
+
+pub use model::{Alloc, ClusterModel};
+pub use policy::{Policy, by_name};
+pub use sim::{JobRecord, SimError, Summary};
+pub use trace::{JobSpec, TraceError};

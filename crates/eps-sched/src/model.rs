@@ -1,0 +1,160 @@
+//! The cluster model: how fast a job trains with W workers and S servers, and
+//! what a rescale costs. Its constants come from measurements of real EPS
+//! processes (`eps sched calibrate`, to come; until then the defaults are
+//! figures measured on a 2-core machine over loopback).
+
+use serde::Deserialize;
+
+use crate::trace::JobSpec;
+
+/// Constants of the cluster model (`cluster.toml`).
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterModel {
+    /// Bytes per second one server moves in each direction (pushes in, pulls out).
+    #[serde(default = "d_server_bw")]
+    pub server_bytes_per_s: f64,
+    /// Bytes per second one worker moves in each direction.
+    #[serde(default = "d_worker_bw")]
+    pub worker_bytes_per_s: f64,
+    /// f32 elements per second one server sums and steps.
+    #[serde(default = "d_agg")]
+    pub agg_elements_per_s: f64,
+    /// Fixed cost of an iteration (round trips, scheduling), seconds.
+    #[serde(default = "d_overhead")]
+    pub iteration_overhead_s: f64,
+    /// Bytes per second a shard migration moves.
+    #[serde(default = "d_mig")]
+    pub migration_bytes_per_s: f64,
+    /// The pause every rescale costs a job (membership vote, new epoch), seconds.
+    #[serde(default = "d_pause")]
+    pub rescale_pause_s: f64,
+}
+
+fn d_server_bw() -> f64 {
+    1.8e9
+}
+fn d_worker_bw() -> f64 {
+    1.8e9
+}
+fn d_agg() -> f64 {
+    2.0e9
+}
+fn d_overhead() -> f64 {
+    0.0005
+}
+fn d_mig() -> f64 {
+    1.0e9
+}
+fn d_pause() -> f64 {
+    0.5
+}
+
+impl Default for ClusterModel {
+    fn default() -> Self {
+        toml::from_str("").expect("every field has a default")
+    }
+}
+
+/// A job's allocation: workers and servers (one slot each).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Alloc {
+    /// Workers.
+    pub workers: u32,
+    /// Servers.
+    pub servers: u32,
+}
+
+impl Alloc {
+    /// Slots taken.
+    pub fn slots(self) -> u32 {
+        self.workers + self.servers
+    }
+}
+
+impl ClusterModel {
+    /// Parses `cluster.toml`; every field has a default.
+    pub fn from_toml(text: &str) -> Result<Self, String> {
+        let m: ClusterModel = toml::from_str(text).map_err(|e| e.to_string().trim().replace('\n', " "))?;
+        let fields = [
+            ("server_bytes_per_s", m.server_bytes_per_s),
+            ("worker_bytes_per_s", m.worker_bytes_per_s),
+            ("agg_elements_per_s", m.agg_elements_per_s),
+            ("migration_bytes_per_s", m.migration_bytes_per_s),
+        ];
+        if let Some((f, _)) = fields.iter().find(|(_, v)| !(v.is_finite() && *v > 0.0)) {
+            return Err(format!("`{f}` must be a positive number"));
+        }
+        if !(m.iteration_overhead_s >= 0.0 && m.rescale_pause_s >= 0.0) {
+            return Err("`iteration_overhead_s` and `rescale_pause_s` must not be negative".into());
+        }
+        Ok(m)
+    }
+
+    /// Seconds per BSP iteration of `job` on `a` (compute, then the slower of
+    /// the workers' and the servers' transfers, aggregation, the fixed cost).
+    pub fn iteration_s(&self, job: &JobSpec, a: Alloc) -> f64 {
+        let w = f64::from(a.workers.max(1));
+        let s = f64::from(a.servers.max(1));
+        let p = job.param_bytes as f64;
+        let compute = job.compute_ms_per_sample * 1e-3 * f64::from(job.batch);
+        let worker_io = p / self.worker_bytes_per_s;
+        let server_io = p * w / (s * self.server_bytes_per_s);
+        let agg = (p / 4.0) * w / (s * self.agg_elements_per_s);
+        compute + worker_io.max(server_io) + agg + self.iteration_overhead_s
+    }
+
+    /// Samples per second of `job` on `a` (0 without a worker or a server).
+    pub fn throughput(&self, job: &JobSpec, a: Alloc) -> f64 {
+        if a.workers == 0 || a.servers == 0 {
+            return 0.0;
+        }
+        f64::from(a.workers) * f64::from(job.batch) / self.iteration_s(job, a)
+    }
+
+    /// Seconds a job pauses to go from `from` to `to`: the vote's pause, the
+    /// parameters a joining worker pulls, the bytes servers hand over.
+    pub fn rescale_s(&self, job: &JobSpec, from: Alloc, to: Alloc) -> f64 {
+        if from == to {
+            return 0.0;
+        }
+        let p = job.param_bytes as f64;
+        let moved = if from.servers == to.servers {
+            0.0
+        } else {
+            p * f64::from(from.servers.abs_diff(to.servers)) / f64::from(from.servers.max(to.servers).max(1))
+        };
+        let join = if to.workers > from.workers { p / self.worker_bytes_per_s } else { 0.0 };
+        self.rescale_pause_s + moved / self.migration_bytes_per_s + join
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn job() -> JobSpec {
+        JobSpec::test("j", 0.0, 100_000_000, 2.0, 32, 100_000, 10_000, false, (1, 8), (1, 4))
+    }
+
+    #[test]
+    fn more_workers_train_faster_until_the_servers_saturate() {
+        let m = ClusterModel::default();
+        let j = job();
+        let tp = |w, s| m.throughput(&j, Alloc { workers: w, servers: s });
+        assert!(tp(2, 1) > tp(1, 1));
+        assert!(tp(4, 2) > tp(4, 1), "servers relieve the bottleneck");
+        // Diminishing returns: the 8th worker adds less than the 2nd.
+        assert!(tp(8, 1) - tp(7, 1) < tp(2, 1) - tp(1, 1));
+        assert_eq!(tp(0, 1), 0.0);
+        assert!(m.rescale_s(&j, Alloc { workers: 2, servers: 1 }, Alloc { workers: 2, servers: 2 }) > m.rescale_pause_s);
+        assert_eq!(m.rescale_s(&j, Alloc { workers: 2, servers: 1 }, Alloc { workers: 2, servers: 1 }), 0.0);
+    }
+
+    #[test]
+    fn bad_models_are_refused_naming_the_field() {
+        assert!(ClusterModel::from_toml("server_bytes_per_s = -1.0").unwrap_err().contains("server_bytes_per_s"));
+        assert!(ClusterModel::from_toml("bandwidth = 1.0").unwrap_err().contains("bandwidth"));
+        assert_eq!(ClusterModel::from_toml("").unwrap(), ClusterModel::default());
+    }
+}

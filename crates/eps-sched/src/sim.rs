@@ -1,0 +1,250 @@
+//! The trace-driven simulator: discrete events (arrivals, feedbacks, ends),
+//! deterministic, driving a [`Policy`] over the [`ClusterModel`]. A job trains
+//! at the model's throughput for its allocation; a start or a rescale pauses
+//! it for the model's cost of that change.
+
+use crate::model::{Alloc, ClusterModel};
+use crate::policy::{JobView, Policy, View};
+use crate::trace::JobSpec;
+
+/// What happened to one job.
+#[derive(Clone, Debug, PartialEq)]
+pub struct JobRecord {
+    /// Its name.
+    pub name: String,
+    /// Submitted, started, feedback reached, ended (seconds).
+    pub submit_s: f64,
+    /// When it first got slots.
+    pub start_s: Option<f64>,
+    /// When its feedback samples were done.
+    pub feedback_s: Option<f64>,
+    /// When it finished or was killed.
+    pub end_s: Option<f64>,
+    /// Killed at its feedback (else it ran to completion).
+    pub killed: bool,
+    /// Allocation changes after its start.
+    pub rescales: u32,
+}
+
+/// The run's figures.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Summary {
+    /// The policy.
+    pub policy: String,
+    /// Jobs in the trace.
+    pub jobs: usize,
+    /// Mean and 95th percentile of submit-to-feedback times.
+    pub avg_feedback_latency_s: f64,
+    /// 95th percentile of the same.
+    pub p95_feedback_latency_s: f64,
+    /// Mean submit-to-end time of the jobs run to completion.
+    pub avg_jct_s: f64,
+    /// First submit to last end.
+    pub makespan_s: f64,
+    /// Slot-seconds allocated over slot-seconds available in the makespan.
+    pub utilization: f64,
+    /// Rescales of running jobs in all.
+    pub rescales: u64,
+    /// Longest submit-to-start time.
+    pub max_queue_wait_s: f64,
+}
+
+/// Per job, while the run goes.
+struct Live {
+    alloc: Alloc,
+    done: f64,
+    pause_until: f64,
+    last_change: Option<f64>,
+}
+
+/// Why a run failed: a policy broke a rule (a bug in it).
+#[derive(Debug, thiserror::Error, PartialEq)]
+#[non_exhaustive]
+pub enum SimError {
+    /// Allocations above the cluster, or a running job below its minimum.
+    #[error("policy {policy} at {at_s:.3} s: {what}")]
+    Policy {
+        /// The policy.
+        policy: String,
+        /// When.
+        at_s: f64,
+        /// What it did.
+        what: String,
+    },
+    /// Nothing can ever run: a job waits while every slot is free.
+    #[error("policy {policy} leaves job {job} queued on an idle cluster (its minimum may exceed the slots)")]
+    Stuck {
+        /// The policy.
+        policy: String,
+        /// The job.
+        job: String,
+    },
+}
+
+/// The longest time between two decisions while jobs are active, seconds.
+pub const DECISION_TICK_S: f64 = 30.0;
+
+fn reached(done: f64, target: f64) -> bool {
+    target - done <= 1e-9 * target.max(1.0)
+}
+
+/// Runs `jobs` (sorted by submit time) on `slots` slots under `policy`.
+pub fn run(
+    jobs: &[JobSpec],
+    slots: u32,
+    model: &ClusterModel,
+    policy: &mut dyn Policy,
+) -> Result<(Summary, Vec<JobRecord>), SimError> {
+    let name = policy.name().to_string();
+    let mut rec: Vec<JobRecord> = jobs
+        .iter()
+        .map(|j| JobRecord {
+            name: j.name.clone(),
+            submit_s: j.submit_s,
+            start_s: None,
+            feedback_s: None,
+            end_s: None,
+            killed: false,
+            rescales: 0,
+        })
+        .collect();
+    let mut live: Vec<Live> =
+        jobs.iter().map(|_| Live { alloc: Alloc::default(), done: 0.0, pause_until: 0.0, last_change: None }).collect();
+    // Active jobs (submitted, not ended), in submit order.
+    let mut active: Vec<usize> = Vec::new();
+    let mut next = 0usize;
+    let mut now = jobs.first().map_or(0.0, |j| j.submit_s);
+    let (mut slot_seconds, mut rescales) = (0.0f64, 0u64);
+    let rate = |i: usize, l: &Live| model.throughput(&jobs[i], l.alloc);
+    loop {
+        // Arrivals now.
+        while next < jobs.len() && jobs[next].submit_s <= now {
+            active.push(next);
+            next += 1;
+        }
+        // Decide.
+        let view = View {
+            now_s: now,
+            slots,
+            jobs: active
+                .iter()
+                .map(|&i| JobView {
+                    spec: &jobs[i],
+                    alloc: live[i].alloc,
+                    done_samples: live[i].done,
+                    last_change_s: live[i].last_change,
+                })
+                .collect(),
+            model,
+        };
+        let want = policy.allocate(&view);
+        let total: u32 = want.iter().map(|a| a.slots()).sum();
+        let bad = |what: String| SimError::Policy { policy: name.clone(), at_s: now, what };
+        if want.len() != active.len() || total > slots {
+            return Err(bad(format!("{total} slots allocated of {slots} ({} answers for {} jobs)", want.len(), active.len())));
+        }
+        for (&i, &a) in active.iter().zip(&want) {
+            let l = &mut live[i];
+            let min = jobs[i].min_alloc();
+            let max = jobs[i].max_alloc();
+            if l.alloc.slots() > 0 && (a.workers < min.workers || a.servers < min.servers) {
+                return Err(bad(format!("job {} cut below its minimum to {a:?}", jobs[i].name)));
+            }
+            if a.workers > max.workers
+                || a.servers > max.servers
+                || (a.slots() > 0 && (a.workers < min.workers || a.servers < min.servers))
+            {
+                return Err(bad(format!("job {} given {a:?} outside its sizes", jobs[i].name)));
+            }
+            if a == l.alloc {
+                continue;
+            }
+            let pause = if l.alloc.slots() == 0 {
+                rec[i].start_s = Some(now);
+                model.rescale_pause_s + jobs[i].param_bytes as f64 / model.worker_bytes_per_s
+            } else {
+                rec[i].rescales += 1;
+                rescales += 1;
+                model.rescale_s(&jobs[i], l.alloc, a)
+            };
+            l.pause_until = l.pause_until.max(now) + pause;
+            l.alloc = a;
+            l.last_change = Some(now);
+        }
+        if active.iter().all(|&i| live[i].alloc.slots() == 0) && next >= jobs.len() {
+            if let Some(&i) = active.first() {
+                return Err(SimError::Stuck { policy: name, job: jobs[i].name.clone() });
+            }
+            break;
+        }
+        // The next event: an arrival, or a job reaching its feedback or end.
+        let mut t_next = if next < jobs.len() { jobs[next].submit_s } else { f64::INFINITY };
+        for &i in &active {
+            let l = &live[i];
+            let r = rate(i, l);
+            if r <= 0.0 {
+                continue;
+            }
+            let fb = jobs[i].feedback_samples as f64;
+            let target = if rec[i].feedback_s.is_none() { fb } else { jobs[i].end_samples() as f64 };
+            t_next = t_next.min(l.pause_until.max(now) + (target - l.done).max(0.0) / r);
+        }
+        // The policy decides again at least every `DECISION_TICK_S` while
+        // jobs are active: a rescale held back (its frequency is bounded) is
+        // reconsidered even when nothing arrives or ends.
+        if !active.is_empty() {
+            t_next = t_next.min(now + DECISION_TICK_S);
+        }
+        if !t_next.is_finite() {
+            return Err(SimError::Stuck {
+                policy: name,
+                job: active.first().map_or_else(String::new, |&i| jobs[i].name.clone()),
+            });
+        }
+        // Advance every running job to it.
+        let dt = t_next - now;
+        for &i in &active {
+            let r = rate(i, &live[i]);
+            let l = &mut live[i];
+            slot_seconds += f64::from(l.alloc.slots()) * dt;
+            let run = (t_next - l.pause_until.max(now)).max(0.0);
+            l.done = (l.done + r * run).min(jobs[i].samples as f64);
+        }
+        now = t_next;
+        // Milestones.
+        active.retain(|&i| {
+            let l = &mut live[i];
+            let j = &jobs[i];
+            if rec[i].feedback_s.is_none() && reached(l.done, j.feedback_samples as f64) {
+                l.done = l.done.max(j.feedback_samples as f64);
+                rec[i].feedback_s = Some(now);
+            }
+            if rec[i].feedback_s.is_some() && reached(l.done, j.end_samples() as f64) {
+                rec[i].end_s = Some(now);
+                rec[i].killed = j.kill_after_feedback;
+                l.alloc = Alloc::default();
+                return false;
+            }
+            true
+        });
+    }
+    let first = jobs.first().map_or(0.0, |j| j.submit_s);
+    let makespan = rec.iter().filter_map(|r| r.end_s).fold(first, f64::max) - first;
+    let mut fb: Vec<f64> = rec.iter().filter_map(|r| r.feedback_s.map(|f| f - r.submit_s)).collect();
+    fb.sort_by(f64::total_cmp);
+    let jct: Vec<f64> = rec.iter().filter(|r| !r.killed).filter_map(|r| r.end_s.map(|e| e - r.submit_s)).collect();
+    let mean = |v: &[f64]| if v.is_empty() { 0.0 } else { v.iter().sum::<f64>() / v.len() as f64 };
+    let p95 = fb.get(((fb.len() as f64 * 0.95).ceil() as usize).saturating_sub(1)).copied().unwrap_or(0.0);
+    let summary = Summary {
+        policy: name,
+        jobs: jobs.len(),
+        avg_feedback_latency_s: mean(&fb),
+        p95_feedback_latency_s: p95,
+        avg_jct_s: mean(&jct),
+        makespan_s: makespan,
+        utilization: if makespan > 0.0 { slot_seconds / (f64::from(slots) * makespan) } else { 0.0 },
+        rescales,
+        max_queue_wait_s: rec.iter().filter_map(|r| r.start_s.map(|s| s - r.submit_s)).fold(0.0, f64::max),
+    };
+    Ok((summary, rec))
+}

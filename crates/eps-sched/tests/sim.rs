@@ -1,0 +1,62 @@
+//! The simulator under every policy: every job ends as its trace says, the
+//! rules hold (checked by the simulator at every decision), and on
+//! feedback-driven exploration `eps` gives feedback much sooner than a static
+//! PS cluster without slowing the jobs that run to completion.
+
+use eps_sched::model::ClusterModel;
+use eps_sched::policy::{NAMES, by_name};
+use eps_sched::{sim, synth};
+
+fn run(policy: &str, jobs: &[eps_sched::JobSpec], slots: u32) -> (sim::Summary, Vec<sim::JobRecord>) {
+    let mut p = by_name(policy).unwrap();
+    sim::run(jobs, slots, &ClusterModel::default(), p.as_mut()).unwrap()
+}
+
+#[test]
+fn every_job_ends_as_its_trace_says_under_every_policy() {
+    for seed in 1..4 {
+        for (kind, jobs) in [("exploration", synth::exploration(seed, 120)), ("steady", synth::steady(seed, 80))] {
+            for policy in NAMES {
+                let (s, rec) = run(policy, &jobs, 32);
+                for (j, r) in jobs.iter().zip(&rec) {
+                    let (st, fb, end) = (r.start_s.unwrap(), r.feedback_s.unwrap(), r.end_s.unwrap());
+                    assert!(j.submit_s <= st && st < fb && fb <= end, "{kind} {policy} {}: {r:?}", j.name);
+                    assert_eq!(r.killed, j.kill_after_feedback);
+                }
+                assert!(s.utilization > 0.0 && s.utilization <= 1.0 + 1e-9, "{kind} {policy}: {s:?}");
+                if policy == "static" {
+                    assert_eq!(s.rescales, 0, "a static cluster never rescales");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn the_simulation_is_deterministic() {
+    let jobs = synth::exploration(7, 60);
+    assert_eq!(run("eps", &jobs, 24), run("eps", &jobs, 24));
+}
+
+#[test]
+fn eps_gives_feedback_sooner_than_a_static_cluster_without_slowing_completions() {
+    for seed in 1..6 {
+        let jobs = synth::exploration(seed, 200);
+        let (st, _) = run("static", &jobs, 48);
+        let (ep, _) = run("eps", &jobs, 48);
+        let (op, _) = run("optimus", &jobs, 48);
+        println!(
+            "seed {seed}: feedback latency static {:.0} s, optimus {:.0} s, eps {:.0} s; JCT static {:.0} s, optimus {:.0} s, eps {:.0} s; max queue wait eps {:.0} s",
+            st.avg_feedback_latency_s,
+            op.avg_feedback_latency_s,
+            ep.avg_feedback_latency_s,
+            st.avg_jct_s,
+            op.avg_jct_s,
+            ep.avg_jct_s,
+            ep.max_queue_wait_s
+        );
+        assert!(ep.avg_feedback_latency_s <= 0.5 * st.avg_feedback_latency_s, "seed {seed}: {ep:?} vs {st:?}");
+        assert!(ep.avg_jct_s <= 0.9 * st.avg_jct_s, "seed {seed}: {ep:?} vs {st:?}");
+        assert!(ep.max_queue_wait_s <= st.max_queue_wait_s, "seed {seed}: no job starves more than under static");
+    }
+}

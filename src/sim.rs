@@ -1,0 +1,144 @@
+//! `eps sim`: the multi-job scheduler's trace-driven simulator (`eps-sched`),
+//! and `eps sim generate`, which writes the synthetic traces.
+
+use std::path::PathBuf;
+
+use eps_sched::policy::{NAMES, by_name};
+use eps_sched::{ClusterModel, JobSpec, sim, synth, trace};
+
+use crate::bench::Json;
+
+/// `eps sim`'s arguments.
+#[derive(clap::Args, Debug)]
+#[command(args_conflicts_with_subcommands = true)]
+pub struct SimArgs {
+    #[command(subcommand)]
+    pub cmd: Option<SimCmd>,
+    /// The trace (CSV; columns in the README).
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Policy: static (FIFO at the sizes asked), optimus (marginal gain), eps.
+    #[arg(long, default_value = "eps", value_parser = clap::builder::PossibleValuesParser::new(NAMES))]
+    pub policy: String,
+    /// Run every policy on the trace, one table.
+    #[arg(long)]
+    pub compare: bool,
+    /// Slots of the cluster (one worker or server each).
+    #[arg(long, default_value_t = 48)]
+    pub slots: u32,
+    /// The cluster model (TOML; default: built-in figures).
+    #[arg(long)]
+    pub cluster: Option<PathBuf>,
+    /// Also print each job's times.
+    #[arg(long)]
+    pub jobs: bool,
+    /// One JSON line per policy.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `eps sim generate`.
+#[derive(clap::Subcommand, Debug)]
+pub enum SimCmd {
+    /// Print a synthetic trace (CSV) on stdout.
+    Generate {
+        /// exploration (bursts of hyper-parameter sweeps, most jobs killed at
+        /// their feedback) or steady (Poisson arrivals of mixed jobs).
+        #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(["exploration", "steady"]))]
+        kind: String,
+        /// Jobs.
+        #[arg(long, default_value_t = 200)]
+        jobs: usize,
+        /// Seed.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
+}
+
+/// Runs `eps sim`.
+pub fn run(a: SimArgs) -> Result<(), String> {
+    if let Some(SimCmd::Generate { kind, jobs, seed }) = a.cmd {
+        if jobs == 0 {
+            return Err("--jobs must be at least 1".into());
+        }
+        let (t, what) = match kind.as_str() {
+            "steady" => (synth::steady(seed, jobs), "steady mixed load"),
+            _ => (synth::exploration(seed, jobs), "feedback-driven exploration"),
+        };
+        print!("{}", synth::to_csv(&t, &format!("{what}: eps sim generate --kind {kind} --jobs {jobs} --seed {seed}")));
+        return Ok(());
+    }
+    let path = a.trace.ok_or("--trace FILE is needed (or `eps sim generate` to make one)")?;
+    let text = std::fs::read_to_string(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let jobs: Vec<JobSpec> = trace::parse(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    let model = match &a.cluster {
+        Some(p) => {
+            let t = std::fs::read_to_string(p).map_err(|e| format!("cannot read {}: {e}", p.display()))?;
+            ClusterModel::from_toml(&t).map_err(|e| format!("{}: {e}", p.display()))?
+        }
+        None => ClusterModel::default(),
+    };
+    if a.slots == 0 {
+        return Err("--slots must be at least 1".into());
+    }
+    if let Some(j) = jobs.iter().find(|j| j.min_alloc().slots() > a.slots) {
+        return Err(format!("job {} needs at least {} slots; the cluster has {}", j.name, j.min_alloc().slots(), a.slots));
+    }
+    let policies: Vec<&str> = if a.compare { NAMES.to_vec() } else { vec![a.policy.as_str()] };
+    eprintln!("eps sim: {} jobs from {} on {} slots", jobs.len(), path.display(), a.slots);
+    if !a.json {
+        println!(
+            "{:<8} {:>14} {:>14} {:>10} {:>11} {:>7} {:>9} {:>13}",
+            "policy", "feedback avg s", "feedback p95 s", "avg JCT s", "makespan s", "util", "rescales", "max wait s"
+        );
+    }
+    for name in policies {
+        let mut p = by_name(name).ok_or_else(|| format!("unknown policy {name}"))?;
+        let started = std::time::Instant::now();
+        let (s, rec) = sim::run(&jobs, a.slots, &model, p.as_mut()).map_err(|e| e.to_string())?;
+        let took = started.elapsed().as_secs_f64();
+        if a.jobs {
+            for r in &rec {
+                let f = |v: Option<f64>| v.map_or("-".into(), |x| format!("{x:.1}"));
+                eprintln!(
+                    "  {name} {}: submit {:.1} start {} feedback {} {} {} rescales {}",
+                    r.name,
+                    r.submit_s,
+                    f(r.start_s),
+                    f(r.feedback_s),
+                    if r.killed { "killed" } else { "finished" },
+                    f(r.end_s),
+                    r.rescales
+                );
+            }
+        }
+        if a.json {
+            let j = Json::new()
+                .str("policy", &s.policy)
+                .int("jobs", s.jobs as u64)
+                .int("slots", a.slots.into())
+                .num("avg_feedback_latency_s", s.avg_feedback_latency_s)
+                .num("p95_feedback_latency_s", s.p95_feedback_latency_s)
+                .num("avg_jct_s", s.avg_jct_s)
+                .num("makespan_s", s.makespan_s)
+                .num("utilization", s.utilization)
+                .int("rescales", s.rescales)
+                .num("max_queue_wait_s", s.max_queue_wait_s)
+                .num("simulated_in_s", took);
+            println!("{}", j.finish());
+        } else {
+            println!(
+                "{:<8} {:>14.1} {:>14.1} {:>10.1} {:>11.1} {:>7.3} {:>9} {:>13.1}",
+                s.policy,
+                s.avg_feedback_latency_s,
+                s.p95_feedback_latency_s,
+                s.avg_jct_s,
+                s.makespan_s,
+                s.utilization,
+                s.rescales,
+                s.max_queue_wait_s
+            );
+        }
+    }
+    Ok(())
+}
