@@ -81,7 +81,7 @@ pub fn steady(seed: u64, jobs: usize) -> Vec<JobSpec> {
     let mut t = 0.0;
     (0..jobs)
         .map(|k| {
-            t += r.exp(240.0);
+            t += r.exp(30.0);
             let samples = r.range(10, 100) * 10_000;
             let maxw = [2u32, 4, 8][r.range(0, 2) as usize];
             JobSpec {
