@@ -19,6 +19,7 @@ pub mod bench;
 pub mod rdma;
 pub mod roles;
 pub mod sim;
+mod sim_plot;
 pub mod train;
 pub mod transport;
 pub mod units;

@@ -35,6 +35,10 @@ pub struct SimArgs {
     /// One JSON line per policy.
     #[arg(long)]
     pub json: bool,
+    /// Draw slots allocated over time and the feedback-latency distribution
+    /// of each policy run into this PNG.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
 }
 
 /// `eps sim generate`.
@@ -92,6 +96,7 @@ pub fn run(a: SimArgs) -> Result<(), String> {
             "policy", "feedback avg s", "feedback p95 s", "avg JCT s", "makespan s", "util", "rescales", "max wait s"
         );
     }
+    let mut runs = Vec::new();
     for name in policies {
         let mut p = by_name(name).ok_or_else(|| format!("unknown policy {name}"))?;
         let started = std::time::Instant::now();
@@ -139,6 +144,11 @@ pub fn run(a: SimArgs) -> Result<(), String> {
                 s.max_queue_wait_s
             );
         }
+        runs.push((s, rec));
+    }
+    if let Some(p) = &a.plot {
+        crate::sim_plot::draw(p, a.slots, &runs)?;
+        eprintln!("eps sim: plot in {}", p.display());
     }
     Ok(())
 }

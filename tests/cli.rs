@@ -298,10 +298,14 @@ fn eps_sim_compares_policies_on_the_shipped_trace() {
     assert!(json_field(&ep, "avg_jct_s") <= 0.9 * json_field(&st, "avg_jct_s"), "{out}");
     assert!(json_field(&ep, "max_queue_wait_s") <= json_field(&st, "max_queue_wait_s"), "{out}");
     // Bad input: a missing file, a bad line (named), an unknown policy.
-    let o = eps(&["sim", "--trace", "/nonexistent.csv"]);
-    assert!(!o.status.success() && text(&o).contains("/nonexistent.csv"), "{}", text(&o));
     let dir = std::env::temp_dir().join(format!("eps-sim-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
+    let png = dir.join("sim.png");
+    let o = eps(&["sim", "--trace", trace, "--compare", "--plot", png.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(std::fs::metadata(&png).unwrap().len() > 10_000, "a PNG was drawn");
+    let o = eps(&["sim", "--trace", "/nonexistent.csv"]);
+    assert!(!o.status.success() && text(&o).contains("/nonexistent.csv"), "{}", text(&o));
     let bad = dir.join("bad.csv");
     std::fs::write(&bad, format!("{}\na,1,100,1,32,10,50,0,1,2,1,1\n", eps_sched::trace::header())).unwrap();
     let o = eps(&["sim", "--trace", bad.to_str().unwrap()]);

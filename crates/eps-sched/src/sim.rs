@@ -47,6 +47,8 @@ pub struct Summary {
     pub rescales: u64,
     /// Longest submit-to-start time.
     pub max_queue_wait_s: f64,
+    /// Slots allocated after each decision: (seconds, slots).
+    pub timeline: Vec<(f64, u32)>,
 }
 
 /// Per job, while the run goes.
@@ -115,6 +117,7 @@ pub fn run(
     let mut next = 0usize;
     let mut now = jobs.first().map_or(0.0, |j| j.submit_s);
     let (mut slot_seconds, mut rescales) = (0.0f64, 0u64);
+    let mut timeline: Vec<(f64, u32)> = Vec::new();
     let rate = |i: usize, l: &Live| model.throughput(&jobs[i], l.alloc);
     loop {
         // Arrivals now.
@@ -170,6 +173,10 @@ pub fn run(
             l.pause_until = l.pause_until.max(now) + pause;
             l.alloc = a;
             l.last_change = Some(now);
+        }
+        let used: u32 = active.iter().map(|&i| live[i].alloc.slots()).sum();
+        if timeline.last().is_none_or(|&(_, u)| u != used) {
+            timeline.push((now, used));
         }
         if active.iter().all(|&i| live[i].alloc.slots() == 0) && next >= jobs.len() {
             if let Some(&i) = active.first() {
@@ -245,6 +252,7 @@ pub fn run(
         utilization: if makespan > 0.0 { slot_seconds / (f64::from(slots) * makespan) } else { 0.0 },
         rescales,
         max_queue_wait_s: rec.iter().filter_map(|r| r.start_s.map(|s| s - r.submit_s)).fold(0.0, f64::max),
+        timeline,
     };
     Ok((summary, rec))
 }
