@@ -16,6 +16,7 @@ pub use eps_fabric as fabric;
 
 pub mod aggregator;
 pub mod bench;
+pub mod calibrate;
 pub mod rdma;
 pub mod roles;
 pub mod sim;

@@ -25,6 +25,15 @@ struct Cli {
     cmd: Cmd,
 }
 
+/// `eps sched ...`.
+#[derive(Subcommand, Debug)]
+enum SchedCmd {
+    /// Measure the scheduler's cluster model here with real EPS processes
+    /// (push/pull bandwidth, an iteration's fixed cost, aggregation rate,
+    /// migration throughput) and write it for `eps sim --cluster`.
+    Calibrate(eps::calibrate::CalibrateArgs),
+}
+
 #[derive(Subcommand, Debug)]
 enum Cmd {
     /// Train the built-in synthetic task on a local cluster (the main job).
@@ -51,6 +60,9 @@ enum Cmd {
     /// of the jobs run to completion, makespan, utilization, rescales, the
     /// longest queue wait. `eps sim generate` writes synthetic traces.
     Sim(eps::sim::SimArgs),
+    /// The multi-job scheduler on this machine.
+    #[command(subcommand)]
+    Sched(SchedCmd),
     /// Run the control plane of one job (membership, placement; never on the data path).
     Control {
         /// Address to listen on.
@@ -712,6 +724,7 @@ fn main() -> ExitCode {
         Cmd::Train(a) => train(a),
         Cmd::Up(a) => eps::up::run(a),
         Cmd::Sim(a) => eps::sim::run(a),
+        Cmd::Sched(SchedCmd::Calibrate(a)) => eps::calibrate::run(a),
         Cmd::Control { listen, spec, state_dir, exit_with_parent } => {
             if exit_with_parent {
                 eps::roles::exit_with_parent();

@@ -316,3 +316,26 @@ fn eps_sim_compares_policies_on_the_shipped_trace() {
     assert!(o.status.success() && eps_sched::trace::parse(&String::from_utf8_lossy(&o.stdout)).unwrap().len() == 5);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `eps sched calibrate --quick` measures the cluster model with real
+/// processes and writes a file `eps sim --cluster` reads.
+#[test]
+fn calibrate_writes_a_model_the_simulator_reads() {
+    let dir = std::env::temp_dir().join(format!("eps-calibrate-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = dir.join("cluster.toml");
+    let o = eps(&["sched", "calibrate", "--quick", "--out", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", text(&o));
+    let t = std::fs::read_to_string(&out).unwrap();
+    let m = eps_sched::ClusterModel::from_toml(&t).unwrap();
+    assert!(m.server_bytes_per_s > 1e6 && m.agg_elements_per_s > 1e6 && m.migration_bytes_per_s > 1e5, "{t}");
+    assert!(m.iteration_overhead_s > 0.0 && m.iteration_overhead_s < 1.0, "{t}");
+    let trace = concat!(env!("CARGO_MANIFEST_DIR"), "/bench/traces/steady.csv");
+    let o = eps(&["sim", "--trace", trace, "--cluster", out.to_str().unwrap(), "--json"]);
+    assert!(o.status.success() && text(&o).contains("\"policy\":\"eps\""), "{}", text(&o));
+    let bad = dir.join("bad.toml");
+    std::fs::write(&bad, "server_bytes_per_s = 0.0\n").unwrap();
+    let o = eps(&["sim", "--trace", trace, "--cluster", bad.to_str().unwrap()]);
+    assert!(!o.status.success() && text(&o).contains("server_bytes_per_s"), "{}", text(&o));
+    let _ = std::fs::remove_dir_all(&dir);
+}

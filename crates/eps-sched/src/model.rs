@@ -1,7 +1,8 @@
 //! The cluster model: how fast a job trains with W workers and S servers, and
 //! what a rescale costs. Its constants come from measurements of real EPS
-//! processes (`eps sched calibrate`, to come; until then the defaults are
-//! figures measured on a 2-core machine over loopback).
+//! processes (`eps sched calibrate`); the defaults are `bench/cluster.toml`'s,
+//! measured on a 2-core machine over loopback (the rescale pause excepted:
+//! it is not measured yet).
 
 use serde::Deserialize;
 
@@ -32,19 +33,19 @@ pub struct ClusterModel {
 }
 
 fn d_server_bw() -> f64 {
-    1.8e9
+    2.28e9
 }
 fn d_worker_bw() -> f64 {
-    1.8e9
+    2.28e9
 }
 fn d_agg() -> f64 {
-    2.0e9
+    3.26e9
 }
 fn d_overhead() -> f64 {
-    0.0005
+    0.00036
 }
 fn d_mig() -> f64 {
-    1.0e9
+    1.71e9
 }
 fn d_pause() -> f64 {
     0.5

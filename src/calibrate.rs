@@ -1,0 +1,95 @@
+//! `eps sched calibrate`: measures on this machine, with real EPS processes,
+//! the constants of the scheduler's cluster model, and writes them as the
+//! TOML `eps sim --cluster` reads.
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+
+use eps_agg::DType;
+use eps_sched::ClusterModel;
+
+use crate::bench::agg::{self, AggBench};
+use crate::bench::migrate::{self, MigrateBench};
+use crate::bench::pushpull::{self, PushPullBench};
+use crate::roles::crate_error;
+
+/// `eps sched calibrate`'s arguments.
+#[derive(clap::Args, Debug)]
+pub struct CalibrateArgs {
+    /// Where to write the model (TOML); default: stdout.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Smaller sizes and fewer rounds (seconds instead of about a minute).
+    #[arg(long)]
+    pub quick: bool,
+}
+
+/// Runs the measurements and writes the model.
+pub fn run(a: CalibrateArgs) -> Result<(), String> {
+    let (size, iters) = if a.quick { (4u64 << 20, 5) } else { (64u64 << 20, 20) };
+    let step = |what: &str| eprintln!("eps sched calibrate: {what}");
+    step(&format!("push/pull of a {} MiB model, one worker, one server", size >> 20));
+    let big = pushpull::run(&PushPullBench { size, workers: 1, servers: 1, iters, shard_bytes: 4 << 20 })
+        .map_err(|e| crate_error(&e))?;
+    step("push/pull of a 4 KiB model (the fixed cost of an iteration)");
+    let tiny = pushpull::run(&PushPullBench { size: 4096, workers: 1, servers: 1, iters: iters * 5, shard_bytes: 4096 })
+        .map_err(|e| crate_error(&e))?;
+    step(&format!("sum of two {} MiB f32 contributions on one thread", size >> 20));
+    let sum = agg::run(&AggBench { dtype: DType::F32, workers: 2, size, threads: 1, reps: 5 }).map_err(|e| crate_error(&e))?;
+    step(&format!("migrations of a {} MiB shard between server processes", size >> 20));
+    let mig = migrate::run(&MigrateBench {
+        shard_bytes: size,
+        steady_steps: 5,
+        migrations: 2,
+        gap_steps: 5,
+        after_steps: 5,
+        pulls_per_step: 1,
+    })
+    .map_err(|e| crate_error(&e))?;
+    let overhead_s = tiny.iter_ms_p50 / 1e3;
+    let agg_elements_per_s = 2.0 * (size / 4) as f64 / sum.sum_s;
+    let agg_s = (size / 4) as f64 / agg_elements_per_s;
+    // One worker and one server: iteration = transfer + aggregation + overhead.
+    let transfer_s = (big.iter_ms_p50 / 1e3 - agg_s - overhead_s).max(1e-6);
+    let bw = size as f64 / transfer_s;
+    let model = ClusterModel {
+        server_bytes_per_s: bw,
+        worker_bytes_per_s: bw,
+        agg_elements_per_s,
+        iteration_overhead_s: overhead_s,
+        migration_bytes_per_s: mig.migration_gbytes_per_s * 1e9,
+        ..ClusterModel::default()
+    };
+    let mut t = String::new();
+    let _ = writeln!(
+        t,
+        "# The scheduler's cluster model, measured by `eps sched calibrate{}`.",
+        if a.quick { " --quick" } else { "" }
+    );
+    let _ = writeln!(
+        t,
+        "# push/pull of {} MiB: {:.2} ms per iteration; of 4 KiB: {:.3} ms; sum of two f32 inputs: {:.2} GB/s; migration: {:.2} GB/s.",
+        size >> 20,
+        big.iter_ms_p50,
+        tiny.iter_ms_p50,
+        sum.gbytes_per_s,
+        mig.migration_gbytes_per_s
+    );
+    let _ = writeln!(t, "# rescale_pause_s is not measured yet (the default).");
+    let _ = writeln!(t, "server_bytes_per_s = {:.0}", model.server_bytes_per_s);
+    let _ = writeln!(t, "worker_bytes_per_s = {:.0}", model.worker_bytes_per_s);
+    let _ = writeln!(t, "agg_elements_per_s = {:.0}", model.agg_elements_per_s);
+    let _ = writeln!(t, "iteration_overhead_s = {:.6}", model.iteration_overhead_s);
+    let _ = writeln!(t, "migration_bytes_per_s = {:.0}", model.migration_bytes_per_s);
+    let _ = writeln!(t, "rescale_pause_s = {}", model.rescale_pause_s);
+    // What is written must read back.
+    ClusterModel::from_toml(&t).map_err(|e| format!("the measured model is not usable ({e}):\n{t}"))?;
+    match &a.out {
+        Some(p) => {
+            std::fs::write(p, &t).map_err(|e| format!("cannot write {}: {e}", p.display()))?;
+            eprintln!("eps sched calibrate: wrote {}", p.display());
+        }
+        None => print!("{t}"),
+    }
+    Ok(())
+}
