@@ -56,20 +56,31 @@ pub enum SimCmd {
         /// Seed.
         #[arg(long, default_value_t = 1)]
         seed: u64,
+        /// Arrivals this many times as dense (submit times divided by it), to
+        /// load a larger cluster as the default traces load 48 slots.
+        #[arg(long, default_value_t = 1.0)]
+        load: f64,
     },
 }
 
 /// Runs `eps sim`.
 pub fn run(a: SimArgs) -> Result<(), String> {
-    if let Some(SimCmd::Generate { kind, jobs, seed }) = a.cmd {
+    if let Some(SimCmd::Generate { kind, jobs, seed, load }) = a.cmd {
         if jobs == 0 {
             return Err("--jobs must be at least 1".into());
         }
-        let (t, what) = match kind.as_str() {
+        if !(load.is_finite() && load > 0.0) {
+            return Err("--load must be a positive number".into());
+        }
+        let (mut t, what) = match kind.as_str() {
             "steady" => (synth::steady(seed, jobs), "steady mixed load"),
             _ => (synth::exploration(seed, jobs), "feedback-driven exploration"),
         };
-        print!("{}", synth::to_csv(&t, &format!("{what}: eps sim generate --kind {kind} --jobs {jobs} --seed {seed}")));
+        for j in &mut t {
+            j.submit_s = (j.submit_s / load * 1000.0).round() / 1000.0;
+        }
+        let cmd = format!("eps sim generate --kind {kind} --jobs {jobs} --seed {seed} --load {load}");
+        print!("{}", synth::to_csv(&t, &format!("{what}: {cmd}")));
         return Ok(());
     }
     let path = a.trace.ok_or("--trace FILE is needed (or `eps sim generate` to make one)")?;

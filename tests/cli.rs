@@ -313,7 +313,13 @@ fn eps_sim_compares_policies_on_the_shipped_trace() {
     let o = eps(&["sim", "--trace", trace, "--policy", "lottery"]);
     assert!(!o.status.success() && text(&o).contains("static"), "{}", text(&o));
     let o = eps(&["sim", "generate", "--kind", "steady", "--jobs", "5"]);
-    assert!(o.status.success() && eps_sched::trace::parse(&String::from_utf8_lossy(&o.stdout)).unwrap().len() == 5);
+    let five = eps_sched::trace::parse(&String::from_utf8_lossy(&o.stdout)).unwrap();
+    assert!(o.status.success() && five.len() == 5);
+    let o = eps(&["sim", "generate", "--kind", "steady", "--jobs", "5", "--load", "10"]);
+    let dense = eps_sched::trace::parse(&String::from_utf8_lossy(&o.stdout)).unwrap();
+    assert!((dense[4].submit_s - five[4].submit_s / 10.0).abs() < 0.01, "--load divides the submit times");
+    let o = eps(&["sim", "generate", "--kind", "steady", "--load", "0"]);
+    assert!(!o.status.success() && text(&o).contains("--load"), "{}", text(&o));
     let _ = std::fs::remove_dir_all(&dir);
 }
 
