@@ -195,41 +195,36 @@ class Worker:
 
     # -- zero-copy views ---------------------------------------------------
 
-    def _view(self, ptr, elements, dtype):
-        nbytes = elements * DTYPE_BYTES[DTYPES[dtype]]
-        buf = (ctypes.c_uint8 * nbytes).from_address(ptr)
-        buf._eps_owner = self  # the view keeps the worker (and its memory) alive
-        np_dtype = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}[dtype]
-        return np.frombuffer(buf, dtype=np_dtype, count=elements)
+    def _where(self, which, index):
+        """(address, elements, dtype) of a buffer, whole or of tensor ``index``."""
+        if index is None:
+            return getattr(self.info, which), self.info.elements, DTYPE_NAMES[self.info.dtype]
+        t, p, g = self._tensors[index]
+        return (p if which == "params" else g), t.elements, t.dtype
 
     def buffer(self, which, index=None):
         """A ctypes byte array over a registered buffer (``"params"`` or
         ``"grads"``), whole or of tensor ``index``: the memory behind views."""
-        if index is None:
-            ptr, n, dtype = getattr(self.info, which), self.info.elements, DTYPE_NAMES[self.info.dtype]
-        else:
-            t, p, g = self._tensors[index]
-            ptr, n, dtype = (p if which == "params" else g), t.elements, t.dtype
+        ptr, n, dtype = self._where(which, index)
         buf = (ctypes.c_uint8 * (n * DTYPE_BYTES[DTYPES[dtype]])).from_address(ptr)
-        buf._eps_owner = self
+        buf._eps_owner = self  # a view over it keeps the worker (and its memory) alive
         return buf
+
+    def _view(self, which, index):
+        _, n, dtype = self._where(which, index)
+        np_dtype = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}[dtype]
+        return np.frombuffer(self.buffer(which, index), dtype=np_dtype, count=n)
 
     def params(self, index=None):
         """A NumPy view of the parameters (all, or of tensor ``index``); bf16
         as raw uint16. Written by the servers during a pull: read it between
         pulls."""
-        if index is None:
-            return self._view(self.info.params, self.info.elements, DTYPE_NAMES[self.info.dtype])
-        t, p, _ = self._tensors[index]
-        return self._view(p, t.elements, t.dtype)
+        return self._view("params", index)
 
     def grads(self, index=None):
         """A NumPy view of the gradient buffer (all, or of tensor ``index``).
         Leave a pushed tensor's gradient alone until its push completed."""
-        if index is None:
-            return self._view(self.info.grads, self.info.elements, DTYPE_NAMES[self.info.dtype])
-        t, _, g = self._tensors[index]
-        return self._view(g, t.elements, t.dtype)
+        return self._view("grads", index)
 
     # -- iterations ----------------------------------------------------------
 

@@ -3,7 +3,6 @@ torch tensors are views of registered memory, errors carry their status and
 message, the elastic sampler deals samples out exactly once per epoch."""
 
 import re
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -59,7 +58,7 @@ def test_the_binding_matches_the_header():
     assert [n for n, _ in statuses] == _lib.STATUS_NAMES
 
 
-def test_numpy_views_are_the_registered_buffers_and_none_publishes_the_average():
+def test_numpy_views_are_the_registered_buffers_and_none_publishes_the_average(run_workers):
     cl = eps.Cluster(spec(workers=2), SECRET)
     out = {}
 
@@ -82,11 +81,7 @@ def test_numpy_views_are_the_registered_buffers_and_none_publishes_the_average()
         w.close()
         w.close()  # idempotent in Python
 
-    ts = [threading.Thread(target=work, args=(k,)) for k in range(2)]
-    [t.start() for t in ts]
-    [t.join() for t in ts]
-    cl.wait(30000)
-    cl.close()
+    run_workers(cl, work)
     for step in range(3):
         want = np.arange(3007, dtype=np.float32) + 5 + step  # mean of rank 0 and rank 1
         assert np.array_equal(out[(0, step)], want) and np.array_equal(out[(1, step)], want)

@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -32,11 +31,11 @@ def net():
     return torch.nn.Sequential(torch.nn.Linear(30, 40), torch.nn.Tanh(), torch.nn.Linear(40, 3))
 
 
-def test_parameters_and_gradients_are_views_and_a_step_is_the_servers_sgd():
+def test_parameters_and_gradients_are_views_and_a_step_is_the_servers_sgd(run_workers):
     cl = eps.Cluster(spec("sgd"), SECRET)
     results = {}
 
-    def work():
+    def work(_k):
         m = net()
         dm = et.DistributedModel(m, eps.Worker(cl.address, SECRET))
         for (name, p), i in zip(m.named_parameters(), range(4)):
@@ -56,11 +55,7 @@ def test_parameters_and_gradients_are_views_and_a_step_is_the_servers_sgd():
         dm.finish()
         assert all(p.grad is None for p in m.parameters())
 
-    ts = [threading.Thread(target=work) for _ in range(2)]
-    [t.start() for t in ts]
-    [t.join() for t in ts]
-    cl.wait(30000)
-    cl.close()
+    run_workers(cl, work)
     b0, g0, a0, n = results[0]
     _, g1, a1, _ = results[1]
     assert n == 2
@@ -69,11 +64,11 @@ def test_parameters_and_gradients_are_views_and_a_step_is_the_servers_sgd():
         assert torch.allclose(after0, want, atol=1e-6) and torch.equal(after0, after1)
 
 
-def test_optimizer_none_gives_the_framework_the_averaged_gradient():
+def test_optimizer_none_gives_the_framework_the_averaged_gradient(run_workers):
     cl = eps.Cluster(spec("none"), SECRET)
     grads = {}
 
-    def work():
+    def work(_k):
         m = net()
         dm = et.DistributedModel(m, eps.Worker(cl.address, SECRET))
         assert dm.gradient_average
@@ -85,11 +80,7 @@ def test_optimizer_none_gives_the_framework_the_averaged_gradient():
         grads[dm.rank] = (mine, [p.grad.clone() for p in m.parameters()])
         dm.finish()
 
-    ts = [threading.Thread(target=work) for _ in range(2)]
-    [t.start() for t in ts]
-    [t.join() for t in ts]
-    cl.wait(30000)
-    cl.close()
+    run_workers(cl, work)
     for x, y, avg in zip(grads[0][0], grads[1][0], grads[0][1]):
         assert torch.allclose(avg, (x + y) * 0.5, atol=1e-7)
 
@@ -136,11 +127,11 @@ def test_the_abi_bench_runs_and_reports_its_fields():
     assert r["rust_iter_ms_p50"] > 0 and r["python_iter_ms_p50"] > 0 and r["ratio"] > 0
 
 
-def test_the_elastic_loader_follows_membership_and_a_second_backward_is_refused():
+def test_the_elastic_loader_follows_membership_and_a_second_backward_is_refused(run_workers):
     cl = eps.Cluster(spec("sgd"), SECRET)
     seen = {}
 
-    def work():
+    def work(_k):
         m = net()
         dm = et.DistributedModel(m, eps.Worker(cl.address, SECRET))
         xs = torch.arange(50, dtype=torch.float32).repeat(30, 1).T.contiguous()  # sample i is all i
@@ -161,11 +152,7 @@ def test_the_elastic_loader_follows_membership_and_a_second_backward_is_refused(
         seen[dm.rank] = rows
         dm.finish()
 
-    ts = [threading.Thread(target=work) for _ in range(2)]
-    [t.start() for t in ts]
-    [t.join() for t in ts]
-    cl.wait(30000)
-    cl.close()
+    run_workers(cl, work)
     # 4 iterations x 2 workers x 5 samples: the first 40 of the stream, once each.
     assert sorted(seen[0] + seen[1]) == list(range(40))
     assert seen[0][:5] == [0, 1, 2, 3, 4] and seen[1][:5] == [5, 6, 7, 8, 9]

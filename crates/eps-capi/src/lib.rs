@@ -84,23 +84,7 @@ pub extern "C" fn eps_check_version(header_version: u32) -> eps_status {
 /// unknown value gives "unknown status").
 #[unsafe(no_mangle)]
 pub extern "C" fn eps_status_string(status: u32) -> *const c_char {
-    let all = [
-        EPS_OK,
-        EPS_ERR_INVALID_ARGUMENT,
-        EPS_ERR_NULL_POINTER,
-        EPS_ERR_INVALID_HANDLE,
-        EPS_ERR_STATE,
-        EPS_ERR_NOT_FOUND,
-        EPS_ERR_MISMATCH,
-        EPS_ERR_TIMEOUT,
-        EPS_ERR_CONTROL,
-        EPS_ERR_FABRIC,
-        EPS_ERR_LEFT,
-        EPS_ERR_UNSUPPORTED,
-        EPS_ERR_VERSION,
-        EPS_ERR_INTERNAL,
-    ];
-    all.iter().find(|s| **s as u32 == status).map_or(c"unknown status".as_ptr(), |s| s.text().as_ptr())
+    eps_status::ALL.iter().find(|s| **s as u32 == status).map_or(c"unknown status".as_ptr(), |s| s.text().as_ptr())
 }
 
 /// The calling thread's last failure in detail (which call, what and why);

@@ -48,6 +48,24 @@ pub enum eps_status {
 use eps_status::*;
 
 impl eps_status {
+    /// Every status, in code order.
+    pub(crate) const ALL: [eps_status; 14] = [
+        EPS_OK,
+        EPS_ERR_INVALID_ARGUMENT,
+        EPS_ERR_NULL_POINTER,
+        EPS_ERR_INVALID_HANDLE,
+        EPS_ERR_STATE,
+        EPS_ERR_NOT_FOUND,
+        EPS_ERR_MISMATCH,
+        EPS_ERR_TIMEOUT,
+        EPS_ERR_CONTROL,
+        EPS_ERR_FABRIC,
+        EPS_ERR_LEFT,
+        EPS_ERR_UNSUPPORTED,
+        EPS_ERR_VERSION,
+        EPS_ERR_INTERNAL,
+    ];
+
     /// The text of `eps_status_string`.
     pub(crate) fn text(self) -> &'static CStr {
         match self {
