@@ -119,6 +119,14 @@ enum Cmd {
         /// Seconds to wait for the control plane, the plan and each transfer.
         #[arg(long, default_value_t = 120)]
         timeout: u64,
+        /// (internal) Stop once the job has trained this many samples (the
+        /// scheduler's live runs).
+        #[arg(long, hide = true)]
+        until_samples: Option<u64>,
+        /// (internal) Each step computes for at least this many milliseconds per
+        /// sample of the batch (an accelerator's time, slept).
+        #[arg(long, hide = true, default_value_t = 0.0)]
+        compute_ms_per_sample: f64,
         /// (internal) Time this many push_pull iterations instead of training.
         #[arg(long, hide = true)]
         bench_iters: Option<u64>,
@@ -737,7 +745,17 @@ fn main() -> ExitCode {
             }
             eps::roles::server(control, listen_ip, threads, Duration::from_secs(timeout.max(1)), &fabric, &agg)
         }
-        Cmd::Worker { control, progress_every, fabric, timeout, bench_iters, bench_migrate, exit_with_parent } => {
+        Cmd::Worker {
+            control,
+            progress_every,
+            fabric,
+            timeout,
+            until_samples,
+            compute_ms_per_sample,
+            bench_iters,
+            bench_migrate,
+            exit_with_parent,
+        } => {
             if exit_with_parent {
                 eps::roles::exit_with_parent();
             }
@@ -746,7 +764,12 @@ fn main() -> ExitCode {
                 (_, Some(pulls_per_step)) => WorkerBench::Migrate { pulls_per_step },
                 _ => WorkerBench::None,
             };
-            eps::roles::worker(control, progress_every, bench, Duration::from_secs(timeout.max(1)), &fabric)
+            let pace = eps::train::worker::Pace { every: progress_every.max(1), until_samples, compute_ms_per_sample };
+            if compute_ms_per_sample.is_finite() && compute_ms_per_sample >= 0.0 {
+                eps::roles::worker(control, pace, bench, Duration::from_secs(timeout.max(1)), &fabric)
+            } else {
+                Err("--compute-ms-per-sample must be a number of milliseconds, 0 or more".into())
+            }
         }
         Cmd::Bench(BenchCmd::Pushpull(a)) => bench_pushpull(a),
         Cmd::Bench(BenchCmd::Migrate(a)) => bench_migrate(a),

@@ -130,7 +130,7 @@ pub fn server(
 /// transport the flags, the environment or the job spec name.
 pub fn worker(
     control: SocketAddr,
-    every: u64,
+    pace: crate::train::worker::Pace,
     bench: WorkerBench,
     timeout: Duration,
     fabric: &TransportFlags,
@@ -142,7 +142,7 @@ pub fn worker(
         cfg: eps_worker::WorkerConfig,
         reg: eps_worker::Registration,
         bench: WorkerBench,
-        every: u64,
+        pace: crate::train::worker::Pace,
     }
     impl OnFabric for Work {
         type Out = Result<(), String>;
@@ -155,11 +155,11 @@ pub fn worker(
                 WorkerBench::Migrate { pulls_per_step } => {
                     crate::bench::migrate::run_worker(w, pulls_per_step.max(1)).map_err(|e| crate_error(&e))
                 }
-                WorkerBench::None => crate::train::worker::run(w, self.every.max(1)).map_err(|e| crate_error(&e)),
+                WorkerBench::None => crate::train::worker::run(w, self.pace).map_err(|e| crate_error(&e)),
             }
         }
     }
-    transport::run_on(&chosen, Work { cfg, reg, bench, every })?
+    transport::run_on(&chosen, Work { cfg, reg, bench, pace })?
 }
 
 /// What an `eps worker` process runs instead of the built-in task, for a benchmark.

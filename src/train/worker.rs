@@ -57,15 +57,39 @@ pub enum TrainWorkerError {
     NoTask,
 }
 
-/// Joins the job and trains; prints `EPS_PROGRESS` lines every `every` steps (rank 0)
-/// and `EPS_DONE` at the end (every rank; rank 0 adds the evaluation).
-pub fn run<P: eps_fabric::Fabric>(mut w: Worker<P>, every: u64) -> Result<(), TrainWorkerError> {
+/// How a worker paces its training and reports it.
+#[derive(Clone, Copy, Debug)]
+pub struct Pace {
+    /// Rank 0 prints progress every this many steps.
+    pub every: u64,
+    /// Stop at the first iteration boundary where the job (all its workers)
+    /// has trained this many samples, if before `job.steps`.
+    pub until_samples: Option<u64>,
+    /// Each step's computation takes at least this many milliseconds per sample
+    /// of the worker's batch (the rest of the time slept): an accelerator's
+    /// compute time, for the scheduler's live runs.
+    pub compute_ms_per_sample: f64,
+}
+
+impl Pace {
+    /// Progress every `every` steps, no other pacing.
+    pub fn every(every: u64) -> Self {
+        Self { every, until_samples: None, compute_ms_per_sample: 0.0 }
+    }
+}
+
+/// Joins the job and trains; prints `EPS_PROGRESS` lines every `pace.every`
+/// steps (rank 0; `samples=` is the job's samples trained so far) and
+/// `EPS_DONE` at the end (every rank; rank 0 adds the evaluation).
+pub fn run<P: eps_fabric::Fabric>(mut w: Worker<P>, pace: Pace) -> Result<(), TrainWorkerError> {
+    let every = pace.every.max(1);
     let spec = w.spec().clone();
     if spec.model.preset.is_none() {
         return Err(TrainWorkerError::NoTask);
     }
     let task = Task::new(&spec.model, spec.job.seed);
     let (rank, batch) = (w.rank(), spec.job.batch as u64);
+    let compute = std::time::Duration::from_secs_f64(pace.compute_ms_per_sample.max(0.0) * 1e-3 * batch as f64);
     let n = w.layout().total as usize;
     let f32_job = w.dtype() == eps_agg::DType::F32;
     // Staging only for 16-bit dtypes, where the wire format needs a conversion pass.
@@ -78,7 +102,11 @@ pub fn run<P: eps_fabric::Fabric>(mut w: Worker<P>, every: u64) -> Result<(), Tr
     let mut trained = 0u64;
     let scale = 1.0 / batch as f32;
     let mut left = false;
-    while w.iteration() < spec.job.steps {
+    let job_done = |w: &Worker<P>| {
+        let it = w.iteration();
+        it >= spec.job.steps || pace.until_samples.is_some_and(|n| w.membership().samples_before(it, batch) >= n)
+    };
+    while !job_done(&w) {
         // Membership changes take effect here: a worker scaled away leaves at this
         // boundary; samples are dealt out to this iteration's contributors.
         if !w.begin()? {
@@ -87,6 +115,7 @@ pub fn run<P: eps_fabric::Fabric>(mut w: Worker<P>, every: u64) -> Result<(), Tr
         }
         let step = w.iteration();
         let samples = w.samples(batch).ok_or(TrainWorkerError::NoSamples(step))?;
+        let step_start = Instant::now();
         trained += batch;
         let mut step_batch = |p: &[f32], g: &mut [f32]| {
             g.fill(0.0);
@@ -106,13 +135,17 @@ pub fn run<P: eps_fabric::Fabric>(mut w: Worker<P>, every: u64) -> Result<(), Tr
             step_batch(&p_stage, &mut g_stage);
             w.write_grads(&g_stage)?;
         }
+        if let Some(rest) = compute.checked_sub(step_start.elapsed()) {
+            std::thread::sleep(rest);
+        }
         w.push_pull()?;
         if rank == 0 && (step + 1) % every == 0 {
             let st = w.stats();
             let secs = start.elapsed().as_secs_f64();
             println!(
-                "EPS_PROGRESS step={} loss={:.5} acc={:.4} elapsed_s={:.3} pushed={} pulled={} workers={}",
+                "EPS_PROGRESS step={} samples={} loss={:.5} acc={:.4} elapsed_s={:.3} pushed={} pulled={} workers={}",
                 step + 1,
+                w.membership().samples_before(step + 1, batch),
                 loss_sum / seen.max(1) as f64,
                 correct as f64 / seen.max(1) as f64,
                 secs,

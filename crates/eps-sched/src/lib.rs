@@ -25,6 +25,6 @@ pub mod synth;
 pub mod trace;
 
 pub use model::{Alloc, ClusterModel};
-pub use policy::{Policy, by_name};
+pub use policy::{Policy, Timing, by_name, by_name_timed};
 pub use sim::{JobRecord, SimError, Summary};
 pub use trace::{JobSpec, TraceError};

@@ -19,6 +19,10 @@ pub struct JobView<'a> {
     pub done_samples: f64,
     /// When it was last started or rescaled.
     pub last_change_s: Option<f64>,
+    /// Its measured throughput over the model's for its allocation (1: the
+    /// model as it is; the live driver refines it from the iteration times
+    /// the job reports). Every estimate of this job's time is divided by it.
+    pub speed: f64,
 }
 
 impl JobView<'_> {
@@ -62,22 +66,73 @@ pub trait Policy {
     fn allocate(&mut self, v: &View<'_>) -> Vec<Alloc>;
 }
 
-/// The policies by name.
+/// The scheduler's clocks, the same in the simulator and in live runs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Timing {
+    /// The longest time between two decisions while jobs are active, seconds.
+    pub tick_s: f64,
+    /// `eps`: the least time between two growths of one job, seconds.
+    pub min_interval_s: f64,
+}
+
+impl Default for Timing {
+    fn default() -> Self {
+        Self { tick_s: 30.0, min_interval_s: 30.0 }
+    }
+}
+
+impl Timing {
+    /// Both clocks times `x` (a trace replayed `x` times as fast or slow).
+    pub fn scaled(self, x: f64) -> Self {
+        Self { tick_s: self.tick_s * x, min_interval_s: self.min_interval_s * x }
+    }
+}
+
+/// The policies by name, with the default clocks.
 pub fn by_name(name: &str) -> Option<Box<dyn Policy>> {
+    by_name_timed(name, Timing::default())
+}
+
+/// The policies by name, with the clocks of `t`.
+pub fn by_name_timed(name: &str, t: Timing) -> Option<Box<dyn Policy>> {
     match name {
         "static" => Some(Box::new(Static)),
-        "eps" => Some(Box::new(Eps::default())),
+        "eps" => Some(Box::new(Eps { min_interval_s: t.min_interval_s })),
         "optimus" => Some(Box::new(Optimus)),
         _ => None,
     }
 }
 
+/// Checks a policy's answer `want` for `jobs` on `slots` slots: one
+/// allocation per job, within the slots, every job within its sizes, no
+/// running job cut below its minimum. The simulator and the live driver
+/// refuse an answer that breaks a rule (a bug in the policy).
+pub fn check(jobs: &[JobView<'_>], want: &[Alloc], slots: u32) -> Result<(), String> {
+    let total: u32 = want.iter().map(|a| a.slots()).sum();
+    if want.len() != jobs.len() || total > slots {
+        return Err(format!("{total} slots allocated of {slots} ({} answers for {} jobs)", want.len(), jobs.len()));
+    }
+    for (j, &a) in jobs.iter().zip(want) {
+        let (min, max) = (j.spec.min_alloc(), j.spec.max_alloc());
+        if j.running() && (a.workers < min.workers || a.servers < min.servers) {
+            return Err(format!("job {} cut below its minimum to {a:?}", j.spec.name));
+        }
+        if a.workers > max.workers
+            || a.servers > max.servers
+            || (a.slots() > 0 && (a.workers < min.workers || a.servers < min.servers))
+        {
+            return Err(format!("job {} given {a:?} outside its sizes", j.spec.name));
+        }
+    }
+    Ok(())
+}
+
 /// The policies `--compare` runs.
 pub const NAMES: [&str; 3] = ["static", "optimus", "eps"];
 
-/// Seconds to train `samples` on `a` (infinite without throughput).
-fn time_s(m: &ClusterModel, j: &JobSpec, a: Alloc, samples: f64) -> f64 {
-    let tp = m.throughput(j, a);
+/// Seconds for `j` to train `samples` on `a` (infinite without throughput).
+fn time_s(m: &ClusterModel, j: &JobView<'_>, a: Alloc, samples: f64) -> f64 {
+    let tp = m.throughput(j.spec, a) * j.speed;
     if tp > 0.0 { samples / tp } else { f64::INFINITY }
 }
 
@@ -124,14 +179,14 @@ impl Policy for Static {
 /// time), with the seconds it saves on its remaining samples.
 fn best_step(m: &ClusterModel, j: &JobView<'_>, a: Alloc) -> Option<(f64, Alloc)> {
     let max = j.spec.max_alloc();
-    let now = time_s(m, j.spec, a, j.remaining());
+    let now = time_s(m, j, a, j.remaining());
     [
         (a.workers < max.workers).then_some(Alloc { workers: a.workers + 1, ..a }),
         (a.servers < max.servers).then_some(Alloc { servers: a.servers + 1, ..a }),
     ]
     .into_iter()
     .flatten()
-    .map(|b| (now - time_s(m, j.spec, b, j.remaining()), b))
+    .map(|b| (now - time_s(m, j, b, j.remaining()), b))
     .filter(|(g, _)| *g > 0.0)
     .max_by(|x, y| x.0.total_cmp(&y.0))
 }
@@ -140,14 +195,14 @@ fn best_step(m: &ClusterModel, j: &JobView<'_>, a: Alloc) -> Option<(f64, Alloc)
 /// costs on its remaining samples.
 fn cheapest_cut(m: &ClusterModel, j: &JobView<'_>, a: Alloc) -> Option<(f64, Alloc)> {
     let min = j.spec.min_alloc();
-    let now = time_s(m, j.spec, a, j.remaining());
+    let now = time_s(m, j, a, j.remaining());
     [
         (a.workers > min.workers).then_some(Alloc { workers: a.workers - 1, ..a }),
         (a.servers > min.servers).then_some(Alloc { servers: a.servers - 1, ..a }),
     ]
     .into_iter()
     .flatten()
-    .map(|b| (time_s(m, j.spec, b, j.remaining()) - now, b))
+    .map(|b| (time_s(m, j, b, j.remaining()) - now, b))
     .min_by(|x, y| x.0.total_cmp(&y.0))
 }
 
@@ -286,7 +341,7 @@ impl Policy for Eps {
             if !j.running() || out[i] == before[i] {
                 continue;
             }
-            let saved = time_s(m, j.spec, before[i], j.remaining()) - time_s(m, j.spec, out[i], j.remaining());
+            let saved = time_s(m, j, before[i], j.remaining()) - time_s(m, j, out[i], j.remaining());
             if saved <= m.rescale_s(j.spec, before[i], out[i]) {
                 left += out[i].slots() - before[i].slots();
                 out[i] = before[i];

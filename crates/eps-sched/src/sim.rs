@@ -4,7 +4,7 @@
 //! it for the model's cost of that change.
 
 use crate::model::{Alloc, ClusterModel};
-use crate::policy::{JobView, Policy, View};
+use crate::policy::{JobView, Policy, View, check};
 use crate::trace::JobSpec;
 
 /// What happened to one job.
@@ -90,12 +90,24 @@ fn reached(done: f64, target: f64) -> bool {
     target - done <= 1e-9 * target.max(1.0)
 }
 
-/// Runs `jobs` (sorted by submit time) on `slots` slots under `policy`.
+/// Runs `jobs` (sorted by submit time) on `slots` slots under `policy`,
+/// deciding at least every [`DECISION_TICK_S`].
 pub fn run(
     jobs: &[JobSpec],
     slots: u32,
     model: &ClusterModel,
     policy: &mut dyn Policy,
+) -> Result<(Summary, Vec<JobRecord>), SimError> {
+    run_timed(jobs, slots, model, policy, DECISION_TICK_S)
+}
+
+/// As [`run`], deciding at least every `tick_s`.
+pub fn run_timed(
+    jobs: &[JobSpec],
+    slots: u32,
+    model: &ClusterModel,
+    policy: &mut dyn Policy,
+    tick_s: f64,
 ) -> Result<(Summary, Vec<JobRecord>), SimError> {
     let name = policy.name().to_string();
     let mut rec: Vec<JobRecord> = jobs
@@ -136,29 +148,15 @@ pub fn run(
                     alloc: live[i].alloc,
                     done_samples: live[i].done,
                     last_change_s: live[i].last_change,
+                    speed: 1.0,
                 })
                 .collect(),
             model,
         };
         let want = policy.allocate(&view);
-        let total: u32 = want.iter().map(|a| a.slots()).sum();
-        let bad = |what: String| SimError::Policy { policy: name.clone(), at_s: now, what };
-        if want.len() != active.len() || total > slots {
-            return Err(bad(format!("{total} slots allocated of {slots} ({} answers for {} jobs)", want.len(), active.len())));
-        }
+        check(&view.jobs, &want, slots).map_err(|what| SimError::Policy { policy: name.clone(), at_s: now, what })?;
         for (&i, &a) in active.iter().zip(&want) {
             let l = &mut live[i];
-            let min = jobs[i].min_alloc();
-            let max = jobs[i].max_alloc();
-            if l.alloc.slots() > 0 && (a.workers < min.workers || a.servers < min.servers) {
-                return Err(bad(format!("job {} cut below its minimum to {a:?}", jobs[i].name)));
-            }
-            if a.workers > max.workers
-                || a.servers > max.servers
-                || (a.slots() > 0 && (a.workers < min.workers || a.servers < min.servers))
-            {
-                return Err(bad(format!("job {} given {a:?} outside its sizes", jobs[i].name)));
-            }
             if a == l.alloc {
                 continue;
             }
@@ -200,7 +198,7 @@ pub fn run(
         // jobs are active: a rescale held back (its frequency is bounded) is
         // reconsidered even when nothing arrives or ends.
         if !active.is_empty() {
-            t_next = t_next.min(now + DECISION_TICK_S);
+            t_next = t_next.min(now + tick_s);
         }
         if !t_next.is_finite() {
             return Err(SimError::Stuck {
@@ -235,16 +233,32 @@ pub fn run(
             true
         });
     }
-    let first = jobs.first().map_or(0.0, |j| j.submit_s);
+    let summary = summarize(name, &rec, slots, slot_seconds, rescales, timeline);
+    Ok((summary, rec))
+}
+
+/// The run's figures from its job records: `slot_seconds` allocated in all,
+/// `rescales` of running jobs, `timeline` the slots allocated after each
+/// decision. The simulator and the live driver report the same figures.
+pub fn summarize(
+    policy: String,
+    rec: &[JobRecord],
+    slots: u32,
+    slot_seconds: f64,
+    rescales: u64,
+    timeline: Vec<(f64, u32)>,
+) -> Summary {
+    let first = rec.iter().map(|r| r.submit_s).fold(f64::INFINITY, f64::min);
+    let first = if first.is_finite() { first } else { 0.0 };
     let makespan = rec.iter().filter_map(|r| r.end_s).fold(first, f64::max) - first;
     let mut fb: Vec<f64> = rec.iter().filter_map(|r| r.feedback_s.map(|f| f - r.submit_s)).collect();
     fb.sort_by(f64::total_cmp);
     let jct: Vec<f64> = rec.iter().filter(|r| !r.killed).filter_map(|r| r.end_s.map(|e| e - r.submit_s)).collect();
     let mean = |v: &[f64]| if v.is_empty() { 0.0 } else { v.iter().sum::<f64>() / v.len() as f64 };
     let p95 = fb.get(((fb.len() as f64 * 0.95).ceil() as usize).saturating_sub(1)).copied().unwrap_or(0.0);
-    let summary = Summary {
-        policy: name,
-        jobs: jobs.len(),
+    Summary {
+        policy,
+        jobs: rec.len(),
         avg_feedback_latency_s: mean(&fb),
         p95_feedback_latency_s: p95,
         avg_jct_s: mean(&jct),
@@ -253,6 +267,5 @@ pub fn run(
         rescales,
         max_queue_wait_s: rec.iter().filter_map(|r| r.start_s.map(|s| s - r.submit_s)).fold(0.0, f64::max),
         timeline,
-    };
-    Ok((summary, rec))
+    }
 }
