@@ -32,6 +32,18 @@ enum SchedCmd {
     /// (push/pull bandwidth, an iteration's fixed cost, aggregation rate,
     /// migration throughput) and write it for `eps sim --cluster`.
     Calibrate(eps::calibrate::CalibrateArgs),
+    /// Replay a trace with real EPS jobs on this machine, started, rescaled
+    /// and killed by a policy (or several, one after the other).
+    ///
+    /// Each job is the built-in synthetic task at the trace's model size and
+    /// batch; its workers sleep out the trace's compute time per sample and
+    /// stop after its samples; a job whose trace row says so is killed at its
+    /// feedback. Prints the simulator's table for each run, how far the
+    /// simulator's per-job times are from the measured ones, and (--verify)
+    /// whether jobs whose servers were rescaled end with a static run's
+    /// parameters. `eps sched run --trace bench/traces/live.csv --policy
+    /// static,eps --time-scale 0.2 --verify`.
+    Run(eps::live::cli::RunArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -733,6 +745,7 @@ fn main() -> ExitCode {
         Cmd::Up(a) => eps::up::run(a),
         Cmd::Sim(a) => eps::sim::run(a),
         Cmd::Sched(SchedCmd::Calibrate(a)) => eps::calibrate::run(a),
+        Cmd::Sched(SchedCmd::Run(a)) => eps::live::cli::run(a),
         Cmd::Control { listen, spec, state_dir, exit_with_parent } => {
             if exit_with_parent {
                 eps::roles::exit_with_parent();

@@ -84,28 +84,13 @@ pub fn run(a: SimArgs) -> Result<(), String> {
         return Ok(());
     }
     let path = a.trace.ok_or("--trace FILE is needed (or `eps sim generate` to make one)")?;
-    let text = std::fs::read_to_string(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    let jobs: Vec<JobSpec> = trace::parse(&text).map_err(|e| format!("{}: {e}", path.display()))?;
-    let model = match &a.cluster {
-        Some(p) => {
-            let t = std::fs::read_to_string(p).map_err(|e| format!("cannot read {}: {e}", p.display()))?;
-            ClusterModel::from_toml(&t).map_err(|e| format!("{}: {e}", p.display()))?
-        }
-        None => ClusterModel::default(),
-    };
-    if a.slots == 0 {
-        return Err("--slots must be at least 1".into());
-    }
-    if let Some(j) = jobs.iter().find(|j| j.min_alloc().slots() > a.slots) {
-        return Err(format!("job {} needs at least {} slots; the cluster has {}", j.name, j.min_alloc().slots(), a.slots));
-    }
+    let jobs = load_trace(&path)?;
+    let model = load_model(a.cluster.as_deref())?;
+    check_fits(&jobs, a.slots)?;
     let policies: Vec<&str> = if a.compare { NAMES.to_vec() } else { vec![a.policy.as_str()] };
     eprintln!("eps sim: {} jobs from {} on {} slots", jobs.len(), path.display(), a.slots);
     if !a.json {
-        println!(
-            "{:<8} {:>14} {:>14} {:>10} {:>11} {:>7} {:>9} {:>13}",
-            "policy", "feedback avg s", "feedback p95 s", "avg JCT s", "makespan s", "util", "rescales", "max wait s"
-        );
+        print_header();
     }
     let mut runs = Vec::new();
     for name in policies {
@@ -114,46 +99,12 @@ pub fn run(a: SimArgs) -> Result<(), String> {
         let (s, rec) = sim::run(&jobs, a.slots, &model, p.as_mut()).map_err(|e| e.to_string())?;
         let took = started.elapsed().as_secs_f64();
         if a.jobs {
-            for r in &rec {
-                let f = |v: Option<f64>| v.map_or("-".into(), |x| format!("{x:.1}"));
-                eprintln!(
-                    "  {name} {}: submit {:.1} start {} feedback {} {} {} rescales {}",
-                    r.name,
-                    r.submit_s,
-                    f(r.start_s),
-                    f(r.feedback_s),
-                    if r.killed { "killed" } else { "finished" },
-                    f(r.end_s),
-                    r.rescales
-                );
-            }
+            print_jobs(name, &rec);
         }
         if a.json {
-            let j = Json::new()
-                .str("policy", &s.policy)
-                .int("jobs", s.jobs as u64)
-                .int("slots", a.slots.into())
-                .num("avg_feedback_latency_s", s.avg_feedback_latency_s)
-                .num("p95_feedback_latency_s", s.p95_feedback_latency_s)
-                .num("avg_jct_s", s.avg_jct_s)
-                .num("makespan_s", s.makespan_s)
-                .num("utilization", s.utilization)
-                .int("rescales", s.rescales)
-                .num("max_queue_wait_s", s.max_queue_wait_s)
-                .num("simulated_in_s", took);
-            println!("{}", j.finish());
+            println!("{}", summary_json(&s, a.slots).num("simulated_in_s", took).finish());
         } else {
-            println!(
-                "{:<8} {:>14.1} {:>14.1} {:>10.1} {:>11.1} {:>7.3} {:>9} {:>13.1}",
-                s.policy,
-                s.avg_feedback_latency_s,
-                s.p95_feedback_latency_s,
-                s.avg_jct_s,
-                s.makespan_s,
-                s.utilization,
-                s.rescales,
-                s.max_queue_wait_s
-            );
+            print_row(&s);
         }
         runs.push((s, rec));
     }
@@ -162,4 +113,87 @@ pub fn run(a: SimArgs) -> Result<(), String> {
         eprintln!("eps sim: plot in {}", p.display());
     }
     Ok(())
+}
+
+/// Reads and parses a trace file.
+pub fn load_trace(path: &std::path::Path) -> Result<Vec<JobSpec>, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    trace::parse(&text).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// Reads a cluster model file, or the built-in figures without one.
+pub fn load_model(path: Option<&std::path::Path>) -> Result<ClusterModel, String> {
+    match path {
+        Some(p) => {
+            let t = std::fs::read_to_string(p).map_err(|e| format!("cannot read {}: {e}", p.display()))?;
+            ClusterModel::from_toml(&t).map_err(|e| format!("{}: {e}", p.display()))
+        }
+        None => Ok(ClusterModel::default()),
+    }
+}
+
+/// Refuses a cluster without slots, or too small for some job's minimum.
+pub fn check_fits(jobs: &[JobSpec], slots: u32) -> Result<(), String> {
+    if slots == 0 {
+        return Err("--slots must be at least 1".into());
+    }
+    match jobs.iter().find(|j| j.min_alloc().slots() > slots) {
+        Some(j) => Err(format!("job {} needs at least {} slots; the cluster has {slots}", j.name, j.min_alloc().slots())),
+        None => Ok(()),
+    }
+}
+
+/// The table's header (one row per policy run).
+pub fn print_header() {
+    println!(
+        "{:<8} {:>14} {:>14} {:>10} {:>11} {:>7} {:>9} {:>13}",
+        "policy", "feedback avg s", "feedback p95 s", "avg JCT s", "makespan s", "util", "rescales", "max wait s"
+    );
+}
+
+/// One row of the table.
+pub fn print_row(s: &sim::Summary) {
+    println!(
+        "{:<8} {:>14.1} {:>14.1} {:>10.1} {:>11.1} {:>7.3} {:>9} {:>13.1}",
+        s.policy,
+        s.avg_feedback_latency_s,
+        s.p95_feedback_latency_s,
+        s.avg_jct_s,
+        s.makespan_s,
+        s.utilization,
+        s.rescales,
+        s.max_queue_wait_s
+    );
+}
+
+/// Each job's times, on stderr.
+pub fn print_jobs(policy: &str, rec: &[sim::JobRecord]) {
+    for r in rec {
+        let f = |v: Option<f64>| v.map_or("-".into(), |x| format!("{x:.1}"));
+        eprintln!(
+            "  {policy} {}: submit {:.1} start {} feedback {} {} {} rescales {}",
+            r.name,
+            r.submit_s,
+            f(r.start_s),
+            f(r.feedback_s),
+            if r.killed { "killed" } else { "finished" },
+            f(r.end_s),
+            r.rescales
+        );
+    }
+}
+
+/// The run's figures as JSON fields (more may be added before `finish`).
+pub fn summary_json(s: &sim::Summary, slots: u32) -> Json {
+    Json::new()
+        .str("policy", &s.policy)
+        .int("jobs", s.jobs as u64)
+        .int("slots", slots.into())
+        .num("avg_feedback_latency_s", s.avg_feedback_latency_s)
+        .num("p95_feedback_latency_s", s.p95_feedback_latency_s)
+        .num("avg_jct_s", s.avg_jct_s)
+        .num("makespan_s", s.makespan_s)
+        .num("utilization", s.utilization)
+        .int("rescales", s.rescales)
+        .num("max_queue_wait_s", s.max_queue_wait_s)
 }

@@ -87,6 +87,23 @@ fn path_str(p: &Path) -> &str {
     p.to_str().unwrap_or(".")
 }
 
+/// Set by Ctrl-C (SIGINT, SIGTERM): every cluster of the process stops.
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+/// Installs the process's Ctrl-C handler once.
+fn on_ctrl_c() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let _ = ctrlc::set_handler(|| INTERRUPTED.store(true, Ordering::SeqCst));
+    });
+}
+
+/// Whether Ctrl-C was pressed (every local cluster of this process stops).
+pub fn interrupted() -> bool {
+    on_ctrl_c();
+    INTERRUPTED.load(Ordering::SeqCst)
+}
+
 impl LocalCluster {
     /// Starts the control plane, `spec.job.servers` servers and `spec.job.workers`
     /// workers (`eps worker` with `worker_args`), servers and workers with
@@ -107,12 +124,7 @@ impl LocalCluster {
         how: &Launch,
     ) -> Result<Self, TrainError> {
         let stop = Arc::new(AtomicBool::new(false));
-        {
-            let stop = stop.clone();
-            // Only the first registration in a process succeeds; later clusters in the
-            // same process (tests) share it.
-            let _ = ctrlc::set_handler(move || stop.store(true, Ordering::SeqCst));
-        }
+        on_ctrl_c();
         let exe =
             std::env::current_exe().map_err(|source| TrainError::Spawn { what: "eps (current executable)".into(), source })?;
         let secret = how.secret.clone().or_else(|| spec.job.secret.clone()).unwrap_or_else(|| {
@@ -210,6 +222,12 @@ impl LocalCluster {
             .map_err(|source| TrainError::Spawn { what: name.to_string(), source })
     }
 
+    /// A flag that, set, makes [`LocalCluster::supervise`] stop every
+    /// process of the cluster and return [`TrainError::Stopped`].
+    pub fn stop_handle(&self) -> Arc<AtomicBool> {
+        self.stop.clone()
+    }
+
     /// The control plane's address.
     pub fn control_addr(&self) -> &str {
         &self.addr
@@ -242,8 +260,11 @@ impl LocalCluster {
     /// Returns the number of worker processes started in all.
     pub fn supervise(mut self, more: Option<&mpsc::Receiver<Spawn>>, mut on_line: impl FnMut(&str)) -> Result<u32, TrainError> {
         loop {
-            if self.stop.load(Ordering::SeqCst) {
+            if INTERRUPTED.load(Ordering::SeqCst) {
                 return Err(TrainError::Interrupted);
+            }
+            if self.stop.load(Ordering::SeqCst) {
+                return Err(TrainError::Stopped);
             }
             while let Some(k) = more.and_then(|r| r.try_recv().ok()) {
                 match k {

@@ -98,6 +98,9 @@ pub enum TrainError {
     /// Ctrl-C.
     #[error("interrupted; stopped every process of the cluster")]
     Interrupted,
+    /// Its stop handle was set (a scheduler killed the job).
+    #[error("stopped on request; stopped every process of the cluster")]
+    Stopped,
 }
 
 /// Builds the spec text: a file (or the default job) with overrides applied.

@@ -178,7 +178,7 @@ fn run_plan(
 /// Follows `eps status` until no migration or split is in flight, no server is joining, no
 /// worker change is being voted on or waits for its workers to register, and at
 /// least `min_done` migrations are done (or the job ended), recording the number done.
-fn wait_settled(ctl: &mut ControlClient, out: &Mutex<ScaleOutcome>, min_done: u64) {
+pub(crate) fn wait_settled(ctl: &mut ControlClient, out: &Mutex<ScaleOutcome>, min_done: u64) {
     let deadline = Instant::now() + Duration::from_secs(300);
     while Instant::now() < deadline {
         let Ok(ControlMsg::StatusReport { text }) = ctl.call(&ControlMsg::Status) else { return };

@@ -1,0 +1,225 @@
+//! One job of a live run: its processes (through the launcher), a thread that
+//! supervises them and reads its workers' lines, and a thread that applies the
+//! policy's allocations through the job's control plane (the scale API of
+//! `eps scale`), starting the servers and workers a growth needs.
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use eps_control::{ControlClient, ControlError};
+use eps_proto::control::ControlMsg;
+use eps_sched::Alloc;
+
+use super::launcher::{JobLaunch, Launcher, Stop, progress_samples};
+use crate::train::field;
+use crate::train::scale::{ScaleOutcome, Spawn, wait_settled};
+
+/// What the driver learns of a running job, written by the job's threads.
+#[derive(Debug, Default)]
+pub struct Progress {
+    /// The job's samples trained so far (rank 0's last progress line).
+    pub samples: u64,
+    /// Recent (seconds, samples) points, since the last change of allocation.
+    pub window: VecDeque<(f64, u64)>,
+    /// When rank 0 reported the end of training (seconds of the run).
+    pub done_s: Option<f64>,
+    /// The final parameters' checksum (rank 0).
+    pub checksum: Option<String>,
+    /// Contributor sets by iteration (rank 0's `membership=`).
+    pub membership: Option<String>,
+    /// Every process has exited: `Err` says why early.
+    pub ended: Option<Result<(), String>>,
+    /// The allocation applied so far.
+    pub applied: Alloc,
+    /// Seconds each rescale took, from the scale call to a settled job.
+    pub rescale_s: Vec<f64>,
+    /// The servers changed at least once.
+    pub servers_changed: bool,
+    /// A rescale that failed while the job was running.
+    pub scale_error: Option<String>,
+}
+
+impl Progress {
+    /// Samples per second over the window (at least `min_s` wide), if known.
+    pub fn rate(&self, min_s: f64) -> Option<f64> {
+        let (&(t0, s0), &(t1, s1)) = (self.window.front()?, self.window.back()?);
+        (t1 - t0 >= min_s).then(|| (s1 - s0) as f64 / (t1 - t0))
+    }
+}
+
+/// A started job.
+pub struct Running {
+    /// Shared with its threads.
+    pub progress: Arc<Mutex<Progress>>,
+    stop: Arc<AtomicBool>,
+    targets: Sender<Alloc>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Running {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Running").field("progress", &self.progress).finish()
+    }
+}
+
+fn lock(p: &Mutex<Progress>) -> std::sync::MutexGuard<'_, Progress> {
+    p.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Running {
+    /// Starts `launch` at `alloc`; `clock` gives the run's seconds.
+    pub fn start(
+        launcher: &dyn Launcher,
+        launch: &JobLaunch,
+        alloc: Alloc,
+        clock: Arc<dyn Fn() -> f64 + Send + Sync>,
+    ) -> Result<Self, String> {
+        let procs = launcher.start(launch)?;
+        let (control, secret, stop) = (procs.control(), procs.secret(), procs.stop_handle());
+        let progress = Arc::new(Mutex::new(Progress { applied: alloc, ..Progress::default() }));
+        let (spawn_tx, spawn_rx) = channel::<Spawn>();
+        let (targets, target_rx) = channel::<Alloc>();
+        let ranks = launch.spec.job.rank_limit().saturating_sub(alloc.workers);
+        let p = progress.clone();
+        let c = clock.clone();
+        let scaler = std::thread::spawn(move || scale_thread(control, &secret, alloc, ranks, &target_rx, &spawn_tx, &p, &*c));
+        let p = progress.clone();
+        let supervisor = std::thread::spawn(move || {
+            let mut on_line = |l: &str| {
+                let now = clock();
+                let mut g = lock(&p);
+                if let Some(s) = progress_samples(l) {
+                    g.samples = s;
+                    g.window.push_back((now, s));
+                    while g.window.len() > 2 && now - g.window[1].0 > 5.0 {
+                        g.window.pop_front();
+                    }
+                } else if l.starts_with("EPS_DONE") && field(l, "rank") == Some("0") && field(l, "left") != Some("1") {
+                    g.done_s = Some(now);
+                    g.checksum = field(l, "params_checksum").map(str::to_string);
+                    g.membership = field(l, "membership").map(str::to_string);
+                }
+            };
+            let r = procs.supervise(&spawn_rx, &mut on_line);
+            let mut g = lock(&p);
+            g.ended = Some(match r {
+                Ok(()) => Ok(()),
+                // Stopped after training ended: a joiner the job no longer
+                // needed, or processes slow to exit.
+                Err(_) if g.done_s.is_some() => Ok(()),
+                Err(Stop::Stopped) => Err("stopped".into()),
+                Err(Stop::Interrupted) => Err("interrupted".into()),
+                Err(Stop::Failed(e)) => Err(e),
+            });
+        });
+        Ok(Self { progress, stop, targets, threads: vec![scaler, supervisor] })
+    }
+
+    /// Asks for `a` (applied in the background, the latest ask first).
+    pub fn rescale(&self, a: Alloc) {
+        let _ = self.targets.send(a);
+    }
+
+    /// Stops every process of the job.
+    pub fn kill(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+    }
+
+    /// Waits for its threads (after the job ended or was killed).
+    pub fn join(self) {
+        drop(self.targets);
+        for t in self.threads {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Applies allocations as they come, the latest first: servers (new ones
+/// started, shards migrating while training goes on), then workers (voted at
+/// an iteration boundary; joiners take new ranks, at most `ranks` more).
+#[allow(clippy::too_many_arguments)]
+fn scale_thread(
+    control: SocketAddr,
+    secret: &str,
+    mut cur: Alloc,
+    mut ranks: u32,
+    targets: &Receiver<Alloc>,
+    spawn: &Sender<Spawn>,
+    p: &Mutex<Progress>,
+    clock: &dyn Fn() -> f64,
+) {
+    let mut ctl: Option<ControlClient> = None;
+    let outcome = Mutex::new(ScaleOutcome::default());
+    while let Ok(mut t) = targets.recv() {
+        while let Ok(n) = targets.try_recv() {
+            t = n;
+        }
+        if t == cur || lock(p).ended.is_some() {
+            continue;
+        }
+        let began = Instant::now();
+        let r = (|| -> Result<(), String> {
+            if ctl.is_none() {
+                let s = eps_fabric::Secret::new(secret).map_err(|_| "bad job secret".to_string())?;
+                ctl = Some(ControlClient::connect(control, &s, Duration::from_secs(10)).map_err(|e| e.to_string())?);
+            }
+            let c = ctl.as_mut().expect("connected");
+            if t.servers != cur.servers {
+                call(c, &ControlMsg::Scale { servers: t.servers })?;
+                if t.servers > cur.servers {
+                    let _ = spawn.send(Spawn::Servers(t.servers - cur.servers));
+                }
+                let done = outcome.lock().unwrap_or_else(|e| e.into_inner()).migrations + 1;
+                wait_settled(c, &outcome, done);
+                cur.servers = t.servers;
+                let mut g = lock(p);
+                (g.applied, g.servers_changed) = (cur, true);
+                g.window.clear();
+            }
+            let w = t.workers.min(cur.workers + ranks);
+            if w != cur.workers {
+                call(c, &ControlMsg::ScaleWorkers { workers: w })?;
+                if w > cur.workers {
+                    ranks -= w - cur.workers;
+                    let _ = spawn.send(Spawn::Workers(w - cur.workers));
+                }
+                let done = outcome.lock().unwrap_or_else(|e| e.into_inner()).migrations;
+                wait_settled(c, &outcome, done);
+                cur.workers = w;
+                let mut g = lock(p);
+                g.applied = cur;
+                g.window.clear();
+            }
+            Ok(())
+        })();
+        let mut g = lock(p);
+        match r {
+            Ok(()) => g.rescale_s.push(began.elapsed().as_secs_f64()),
+            // A job that ended meanwhile has nothing left to rescale.
+            Err(_) if g.done_s.is_some() || g.ended.is_some() => return,
+            Err(e) => {
+                g.scale_error.get_or_insert(format!("at {:.1} s, to {t:?}: {e}", clock()));
+                ctl = None;
+            }
+        }
+    }
+}
+
+/// One scale call, retried while an earlier change is still under way.
+fn call(c: &mut ControlClient, msg: &ControlMsg) -> Result<(), String> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match c.call(msg) {
+            Ok(_) => return Ok(()),
+            Err(ControlError::Rejected(m)) if m.contains("in progress") && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+}
