@@ -44,6 +44,10 @@ enum SchedCmd {
     /// parameters. `eps sched run --trace bench/traces/live.csv --policy
     /// static,eps --time-scale 0.2 --verify`.
     Run(eps::live::cli::RunArgs),
+    /// Serve as this machine's scheduler: run the jobs `eps submit` sends,
+    /// started, rescaled and killed by the policy, until Ctrl-C (which stops
+    /// every job). Prints `EPS_SCHED=SOCKET` first.
+    Serve(eps::live::serve::ServeArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -75,6 +79,33 @@ enum Cmd {
     /// The multi-job scheduler on this machine.
     #[command(subcommand)]
     Sched(SchedCmd),
+    /// Submit a job to the scheduler (`eps sched serve`).
+    ///
+    /// The file is TOML with the trace's columns as keys: name, param_bytes,
+    /// compute_ms_per_sample, batch, samples, feedback_samples, min_workers,
+    /// max_workers, min_servers, max_servers (and kill_after_feedback = true to
+    /// have it killed at its feedback).
+    Submit {
+        /// The job (TOML).
+        file: PathBuf,
+        /// The scheduler's socket [default: as `eps sched serve`'s].
+        #[arg(long)]
+        socket: Option<PathBuf>,
+    },
+    /// List the scheduler's jobs: state, allocation, samples, times.
+    Jobs {
+        /// The scheduler's socket [default: as `eps sched serve`'s].
+        #[arg(long)]
+        socket: Option<PathBuf>,
+    },
+    /// Kill a queued or running job of the scheduler; its slots go to the others.
+    Kill {
+        /// The job's name.
+        job: String,
+        /// The scheduler's socket [default: as `eps sched serve`'s].
+        #[arg(long)]
+        socket: Option<PathBuf>,
+    },
     /// Run the control plane of one job (membership, placement; never on the data path).
     Control {
         /// Address to listen on.
@@ -746,6 +777,13 @@ fn main() -> ExitCode {
         Cmd::Sim(a) => eps::sim::run(a),
         Cmd::Sched(SchedCmd::Calibrate(a)) => eps::calibrate::run(a),
         Cmd::Sched(SchedCmd::Run(a)) => eps::live::cli::run(a),
+        Cmd::Sched(SchedCmd::Serve(a)) => eps::live::serve::serve(a),
+        Cmd::Submit { file, socket } => match std::fs::read_to_string(&file) {
+            Ok(text) => eps::live::serve::request(socket, "submit", &text).map_err(|e| format!("{}: {e}", file.display())),
+            Err(e) => Err(format!("cannot read {}: {e}", file.display())),
+        },
+        Cmd::Jobs { socket } => eps::live::serve::request(socket, "jobs", ""),
+        Cmd::Kill { job, socket } => eps::live::serve::request(socket, &format!("kill {job}"), ""),
         Cmd::Control { listen, spec, state_dir, exit_with_parent } => {
             if exit_with_parent {
                 eps::roles::exit_with_parent();

@@ -76,8 +76,8 @@ impl Launcher for Local {
         let how = Launch { listen: "127.0.0.1:0".into(), secret: None, workers: true };
         let args: Vec<&str> = job.worker_args.iter().map(String::as_str).collect();
         let children: ChildArgs = crate::train::cluster::soft_args();
-        let cluster = LocalCluster::launch(&job.spec, &job.text, &args, &children, &how)
-            .map_err(|e| crate::roles::crate_error(&e))?;
+        let cluster =
+            LocalCluster::launch(&job.spec, &job.text, &args, &children, &how).map_err(|e| crate::roles::crate_error(&e))?;
         let control = cluster
             .control_addr()
             .parse()

@@ -13,6 +13,7 @@
 pub mod cli;
 pub mod job;
 pub mod launcher;
+pub mod serve;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -181,7 +182,13 @@ pub fn run(source: &mut dyn Source, cfg: &Config, policy: &mut dyn Policy, t0_s:
         let mut event = false;
         let (arrived, kills) = source.poll(now);
         for spec in arrived {
-            say(now, format!("submitted {} ({} to {} workers, {} to {} servers)", spec.name, spec.workers.0, spec.workers.1, spec.servers.0, spec.servers.1));
+            say(
+                now,
+                format!(
+                    "submitted {} ({} to {} workers, {} to {} servers)",
+                    spec.name, spec.workers.0, spec.workers.1, spec.servers.0, spec.servers.1
+                ),
+            );
             let record = JobRecord {
                 name: spec.name.clone(),
                 submit_s: spec.submit_s.max(t0_s).min(now),
@@ -251,7 +258,13 @@ pub fn run(source: &mut dyn Source, cfg: &Config, policy: &mut dyn Policy, t0_s:
                             State::Running(r) => r.progress.lock().unwrap_or_else(|e| e.into_inner()).samples as f64,
                             _ => 0.0,
                         };
-                        JobView { spec: &h.spec, alloc: h.alloc, done_samples: done, last_change_s: h.last_change, speed: h.speed }
+                        JobView {
+                            spec: &h.spec,
+                            alloc: h.alloc,
+                            done_samples: done,
+                            last_change_s: h.last_change,
+                            speed: h.speed,
+                        }
                     })
                     .collect(),
                 model: &cfg.model,

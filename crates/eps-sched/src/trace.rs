@@ -76,6 +76,38 @@ pub enum TraceError {
 }
 
 impl JobSpec {
+    /// Checks the fields' values; an error names the field and says why.
+    pub fn validate(&self) -> Result<(), (&'static str, &'static str)> {
+        if !(self.submit_s.is_finite() && self.submit_s >= 0.0) {
+            return Err(("submit_s", "must be a time from 0 on"));
+        }
+        if !(self.compute_ms_per_sample.is_finite() && self.compute_ms_per_sample >= 0.0) {
+            return Err(("compute_ms_per_sample", "must not be negative"));
+        }
+        if self.param_bytes == 0 || self.batch == 0 || self.samples == 0 {
+            return Err((
+                if self.param_bytes == 0 {
+                    "param_bytes"
+                } else if self.batch == 0 {
+                    "batch"
+                } else {
+                    "samples"
+                },
+                "must be at least 1",
+            ));
+        }
+        if self.feedback_samples == 0 || self.feedback_samples > self.samples {
+            return Err(("feedback_samples", "must be between 1 and `samples`"));
+        }
+        if self.workers.0 == 0 || self.workers.0 > self.workers.1 {
+            return Err(("min_workers", "must be at least 1 and at most max_workers"));
+        }
+        if self.servers.0 == 0 || self.servers.0 > self.servers.1 {
+            return Err(("min_servers", "must be at least 1 and at most max_servers"));
+        }
+        Ok(())
+    }
+
     /// The smallest allocation it may run at.
     pub fn min_alloc(&self) -> crate::Alloc {
         crate::Alloc { workers: self.workers.0, servers: self.servers.0 }
@@ -186,33 +218,7 @@ pub fn parse(text: &str) -> Result<Vec<JobSpec>, TraceError> {
             workers: (field(n, "min_workers", f[8])?, field(n, "max_workers", f[9])?),
             servers: (field(n, "min_servers", f[10])?, field(n, "max_servers", f[11])?),
         };
-        if !(j.submit_s.is_finite() && j.submit_s >= 0.0) {
-            return Err(bad("submit_s", "must be a time from 0 on"));
-        }
-        if !(j.compute_ms_per_sample.is_finite() && j.compute_ms_per_sample >= 0.0) {
-            return Err(bad("compute_ms_per_sample", "must not be negative"));
-        }
-        if j.param_bytes == 0 || j.batch == 0 || j.samples == 0 {
-            return Err(bad(
-                if j.param_bytes == 0 {
-                    "param_bytes"
-                } else if j.batch == 0 {
-                    "batch"
-                } else {
-                    "samples"
-                },
-                "must be at least 1",
-            ));
-        }
-        if j.feedback_samples == 0 || j.feedback_samples > j.samples {
-            return Err(bad("feedback_samples", "must be between 1 and `samples`"));
-        }
-        if j.workers.0 == 0 || j.workers.0 > j.workers.1 {
-            return Err(bad("min_workers", "must be at least 1 and at most max_workers"));
-        }
-        if j.servers.0 == 0 || j.servers.0 > j.servers.1 {
-            return Err(bad("min_servers", "must be at least 1 and at most max_servers"));
-        }
+        j.validate().map_err(|(column, reason)| bad(column, reason))?;
         jobs.push(j);
     }
     if jobs.is_empty() {
