@@ -83,6 +83,7 @@ rm -rf "$fresh"
 step "Python tests (pytest)"
 EPS_BIN="$PWD/target/release/eps" "$VENV/bin/python" -m pytest -q -p no:cacheprovider --import-mode=importlib python/tests
 
-# Last, so that its summary closes the run.
+# Last, so that its summary closes the run. The scheduler's live runs
+# (tests/sched_live.rs) time real jobs with the release build.
 step "tests"
-cargo nextest run --workspace --locked --no-fail-fast
+EPS_BIN="$PWD/target/release/eps" cargo nextest run --workspace --locked --no-fail-fast

@@ -92,6 +92,8 @@ struct Held {
     last_change: Option<f64>,
     out: LiveJob,
     speed: f64,
+    /// Samples trained, as last reported.
+    samples: u64,
 }
 
 /// Where jobs come from: a trace (all known, each with its submit time) or a
@@ -207,7 +209,15 @@ pub fn run(source: &mut dyn Source, cfg: &Config, policy: &mut dyn Policy, t0_s:
                 error: None,
                 allocs: Vec::new(),
             };
-            held.push(Held { spec, state: State::Waiting, alloc: Alloc::default(), last_change: None, out, speed: 1.0 });
+            held.push(Held {
+                spec,
+                state: State::Waiting,
+                alloc: Alloc::default(),
+                last_change: None,
+                out,
+                speed: 1.0,
+                samples: 0,
+            });
             event = true;
         }
         for h in held.iter_mut().filter(|h| kills.contains(&h.spec.name)) {
@@ -220,6 +230,7 @@ pub fn run(source: &mut dyn Source, cfg: &Config, policy: &mut dyn Policy, t0_s:
                 let g = r.progress.lock().unwrap_or_else(|e| e.into_inner());
                 (g.samples, g.done_s, g.ended.clone(), g.applied, g.rate(2.0))
             };
+            h.samples = samples;
             if let Some(rate) = rate.filter(|_| applied == h.alloc) {
                 let model = cfg.model.throughput(&h.spec, applied);
                 if model > 0.0 {
@@ -326,10 +337,6 @@ pub fn run(source: &mut dyn Source, cfg: &Config, policy: &mut dyn Policy, t0_s:
 }
 
 fn state_of(h: &Held) -> JobState<'_> {
-    let samples = match &h.state {
-        State::Running(r) => r.progress.lock().unwrap_or_else(|e| e.into_inner()).samples,
-        _ => 0,
-    };
     let state = match (&h.state, h.out.record.killed, &h.out.error) {
         (State::Waiting, ..) => "queued",
         (State::Running(_), ..) => "running",
@@ -337,7 +344,7 @@ fn state_of(h: &Held) -> JobState<'_> {
         (State::Ended(_), _, Some(_)) => "failed",
         (State::Ended(_), ..) => "finished",
     };
-    JobState { name: &h.spec.name, state, alloc: h.alloc, samples: (samples, h.spec.samples), record: &h.out.record }
+    JobState { name: &h.spec.name, state, alloc: h.alloc, samples: (h.samples, h.spec.samples), record: &h.out.record }
 }
 
 /// Ends a job (killed: its processes are stopped), freeing its slots.
