@@ -6,7 +6,8 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 
 use eps_agg::DType;
-use eps_sched::ClusterModel;
+use eps_sched::policy::View;
+use eps_sched::{Alloc, ClusterModel, Policy};
 
 use crate::bench::agg::{self, AggBench};
 use crate::bench::migrate::{self, MigrateBench};
@@ -46,6 +47,8 @@ pub fn run(a: CalibrateArgs) -> Result<(), String> {
         pulls_per_step: 1,
     })
     .map_err(|e| crate_error(&e))?;
+    step("a live job rescaled every 1.5 s (servers and workers, up and down): its start and its pauses");
+    let (start_pause_s, rescale_pause_s, rescales) = pauses(if a.quick { 8.0 } else { 20.0 })?;
     let overhead_s = tiny.iter_ms_p50 / 1e3;
     let agg_elements_per_s = 2.0 * (size / 4) as f64 / sum.sum_s;
     let agg_s = (size / 4) as f64 / agg_elements_per_s;
@@ -58,7 +61,8 @@ pub fn run(a: CalibrateArgs) -> Result<(), String> {
         agg_elements_per_s,
         iteration_overhead_s: overhead_s,
         migration_bytes_per_s: mig.migration_gbytes_per_s * 1e9,
-        ..ClusterModel::default()
+        rescale_pause_s,
+        start_pause_s,
     };
     let mut t = String::new();
     let _ = writeln!(
@@ -75,13 +79,17 @@ pub fn run(a: CalibrateArgs) -> Result<(), String> {
         sum.gbytes_per_s,
         mig.migration_gbytes_per_s
     );
-    let _ = writeln!(t, "# rescale_pause_s is not measured yet (the default).");
+    let _ = writeln!(
+        t,
+        "# A live job's start to its first iteration and the training time a rescale costs: medians (of {rescales} rescales)."
+    );
     let _ = writeln!(t, "server_bytes_per_s = {:.0}", model.server_bytes_per_s);
     let _ = writeln!(t, "worker_bytes_per_s = {:.0}", model.worker_bytes_per_s);
     let _ = writeln!(t, "agg_elements_per_s = {:.0}", model.agg_elements_per_s);
     let _ = writeln!(t, "iteration_overhead_s = {:.6}", model.iteration_overhead_s);
     let _ = writeln!(t, "migration_bytes_per_s = {:.0}", model.migration_bytes_per_s);
-    let _ = writeln!(t, "rescale_pause_s = {}", model.rescale_pause_s);
+    let _ = writeln!(t, "rescale_pause_s = {:.4}", model.rescale_pause_s);
+    let _ = writeln!(t, "start_pause_s = {:.4}", model.start_pause_s);
     // What is written must read back.
     ClusterModel::from_toml(&t).map_err(|e| format!("the measured model is not usable ({e}):\n{t}"))?;
     match &a.out {
@@ -92,4 +100,57 @@ pub fn run(a: CalibrateArgs) -> Result<(), String> {
         None => print!("{t}"),
     }
     Ok(())
+}
+
+/// Rescales its one job through a fixed cycle of allocations, one step every
+/// `every_s` seconds.
+struct Cycle {
+    steps: Vec<Alloc>,
+    every_s: f64,
+    first: Option<f64>,
+}
+
+impl Policy for Cycle {
+    fn name(&self) -> &'static str {
+        "cycle"
+    }
+
+    fn allocate(&mut self, v: &View<'_>) -> Vec<Alloc> {
+        let first = *self.first.get_or_insert(v.now_s);
+        let k = ((v.now_s - first) / self.every_s) as usize % self.steps.len();
+        v.jobs.iter().map(|_| self.steps[k]).collect()
+    }
+}
+
+/// Runs one live job for about `secs` seconds, rescaled every 1.5 s through
+/// servers and workers, up and down; returns the medians of its start delay
+/// (less one iteration) and of its rescales' pauses, and how many rescales.
+fn pauses(secs: f64) -> Result<(f64, f64, usize), String> {
+    // 4 MiB, 1 ms of compute per iteration (32 samples): a job the rescales
+    // can be seen in, on two cores.
+    let rate = 32.0 / 1.5e-3;
+    let samples = (rate * secs) as u64;
+    let job = eps_sched::JobSpec::test("calibrate", 0.0, 4 << 20, 1.0 / 32.0, 32, samples, samples, true, (1, 2), (1, 2));
+    let a = |workers, servers| Alloc { workers, servers };
+    let mut cycle = Cycle { steps: vec![a(1, 1), a(2, 1), a(2, 2), a(1, 2), a(1, 1), a(2, 2)], every_s: 1.5, first: None };
+    let cfg = crate::live::Config {
+        slots: 4,
+        model: ClusterModel::default(),
+        timing: eps_sched::Timing { tick_s: 0.1, min_interval_s: 0.0 },
+        launcher: crate::live::launcher::by_name("local").expect("local"),
+        verbose: false,
+    };
+    let run = crate::live::run(&mut crate::live::Trace::new(vec![job]), &cfg, &mut cycle, 0.0)?;
+    if let Some(e) = run.jobs.iter().find_map(|j| j.error.clone()) {
+        return Err(format!("the calibration job failed: {e}"));
+    }
+    let median = |v: &[f64]| {
+        let mut s = v.to_vec();
+        s.sort_by(f64::total_cmp);
+        s.get(s.len() / 2).copied()
+    };
+    let iteration = 1.5e-3;
+    let start = median(&run.start_s).ok_or("the calibration job never iterated")?;
+    let pause = median(&run.pause_s).ok_or("the calibration job was never rescaled")?;
+    Ok(((start - iteration).max(0.0), pause, run.pause_s.len()))
 }

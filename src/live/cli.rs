@@ -192,20 +192,26 @@ pub fn run(a: RunArgs) -> Result<(), String> {
                 eprintln!("  {name} {job}: submit-to-end live {l:.1} s, simulated {s:.1} s");
             }
         }
-        let mut rs = live.rescale_s.clone();
-        rs.sort_by(f64::total_cmp);
-        let rescale_median = rs.get(rs.len() / 2).copied().unwrap_or(0.0);
-        lines.push((live.summary.clone(), fid.clone(), ver.clone(), rescale_median, rs.len()));
+        lines.push(Line {
+            summary: live.summary.clone(),
+            fid,
+            ver,
+            settle: median(&live.rescale_s),
+            pause: median(&live.pause_s),
+            start: median(&live.start_s),
+        });
         runs.push((live.summary, live.jobs.iter().map(|j| j.record.clone()).collect()));
     }
     if a.json {
-        for (s, fid, ver, rm, rn) in &lines {
+        for Line { summary: s, fid, ver, settle, pause, start } in &lines {
             let mut j = summary_json(s, a.slots)
                 .num("time_scale", a.time_scale)
                 .num("fidelity_median_rel_err", fid.median_rel_err)
                 .int("fidelity_jobs", fid.jobs.len() as u64)
-                .num("rescale_settle_median_s", *rm)
-                .int("rescales_settled", *rn as u64);
+                .num("rescale_settle_median_s", settle.0)
+                .num("rescale_pause_median_s", pause.0)
+                .int("rescales_measured", pause.1 as u64)
+                .num("start_median_s", start.0);
             if let Some(v) = ver {
                 j = j
                     .int("verified_rescaled", v.rescaled.into())
@@ -217,16 +223,19 @@ pub fn run(a: RunArgs) -> Result<(), String> {
         }
     } else {
         print_header();
-        for (s, ..) in &lines {
-            print_row(s);
+        for l in &lines {
+            print_row(&l.summary);
         }
-        for (s, fid, ver, rm, rn) in &lines {
+        for Line { summary: s, fid, ver, settle, pause, start } in &lines {
             println!(
-                "{}: simulator vs live, submit-to-end per job: median error {:.1}% over {} jobs; rescales settled in {:.2} s (median of {rn})",
+                "{}: simulator vs live, submit-to-end per job: median error {:.1}% over {} jobs",
                 s.policy,
                 fid.median_rel_err * 100.0,
                 fid.jobs.len(),
-                rm
+            );
+            println!(
+                "{}: a job's first iteration {:.2} s after its start; rescales settled in {:.2} s and paused training {:.3} s (medians of {})",
+                s.policy, start.0, settle.0, pause.0, pause.1
             );
             if let Some(v) = ver {
                 println!(
@@ -245,6 +254,24 @@ pub fn run(a: RunArgs) -> Result<(), String> {
         eprintln!("eps sched run: plot in {}", p.display());
     }
     if failed.is_empty() { Ok(()) } else { Err(format!("{} problem(s):\n  {}", failed.len(), failed.join("\n  "))) }
+}
+
+/// One run's figures for the report.
+struct Line {
+    summary: Summary,
+    fid: Fidelity,
+    ver: Option<Verified>,
+    /// (median, count) of settle times, pauses, start delays.
+    settle: (f64, usize),
+    pause: (f64, usize),
+    start: (f64, usize),
+}
+
+/// The median of `v` and its length (0 when empty).
+fn median(v: &[f64]) -> (f64, usize) {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    (s.get(s.len() / 2).copied().unwrap_or(0.0), s.len())
 }
 
 impl LiveRun {

@@ -36,8 +36,10 @@ pub struct Progress {
     pub ended: Option<Result<(), String>>,
     /// The allocation applied so far.
     pub applied: Alloc,
-    /// Seconds each rescale took, from the scale call to a settled job.
-    pub rescale_s: Vec<f64>,
+    /// Every progress point: (seconds, samples).
+    pub points: Vec<(f64, u64)>,
+    /// Each rescale applied: (seconds at the scale call, seconds when settled).
+    pub rescales: Vec<(f64, f64)>,
     /// The servers changed at least once.
     pub servers_changed: bool,
     /// A rescale that failed while the job was running.
@@ -45,6 +47,28 @@ pub struct Progress {
 }
 
 impl Progress {
+    /// Seconds from `start_s` to the first iteration's end.
+    pub fn start_delay(&self, start_s: f64) -> Option<f64> {
+        self.points.first().map(|&(t, _)| t - start_s)
+    }
+
+    /// The time each rescale cost training: the longest gap between two
+    /// progress points from its scale call to a second after it settled,
+    /// less the job's median gap (what an iteration takes anyway).
+    pub fn pauses(&self) -> Vec<f64> {
+        let gaps: Vec<(f64, f64)> = self.points.windows(2).map(|w| (w[1].0, w[1].0 - w[0].0)).collect();
+        let mut all: Vec<f64> = gaps.iter().map(|g| g.1).collect();
+        all.sort_by(f64::total_cmp);
+        let Some(&median) = all.get(all.len() / 2) else { return Vec::new() };
+        self.rescales
+            .iter()
+            .filter_map(|&(from, to)| {
+                let worst = gaps.iter().filter(|g| g.0 >= from && g.0 <= to + 1.0).map(|g| g.1).fold(f64::NAN, f64::max);
+                worst.is_finite().then(|| (worst - median).max(0.0))
+            })
+            .collect()
+    }
+
     /// Samples per second over the window (at least `min_s` wide), if known.
     pub fn rate(&self, min_s: f64) -> Option<f64> {
         let (&(t0, s0), &(t1, s1)) = (self.window.front()?, self.window.back()?);
@@ -96,6 +120,7 @@ impl Running {
                 if let Some(s) = progress_samples(l) {
                     g.samples = s;
                     g.window.push_back((now, s));
+                    g.points.push((now, s));
                     while g.window.len() > 2 && now - g.window[1].0 > 5.0 {
                         g.window.pop_front();
                     }
@@ -162,7 +187,7 @@ fn scale_thread(
         if t == cur || lock(p).ended.is_some() {
             continue;
         }
-        let began = Instant::now();
+        let began = clock();
         let r = (|| -> Result<(), String> {
             if ctl.is_none() {
                 let s = eps_fabric::Secret::new(secret).map_err(|_| "bad job secret".to_string())?;
@@ -199,7 +224,7 @@ fn scale_thread(
         })();
         let mut g = lock(p);
         match r {
-            Ok(()) => g.rescale_s.push(began.elapsed().as_secs_f64()),
+            Ok(()) => g.rescales.push((began, clock())),
             // A job that ended meanwhile has nothing left to rescale.
             Err(_) if g.done_s.is_some() || g.ended.is_some() => return,
             Err(e) => {

@@ -68,6 +68,11 @@ pub struct LiveRun {
     pub jobs: Vec<LiveJob>,
     /// Seconds each rescale took to settle (scale call to a settled job).
     pub rescale_s: Vec<f64>,
+    /// Seconds each rescale cost training (the longest iteration gap around
+    /// it, less a usual iteration).
+    pub pause_s: Vec<f64>,
+    /// Seconds from each job's start to its first iteration's end.
+    pub start_s: Vec<f64>,
 }
 
 enum State {
@@ -322,18 +327,23 @@ pub fn run(source: &mut dyn Source, cfg: &Config, policy: &mut dyn Policy, t0_s:
         source.observe(now, &states);
         std::thread::sleep(Duration::from_millis(20));
     }
-    let mut rescale_s = Vec::new();
+    let (mut rescale_s, mut pause_s, mut start_s) = (Vec::new(), Vec::new(), Vec::new());
     let mut jobs = Vec::new();
     for h in held {
         if let State::Running(r) | State::Ended(Some(r)) = h.state {
-            rescale_s.extend_from_slice(&r.progress.lock().unwrap_or_else(|e| e.into_inner()).rescale_s);
+            {
+                let g = r.progress.lock().unwrap_or_else(|e| e.into_inner());
+                rescale_s.extend(g.rescales.iter().map(|(a, b)| b - a));
+                pause_s.extend(g.pauses());
+                start_s.extend(h.out.record.start_s.and_then(|s| g.start_delay(s)));
+            }
             r.join();
         }
         jobs.push(h.out);
     }
     let recs: Vec<JobRecord> = jobs.iter().map(|j| j.record.clone()).collect();
     let summary = summarize(policy.name().to_string(), &recs, cfg.slots, slot_seconds, rescales, timeline);
-    Ok(LiveRun { summary, jobs, rescale_s })
+    Ok(LiveRun { summary, jobs, rescale_s, pause_s, start_s })
 }
 
 fn state_of(h: &Held) -> JobState<'_> {

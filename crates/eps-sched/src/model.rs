@@ -30,6 +30,10 @@ pub struct ClusterModel {
     /// The pause every rescale costs a job (membership vote, new epoch), seconds.
     #[serde(default = "d_pause")]
     pub rescale_pause_s: f64,
+    /// Seconds from a job's start to its first iteration (processes started,
+    /// registration), before its workers pull the parameters.
+    #[serde(default = "d_start")]
+    pub start_pause_s: f64,
 }
 
 fn d_server_bw() -> f64 {
@@ -48,6 +52,9 @@ fn d_mig() -> f64 {
     1.71e9
 }
 fn d_pause() -> f64 {
+    0.5
+}
+fn d_start() -> f64 {
     0.5
 }
 
@@ -86,8 +93,8 @@ impl ClusterModel {
         if let Some((f, _)) = fields.iter().find(|(_, v)| !(v.is_finite() && *v > 0.0)) {
             return Err(format!("`{f}` must be a positive number"));
         }
-        if !(m.iteration_overhead_s >= 0.0 && m.rescale_pause_s >= 0.0) {
-            return Err("`iteration_overhead_s` and `rescale_pause_s` must not be negative".into());
+        if !(m.iteration_overhead_s >= 0.0 && m.rescale_pause_s >= 0.0 && m.start_pause_s >= 0.0) {
+            return Err("`iteration_overhead_s`, `rescale_pause_s` and `start_pause_s` must not be negative".into());
         }
         Ok(m)
     }
@@ -111,6 +118,12 @@ impl ClusterModel {
             return 0.0;
         }
         f64::from(a.workers) * f64::from(job.batch) / self.iteration_s(job, a)
+    }
+
+    /// Seconds from a job's start to its first iteration: its processes
+    /// start, then its workers pull the parameters.
+    pub fn start_s(&self, job: &JobSpec) -> f64 {
+        self.start_pause_s + job.param_bytes as f64 / self.worker_bytes_per_s
     }
 
     /// Seconds a job pauses to go from `from` to `to`: the vote's pause, the

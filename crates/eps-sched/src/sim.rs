@@ -162,7 +162,7 @@ pub fn run_timed(
             }
             let pause = if l.alloc.slots() == 0 {
                 rec[i].start_s = Some(now);
-                model.rescale_pause_s + jobs[i].param_bytes as f64 / model.worker_bytes_per_s
+                model.start_s(&jobs[i])
             } else {
                 rec[i].rescales += 1;
                 rescales += 1;
