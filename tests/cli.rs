@@ -336,6 +336,12 @@ fn calibrate_writes_a_model_the_simulator_reads() {
     let m = eps_sched::ClusterModel::from_toml(&t).unwrap();
     assert!(m.server_bytes_per_s > 1e6 && m.agg_elements_per_s > 1e6 && m.migration_bytes_per_s > 1e5, "{t}");
     assert!(m.iteration_overhead_s > 0.0 && m.iteration_overhead_s < 1.0, "{t}");
+    // A live job rescaled through servers and workers, up and down, every
+    // 1.5 s (shards migrate back to servers that held them before): it must
+    // train through every rescale (a failed process fails the command).
+    assert!(m.rescale_pause_s >= 0.0 && m.rescale_pause_s < 1.0 && m.start_pause_s < 5.0, "{t}");
+    let rescales: u32 = t.split("(of ").nth(1).and_then(|r| r.split(' ').next()?.parse().ok()).unwrap_or(0);
+    assert!(rescales >= 3, "{t}");
     let trace = concat!(env!("CARGO_MANIFEST_DIR"), "/bench/traces/steady.csv");
     let o = eps(&["sim", "--trace", trace, "--cluster", out.to_str().unwrap(), "--json"]);
     assert!(o.status.success() && text(&o).contains("\"policy\":\"eps\""), "{}", text(&o));

@@ -259,6 +259,12 @@ impl ShardSync {
         (t == self.version && self.full_count as usize == contributors.len()).then_some(t)
     }
 
+    /// Lowest version this shard serves: a migration target's snapshot
+    /// version, a split part's first version, else 0.
+    pub fn floor(&self) -> u64 {
+        self.floor
+    }
+
     /// Published version.
     pub fn version(&self) -> u64 {
         self.version
