@@ -1,8 +1,7 @@
 //! The cluster model: how fast a job trains with W workers and S servers, and
 //! what a rescale costs. Its constants come from measurements of real EPS
 //! processes (`eps sched calibrate`); the defaults are `bench/cluster.toml`'s,
-//! measured on a 2-core machine over loopback (the rescale pause excepted:
-//! it is not measured yet).
+//! measured on a 2-core machine over loopback (medians of three runs).
 
 use serde::Deserialize;
 
@@ -37,25 +36,25 @@ pub struct ClusterModel {
 }
 
 fn d_server_bw() -> f64 {
-    2.28e9
+    1.594e9
 }
 fn d_worker_bw() -> f64 {
-    2.28e9
+    1.594e9
 }
 fn d_agg() -> f64 {
-    3.26e9
+    2.508e9
 }
 fn d_overhead() -> f64 {
-    0.00036
+    0.000364
 }
 fn d_mig() -> f64 {
-    1.71e9
+    6.46e8
 }
 fn d_pause() -> f64 {
-    0.5
+    0.0147
 }
 fn d_start() -> f64 {
-    0.5
+    0.0744
 }
 
 impl Default for ClusterModel {
