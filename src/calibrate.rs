@@ -47,23 +47,28 @@ pub fn run(a: CalibrateArgs) -> Result<(), String> {
         pulls_per_step: 1,
     })
     .map_err(|e| crate_error(&e))?;
-    step("a live job rescaled every 1.5 s (servers and workers, up and down): its start and its pauses");
-    let (start_pause_s, rescale_pause_s, rescales) = pauses(if a.quick { 8.0 } else { 20.0 })?;
     let overhead_s = tiny.iter_ms_p50 / 1e3;
     let agg_elements_per_s = 2.0 * (size / 4) as f64 / sum.sum_s;
     let agg_s = (size / 4) as f64 / agg_elements_per_s;
     // One worker and one server: iteration = transfer + aggregation + overhead.
     let transfer_s = (big.iter_ms_p50 / 1e3 - agg_s - overhead_s).max(1e-6);
     let bw = size as f64 / transfer_s;
-    let model = ClusterModel {
+    let mut model = ClusterModel {
         server_bytes_per_s: bw,
         worker_bytes_per_s: bw,
         agg_elements_per_s,
         iteration_overhead_s: overhead_s,
+        worker_overhead_s: 0.0,
         migration_bytes_per_s: mig.migration_gbytes_per_s * 1e9,
-        rescale_pause_s,
-        start_pause_s,
+        ..ClusterModel::default()
     };
+    step("a live job rescaled every 1.5 s (1 to 4 workers, 1 or 2 servers, up and down): its start, its pauses, its iterations");
+    let fit = live_job(if a.quick { 8.0 } else { 24.0 }, &model)?;
+    model.iteration_overhead_s += fit.extra_s;
+    model.worker_overhead_s = fit.per_worker_s;
+    model.rescale_pause_s = fit.rescale_pause_s;
+    model.start_pause_s = fit.start_pause_s;
+    let rescales = fit.rescales;
     let mut t = String::new();
     let _ = writeln!(
         t,
@@ -83,10 +88,18 @@ pub fn run(a: CalibrateArgs) -> Result<(), String> {
         t,
         "# A live job's start to its first iteration and the training time a rescale costs: medians (of {rescales} rescales)."
     );
+    let _ = writeln!(
+        t,
+        "# Its iterations took {:.3} ms more than the model's transfers, sums and compute with one worker, and {:.3} ms more per further worker ({} allocations timed).",
+        fit.extra_s * 1e3,
+        fit.per_worker_s * 1e3,
+        fit.segments
+    );
     let _ = writeln!(t, "server_bytes_per_s = {:.0}", model.server_bytes_per_s);
     let _ = writeln!(t, "worker_bytes_per_s = {:.0}", model.worker_bytes_per_s);
     let _ = writeln!(t, "agg_elements_per_s = {:.0}", model.agg_elements_per_s);
     let _ = writeln!(t, "iteration_overhead_s = {:.6}", model.iteration_overhead_s);
+    let _ = writeln!(t, "worker_overhead_s = {:.6}", model.worker_overhead_s);
     let _ = writeln!(t, "migration_bytes_per_s = {:.0}", model.migration_bytes_per_s);
     let _ = writeln!(t, "rescale_pause_s = {:.4}", model.rescale_pause_s);
     let _ = writeln!(t, "start_pause_s = {:.4}", model.start_pause_s);
@@ -122,26 +135,44 @@ impl Policy for Cycle {
     }
 }
 
+/// What the live calibration job measured.
+struct LiveFit {
+    start_pause_s: f64,
+    rescale_pause_s: f64,
+    rescales: usize,
+    /// Median time an iteration with one worker took beyond `model`'s.
+    extra_s: f64,
+    /// Median time each further worker added beyond that.
+    per_worker_s: f64,
+    /// Allocations timed.
+    segments: usize,
+}
+
 /// Runs one live job for about `secs` seconds, rescaled every 1.5 s through
-/// servers and workers, up and down; returns the medians of its start delay
-/// (less one iteration) and of its rescales' pauses, and how many rescales.
-fn pauses(secs: f64) -> Result<(f64, f64, usize), String> {
-    // 4 MiB, 1 ms of compute per iteration (32 samples): a job the rescales
-    // can be seen in, on two cores.
-    let rate = 32.0 / 1.5e-3;
+/// servers and workers, up and down. Returns the medians of its start delay
+/// (less one iteration) and of its rescales' pauses, and how its iterations
+/// compare with `model`'s at each allocation (timed from half a second after
+/// the decision to the next).
+fn live_job(secs: f64, model: &ClusterModel) -> Result<LiveFit, String> {
+    // As the jobs of bench/traces/live.csv at --time-scale 0.2: 512 kB,
+    // 12.8 ms of compute per iteration (32 samples, slept), transfers small.
+    let batch = 32u32;
+    let rate = f64::from(batch) / 14e-3 * 2.0;
     let samples = (rate * secs) as u64;
-    let job = eps_sched::JobSpec::test("calibrate", 0.0, 4 << 20, 1.0 / 32.0, 32, samples, samples, true, (1, 2), (1, 2));
+    let job = eps_sched::JobSpec::test("calibrate", 0.0, 512_000, 0.4, batch, samples, samples, true, (1, 4), (1, 2));
     let a = |workers, servers| Alloc { workers, servers };
-    let mut cycle = Cycle { steps: vec![a(1, 1), a(2, 1), a(2, 2), a(1, 2), a(1, 1), a(2, 2)], every_s: 1.5, first: None };
+    let steps = vec![a(1, 1), a(2, 1), a(4, 2), a(2, 2), a(1, 2), a(4, 1)];
+    let mut cycle = Cycle { steps, every_s: 1.5, first: None };
     let cfg = crate::live::Config {
-        slots: 4,
-        model: ClusterModel::default(),
+        slots: 6,
+        model: model.clone(),
         timing: eps_sched::Timing { tick_s: 0.1, min_interval_s: 0.0 },
         launcher: crate::live::launcher::by_name("local").expect("local"),
         verbose: false,
     };
-    let run = crate::live::run(&mut crate::live::Trace::new(vec![job]), &cfg, &mut cycle, 0.0)?;
-    if let Some(e) = run.jobs.iter().find_map(|j| j.error.clone()) {
+    let run = crate::live::run(&mut crate::live::Trace::new(vec![job.clone()]), &cfg, &mut cycle, 0.0)?;
+    let j = run.jobs.first().ok_or("the calibration job did not run")?;
+    if let Some(e) = &j.error {
         return Err(format!("the calibration job failed: {e}"));
     }
     let median = |v: &[f64]| {
@@ -149,8 +180,34 @@ fn pauses(secs: f64) -> Result<(f64, f64, usize), String> {
         s.sort_by(f64::total_cmp);
         s.get(s.len() / 2).copied()
     };
-    let iteration = 1.5e-3;
+    // Each allocation's iterations, against the model's.
+    let mut residual: Vec<(u32, f64)> = Vec::new();
+    let end = j.points.last().map_or(0.0, |p| p.0);
+    for (k, &(from, alloc)) in j.allocs.iter().enumerate() {
+        let to = j.allocs.get(k + 1).map_or(end, |n| n.0);
+        let seg: Vec<&(f64, u64)> = j.points.iter().filter(|p| p.0 >= from + 0.5 && p.0 <= to).collect();
+        if let (Some(f), Some(l)) = (seg.first(), seg.last())
+            && seg.len() >= 10
+            && l.0 > f.0
+        {
+            let iterations = (l.1 - f.1) as f64 / f64::from(alloc.workers * batch);
+            let measured = (l.0 - f.0) / iterations;
+            residual.push((alloc.workers, measured - model.iteration_s(&job, alloc)));
+        }
+    }
+    let one: Vec<f64> = residual.iter().filter(|r| r.0 == 1).map(|r| r.1).collect();
+    let extra_s = median(&one).ok_or("the calibration job was never timed on one worker")?.max(0.0);
+    let more: Vec<f64> = residual.iter().filter(|r| r.0 > 1).map(|r| (r.1 - extra_s) / f64::from(r.0 - 1)).collect();
+    let per_worker_s = median(&more).ok_or("the calibration job was never timed on several workers")?.max(0.0);
+    let iteration = model.iteration_s(&job, a(1, 1)) + extra_s;
     let start = median(&run.start_s).ok_or("the calibration job never iterated")?;
     let pause = median(&run.pause_s).ok_or("the calibration job was never rescaled")?;
-    Ok(((start - iteration).max(0.0), pause, run.pause_s.len()))
+    Ok(LiveFit {
+        start_pause_s: (start - iteration).max(0.0),
+        rescale_pause_s: pause,
+        rescales: run.pause_s.len(),
+        extra_s,
+        per_worker_s,
+        segments: residual.len(),
+    })
 }

@@ -39,6 +39,14 @@ pub struct SimArgs {
     /// of each policy run into this PNG.
     #[arg(long)]
     pub plot: Option<PathBuf>,
+    /// Each job's real speed differs from the model's by a factor between
+    /// 1/(1+X) and 1+X, drawn per job from --seed; policies plan with the
+    /// model until a job has run 2 s, then with its measured speed.
+    #[arg(long, default_value_t = 0.0)]
+    pub noise: f64,
+    /// Seed of the speed factors (--noise): a run is the same for a seed.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
 }
 
 /// `eps sim generate`.
@@ -87,6 +95,10 @@ pub fn run(a: SimArgs) -> Result<(), String> {
     let jobs = load_trace(&path)?;
     let model = load_model(a.cluster.as_deref())?;
     check_fits(&jobs, a.slots)?;
+    if !(a.noise.is_finite() && a.noise >= 0.0) {
+        return Err("--noise must be 0 or more".into());
+    }
+    let opts = sim::Options { noise: a.noise, seed: a.seed, ..sim::Options::default() };
     let policies: Vec<&str> = if a.compare { NAMES.to_vec() } else { vec![a.policy.as_str()] };
     eprintln!("eps sim: {} jobs from {} on {} slots", jobs.len(), path.display(), a.slots);
     if !a.json {
@@ -96,7 +108,7 @@ pub fn run(a: SimArgs) -> Result<(), String> {
     for name in policies {
         let mut p = by_name(name).ok_or_else(|| format!("unknown policy {name}"))?;
         let started = std::time::Instant::now();
-        let (s, rec) = sim::run(&jobs, a.slots, &model, p.as_mut()).map_err(|e| e.to_string())?;
+        let (s, rec) = sim::run_with(&jobs, a.slots, &model, p.as_mut(), &opts).map_err(|e| e.to_string())?;
         let took = started.elapsed().as_secs_f64();
         if a.jobs {
             print_jobs(name, &rec);

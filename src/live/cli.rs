@@ -171,7 +171,9 @@ pub fn run(a: RunArgs) -> Result<(), String> {
         eprintln!("eps sched run: policy {name}");
         let live: LiveRun = super::run(&mut Trace::new(jobs.clone()), &cfg, p.as_mut(), t0)?;
         let mut sp = by_name_timed(name, timing).expect("known");
-        let (_, sim_rec) = sim::run_timed(&jobs, a.slots, &model, sp.as_mut(), timing.tick_s).map_err(|e| e.to_string())?;
+        let (_, sim_rec) =
+            sim::run_with(&jobs, a.slots, &model, sp.as_mut(), &sim::Options { tick_s: timing.tick_s, ..Default::default() })
+                .map_err(|e| e.to_string())?;
         let fid = fidelity(&live.jobs, &sim_rec);
         let ver = if a.verify { Some(verify(&live.jobs, &jobs, !a.quiet)?) } else { None };
         for j in &live.jobs {

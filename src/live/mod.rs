@@ -57,6 +57,8 @@ pub struct LiveJob {
     pub error: Option<String>,
     /// Allocations decided for it: (seconds, allocation).
     pub allocs: Vec<(f64, Alloc)>,
+    /// Its progress: (seconds, samples trained) after every step.
+    pub points: Vec<(f64, u64)>,
 }
 
 /// A live run's outcome.
@@ -213,6 +215,7 @@ pub fn run(source: &mut dyn Source, cfg: &Config, policy: &mut dyn Policy, t0_s:
                 servers_changed: false,
                 error: None,
                 allocs: Vec::new(),
+                points: Vec::new(),
             };
             held.push(Held {
                 spec,
@@ -329,11 +332,12 @@ pub fn run(source: &mut dyn Source, cfg: &Config, policy: &mut dyn Policy, t0_s:
     }
     let (mut rescale_s, mut pause_s, mut start_s) = (Vec::new(), Vec::new(), Vec::new());
     let mut jobs = Vec::new();
-    for h in held {
+    for mut h in held {
         if let State::Running(r) | State::Ended(Some(r)) = h.state {
             {
                 let g = r.progress.lock().unwrap_or_else(|e| e.into_inner());
                 rescale_s.extend(g.rescales.iter().map(|(a, b)| b - a));
+                h.out.points = g.points.clone();
                 pause_s.extend(g.pauses());
                 start_s.extend(h.out.record.start_s.and_then(|s| g.start_delay(s)));
             }

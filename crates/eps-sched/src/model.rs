@@ -23,6 +23,10 @@ pub struct ClusterModel {
     /// Fixed cost of an iteration (round trips, scheduling), seconds.
     #[serde(default = "d_overhead")]
     pub iteration_overhead_s: f64,
+    /// What each worker beyond the first adds to a BSP iteration, seconds: an
+    /// iteration waits for the slowest of its workers.
+    #[serde(default)]
+    pub worker_overhead_s: f64,
     /// Bytes per second a shard migration moves.
     #[serde(default = "d_mig")]
     pub migration_bytes_per_s: f64,
@@ -92,8 +96,10 @@ impl ClusterModel {
         if let Some((f, _)) = fields.iter().find(|(_, v)| !(v.is_finite() && *v > 0.0)) {
             return Err(format!("`{f}` must be a positive number"));
         }
-        if !(m.iteration_overhead_s >= 0.0 && m.rescale_pause_s >= 0.0 && m.start_pause_s >= 0.0) {
-            return Err("`iteration_overhead_s`, `rescale_pause_s` and `start_pause_s` must not be negative".into());
+        if !(m.iteration_overhead_s >= 0.0 && m.worker_overhead_s >= 0.0 && m.rescale_pause_s >= 0.0 && m.start_pause_s >= 0.0) {
+            return Err(
+                "`iteration_overhead_s`, `worker_overhead_s`, `rescale_pause_s` and `start_pause_s` must not be negative".into(),
+            );
         }
         Ok(m)
     }
@@ -108,7 +114,7 @@ impl ClusterModel {
         let worker_io = p / self.worker_bytes_per_s;
         let server_io = p * w / (s * self.server_bytes_per_s);
         let agg = (p / 4.0) * w / (s * self.agg_elements_per_s);
-        compute + worker_io.max(server_io) + agg + self.iteration_overhead_s
+        compute + worker_io.max(server_io) + agg + self.iteration_overhead_s + self.worker_overhead_s * (w - 1.0)
     }
 
     /// Samples per second of `job` on `a` (0 without a worker or a server).

@@ -90,25 +90,68 @@ fn reached(done: f64, target: f64) -> bool {
     target - done <= 1e-9 * target.max(1.0)
 }
 
+/// How a simulation runs besides its trace, cluster and policy.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Options {
+    /// The longest time between two decisions while jobs are active, seconds.
+    pub tick_s: f64,
+    /// How far each job's real speed may be from the model's: a factor
+    /// between 1/(1+noise) and 1+noise (log-uniform), drawn per job from
+    /// `seed`. The policy plans with the model until the job has run for
+    /// [`MEASURED_AFTER_S`], then with its measured speed (as live runs do).
+    pub noise: f64,
+    /// Seed of the speed factors.
+    pub seed: u64,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self { tick_s: DECISION_TICK_S, noise: 0.0, seed: 0 }
+    }
+}
+
+/// Seconds a job must have run before its measured speed is known.
+pub const MEASURED_AFTER_S: f64 = 2.0;
+
+/// A job's speed factor for `o` (1 without noise).
+pub fn speed_factor(o: &Options, name: &str) -> f64 {
+    if o.noise <= 0.0 {
+        return 1.0;
+    }
+    // splitmix64 over the seed and the name's bytes.
+    let mut x = o.seed ^ 0x9e37_79b9_7f4a_7c15;
+    for b in name.bytes() {
+        x = (x ^ u64::from(b)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        x ^= x >> 31;
+    }
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^= x >> 31;
+    let u = (x >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0;
+    (u * (1.0 + o.noise).ln()).exp()
+}
+
 /// Runs `jobs` (sorted by submit time) on `slots` slots under `policy`,
-/// deciding at least every [`DECISION_TICK_S`].
+/// deciding at least every [`DECISION_TICK_S`], every job at the model's speed.
 pub fn run(
     jobs: &[JobSpec],
     slots: u32,
     model: &ClusterModel,
     policy: &mut dyn Policy,
 ) -> Result<(Summary, Vec<JobRecord>), SimError> {
-    run_timed(jobs, slots, model, policy, DECISION_TICK_S)
+    run_with(jobs, slots, model, policy, &Options::default())
 }
 
-/// As [`run`], deciding at least every `tick_s`.
-pub fn run_timed(
+/// As [`run`], with `o`'s tick and speed noise.
+pub fn run_with(
     jobs: &[JobSpec],
     slots: u32,
     model: &ClusterModel,
     policy: &mut dyn Policy,
-    tick_s: f64,
+    o: &Options,
 ) -> Result<(Summary, Vec<JobRecord>), SimError> {
+    let tick_s = o.tick_s;
+    let factor: Vec<f64> = jobs.iter().map(|j| speed_factor(o, &j.name)).collect();
     let name = policy.name().to_string();
     let mut rec: Vec<JobRecord> = jobs
         .iter()
@@ -130,7 +173,7 @@ pub fn run_timed(
     let mut now = jobs.first().map_or(0.0, |j| j.submit_s);
     let (mut slot_seconds, mut rescales) = (0.0f64, 0u64);
     let mut timeline: Vec<(f64, u32)> = Vec::new();
-    let rate = |i: usize, l: &Live| model.throughput(&jobs[i], l.alloc);
+    let rate = |i: usize, l: &Live| model.throughput(&jobs[i], l.alloc) * factor[i];
     loop {
         // Arrivals now.
         while next < jobs.len() && jobs[next].submit_s <= now {
@@ -148,7 +191,10 @@ pub fn run_timed(
                     alloc: live[i].alloc,
                     done_samples: live[i].done,
                     last_change_s: live[i].last_change,
-                    speed: 1.0,
+                    speed: match rec[i].start_s {
+                        Some(s) if now - s >= MEASURED_AFTER_S => factor[i],
+                        _ => 1.0,
+                    },
                 })
                 .collect(),
             model,

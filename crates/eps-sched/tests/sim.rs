@@ -39,6 +39,27 @@ fn the_simulation_is_deterministic() {
 }
 
 #[test]
+fn speed_noise_is_the_same_for_a_seed_and_jobs_still_end_as_their_trace_says() {
+    let jobs = synth::exploration(7, 60);
+    let m = ClusterModel::default();
+    let with = |noise: f64, seed: u64| {
+        let mut p = by_name("eps").unwrap();
+        sim::run_with(&jobs, 24, &m, p.as_mut(), &sim::Options { noise, seed, ..Default::default() }).unwrap()
+    };
+    assert_eq!(with(0.0, 5), run("eps", &jobs, 24), "no noise: the model's speeds");
+    assert_eq!(with(0.5, 5), with(0.5, 5));
+    assert_ne!(with(0.5, 5).0, with(0.5, 6).0);
+    let (_, rec) = with(0.5, 5);
+    for (j, r) in jobs.iter().zip(&rec) {
+        assert!(r.end_s.is_some() && r.killed == j.kill_after_feedback, "{r:?}");
+    }
+    let f: Vec<f64> =
+        (0..200).map(|i| sim::speed_factor(&sim::Options { noise: 0.5, seed: 1, tick_s: 30.0 }, &format!("j{i}"))).collect();
+    assert!(f.iter().all(|&x| (1.0 / 1.5 - 1e-12..=1.5 + 1e-12).contains(&x)));
+    assert!(f.iter().any(|&x| x < 0.8) && f.iter().any(|&x| x > 1.25), "spread over the range");
+}
+
+#[test]
 fn eps_gives_feedback_sooner_than_a_static_cluster_without_slowing_completions() {
     for seed in 1..6 {
         let jobs = synth::exploration(seed, 200);
