@@ -25,7 +25,7 @@ pub struct ClusterModel {
     pub iteration_overhead_s: f64,
     /// What each worker beyond the first adds to a BSP iteration, seconds: an
     /// iteration waits for the slowest of its workers.
-    #[serde(default)]
+    #[serde(default = "d_worker_overhead")]
     pub worker_overhead_s: f64,
     /// Bytes per second a shard migration moves.
     #[serde(default = "d_mig")]
@@ -40,25 +40,28 @@ pub struct ClusterModel {
 }
 
 fn d_server_bw() -> f64 {
-    1.594e9
+    1.615e9
 }
 fn d_worker_bw() -> f64 {
-    1.594e9
+    1.615e9
 }
 fn d_agg() -> f64 {
-    2.508e9
+    2.196e9
 }
 fn d_overhead() -> f64 {
-    0.000364
+    0.001623
+}
+fn d_worker_overhead() -> f64 {
+    0.000875
 }
 fn d_mig() -> f64 {
-    6.46e8
+    9.77e8
 }
 fn d_pause() -> f64 {
-    0.0147
+    0.0054
 }
 fn d_start() -> f64 {
-    0.0744
+    0.0510
 }
 
 impl Default for ClusterModel {
