@@ -29,16 +29,8 @@ pub struct SimArgs {
     /// The cluster model (TOML; default: built-in figures).
     #[arg(long)]
     pub cluster: Option<PathBuf>,
-    /// Also print each job's times.
-    #[arg(long)]
-    pub jobs: bool,
-    /// One JSON line per policy.
-    #[arg(long)]
-    pub json: bool,
-    /// Draw slots allocated over time and the feedback-latency distribution
-    /// of each policy run into this PNG.
-    #[arg(long)]
-    pub plot: Option<PathBuf>,
+    #[command(flatten)]
+    pub out: Report,
     /// Each job's real speed differs from the model's by a factor between
     /// 1/(1+X) and 1+X, drawn per job from --seed; policies plan with the
     /// model until a job has run 2 s, then with its measured speed.
@@ -47,6 +39,21 @@ pub struct SimArgs {
     /// Seed of the speed factors (--noise): a run is the same for a seed.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+}
+
+/// How a scheduler run (simulated or live) is reported.
+#[derive(clap::Args, Debug)]
+pub struct Report {
+    /// Also print each job's times.
+    #[arg(long)]
+    pub jobs: bool,
+    /// One JSON line per policy.
+    #[arg(long)]
+    pub json: bool,
+    /// Draw slots allocated over time and the feedback-latency distribution
+    /// of each policy's run into this PNG.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
 }
 
 /// `eps sim generate`.
@@ -101,7 +108,7 @@ pub fn run(a: SimArgs) -> Result<(), String> {
     let opts = sim::Options { noise: a.noise, seed: a.seed, ..sim::Options::default() };
     let policies: Vec<&str> = if a.compare { NAMES.to_vec() } else { vec![a.policy.as_str()] };
     eprintln!("eps sim: {} jobs from {} on {} slots", jobs.len(), path.display(), a.slots);
-    if !a.json {
+    if !a.out.json {
         print_header();
     }
     let mut runs = Vec::new();
@@ -110,17 +117,17 @@ pub fn run(a: SimArgs) -> Result<(), String> {
         let started = std::time::Instant::now();
         let (s, rec) = sim::run_with(&jobs, a.slots, &model, p.as_mut(), &opts).map_err(|e| e.to_string())?;
         let took = started.elapsed().as_secs_f64();
-        if a.jobs {
+        if a.out.jobs {
             print_jobs(name, &rec);
         }
-        if a.json {
+        if a.out.json {
             println!("{}", summary_json(&s, a.slots).num("simulated_in_s", took).finish());
         } else {
             print_row(&s);
         }
         runs.push((s, rec));
     }
-    if let Some(p) = &a.plot {
+    if let Some(p) = &a.out.plot {
         crate::sim_plot::draw(p, a.slots, &runs)?;
         eprintln!("eps sim: plot in {}", p.display());
     }

@@ -42,16 +42,8 @@ pub struct RunArgs {
     /// (a server rescale must not change a bit).
     #[arg(long)]
     pub verify: bool,
-    /// Also print each job's times.
-    #[arg(long)]
-    pub jobs: bool,
-    /// One JSON line per policy.
-    #[arg(long)]
-    pub json: bool,
-    /// Draw slots allocated over time and the feedback-latency distribution
-    /// of each run into this PNG.
-    #[arg(long)]
-    pub plot: Option<PathBuf>,
+    #[command(flatten)]
+    pub out: crate::sim::Report,
     /// Print no event lines.
     #[arg(long)]
     pub quiet: bool,
@@ -188,7 +180,7 @@ pub fn run(a: RunArgs) -> Result<(), String> {
                 failed.push(format!("{name}: job {job} ended with params_checksum {l}, a static run with {s}"));
             }
         }
-        if a.jobs {
+        if a.out.jobs {
             print_jobs(name, &live.summary_records());
             for (job, l, s) in &fid.jobs {
                 eprintln!("  {name} {job}: submit-to-end live {l:.1} s, simulated {s:.1} s");
@@ -204,7 +196,7 @@ pub fn run(a: RunArgs) -> Result<(), String> {
         });
         runs.push((live.summary, live.jobs.iter().map(|j| j.record.clone()).collect()));
     }
-    if a.json {
+    if a.out.json {
         for Line { summary: s, fid, ver, settle, pause, start } in &lines {
             let mut j = summary_json(s, a.slots)
                 .num("time_scale", a.time_scale)
@@ -251,7 +243,7 @@ pub fn run(a: RunArgs) -> Result<(), String> {
             }
         }
     }
-    if let Some(p) = &a.plot {
+    if let Some(p) = &a.out.plot {
         crate::sim_plot::draw(p, a.slots, &runs)?;
         eprintln!("eps sched run: plot in {}", p.display());
     }
