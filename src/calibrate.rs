@@ -165,6 +165,7 @@ fn live_job(secs: f64, model: &ClusterModel) -> Result<LiveFit, String> {
     let mut cycle = Cycle { steps, every_s: 1.5, first: None };
     let cfg = crate::live::Config {
         slots: 6,
+        nodes: Vec::new(),
         model: model.clone(),
         timing: eps_sched::Timing { tick_s: 0.1, min_interval_s: 0.0 },
         launcher: crate::live::launcher::by_name("local").expect("local"),

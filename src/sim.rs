@@ -23,9 +23,8 @@ pub struct SimArgs {
     /// Run every policy on the trace, one table.
     #[arg(long)]
     pub compare: bool,
-    /// Slots of the cluster (one worker or server each).
-    #[arg(long, default_value_t = 48)]
-    pub slots: u32,
+    #[command(flatten)]
+    pub cluster_of: Cluster,
     /// The cluster model (TOML; default: built-in figures).
     #[arg(long)]
     pub cluster: Option<PathBuf>,
@@ -39,6 +38,38 @@ pub struct SimArgs {
     /// Seed of the speed factors (--noise): a run is the same for a seed.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+}
+
+/// The cluster a scheduler runs on: a number of slots, or nodes with theirs.
+#[derive(clap::Args, Debug)]
+pub struct Cluster {
+    /// Slots (one worker or server process each), on one node [default: 48
+    /// for `eps sim`, 8 for `eps sched run` and `serve`].
+    #[arg(long, conflicts_with = "nodes")]
+    pub slots: Option<u32>,
+    /// Nodes with their slots, e.g. node1:16,node2:16 (jobs' processes are
+    /// placed on them, a job kept on as few nodes as it can).
+    #[arg(long, value_name = "NAME:SLOTS,...")]
+    pub nodes: Option<String>,
+}
+
+impl Cluster {
+    /// The slots and the nodes (one node without --nodes).
+    pub fn resolve(&self, default_slots: u32) -> Result<(u32, Vec<eps_sched::placement::Node>), String> {
+        match &self.nodes {
+            Some(t) => {
+                let n = eps_sched::placement::parse_nodes(t).map_err(|e| format!("--nodes: {e}"))?;
+                Ok((n.iter().map(|n| n.slots).sum(), n))
+            }
+            None => {
+                let s = self.slots.unwrap_or(default_slots);
+                if s == 0 {
+                    return Err("--slots must be at least 1".into());
+                }
+                Ok((s, eps_sched::placement::one_node(s)))
+            }
+        }
+    }
 }
 
 /// How a scheduler run (simulated or live) is reported.
@@ -101,13 +132,14 @@ pub fn run(a: SimArgs) -> Result<(), String> {
     let path = a.trace.ok_or("--trace FILE is needed (or `eps sim generate` to make one)")?;
     let jobs = load_trace(&path)?;
     let model = load_model(a.cluster.as_deref())?;
-    check_fits(&jobs, a.slots)?;
+    let (slots, nodes) = a.cluster_of.resolve(48)?;
+    check_fits(&jobs, slots)?;
     if !(a.noise.is_finite() && a.noise >= 0.0) {
         return Err("--noise must be 0 or more".into());
     }
-    let opts = sim::Options { noise: a.noise, seed: a.seed, ..sim::Options::default() };
+    let opts = sim::Options { noise: a.noise, seed: a.seed, nodes, ..sim::Options::default() };
     let policies: Vec<&str> = if a.compare { NAMES.to_vec() } else { vec![a.policy.as_str()] };
-    eprintln!("eps sim: {} jobs from {} on {} slots", jobs.len(), path.display(), a.slots);
+    eprintln!("eps sim: {} jobs from {} on {slots} slots", jobs.len(), path.display());
     if !a.out.json {
         print_header();
     }
@@ -115,20 +147,20 @@ pub fn run(a: SimArgs) -> Result<(), String> {
     for name in policies {
         let mut p = by_name(name).ok_or_else(|| format!("unknown policy {name}"))?;
         let started = std::time::Instant::now();
-        let (s, rec) = sim::run_with(&jobs, a.slots, &model, p.as_mut(), &opts).map_err(|e| e.to_string())?;
+        let (s, rec) = sim::run_with(&jobs, slots, &model, p.as_mut(), &opts).map_err(|e| e.to_string())?;
         let took = started.elapsed().as_secs_f64();
         if a.out.jobs {
             print_jobs(name, &rec);
         }
         if a.out.json {
-            println!("{}", summary_json(&s, a.slots).num("simulated_in_s", took).finish());
+            println!("{}", summary_json(&s, slots).num("simulated_in_s", took).finish());
         } else {
             print_row(&s);
         }
         runs.push((s, rec));
     }
     if let Some(p) = &a.out.plot {
-        crate::sim_plot::draw(p, a.slots, &runs)?;
+        crate::sim_plot::draw(p, slots, &runs)?;
         eprintln!("eps sim: plot in {}", p.display());
     }
     Ok(())
@@ -190,14 +222,15 @@ pub fn print_jobs(policy: &str, rec: &[sim::JobRecord]) {
     for r in rec {
         let f = |v: Option<f64>| v.map_or("-".into(), |x| format!("{x:.1}"));
         eprintln!(
-            "  {policy} {}: submit {:.1} start {} feedback {} {} {} rescales {}",
+            "  {policy} {}: submit {:.1} start {} feedback {} {} {} rescales {} nodes {}",
             r.name,
             r.submit_s,
             f(r.start_s),
             f(r.feedback_s),
             if r.killed { "killed" } else { "finished" },
             f(r.end_s),
-            r.rescales
+            r.rescales,
+            r.max_nodes
         );
     }
 }

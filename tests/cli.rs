@@ -312,6 +312,22 @@ fn eps_sim_compares_policies_on_the_shipped_trace() {
     assert!(!o.status.success() && text(&o).contains("line 2, column `feedback_samples`"), "{}", text(&o));
     let o = eps(&["sim", "--trace", trace, "--policy", "lottery"]);
     assert!(!o.status.success() && text(&o).contains("static"), "{}", text(&o));
+    // Nodes: the same slots in three nodes, the same decisions (the model has no
+    // locality); bad nodes are named; --slots and --nodes exclude each other.
+    let o = eps(&["sim", "--trace", trace, "--nodes", "a:16,b:16,c:16", "--json"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let on_nodes = String::from_utf8_lossy(&o.stdout).to_string();
+    assert_eq!(json_field(&on_nodes, "avg_jct_s"), json_field(&ep, "avg_jct_s"), "{on_nodes}");
+    let o = eps(&["sim", "--trace", trace, "--nodes", "a:16,a:8"]);
+    assert!(!o.status.success() && text(&o).contains("already used"), "{}", text(&o));
+    let o = eps(&["sim", "--trace", trace, "--nodes", "a:16", "--slots", "16"]);
+    assert!(!o.status.success() && text(&o).contains("cannot be used with"), "{}", text(&o));
+    // Speed noise: the same run for a seed.
+    let noisy = |seed: &str| {
+        String::from_utf8_lossy(&eps(&["sim", "--trace", trace, "--noise", "0.5", "--seed", seed]).stdout).to_string()
+    };
+    assert_eq!(noisy("4"), noisy("4"));
+    assert_ne!(noisy("4"), noisy("5"));
     let o = eps(&["sim", "generate", "--kind", "steady", "--jobs", "5"]);
     let five = eps_sched::trace::parse(&String::from_utf8_lossy(&o.stdout)).unwrap();
     assert!(o.status.success() && five.len() == 5);

@@ -23,9 +23,8 @@ pub struct RunArgs {
     /// static, optimus, eps.
     #[arg(long, default_value = "eps", value_delimiter = ',', value_parser = clap::builder::PossibleValuesParser::new(NAMES))]
     pub policy: Vec<String>,
-    /// Slots (one server or worker process each).
-    #[arg(long, default_value_t = 8)]
-    pub slots: u32,
+    #[command(flatten)]
+    pub cluster_of: crate::sim::Cluster,
     /// Seconds here per second of the trace: submit times, compute per sample
     /// and the scheduler's clocks (decision tick, least interval between two
     /// growths; 30 s each at 1) are multiplied by it.
@@ -141,17 +140,18 @@ pub fn run(a: RunArgs) -> Result<(), String> {
         j.compute_ms_per_sample *= a.time_scale;
     }
     jobs.sort_by(|x, y| x.submit_s.total_cmp(&y.submit_s));
-    check_fits(&jobs, a.slots)?;
+    let (slots, nodes) = a.cluster_of.resolve(8)?;
+    check_fits(&jobs, slots)?;
     let model = load_model(a.cluster.as_deref())?;
     let timing = Timing::default().scaled(a.time_scale);
     let launcher = launcher::by_name(&a.launcher).ok_or_else(|| format!("unknown launcher {}", a.launcher))?;
-    let cfg = Config { slots: a.slots, model: model.clone(), timing, launcher, verbose: !a.quiet };
+    let cfg = Config { slots, nodes: nodes.clone(), model: model.clone(), timing, launcher, verbose: !a.quiet };
     let t0 = jobs.first().map_or(0.0, |j| j.submit_s);
     eprintln!(
         "eps sched run: {} jobs from {} on {} slots, {} launcher, time scale {}",
         jobs.len(),
         a.trace.display(),
-        a.slots,
+        slots,
         cfg.launcher.name(),
         a.time_scale
     );
@@ -163,9 +163,14 @@ pub fn run(a: RunArgs) -> Result<(), String> {
         eprintln!("eps sched run: policy {name}");
         let live: LiveRun = super::run(&mut Trace::new(jobs.clone()), &cfg, p.as_mut(), t0)?;
         let mut sp = by_name_timed(name, timing).expect("known");
-        let (_, sim_rec) =
-            sim::run_with(&jobs, a.slots, &model, sp.as_mut(), &sim::Options { tick_s: timing.tick_s, ..Default::default() })
-                .map_err(|e| e.to_string())?;
+        let (_, sim_rec) = sim::run_with(
+            &jobs,
+            slots,
+            &model,
+            sp.as_mut(),
+            &sim::Options { tick_s: timing.tick_s, nodes: nodes.clone(), ..Default::default() },
+        )
+        .map_err(|e| e.to_string())?;
         let fid = fidelity(&live.jobs, &sim_rec);
         let ver = if a.verify { Some(verify(&live.jobs, &jobs, !a.quiet)?) } else { None };
         for j in &live.jobs {
@@ -198,7 +203,7 @@ pub fn run(a: RunArgs) -> Result<(), String> {
     }
     if a.out.json {
         for Line { summary: s, fid, ver, settle, pause, start } in &lines {
-            let mut j = summary_json(s, a.slots)
+            let mut j = summary_json(s, slots)
                 .num("time_scale", a.time_scale)
                 .num("fidelity_median_rel_err", fid.median_rel_err)
                 .int("fidelity_jobs", fid.jobs.len() as u64)
@@ -244,7 +249,7 @@ pub fn run(a: RunArgs) -> Result<(), String> {
         }
     }
     if let Some(p) = &a.out.plot {
-        crate::sim_plot::draw(p, a.slots, &runs)?;
+        crate::sim_plot::draw(p, slots, &runs)?;
         eprintln!("eps sched run: plot in {}", p.display());
     }
     if failed.is_empty() { Ok(()) } else { Err(format!("{} problem(s):\n  {}", failed.len(), failed.join("\n  "))) }

@@ -21,6 +21,9 @@ pub struct JobLaunch {
     pub text: String,
     /// Flags of every `eps worker` of the job.
     pub worker_args: Vec<String>,
+    /// Its workers and servers per node, as the scheduler placed them (the
+    /// `local` launcher runs every node's processes on this machine).
+    pub nodes: Vec<(String, eps_sched::Alloc)>,
 }
 
 /// Starts jobs.
@@ -153,7 +156,7 @@ pub fn job_launch(j: &eps_sched::JobSpec, alloc: eps_sched::Alloc, seed: u64) ->
         "--compute-ms-per-sample".into(),
         j.compute_ms_per_sample.to_string(),
     ];
-    Ok(JobLaunch { spec, text, worker_args })
+    Ok(JobLaunch { spec, text, worker_args, nodes: Vec::new() })
 }
 
 /// The job's samples trained so far in an `EPS_PROGRESS` line.

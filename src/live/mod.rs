@@ -18,6 +18,7 @@ pub mod serve;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use eps_sched::placement::{Node, Placement, one_node};
 use eps_sched::policy::{JobView, View, check};
 use eps_sched::sim::{JobRecord, Summary, summarize};
 use eps_sched::{Alloc, ClusterModel, JobSpec, Policy, Timing};
@@ -30,6 +31,8 @@ use launcher::{JobLaunch, Launcher, job_launch};
 pub struct Config {
     /// Slots (one worker or server process each).
     pub slots: u32,
+    /// The nodes the slots are on (none: one node, `local`, of all of them).
+    pub nodes: Vec<Node>,
     /// The cluster model the policy plans with.
     pub model: ClusterModel,
     /// The scheduler's clocks.
@@ -128,6 +131,8 @@ pub struct JobState<'a> {
     pub samples: (u64, u64),
     /// Its times.
     pub record: &'a JobRecord,
+    /// Its processes per node (`name:Nw+Ms,...`).
+    pub nodes: String,
 }
 
 /// A trace replayed: each job submitted at its `submit_s`.
@@ -166,6 +171,10 @@ pub fn run(source: &mut dyn Source, cfg: &Config, policy: &mut dyn Policy, t0_s:
     let started = Instant::now();
     let clock: Arc<dyn Fn() -> f64 + Send + Sync> = Arc::new(move || t0_s + started.elapsed().as_secs_f64());
     let mut held: Vec<Held> = Vec::new();
+    let mut placement = Placement::new(if cfg.nodes.is_empty() { one_node(cfg.slots) } else { cfg.nodes.clone() });
+    if placement.slots() != cfg.slots {
+        return Err(format!("the nodes have {} slots, the run {}", placement.slots(), cfg.slots));
+    }
     let (mut slot_seconds, mut rescales, mut timeline) = (0.0f64, 0u64, Vec::<(f64, u32)>::new());
     let mut last_decision = f64::NEG_INFINITY;
     let mut last_now = t0_s;
@@ -206,6 +215,7 @@ pub fn run(source: &mut dyn Source, cfg: &Config, policy: &mut dyn Policy, t0_s:
                 end_s: None,
                 killed: false,
                 rescales: 0,
+                max_nodes: 0,
             };
             let out = LiveJob {
                 record,
@@ -262,6 +272,12 @@ pub fn run(source: &mut dyn Source, cfg: &Config, policy: &mut dyn Policy, t0_s:
                 event |= end(h, now, false, &say);
             }
         }
+        // Ended jobs' slots are free.
+        for (i, h) in held.iter().enumerate() {
+            if matches!(h.state, State::Ended(_)) && placement.span(i) > 0 {
+                placement.shrink(i, Alloc::default());
+            }
+        }
         // Decide.
         let active: Vec<usize> = (0..held.len()).filter(|&i| !matches!(held[i].state, State::Ended(_))).collect();
         if event || now - last_decision >= cfg.timing.tick_s {
@@ -291,22 +307,28 @@ pub fn run(source: &mut dyn Source, cfg: &Config, policy: &mut dyn Policy, t0_s:
             let want = policy.allocate(&view);
             check(&view.jobs, &want, cfg.slots).map_err(|e| format!("policy {} at {now:.1} s: {e}", policy.name()))?;
             drop(view);
+            let changes: Vec<(usize, Alloc)> =
+                active.iter().zip(&want).filter(|&(&i, &a)| a != held[i].alloc).map(|(&i, &a)| (i, a)).collect();
+            placement.apply(&changes).map_err(|e| format!("placing the decision at {now:.1} s: {e}"))?;
             for (&i, &a) in active.iter().zip(&want) {
                 let h = &mut held[i];
                 if a == h.alloc {
                     continue;
                 }
+                h.out.record.max_nodes = h.out.record.max_nodes.max(placement.span(i) as u32);
+                let on = placement.describe(i);
                 if matches!(h.state, State::Waiting) {
                     seed += 1;
-                    let launch = job_launch(&h.spec, a, seed)?;
+                    let mut launch = job_launch(&h.spec, a, seed)?;
+                    launch.nodes = placement.of(i).iter().zip(placement.nodes()).map(|(a, n)| (n.name.clone(), *a)).collect();
                     let r = Running::start(cfg.launcher.as_ref(), &launch, a, clock.clone())
                         .map_err(|e| format!("cannot start job {}: {e}", h.spec.name))?;
-                    say(now, format!("started {} on {} workers + {} servers", h.spec.name, a.workers, a.servers));
+                    say(now, format!("started {} on {} workers + {} servers ({on})", h.spec.name, a.workers, a.servers));
                     h.state = State::Running(Box::new(r));
                     h.out.launch = Some(launch);
                     h.out.record.start_s = Some(now);
                 } else if let State::Running(r) = &h.state {
-                    say(now, format!("rescaling {}: {:?} -> {a:?}", h.spec.name, h.alloc));
+                    say(now, format!("rescaling {}: {:?} -> {a:?} ({on})", h.spec.name, h.alloc));
                     r.rescale(a);
                     h.out.record.rescales += 1;
                     rescales += 1;
@@ -326,7 +348,7 @@ pub fn run(source: &mut dyn Source, cfg: &Config, policy: &mut dyn Policy, t0_s:
                 break;
             }
         }
-        let states: Vec<JobState<'_>> = held.iter().map(state_of).collect();
+        let states: Vec<JobState<'_>> = held.iter().enumerate().map(|(i, h)| state_of(h, placement.describe(i))).collect();
         source.observe(now, &states);
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -350,7 +372,7 @@ pub fn run(source: &mut dyn Source, cfg: &Config, policy: &mut dyn Policy, t0_s:
     Ok(LiveRun { summary, jobs, rescale_s, pause_s, start_s })
 }
 
-fn state_of(h: &Held) -> JobState<'_> {
+fn state_of(h: &Held, nodes: String) -> JobState<'_> {
     let state = match (&h.state, h.out.record.killed, &h.out.error) {
         (State::Waiting, ..) => "queued",
         (State::Running(_), ..) => "running",
@@ -358,7 +380,7 @@ fn state_of(h: &Held) -> JobState<'_> {
         (State::Ended(_), _, Some(_)) => "failed",
         (State::Ended(_), ..) => "finished",
     };
-    JobState { name: &h.spec.name, state, alloc: h.alloc, samples: (h.samples, h.spec.samples), record: &h.out.record }
+    JobState { name: &h.spec.name, state, alloc: h.alloc, samples: (h.samples, h.spec.samples), record: &h.out.record, nodes }
 }
 
 /// Ends a job (killed: its processes are stopped), freeing its slots.

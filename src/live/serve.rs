@@ -36,9 +36,8 @@ pub fn default_socket() -> PathBuf {
 /// `eps sched serve`'s arguments.
 #[derive(clap::Args, Debug)]
 pub struct ServeArgs {
-    /// Slots (one server or worker process each).
-    #[arg(long)]
-    pub slots: u32,
+    #[command(flatten)]
+    pub cluster_of: crate::sim::Cluster,
     /// Policy: static, optimus, eps.
     #[arg(long, default_value = "eps", value_parser = clap::builder::PossibleValuesParser::new(NAMES))]
     pub policy: String,
@@ -135,7 +134,7 @@ impl Source for Service {
     fn observe(&mut self, now_s: f64, jobs: &[JobState<'_>]) {
         let f = |v: Option<f64>| v.map_or("-".to_string(), |x| format!("{x:.1}"));
         let mut t = format!(
-            "{:<16} {:<9} {:>7} {:>7} {:>21} {:>9} {:>9} {:>9} {:>9}\n",
+            "{:<16} {:<9} {:>7} {:>7} {:>21} {:>9} {:>9} {:>9} {:>9}  NODES\n",
             "JOB", "STATE", "WORKERS", "SERVERS", "SAMPLES", "SUBMIT s", "START s", "FEEDBK s", "END s"
         );
         let mut active = HashSet::new();
@@ -144,7 +143,7 @@ impl Source for Service {
                 active.insert(j.name.to_string());
             }
             t += &format!(
-                "{:<16} {:<9} {:>7} {:>7} {:>21} {:>9.1} {:>9} {:>9} {:>9}\n",
+                "{:<16} {:<9} {:>7} {:>7} {:>21} {:>9.1} {:>9} {:>9} {:>9}  {}\n",
                 j.name,
                 j.state,
                 j.alloc.workers,
@@ -153,7 +152,8 @@ impl Source for Service {
                 j.record.submit_s,
                 f(j.record.start_s),
                 f(j.record.feedback_s),
-                f(j.record.end_s)
+                f(j.record.end_s),
+                if j.nodes.is_empty() { "-" } else { &j.nodes }
             );
         }
         t += &format!("(at {now_s:.1} s)\n");
@@ -205,9 +205,7 @@ fn handle(mut c: UnixStream, inbox: &Mutex<Inbox>, slots: u32) {
 
 /// Runs `eps sched serve` until Ctrl-C (which stops every job).
 pub fn serve(a: ServeArgs) -> Result<(), String> {
-    if a.slots == 0 {
-        return Err("--slots must be at least 1".into());
-    }
+    let (slots, nodes) = a.cluster_of.resolve(8)?;
     if !(a.time_scale.is_finite() && a.time_scale > 0.0) {
         return Err("--time-scale must be a positive number".into());
     }
@@ -225,7 +223,6 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
     let shared = Arc::new(Mutex::new(Inbox::default()));
     {
         let shared = shared.clone();
-        let slots = a.slots;
         std::thread::spawn(move || {
             for c in listener.incoming().flatten() {
                 handle(c, &shared, slots);
@@ -235,12 +232,12 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
     println!("EPS_SCHED={}", path.display());
     eprintln!(
         "eps sched serve: {} slots, policy {}, on {} (eps submit JOB.toml, eps jobs, eps kill JOB; Ctrl-C stops every job)",
-        a.slots,
+        slots,
         a.policy,
         path.display()
     );
     let launcher = launcher::by_name("local").expect("local");
-    let cfg = Config { slots: a.slots, model, timing, launcher, verbose: true };
+    let cfg = Config { slots, nodes, model, timing, launcher, verbose: true };
     let r = super::run(&mut Service(shared), &cfg, policy.as_mut(), 0.0);
     let _ = std::fs::remove_file(&path);
     match r {

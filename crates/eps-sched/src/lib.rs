@@ -13,12 +13,15 @@
 //!   asked, today's PS clusters), `optimus` (marginal-gain allocation) and
 //!   `eps` (start at once by shrinking, give back by marginal gain, rescale
 //!   only when it pays);
+//! - [`placement`]: nodes with capacities, and where each job's processes
+//!   run on them;
 //! - [`sim`]: the discrete-event simulator that runs a trace under a policy;
 //! - [`synth`]: synthetic traces.
 
 #![forbid(unsafe_code)]
 
 pub mod model;
+pub mod placement;
 pub mod policy;
 pub mod sim;
 pub mod synth;

@@ -4,6 +4,7 @@
 //! it for the model's cost of that change.
 
 use crate::model::{Alloc, ClusterModel};
+use crate::placement::{Node, Placement, one_node};
 use crate::policy::{JobView, Policy, View, check};
 use crate::trace::JobSpec;
 
@@ -24,6 +25,8 @@ pub struct JobRecord {
     pub killed: bool,
     /// Allocation changes after its start.
     pub rescales: u32,
+    /// The most nodes its processes ran on at once.
+    pub max_nodes: u32,
 }
 
 /// The run's figures.
@@ -91,7 +94,7 @@ fn reached(done: f64, target: f64) -> bool {
 }
 
 /// How a simulation runs besides its trace, cluster and policy.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Options {
     /// The longest time between two decisions while jobs are active, seconds.
     pub tick_s: f64,
@@ -102,11 +105,14 @@ pub struct Options {
     pub noise: f64,
     /// Seed of the speed factors.
     pub seed: u64,
+    /// The cluster's nodes, their slots adding up to the run's slots (none:
+    /// one node of all the slots).
+    pub nodes: Vec<Node>,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Self { tick_s: DECISION_TICK_S, noise: 0.0, seed: 0 }
+        Self { tick_s: DECISION_TICK_S, noise: 0.0, seed: 0, nodes: Vec::new() }
     }
 }
 
@@ -153,6 +159,15 @@ pub fn run_with(
     let tick_s = o.tick_s;
     let factor: Vec<f64> = jobs.iter().map(|j| speed_factor(o, &j.name)).collect();
     let name = policy.name().to_string();
+    let nodes = if o.nodes.is_empty() { one_node(slots) } else { o.nodes.clone() };
+    let mut placement = Placement::new(nodes);
+    if placement.slots() != slots {
+        return Err(SimError::Policy {
+            policy: name,
+            at_s: 0.0,
+            what: format!("the nodes have {} slots, the run {slots}", placement.slots()),
+        });
+    }
     let mut rec: Vec<JobRecord> = jobs
         .iter()
         .map(|j| JobRecord {
@@ -163,6 +178,7 @@ pub fn run_with(
             end_s: None,
             killed: false,
             rescales: 0,
+            max_nodes: 0,
         })
         .collect();
     let mut live: Vec<Live> =
@@ -201,6 +217,12 @@ pub fn run_with(
         };
         let want = policy.allocate(&view);
         check(&view.jobs, &want, slots).map_err(|what| SimError::Policy { policy: name.clone(), at_s: now, what })?;
+        let changes: Vec<(usize, Alloc)> =
+            active.iter().zip(&want).filter(|&(&i, &a)| a != live[i].alloc).map(|(&i, &a)| (i, a)).collect();
+        placement.apply(&changes).map_err(|what| SimError::Policy { policy: name.clone(), at_s: now, what })?;
+        for &(i, _) in &changes {
+            rec[i].max_nodes = rec[i].max_nodes.max(placement.span(i) as u32);
+        }
         for (&i, &a) in active.iter().zip(&want) {
             let l = &mut live[i];
             if a == l.alloc {
@@ -274,6 +296,7 @@ pub fn run_with(
                 rec[i].end_s = Some(now);
                 rec[i].killed = j.kill_after_feedback;
                 l.alloc = Alloc::default();
+                placement.shrink(i, Alloc::default());
                 return false;
             }
             true

@@ -53,8 +53,9 @@ fn speed_noise_is_the_same_for_a_seed_and_jobs_still_end_as_their_trace_says() {
     for (j, r) in jobs.iter().zip(&rec) {
         assert!(r.end_s.is_some() && r.killed == j.kill_after_feedback, "{r:?}");
     }
-    let f: Vec<f64> =
-        (0..200).map(|i| sim::speed_factor(&sim::Options { noise: 0.5, seed: 1, tick_s: 30.0 }, &format!("j{i}"))).collect();
+    let f: Vec<f64> = (0..200)
+        .map(|i| sim::speed_factor(&sim::Options { noise: 0.5, seed: 1, ..Default::default() }, &format!("j{i}")))
+        .collect();
     assert!(f.iter().all(|&x| (1.0 / 1.5 - 1e-12..=1.5 + 1e-12).contains(&x)));
     assert!(f.iter().any(|&x| x < 0.8) && f.iter().any(|&x| x > 1.25), "spread over the range");
 }
@@ -80,4 +81,30 @@ fn eps_gives_feedback_sooner_than_a_static_cluster_without_slowing_completions()
         assert!(ep.avg_jct_s <= 0.9 * st.avg_jct_s, "seed {seed}: {ep:?} vs {st:?}");
         assert!(ep.max_queue_wait_s <= st.max_queue_wait_s, "seed {seed}: no job starves more than under static");
     }
+}
+
+#[test]
+fn on_nodes_every_process_has_a_slot_and_the_decisions_are_those_of_one_pool() {
+    let jobs = synth::exploration(3, 120);
+    let m = ClusterModel::default();
+    let nodes = eps_sched::placement::parse_nodes("n1:8,n2:8,n3:8,n4:8").unwrap();
+    for policy in NAMES {
+        let mut p = by_name(policy).unwrap();
+        let on_nodes = sim::Options { nodes: nodes.clone(), ..Default::default() };
+        // The simulator places every decision (shrinks first) and fails if a
+        // process finds no slot.
+        let (s, rec) = sim::run_with(&jobs, 32, &m, p.as_mut(), &on_nodes).unwrap();
+        let (flat, flat_rec) = run(policy, &jobs, 32);
+        // The model has no locality: the same decisions, the same times.
+        assert_eq!((s.avg_jct_s, s.rescales), (flat.avg_jct_s, flat.rescales), "{policy}");
+        assert!(flat_rec.iter().all(|r| r.max_nodes == 1), "one node of all the slots");
+        for (j, r) in jobs.iter().zip(&rec) {
+            // At most one node per process.
+            assert!(r.max_nodes >= 1 && r.max_nodes <= 4.min(j.max_alloc().slots()), "{}: {r:?}", j.name);
+        }
+        assert!(rec.iter().any(|r| r.max_nodes > 1), "{policy}: some jobs must spill over (32 slots in nodes of 8)");
+    }
+    let mut p = by_name("eps").unwrap();
+    let wrong = sim::Options { nodes, ..Default::default() };
+    assert!(sim::run_with(&jobs, 48, &m, p.as_mut(), &wrong).unwrap_err().to_string().contains("32 slots"));
 }
