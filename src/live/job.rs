@@ -81,8 +81,17 @@ pub struct Running {
     /// Shared with its threads.
     pub progress: Arc<Mutex<Progress>>,
     stop: Arc<AtomicBool>,
-    targets: Sender<Alloc>,
+    targets: Option<Sender<Alloc>>,
     threads: Vec<JoinHandle<()>>,
+}
+
+impl Drop for Running {
+    /// A job dropped without being joined (the driver failed) is stopped.
+    fn drop(&mut self) {
+        if !self.threads.is_empty() {
+            self.kill();
+        }
+    }
 }
 
 impl std::fmt::Debug for Running {
@@ -142,12 +151,14 @@ impl Running {
                 Err(Stop::Failed(e)) => Err(e),
             });
         });
-        Ok(Self { progress, stop, targets, threads: vec![scaler, supervisor] })
+        Ok(Self { progress, stop, targets: Some(targets), threads: vec![scaler, supervisor] })
     }
 
     /// Asks for `a` (applied in the background, the latest ask first).
     pub fn rescale(&self, a: Alloc) {
-        let _ = self.targets.send(a);
+        if let Some(t) = &self.targets {
+            let _ = t.send(a);
+        }
     }
 
     /// Stops every process of the job.
@@ -156,9 +167,9 @@ impl Running {
     }
 
     /// Waits for its threads (after the job ended or was killed).
-    pub fn join(self) {
-        drop(self.targets);
-        for t in self.threads {
+    pub fn join(mut self) {
+        self.targets = None;
+        for t in std::mem::take(&mut self.threads) {
             let _ = t.join();
         }
     }

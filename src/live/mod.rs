@@ -94,6 +94,9 @@ impl std::fmt::Debug for Config {
     }
 }
 
+/// Seconds a finished job's processes have to exit before they are stopped.
+const LEFTOVER_GRACE_S: f64 = 10.0;
+
 /// A job the driver holds.
 struct Held {
     spec: JobSpec,
@@ -272,10 +275,18 @@ pub fn run(source: &mut dyn Source, cfg: &Config, policy: &mut dyn Policy, t0_s:
                 event |= end(h, now, false, &say);
             }
         }
-        // Ended jobs' slots are free.
+        // Ended jobs' slots are free; processes a finished job left behind
+        // (a joiner it no longer needed) are stopped after a grace period.
         for (i, h) in held.iter().enumerate() {
             if matches!(h.state, State::Ended(_)) && placement.span(i) > 0 {
                 placement.shrink(i, Alloc::default());
+            }
+            if let State::Ended(Some(r)) = &h.state {
+                let g = r.progress.lock().unwrap_or_else(|e| e.into_inner());
+                if g.ended.is_none() && g.done_s.is_some_and(|d| now - d > LEFTOVER_GRACE_S) {
+                    drop(g);
+                    r.kill();
+                }
             }
         }
         // Decide.
@@ -356,6 +367,11 @@ pub fn run(source: &mut dyn Source, cfg: &Config, policy: &mut dyn Policy, t0_s:
     let mut jobs = Vec::new();
     for mut h in held {
         if let State::Running(r) | State::Ended(Some(r)) = h.state {
+            let deadline = Instant::now() + Duration::from_secs_f64(LEFTOVER_GRACE_S);
+            while r.progress.lock().unwrap_or_else(|e| e.into_inner()).ended.is_none() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            r.kill();
             {
                 let g = r.progress.lock().unwrap_or_else(|e| e.into_inner());
                 rescale_s.extend(g.rescales.iter().map(|(a, b)| b - a));
