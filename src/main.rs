@@ -30,7 +30,9 @@ struct Cli {
 enum SchedCmd {
     /// Measure the scheduler's cluster model here with real EPS processes
     /// (push/pull bandwidth, an iteration's fixed cost, aggregation rate,
-    /// migration throughput) and write it for `eps sim --cluster`.
+    /// migration throughput; then a live job rescaled every 1.5 s: its start
+    /// delay, rescale pauses, and what each further worker adds to an
+    /// iteration) and write it for `eps sim --cluster` and `eps sched run`.
     Calibrate(eps::calibrate::CalibrateArgs),
     /// Replay a trace with real EPS jobs on this machine, started, rescaled
     /// and killed by a policy (or several, one after the other).
