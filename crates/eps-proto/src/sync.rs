@@ -265,6 +265,13 @@ impl ShardSync {
         self.floor
     }
 
+    /// Whether a migration target still replays its source's updates (it
+    /// stops when the source cuts over, or when it aggregates an iteration
+    /// itself from pushes that all landed here).
+    pub fn catching_up(&self) -> bool {
+        self.catching_up
+    }
+
     /// Published version.
     pub fn version(&self) -> u64 {
         self.version

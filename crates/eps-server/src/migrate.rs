@@ -374,11 +374,11 @@ impl<P: Fabric> Server<P> {
                     h.sync.caught_up();
                     return self.try_complete(id);
                 }
-                if len == 0 && queued == 0 && version == h.sync.floor() && h.sync.version() > version {
-                    // The same notice, after this server already aggregated the
-                    // cutover iteration: every push of the snapshot's version
-                    // landed here (the workers routed by the new map) before
-                    // the notice did. Nothing is left to replay.
+                if len == 0 && queued == 0 && !h.sync.catching_up() && (h.sync.floor()..h.sync.version()).contains(&version) {
+                    // The same notice, late: this server already aggregated the
+                    // cutover iteration itself, every push of it having landed
+                    // here (the workers route by the new map) before the
+                    // notice did. Nothing is left to replay.
                     return Ok(());
                 }
                 if version != expected {
