@@ -176,11 +176,6 @@ fn live_job(secs: f64, model: &ClusterModel) -> Result<LiveFit, String> {
     if let Some(e) = &j.error {
         return Err(format!("the calibration job failed: {e}"));
     }
-    let median = |v: &[f64]| {
-        let mut s = v.to_vec();
-        s.sort_by(f64::total_cmp);
-        s.get(s.len() / 2).copied()
-    };
     // Each allocation's iterations, against the model's.
     let mut residual: Vec<(u32, f64)> = Vec::new();
     let end = j.points.last().map_or(0.0, |p| p.0);
@@ -197,12 +192,12 @@ fn live_job(secs: f64, model: &ClusterModel) -> Result<LiveFit, String> {
         }
     }
     let one: Vec<f64> = residual.iter().filter(|r| r.0 == 1).map(|r| r.1).collect();
-    let extra_s = median(&one).ok_or("the calibration job was never timed on one worker")?.max(0.0);
+    let extra_s = crate::live::median(&one).ok_or("the calibration job was never timed on one worker")?.max(0.0);
     let more: Vec<f64> = residual.iter().filter(|r| r.0 > 1).map(|r| (r.1 - extra_s) / f64::from(r.0 - 1)).collect();
-    let per_worker_s = median(&more).ok_or("the calibration job was never timed on several workers")?.max(0.0);
+    let per_worker_s = crate::live::median(&more).ok_or("the calibration job was never timed on several workers")?.max(0.0);
     let iteration = model.iteration_s(&job, a(1, 1)) + extra_s;
-    let start = median(&run.start_s).ok_or("the calibration job never iterated")?;
-    let pause = median(&run.pause_s).ok_or("the calibration job was never rescaled")?;
+    let start = crate::live::median(&run.start_s).ok_or("the calibration job never iterated")?;
+    let pause = crate::live::median(&run.pause_s).ok_or("the calibration job was never rescaled")?;
     Ok(LiveFit {
         start_pause_s: (start - iteration).max(0.0),
         rescale_pause_s: pause,

@@ -183,11 +183,8 @@ pub fn load_model(path: Option<&std::path::Path>) -> Result<ClusterModel, String
     }
 }
 
-/// Refuses a cluster without slots, or too small for some job's minimum.
+/// Refuses a cluster too small for some job's minimum.
 pub fn check_fits(jobs: &[JobSpec], slots: u32) -> Result<(), String> {
-    if slots == 0 {
-        return Err("--slots must be at least 1".into());
-    }
     match jobs.iter().find(|j| j.min_alloc().slots() > slots) {
         Some(j) => Err(format!("job {} needs at least {} slots; the cluster has {slots}", j.name, j.min_alloc().slots())),
         None => Ok(()),

@@ -67,14 +67,8 @@ pub fn fidelity(live: &[LiveJob], sim: &[JobRecord]) -> Fidelity {
             jobs.push((r.name.clone(), le - r.submit_s, se - s.submit_s));
         }
     }
-    let mut errs: Vec<f64> = jobs.iter().map(|(_, l, s)| (s - l).abs() / l.max(1e-9)).collect();
-    errs.sort_by(f64::total_cmp);
-    let median = match errs.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => errs[n / 2],
-        n => (errs[n / 2 - 1] + errs[n / 2]) / 2.0,
-    };
-    Fidelity { jobs, median_rel_err: median }
+    let errs: Vec<f64> = jobs.iter().map(|(_, l, s)| (s - l).abs() / l.max(1e-9)).collect();
+    Fidelity { jobs, median_rel_err: super::median(&errs).unwrap_or(f64::NAN) }
 }
 
 /// The outcome of [`verify`].
@@ -266,11 +260,9 @@ struct Line {
     start: (f64, usize),
 }
 
-/// The median of `v` and its length (0 when empty).
+/// The median of `v` (0 when empty) and its length.
 fn median(v: &[f64]) -> (f64, usize) {
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    (s.get(s.len() / 2).copied().unwrap_or(0.0), s.len())
+    (super::median(v).unwrap_or(0.0), v.len())
 }
 
 impl LiveRun {

@@ -3,7 +3,6 @@
 //! policy's allocations through the job's control plane (the scale API of
 //! `eps scale`), starting the servers and workers a growth needs.
 
-use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
@@ -24,8 +23,8 @@ use crate::train::scale::{ScaleOutcome, Spawn, wait_settled};
 pub struct Progress {
     /// The job's samples trained so far (rank 0's last progress line).
     pub samples: u64,
-    /// Recent (seconds, samples) points, since the last change of allocation.
-    pub window: VecDeque<(f64, u64)>,
+    /// When the allocation last changed (seconds of the run).
+    pub since_s: f64,
     /// When rank 0 reported the end of training (seconds of the run).
     pub done_s: Option<f64>,
     /// The final parameters' checksum (rank 0).
@@ -57,9 +56,8 @@ impl Progress {
     /// less the job's median gap (what an iteration takes anyway).
     pub fn pauses(&self) -> Vec<f64> {
         let gaps: Vec<(f64, f64)> = self.points.windows(2).map(|w| (w[1].0, w[1].0 - w[0].0)).collect();
-        let mut all: Vec<f64> = gaps.iter().map(|g| g.1).collect();
-        all.sort_by(f64::total_cmp);
-        let Some(&median) = all.get(all.len() / 2) else { return Vec::new() };
+        let all: Vec<f64> = gaps.iter().map(|g| g.1).collect();
+        let Some(median) = super::median(&all) else { return Vec::new() };
         self.rescales
             .iter()
             .filter_map(|&(from, to)| {
@@ -69,9 +67,12 @@ impl Progress {
             .collect()
     }
 
-    /// Samples per second over the window (at least `min_s` wide), if known.
+    /// Samples per second over the last 5 s since the allocation last
+    /// changed (a span of at least `min_s`), if known.
     pub fn rate(&self, min_s: f64) -> Option<f64> {
-        let (&(t0, s0), &(t1, s1)) = (self.window.front()?, self.window.back()?);
+        let &(t1, s1) = self.points.last()?;
+        let from = self.points.partition_point(|p| p.0 < self.since_s.max(t1 - 5.0));
+        let &(t0, s0) = self.points.get(from)?;
         (t1 - t0 >= min_s).then(|| (s1 - s0) as f64 / (t1 - t0))
     }
 }
@@ -128,11 +129,7 @@ impl Running {
                 let mut g = lock(&p);
                 if let Some(s) = progress_samples(l) {
                     g.samples = s;
-                    g.window.push_back((now, s));
                     g.points.push((now, s));
-                    while g.window.len() > 2 && now - g.window[1].0 > 5.0 {
-                        g.window.pop_front();
-                    }
                 } else if l.starts_with("EPS_DONE") && field(l, "rank") == Some("0") && field(l, "left") != Some("1") {
                     g.done_s = Some(now);
                     g.checksum = field(l, "params_checksum").map(str::to_string);
@@ -215,7 +212,7 @@ fn scale_thread(
                 cur.servers = t.servers;
                 let mut g = lock(p);
                 (g.applied, g.servers_changed) = (cur, true);
-                g.window.clear();
+                g.since_s = clock();
             }
             let w = t.workers.min(cur.workers + ranks);
             if w != cur.workers {
@@ -229,7 +226,7 @@ fn scale_thread(
                 cur.workers = w;
                 let mut g = lock(p);
                 g.applied = cur;
-                g.window.clear();
+                g.since_s = clock();
             }
             Ok(())
         })();

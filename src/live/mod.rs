@@ -94,6 +94,18 @@ impl std::fmt::Debug for Config {
     }
 }
 
+/// The median of `v` (the mean of the middle two for an even count).
+pub fn median(v: &[f64]) -> Option<f64> {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let n = s.len();
+    match n {
+        0 => None,
+        _ if n % 2 == 1 => Some(s[n / 2]),
+        _ => Some((s[n / 2 - 1] + s[n / 2]) / 2.0),
+    }
+}
+
 /// Seconds a finished job's processes have to exit before they are stopped.
 const LEFTOVER_GRACE_S: f64 = 10.0;
 
@@ -210,16 +222,7 @@ pub fn run(source: &mut dyn Source, cfg: &Config, policy: &mut dyn Policy, t0_s:
                     spec.name, spec.workers.0, spec.workers.1, spec.servers.0, spec.servers.1
                 ),
             );
-            let record = JobRecord {
-                name: spec.name.clone(),
-                submit_s: spec.submit_s.max(t0_s).min(now),
-                start_s: None,
-                feedback_s: None,
-                end_s: None,
-                killed: false,
-                rescales: 0,
-                max_nodes: 0,
-            };
+            let record = JobRecord::submitted(&spec.name, spec.submit_s.max(t0_s).min(now));
             let out = LiveJob {
                 record,
                 launch: None,

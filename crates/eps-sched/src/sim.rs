@@ -29,6 +29,22 @@ pub struct JobRecord {
     pub max_nodes: u32,
 }
 
+impl JobRecord {
+    /// A job submitted at `submit_s`, not started yet.
+    pub fn submitted(name: &str, submit_s: f64) -> Self {
+        Self {
+            name: name.to_string(),
+            submit_s,
+            start_s: None,
+            feedback_s: None,
+            end_s: None,
+            killed: false,
+            rescales: 0,
+            max_nodes: 0,
+        }
+    }
+}
+
 /// The run's figures.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Summary {
@@ -168,19 +184,7 @@ pub fn run_with(
             what: format!("the nodes have {} slots, the run {slots}", placement.slots()),
         });
     }
-    let mut rec: Vec<JobRecord> = jobs
-        .iter()
-        .map(|j| JobRecord {
-            name: j.name.clone(),
-            submit_s: j.submit_s,
-            start_s: None,
-            feedback_s: None,
-            end_s: None,
-            killed: false,
-            rescales: 0,
-            max_nodes: 0,
-        })
-        .collect();
+    let mut rec: Vec<JobRecord> = jobs.iter().map(|j| JobRecord::submitted(&j.name, j.submit_s)).collect();
     let mut live: Vec<Live> =
         jobs.iter().map(|_| Live { alloc: Alloc::default(), done: 0.0, pause_until: 0.0, last_change: None }).collect();
     // Active jobs (submitted, not ended), in submit order.
