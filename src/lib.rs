@@ -17,6 +17,7 @@ pub use eps_fabric as fabric;
 pub mod aggregator;
 pub mod bench;
 pub mod calibrate;
+pub mod checkpoint;
 pub mod live;
 pub mod rdma;
 pub mod roles;

@@ -109,13 +109,30 @@ enum Cmd {
         socket: Option<PathBuf>,
     },
     /// Run the control plane of one job (membership, placement; never on the data path).
+    ///
+    /// With --resume, the job continues from the newest complete checkpoint in
+    /// DIR (its spec, parameters, optimizer state and data position), on any
+    /// number of servers and workers.
     Control {
         /// Address to listen on.
         #[arg(long, default_value = "127.0.0.1:7100")]
         listen: SocketAddr,
         /// The job spec (TOML).
-        #[arg(long)]
-        spec: PathBuf,
+        #[arg(long, required_unless_present = "resume", conflicts_with = "resume")]
+        spec: Option<PathBuf>,
+        /// Resume from the newest complete checkpoint in this directory (or this
+        /// checkpoint's own directory).
+        #[arg(long, value_name = "DIR")]
+        resume: Option<PathBuf>,
+        /// With --resume: servers of the resumed job [default: the checkpoint's spec's].
+        #[arg(long, requires = "resume")]
+        servers: Option<u32>,
+        /// With --resume: workers of the resumed job [default: the checkpoint's spec's].
+        #[arg(long, requires = "resume")]
+        workers: Option<u32>,
+        /// With --resume: the iteration the job ends at [default: the checkpoint's spec's].
+        #[arg(long, requires = "resume")]
+        steps: Option<u64>,
         /// Directory of the fsync'd state log.
         #[arg(long, default_value = "eps-state")]
         state_dir: PathBuf,
@@ -190,6 +207,24 @@ enum Cmd {
         #[arg(long)]
         control: SocketAddr,
     },
+    /// Take a checkpoint of a running job (BSP) and wait until it is complete.
+    ///
+    /// The control plane picks an iteration no worker has begun; every server
+    /// saves its shards when it publishes that version (training pauses only
+    /// for the copy), and the manifest is written last, so a torn checkpoint is
+    /// never taken for a good one. Resume with `eps train --resume DIR` or `eps
+    /// control --resume DIR`. The job secret comes from EPS_JOB_SECRET.
+    Checkpoint {
+        /// Control-plane address.
+        #[arg(long)]
+        control: SocketAddr,
+        /// Directory of the job's checkpoints [default: the spec's job.checkpoint_dir].
+        #[arg(long)]
+        dir: Option<PathBuf>,
+        /// Seconds to wait for the checkpoint.
+        #[arg(long, default_value_t = 600)]
+        timeout: u64,
+    },
     /// Grow or shrink the servers and/or workers of a running job (BSP).
     ///
     /// Servers, growing: the control plane makes room for the new servers; start
@@ -263,6 +298,20 @@ struct TrainArgs {
     /// must allow it), at 450 the job shrinks to 1 server. BSP jobs only.
     #[arg(long, value_name = "STEP:servers=N|workers=N,...")]
     scale_plan: Option<String>,
+    /// Write a checkpoint every N iterations (BSP) into --checkpoint-dir.
+    #[arg(long, value_name = "N")]
+    checkpoint_every: Option<u64>,
+    /// Where checkpoints go (one `ckpt-ITERATION` directory each).
+    #[arg(long, value_name = "DIR")]
+    checkpoint_dir: Option<PathBuf>,
+    /// Complete checkpoints kept; older ones are removed [default: 3].
+    #[arg(long, value_name = "N")]
+    keep: Option<u32>,
+    /// Resume from the newest complete checkpoint in DIR: the checkpoint's job
+    /// goes on (--workers, --servers and --steps may change it) and ends as the
+    /// uninterrupted run would have.
+    #[arg(long, value_name = "DIR", conflicts_with = "spec")]
+    resume: Option<PathBuf>,
     /// The data-plane transport of every server and worker (one choice for all).
     #[command(flatten)]
     fabric: eps::transport::TransportFlags,
@@ -280,10 +329,19 @@ fn train(a: TrainArgs) -> Result<(), String> {
         dtype: a.dtype,
         lr: a.lr,
         batch: a.batch,
-        max_workers: None,
+        ..Default::default()
     };
+    let mut o = o;
+    eps::checkpoint::train_overrides(a.checkpoint_every, a.checkpoint_dir.as_deref(), a.keep, &mut o)?;
     let plan = eps::train::scale::parse_plan(a.scale_plan.as_deref().unwrap_or(""))?;
-    let (mut spec, mut text) = eps::train::build_spec(a.spec.as_deref(), &o).map_err(|e| error_chain(&e))?;
+    let build = |o: &eps::train::Overrides| match &a.resume {
+        Some(dir) => eps::checkpoint::resume_spec(dir, o),
+        None => eps::train::build_spec(a.spec.as_deref(), o).map_err(|e| error_chain(&e)),
+    };
+    let (mut spec, mut text) = build(&o)?;
+    if spec.model.preset.is_none() {
+        return Err("`eps train` runs the built-in synthetic task; this checkpoint's job declares its own tensors (resume it with `eps control --resume`)".into());
+    }
     let workers_change = plan.iter().any(|e| matches!(e.target, eps::train::scale::Target::Workers(_)));
     if workers_change && spec.job.consistency != eps_proto::Consistency::Bsp {
         return Err("--scale-plan with workers= needs a BSP job (SSP and ASP jobs keep their workers; servers= works)".into());
@@ -299,7 +357,7 @@ fn train(a: TrainArgs) -> Result<(), String> {
         }
         None if ranks > spec.job.workers => {
             let o = eps::train::Overrides { max_workers: Some(ranks), ..o };
-            (spec, text) = eps::train::build_spec(a.spec.as_deref(), &o).map_err(|e| error_chain(&e))?;
+            (spec, text) = build(&o)?;
         }
         _ => {}
     }
@@ -358,6 +416,7 @@ fn train(a: TrainArgs) -> Result<(), String> {
             .int("splits", r.splits)
             .int("membership_changes", r.membership_changes)
             .str("membership", &r.membership)
+            .int("resumed_at", spec.resume.as_ref().map_or(0, |r| r.iteration))
             .finish();
         println!("{j}");
     }
@@ -786,11 +845,22 @@ fn main() -> ExitCode {
         },
         Cmd::Jobs { socket } => eps::live::serve::request(socket, "jobs", ""),
         Cmd::Kill { job, socket } => eps::live::serve::request(socket, &format!("kill {job}"), ""),
-        Cmd::Control { listen, spec, state_dir, exit_with_parent } => {
+        Cmd::Control { listen, spec, resume, servers, workers, steps, state_dir, exit_with_parent } => {
             if exit_with_parent {
                 eps::roles::exit_with_parent();
             }
-            eps::roles::control(listen, &spec, &state_dir)
+            match (spec, resume) {
+                (_, Some(dir)) => {
+                    let o = eps::train::Overrides { servers, workers, steps, ..Default::default() };
+                    eps::checkpoint::resume_spec(&dir, &o)
+                        .and_then(|(spec, text)| eps::roles::control_spec(listen, &spec, &text, &state_dir))
+                }
+                (Some(spec), None) => eps::roles::control(listen, &spec, &state_dir),
+                (None, None) => Err("give --spec FILE or --resume DIR".into()),
+            }
+        }
+        Cmd::Checkpoint { control, dir, timeout } => {
+            eps::checkpoint::take(control, dir.as_deref(), Duration::from_secs(timeout.max(1)))
         }
         Cmd::Server { control, listen_ip, fabric, agg, threads, timeout, exit_with_parent } => {
             if exit_with_parent {

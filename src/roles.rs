@@ -48,10 +48,15 @@ pub fn exit_with_parent() {
 pub fn control(listen: SocketAddr, spec_path: &Path, state_dir: &Path) -> Result<(), String> {
     let text = std::fs::read_to_string(spec_path).map_err(|e| format!("cannot read job spec {}: {e}", spec_path.display()))?;
     let spec = JobSpec::from_toml(&text).map_err(|e| format!("{}: {e}", spec_path.display()))?;
-    let secret = secret_from_env(Some(&spec))?;
+    control_spec(listen, &spec, &text, state_dir)
+}
+
+/// `eps control` for a spec already read (a resumed job's).
+pub fn control_spec(listen: SocketAddr, spec: &JobSpec, text: &str, state_dir: &Path) -> Result<(), String> {
+    let secret = secret_from_env(Some(spec))?;
     let store =
         FileStore::open(state_dir).map_err(|e| format!("cannot open the state directory {}: {e}", state_dir.display()))?;
-    let svc = ControlService::bind(listen, &spec, &text, secret, Box::new(store)).map_err(|e| crate_error(&e))?;
+    let svc = ControlService::bind(listen, spec, text, secret, Box::new(store)).map_err(|e| crate_error(&e))?;
     println!("EPS_CONTROL_READY addr={}", svc.local_addr());
     eprintln!(
         "eps control: job {:?} on {}: waiting for {} servers and {} workers (state in {})",

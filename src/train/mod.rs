@@ -65,6 +65,12 @@ pub struct Overrides {
     pub batch: Option<u32>,
     /// `job.max_workers`.
     pub max_workers: Option<u32>,
+    /// `job.checkpoint_every`.
+    pub checkpoint_every: Option<u64>,
+    /// `job.checkpoint_dir`.
+    pub checkpoint_dir: Option<String>,
+    /// `job.checkpoint_keep`.
+    pub checkpoint_keep: Option<u32>,
 }
 
 /// Why training could not run.
@@ -151,6 +157,15 @@ pub fn build_spec_or(path: Option<&Path>, default: &str, o: &Overrides) -> Resul
     }
     if let Some(v) = o.max_workers {
         set(&mut table, "job", "max_workers", V::Integer(v.into()));
+    }
+    if let Some(v) = o.checkpoint_every {
+        set(&mut table, "job", "checkpoint_every", V::Integer(v.min(i64::MAX as u64) as i64));
+    }
+    if let Some(v) = &o.checkpoint_dir {
+        set(&mut table, "job", "checkpoint_dir", V::String(v.clone()));
+    }
+    if let Some(v) = o.checkpoint_keep {
+        set(&mut table, "job", "checkpoint_keep", V::Integer(v.into()));
     }
     if let Some(v) = &o.optimizer {
         set(&mut table, "optimizer", "kind", V::String(v.clone()));

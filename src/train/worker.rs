@@ -18,26 +18,14 @@ pub fn checksum(bytes: &[u8]) -> String {
     Sha256::digest(bytes)[..16].iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Contributor sets by iteration as `FIRST:R,R,...;FIRST:R,...` (no spaces, so it
-/// fits a `key=value` field and a JSON string).
+/// Contributor sets by iteration as `FIRST:R,R,...;FIRST:R,...`.
 pub fn membership_text(m: &eps_proto::membership::Membership) -> String {
-    let sets: Vec<String> = m
-        .epochs()
-        .iter()
-        .map(|(at, set)| format!("{at}:{}", set.iter().map(u32::to_string).collect::<Vec<_>>().join(",")))
-        .collect();
-    sets.join(";")
+    m.to_text()
 }
 
 /// Parses [`membership_text`].
 pub fn parse_membership(text: &str) -> Option<eps_proto::membership::Membership> {
-    let mut epochs = Vec::new();
-    for part in text.split(';') {
-        let (at, set) = part.split_once(':')?;
-        let set: Option<Vec<u32>> = set.split(',').map(|r| r.parse().ok()).collect();
-        epochs.push((at.parse().ok()?, set?));
-    }
-    eps_proto::membership::Membership::from_epochs(epochs)
+    eps_proto::membership::Membership::parse_text(text)
 }
 
 /// Why the worker could not train.

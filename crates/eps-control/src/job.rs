@@ -103,6 +103,10 @@ pub struct Job {
     splits: u64,
     /// Most live shards (splits stop there).
     shard_cap: usize,
+    /// The first iteration: 0, or the checkpoint's a resumed job starts from.
+    start: u64,
+    /// Optimizer state values per element (what a checkpoint's pieces hold).
+    state_k: u32,
 }
 
 impl Job {
@@ -137,8 +141,19 @@ impl Job {
             balancing: None,
             splits: 0,
             shard_cap: 0,
+            start: 0,
+            state_k: spec.optimizer().map_err(|e| e.to_string())?.state_per_param() as u32,
         };
         job.set_layout(&layout);
+        if let Some(r) = &spec.resume {
+            // Samples are dealt out from where the checkpoint left them; from its
+            // iteration on, the spec's workers (ranks 0..W) contribute.
+            let before =
+                eps_proto::membership::Membership::parse_text(&r.membership).ok_or("resume.membership does not parse")?;
+            job.w.members = before.resumed_at(r.iteration, (0..spec.job.workers).collect());
+            job.start = r.iteration;
+            job.progress.fill(r.iteration);
+        }
         Ok(job)
     }
 
@@ -263,6 +278,25 @@ impl Job {
         }
     }
 
+    /// The furthest any worker reported it has got (the first iteration not
+    /// begun), or the job's first iteration.
+    pub fn furthest_iteration(&self) -> u64 {
+        self.progress.iter().copied().max().unwrap_or(0).max(self.start)
+    }
+
+    /// What a checkpoint at `version` records of the job.
+    pub fn checkpoint_record(&self, version: u64) -> crate::checkpoint::JobRecord {
+        let spec = JobSpec::set_resume(&self.spec_text, None).unwrap_or_else(|_| self.spec_text.clone());
+        crate::checkpoint::JobRecord {
+            epoch: self.map.epoch,
+            servers: self.live_servers().len() as u32,
+            total: self.spans.iter().map(|s| s.start + s.len).max().unwrap_or(0),
+            state_k: self.state_k,
+            membership: self.w.members.resumed_at(version, Vec::new()).to_text(),
+            spec,
+        }
+    }
+
     /// Migrations that are not done.
     pub fn migrations_in_flight(&self) -> usize {
         self.migrations.iter().filter(|m| m.phase != Phase::Done).count()
@@ -303,7 +337,9 @@ impl Job {
                 let rank = self.servers.len() as u32 - 1;
                 // A server that joins later learns the contributor sets so far,
                 // and which workers each change removed for an expired lease.
-                let earlier: Vec<(u64, Vec<u32>)> = self.w.members.epochs()[1..].to_vec();
+                let start = self.start;
+                let earlier: Vec<(u64, Vec<u32>)> =
+                    self.w.members.epochs().iter().filter(|(at, _)| *at > start).cloned().collect();
                 for (at, workers) in earlier {
                     let expired = self.w.lost.iter().filter(|&&(_, a)| a == at).map(|&(r, _)| r).collect();
                     self.order(rank, Order::Members { at, workers, expired });
@@ -367,6 +403,18 @@ impl Job {
                 Ok(ControlMsg::Ok)
             }
             ControlMsg::Split { shard, at, lo, hi } => self.split_done(*shard, *at, lo, hi),
+            ControlMsg::Checkpoint { version, dir } => {
+                if self.consistency != Consistency::Bsp {
+                    return Err("checkpoints need BSP consistency (one version for every shard)".into());
+                }
+                if *version == 0 || dir.is_empty() {
+                    return Err("a checkpoint needs a version and a directory".into());
+                }
+                for r in self.unretired_servers() {
+                    self.order(r, Order::Checkpoint { version: *version, dir: dir.clone() });
+                }
+                Ok(ControlMsg::Ok)
+            }
             ControlMsg::Scale { servers } => self.scale(*servers),
             ControlMsg::Finished { role, rank } => {
                 match role {

@@ -8,6 +8,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod checkpoint;
 pub mod client;
 mod conn;
 pub mod job;

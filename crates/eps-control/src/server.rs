@@ -6,6 +6,7 @@
 
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -15,6 +16,7 @@ use eps_proto::JobSpec;
 use eps_proto::control::ControlMsg;
 
 use crate::ControlError;
+use crate::checkpoint::{Outcome, Tracker};
 use crate::conn::{auth_server, read_msg, write_msg};
 use crate::job::Job;
 use crate::store::Store;
@@ -34,6 +36,10 @@ struct State {
     /// service exit (exiting earlier would cut that reply off).
     done_replied: bool,
     store: Box<dyn Store>,
+    /// Checkpoints being collected and completed.
+    ckpt: Tracker,
+    /// The newest complete checkpoint: its version and directory.
+    last_checkpoint: Option<(u64, PathBuf)>,
 }
 
 impl State {
@@ -95,7 +101,8 @@ impl ControlService {
         }
         let job = Job::new(spec, spec_text).map_err(|_| ControlError::Protocol("the job spec has no valid layout"))?;
         let lease = Duration::from_millis(spec.job.worker_lease_ms);
-        let mut st = State { job, seen: HashMap::new(), lease, done_replied: false, store };
+        let ckpt = Tracker::new(spec.job.checkpoint_keep);
+        let mut st = State { job, seen: HashMap::new(), lease, done_replied: false, store, ckpt, last_checkpoint: None };
         for (i, r) in records.iter().enumerate() {
             let m = ControlMsg::decode(r).map_err(|_| ControlError::Protocol("corrupt record in the control store"))?;
             if i == 0 {
@@ -236,7 +243,34 @@ fn serve(mut s: TcpStream, secret: &Secret, shared: &(Mutex<State>, Condvar)) ->
                     st = cv.wait_timeout(st, left).unwrap_or_else(|p| p.into_inner()).0;
                 }
             }
-            ControlMsg::Status => ControlMsg::StatusReport { text: locked().job.status() },
+            ControlMsg::Status => {
+                let st = locked();
+                let mut text = st.job.status();
+                if let Some((v, p)) = &st.last_checkpoint {
+                    text += &format!("\ncheckpoint: iteration {v} in {}", p.display());
+                }
+                ControlMsg::StatusReport { text }
+            }
+            ControlMsg::Saved { version, start, len, file, sha256, missed, .. } => {
+                let mut st = locked();
+                let before = Path::new(&file).parent().and_then(Path::parent).map(|d| st.ckpt.outcome(d, version));
+                let rec = st.job.checkpoint_record(version);
+                match st.ckpt.saved(version, start, len, &file, &sha256, missed, &rec) {
+                    Outcome::Complete(p) if before != Some(Outcome::Complete(p.clone())) => {
+                        eprintln!("eps control: checkpoint at iteration {version} complete in {}", p.display());
+                        if st.last_checkpoint.as_ref().is_none_or(|(v, _)| *v < version) {
+                            st.last_checkpoint = Some((version, p));
+                        }
+                    }
+                    Outcome::Failed(why) if before == Some(Outcome::Pending) => {
+                        eprintln!("eps control: the checkpoint at iteration {version} is abandoned: {why}");
+                    }
+                    _ => {}
+                }
+                cv.notify_all();
+                ControlMsg::Ok
+            }
+            ControlMsg::Checkpoint { dir, .. } => checkpoint(locked(), cv, dir),
             _ => ControlMsg::Error { message: "unexpected message for the control plane".into() },
         };
         let sent = write_msg(&mut s, &reply);
@@ -245,6 +279,66 @@ fn serve(mut s: TcpStream, secret: &Secret, shared: &(Mutex<State>, Condvar)) ->
         }
         sent?;
     }
+}
+
+/// Tries this many versions, each further ahead, before an on-demand
+/// checkpoint gives up.
+const CHECKPOINT_TRIES: u32 = 10;
+/// How long one try waits for the servers' pieces.
+const CHECKPOINT_WAIT: Duration = Duration::from_secs(120);
+
+/// An operator's checkpoint: orders every server to save at a version no
+/// worker has reached (as far as their last reports tell), waits for the
+/// pieces, and tries further ahead when a server had passed it.
+fn checkpoint(mut st: std::sync::MutexGuard<'_, State>, cv: &Condvar, dir: String) -> ControlMsg {
+    let spec = JobSpec::from_toml(st.job.spec_text()).ok();
+    let dir = if dir.is_empty() { spec.as_ref().and_then(|s| s.job.checkpoint_dir.clone()).unwrap_or_default() } else { dir };
+    if dir.is_empty() {
+        return ControlMsg::Error { message: "give a directory: the job's spec names no checkpoint_dir".into() };
+    }
+    if !Path::new(&dir).is_absolute() {
+        return ControlMsg::Error { message: format!("{dir}: give an absolute directory (servers may run elsewhere)") };
+    }
+    if !st.job.initial_ready() {
+        return ControlMsg::Error { message: "the job is still starting: its initial servers are not all ready".into() };
+    }
+    let steps = spec.map_or(u64::MAX, |s| s.job.steps);
+    let mut last = String::new();
+    for attempt in 0..CHECKPOINT_TRIES {
+        let version = st.job.furthest_iteration() + (8 << attempt);
+        if version >= steps {
+            return ControlMsg::Error {
+                message: format!("the job ends (iteration {steps}) before a checkpoint could be taken{last}"),
+            };
+        }
+        let rec = ControlMsg::Checkpoint { version, dir: dir.clone() };
+        if let Err(message) = st.job.apply(&rec) {
+            return ControlMsg::Error { message };
+        }
+        if let Err(e) = st.persist(&rec) {
+            return ControlMsg::Error { message: format!("cannot persist the checkpoint order: {e}") };
+        }
+        cv.notify_all();
+        let deadline = Instant::now() + CHECKPOINT_WAIT;
+        loop {
+            match st.ckpt.outcome(Path::new(&dir), version) {
+                Outcome::Complete(p) => return ControlMsg::Checkpointed { version, path: p.display().to_string() },
+                Outcome::Failed(why) => {
+                    last = format!(" (last try: {why})");
+                    break;
+                }
+                Outcome::Pending => {}
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return ControlMsg::Error {
+                    message: format!("the servers did not save iteration {version} within {} s", CHECKPOINT_WAIT.as_secs()),
+                };
+            }
+            st = cv.wait_timeout(st, left).unwrap_or_else(|p| p.into_inner()).0;
+        }
+    }
+    ControlMsg::Error { message: format!("no checkpoint after {CHECKPOINT_TRIES} tries{last}") }
 }
 
 #[cfg(test)]

@@ -193,6 +193,14 @@ pub enum Order {
         /// Id of the upper part.
         hi: u32,
     },
+    /// Save every shard held here when it publishes `version` (BSP), into
+    /// directory `dir`; report each as `Saved` (or missed: its version is past).
+    Checkpoint {
+        /// The version to save.
+        version: u64,
+        /// The checkpoint's directory.
+        dir: String,
+    },
 }
 
 /// A control-plane message.
@@ -354,6 +362,42 @@ pub enum ControlMsg {
         /// The text.
         text: String,
     },
+    /// Operator -> control: take a checkpoint (version 0: the control plane picks
+    /// the next iteration no server can have reached; the record it persists
+    /// names it) into `dir` (empty: the spec's `checkpoint_dir`). Answered with
+    /// `Checkpointed` once complete.
+    Checkpoint {
+        /// The version, or 0.
+        version: u64,
+        /// The directory the job's checkpoints go to.
+        dir: String,
+    },
+    /// Server -> control: shard `shard` (`len` elements from `start`) is saved
+    /// at `version` in `file` of the checkpoint's directory, or (`missed`) it had
+    /// passed that version when the order came.
+    Saved {
+        /// The checkpoint's version.
+        version: u64,
+        /// Global shard id.
+        shard: u32,
+        /// First element.
+        start: u64,
+        /// Elements.
+        len: u64,
+        /// The file's path.
+        file: String,
+        /// Hex SHA-256 of the file.
+        sha256: String,
+        /// The shard was past `version` already (nothing written).
+        missed: bool,
+    },
+    /// Control -> operator: the checkpoint at `version` is complete in `path`.
+    Checkpointed {
+        /// Its version.
+        version: u64,
+        /// Its directory.
+        path: String,
+    },
     /// Control -> role: acknowledged.
     Ok,
     /// Control -> role: the request failed.
@@ -496,6 +540,11 @@ impl W {
                 self.u32(*lo);
                 self.u32(*hi);
             }
+            Order::Checkpoint { version, dir } => {
+                self.u8(8);
+                self.u64(*version);
+                self.str(dir);
+            }
         }
     }
 }
@@ -605,6 +654,7 @@ impl R<'_> {
             6 => Order::Split { shard: self.u32()?, mid: self.u64()?, lo: self.u32()?, hi: self.u32()? },
             2 => Order::MigrateOut { shard: self.u32()?, to: self.u32()?, to_addr: self.str()?, keys: self.keys()? },
             3 => Order::Retire,
+            8 => Order::Checkpoint { version: self.u64()?, dir: self.str()? },
             t => return Err(DecodeError::Tag(t)),
         })
     }
@@ -728,6 +778,26 @@ impl ControlMsg {
                 w.u8(23);
                 w.u32(*rank);
             }
+            ControlMsg::Checkpoint { version, dir } => {
+                w.u8(24);
+                w.u64(*version);
+                w.str(dir);
+            }
+            ControlMsg::Saved { version, shard, start, len, file, sha256, missed } => {
+                w.u8(25);
+                w.u64(*version);
+                w.u32(*shard);
+                w.u64(*start);
+                w.u64(*len);
+                w.str(file);
+                w.str(sha256);
+                w.u8(u8::from(*missed));
+            }
+            ControlMsg::Checkpointed { version, path } => {
+                w.u8(26);
+                w.u64(*version);
+                w.str(path);
+            }
             ControlMsg::Orders { last, orders } => {
                 w.u8(16);
                 w.u64(*last);
@@ -777,6 +847,21 @@ impl ControlMsg {
             21 => ControlMsg::Declare { tensors: r.decls()? },
             22 => ControlMsg::GetSpec { rank: r.u32()? },
             23 => ControlMsg::Leave { rank: r.u32()? },
+            24 => ControlMsg::Checkpoint { version: r.u64()?, dir: r.str()? },
+            25 => ControlMsg::Saved {
+                version: r.u64()?,
+                shard: r.u32()?,
+                start: r.u64()?,
+                len: r.u64()?,
+                file: r.str()?,
+                sha256: r.str()?,
+                missed: match r.u8()? {
+                    0 => false,
+                    1 => true,
+                    t => return Err(DecodeError::Tag(t)),
+                },
+            },
+            26 => ControlMsg::Checkpointed { version: r.u64()?, path: r.str()? },
             t => return Err(DecodeError::Tag(t)),
         };
         if !r.0.is_empty() {
@@ -832,6 +917,17 @@ mod tests {
             },
             ControlMsg::GetSpec { rank: 2 },
             ControlMsg::Leave { rank: 1 },
+            ControlMsg::Checkpoint { version: 0, dir: "/tmp/ck".into() },
+            ControlMsg::Saved {
+                version: 40,
+                shard: 3,
+                start: 4096,
+                len: 1024,
+                file: "/tmp/ck/ckpt-000000000040/shard-3-server-1.bin".into(),
+                sha256: "ab".into(),
+                missed: false,
+            },
+            ControlMsg::Checkpointed { version: 40, path: "/tmp/ck/ckpt-000000000040".into() },
             ControlMsg::Orders {
                 last: 9,
                 orders: vec![
@@ -842,6 +938,7 @@ mod tests {
                     Order::Retire,
                     Order::Propose { id: 4 },
                     Order::Members { at: 30, workers: vec![0, 2], expired: vec![1] },
+                    Order::Checkpoint { version: 40, dir: "/tmp/ck".into() },
                 ],
             },
         ];

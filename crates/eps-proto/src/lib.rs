@@ -8,6 +8,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod checkpoint;
 pub mod control;
 pub mod declare;
 pub mod hello;

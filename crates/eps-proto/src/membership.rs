@@ -114,6 +114,43 @@ impl Membership {
         total
     }
 
+    /// The schedule as `FIRST:R,R,...;FIRST:R,...` (no spaces, so it fits a
+    /// `key=value` field, a JSON string and a TOML string).
+    pub fn to_text(&self) -> String {
+        let sets: Vec<String> = self
+            .epochs
+            .iter()
+            .map(|(at, set)| format!("{at}:{}", set.iter().map(u32::to_string).collect::<Vec<_>>().join(",")))
+            .collect();
+        sets.join(";")
+    }
+
+    /// Parses [`Membership::to_text`]; `None` when it is not a schedule.
+    pub fn parse_text(text: &str) -> Option<Self> {
+        let mut epochs = Vec::new();
+        for part in text.split(';') {
+            let (at, set) = part.split_once(':')?;
+            let set: Option<Vec<u32>> = set.split(',').map(|r| r.parse().ok()).collect();
+            epochs.push((at.parse().ok()?, set?));
+        }
+        Self::from_epochs(epochs)
+    }
+
+    /// The schedule up to `iteration` (changes from it on dropped), then
+    /// `workers` from `iteration` on unless they contribute there already: where
+    /// a job resumed from a checkpoint at `iteration` goes on.
+    pub fn resumed_at(&self, iteration: u64, mut workers: Vec<u32>) -> Self {
+        workers.sort_unstable();
+        workers.dedup();
+        let mut epochs: Vec<(u64, Vec<u32>)> = self.epochs.iter().filter(|(at, _)| *at <= iteration).cloned().collect();
+        if workers.is_empty() || self.contributors(iteration) == workers.as_slice() {
+            return Self { epochs };
+        }
+        epochs.retain(|(at, _)| *at < iteration);
+        epochs.push((iteration, workers));
+        Self { epochs }
+    }
+
     /// The samples `worker` trains on in `iteration`, or `None` if it does not
     /// contribute to it.
     pub fn samples(&self, iteration: u64, worker: u32, batch: u64) -> Option<Range<u64>> {

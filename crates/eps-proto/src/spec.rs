@@ -73,6 +73,24 @@ pub struct JobSpec {
     /// environment override these).
     #[serde(default)]
     pub fabric: FabricSection,
+    /// Where the job starts from a checkpoint (written by `eps control --resume`
+    /// and `eps train --resume`, not by hand).
+    #[serde(default)]
+    pub resume: Option<ResumeSection>,
+}
+
+/// `[resume]`: the job continues from a checkpoint.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResumeSection {
+    /// The checkpoint's directory (with its manifest).
+    pub from: String,
+    /// The iteration the checkpoint was taken at: servers start at that version,
+    /// workers at that iteration.
+    pub iteration: u64,
+    /// Contributor sets before it (`FIRST:R,R,...;...`), so that samples are
+    /// dealt out from where the checkpoint left them.
+    pub membership: String,
 }
 
 /// `[fabric]`: which transport the servers and workers use, and on which RDMA
@@ -145,6 +163,19 @@ pub struct JobSection {
     /// CPU), `cpu` or `cuda` (command-line flags and the environment override it).
     #[serde(default)]
     pub aggregator: Option<String>,
+    /// Servers write a checkpoint every this many iterations (BSP; 0: never).
+    #[serde(default)]
+    pub checkpoint_every: u64,
+    /// Where checkpoints are written (one directory per checkpoint inside).
+    #[serde(default)]
+    pub checkpoint_dir: Option<String>,
+    /// Complete checkpoints kept; older ones are removed.
+    #[serde(default = "default_keep")]
+    pub checkpoint_keep: u32,
+}
+
+fn default_keep() -> u32 {
+    3
 }
 
 fn default_lease_ms() -> u64 {
@@ -446,9 +477,44 @@ impl JobSpec {
                 return Err(bad("model.tensors.name", format!("tensor {:?} appears twice", t.name)));
             }
         }
+        if j.checkpoint_every > 0 {
+            if j.consistency != Consistency::Bsp {
+                return Err(bad("job.checkpoint_every", "checkpoints need BSP consistency (one version for every shard)"));
+            }
+            if j.checkpoint_dir.as_deref().is_none_or(str::is_empty) {
+                return Err(bad("job.checkpoint_dir", "give the directory checkpoints are written to"));
+            }
+        }
+        if j.checkpoint_keep == 0 {
+            return Err(bad("job.checkpoint_keep", "keep at least 1 checkpoint"));
+        }
+        if let Some(r) = &self.resume {
+            if j.consistency != Consistency::Bsp {
+                return Err(bad("resume", "only BSP jobs resume from a checkpoint"));
+            }
+            if r.iteration == 0 || r.iteration >= j.steps {
+                return Err(bad("resume.iteration", format!("{} is not before job.steps ({})", r.iteration, j.steps)));
+            }
+            if crate::membership::Membership::parse_text(&r.membership).is_none() {
+                return Err(bad("resume.membership", "not a contributor schedule (`FIRST:R,R,...;...` from 0)"));
+            }
+        }
         self.optimizer()?;
         self.schedule()?;
         Ok(())
+    }
+
+    /// `text` with its `[resume]` section replaced by `r` (or removed, `None`),
+    /// every other field kept.
+    pub fn set_resume(text: &str, r: Option<&ResumeSection>) -> Result<String, SpecError> {
+        let mut table: toml::Table =
+            text.parse().map_err(|e: toml::de::Error| SpecError::Toml(e.to_string().trim().replace('\n', " ")))?;
+        table.remove("resume");
+        if let Some(r) = r {
+            let v = toml::Value::try_from(r).map_err(|e| SpecError::Toml(e.to_string()))?;
+            table.insert("resume".into(), v);
+        }
+        Ok(toml::to_string(&table).expect("a TOML table serializes"))
     }
 
     /// Whether the tensors are still to be declared by the first worker (see

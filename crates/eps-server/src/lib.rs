@@ -14,6 +14,7 @@
 //! (see `ShardSync`); the two `unsafe` views into registered memory rely on it and
 //! say so at each use.
 
+mod checkpoint;
 mod members;
 mod memory;
 mod migrate;
@@ -122,6 +123,9 @@ pub enum ServerError {
         /// Why.
         source: FabricError,
     },
+    /// A checkpoint cannot be restored.
+    #[error("checkpoint: {0}")]
+    Checkpoint(String),
     /// More workers than one server can sum.
     #[error("{0} workers: a server sums at most 64 contributions")]
     TooManyWorkers(u32),
@@ -274,6 +278,8 @@ struct Server<P: Fabric> {
     retired: bool,
     /// By global shard id: (first element, elements).
     spans: Vec<(u64, u64)>,
+    /// Checkpoints to save, and the thread writing them.
+    saver: checkpoint::Saver,
 }
 
 /// A server that has registered with the control plane: its rank and the job's
@@ -360,14 +366,31 @@ pub fn run_direct<P: Fabric>(
         mem = mem.with_direct(d);
     }
     let init = |i: u64| eps_proto::init::param(seed, i);
+    let restore = match &spec.resume {
+        Some(r) => Some(checkpoint::Restore::open(r, layout.total, opt.state_per_param())?),
+        None => None,
+    };
+    if let Some(r) = &restore {
+        eprintln!("eps server {rank}: resuming at iteration {} from {}", r.version(), r.dir().display());
+    }
+    // A resumed job's shards start at the checkpoint's version.
+    let first = restore.as_ref().map_or(0, checkpoint::Restore::version);
+    let parity = ShardSync::parity(first);
+    let k = opt.state_per_param();
     let mut shards: Vec<Option<Held>> = (0..total).map(|_| None).collect();
     for s in layout.shards_of(rank) {
-        mem.add(s.id, s.start, s.len, Origin::Init(&init))?;
-        mem.publish(s.id, 0)?;
-        mem.set_stamp(s.id, 0, 0);
-        mem.set_stamp(s.id, 1, eps_proto::layout::STAMP_WRITING);
+        match &restore {
+            None => mem.add(s.id, s.start, s.len, Origin::Init(&init))?,
+            Some(r) => {
+                mem.add(s.id, s.start, s.len, Origin::Init(&|_| 0.0))?;
+                mem.restore(s.id, |m, st| r.fill(s.start, m, st, k)).map_err(ServerError::Checkpoint)?;
+            }
+        }
+        mem.publish(s.id, parity)?;
+        mem.set_stamp(s.id, parity, first);
+        mem.set_stamp(s.id, 1 - parity, eps_proto::layout::STAMP_WRITING);
         shards[s.id as usize] = Some(Held {
-            sync: ShardSync::new(spec.job.consistency, ranks),
+            sync: ShardSync::at_version(spec.job.consistency, ranks, first),
             waiting: VecDeque::new(),
             out: None,
             incoming: None,
@@ -426,6 +449,7 @@ pub fn run_direct<P: Fabric>(
         orphaned: Vec::new(),
         retired: false,
         spans: layout.shards.iter().map(|s| (s.start, s.len)).collect(),
+        saver: checkpoint::Saver::start(cfg, rank, &spec)?,
     };
     let endpoints: Vec<ShardEndpoint> = s.mem.held().filter_map(|id| s.endpoint(id)).collect();
     s.ctl.call(&ControlMsg::ServerReady { rank, fabric_addr, shards: endpoints })?;
@@ -435,6 +459,7 @@ pub fn run_direct<P: Fabric>(
     let served = s.serve(&accepted, &orders);
     stop.store(true, Ordering::Relaxed);
     served?;
+    s.finish_checkpoints();
     s.ctl.call(&ControlMsg::Finished { role: Role::Server, rank })?;
     s.summary.shards = s.shards.iter().flatten().count();
     s.summary.elements = (0..s.shards.len()).filter(|&i| s.shards[i].is_some()).map(|i| s.spans[i].1).sum();

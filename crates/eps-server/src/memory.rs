@@ -380,6 +380,38 @@ impl<P: Fabric> ShardMemory<P> {
         Ok(())
     }
 
+    /// A copy of shard `id`'s f32 master values followed by its optimizer state
+    /// (`len * (1 + state_k)` values), brought from the device first if they
+    /// live there: what a checkpoint saves.
+    ///
+    /// The caller guarantees no WRITE into the region is in flight and that no
+    /// update runs meanwhile.
+    pub fn copy_state(&mut self, id: u32) -> Result<Option<Vec<f32>>, MemoryError> {
+        self.to_host(id)?;
+        let k = self.state_k;
+        let Some(b) = self.get(id) else { return Ok(None) };
+        // SAFETY: no WRITE lands in the region and no update runs (the caller);
+        // it is only read here.
+        let all: &[f32] = bytemuck::cast_slice(unsafe { b.state.as_slice() });
+        Ok(Some(all[..b.len as usize * (1 + k)].to_vec()))
+    }
+
+    /// Fills shard `id`'s master values and optimizer state (`fill(master,
+    /// state)`; the state interleaved, `state_k` values per element) before the
+    /// shard is published: a shard restored from a checkpoint.
+    ///
+    /// The caller guarantees the region's keys are not given out yet.
+    pub fn restore<E>(&mut self, id: u32, fill: impl FnOnce(&mut [f32], &mut [f32]) -> Result<(), E>) -> Result<(), E> {
+        let k = self.state_k;
+        let Some(b) = self.block_mut(id) else { return Ok(()) };
+        let len = b.len as usize;
+        // SAFETY: the region's keys are not out yet (the caller): nothing else
+        // references it.
+        let all: &mut [f32] = bytemuck::cast_slice_mut(unsafe { b.state.as_mut_slice() });
+        let (master, rest) = all.split_at_mut(len);
+        fill(master, &mut rest[..len * k])
+    }
+
     /// Frees shard `id`'s memory (its regions are deregistered at once).
     pub fn remove(&mut self, id: u32) -> Option<ShardBlock<P>> {
         self.blocks.get_mut(id as usize)?.take()

@@ -86,6 +86,10 @@ impl<P: Fabric> Server<P> {
             }
             Order::Propose { id } => self.on_propose(id),
             Order::Members { at, workers, expired } => self.on_members(at, workers, expired),
+            Order::Checkpoint { version, dir } => {
+                self.on_checkpoint_order(version, &dir);
+                Ok(())
+            }
         }
     }
 

@@ -360,6 +360,7 @@ impl<P: Fabric> Server<P> {
             unsafe { self.mem.update(id, parity, &contributors, &u)? };
         }
         self.mem.set_stamp(id, parity, next);
+        self.save_if_due(id, next)?;
         let Some(h) = self.shards[id as usize].as_mut() else { return Ok(()) };
         match p {
             Pending::Forward { worker: Some(w), .. } => {

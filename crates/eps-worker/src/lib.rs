@@ -304,7 +304,9 @@ impl<P: Fabric> Worker<P> {
         let cq = pd.create_cq(8 * (2 * n as u32 + 8) + 64)?;
         let membership = Membership::from_epochs(map.membership.clone()).ok_or(WorkerError::Unexpected)?;
         // A worker that joined a running job starts at the iteration it was admitted for.
-        let start = membership.joined_at(rank).ok_or(WorkerError::Unsupported("this rank contributes to no iteration"))?;
+        let joined = membership.joined_at(rank).ok_or(WorkerError::Unsupported("this rank contributes to no iteration"))?;
+        // A job resumed from a checkpoint starts at the checkpoint's iteration.
+        let start = joined.max(spec.resume.as_ref().map_or(0, |r| r.iteration));
         let watch = Arc::new(MapWatch::new(&map, membership.clone(), start));
         watch::spawn(cfg, rank, watch.clone())?;
         let ids = map.routes.len();

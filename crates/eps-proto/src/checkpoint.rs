@@ -1,0 +1,266 @@
+//! Checkpoints, free of I/O: the file formats and the rules that make one whole.
+//!
+//! A checkpoint of a BSP job is version `v` of every parameter: after `v`
+//! updates, with the optimizer state of that moment (the learning-rate schedule
+//! position is `v` itself). Each server writes the shards it publishes `v` of
+//! as pieces (`shard-ID-server-RANK.bin`: a [`PieceHeader`], the f32 master
+//! values, then the optimizer state, `state_k` values per element, interleaved
+//! as servers keep them) into the checkpoint's directory (`ckpt-V`); the
+//! control plane writes the [`Manifest`] last, once the pieces cover the whole
+//! flat space. A directory without a manifest is a torn checkpoint and is never
+//! taken for a good one. Pieces may overlap (a migration's source and target
+//! both apply `v`): they hold the same bits, and the manifest lists a cover.
+
+use serde::{Deserialize, Serialize};
+
+/// The manifest's file name inside a checkpoint directory.
+pub const MANIFEST: &str = "MANIFEST.toml";
+
+/// Bytes of a piece's header.
+pub const PIECE_HEADER: usize = 64;
+
+const PIECE_MAGIC: [u8; 8] = *b"EPSCKPT1";
+
+/// Version of the manifest format.
+pub const FORMAT: u32 = 1;
+
+/// The directory of the checkpoint at `version`, inside the job's checkpoint
+/// directory (names sort by version).
+pub fn dir_name(version: u64) -> String {
+    format!("ckpt-{version:012}")
+}
+
+/// The version of a checkpoint directory's name, if it is one.
+pub fn parse_dir_name(name: &str) -> Option<u64> {
+    let v = name.strip_prefix("ckpt-")?;
+    (v.len() == 12 && v.bytes().all(|b| b.is_ascii_digit())).then(|| v.parse().ok())?
+}
+
+/// The file server `rank` writes shard `shard` into.
+pub fn piece_name(shard: u32, rank: u32) -> String {
+    format!("shard-{shard}-server-{rank}.bin")
+}
+
+/// Why checkpoint bytes are unusable.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum CheckpointError {
+    /// Not a piece, or of another format.
+    #[error("not a checkpoint piece (bad magic or header)")]
+    Header,
+    /// The manifest does not parse.
+    #[error("manifest: {0}")]
+    Manifest(String),
+    /// The pieces leave part of the parameters out.
+    #[error("the pieces do not cover elements {from}..{to}")]
+    Gap {
+        /// First element missing.
+        from: u64,
+        /// End of the gap.
+        to: u64,
+    },
+}
+
+/// The header of a piece file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PieceHeader {
+    /// The checkpoint's version.
+    pub version: u64,
+    /// First element in the flat space.
+    pub start: u64,
+    /// Elements.
+    pub len: u64,
+    /// Optimizer state values per element.
+    pub state_k: u32,
+}
+
+impl PieceHeader {
+    /// Bytes of the payload after the header: master values, then state.
+    pub fn payload_bytes(&self) -> u64 {
+        self.len * (1 + u64::from(self.state_k)) * 4
+    }
+
+    /// The header's bytes.
+    pub fn encode(&self) -> [u8; PIECE_HEADER] {
+        let mut b = [0u8; PIECE_HEADER];
+        b[..8].copy_from_slice(&PIECE_MAGIC);
+        b[8..16].copy_from_slice(&self.version.to_le_bytes());
+        b[16..24].copy_from_slice(&self.start.to_le_bytes());
+        b[24..32].copy_from_slice(&self.len.to_le_bytes());
+        b[32..36].copy_from_slice(&self.state_k.to_le_bytes());
+        b
+    }
+
+    /// Reads a header (reserved bytes must be zero).
+    pub fn decode(b: &[u8]) -> Result<Self, CheckpointError> {
+        if b.len() < PIECE_HEADER || b[..8] != PIECE_MAGIC || b[36..PIECE_HEADER].iter().any(|&x| x != 0) {
+            return Err(CheckpointError::Header);
+        }
+        let u = |r: std::ops::Range<usize>| u64::from_le_bytes(b[r].try_into().expect("8 bytes"));
+        let state_k = u32::from_le_bytes(b[32..36].try_into().expect("4 bytes"));
+        let h = Self { version: u(8..16), start: u(16..24), len: u(24..32), state_k };
+        if h.len == 0 || h.state_k > 8 || h.start.checked_add(h.len).is_none() {
+            return Err(CheckpointError::Header);
+        }
+        Ok(h)
+    }
+}
+
+/// One piece as the manifest lists it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PieceEntry {
+    /// File name inside the checkpoint directory.
+    pub file: String,
+    /// First element.
+    pub start: u64,
+    /// Elements.
+    pub len: u64,
+    /// Hex SHA-256 of the whole file.
+    pub sha256: String,
+}
+
+/// What a checkpoint holds besides its pieces: enough to resume the job.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Manifest {
+    /// [`FORMAT`].
+    pub format: u32,
+    /// The version of every parameter (iterations applied).
+    pub version: u64,
+    /// The shard map's epoch when it completed (for the record).
+    pub epoch: u64,
+    /// Servers holding shards when it completed (for the record).
+    pub servers: u32,
+    /// Elements of the flat space.
+    pub total: u64,
+    /// Optimizer state values per element.
+    pub state_k: u32,
+    /// Contributor sets by iteration, up to `version`
+    /// ([`crate::membership::Membership::to_text`]).
+    pub membership: String,
+    /// The job's spec (with declared tensors, if any), without `[resume]`.
+    pub spec: String,
+    /// A cover of the flat space, by ascending start.
+    pub pieces: Vec<PieceEntry>,
+}
+
+impl Manifest {
+    /// The manifest's text.
+    pub fn to_toml(&self) -> String {
+        toml::to_string(self).expect("a manifest serializes")
+    }
+
+    /// Parses and checks a manifest: its format, and pieces that cover
+    /// `[0, total)`.
+    pub fn from_toml(text: &str) -> Result<Self, CheckpointError> {
+        let m: Manifest = toml::from_str(text).map_err(|e| CheckpointError::Manifest(e.to_string().trim().replace('\n', " ")))?;
+        if m.format != FORMAT {
+            return Err(CheckpointError::Manifest(format!("format {} (this build reads {FORMAT})", m.format)));
+        }
+        if m.version == 0 {
+            return Err(CheckpointError::Manifest("version 0 is the job's start, not a checkpoint".into()));
+        }
+        let spans: Vec<(u64, u64)> = m.pieces.iter().map(|p| (p.start, p.len)).collect();
+        cover(&spans, m.total)?;
+        Ok(m)
+    }
+
+    /// Indices of the pieces that hold elements of `[start, start + len)`.
+    pub fn overlapping(&self, start: u64, len: u64) -> Vec<usize> {
+        let end = start.saturating_add(len);
+        (0..self.pieces.len())
+            .filter(|&i| {
+                let p = &self.pieces[i];
+                p.start < end && start < p.start.saturating_add(p.len)
+            })
+            .collect()
+    }
+}
+
+/// Picks pieces (`(start, len)`) that cover `[0, total)`, fewest first by
+/// ascending start: their indices, or the first gap.
+pub fn cover(pieces: &[(u64, u64)], total: u64) -> Result<Vec<usize>, CheckpointError> {
+    let mut order: Vec<usize> = (0..pieces.len()).filter(|&i| pieces[i].1 > 0).collect();
+    order.sort_by_key(|&i| (pieces[i].0, std::cmp::Reverse(pieces[i].1)));
+    let mut at = 0u64;
+    let mut chosen = Vec::new();
+    let mut k = 0;
+    while at < total {
+        // The piece starting at or before `at` that reaches furthest.
+        let mut best: Option<(usize, u64)> = None;
+        while k < order.len() && pieces[order[k]].0 <= at {
+            let i = order[k];
+            let end = pieces[i].0.saturating_add(pieces[i].1);
+            if end > at && best.is_none_or(|(_, e)| end > e) {
+                best = Some((i, end));
+            }
+            k += 1;
+        }
+        let Some((i, end)) = best else {
+            let next = order.get(k).map_or(total, |&i| pieces[i].0.min(total));
+            return Err(CheckpointError::Gap { from: at, to: next });
+        };
+        chosen.push(i);
+        at = end;
+    }
+    Ok(chosen)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_round_trip_and_garbage_is_refused() {
+        let h = PieceHeader { version: 40, start: 1 << 20, len: 4096, state_k: 2 };
+        assert_eq!(PieceHeader::decode(&h.encode()), Ok(h));
+        assert_eq!(h.payload_bytes(), 4096 * 3 * 4);
+        let mut b = h.encode();
+        b[40] = 1;
+        assert_eq!(PieceHeader::decode(&b), Err(CheckpointError::Header));
+        assert_eq!(PieceHeader::decode(&[0u8; 10]), Err(CheckpointError::Header));
+        let mut b = h.encode();
+        b[0] = b'X';
+        assert_eq!(PieceHeader::decode(&b), Err(CheckpointError::Header));
+    }
+
+    #[test]
+    fn a_cover_skips_duplicates_and_names_gaps() {
+        // Two copies of the middle piece (a migration's source and target).
+        let p = [(0, 10), (10, 5), (10, 5), (15, 5)];
+        assert_eq!(cover(&p, 20), Ok(vec![0, 1, 3]));
+        // A split's parts next to their parent's copy: either cover works.
+        let p = [(0, 20), (0, 10), (10, 10)];
+        assert_eq!(cover(&p, 20), Ok(vec![0]));
+        assert_eq!(cover(&[(0, 10), (12, 8)], 20), Err(CheckpointError::Gap { from: 10, to: 12 }));
+        assert_eq!(cover(&[(0, 10)], 20), Err(CheckpointError::Gap { from: 10, to: 20 }));
+        assert_eq!(cover(&[], 0), Ok(vec![]));
+    }
+
+    #[test]
+    fn manifests_round_trip_and_must_cover_the_space() {
+        let piece = |file: &str, start, len| PieceEntry { file: file.into(), start, len, sha256: "00".into() };
+        let m = Manifest {
+            format: FORMAT,
+            version: 20,
+            epoch: 3,
+            servers: 2,
+            total: 30,
+            state_k: 2,
+            membership: "0:0,1".into(),
+            spec: "[job]\nworkers = 2\n".into(),
+            pieces: vec![piece("a", 0, 10), piece("b", 10, 20)],
+        };
+        assert_eq!(Manifest::from_toml(&m.to_toml()), Ok(m.clone()));
+        assert_eq!(m.overlapping(5, 10), vec![0, 1]);
+        assert_eq!(m.overlapping(10, 1), vec![1]);
+        let mut torn = m.clone();
+        torn.pieces.pop();
+        assert!(matches!(Manifest::from_toml(&torn.to_toml()), Err(CheckpointError::Gap { from: 10, to: 30 })));
+        let text = m.to_toml().replace("format = 1", "format = 9");
+        assert!(Manifest::from_toml(&text).unwrap_err().to_string().contains("format 9"));
+        assert_eq!(parse_dir_name(&dir_name(20)), Some(20));
+        assert_eq!(parse_dir_name("ckpt-12"), None);
+    }
+}

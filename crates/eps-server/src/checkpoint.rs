@@ -1,0 +1,214 @@
+//! Checkpoints on a server: every shard is saved when it publishes a checkpoint
+//! version (a multiple of `job.checkpoint_every`, or a version the control plane
+//! ordered). The event loop copies the shard's master values and optimizer state
+//! between two updates (the only pause training sees); a thread of its own
+//! writes the piece and reports it to the control plane, which writes the
+//! manifest once the pieces cover the parameters. At start, a resumed job's
+//! shards are filled from the checkpoint's pieces, whatever shards they were
+//! cut into when it was taken.
+
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
+use std::thread::JoinHandle;
+
+use eps_control::ControlClient;
+use eps_control::checkpoint::{read_piece, write_piece};
+use eps_fabric::Fabric;
+use eps_proto::checkpoint::{Manifest, PieceHeader, dir_name, piece_name};
+use eps_proto::control::ControlMsg;
+
+use crate::{Server, ServerConfig, ServerError};
+
+/// Copies waiting for the writer at most (training waits beyond that).
+const QUEUE: usize = 4;
+
+/// One shard's copy on its way to disk, or a miss to report.
+struct Piece {
+    version: u64,
+    shard: u32,
+    start: u64,
+    len: u64,
+    state_k: u32,
+    dir: PathBuf,
+    /// Master values then state; `None`: the shard had passed `version`.
+    values: Option<Vec<f32>>,
+}
+
+/// The checkpoints a server saves, and its writer thread.
+pub(crate) struct Saver {
+    /// `job.checkpoint_every` and `job.checkpoint_dir`.
+    periodic: Option<(u64, PathBuf)>,
+    steps: u64,
+    /// Versions the control plane ordered, with their directories.
+    ordered: Vec<(u64, PathBuf)>,
+    tx: Option<SyncSender<Piece>>,
+    writer: Option<JoinHandle<()>>,
+}
+
+impl Saver {
+    /// Starts the writer thread (with its own control-plane connection).
+    pub(crate) fn start(cfg: &ServerConfig, rank: u32, spec: &eps_proto::JobSpec) -> Result<Self, ServerError> {
+        let periodic = match (spec.job.checkpoint_every, &spec.job.checkpoint_dir) {
+            (n, Some(d)) if n > 0 => Some((n, PathBuf::from(d))),
+            _ => None,
+        };
+        let ctl = ControlClient::connect(cfg.control, &cfg.secret, cfg.accept_timeout)?;
+        let (tx, rx) = sync_channel(QUEUE);
+        let writer = std::thread::Builder::new()
+            .name("eps-checkpoint".into())
+            .spawn(move || write_pieces(rank, rx, ctl))
+            .map_err(|_| ServerError::Unexpected)?;
+        Ok(Self { periodic, steps: spec.job.steps, ordered: Vec::new(), tx: Some(tx), writer: Some(writer) })
+    }
+
+    /// The directories version `v` is saved into.
+    fn due(&self, v: u64) -> Vec<PathBuf> {
+        let mut dirs: Vec<PathBuf> = self.ordered.iter().filter(|(o, _)| *o == v).map(|(_, d)| d.clone()).collect();
+        if let Some((n, d)) = &self.periodic
+            && v % n == 0
+            && v < self.steps
+            && !dirs.contains(d)
+        {
+            dirs.push(d.clone());
+        }
+        dirs
+    }
+
+    fn send(&self, p: Piece) {
+        if let Some(tx) = &self.tx {
+            // The writer only stops when the server does.
+            let _ = tx.send(p);
+        }
+    }
+
+    /// Waits until every piece queued is written and reported.
+    pub(crate) fn finish(&mut self) {
+        self.tx = None;
+        if let Some(w) = self.writer.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+impl Drop for Saver {
+    fn drop(&mut self) {
+        self.finish();
+    }
+}
+
+fn write_pieces(rank: u32, rx: Receiver<Piece>, mut ctl: ControlClient) {
+    for p in rx {
+        let path = p.dir.join(dir_name(p.version)).join(piece_name(p.shard, rank));
+        let file = path.display().to_string();
+        let (sha256, missed) = match &p.values {
+            None => (String::new(), true),
+            Some(values) => {
+                let h = PieceHeader { version: p.version, start: p.start, len: p.len, state_k: p.state_k };
+                match write_piece(&path, &h, values) {
+                    Ok(sha) => (sha, false),
+                    Err(e) => {
+                        eprintln!("eps server {rank}: checkpoint at iteration {}: {e}", p.version);
+                        (e, true)
+                    }
+                }
+            }
+        };
+        let m = ControlMsg::Saved { version: p.version, shard: p.shard, start: p.start, len: p.len, file, sha256, missed };
+        if let Err(e) = ctl.call(&m) {
+            eprintln!("eps server {rank}: cannot report a checkpoint piece to the control plane: {e}");
+        }
+    }
+}
+
+impl<P: Fabric> Server<P> {
+    /// After shard `id` published `version`: saves it if a checkpoint is due.
+    pub(crate) fn save_if_due(&mut self, id: u32, version: u64) -> Result<(), ServerError> {
+        let dirs = self.saver.due(version);
+        if dirs.is_empty() {
+            return Ok(());
+        }
+        // Between updates, with no snapshot WRITE in flight (an update ran).
+        let Some(values) = self.mem.copy_state(id)? else { return Ok(()) };
+        let Some((start, len)) = self.mem.get(id).map(|b| (b.start, b.len)) else { return Ok(()) };
+        let state_k = self.mem.state_k as u32;
+        for dir in dirs {
+            let values = Some(values.clone());
+            self.saver.send(Piece { version, shard: id, start, len, state_k, dir, values });
+        }
+        self.saver.ordered.retain(|(v, _)| *v + 64 > version);
+        Ok(())
+    }
+
+    /// The control plane orders a checkpoint at `version` into `dir`: shards
+    /// that passed it already are reported missed.
+    pub(crate) fn on_checkpoint_order(&mut self, version: u64, dir: &str) {
+        let state_k = self.mem.state_k as u32;
+        for id in self.mem.held().collect::<Vec<_>>() {
+            let Some(h) = self.shards.get(id as usize).and_then(Option::as_ref) else { continue };
+            if h.sync.version() >= version
+                && let Some((start, len)) = self.mem.get(id).map(|b| (b.start, b.len))
+            {
+                let dir = PathBuf::from(dir);
+                self.saver.send(Piece { version, shard: id, start, len, state_k, dir, values: None });
+            }
+        }
+        self.saver.ordered.push((version, PathBuf::from(dir)));
+    }
+
+    /// Finishes the writes of checkpoints (before the server reports it is done).
+    pub(crate) fn finish_checkpoints(&mut self) {
+        self.saver.finish();
+    }
+}
+
+/// A resumed job's checkpoint, read once at start.
+pub(crate) struct Restore {
+    dir: PathBuf,
+    manifest: Manifest,
+}
+
+impl Restore {
+    /// Reads the manifest `[resume]` names and checks it fits the job.
+    pub(crate) fn open(r: &eps_proto::spec::ResumeSection, total: u64, state_k: usize) -> Result<Self, ServerError> {
+        let dir = PathBuf::from(&r.from);
+        let (dir, manifest) = eps_control::checkpoint::latest(&dir).map_err(ServerError::Checkpoint)?;
+        if manifest.version != r.iteration || manifest.total != total || manifest.state_k as usize != state_k {
+            return Err(ServerError::Checkpoint(format!(
+                "{}: iteration {}, {} elements, {} state values each; the job resumes at {} with {total} and {state_k}",
+                dir.display(),
+                manifest.version,
+                manifest.total,
+                manifest.state_k,
+                r.iteration
+            )));
+        }
+        Ok(Self { dir, manifest })
+    }
+
+    /// The version every shard starts at.
+    pub(crate) fn version(&self) -> u64 {
+        self.manifest.version
+    }
+
+    /// Fills elements `[start, start + master.len())`: master values, and the
+    /// state (`k` per element) from the pieces that hold them.
+    pub(crate) fn fill(&self, start: u64, master: &mut [f32], state: &mut [f32], k: usize) -> Result<(), String> {
+        let len = master.len() as u64;
+        let m = &self.manifest;
+        for i in m.overlapping(start, len) {
+            let (h, values) = read_piece(&self.dir, &m.pieces[i], m.version, m.state_k)?;
+            let lo = h.start.max(start);
+            let hi = (h.start + h.len).min(start + len);
+            let (src, dst, n) = ((lo - h.start) as usize, (lo - start) as usize, (hi - lo) as usize);
+            master[dst..dst + n].copy_from_slice(&values[src..src + n]);
+            let st = &values[h.len as usize..];
+            state[dst * k..(dst + n) * k].copy_from_slice(&st[src * k..(src + n) * k]);
+        }
+        Ok(())
+    }
+
+    /// Where it was read from.
+    pub(crate) fn dir(&self) -> &Path {
+        &self.dir
+    }
+}

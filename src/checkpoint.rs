@@ -1,0 +1,70 @@
+//! Checkpoints from the command line: `eps checkpoint` (one now, through the
+//! control plane), the `--checkpoint-*` flags of `eps train`, and the spec a
+//! job resumes with (`eps train --resume`, `eps control --resume`).
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use eps_proto::JobSpec;
+use eps_proto::control::ControlMsg;
+use eps_proto::spec::ResumeSection;
+
+use crate::roles::{crate_error, secret_from_env};
+use crate::train::{Overrides, build_spec_or};
+
+/// `path` made absolute against the current directory (servers and the
+/// control plane may run from elsewhere).
+pub fn absolute(path: &Path) -> Result<PathBuf, String> {
+    std::path::absolute(path).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// The spec of a job resumed from the newest complete checkpoint in `dir` (or
+/// the checkpoint `dir` itself): the checkpoint's spec with `o` applied (other
+/// worker or server counts, more steps) and a `[resume]` section. Says why
+/// when the checkpoint cannot be resumed with those changes.
+pub fn resume_spec(dir: &Path, o: &Overrides) -> Result<(JobSpec, String), String> {
+    let dir = absolute(dir)?;
+    let (path, m) = eps_control::checkpoint::latest(&dir)?;
+    if o.dtype.is_some() || o.optimizer.is_some() || o.consistency.is_some() {
+        return Err("a resumed job keeps its dtype, optimizer and consistency (they are part of the checkpoint)".into());
+    }
+    let (base, text) = build_spec_or(None, &m.spec, o).map_err(|e| crate_error(&e))?;
+    let layout = base.layout().map_err(|e| e.to_string())?;
+    if layout.total != m.total {
+        return Err(format!("{}: holds {} parameters; this job has {}", path.display(), m.total, layout.total));
+    }
+    let r = ResumeSection { from: path.display().to_string(), iteration: m.version, membership: m.membership.clone() };
+    let text = JobSpec::set_resume(&text, Some(&r)).map_err(|e| e.to_string())?;
+    let spec = JobSpec::from_toml(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    eprintln!("eps: resuming job {:?} at iteration {} of {} from {}", spec.job.name, m.version, spec.job.steps, path.display());
+    Ok((spec, text))
+}
+
+/// Sets the checkpoint fields of `o`'s spec from `eps train`'s flags (the
+/// directory made absolute).
+pub fn train_overrides(every: Option<u64>, dir: Option<&Path>, keep: Option<u32>, o: &mut Overrides) -> Result<(), String> {
+    o.checkpoint_every = every;
+    o.checkpoint_dir = dir.map(absolute).transpose()?.map(|p| p.display().to_string());
+    o.checkpoint_keep = keep;
+    if every.is_some_and(|n| n > 0) && dir.is_none() {
+        return Err("--checkpoint-every needs --checkpoint-dir DIR".into());
+    }
+    Ok(())
+}
+
+/// `eps checkpoint`: asks the control plane for a checkpoint now and waits
+/// until it is complete.
+pub fn take(control: SocketAddr, dir: Option<&Path>, timeout: Duration) -> Result<(), String> {
+    let secret = secret_from_env(None)?;
+    let dir = dir.map(absolute).transpose()?.map(|p| p.display().to_string()).unwrap_or_default();
+    let mut c = eps_control::ControlClient::connect(control, &secret, timeout).map_err(|e| crate_error(&e))?;
+    eprintln!("eps checkpoint: asking the job at {control} for a checkpoint");
+    match c.call(&ControlMsg::Checkpoint { version: 0, dir }).map_err(|e| crate_error(&e))? {
+        ControlMsg::Checkpointed { version, path } => {
+            println!("checkpoint at iteration {version} in {path}");
+            Ok(())
+        }
+        m => Err(format!("unexpected answer from the control plane: {m:?}")),
+    }
+}
