@@ -1,0 +1,208 @@
+//! Checkpoints with real processes: a job killed (SIGKILL of every process)
+//! after a checkpoint and resumed, on another number of servers, ends with the
+//! uninterrupted run's parameters, bit for bit; so does a job resumed from a
+//! checkpoint an operator took with `eps checkpoint` while it trained.
+
+use std::io::{BufRead, BufReader};
+use std::os::unix::process::{CommandExt as _, ExitStatusExt as _};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const SPEC: &str = r#"
+[job]
+workers = 2
+servers = 2
+steps = 300
+batch = 32
+shard_bytes = 65536
+[model]
+preset = "synthetic"
+buckets = 16384
+[optimizer]
+kind = "adam"
+lr = 0.01
+[lr_schedule]
+warmup_steps = 10
+decay = "cosine"
+min_lr = 0.001
+"#;
+
+fn tmp(name: &str) -> PathBuf {
+    let p = std::env::temp_dir().join(format!("eps-ckpt-test-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&p);
+    p
+}
+
+fn spec_file(name: &str) -> PathBuf {
+    let p = tmp(name).with_extension("toml");
+    std::fs::write(&p, SPEC).unwrap();
+    p
+}
+
+fn eps() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_eps"))
+}
+
+fn json(out: &Output, key: &str) -> String {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let last = stdout.lines().last().unwrap_or_default().to_string();
+    let pat = format!("\"{key}\":");
+    let at = last.find(&pat).unwrap_or_else(|| panic!("{key} missing: {stdout}\n{}", String::from_utf8_lossy(&out.stderr)))
+        + pat.len();
+    let rest = &last[at..];
+    if let Some(text) = rest.strip_prefix('"') {
+        return text[..text.find('"').unwrap()].to_string();
+    }
+    rest[..rest.find([',', '}']).unwrap()].to_string()
+}
+
+fn train(args: &[&str]) -> Output {
+    let o = eps().args(["train", "--json", "--progress-every", "50"]).args(args).output().unwrap();
+    assert!(o.status.success(), "eps train {args:?}: {}", String::from_utf8_lossy(&o.stderr));
+    o
+}
+
+/// The newest complete checkpoint's version in `dir`, if any.
+fn newest(dir: &Path) -> Option<u64> {
+    let mut best = None;
+    for e in std::fs::read_dir(dir).ok()?.flatten() {
+        let name = e.file_name().to_string_lossy().to_string();
+        if let Some(v) = eps_proto::checkpoint::parse_dir_name(&name)
+            && e.path().join(eps_proto::checkpoint::MANIFEST).exists()
+        {
+            best = best.max(Some(v));
+        }
+    }
+    best
+}
+
+/// Kills the process group `pid` leads (the run and every process it started).
+fn kill_group(pid: u32) {
+    let ok = Command::new("kill").args(["-KILL", "--", &format!("-{pid}")]).status().unwrap();
+    assert!(ok.success());
+}
+
+fn resume_after_sigkill_equals_the_uninterrupted_run(dtype: &str) {
+    let spec = spec_file(dtype);
+    let s = spec.to_str().unwrap();
+    let whole = train(&["--spec", s, "--dtype", dtype, "--servers", "1"]);
+    let expected = json(&whole, "params_checksum");
+
+    let dir = tmp(&format!("{dtype}-dir"));
+    let d = dir.to_str().unwrap();
+    let mut run = eps()
+        .args(["train", "--spec", s, "--dtype", dtype, "--checkpoint-every", "25", "--checkpoint-dir", d, "--keep", "2"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while newest(&dir).is_none_or(|v| v < 50) {
+        assert!(run.try_wait().unwrap().is_none(), "the run ended before its second checkpoint");
+        assert!(Instant::now() < deadline, "no checkpoint within 120 s");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    kill_group(run.id());
+    let status = run.wait().unwrap();
+    assert_eq!(status.signal(), Some(9), "killed, not finished");
+    let at = newest(&dir).unwrap();
+    assert!((50..300).contains(&at), "{at}");
+    // Pruned to the newest two.
+    assert!(!dir.join(eps_proto::checkpoint::dir_name(at - 50)).exists() || at < 75);
+
+    // Resumed on three servers (the checkpoint was taken on two).
+    let resumed = train(&["--resume", d, "--servers", "3"]);
+    let from: u64 = json(&resumed, "resumed_at").parse().unwrap();
+    assert!(from >= at, "resumed at {from}, newest checkpoint {at}");
+    assert_eq!(json(&resumed, "params_checksum"), expected, "{dtype}: resumed at {from} vs uninterrupted");
+    assert_eq!(json(&resumed, "dtype"), dtype);
+    std::fs::remove_dir_all(&dir).ok();
+    std::fs::remove_file(&spec).ok();
+}
+
+#[test]
+fn f32_resume_after_sigkill_of_every_process_is_bitwise() {
+    resume_after_sigkill_equals_the_uninterrupted_run("f32");
+}
+
+#[test]
+fn bf16_resume_after_sigkill_of_every_process_is_bitwise() {
+    resume_after_sigkill_equals_the_uninterrupted_run("bf16");
+}
+
+#[test]
+fn an_operators_checkpoint_resumes_to_the_same_parameters() {
+    let spec = spec_file("op");
+    let s = spec.to_str().unwrap();
+    let expected = json(&train(&["--spec", s]), "params_checksum");
+
+    let mut up = eps()
+        .args(["up", "--spec", s])
+        .env_remove("EPS_JOB_SECRET")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(up.stdout.take().unwrap()).lines();
+    let control = lines.next().unwrap().unwrap().strip_prefix("EPS_CONTROL=").unwrap().to_string();
+    let secret_file = lines.next().unwrap().unwrap().strip_prefix("EPS_JOB_SECRET_FILE=").unwrap().to_string();
+    let workers: Vec<_> = (0..2)
+        .map(|_| {
+            eps()
+                .args(["worker", "--control", &control, "--progress-every", "1000"])
+                .env("EPS_JOB_SECRET_FILE", &secret_file)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let dir = tmp("op-dir");
+    let d = dir.to_str().unwrap();
+    // No secret: refused before anything is asked.
+    let o = eps().args(["checkpoint", "--control", &control, "--dir", d]).env_remove("EPS_JOB_SECRET").output().unwrap();
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("no job secret"));
+    let o =
+        eps().args(["checkpoint", "--control", &control, "--dir", d]).env("EPS_JOB_SECRET_FILE", &secret_file).output().unwrap();
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(o.status.success(), "{out}{}", String::from_utf8_lossy(&o.stderr));
+    let at: u64 = out.split_whitespace().nth(3).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("{out}"));
+    assert!(out.contains(&dir.join(eps_proto::checkpoint::dir_name(at)).display().to_string()), "{out}");
+    for mut w in workers {
+        assert!(w.wait().unwrap().success());
+    }
+    let _ = up.wait();
+
+    let resumed = train(&["--resume", d]);
+    assert_eq!(json(&resumed, "resumed_at"), at.to_string());
+    assert_eq!(json(&resumed, "params_checksum"), expected, "resumed at {at} vs uninterrupted");
+    std::fs::remove_dir_all(&dir).ok();
+    std::fs::remove_file(&spec).ok();
+}
+
+#[test]
+fn bad_resumes_say_why() {
+    let dir = tmp("bad");
+    let o = eps().args(["train", "--resume", dir.to_str().unwrap()]).output().unwrap();
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("cannot read the checkpoint directory"), "{err}");
+    // A directory with only a torn checkpoint (no manifest) holds nothing to resume.
+    std::fs::create_dir_all(dir.join(eps_proto::checkpoint::dir_name(40))).unwrap();
+    let o = eps().args(["train", "--resume", dir.to_str().unwrap()]).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("no complete checkpoint"), "{err}");
+    // --checkpoint-every needs a directory.
+    let o = eps().args(["train", "--checkpoint-every", "5"]).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("--checkpoint-dir"), "{err}");
+    // SSP has no single version to save.
+    let o =
+        eps().args(["train", "--consistency", "ssp", "--checkpoint-every", "5", "--checkpoint-dir", "/tmp/x"]).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("BSP"), "{err}");
+    std::fs::remove_dir_all(&dir).ok();
+}
