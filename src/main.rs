@@ -417,6 +417,8 @@ fn train(a: TrainArgs) -> Result<(), String> {
             .int("membership_changes", r.membership_changes)
             .str("membership", &r.membership)
             .int("resumed_at", spec.resume.as_ref().map_or(0, |r| r.iteration))
+            .int("rollbacks", r.rollbacks)
+            .int("iterations_lost", r.iterations_lost)
             .finish();
         println!("{j}");
     }

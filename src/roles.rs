@@ -89,6 +89,9 @@ pub fn server(
         update_threads: if threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { threads },
     };
     let reg = eps_server::register(&cfg).map_err(|e| crate_error(&e))?;
+    // For a supervisor (`eps train`): which rank this process serves.
+    println!("EPS_SERVER rank={}", reg.rank());
+    let _ = std::io::Write::flush(&mut std::io::stdout());
     let chosen = transport::choose(fabric, Some(&reg.spec().fabric))?;
     let kind = crate::aggregator::choose(agg, reg.spec().job.aggregator.as_deref())?;
     let built = crate::aggregator::build(kind, 1)?;

@@ -63,7 +63,18 @@ pub struct LocalCluster {
     server_args: Vec<String>,
     /// Where worker stdout lines go.
     tx: mpsc::Sender<String>,
+    /// The control plane's arguments, to restart it on its address and store.
+    control_args: Vec<String>,
+    /// Restarts of the control plane so far.
+    control_restarts: u32,
+    /// By server process name: its rank, once it registered.
+    server_ranks: Vec<(String, Arc<std::sync::OnceLock<u32>>)>,
 }
+
+/// The control plane's name among the children.
+const CONTROL: &str = "control plane";
+/// Restarts of a control plane that keeps dying before the cluster gives up.
+const CONTROL_RESTARTS: u32 = 3;
 
 impl std::fmt::Debug for LocalCluster {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -151,16 +162,9 @@ impl LocalCluster {
             worker_args: worker_args.iter().map(|a| a.to_string()).chain(children.both.iter().cloned()).collect(),
             server_args: children.both.iter().chain(&children.servers).cloned().collect(),
             tx,
-        };
-        let spawn = |what: &str, args: &[&str], piped: bool| -> Result<Child, TrainError> {
-            Command::new(&exe)
-                .args(args)
-                .env("EPS_JOB_SECRET", &secret)
-                .stdin(Stdio::null())
-                .stdout(if piped { Stdio::piped() } else { Stdio::null() })
-                .stderr(Stdio::inherit())
-                .spawn()
-                .map_err(|source| TrainError::Spawn { what: what.to_string(), source })
+            control_args: Vec::new(),
+            control_restarts: 0,
+            server_ranks: Vec::new(),
         };
         let state = dir.join("state");
         let ctl_args = [
@@ -173,15 +177,11 @@ impl LocalCluster {
             path_str(&state),
             "--exit-with-parent",
         ];
-        let mut control = spawn("the control plane", &ctl_args, true)?;
-        let out = control.stdout.take().expect("piped");
-        cl.children.push(("control plane".into(), control));
-        let mut line = String::new();
-        BufReader::new(out).read_line(&mut line).map_err(|e| TrainError::Child(format!("control plane: {e}")))?;
-        let addr = field(&line, "addr")
-            .ok_or_else(|| TrainError::Child("the control plane did not start (see its message above)".into()))?
-            .to_string();
-        cl.addr = addr.clone();
+        cl.control_args = ctl_args.iter().map(|a| a.to_string()).collect();
+        let addr = cl.start_control()?;
+        // A restart listens where the first one did.
+        cl.control_args[2] = addr.clone();
+        cl.addr = addr;
         for _ in 0..spec.job.servers {
             cl.spawn_server()?;
         }
@@ -189,6 +189,46 @@ impl LocalCluster {
             cl.spawn_worker()?;
         }
         Ok(cl)
+    }
+
+    /// What is known of a server process that died: its rank and, from the
+    /// control plane, the shards it held.
+    fn server_lost(&self, name: String, status: String) -> TrainError {
+        let rank = self.server_ranks.iter().find(|(n, _)| *n == name).and_then(|(_, r)| r.get().copied());
+        let held = rank
+            .and_then(|r| {
+                let addr = self.addr.parse().ok()?;
+                let secret = eps_fabric::Secret::new(self.secret.as_str()).ok()?;
+                let mut c = eps_control::ControlClient::connect(addr, &secret, Duration::from_secs(2)).ok()?;
+                let eps_proto::control::ControlMsg::StatusReport { text } =
+                    c.call(&eps_proto::control::ControlMsg::Status).ok()?
+                else {
+                    return None;
+                };
+                let prefix = format!("server {r}: ");
+                text.lines().find_map(|l| l.trim().strip_prefix(&prefix).map(str::to_string))
+            })
+            .unwrap_or_default();
+        TrainError::ServerLost { name, rank, status, held }
+    }
+
+    /// Starts the control plane; returns the address it listens on.
+    fn start_control(&mut self) -> Result<String, TrainError> {
+        let mut control = Command::new(&self.exe)
+            .args(&self.control_args)
+            .env("EPS_JOB_SECRET", &self.secret)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|source| TrainError::Spawn { what: "the control plane".into(), source })?;
+        let out = control.stdout.take().expect("piped");
+        self.children.push((CONTROL.into(), control));
+        let mut line = String::new();
+        BufReader::new(out).read_line(&mut line).map_err(|e| TrainError::Child(format!("control plane: {e}")))?;
+        field(&line, "addr")
+            .map(str::to_string)
+            .ok_or_else(|| TrainError::Child("the control plane did not start (see its message above)".into()))
     }
 
     /// Starts one more worker process; its stdout lines are collected. (It
@@ -247,8 +287,19 @@ impl LocalCluster {
     /// Starts one more server process (it registers with the control plane, which
     /// must have room for it: see `eps scale`).
     pub fn spawn_server(&mut self) -> Result<(), TrainError> {
-        let name = format!("server {}", self.servers_started);
-        let c = self.role("server", &self.server_args, Stdio::null(), &name)?;
+        let name = format!("server process {}", self.servers_started);
+        let mut c = self.role("server", &self.server_args, Stdio::piped(), &name)?;
+        let out = c.stdout.take().expect("piped");
+        let rank = Arc::new(std::sync::OnceLock::new());
+        let r = rank.clone();
+        std::thread::spawn(move || {
+            for l in BufReader::new(out).lines().map_while(Result::ok) {
+                if let Some(n) = l.strip_prefix("EPS_SERVER rank=").and_then(|n| n.parse().ok()) {
+                    let _ = r.set(n);
+                }
+            }
+        });
+        self.server_ranks.push((name.clone(), rank));
         self.children.push((name, c));
         self.servers_started += 1;
         Ok(())
@@ -276,14 +327,31 @@ impl LocalCluster {
                 on_line(&l);
             }
             let mut running = 0;
-            for (name, c) in &mut self.children {
+            let mut control_died = None;
+            for (i, (name, c)) in self.children.iter_mut().enumerate() {
                 match c.try_wait() {
                     Ok(None) => running += 1,
+                    Ok(Some(st)) if !st.success() && name == CONTROL && self.control_restarts < CONTROL_RESTARTS => {
+                        eprintln!("eps train: the control plane (pid {}) exited with {st}; restarting it from its store", c.id());
+                        control_died = Some(i);
+                    }
+                    Ok(Some(st)) if !st.success() && name.starts_with("server") => {
+                        let name = name.clone();
+                        return Err(self.server_lost(name, st.to_string()));
+                    }
                     Ok(Some(st)) if !st.success() => {
                         return Err(TrainError::Child(format!("{name} (pid {}) exited with {st}; stopped the cluster", c.id())));
                     }
                     _ => {}
                 }
+            }
+            if let Some(i) = control_died {
+                // Nothing on the data path waits for it: training goes on while
+                // it restarts; servers and workers reconnect.
+                self.children.remove(i);
+                self.control_restarts += 1;
+                self.start_control()?;
+                running += 1;
             }
             if running == 0 {
                 // Lines printed just before the last exit may still be in the pipes:

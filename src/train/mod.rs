@@ -104,6 +104,18 @@ pub enum TrainError {
     /// Ctrl-C.
     #[error("interrupted; stopped every process of the cluster")]
     Interrupted,
+    /// A server process died: its shards are lost.
+    #[error("{name} (server rank {}) exited with {status}; its shards are lost{}", rank.map_or("unknown".into(), |r| r.to_string()), if held.is_empty() { String::new() } else { format!(" ({held})") })]
+    ServerLost {
+        /// The process.
+        name: String,
+        /// Its rank, once it registered.
+        rank: Option<u32>,
+        /// How it exited.
+        status: String,
+        /// What the control plane says it held.
+        held: String,
+    },
     /// Its stop handle was set (a scheduler killed the job).
     #[error("stopped on request; stopped every process of the cluster")]
     Stopped,
@@ -209,10 +221,20 @@ pub struct TrainReport {
     pub membership_changes: u64,
     /// Contributor sets by iteration (`FIRST:R,R,...;...`, see `worker::membership_text`).
     pub membership: String,
+    /// Roll-backs to a checkpoint after a server died.
+    pub rollbacks: u64,
+    /// Iterations trained again because of them.
+    pub iterations_lost: u64,
 }
 
+/// Most roll-backs of one run before it gives up.
+const ROLLBACKS: u64 = 3;
+
 /// Runs the cluster, applying the scale events of `plan` as training reaches them;
-/// `progress` receives one human-readable line per report.
+/// `progress` receives one human-readable line per report. A server that dies
+/// takes its shards with it: a job that writes checkpoints rolls back to its
+/// newest complete one on the servers left (a new one if none is) and goes on;
+/// one that does not stops, saying which shards were lost.
 pub fn run(
     spec: &JobSpec,
     spec_text: &str,
@@ -220,6 +242,61 @@ pub fn run(
     plan: &[scale::ScaleEvent],
     children: &cluster::ChildArgs,
     mut progress: impl FnMut(&str),
+) -> Result<TrainReport, TrainError> {
+    let (mut spec, mut text) = (spec.clone(), spec_text.to_string());
+    let (mut rollbacks, mut lost) = (0, 0);
+    loop {
+        let reached = std::sync::atomic::AtomicU64::new(spec.resume.as_ref().map_or(0, |r| r.iteration));
+        let e = match run_once(&spec, &text, every, plan, children, &reached, &mut progress) {
+            Ok(mut rep) => {
+                (rep.rollbacks, rep.iterations_lost) = (rollbacks, lost);
+                return Ok(rep);
+            }
+            Err(e @ TrainError::ServerLost { .. }) => e,
+            Err(e) => return Err(e),
+        };
+        let dir = spec.job.checkpoint_dir.clone().filter(|_| spec.job.checkpoint_every > 0);
+        let Some(dir) = dir.filter(|_| plan.is_empty() && rollbacks < ROLLBACKS) else {
+            let why = if !plan.is_empty() {
+                "a run with --scale-plan is not rolled back"
+            } else if rollbacks >= ROLLBACKS {
+                "it was rolled back too often"
+            } else {
+                "the job writes no checkpoints to roll back to (--checkpoint-every N --checkpoint-dir DIR)"
+            };
+            return Err(TrainError::Child(format!("{e}; stopped the cluster: {why}")));
+        };
+        let servers = (spec.job.servers - 1).max(1);
+        let o = Overrides {
+            servers: Some(servers),
+            workers: Some(spec.job.workers),
+            steps: Some(spec.job.steps),
+            ..Default::default()
+        };
+        let (s, t) = crate::checkpoint::resume_spec(std::path::Path::new(&dir), &o)
+            .map_err(|why| TrainError::Child(format!("{e}; no checkpoint to roll back to: {why}")))?;
+        let at = s.resume.as_ref().map_or(0, |r| r.iteration);
+        let was = reached.load(std::sync::atomic::Ordering::Acquire);
+        eprintln!(
+            "eps train: {e}; rolling back from iteration {was} to the checkpoint at iteration {at} on {servers} server{} ({} iterations lost)",
+            if servers == 1 { "" } else { "s" },
+            was.saturating_sub(at)
+        );
+        rollbacks += 1;
+        lost += was.saturating_sub(at);
+        (spec, text) = (s, t);
+    }
+}
+
+/// One run of the cluster (see [`run`]); `reached` follows rank 0's progress.
+fn run_once(
+    spec: &JobSpec,
+    spec_text: &str,
+    every: u64,
+    plan: &[scale::ScaleEvent],
+    children: &cluster::ChildArgs,
+    reached: &std::sync::atomic::AtomicU64,
+    progress: &mut impl FnMut(&str),
 ) -> Result<TrainReport, TrainError> {
     // With a plan, rank 0 reports every step so that events happen on time.
     let report_every = if plan.is_empty() { every } else { 1 };
@@ -241,6 +318,7 @@ pub fn run(
         if l.starts_with("EPS_PROGRESS") {
             let (step_now, secs) = (num(l, "step"), num(l, "elapsed_s").max(1e-9));
             step.store(step_now as u64, std::sync::atomic::Ordering::Release);
+            reached.store(step_now as u64, std::sync::atomic::Ordering::Release);
             if (step_now as u64) % every != 0 {
                 return;
             }

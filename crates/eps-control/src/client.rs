@@ -9,16 +9,51 @@ use eps_proto::control::{ControlMsg, Role};
 use crate::ControlError;
 use crate::conn::{auth_client, read_msg, write_msg};
 
-/// An authenticated connection to the control plane.
+/// An authenticated connection to the control plane. A connection the control
+/// plane drops (it died; a restart replays its store) is made again, for up to
+/// the connect wait, and the request sent again.
 #[derive(Debug)]
 pub struct ControlClient {
     s: TcpStream,
+    addr: SocketAddr,
+    secret: Secret,
+    wait: Duration,
+}
+
+/// How long a lost connection is made again before it is reported.
+const QUIET: Duration = Duration::from_secs(1);
+
+/// Whether an error means the control plane went away (not a slow answer).
+fn lost(e: &ControlError) -> bool {
+    use std::io::ErrorKind as K;
+    matches!(e, ControlError::Io(io) if matches!(io.kind(),
+        K::UnexpectedEof | K::ConnectionReset | K::ConnectionAborted | K::BrokenPipe | K::NotConnected))
+}
+
+/// Requests whose refusal, when sent again after a reconnect, means the first
+/// send was applied before the control plane died (its store has it).
+fn applied_if_refused(m: &ControlMsg) -> bool {
+    matches!(
+        m,
+        ControlMsg::ShardReady { .. }
+            | ControlMsg::Cutover { .. }
+            | ControlMsg::Split { .. }
+            | ControlMsg::Released { .. }
+            | ControlMsg::Vote { .. }
+            | ControlMsg::Leave { .. }
+            | ControlMsg::Finished { .. }
+            | ControlMsg::ServerReady { .. }
+    )
 }
 
 impl ControlClient {
     /// Connects (retrying for up to `wait` while the control plane starts) and
     /// authenticates with the job secret.
     pub fn connect(addr: SocketAddr, secret: &Secret, wait: Duration) -> Result<Self, ControlError> {
+        Ok(Self { s: Self::dial(addr, secret, wait)?, addr, secret: secret.clone(), wait })
+    }
+
+    fn dial(addr: SocketAddr, secret: &Secret, wait: Duration) -> Result<TcpStream, ControlError> {
         let deadline = Instant::now() + wait;
         let mut s = loop {
             match TcpStream::connect_timeout(&addr, Duration::from_secs(2)) {
@@ -32,13 +67,44 @@ impl ControlClient {
         // within `wait`: a job whose members never show up fails instead of hanging.
         s.set_read_timeout(Some(wait.max(Duration::from_secs(1)))).map_err(ControlError::Io)?;
         auth_client(&mut s, secret)?;
-        Ok(Self { s })
+        Ok(s)
     }
 
     /// Sends a request and returns the reply; an `Error` reply becomes `Rejected`.
+    /// If the control plane drops the connection, waits for it to come back
+    /// (up to the connect wait) and asks again.
     pub fn call(&mut self, m: &ControlMsg) -> Result<ControlMsg, ControlError> {
-        write_msg(&mut self.s, m)?;
-        match read_msg(&mut self.s) {
+        let mut again = false;
+        loop {
+            let r = write_msg(&mut self.s, m).and_then(|()| read_msg(&mut self.s));
+            match r {
+                Err(e) if lost(&e) => {
+                    // Quietly at first: at the end of a job the control plane exits
+                    // and nobody needs it any more.
+                    self.s = match Self::dial(self.addr, &self.secret, QUIET.min(self.wait)) {
+                        Ok(s) => s,
+                        Err(_) => {
+                            eprintln!("eps: the control plane at {} dropped the connection; reconnecting", self.addr);
+                            let s = Self::dial(self.addr, &self.secret, self.wait)?;
+                            eprintln!("eps: reconnected to the control plane at {}", self.addr);
+                            s
+                        }
+                    };
+                    // Answers may take as long as on the first connection.
+                    self.s.set_read_timeout(Some(self.wait.max(Duration::from_secs(1)))).map_err(ControlError::Io)?;
+                    again = true;
+                }
+                Ok(ControlMsg::Error { message }) if again && applied_if_refused(m) => {
+                    eprintln!("eps: a request sent again after a reconnect was refused ({message}): the first was applied");
+                    return Ok(ControlMsg::Ok);
+                }
+                r => return Self::answer(r),
+            }
+        }
+    }
+
+    fn answer(r: Result<ControlMsg, ControlError>) -> Result<ControlMsg, ControlError> {
+        match r {
             Ok(ControlMsg::Error { message }) => Err(ControlError::Rejected(message)),
             Ok(r) => Ok(r),
             Err(ControlError::Io(e)) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {

@@ -262,6 +262,12 @@ impl Job {
         }
     }
 
+    /// Whether worker `worker` reports a newer epoch than it did (a state
+    /// change: orders follow from it, so it is a record of the store too).
+    pub fn adopts_newer(&self, worker: u32, epoch: u64) -> bool {
+        self.adopted.get(worker as usize).is_some_and(|&a| epoch > a)
+    }
+
     /// A worker reports the epoch it routes with.
     pub fn worker_adopted(&mut self, worker: u32, epoch: u64) {
         if let Some(a) = self.adopted.get_mut(worker as usize) {
@@ -323,8 +329,18 @@ impl Job {
     }
 
     /// Applies one record (live or replayed) and returns the reply for a live
-    /// request. Errors leave the state unchanged.
+    /// request. Errors leave the state unchanged. Orders follow from records
+    /// only, so a replay issues the same ones under the same sequence numbers.
     pub fn apply(&mut self, m: &ControlMsg) -> Result<ControlMsg, String> {
+        let r = self.apply_record(m)?;
+        // A record may let a source release or a drained server retire (a
+        // worker that finished no longer holds it back).
+        self.release_async();
+        self.retire_drained();
+        Ok(r)
+    }
+
+    fn apply_record(&mut self, m: &ControlMsg) -> Result<ControlMsg, String> {
         match m {
             ControlMsg::Register { role: Role::Server, .. } => {
                 if self.servers.len() as u32 >= self.server_slots {
@@ -403,6 +419,12 @@ impl Job {
                 Ok(ControlMsg::Ok)
             }
             ControlMsg::Split { shard, at, lo, hi } => self.split_done(*shard, *at, lo, hi),
+            // As a record: the epoch a worker routes with (releases and
+            // retirements follow from it).
+            ControlMsg::GetMap { worker, adopted, .. } => {
+                self.worker_adopted(*worker, *adopted);
+                Ok(ControlMsg::Ok)
+            }
             ControlMsg::Checkpoint { version, dir } => {
                 if self.consistency != Consistency::Bsp {
                     return Err("checkpoints need BSP consistency (one version for every shard)".into());
@@ -605,10 +627,17 @@ impl Job {
                 "joining"
             };
             let bytes = load.get(&(r as u32)).copied().unwrap_or(0);
+            let mut ids: Vec<u32> = self.map.shards.iter().filter(|x| x.owner == r as u32).map(|x| x.id).collect();
+            ids.sort_unstable();
+            let mut list: Vec<String> = ids.iter().take(32).map(u32::to_string).collect();
+            if ids.len() > 32 {
+                list.push("...".into());
+            }
             let _ = writeln!(
                 t,
-                "  server {r}: {state}, {shards} shards, {bytes} bytes, {}",
-                if s.addr.is_empty() { "-" } else { &s.addr }
+                "  server {r}: {state}, {shards} shards, {bytes} bytes, {} [shards {}]",
+                if s.addr.is_empty() { "-" } else { &s.addr },
+                list.join(",")
             );
         }
         let done = self.migrations.len() - self.migrations_in_flight();

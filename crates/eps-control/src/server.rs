@@ -201,7 +201,13 @@ fn serve(mut s: TcpStream, secret: &Secret, shared: &(Mutex<State>, Condvar)) ->
                 // A worker waiting in a long poll is alive: its lease runs from
                 // the end of the poll (a worker killed meanwhile never renews it).
                 st.seen.insert(worker, Instant::now() + LONG_POLL);
-                st.job.worker_adopted(worker, adopted);
+                if st.job.adopts_newer(worker, adopted) {
+                    // Persisted, so that a replay issues the orders that follow
+                    // from it under the same sequence numbers.
+                    let record = ControlMsg::GetMap { worker, adopted, min_epoch: 0, iteration: 0 };
+                    let _ = st.job.apply(&record);
+                    st.persist(&record)?;
+                }
                 st.job.worker_progress(worker, iteration);
                 // Orders may follow (a drained server may now retire).
                 cv.notify_all();

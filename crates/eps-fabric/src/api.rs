@@ -236,6 +236,12 @@ pub struct QpOptions {
     pub rnr_timeout: Option<Duration>,
     /// Time allowed for TCP connect plus the authentication handshake.
     pub connect_timeout: Duration,
+    /// How long requests outstanding on the QP may go without any progress
+    /// (bytes taken by the peer, or a response) before the oldest completes
+    /// with `RetryExceeded` and the QP moves to the error state, as an RC QP's
+    /// retry timer does with a peer that stopped without closing (`None`:
+    /// forever). The soft provider honours it; NICs have their own timers.
+    pub ack_timeout: Option<Duration>,
 }
 
 impl QpOptions {
@@ -249,6 +255,7 @@ impl QpOptions {
             max_msg_bytes: 1 << 30,
             rnr_timeout: None,
             connect_timeout: Duration::from_secs(10),
+            ack_timeout: Some(Duration::from_secs(30)),
         }
     }
 }

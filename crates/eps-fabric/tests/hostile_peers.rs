@@ -219,3 +219,49 @@ fn peer_disconnecting_mid_payload_writes_only_inside_the_region() {
     check_still_serving(&t);
     drop(t.pd);
 }
+
+#[test]
+fn a_peer_that_stops_answering_fails_requests_when_the_retry_timer_runs_out() {
+    let t = target();
+    let cq = t.pd.create_cq(16).unwrap();
+    let mut o = opts();
+    o.ack_timeout = Some(Duration::from_millis(300));
+    let listener = t.pd.listen("127.0.0.1:0".parse().unwrap(), &o).unwrap();
+    let addr = listener.local_addr();
+    // The accepted QP's requests go to a raw peer that takes them and never
+    // answers, as a process stopped with SIGSTOP would (its kernel still takes
+    // the bytes).
+    let (qp, raw) = std::thread::scope(|s| {
+        let h = s.spawn(|| listener.accept(&cq, &cq, Duration::from_secs(10)).unwrap());
+        let raw = raw_dial(addr);
+        (h.join().unwrap(), raw)
+    });
+    let sg = [Sge::whole(&t.mr)];
+    let start = Instant::now();
+    qp.post_send(&SendWr { wr_id: 7, op: SendOp::Write(eps_fabric::RemoteAddr { addr: 0, rkey: 1 }), sg: &sg, signaled: true })
+        .unwrap();
+    qp.post_send(&SendWr { wr_id: 8, op: SendOp::Write(eps_fabric::RemoteAddr { addr: 0, rkey: 1 }), sg: &sg, signaled: true })
+        .unwrap();
+    let mut wc = [Completion::EMPTY; 4];
+    let mut got = Vec::new();
+    while got.len() < 2 {
+        assert!(start.elapsed() < Duration::from_secs(10), "the requests wait forever");
+        let n = cq.poll(&mut wc).unwrap();
+        got.extend(wc[..n].iter().map(|c| (c.wr_id, c.status)));
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(start.elapsed() >= Duration::from_millis(300), "failed before the timer ran out");
+    assert_eq!(got, vec![(7, WcStatus::RetryExceeded), (8, WcStatus::WrFlush)]);
+    drop(raw);
+}
+
+#[test]
+fn a_silent_dialer_does_not_hold_up_the_accept_of_others() {
+    let t = target();
+    let addr = t.listener.local_addr();
+    // Connected, never a byte: its handshake waits on a thread of its own.
+    let _silent = TcpStream::connect(addr).unwrap();
+    let start = Instant::now();
+    check_still_serving(&t);
+    assert!(start.elapsed() < Duration::from_secs(3), "accept waited {:?} behind a silent peer", start.elapsed());
+}

@@ -562,6 +562,8 @@ impl SimServer {
                 self.try_split(w, shard);
             }
             Order::Release { shard } => w.fail(format!("server {rank}: SSP/ASP release of shard {shard} in a BSP job")),
+            // The simulation takes no checkpoints (nothing orders one).
+            Order::Checkpoint { version, .. } => w.fail(format!("server {rank}: ordered a checkpoint at {version}")),
             Order::Retire => {
                 self.retired = true;
                 w.check_retired(rank);

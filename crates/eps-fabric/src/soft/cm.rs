@@ -74,6 +74,7 @@ fn build_qp(
         opts.max_send_wr,
         opts.max_sge,
         opts.max_msg_bytes,
+        opts.ack_timeout,
     )));
     send_cq.inner.requesters.lock().unwrap_or_else(|p| p.into_inner()).push(r.clone());
     pd.dev.engine.shared.adopt(shared.clone());
@@ -129,12 +130,24 @@ struct Pending {
     since: Instant,
 }
 
+type PendingMap = Arc<Mutex<HashMap<u64, Pending>>>;
+
+/// Handshakes run at most this many at once (each on a thread of its own, so
+/// a peer that connects and stays silent holds up nobody else).
+const MAX_HANDSHAKES: usize = 64;
+
 /// Listens for soft QP connections.
 pub struct SoftListener {
     pd: SoftPd,
     listener: TcpListener,
     opts: QpOptions,
-    pending: Mutex<HashMap<u64, Pending>>,
+    /// First channels in, by token, waiting for their second.
+    pending: PendingMap,
+    /// Second channels whose handshake completed: (token, stream, peer).
+    done_tx: std::sync::mpsc::Sender<(u64, TcpStream, SocketAddr)>,
+    done_rx: Mutex<std::sync::mpsc::Receiver<(u64, TcpStream, SocketAddr)>>,
+    /// Handshakes in flight.
+    running: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl std::fmt::Debug for SoftListener {
@@ -148,45 +161,75 @@ impl SoftListener {
         check_opts(&opts)?;
         let listener = TcpListener::bind(addr).map_err(|source| FabricError::Listen { addr, source })?;
         listener.set_nonblocking(true).map_err(|source| FabricError::Listen { addr, source })?;
-        Ok(Self { pd, listener, opts, pending: Mutex::new(HashMap::new()) })
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        Ok(Self { pd, listener, opts, pending: Arc::default(), done_tx, done_rx: Mutex::new(done_rx), running: Arc::default() })
     }
 
-    /// Listener side of one channel. Returns the channel, the token and the stream.
-    fn serve_channel(&self, mut s: TcpStream, peer: &str) -> Result<(u8, u64, TcpStream)> {
-        s.set_nonblocking(false).map_err(io_err(peer, "handshake"))?;
-        s.set_read_timeout(Some(self.opts.connect_timeout)).map_err(io_err(peer, "handshake"))?;
-        s.set_nodelay(true).map_err(io_err(peer, "handshake"))?;
-        let mut b = [0u8; CLIENT_HELLO_LEN];
-        s.read_exact(&mut b).map_err(io_err(peer, "handshake"))?;
-        let hello =
-            ClientHello::decode(&b).map_err(|_| FabricError::Protocol { peer: peer.to_string(), reason: "bad client hello" })?;
-        let token = if hello.channel == 0 {
-            u64::from_le_bytes(auth::nonce().map_err(io_err(peer, "handshake"))?[..8].try_into().expect("8 bytes")) | 1
-        } else {
-            hello.token
-        };
-        let nonce_s = auth::nonce().map_err(io_err(peer, "handshake"))?;
-        let proof = auth::listener_proof(&self.opts.secret, &hello.nonce, &nonce_s, hello.token, hello.channel);
-        s.write_all(&ServerHello { nonce: nonce_s, proof }.encode()).map_err(io_err(peer, "handshake"))?;
-        let mut p = [0u8; CLIENT_AUTH_LEN];
-        s.read_exact(&mut p).map_err(io_err(peer, "handshake"))?;
-        let got =
-            decode_client_auth(&p).map_err(|_| FabricError::Protocol { peer: peer.to_string(), reason: "bad client proof" })?;
-        let expect = auth::dialer_proof(&self.opts.secret, &hello.nonce, &nonce_s, hello.token, hello.channel);
-        let mut acc = AcceptFrame { status: ACCEPT_OK, token, qp_num: 0, max_msg_bytes: self.opts.max_msg_bytes };
-        if !auth::proofs_equal(&expect, &got) {
-            acc.status = ACCEPT_AUTH_FAILED;
-            let _ = s.write_all(&acc.encode());
-            return Err(FabricError::AuthFailed { peer: peer.to_string(), reason: "the dialer does not hold the job secret" });
+    /// Runs the handshake of a connection just accepted on a thread of its own.
+    fn start_handshake(&self, s: TcpStream, peer: SocketAddr) {
+        let (opts, pending, done, running) =
+            (self.opts.clone(), self.pending.clone(), self.done_tx.clone(), self.running.clone());
+        running.fetch_add(1, Ordering::AcqRel);
+        let spawned = std::thread::Builder::new().name("eps-soft-handshake".into()).spawn(move || {
+            // A failed handshake concerns that peer only.
+            if let Ok(Some(token)) = serve_channel(&opts, &pending, &s, &peer.to_string()) {
+                let _ = done.send((token, s, peer));
+            }
+            running.fetch_sub(1, Ordering::AcqRel);
+        });
+        if spawned.is_err() {
+            self.running.fetch_sub(1, Ordering::AcqRel);
         }
-        if hello.channel == 1 && !self.pending.lock().unwrap_or_else(|p| p.into_inner()).contains_key(&token) {
+    }
+}
+
+/// Listener side of one channel. A first channel (0) is left in `pending`
+/// under its new token; a second one (1) is returned with its token.
+fn serve_channel(opts: &QpOptions, pending: &Mutex<HashMap<u64, Pending>>, s: &TcpStream, peer: &str) -> Result<Option<u64>> {
+    let mut s = s;
+    s.set_nonblocking(false).map_err(io_err(peer, "handshake"))?;
+    s.set_read_timeout(Some(opts.connect_timeout)).map_err(io_err(peer, "handshake"))?;
+    s.set_nodelay(true).map_err(io_err(peer, "handshake"))?;
+    let mut b = [0u8; CLIENT_HELLO_LEN];
+    s.read_exact(&mut b).map_err(io_err(peer, "handshake"))?;
+    let hello =
+        ClientHello::decode(&b).map_err(|_| FabricError::Protocol { peer: peer.to_string(), reason: "bad client hello" })?;
+    let token = if hello.channel == 0 {
+        u64::from_le_bytes(auth::nonce().map_err(io_err(peer, "handshake"))?[..8].try_into().expect("8 bytes")) | 1
+    } else {
+        hello.token
+    };
+    let nonce_s = auth::nonce().map_err(io_err(peer, "handshake"))?;
+    let proof = auth::listener_proof(&opts.secret, &hello.nonce, &nonce_s, hello.token, hello.channel);
+    s.write_all(&ServerHello { nonce: nonce_s, proof }.encode()).map_err(io_err(peer, "handshake"))?;
+    let mut p = [0u8; CLIENT_AUTH_LEN];
+    s.read_exact(&mut p).map_err(io_err(peer, "handshake"))?;
+    let got = decode_client_auth(&p).map_err(|_| FabricError::Protocol { peer: peer.to_string(), reason: "bad client proof" })?;
+    let expect = auth::dialer_proof(&opts.secret, &hello.nonce, &nonce_s, hello.token, hello.channel);
+    let mut acc = AcceptFrame { status: ACCEPT_OK, token, qp_num: 0, max_msg_bytes: opts.max_msg_bytes };
+    if !auth::proofs_equal(&expect, &got) {
+        acc.status = ACCEPT_AUTH_FAILED;
+        let _ = s.write_all(&acc.encode());
+        return Err(FabricError::AuthFailed { peer: peer.to_string(), reason: "the dialer does not hold the job secret" });
+    }
+    {
+        let mut pending = pending.lock().unwrap_or_else(|p| p.into_inner());
+        pending.retain(|_, p| p.since.elapsed() < PENDING_TTL);
+        if hello.channel == 0 {
+            // In place before the dialer can start its second channel.
+            let stream = s.try_clone().map_err(io_err(peer, "handshake"))?;
+            pending.insert(token, Pending { stream, since: Instant::now() });
+        } else if !pending.contains_key(&token) {
             acc.status = ACCEPT_BAD_TOKEN;
             let _ = s.write_all(&acc.encode());
             return Err(FabricError::Protocol { peer: peer.to_string(), reason: "unknown connection token" });
         }
-        s.write_all(&acc.encode()).map_err(io_err(peer, "handshake"))?;
-        Ok((hello.channel, token, s))
     }
+    if let Err(e) = s.write_all(&acc.encode()) {
+        pending.lock().unwrap_or_else(|p| p.into_inner()).remove(&token);
+        return Err(io_err(peer, "handshake")(e));
+    }
+    Ok((hello.channel == 1).then_some(token))
 }
 
 impl Listener for SoftListener {
@@ -200,34 +243,34 @@ impl Listener for SoftListener {
     fn accept(&self, send_cq: &SoftCq, recv_cq: &SoftCq, timeout: Duration) -> Result<SoftQp> {
         let deadline = Instant::now() + timeout;
         loop {
+            // A second channel whose handshake completed makes a QP with its first.
+            while let Ok((token, stream, peer)) = self.done_rx.lock().unwrap_or_else(|p| p.into_inner()).try_recv() {
+                let Some(first) = self.pending.lock().unwrap_or_else(|p| p.into_inner()).remove(&token) else { continue };
+                let qp_num = self.pd.dev.next_qp.fetch_add(1, Ordering::Relaxed);
+                // The dialer's channel 0 carries its requests: it is our responder channel.
+                return build_qp(&self.pd, stream, first.stream, qp_num, send_cq, recv_cq, &self.opts, peer);
+            }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return Err(FabricError::Timeout("a queue-pair connection"));
             }
-            let ms = left.as_millis().clamp(1, 1000) as i32;
-            if !sys::wait_readable(self.listener.as_raw_fd(), ms)
-                .map_err(|e| FabricError::Listen { addr: self.local_addr(), source: e })?
+            // While handshakes run, look at their results every millisecond.
+            let busy = self.running.load(Ordering::Acquire);
+            let ms = if busy > 0 { 1 } else { left.as_millis().clamp(1, 1000) as i32 };
+            if busy >= MAX_HANDSHAKES
+                || !sys::wait_readable(self.listener.as_raw_fd(), ms)
+                    .map_err(|e| FabricError::Listen { addr: self.local_addr(), source: e })?
             {
+                if busy >= MAX_HANDSHAKES {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
                 continue;
             }
-            let (s, peer) = match self.listener.accept() {
-                Ok(x) => x,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            match self.listener.accept() {
+                Ok((s, peer)) => self.start_handshake(s, peer),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
                 Err(source) => return Err(FabricError::Listen { addr: self.local_addr(), source }),
-            };
-            // A failed handshake concerns that peer only: keep accepting others.
-            let Ok((channel, token, stream)) = self.serve_channel(s, &peer.to_string()) else { continue };
-            let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
-            pending.retain(|_, p| p.since.elapsed() < PENDING_TTL);
-            if channel == 0 {
-                pending.insert(token, Pending { stream, since: Instant::now() });
-                continue;
             }
-            let Some(first) = pending.remove(&token) else { continue };
-            drop(pending);
-            let qp_num = self.pd.dev.next_qp.fetch_add(1, Ordering::Relaxed);
-            // The dialer's channel 0 carries its requests: it is our responder channel.
-            return build_qp(&self.pd, stream, first.stream, qp_num, send_cq, recv_cq, &self.opts, peer);
         }
     }
 }

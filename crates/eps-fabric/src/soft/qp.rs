@@ -205,10 +205,21 @@ pub(crate) struct Requester {
     rx_have: usize,
     /// Data bytes of the head READ received so far, once its header is in.
     read_got: Option<u32>,
+    /// The retry timer: how long requests may go without progress.
+    ack_timeout: Option<std::time::Duration>,
+    /// When requests last made progress (or the first was posted).
+    last_progress: std::time::Instant,
 }
 
 impl Requester {
-    pub(crate) fn new(qp: Arc<QpShared>, cq: Arc<CqInner>, depth: u32, max_sge: u32, max_msg_bytes: u32) -> Self {
+    pub(crate) fn new(
+        qp: Arc<QpShared>,
+        cq: Arc<CqInner>,
+        depth: u32,
+        max_sge: u32,
+        max_msg_bytes: u32,
+        ack_timeout: Option<std::time::Duration>,
+    ) -> Self {
         Self {
             qp,
             cq,
@@ -225,6 +236,8 @@ impl Requester {
             rx: [0; RESP_LEN * RX_BATCH],
             rx_have: 0,
             read_got: None,
+            ack_timeout,
+            last_progress: std::time::Instant::now(),
         }
     }
 
@@ -240,6 +253,10 @@ impl Requester {
     fn post(&mut self, wr: &SendWr<'_, SoftMr>) -> Result<()> {
         if (self.tail - self.head) as usize == self.ring.len() {
             return Err(FabricError::QueueFull { queue: "send", depth: self.ring.len() as u32 });
+        }
+        if self.head == self.tail {
+            // The retry timer starts with the first outstanding request.
+            self.last_progress = std::time::Instant::now();
         }
         self.seq = self.seq.wrapping_add(1);
         let (seq, pd, max_sge, max_msg) = (self.seq, self.qp.pd, self.max_sge, self.max_msg_bytes);
@@ -285,12 +302,21 @@ impl Requester {
         if self.head == self.tail {
             return;
         }
+        let before = (self.head, self.sent, self.tx_off, self.rx_have, self.read_got);
         if !self.qp.is_error() {
             self.transmit();
         }
         // In the error state responses are still read until the peer closes the
         // channel; `receive` flushes what remains when it sees that.
         self.receive();
+        if (self.head, self.sent, self.tx_off, self.rx_have, self.read_got) != before || self.head == self.tail {
+            self.last_progress = std::time::Instant::now();
+        } else if let Some(t) = self.ack_timeout
+            && self.last_progress.elapsed() > t
+        {
+            // The peer stopped without closing: the retry timer ran out.
+            self.fail_transport(WcStatus::RetryExceeded);
+        }
     }
 
     fn transmit(&mut self) {

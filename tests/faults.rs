@@ -1,0 +1,193 @@
+//! Faults injected into `eps train` runs (real processes on 127.0.0.1): a
+//! control plane killed mid-run is restarted from its store and the job ends
+//! with the uninterrupted run's parameters; a server killed mid-run rolls the
+//! job back to its newest checkpoint, and it still ends with them; without
+//! checkpoints the run stops at once, naming the shards lost.
+
+use std::io::{BufRead, BufReader};
+use std::os::unix::process::CommandExt as _;
+use std::path::PathBuf;
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+const SPEC: &str = r#"
+[job]
+workers = 2
+servers = 2
+steps = 300
+batch = 32
+shard_bytes = 65536
+[model]
+preset = "synthetic"
+buckets = 16384
+[optimizer]
+kind = "adam"
+lr = 0.01
+"#;
+
+fn tmp(name: &str) -> PathBuf {
+    let p = std::env::temp_dir().join(format!("eps-faults-test-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&p);
+    p
+}
+
+fn spec_file(name: &str) -> PathBuf {
+    let p = tmp(name).with_extension("toml");
+    std::fs::write(&p, SPEC).unwrap();
+    p
+}
+
+fn eps() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_eps"))
+}
+
+fn json(stdout: &str, key: &str) -> String {
+    let last = stdout.lines().last().unwrap_or_default().to_string();
+    let pat = format!("\"{key}\":");
+    let at = last.find(&pat).unwrap_or_else(|| panic!("{key} missing: {stdout}")) + pat.len();
+    let rest = &last[at..];
+    if let Some(text) = rest.strip_prefix('"') {
+        return text[..text.find('"').unwrap()].to_string();
+    }
+    rest[..rest.find([',', '}']).unwrap()].to_string()
+}
+
+fn uninterrupted(spec: &str) -> String {
+    let o: Output = eps().args(["train", "--json", "--spec", spec]).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    json(&String::from_utf8_lossy(&o.stdout), "params_checksum")
+}
+
+/// A run of `eps train` in a process group of its own, its stderr lines
+/// collected as they come.
+struct Run {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    err: Vec<String>,
+}
+
+impl Run {
+    fn start(args: &[&str]) -> Self {
+        let mut child = eps()
+            .args(["train", "--json", "--progress-every", "5"])
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        let (tx, lines) = mpsc::channel();
+        let err = child.stderr.take().unwrap();
+        std::thread::spawn(move || {
+            for l in BufReader::new(err).lines().map_while(Result::ok) {
+                let _ = tx.send(l);
+            }
+        });
+        Self { child, lines, err: Vec::new() }
+    }
+
+    /// Waits for a progress line at `step` or later.
+    fn wait_step(&mut self, step: u64) {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            let l = self.lines.recv_timeout(deadline.saturating_duration_since(Instant::now())).unwrap_or_else(|_| {
+                panic!("no step {step} in time:\n{}", self.err.join("\n"));
+            });
+            self.err.push(l.clone());
+            let at = l.strip_prefix("step").and_then(|r| r.trim_start().split('/').next()?.parse::<u64>().ok());
+            if at.is_some_and(|s| s >= step) {
+                return;
+            }
+        }
+    }
+
+    /// The pid of the child process whose command line has `role` (`control`,
+    /// `server`) as its first argument.
+    fn role_pid(&self, role: &str) -> u32 {
+        let me = self.child.id().to_string();
+        for e in std::fs::read_dir("/proc").unwrap().flatten() {
+            let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else { continue };
+            let ppid = stat.rsplit(')').next().and_then(|r| r.split_whitespace().nth(1));
+            let cmd = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
+            let args: Vec<&[u8]> = cmd.split(|&b| b == 0).collect();
+            if ppid == Some(me.as_str()) && args.get(1) == Some(&role.as_bytes()) {
+                return e.file_name().to_str().unwrap().parse().unwrap();
+            }
+        }
+        panic!("no {role} process under {me}");
+    }
+
+    /// Waits for the end: success, stdout and every stderr line.
+    fn finish(mut self) -> (bool, String, String) {
+        let mut out = String::new();
+        std::io::Read::read_to_string(self.child.stdout.as_mut().unwrap(), &mut out).unwrap();
+        let ok = self.child.wait().unwrap().success();
+        while let Ok(l) = self.lines.recv_timeout(Duration::from_secs(5)) {
+            self.err.push(l);
+        }
+        (ok, out, self.err.join("\n"))
+    }
+}
+
+impl Drop for Run {
+    fn drop(&mut self) {
+        let _ = Command::new("kill").args(["-KILL", "--", &format!("-{}", self.child.id())]).status();
+        let _ = self.child.wait();
+    }
+}
+
+fn kill(pid: u32) {
+    assert!(Command::new("kill").args(["-KILL", &pid.to_string()]).status().unwrap().success());
+}
+
+#[test]
+fn a_control_plane_killed_mid_run_is_restarted_and_the_job_ends_bitwise() {
+    let spec = spec_file("control");
+    let s = spec.to_str().unwrap();
+    let expected = uninterrupted(s);
+    let mut run = Run::start(&["--spec", s]);
+    run.wait_step(40);
+    kill(run.role_pid("control"));
+    let (ok, out, err) = run.finish();
+    assert!(ok, "{err}");
+    assert!(err.contains("restarting it from its store"), "{err}");
+    assert_eq!(json(&out, "params_checksum"), expected);
+    std::fs::remove_file(&spec).ok();
+}
+
+#[test]
+fn a_server_killed_mid_run_rolls_back_to_the_newest_checkpoint_bitwise() {
+    let spec = spec_file("server");
+    let s = spec.to_str().unwrap();
+    let expected = uninterrupted(s);
+    let dir = tmp("server-dir");
+    let mut run = Run::start(&["--spec", s, "--checkpoint-every", "20", "--checkpoint-dir", dir.to_str().unwrap()]);
+    run.wait_step(70);
+    kill(run.role_pid("server"));
+    let (ok, out, err) = run.finish();
+    assert!(ok, "{err}");
+    assert!(err.contains("its shards are lost") && err.contains("rolling back from iteration"), "{err}");
+    assert_eq!(json(&out, "rollbacks"), "1");
+    let lost: u64 = json(&out, "iterations_lost").parse().unwrap();
+    assert!(lost < 100, "{lost} iterations lost with a checkpoint every 20");
+    assert!(err.contains("on 1 server ("), "the job goes on on the server left: {err}");
+    assert_eq!(json(&out, "params_checksum"), expected);
+    std::fs::remove_dir_all(&dir).ok();
+    std::fs::remove_file(&spec).ok();
+}
+
+#[test]
+fn a_server_killed_without_checkpoints_stops_the_run_naming_its_shards() {
+    let spec = spec_file("lost");
+    let mut run = Run::start(&["--spec", spec.to_str().unwrap()]);
+    run.wait_step(20);
+    let killed = Instant::now();
+    kill(run.role_pid("server"));
+    let (ok, _, err) = run.finish();
+    assert!(!ok);
+    assert!(killed.elapsed() < Duration::from_secs(30), "took {:?} to stop", killed.elapsed());
+    assert!(err.contains("its shards are lost") && err.contains("[shards "), "{err}");
+    assert!(err.contains("no checkpoints to roll back to"), "{err}");
+    std::fs::remove_file(&spec).ok();
+}
