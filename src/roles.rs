@@ -120,8 +120,10 @@ pub fn server(
         }
     }
     let s = transport::run_on(&chosen, Serve { cfg, reg, built })?.map_err(|e| crate_error(&e))?;
-    eprintln!(
-        "eps server {}: {} shards, {} parameters, {} updates applied, {} pulls served, {} protocol violations ({} transport, {} aggregator)",
+    // One write, so that other processes' lines on the same stderr cannot land
+    // inside it.
+    let line = format!(
+        "eps server {}: {} shards, {} parameters, {} updates applied, {} pulls served, {} protocol violations ({} transport, {} aggregator)\n",
         s.rank,
         s.shards,
         s.elements,
@@ -131,6 +133,7 @@ pub fn server(
         chosen.name(),
         kind.name()
     );
+    let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
     Ok(())
 }
 

@@ -165,6 +165,23 @@ pub struct Tracker {
     keep: usize,
 }
 
+/// A server's report of one piece (`ControlMsg::Saved`).
+#[derive(Clone, Copy, Debug)]
+pub struct Report<'a> {
+    /// The checkpoint's version.
+    pub version: u64,
+    /// First element.
+    pub start: u64,
+    /// Elements.
+    pub len: u64,
+    /// The piece's path.
+    pub file: &'a str,
+    /// Its hex SHA-256, or (missed) why writing failed.
+    pub sha256: &'a str,
+    /// Nothing was written.
+    pub missed: bool,
+}
+
 /// Where a report left its checkpoint.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Outcome {
@@ -198,16 +215,8 @@ impl Tracker {
     /// `sha256` is empty if the server had passed `version`, else why writing
     /// failed); once the pieces cover the parameters, writes the manifest and
     /// prunes.
-    pub fn saved(
-        &mut self,
-        version: u64,
-        start: u64,
-        len: u64,
-        file: &str,
-        sha256: &str,
-        missed: bool,
-        job: &JobRecord,
-    ) -> Outcome {
+    pub fn saved(&mut self, r: &Report<'_>, job: &JobRecord) -> Outcome {
+        let Report { version, start, len, file, sha256, missed } = *r;
         let path = Path::new(file);
         let (Some(ckpt), Some(name)) = (path.parent(), path.file_name().and_then(|n| n.to_str())) else {
             return Outcome::Failed(format!("a server reported a piece without a directory: {file}"));
@@ -279,7 +288,8 @@ mod tests {
         let values: Vec<f32> = (0..2 * len).map(|i| (start * 2 + i) as f32).collect();
         let file = dir.join(dir_name(v)).join(eps_proto::checkpoint::piece_name(shard, 0));
         let sha = write_piece(&file, &h, &values).unwrap();
-        t.saved(v, start, len, file.to_str().unwrap(), &sha, false, &record(8))
+        let r = Report { version: v, start, len, file: file.to_str().unwrap(), sha256: &sha, missed: false };
+        t.saved(&r, &record(8))
     }
 
     #[test]
@@ -319,7 +329,8 @@ mod tests {
         let mut t = Tracker::new(3);
         piece(&mut t, &dir, 10, 0, 0, 4);
         let file = dir.join(dir_name(10)).join("x.bin");
-        let o = t.saved(10, 4, 4, file.to_str().unwrap(), "", true, &record(8));
+        let r = Report { version: 10, start: 4, len: 4, file: file.to_str().unwrap(), sha256: "", missed: true };
+        let o = t.saved(&r, &record(8));
         assert!(matches!(o, Outcome::Failed(ref w) if w.contains("passed iteration 10")), "{o:?}");
         assert!(matches!(t.outcome(&dir, 10), Outcome::Failed(_)));
         assert!(latest(&dir).unwrap_err().contains("no complete checkpoint"));

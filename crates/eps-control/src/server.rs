@@ -16,7 +16,7 @@ use eps_proto::JobSpec;
 use eps_proto::control::ControlMsg;
 
 use crate::ControlError;
-use crate::checkpoint::{Outcome, Tracker};
+use crate::checkpoint::{Outcome, Report, Tracker};
 use crate::conn::{auth_server, read_msg, write_msg};
 use crate::job::Job;
 use crate::store::Store;
@@ -261,7 +261,8 @@ fn serve(mut s: TcpStream, secret: &Secret, shared: &(Mutex<State>, Condvar)) ->
                 let mut st = locked();
                 let before = Path::new(&file).parent().and_then(Path::parent).map(|d| st.ckpt.outcome(d, version));
                 let rec = st.job.checkpoint_record(version);
-                match st.ckpt.saved(version, start, len, &file, &sha256, missed, &rec) {
+                let report = Report { version, start, len, file: &file, sha256: &sha256, missed };
+                match st.ckpt.saved(&report, &rec) {
                     Outcome::Complete(p) if before != Some(Outcome::Complete(p.clone())) => {
                         eprintln!("eps control: checkpoint at iteration {version} complete in {}", p.display());
                         if st.last_checkpoint.as_ref().is_none_or(|(v, _)| *v < version) {
