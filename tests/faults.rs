@@ -2,7 +2,9 @@
 //! control plane killed mid-run is restarted from its store and the job ends
 //! with the uninterrupted run's parameters; a server killed mid-run rolls the
 //! job back to its newest checkpoint, and it still ends with them; without
-//! checkpoints the run stops at once, naming the shards lost.
+//! checkpoints the run stops at once, naming the shards lost; a worker killed
+//! at any point (mid-push, mid-pull, during a migration) is removed when its
+//! lease runs out and the others finish the job.
 
 use std::io::{BufRead, BufReader};
 use std::os::unix::process::CommandExt as _;
@@ -105,6 +107,12 @@ impl Run {
     /// The pid of the child process whose command line has `role` (`control`,
     /// `server`) as its first argument.
     fn role_pid(&self, role: &str) -> u32 {
+        self.role_pids(role)[0]
+    }
+
+    /// Every child process whose command line has `role` as its first argument.
+    fn role_pids(&self, role: &str) -> Vec<u32> {
+        let mut found = Vec::new();
         let me = self.child.id().to_string();
         for e in std::fs::read_dir("/proc").unwrap().flatten() {
             let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else { continue };
@@ -112,10 +120,26 @@ impl Run {
             let cmd = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
             let args: Vec<&[u8]> = cmd.split(|&b| b == 0).collect();
             if ppid == Some(me.as_str()) && args.get(1) == Some(&role.as_bytes()) {
-                return e.file_name().to_str().unwrap().parse().unwrap();
+                found.push(e.file_name().to_str().unwrap().parse().unwrap());
             }
         }
-        panic!("no {role} process under {me}");
+        assert!(!found.is_empty(), "no {role} process under {me}");
+        found.sort_unstable();
+        found
+    }
+
+    /// Waits for a stderr line containing `text`.
+    fn wait_line(&mut self, text: &str) {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            let l = self.lines.recv_timeout(deadline.saturating_duration_since(Instant::now())).unwrap_or_else(|_| {
+                panic!("no line with {text:?} in time:\n{}", self.err.join("\n"));
+            });
+            self.err.push(l.clone());
+            if l.contains(text) {
+                return;
+            }
+        }
     }
 
     /// Waits for the end: success, stdout and every stderr line.
@@ -189,5 +213,53 @@ fn a_server_killed_without_checkpoints_stops_the_run_naming_its_shards() {
     assert!(killed.elapsed() < Duration::from_secs(30), "took {:?} to stop", killed.elapsed());
     assert!(err.contains("its shards are lost") && err.contains("[shards "), "{err}");
     assert!(err.contains("no checkpoints to roll back to"), "{err}");
+    std::fs::remove_file(&spec).ok();
+}
+
+/// Three workers, leases of a second.
+fn three_workers(name: &str) -> PathBuf {
+    let p = tmp(name).with_extension("toml");
+    std::fs::write(&p, SPEC.replace("workers = 2", "workers = 3\nworker_lease_ms = 1000").replace("steps = 300", "steps = 150"))
+        .unwrap();
+    p
+}
+
+/// The run went on without one worker: finished, with its removal in the
+/// contributor sets.
+fn check_went_on(ok: bool, out: &str, err: &str) {
+    assert!(ok, "{err}");
+    assert!(err.contains("the job goes on without it"), "{err}");
+    let m = eps::train::worker::parse_membership(&json(out, "membership")).unwrap();
+    assert_eq!(m.epochs().len(), 2, "one removal: {:?}", m.epochs());
+    assert_eq!(m.latest().len(), 2, "{:?}", m.epochs());
+    let loss: f64 = json(out, "final_loss").parse().unwrap();
+    assert!(loss.is_finite() && loss < 1.0, "loss {loss}");
+}
+
+#[test]
+fn a_worker_killed_at_random_points_is_removed_and_the_others_finish() {
+    let spec = three_workers("worker");
+    // Each worker pushes and pulls nearly all the time: a kill at a random
+    // moment lands mid-push, mid-pull or between them.
+    for (i, step) in [(0usize, 20u64), (1, 37), (2, 51)] {
+        let mut run = Run::start(&["--spec", spec.to_str().unwrap()]);
+        run.wait_step(step);
+        std::thread::sleep(Duration::from_micros(1_000 + 1_733 * step));
+        kill(run.role_pids("worker")[i]);
+        let (ok, out, err) = run.finish();
+        check_went_on(ok, &out, &err);
+    }
+    std::fs::remove_file(&spec).ok();
+}
+
+#[test]
+fn a_worker_killed_during_a_migration_is_removed_and_the_others_finish() {
+    let spec = three_workers("worker-mig");
+    let mut run = Run::start(&["--spec", spec.to_str().unwrap(), "--scale-plan", "30:servers=3"]);
+    run.wait_line("scaling servers 2 -> 3");
+    kill(run.role_pids("worker")[1]);
+    let (ok, out, err) = run.finish();
+    check_went_on(ok, &out, &err);
+    assert_eq!(json(&out, "scale_events"), "1");
     std::fs::remove_file(&spec).ok();
 }

@@ -309,7 +309,29 @@ impl LocalCluster {
     /// at once (stopping the rest) on Ctrl-C or when a process exits with an error.
     /// Each request received on `more` starts that many more servers or workers.
     /// Returns the number of worker processes started in all.
-    pub fn supervise(mut self, more: Option<&mpsc::Receiver<Spawn>>, mut on_line: impl FnMut(&str)) -> Result<u32, TrainError> {
+    pub fn supervise(self, more: Option<&mpsc::Receiver<Spawn>>, on_line: impl FnMut(&str)) -> Result<u32, TrainError> {
+        self.watch(more, on_line, false).map(|(started, _)| started)
+    }
+
+    /// As [`LocalCluster::supervise`], except that a worker process that dies
+    /// does not stop the cluster: the job goes on without it once its lease
+    /// runs out (the control plane removes it at the next iteration boundary).
+    /// Returns the worker processes started and those that died.
+    pub fn supervise_tolerant(
+        self,
+        more: Option<&mpsc::Receiver<Spawn>>,
+        on_line: impl FnMut(&str),
+    ) -> Result<(u32, u32), TrainError> {
+        self.watch(more, on_line, true)
+    }
+
+    fn watch(
+        mut self,
+        more: Option<&mpsc::Receiver<Spawn>>,
+        mut on_line: impl FnMut(&str),
+        tolerant: bool,
+    ) -> Result<(u32, u32), TrainError> {
+        let mut died = 0;
         loop {
             if INTERRUPTED.load(Ordering::SeqCst) {
                 return Err(TrainError::Interrupted);
@@ -328,9 +350,17 @@ impl LocalCluster {
             }
             let mut running = 0;
             let mut control_died = None;
+            let mut gone = Vec::new();
             for (i, (name, c)) in self.children.iter_mut().enumerate() {
                 match c.try_wait() {
                     Ok(None) => running += 1,
+                    Ok(Some(st)) if !st.success() && tolerant && name.starts_with("worker") => {
+                        eprintln!(
+                            "eps train: {name} (pid {}) exited with {st}; the job goes on without it once its lease runs out",
+                            c.id()
+                        );
+                        gone.push(i);
+                    }
                     Ok(Some(st)) if !st.success() && name == CONTROL && self.control_restarts < CONTROL_RESTARTS => {
                         eprintln!("eps train: the control plane (pid {}) exited with {st}; restarting it from its store", c.id());
                         control_died = Some(i);
@@ -345,10 +375,18 @@ impl LocalCluster {
                     _ => {}
                 }
             }
-            if let Some(i) = control_died {
+            died += gone.len() as u32;
+            if died > 0 && died == self.workers_started {
+                return Err(TrainError::Child("every worker process died; stopped the cluster".into()));
+            }
+            let mut remove: Vec<usize> = gone.into_iter().chain(control_died).collect();
+            remove.sort_unstable();
+            for &i in remove.iter().rev() {
+                self.children.remove(i);
+            }
+            if control_died.is_some() {
                 // Nothing on the data path waits for it: training goes on while
                 // it restarts; servers and workers reconnect.
-                self.children.remove(i);
                 self.control_restarts += 1;
                 self.start_control()?;
                 running += 1;
@@ -362,7 +400,7 @@ impl LocalCluster {
                 while let Ok(l) = self.lines.try_recv() {
                     on_line(&l);
                 }
-                return Ok(self.workers_started);
+                return Ok((self.workers_started, died));
             }
         }
     }

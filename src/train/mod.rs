@@ -314,7 +314,7 @@ fn run_once(
     let (steps, batch) = (spec.job.steps, spec.job.batch as f64);
     let mut rep = TrainReport { steps, ..TrainReport::default() };
     let mut totals = Totals::default();
-    let started = cluster.supervise(Some(&more), |l| {
+    let started = cluster.supervise_tolerant(Some(&more), |l| {
         if l.starts_with("EPS_PROGRESS") {
             let (step_now, secs) = (num(l, "step"), num(l, "elapsed_s").max(1e-9));
             step.store(step_now as u64, std::sync::atomic::Ordering::Release);
@@ -339,7 +339,8 @@ fn run_once(
             absorb_done(l, &mut rep, &mut totals);
         }
     })?;
-    if totals.done != started || rep.params_checksum.is_empty() {
+    let (started, died) = started;
+    if totals.done + died != started || rep.params_checksum.is_empty() {
         return Err(TrainError::Child(format!("only {} of {started} workers reported their results", totals.done)));
     }
     let secs = rep.elapsed_s.max(1e-9);
@@ -383,7 +384,8 @@ fn absorb_done(l: &str, rep: &mut TrainReport, totals: &mut Totals) {
     totals.pushed += num(l, "pushed");
     totals.pulled += num(l, "pulled");
     rep.elapsed_s = rep.elapsed_s.max(num(l, "elapsed_s"));
-    if field(l, "rank") == Some("0") && field(l, "left") != Some("1") {
+    // The lowest-ranked contributor of the last iteration reports the result.
+    if field(l, "params_checksum").is_some() {
         rep.membership = field(l, "membership").unwrap_or_default().to_string();
         rep.final_loss = num(l, "final_loss");
         rep.final_accuracy = num(l, "final_accuracy");

@@ -127,7 +127,8 @@ pub fn run<P: eps_fabric::Fabric>(mut w: Worker<P>, pace: Pace) -> Result<(), Tr
             std::thread::sleep(rest);
         }
         w.push_pull()?;
-        if rank == 0 && (step + 1) % every == 0 {
+        // The lowest-ranked contributor reports (rank 0 unless it left or died).
+        if w.membership().contributors(step).first() == Some(&rank) && (step + 1) % every == 0 {
             let st = w.stats();
             let secs = start.elapsed().as_secs_f64();
             println!(
@@ -156,10 +157,11 @@ pub fn run<P: eps_fabric::Fabric>(mut w: Worker<P>, pace: Pace) -> Result<(), Tr
     );
     if left {
         eprintln!("eps worker {rank}: left the job at iteration {} (scaled away)", w.iteration());
-    } else if rank == 0 {
-        line += &format!(" membership={}", membership_text(w.membership()));
     }
-    if rank == 0 && !left {
+    // The lowest-ranked contributor of the last iteration evaluates the result.
+    let last = w.iteration().saturating_sub(1);
+    if !left && w.membership().contributors(last).first() == Some(&rank) {
+        line += &format!(" membership={}", membership_text(w.membership()));
         let mut p = vec![0f32; n];
         w.read_params(&mut p)?;
         let (acc, teacher) = task.evaluate(&p, HELD_OUT_FIRST, HELD_OUT);
