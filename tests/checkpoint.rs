@@ -206,3 +206,41 @@ fn bad_resumes_say_why() {
     assert!(!o.status.success() && err.contains("BSP"), "{err}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Checkpoints taken while shards split and migrate (pieces of a migration's
+/// source and target, which both apply the versions forwarded, and of a split's
+/// parent and parts) resume to the same bits.
+#[test]
+fn checkpoints_taken_during_scale_events_resume_bitwise() {
+    let spec = spec_file("scale");
+    let s = spec.to_str().unwrap();
+    // Four workers: a migration forwards the update of its cutover iteration,
+    // so source and target both save that version.
+    let short = ["--spec", s, "--steps", "60", "--workers", "4"];
+    let expected = json(&train(&short), "params_checksum");
+    let dir = tmp("scale-dir");
+    let d = dir.to_str().unwrap();
+    let args = [&short[..], &["--checkpoint-every", "1", "--checkpoint-dir", d, "--keep", "100"]].concat();
+    let scaled = train(&[&args[..], &["--scale-plan", "8:servers=3,20:servers=1,32:servers=3,44:servers=1"]].concat());
+    assert_eq!(json(&scaled, "params_checksum"), expected, "scale events change nothing");
+    assert!(json(&scaled, "migrations").parse::<u64>().unwrap() >= 3);
+    // Checkpoints with more pieces written than the manifest lists were taken
+    // while a shard had two owners.
+    let pieces = |v: u64| {
+        let one = dir.join(eps_proto::checkpoint::dir_name(v));
+        let files =
+            std::fs::read_dir(&one).unwrap().flatten().filter(|e| e.file_name().to_string_lossy().ends_with(".bin")).count();
+        let listed = std::fs::read_to_string(one.join(eps_proto::checkpoint::MANIFEST)).unwrap().matches("[[pieces]]").count();
+        (files, listed)
+    };
+    let overlapping: Vec<u64> = (1..60).filter(|&v| pieces(v).0 > pieces(v).1).collect();
+    assert!(!overlapping.is_empty(), "no checkpoint was taken while a shard had two owners");
+    for v in overlapping.iter().take(2).copied().chain([5, 20, 45]) {
+        let one = dir.join(eps_proto::checkpoint::dir_name(v));
+        let resumed = train(&["--resume", one.to_str().unwrap(), "--servers", "2"]);
+        assert_eq!(json(&resumed, "resumed_at"), v.to_string());
+        assert_eq!(json(&resumed, "params_checksum"), expected, "resumed at {v} (overlapping: {overlapping:?})");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+    std::fs::remove_file(&spec).ok();
+}
