@@ -298,6 +298,11 @@ struct TrainArgs {
     /// must allow it), at 450 the job shrinks to 1 server. BSP jobs only.
     #[arg(long, value_name = "STEP:servers=N|workers=N,...")]
     scale_plan: Option<String>,
+    /// Copies of every shard: 2 keeps a backup of each on the next server,
+    /// updated before each version is served; if a server dies its backups
+    /// take over and training goes on with nothing lost (BSP) [default: 1].
+    #[arg(long, value_name = "N")]
+    replicas: Option<u32>,
     /// Write a checkpoint every N iterations (BSP) into --checkpoint-dir.
     #[arg(long, value_name = "N")]
     checkpoint_every: Option<u64>,
@@ -329,6 +334,7 @@ fn train(a: TrainArgs) -> Result<(), String> {
         dtype: a.dtype,
         lr: a.lr,
         batch: a.batch,
+        replicas: a.replicas,
         ..Default::default()
     };
     let mut o = o;

@@ -263,3 +263,20 @@ fn a_worker_killed_during_a_migration_is_removed_and_the_others_finish() {
     assert_eq!(json(&out, "scale_events"), "1");
     std::fs::remove_file(&spec).ok();
 }
+
+#[test]
+fn a_server_killed_with_two_replicas_loses_nothing() {
+    let spec = spec_file("replicas");
+    let s = spec.to_str().unwrap();
+    let o: Output = eps().args(["train", "--json", "--spec", s, "--servers", "3", "--steps", "600"]).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let expected = json(&String::from_utf8_lossy(&o.stdout), "params_checksum");
+    let mut run = Run::start(&["--spec", s, "--servers", "3", "--steps", "600", "--replicas", "2"]);
+    run.wait_step(60);
+    kill(*run.role_pids("server").last().unwrap());
+    let (ok, out, err) = run.finish();
+    assert!(ok, "{err}");
+    assert!(err.contains("is lost") && err.contains("is served here from version"), "{err}");
+    assert_eq!(json(&out, "params_checksum"), expected, "{err}");
+    std::fs::remove_file(&spec).ok();
+}

@@ -69,6 +69,8 @@ pub struct LocalCluster {
     control_restarts: u32,
     /// By server process name: its rank, once it registered.
     server_ranks: Vec<(String, Arc<std::sync::OnceLock<u32>>)>,
+    /// Shards have backups: a server that dies does not stop the job.
+    replicated: bool,
 }
 
 /// The control plane's name among the children.
@@ -165,6 +167,7 @@ impl LocalCluster {
             control_args: Vec::new(),
             control_restarts: 0,
             server_ranks: Vec::new(),
+            replicated: false,
         };
         let state = dir.join("state");
         let ctl_args = [
@@ -315,13 +318,16 @@ impl LocalCluster {
 
     /// As [`LocalCluster::supervise`], except that a worker process that dies
     /// does not stop the cluster: the job goes on without it once its lease
-    /// runs out (the control plane removes it at the next iteration boundary).
+    /// runs out (the control plane removes it at the next iteration boundary);
+    /// with `replicated`, neither does a server (its shards' backups take over).
     /// Returns the worker processes started and those that died.
     pub fn supervise_tolerant(
-        self,
+        mut self,
         more: Option<&mpsc::Receiver<Spawn>>,
+        replicated: bool,
         on_line: impl FnMut(&str),
     ) -> Result<(u32, u32), TrainError> {
+        self.replicated = replicated;
         self.watch(more, on_line, true)
     }
 
@@ -351,6 +357,7 @@ impl LocalCluster {
             let mut running = 0;
             let mut control_died = None;
             let mut gone = Vec::new();
+            let mut lost_servers = 0;
             for (i, (name, c)) in self.children.iter_mut().enumerate() {
                 match c.try_wait() {
                     Ok(None) => running += 1,
@@ -365,6 +372,11 @@ impl LocalCluster {
                         eprintln!("eps train: the control plane (pid {}) exited with {st}; restarting it from its store", c.id());
                         control_died = Some(i);
                     }
+                    Ok(Some(st)) if !st.success() && self.replicated && name.starts_with("server") => {
+                        eprintln!("eps train: {name} (pid {}) exited with {st}; its shards' backups take over", c.id());
+                        gone.push(i);
+                        lost_servers += 1;
+                    }
                     Ok(Some(st)) if !st.success() && name.starts_with("server") => {
                         let name = name.clone();
                         return Err(self.server_lost(name, st.to_string()));
@@ -375,7 +387,7 @@ impl LocalCluster {
                     _ => {}
                 }
             }
-            died += gone.len() as u32;
+            died += gone.len() as u32 - lost_servers;
             if died > 0 && died == self.workers_started {
                 return Err(TrainError::Child("every worker process died; stopped the cluster".into()));
             }

@@ -71,6 +71,8 @@ pub struct Overrides {
     pub checkpoint_dir: Option<String>,
     /// `job.checkpoint_keep`.
     pub checkpoint_keep: Option<u32>,
+    /// `job.replicas`.
+    pub replicas: Option<u32>,
 }
 
 /// Why training could not run.
@@ -169,6 +171,9 @@ pub fn build_spec_or(path: Option<&Path>, default: &str, o: &Overrides) -> Resul
     }
     if let Some(v) = o.max_workers {
         set(&mut table, "job", "max_workers", V::Integer(v.into()));
+    }
+    if let Some(v) = o.replicas {
+        set(&mut table, "job", "replicas", V::Integer(v.into()));
     }
     if let Some(v) = o.checkpoint_every {
         set(&mut table, "job", "checkpoint_every", V::Integer(v.min(i64::MAX as u64) as i64));
@@ -314,7 +319,7 @@ fn run_once(
     let (steps, batch) = (spec.job.steps, spec.job.batch as f64);
     let mut rep = TrainReport { steps, ..TrainReport::default() };
     let mut totals = Totals::default();
-    let started = cluster.supervise_tolerant(Some(&more), |l| {
+    let started = cluster.supervise_tolerant(Some(&more), spec.job.replicas > 1, |l| {
         if l.starts_with("EPS_PROGRESS") {
             let (step_now, secs) = (num(l, "step"), num(l, "elapsed_s").max(1e-9));
             step.store(step_now as u64, std::sync::atomic::Ordering::Release);

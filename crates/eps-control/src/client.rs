@@ -36,6 +36,7 @@ fn applied_if_refused(m: &ControlMsg) -> bool {
     matches!(
         m,
         ControlMsg::ShardReady { .. }
+            | ControlMsg::BackupReady { .. }
             | ControlMsg::Cutover { .. }
             | ControlMsg::Split { .. }
             | ControlMsg::Released { .. }

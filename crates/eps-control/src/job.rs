@@ -107,6 +107,12 @@ pub struct Job {
     start: u64,
     /// Optimizer state values per element (what a checkpoint's pieces hold).
     state_k: u32,
+    /// Copies of each shard (`job.replicas`).
+    replicas: u32,
+    /// By shard id: its backup (server, endpoint, forward keys), while it has one.
+    backups: Vec<Option<(u32, ShardEndpoint, MigrationKeys)>>,
+    /// Servers lost (their backups promoted).
+    lost: Vec<u32>,
 }
 
 impl Job {
@@ -143,6 +149,9 @@ impl Job {
             shard_cap: 0,
             start: 0,
             state_k: spec.optimizer().map_err(|e| e.to_string())?.state_per_param() as u32,
+            replicas: spec.job.replicas,
+            backups: Vec::new(),
+            lost: Vec::new(),
         };
         job.set_layout(&layout);
         if let Some(r) = &spec.resume {
@@ -164,6 +173,7 @@ impl Job {
         self.endpoints = vec![None; n];
         self.previous = vec![None; n];
         self.spans = layout.shards.iter().map(|s| Span { start: s.start, len: s.len, from: 0, until: u64::MAX }).collect();
+        self.backups = vec![None; n];
         self.shard_cap = eps_proto::layout::live_shard_cap(n);
     }
 
@@ -206,7 +216,8 @@ impl Job {
 
     /// Whether every worker and every server that joined has finished.
     pub fn done(&self) -> bool {
-        self.w.all_finished() && self.servers.iter().all(|s| s.finished) && !self.servers.is_empty()
+        let gone = |r: usize| self.servers[r].finished || self.lost.contains(&(r as u32));
+        self.w.all_finished() && (0..self.servers.len()).all(gone) && !self.servers.is_empty()
     }
 
     /// Worker ranks whose lease the control plane watches.
@@ -425,6 +436,8 @@ impl Job {
                 self.worker_adopted(*worker, *adopted);
                 Ok(ControlMsg::Ok)
             }
+            ControlMsg::BackupReady { endpoint, keys } => self.backup_ready(endpoint, keys),
+            ControlMsg::ServerLost { rank } => self.server_lost(*rank),
             ControlMsg::Checkpoint { version, dir } => {
                 if self.consistency != Consistency::Bsp {
                     return Err("checkpoints need BSP consistency (one version for every shard)".into());
@@ -490,6 +503,12 @@ impl Job {
         for e in shards {
             self.endpoints[e.shard as usize] = Some(e.clone());
         }
+        // Backups reported before their primary was ready.
+        for sid in 0..self.backups.len() {
+            if self.endpoints[sid].as_ref().is_some_and(|e| e.owner == rank) {
+                self.order_replicate(sid);
+            }
+        }
         if rank >= self.initial_servers && !self.map.servers.contains(&rank) {
             // A server added by a scale event: move shards onto it until balanced,
             // once no other migration is in flight (a plan made while shards are
@@ -498,6 +517,78 @@ impl Job {
             self.balance_next()?;
         }
         Ok(ControlMsg::Ok)
+    }
+
+    /// A server holds a backup of a shard: its primary forwards to it once both
+    /// are ready.
+    fn backup_ready(&mut self, e: &ShardEndpoint, keys: &MigrationKeys) -> Result<ControlMsg, String> {
+        let sid = e.shard as usize;
+        if self.replicas < 2 || sid >= self.backups.len() || self.servers.get(e.owner as usize).is_none() {
+            return Err(format!("server {} reported a backup of shard {} the job does not keep", e.owner, e.shard));
+        }
+        self.backups[sid] = Some((e.owner, e.clone(), *keys));
+        if self.endpoints[sid].is_some() {
+            self.order_replicate(sid);
+        }
+        Ok(ControlMsg::Ok)
+    }
+
+    /// Orders shard `sid`'s owner to forward to its backup.
+    fn order_replicate(&mut self, sid: usize) {
+        let (Some((to, _, keys)), Some(owner)) = (&self.backups[sid], &self.endpoints[sid]) else { return };
+        let (to, keys, owner) = (*to, *keys, owner.owner);
+        let to_addr = self.servers[to as usize].addr.clone();
+        if !to_addr.is_empty() && to != owner {
+            self.order(owner, Order::Replicate { shard: sid as u32, to, to_addr, keys });
+        }
+    }
+
+    /// A server is lost: its shards' backups become their owners (a new
+    /// epoch); shards without one are lost with it.
+    fn server_lost(&mut self, rank: u32) -> Result<ControlMsg, String> {
+        let Some(info) = self.servers.get_mut(rank as usize) else { return Err(format!("no server {rank}")) };
+        if info.retired || info.finished {
+            return Err(format!("server {rank} is not serving"));
+        }
+        info.retired = true;
+        info.leaving = true;
+        self.lost.push(rank);
+        for k in 0..self.map.shards.len() {
+            let (id, owner) = (self.map.shards[k].id, self.map.shards[k].owner);
+            let sid = id as usize;
+            if owner != rank {
+                // A backup on the lost server is gone (its primary sees its
+                // forwards fail and goes on alone).
+                if self.backups[sid].as_ref().is_some_and(|(b, _, _)| *b == rank) {
+                    self.backups[sid] = None;
+                }
+                continue;
+            }
+            if let Some((b, ep, _)) = self.backups[sid].take() {
+                self.map.shards[k].owner = b;
+                self.endpoints[sid] = Some(ep);
+                self.previous[sid] = None;
+                self.order(b, Order::Promote { shard: id });
+            }
+        }
+        self.map.servers.retain(|&s| s != rank);
+        self.map.epoch += 1;
+        Ok(ControlMsg::Ok)
+    }
+
+    /// Whether shards have backups (`job.replicas = 2`).
+    pub fn replicated(&self) -> bool {
+        self.replicas > 1
+    }
+
+    /// Servers lost so far.
+    pub fn lost_servers(&self) -> &[u32] {
+        &self.lost
+    }
+
+    /// Whether server `rank` is serving (registered, not retired or finished).
+    pub fn server_serving(&self, rank: u32) -> bool {
+        self.servers.get(rank as usize).is_some_and(|s| s.ready && !s.retired && !s.finished)
     }
 
     pub(crate) fn start_moves(&mut self, moves: &[Move]) {
@@ -520,6 +611,9 @@ impl Job {
     }
 
     fn scale(&mut self, want: u32) -> Result<ControlMsg, String> {
+        if self.replicas > 1 {
+            return Err("a job with 2 replicas keeps its servers (scaling them is not supported yet)".into());
+        }
         if want == 0 {
             return Err("a job needs at least one server".into());
         }
@@ -617,7 +711,9 @@ impl Job {
         let load = self.map.bytes_per_server();
         for (r, s) in self.servers.iter().enumerate() {
             let shards = self.map.shards.iter().filter(|x| x.owner == r as u32).count();
-            let state = if s.retired {
+            let state = if self.lost.contains(&(r as u32)) {
+                "lost"
+            } else if s.retired {
                 "retired"
             } else if s.leaving {
                 "leaving"

@@ -24,6 +24,9 @@ use crate::store::Store;
 /// Marks the spec record in the store.
 const SPEC_RECORD_RANK: u32 = u32::MAX;
 
+/// How long a server's dropped order poll may stay away before it is lost.
+const SERVER_GRACE: Duration = Duration::from_millis(1500);
+
 /// How long a long poll (map or orders) waits for news before answering anyway.
 const LONG_POLL: Duration = Duration::from_millis(500);
 
@@ -40,11 +43,39 @@ struct State {
     ckpt: Tracker,
     /// The newest complete checkpoint: its version and directory.
     last_checkpoint: Option<(u64, PathBuf)>,
+    /// Servers whose order poll connection dropped, and when.
+    dropped: HashMap<u32, Instant>,
 }
 
 impl State {
     fn persist(&mut self, m: &ControlMsg) -> Result<(), ControlError> {
         self.store.append(&m.encode()[4..]).map_err(ControlError::Store)
+    }
+
+    /// Declares lost the servers whose order poll dropped and did not come
+    /// back within `SERVER_GRACE` (a job with replicas promotes their backups).
+    /// Returns whether anything changed.
+    fn lose_servers(&mut self) -> Result<bool, ControlError> {
+        let now = Instant::now();
+        let gone: Vec<u32> =
+            self.dropped.iter().filter(|(_, t)| now.duration_since(**t) > SERVER_GRACE).map(|(r, _)| *r).collect();
+        let mut changed = false;
+        for r in gone {
+            self.dropped.remove(&r);
+            if !self.job.replicated() || !self.job.server_serving(r) || self.job.done() {
+                continue;
+            }
+            let m = ControlMsg::ServerLost { rank: r };
+            if self.job.apply(&m).is_ok() {
+                eprintln!(
+                    "eps control: server {r} is lost (its connection dropped {} ms ago); its shards' backups take over",
+                    SERVER_GRACE.as_millis()
+                );
+                self.persist(&m)?;
+                changed = true;
+            }
+        }
+        Ok(changed)
     }
 
     /// Removes workers whose lease ran out (a worker renews it with every map
@@ -102,7 +133,16 @@ impl ControlService {
         let job = Job::new(spec, spec_text).map_err(|_| ControlError::Protocol("the job spec has no valid layout"))?;
         let lease = Duration::from_millis(spec.job.worker_lease_ms);
         let ckpt = Tracker::new(spec.job.checkpoint_keep);
-        let mut st = State { job, seen: HashMap::new(), lease, done_replied: false, store, ckpt, last_checkpoint: None };
+        let mut st = State {
+            job,
+            seen: HashMap::new(),
+            lease,
+            done_replied: false,
+            store,
+            ckpt,
+            last_checkpoint: None,
+            dropped: HashMap::new(),
+        };
         for (i, r) in records.iter().enumerate() {
             let m = ControlMsg::decode(r).map_err(|_| ControlError::Protocol("corrupt record in the control store"))?;
             if i == 0 {
@@ -142,7 +182,7 @@ impl ControlService {
                 if st.done_replied {
                     return Ok(());
                 }
-                if st.expire_leases()? {
+                if st.expire_leases()? | st.lose_servers()? {
                     self.shared.1.notify_all();
                 }
             }
@@ -166,13 +206,24 @@ fn serve(mut s: TcpStream, secret: &Secret, shared: &(Mutex<State>, Condvar)) ->
     auth_server(&mut s, secret)?;
     let (lock, cv) = shared;
     let locked = || lock.lock().unwrap_or_else(|p| p.into_inner());
+    // The server whose order poll this connection carries, if any.
+    let mut poller: Option<u32> = None;
     loop {
-        let m = read_msg(&mut s)?;
+        let m = match read_msg(&mut s) {
+            Ok(m) => m,
+            Err(e) => {
+                if let Some(r) = poller {
+                    locked().dropped.insert(r, Instant::now());
+                }
+                return Err(e);
+            }
+        };
         let mut finishes_job = false;
         let reply = match m {
             ControlMsg::Register { .. }
             | ControlMsg::ServerReady { .. }
             | ControlMsg::ShardReady { .. }
+            | ControlMsg::BackupReady { .. }
             | ControlMsg::Cutover { .. }
             | ControlMsg::Released { .. }
             | ControlMsg::Split { .. }
@@ -239,6 +290,8 @@ fn serve(mut s: TcpStream, secret: &Secret, shared: &(Mutex<State>, Condvar)) ->
             }
             ControlMsg::Poll { rank, after } => {
                 let mut st = locked();
+                poller = Some(rank);
+                st.dropped.remove(&rank);
                 let deadline = Instant::now() + LONG_POLL;
                 loop {
                     let (last, orders) = st.job.orders_for(rank, after);

@@ -193,6 +193,24 @@ pub enum Order {
         /// Id of the upper part.
         hi: u32,
     },
+    /// Forward every update of `shard` to its backup on server `to` (at
+    /// `to_addr`, into `keys`), and serve a version to pulls only once the
+    /// backup acknowledged it (`job.replicas = 2`).
+    Replicate {
+        /// Global shard id.
+        shard: u32,
+        /// The backup's server.
+        to: u32,
+        /// Its fabric address.
+        to_addr: String,
+        /// Where the backup receives forwarded gradients.
+        keys: MigrationKeys,
+    },
+    /// The shard's primary was lost: this backup owns `shard` from now on.
+    Promote {
+        /// Global shard id.
+        shard: u32,
+    },
     /// Save every shard held here when it publishes `version` (BSP), into
     /// directory `dir`; report each as `Saved` (or missed: its version is past).
     Checkpoint {
@@ -391,6 +409,19 @@ pub enum ControlMsg {
         /// The shard was past `version` already (nothing written).
         missed: bool,
     },
+    /// Server -> control: it holds a backup of `endpoint.shard` (replicas = 2).
+    BackupReady {
+        /// The backup's endpoint for workers (used once it is promoted).
+        endpoint: ShardEndpoint,
+        /// Where the primary forwards to.
+        keys: MigrationKeys,
+    },
+    /// Control plane -> its own log: server `rank` is lost (its connections
+    /// dropped and it did not come back): backups of its shards are promoted.
+    ServerLost {
+        /// Server rank.
+        rank: u32,
+    },
     /// Control -> operator: the checkpoint at `version` is complete in `path`.
     Checkpointed {
         /// Its version.
@@ -540,6 +571,17 @@ impl W {
                 self.u32(*lo);
                 self.u32(*hi);
             }
+            Order::Replicate { shard, to, to_addr, keys } => {
+                self.u8(9);
+                self.u32(*shard);
+                self.u32(*to);
+                self.str(to_addr);
+                self.keys(keys);
+            }
+            Order::Promote { shard } => {
+                self.u8(10);
+                self.u32(*shard);
+            }
             Order::Checkpoint { version, dir } => {
                 self.u8(8);
                 self.u64(*version);
@@ -655,6 +697,8 @@ impl R<'_> {
             2 => Order::MigrateOut { shard: self.u32()?, to: self.u32()?, to_addr: self.str()?, keys: self.keys()? },
             3 => Order::Retire,
             8 => Order::Checkpoint { version: self.u64()?, dir: self.str()? },
+            9 => Order::Replicate { shard: self.u32()?, to: self.u32()?, to_addr: self.str()?, keys: self.keys()? },
+            10 => Order::Promote { shard: self.u32()? },
             t => return Err(DecodeError::Tag(t)),
         })
     }
@@ -798,6 +842,15 @@ impl ControlMsg {
                 w.u64(*version);
                 w.str(path);
             }
+            ControlMsg::BackupReady { endpoint, keys } => {
+                w.u8(27);
+                w.endpoint(endpoint);
+                w.keys(keys);
+            }
+            ControlMsg::ServerLost { rank } => {
+                w.u8(28);
+                w.u32(*rank);
+            }
             ControlMsg::Orders { last, orders } => {
                 w.u8(16);
                 w.u64(*last);
@@ -862,6 +915,8 @@ impl ControlMsg {
                 },
             },
             26 => ControlMsg::Checkpointed { version: r.u64()?, path: r.str()? },
+            27 => ControlMsg::BackupReady { endpoint: r.endpoint()?, keys: r.keys()? },
+            28 => ControlMsg::ServerLost { rank: r.u32()? },
             t => return Err(DecodeError::Tag(t)),
         };
         if !r.0.is_empty() {
@@ -928,6 +983,8 @@ mod tests {
                 missed: false,
             },
             ControlMsg::Checkpointed { version: 40, path: "/tmp/ck/ckpt-000000000040".into() },
+            ControlMsg::BackupReady { endpoint: ep(3, 1), keys },
+            ControlMsg::ServerLost { rank: 2 },
             ControlMsg::Orders {
                 last: 9,
                 orders: vec![
@@ -939,6 +996,8 @@ mod tests {
                     Order::Propose { id: 4 },
                     Order::Members { at: 30, workers: vec![0, 2], expired: vec![1] },
                     Order::Checkpoint { version: 40, dir: "/tmp/ck".into() },
+                    Order::Replicate { shard: 2, to: 1, to_addr: "127.0.0.1:8".into(), keys },
+                    Order::Promote { shard: 2 },
                 ],
             },
         ];

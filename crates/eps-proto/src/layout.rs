@@ -130,6 +130,17 @@ impl Layout {
         self.shards.iter().filter(move |s| s.server == server)
     }
 
+    /// The server holding the backup of a shard owned by `owner` (with two
+    /// replicas): the next server.
+    pub fn backup_server(&self, owner: u32) -> u32 {
+        (owner + 1) % self.servers.max(1)
+    }
+
+    /// Shards whose backup server `server` holds.
+    pub fn backups_of(&self, server: u32) -> impl Iterator<Item = &Shard> {
+        self.shards.iter().filter(move |s| self.servers > 1 && self.backup_server(s.server) == server)
+    }
+
     /// Elements held by one server.
     pub fn elements_of(&self, server: u32) -> u64 {
         self.shards_of(server).map(|s| s.len).sum()

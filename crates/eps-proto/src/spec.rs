@@ -172,6 +172,10 @@ pub struct JobSection {
     /// Complete checkpoints kept; older ones are removed.
     #[serde(default = "default_keep")]
     pub checkpoint_keep: u32,
+    /// Copies of every shard (BSP): 2 keeps a backup on the next server,
+    /// updated before each version is served, promoted if the owner dies.
+    #[serde(default = "one")]
+    pub replicas: u32,
 }
 
 fn default_keep() -> u32 {
@@ -484,6 +488,12 @@ impl JobSpec {
             if j.checkpoint_dir.as_deref().is_none_or(str::is_empty) {
                 return Err(bad("job.checkpoint_dir", "give the directory checkpoints are written to"));
             }
+        }
+        if j.replicas == 0 || j.replicas > 2 {
+            return Err(bad("job.replicas", "must be 1 or 2"));
+        }
+        if j.replicas == 2 && (j.consistency != Consistency::Bsp || j.servers < 2) {
+            return Err(bad("job.replicas", "2 replicas need BSP consistency and at least 2 servers"));
         }
         if j.checkpoint_keep == 0 {
             return Err(bad("job.checkpoint_keep", "keep at least 1 checkpoint"));

@@ -19,6 +19,7 @@ mod members;
 mod memory;
 mod migrate;
 mod relay;
+mod replica;
 mod serve;
 mod split;
 
@@ -145,7 +146,7 @@ const ALL_RANKS: [u32; MAX_WORKERS] = {
 /// Work-request ids: kind in the top two bits.
 const WR_PULL: u64 = 1 << 62;
 const WR_MIGRATE: u64 = 2 << 62;
-const WR_OTHER: u64 = 3 << 62;
+pub(crate) const WR_OTHER: u64 = 3 << 62;
 const WR_HELLO: u64 = 1;
 
 /// A pull answer's work-request id: shard (13 bits), worker (6), version (43).
@@ -202,7 +203,7 @@ impl<P: Fabric> Conn<P> {
 
 /// An update waiting for its shard to be free.
 #[derive(Clone, Copy, Debug)]
-enum Pending {
+pub(crate) enum Pending {
     /// Workers' contributions of an iteration (all, or one worker's).
     Update { iteration: u64, one: Option<u32> },
     /// A forwarded update producing `version` (migration target); `carry`: an
@@ -223,9 +224,11 @@ struct Held {
     incoming: Option<(u32, Option<usize>)>,
     /// A split ordered and waiting for the shard to have no update parked.
     split: Option<split::SplitOrder>,
+    /// Its part in replication (`job.replicas = 2`).
+    replica: Option<replica::Replica>,
 }
 
-struct Server<P: Fabric> {
+pub(crate) struct Server<P: Fabric> {
     rank: u32,
     /// Workers at the start (SSP/ASP scale each contribution by it).
     workers: u32,
@@ -378,23 +381,33 @@ pub fn run_direct<P: Fabric>(
     let parity = ShardSync::parity(first);
     let k = opt.state_per_param();
     let mut shards: Vec<Option<Held>> = (0..total).map(|_| None).collect();
-    for s in layout.shards_of(rank) {
-        match &restore {
-            None => mem.add(s.id, s.start, s.len, Origin::Init(&init))?,
-            Some(r) => {
-                mem.add(s.id, s.start, s.len, Origin::Init(&|_| 0.0))?;
-                mem.restore(s.id, |m, st| r.fill(s.start, m, st, k)).map_err(ServerError::Checkpoint)?;
-            }
+    // With two replicas this server also keeps a backup of the shards of the
+    // server before it: the same start, kept in step by the owner's forwards.
+    let backups: Vec<&eps_proto::layout::Shard> =
+        if spec.job.replicas > 1 { layout.backups_of(rank).collect() } else { Vec::new() };
+    let mine = layout.shards_of(rank).map(|s| (s, None)).chain(backups.into_iter().map(|s| (s, Some(s.server))));
+    for (s, backup_of) in mine {
+        let zero = |_: u64| 0.0;
+        let init: &dyn Fn(u64) -> f32 = if restore.is_some() { &zero } else { &init };
+        mem.add(s.id, s.start, s.len, if backup_of.is_some() { Origin::Backup(init) } else { Origin::Init(init) })?;
+        if let Some(r) = &restore {
+            mem.restore(s.id, |m, st| r.fill(s.start, m, st, k)).map_err(ServerError::Checkpoint)?;
         }
         mem.publish(s.id, parity)?;
         mem.set_stamp(s.id, parity, first);
         mem.set_stamp(s.id, 1 - parity, eps_proto::layout::STAMP_WRITING);
+        let sync = match backup_of {
+            // Forwards bring it up from `first`; it serves nothing until promoted.
+            Some(_) => ShardSync::incoming(spec.job.consistency, ranks, first),
+            None => ShardSync::at_version(spec.job.consistency, ranks, first),
+        };
         shards[s.id as usize] = Some(Held {
-            sync: ShardSync::at_version(spec.job.consistency, ranks, first),
+            sync,
             waiting: VecDeque::new(),
             out: None,
-            incoming: None,
+            incoming: backup_of.map(|p| (p, None)),
             split: None,
+            replica: backup_of.map(|primary| replica::Replica::Backup { primary }),
         });
     }
     let es = layout.dtype.size_bytes() as u64;
@@ -451,8 +464,10 @@ pub fn run_direct<P: Fabric>(
         spans: layout.shards.iter().map(|s| (s.start, s.len)).collect(),
         saver: checkpoint::Saver::start(cfg, rank, &spec)?,
     };
-    let endpoints: Vec<ShardEndpoint> = s.mem.held().filter_map(|id| s.endpoint(id)).collect();
+    let owned = |id: u32| s.shards[id as usize].as_ref().is_some_and(|h| h.replica.is_none());
+    let endpoints: Vec<ShardEndpoint> = s.mem.held().filter(|&id| owned(id)).filter_map(|id| s.endpoint(id)).collect();
     s.ctl.call(&ControlMsg::ServerReady { rank, fabric_addr, shards: endpoints })?;
+    s.report_backups()?;
     let stop = Arc::new(AtomicBool::new(false));
     let accepted = spawn_acceptor::<P>(listener, cq, pd.clone(), s.opts.max_recv_wr, stop.clone());
     let orders = spawn_order_poller(cfg, rank)?;

@@ -195,6 +195,9 @@ pub enum Origin<'a> {
     /// Arrives by migration: the master/state region and the gradient buffer are
     /// remotely writable (by the source that is given their keys).
     Incoming,
+    /// A backup: initial parameters from `init(global_index)`, and a gradient
+    /// buffer the owner writes its forwards into.
+    Backup(&'a dyn Fn(u64) -> f32),
 }
 
 impl<P: Fabric> ShardMemory<P> {
@@ -287,7 +290,13 @@ impl<P: Fabric> ShardMemory<P> {
         let incoming = matches!(origin, Origin::Incoming);
         let access = if incoming { Access::LOCAL_WRITE | Access::REMOTE_WRITE } else { Access::LOCAL_WRITE };
         let state = self.alloc(id, "master parameters and optimizer state", state_bytes, access)?;
-        let grad = if incoming { Some(self.alloc(id, "migration gradient buffer", len as usize * 4, access)?) } else { None };
+        let backup = matches!(origin, Origin::Backup(_));
+        let grad_access = Access::LOCAL_WRITE | Access::REMOTE_WRITE;
+        let grad = if incoming || backup {
+            Some(self.alloc(id, "forwarded gradient buffer", len as usize * 4, grad_access)?)
+        } else {
+            None
+        };
         let dev = match &self.device {
             Some(d) => Some((
                 d.alloc(self.dtype, len as usize, self.state_k).map_err(|source| MemoryError::Device { shard: id, source })?,
@@ -318,7 +327,7 @@ impl<P: Fabric> ShardMemory<P> {
                 let _ = unsafe { d.pin(slot.as_slice()) };
             }
         }
-        if let Origin::Init(init) = origin {
+        if let Origin::Init(init) | Origin::Backup(init) = origin {
             // SAFETY: the region was just registered and its keys not yet given out.
             let all: &mut [f32] = bytemuck::cast_slice_mut(unsafe { b.state.as_mut_slice() });
             for (i, m) in all[..len as usize].iter_mut().enumerate() {

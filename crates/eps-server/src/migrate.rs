@@ -90,6 +90,8 @@ impl<P: Fabric> Server<P> {
                 self.on_checkpoint_order(version, &dir);
                 Ok(())
             }
+            Order::Replicate { shard, to, to_addr, keys } => self.on_replicate(shard, to, &to_addr, keys),
+            Order::Promote { shard } => self.on_promote(shard),
         }
     }
 
@@ -108,7 +110,7 @@ impl<P: Fabric> Server<P> {
         self.mem.add(id, start, len, Origin::Incoming)?;
         let sync = ShardSync::incoming(self.mode, self.ranks, 0);
         self.shards[id as usize] =
-            Some(Held { sync, waiting: Default::default(), out: None, incoming: Some((from, None)), split: None });
+            Some(Held { sync, waiting: Default::default(), out: None, incoming: Some((from, None)), split: None, replica: None });
         let b = self.mem.get(id).ok_or_else(|| ServerError::Migration("shard memory vanished".into()))?;
         let grad = b.grad.as_ref().ok_or_else(|| ServerError::Migration("no gradient buffer".into()))?;
         let keys = MigrationKeys {
@@ -125,7 +127,7 @@ impl<P: Fabric> Server<P> {
     }
 
     /// The connection to target server `to`, dialed on first use.
-    fn target_conn(&mut self, to: u32, addr: &str) -> Result<usize, ServerError> {
+    pub(crate) fn target_conn(&mut self, to: u32, addr: &str) -> Result<usize, ServerError> {
         if let Some(&ci) = self.targets.get(&to)
             && self.conns[ci].alive
         {
@@ -406,6 +408,9 @@ impl<P: Fabric> Server<P> {
             return Ok(());
         };
         let id = m.shard;
+        if matches!(self.held_mut(id).and_then(|h| h.replica.as_ref()), Some(crate::replica::Replica::Primary { .. })) {
+            return self.replica_acked(id);
+        }
         let Some(out) = self.held_mut(id).and_then(|h| h.out.as_mut()) else {
             return Ok(());
         };

@@ -138,14 +138,17 @@ impl<P: Fabric> Server<P> {
                 self.on_send_done(c.wr_id, false)?;
             }
             self.drop_conn(ci);
-            return Ok(());
+            return self.replica_conn_lost(ci);
         }
         match c.opcode {
             WcOpcode::Recv if c.wr_id == WR_HELLO => {
                 let mut b = [0u8; HELLO_LEN];
                 self.conns[ci].hello.read_at(0, &mut b);
                 match Hello::decode(&b) {
-                    Some(h) if h.is_peer() => self.conns[ci].peer = Peer::Server(h),
+                    Some(h) if h.is_peer() => {
+                        self.conns[ci].peer = Peer::Server(h);
+                        self.bind_backups(ci, h.rank & !eps_proto::hello::PEER_BIT);
+                    }
                     Some(h) if h.rank < self.ranks && self.by_rank[h.rank as usize].is_none() => {
                         self.by_rank[h.rank as usize] = Some(ci);
                         self.conns[ci].peer = Peer::Worker(h);
@@ -223,6 +226,10 @@ impl<P: Fabric> Server<P> {
                 if held.out.as_ref().is_some_and(|o| future || o.src.accepts_push(iteration).is_err()) {
                     return self.send_moved(h.rank, id, m.seq);
                 }
+                if self.applied_before_promotion(id, iteration) {
+                    // Pushed again after the owner was lost; its pull is answered.
+                    return Ok(());
+                }
                 let want = self.mem.get(id).map_or(0, |b| b.bytes);
                 if len as usize != want {
                     self.violation(ci, &format!("pushed {len} bytes for shard {id} (expected {want})"));
@@ -275,6 +282,7 @@ impl<P: Fabric> Server<P> {
         self.shards[id as usize]
             .as_ref()
             .is_some_and(|h| h.sync.can_publish() && h.waiting.is_empty() && h.out.as_ref().is_none_or(|o| !o.busy()))
+            && !self.replica_busy(id)
     }
 
     /// Applies an update to shard `id`, or parks it until the shard is free.
@@ -305,8 +313,9 @@ impl<P: Fabric> Server<P> {
     /// Applies parked updates while the shard is free.
     pub(crate) fn drain(&mut self, id: u32) -> Result<(), ServerError> {
         loop {
+            let replica_busy = self.replica_busy(id);
             let Some(h) = self.shards[id as usize].as_mut() else { return Ok(()) };
-            let busy = h.out.as_ref().is_some_and(|o| o.busy());
+            let busy = h.out.as_ref().is_some_and(|o| o.busy()) || replica_busy;
             if !h.sync.can_publish() || busy {
                 return Ok(());
             }
@@ -361,6 +370,19 @@ impl<P: Fabric> Server<P> {
         }
         self.mem.set_stamp(id, parity, next);
         self.save_if_due(id, next)?;
+        let d = crate::replica::Deferred { p, version: next, carry, one };
+        // A replicated shard serves the version once its backup has it.
+        if matches!(p, Pending::Update { .. }) && self.forward_to_backup(id, d)? {
+            return Ok(());
+        }
+        self.finish_update(id, d)
+    }
+
+    /// The end of an update that produced `d.version`: the version is served
+    /// (and forwarded, on a migration source), credits and pulls go out, and
+    /// the next iteration may complete.
+    pub(crate) fn finish_update(&mut self, id: u32, d: crate::replica::Deferred) -> Result<(), ServerError> {
+        let crate::replica::Deferred { p, version: next, carry, one } = d;
         let Some(h) = self.shards[id as usize].as_mut() else { return Ok(()) };
         match p {
             Pending::Forward { worker: Some(w), .. } => {

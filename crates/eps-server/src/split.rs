@@ -74,7 +74,8 @@ impl<P: Fabric> Server<P> {
         self.spans[o.hi as usize] = (o.mid, start + len - o.mid);
         for p in [o.lo, o.hi] {
             let sync = ShardSync::at_version(self.mode, self.ranks, v);
-            self.shards[p as usize] = Some(Held { sync, waiting: VecDeque::new(), out: None, incoming: None, split: None });
+            self.shards[p as usize] =
+                Some(Held { sync, waiting: VecDeque::new(), out: None, incoming: None, split: None, replica: None });
         }
         let Some(mut parent) = self.shards[id as usize].take() else { return Ok(()) };
         if let Some(b) = self.mem.remove(id) {

@@ -564,6 +564,10 @@ impl SimServer {
             Order::Release { shard } => w.fail(format!("server {rank}: SSP/ASP release of shard {shard} in a BSP job")),
             // The simulation takes no checkpoints (nothing orders one).
             Order::Checkpoint { version, .. } => w.fail(format!("server {rank}: ordered a checkpoint at {version}")),
+            // Nor replicas (jobs keep one copy of each shard).
+            Order::Replicate { shard, .. } | Order::Promote { shard } => {
+                w.fail(format!("server {rank}: ordered to replicate or promote shard {shard}"))
+            }
             Order::Retire => {
                 self.retired = true;
                 w.check_retired(rank);

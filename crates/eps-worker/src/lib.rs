@@ -211,6 +211,8 @@ pub struct Worker<P: Fabric = SoftPd> {
     membership: Membership,
     /// Pull answers received since the current push_pull/pull began.
     pulled: usize,
+    /// Servers whose connection failed (a job with replicas goes on without them).
+    lost: std::collections::HashSet<u32>,
     /// Hellos sent and acknowledged.
     hellos_sent: usize,
     hellos_acked: usize,
@@ -338,6 +340,7 @@ impl<P: Fabric> Worker<P> {
             begun: None,
             membership,
             pulled: 0,
+            lost: Default::default(),
             hellos_sent: 0,
             hellos_acked: 0,
             stats: WorkerStats::default(),
@@ -797,6 +800,14 @@ impl<P: Fabric> Worker<P> {
         for c in &wc[..k] {
             let server = self.qp_rank.get(&c.qp_num).copied().unwrap_or(u32::MAX);
             if !c.status.is_ok() {
+                if self.lost.contains(&server) {
+                    continue;
+                }
+                if self.spec.job.replicas > 1 && self.routes_to(server) {
+                    // Its shards' backups take over: this round goes there again.
+                    self.lose_server(server);
+                    continue;
+                }
                 if !self.routes_to(server) {
                     // A server this worker no longer routes to left the job: its
                     // connection's posted receives are flushed. Nothing was lost.
@@ -854,6 +865,30 @@ impl<P: Fabric> Worker<P> {
             }
         }
         Ok(k > 0)
+    }
+
+    /// Server `server` failed in a job with replicas: the control plane
+    /// promotes its shards' backups in a new epoch. This round's pushes to it
+    /// whose parameters have not come are pushed again to the new owners, and
+    /// their pulls asked again (the backup applied every version anyone pulled).
+    fn lose_server(&mut self, server: u32) {
+        eprintln!("eps worker {}: server {server} failed; its shards' backups take over", self.rank);
+        self.lost.insert(server);
+        if let Some(q) = self.qps.get_mut(server as usize) {
+            *q = None;
+        }
+        let t = self.iteration;
+        for sid in self.round.clone() {
+            if self.route(sid, t).owner != server || self.round_pulled[sid] || self.outstanding[sid] == 0 {
+                continue;
+            }
+            self.outstanding[sid] = 0;
+            self.sending[sid] = 0;
+            self.pull_moved += 1;
+            self.pulls_moved.push((sid, server));
+            self.moved.push((sid, t, server));
+            self.credit[sid] = true;
+        }
     }
 
     /// Waits (up to the worker's timeout) until nothing is in flight: no pull

@@ -284,8 +284,14 @@ impl<P: Fabric> Worker<P> {
                 .moved
                 .iter()
                 .any(|&(sid, it, from)| self.map.routes[sid].alive(it) && self.map.routes[sid].for_iteration(it).owner == from);
-            if stale {
+            // (A lost server's shards move once the control plane promotes their
+            // backups: maps may come before that one.)
+            let mut stale = stale;
+            while stale {
                 self.refresh_map()?;
+                stale = self.moved.iter().any(|&(sid, it, from)| {
+                    self.map.routes[sid].alive(it) && self.map.routes[sid].for_iteration(it).owner == from
+                });
             }
             for (sid, it, _) in std::mem::take(&mut self.moved) {
                 // A shard split at or before `it`: push its parts.
