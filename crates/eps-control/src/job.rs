@@ -113,6 +113,9 @@ pub struct Job {
     backups: Vec<Option<(u32, ShardEndpoint, MigrationKeys)>>,
     /// Servers lost (their backups promoted).
     lost: Vec<u32>,
+    /// By shard id: a new backup was ordered after a loss (it starts from a
+    /// snapshot).
+    rebuilding: Vec<bool>,
 }
 
 impl Job {
@@ -152,6 +155,7 @@ impl Job {
             replicas: spec.job.replicas,
             backups: Vec::new(),
             lost: Vec::new(),
+            rebuilding: Vec::new(),
         };
         job.set_layout(&layout);
         if let Some(r) = &spec.resume {
@@ -174,6 +178,7 @@ impl Job {
         self.previous = vec![None; n];
         self.spans = layout.shards.iter().map(|s| Span { start: s.start, len: s.len, from: 0, until: u64::MAX }).collect();
         self.backups = vec![None; n];
+        self.rebuilding = vec![false; n];
         self.shard_cap = eps_proto::layout::live_shard_cap(n);
     }
 
@@ -539,7 +544,8 @@ impl Job {
         let (to, keys, owner) = (*to, *keys, owner.owner);
         let to_addr = self.servers[to as usize].addr.clone();
         if !to_addr.is_empty() && to != owner {
-            self.order(owner, Order::Replicate { shard: sid as u32, to, to_addr, keys });
+            let snapshot = std::mem::take(&mut self.rebuilding[sid]);
+            self.order(owner, Order::Replicate { shard: sid as u32, to, to_addr, keys, snapshot });
         }
     }
 
@@ -573,7 +579,31 @@ impl Job {
         }
         self.map.servers.retain(|&s| s != rank);
         self.map.epoch += 1;
+        self.rebuild_backups();
         Ok(ControlMsg::Ok)
+    }
+
+    /// Orders a new backup, on the next live server after its owner, for every
+    /// shard that has none (after a loss).
+    fn rebuild_backups(&mut self) {
+        let live = self.live_servers();
+        if self.replicas < 2 || live.len() < 2 {
+            return;
+        }
+        for k in 0..self.map.shards.len() {
+            let (id, owner, start, len) = {
+                let x = &self.map.shards[k];
+                (x.id, x.owner, x.start, x.len)
+            };
+            let sid = id as usize;
+            if self.backups[sid].is_some() || self.rebuilding[sid] || !live.contains(&owner) {
+                continue;
+            }
+            let at = live.iter().position(|&r| r == owner).unwrap_or(0);
+            let to = live[(at + 1) % live.len()];
+            self.rebuilding[sid] = true;
+            self.order(to, Order::AddBackup { shard: id, from: owner, start, len });
+        }
     }
 
     /// Whether shards have backups (`job.replicas = 2`).

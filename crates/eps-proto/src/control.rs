@@ -195,7 +195,9 @@ pub enum Order {
     },
     /// Forward every update of `shard` to its backup on server `to` (at
     /// `to_addr`, into `keys`), and serve a version to pulls only once the
-    /// backup acknowledged it (`job.replicas = 2`).
+    /// backup acknowledged it (`job.replicas = 2`); with `snapshot`, first
+    /// write the shard's master values and state into the backup (a new one,
+    /// after a loss).
     Replicate {
         /// Global shard id.
         shard: u32,
@@ -203,8 +205,22 @@ pub enum Order {
         to: u32,
         /// Its fabric address.
         to_addr: String,
-        /// Where the backup receives forwarded gradients.
+        /// Where the backup receives the snapshot and forwarded gradients.
         keys: MigrationKeys,
+        /// The backup starts from a snapshot.
+        snapshot: bool,
+    },
+    /// Keep a new backup of `shard` (`len` elements from `start`), owned by
+    /// server `from`, which sends a snapshot; report `BackupReady`.
+    AddBackup {
+        /// Global shard id.
+        shard: u32,
+        /// Its owner.
+        from: u32,
+        /// First element.
+        start: u64,
+        /// Elements.
+        len: u64,
     },
     /// The shard's primary was lost: this backup owns `shard` from now on.
     Promote {
@@ -571,12 +587,20 @@ impl W {
                 self.u32(*lo);
                 self.u32(*hi);
             }
-            Order::Replicate { shard, to, to_addr, keys } => {
+            Order::Replicate { shard, to, to_addr, keys, snapshot } => {
                 self.u8(9);
                 self.u32(*shard);
                 self.u32(*to);
                 self.str(to_addr);
                 self.keys(keys);
+                self.u8(u8::from(*snapshot));
+            }
+            Order::AddBackup { shard, from, start, len } => {
+                self.u8(11);
+                self.u32(*shard);
+                self.u32(*from);
+                self.u64(*start);
+                self.u64(*len);
             }
             Order::Promote { shard } => {
                 self.u8(10);
@@ -697,7 +721,18 @@ impl R<'_> {
             2 => Order::MigrateOut { shard: self.u32()?, to: self.u32()?, to_addr: self.str()?, keys: self.keys()? },
             3 => Order::Retire,
             8 => Order::Checkpoint { version: self.u64()?, dir: self.str()? },
-            9 => Order::Replicate { shard: self.u32()?, to: self.u32()?, to_addr: self.str()?, keys: self.keys()? },
+            9 => Order::Replicate {
+                shard: self.u32()?,
+                to: self.u32()?,
+                to_addr: self.str()?,
+                keys: self.keys()?,
+                snapshot: match self.u8()? {
+                    0 => false,
+                    1 => true,
+                    t => return Err(DecodeError::Tag(t)),
+                },
+            },
+            11 => Order::AddBackup { shard: self.u32()?, from: self.u32()?, start: self.u64()?, len: self.u64()? },
             10 => Order::Promote { shard: self.u32()? },
             t => return Err(DecodeError::Tag(t)),
         })
@@ -996,7 +1031,8 @@ mod tests {
                     Order::Propose { id: 4 },
                     Order::Members { at: 30, workers: vec![0, 2], expired: vec![1] },
                     Order::Checkpoint { version: 40, dir: "/tmp/ck".into() },
-                    Order::Replicate { shard: 2, to: 1, to_addr: "127.0.0.1:8".into(), keys },
+                    Order::Replicate { shard: 2, to: 1, to_addr: "127.0.0.1:8".into(), keys, snapshot: true },
+                    Order::AddBackup { shard: 2, from: 0, start: 4096, len: 512 },
                     Order::Promote { shard: 2 },
                 ],
             },

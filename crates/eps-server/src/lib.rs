@@ -213,7 +213,7 @@ pub(crate) enum Pending {
 }
 
 /// A shard held here.
-struct Held {
+pub(crate) struct Held {
     sync: ShardSync,
     /// Updates waiting for a free buffer, in arrival order.
     waiting: VecDeque<Pending>,
@@ -407,7 +407,7 @@ pub fn run_direct<P: Fabric>(
             out: None,
             incoming: backup_of.map(|p| (p, None)),
             split: None,
-            replica: backup_of.map(|primary| replica::Replica::Backup { primary }),
+            replica: backup_of.map(|primary| replica::Replica::Backup { primary, snapshot: false }),
         });
     }
     let es = layout.dtype.size_bytes() as u64;

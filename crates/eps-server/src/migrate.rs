@@ -90,7 +90,8 @@ impl<P: Fabric> Server<P> {
                 self.on_checkpoint_order(version, &dir);
                 Ok(())
             }
-            Order::Replicate { shard, to, to_addr, keys } => self.on_replicate(shard, to, &to_addr, keys),
+            Order::Replicate { shard, to, to_addr, keys, snapshot } => self.on_replicate(shard, to, &to_addr, keys, snapshot),
+            Order::AddBackup { shard, from, start, len } => self.on_add_backup(shard, from, start, len),
             Order::Promote { shard } => self.on_promote(shard),
         }
     }

@@ -17,6 +17,9 @@ use crate::{Pending, Server, ServerError, WR_OTHER};
 
 /// Work-request ids of forwards to a backup: shard in the low bits.
 pub(crate) const WR_REPLICA: u64 = WR_OTHER | (1 << 41);
+/// The notice after a snapshot for a new backup (its completion says the
+/// snapshot WRITE before it is done too).
+pub(crate) const WR_REPLICA_SNAPSHOT: u64 = WR_OTHER | (1 << 42);
 
 /// An update applied whose version waits for the backup's acknowledgement.
 #[derive(Clone, Copy, Debug)]
@@ -34,6 +37,9 @@ pub(crate) enum Replica {
     Backup {
         /// The owner's server rank.
         primary: u32,
+        /// A new backup (after a loss): it starts from the owner's snapshot,
+        /// whose notice comes first on the owner's connection.
+        snapshot: bool,
     },
     /// This server owns the shard and forwards each update to its backup.
     Primary {
@@ -44,6 +50,10 @@ pub(crate) enum Replica {
         /// A forward is in flight: the update is applied, its version not yet
         /// served.
         waiting: Option<Deferred>,
+        /// The snapshot for a new backup is being written: no update may run.
+        snapshotting: bool,
+        /// A backup promoted after a loss (see `Promoted`).
+        promoted: bool,
     },
     /// A backup promoted to owner: pushes of iterations before its version,
     /// sent again after the loss, were applied already.
@@ -51,24 +61,85 @@ pub(crate) enum Replica {
 }
 
 impl<P: Fabric> Server<P> {
-    /// The control plane orders shard `id`'s forwards to its backup on `to`.
-    pub(crate) fn on_replicate(&mut self, id: u32, to: u32, addr: &str, keys: MigrationKeys) -> Result<(), ServerError> {
-        if self.held_mut(id).is_none() {
+    /// The control plane orders shard `id`'s forwards to its backup on `to`
+    /// (after a snapshot of the shard, for a new backup).
+    pub(crate) fn on_replicate(
+        &mut self,
+        id: u32,
+        to: u32,
+        addr: &str,
+        keys: MigrationKeys,
+        snapshot: bool,
+    ) -> Result<(), ServerError> {
+        let Some(h) = self.held_mut(id) else {
             return Err(ServerError::Migration(format!("ordered to replicate shard {id}, which is not here")));
-        }
+        };
+        let promoted = matches!(h.replica, Some(Replica::Promoted));
+        let version = h.sync.version();
         let ci = self.target_conn(to, addr)?;
-        self.mem.add_forward_buffer(id)?;
-        if let Some(h) = self.held_mut(id) {
-            h.replica = Some(Replica::Primary { ci, keys, waiting: None });
+        if self.mem.get(id).is_some_and(|b| b.grad.is_none()) {
+            self.mem.add_forward_buffer(id)?;
         }
-        eprintln!("eps server {}: shard {id} is replicated on server {to}", self.rank);
+        if snapshot {
+            // Between updates (this loop does one thing at a time); none runs
+            // until the WRITE is done (`snapshotting`).
+            self.mem.to_host(id)?;
+            self.mem.set_snapshot_version(id, version, &[]);
+            let b = self.mem.get(id).ok_or_else(|| ServerError::Migration("shard memory vanished".into()))?;
+            let state = [Sge::whole(&b.state)];
+            let to_state = RemoteAddr { addr: keys.state_addr, rkey: keys.state_rkey };
+            self.conns[ci].post(&SendWr { wr_id: WR_OTHER, op: SendOp::Write(to_state), sg: &state, signaled: false })?;
+            let imm = Imm { kind: ImmKind::Forward, shard: id, seq: version as u16 }.encode();
+            let to_grad = RemoteAddr { addr: keys.grad_addr, rkey: keys.grad_rkey };
+            let op = SendOp::WriteImm(to_grad, imm);
+            self.conns[ci].post(&SendWr { wr_id: WR_REPLICA_SNAPSHOT | u64::from(id), op, sg: &[], signaled: true })?;
+        }
+        if let Some(h) = self.held_mut(id) {
+            h.replica = Some(Replica::Primary { ci, keys, waiting: None, snapshotting: snapshot, promoted });
+        }
+        let how = if snapshot { format!(" (a new backup, from version {version})") } else { String::new() };
+        eprintln!("eps server {}: shard {id} is replicated on server {to}{how}", self.rank);
         Ok(())
+    }
+
+    /// The snapshot for shard `id`'s new backup is written: updates go on.
+    pub(crate) fn replica_snapshot_done(&mut self, id: u32) -> Result<(), ServerError> {
+        if let Some(Replica::Primary { snapshotting, .. }) = self.held_mut(id).and_then(|h| h.replica.as_mut()) {
+            *snapshotting = false;
+        }
+        self.drain(id)
+    }
+
+    /// The control plane orders a new backup of shard `id` here (after a loss).
+    pub(crate) fn on_add_backup(&mut self, id: u32, from: u32, start: u64, len: u64) -> Result<(), ServerError> {
+        if id >= eps_proto::layout::MAX_SHARDS || len == 0 || self.shards.get(id as usize).is_some_and(Option::is_some) {
+            return Err(ServerError::Migration(format!("ordered to keep a backup of shard {id}, which is here or invalid")));
+        }
+        if self.shards.len() <= id as usize {
+            self.shards.resize_with(id as usize + 1, || None);
+            self.spans.resize(id as usize + 1, (0, 0));
+        }
+        self.spans[id as usize] = (start, len);
+        self.mem.add(id, start, len, crate::Origin::Incoming)?;
+        self.shards[id as usize] = Some(crate::Held {
+            sync: eps_proto::sync::ShardSync::incoming(self.mode, self.ranks, 0),
+            waiting: Default::default(),
+            out: None,
+            incoming: Some((from, None)),
+            split: None,
+            replica: Some(Replica::Backup { primary: from, snapshot: true }),
+        });
+        eprintln!("eps server {}: keeping a new backup of shard {id} (owner: server {from})", self.rank);
+        self.report_backup(id)
     }
 
     /// Whether shard `id` waits for its backup's acknowledgement.
     pub(crate) fn replica_busy(&self, id: u32) -> bool {
         let h = self.shards.get(id as usize).and_then(Option::as_ref);
-        matches!(h.and_then(|h| h.replica.as_ref()), Some(Replica::Primary { waiting: Some(_), .. }))
+        match h.and_then(|h| h.replica.as_ref()) {
+            Some(Replica::Primary { waiting, snapshotting, .. }) => waiting.is_some() || *snapshotting,
+            _ => false,
+        }
     }
 
     /// After an update of a replicated shard: forwards the averaged gradient
@@ -137,7 +208,7 @@ impl<P: Fabric> Server<P> {
     /// from this connection.
     pub(crate) fn bind_backups(&mut self, ci: usize, from: u32) {
         for h in self.shards.iter_mut().flatten() {
-            if matches!(h.replica, Some(Replica::Backup { primary }) if primary == from) {
+            if matches!(h.replica, Some(Replica::Backup { primary, snapshot: false }) if primary == from) {
                 h.incoming = Some((from, Some(ci)));
             }
         }
@@ -161,7 +232,8 @@ impl<P: Fabric> Server<P> {
     /// worker pushing again after the owner was lost): it is ignored.
     pub(crate) fn applied_before_promotion(&self, id: u32, iteration: u64) -> bool {
         let h = self.shards.get(id as usize).and_then(Option::as_ref);
-        h.is_some_and(|h| matches!(h.replica, Some(Replica::Promoted)) && iteration < h.sync.version())
+        let promoted = |r: &Option<Replica>| matches!(r, Some(Replica::Promoted | Replica::Primary { promoted: true, .. }));
+        h.is_some_and(|h| promoted(&h.replica) && iteration < h.sync.version())
     }
 
     /// Tells the control plane about the backups held here.
@@ -172,17 +244,22 @@ impl<P: Fabric> Server<P> {
             })
             .collect();
         for id in ids {
-            let b = self.mem.get(id).ok_or_else(|| ServerError::Migration("shard memory vanished".into()))?;
-            let grad = b.grad.as_ref().ok_or_else(|| ServerError::Migration("no gradient buffer".into()))?;
-            let keys = MigrationKeys {
-                state_addr: b.state.addr(),
-                state_rkey: b.state.rkey(),
-                grad_addr: grad.addr(),
-                grad_rkey: grad.rkey(),
-            };
-            let endpoint = self.endpoint(id).ok_or_else(|| ServerError::Migration("shard memory vanished".into()))?;
-            self.ctl.call(&ControlMsg::BackupReady { endpoint, keys })?;
+            self.report_backup(id)?;
         }
+        Ok(())
+    }
+
+    fn report_backup(&mut self, id: u32) -> Result<(), ServerError> {
+        let b = self.mem.get(id).ok_or_else(|| ServerError::Migration("shard memory vanished".into()))?;
+        let grad = b.grad.as_ref().ok_or_else(|| ServerError::Migration("no gradient buffer".into()))?;
+        let keys = MigrationKeys {
+            state_addr: b.state.addr(),
+            state_rkey: b.state.rkey(),
+            grad_addr: grad.addr(),
+            grad_rkey: grad.rkey(),
+        };
+        let endpoint = self.endpoint(id).ok_or_else(|| ServerError::Migration("shard memory vanished".into()))?;
+        self.ctl.call(&ControlMsg::BackupReady { endpoint, keys })?;
         Ok(())
     }
 }

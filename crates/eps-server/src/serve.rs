@@ -434,6 +434,9 @@ impl<P: Fabric> Server<P> {
                 self.drain(id)
             }
             WR_MIGRATE => self.on_migration_written(wr_id, ok),
+            _ if ok && wr_id & crate::replica::WR_REPLICA_SNAPSHOT == crate::replica::WR_REPLICA_SNAPSHOT => {
+                self.replica_snapshot_done((wr_id & 0xFFFF_FFFF) as u32)
+            }
             _ => Ok(()),
         }
     }
