@@ -179,6 +179,46 @@ fn an_operators_checkpoint_resumes_to_the_same_parameters() {
     let resumed = train(&["--resume", d]);
     assert_eq!(json(&resumed, "resumed_at"), at.to_string());
     assert_eq!(json(&resumed, "params_checksum"), expected, "resumed at {at} vs uninterrupted");
+
+    // The same checkpoint resumed by a job of separate processes (`eps control
+    // --resume`, then servers and workers that find it), on three servers.
+    let state = tmp("op-state");
+    let mut control = eps()
+        .args(["control", "--resume", d, "--servers", "3", "--listen", "127.0.0.1:0", "--state-dir"])
+        .arg(&state)
+        .env("EPS_JOB_SECRET", "resume-test")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let first = BufReader::new(control.stdout.take().unwrap()).lines().next().unwrap().unwrap();
+    let addr = first.strip_prefix("EPS_CONTROL_READY addr=").unwrap_or_else(|| panic!("{first}")).to_string();
+    let role = |r: &str| {
+        eps()
+            .args([r, "--control", &addr])
+            .env("EPS_JOB_SECRET", "resume-test")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    let servers: Vec<_> = (0..3).map(|_| role("server")).collect();
+    let workers: Vec<_> = (0..2).map(|_| role("worker")).collect();
+    let mut done = String::new();
+    for w in workers {
+        let o = w.wait_with_output().unwrap();
+        assert!(o.status.success());
+        done += &String::from_utf8_lossy(&o.stdout);
+    }
+    for s in servers {
+        assert!(s.wait_with_output().unwrap().status.success());
+    }
+    assert!(control.wait().unwrap().success());
+    let sum = done.split_whitespace().find_map(|kv| kv.strip_prefix("params_checksum=")).unwrap_or_else(|| panic!("{done}"));
+    assert_eq!(sum, expected, "eps control --resume at {at}");
+    let first_step = done.split_whitespace().find_map(|kv| kv.strip_prefix("first_step=")).unwrap();
+    assert_eq!(first_step, at.to_string());
+    std::fs::remove_dir_all(&state).ok();
     std::fs::remove_dir_all(&dir).ok();
     std::fs::remove_file(&spec).ok();
 }
@@ -195,6 +235,12 @@ fn bad_resumes_say_why() {
     let o = eps().args(["train", "--resume", dir.to_str().unwrap()]).output().unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("no complete checkpoint"), "{err}");
+    // The control plane of a job of separate processes says the same.
+    let o = eps().args(["control", "--resume", dir.to_str().unwrap()]).env("EPS_JOB_SECRET", "s").output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("no complete checkpoint"), "{err}");
+    let o = eps().args(["control", "--servers", "2"]).output().unwrap();
+    assert!(!o.status.success(), "--servers needs --resume");
     // --checkpoint-every needs a directory.
     let o = eps().args(["train", "--checkpoint-every", "5"]).output().unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
