@@ -407,7 +407,7 @@ pub fn run_direct<P: Fabric>(
             out: None,
             incoming: backup_of.map(|p| (p, None)),
             split: None,
-            replica: backup_of.map(|primary| replica::Replica::Backup { primary, snapshot: false }),
+            replica: backup_of.map(|primary| replica::Replica::Backup { primary, snapshot: false, acked: 0 }),
         });
     }
     let es = layout.dtype.size_bytes() as u64;

@@ -195,8 +195,9 @@ pub enum Origin<'a> {
     /// Arrives by migration: the master/state region and the gradient buffer are
     /// remotely writable (by the source that is given their keys).
     Incoming,
-    /// A backup: initial parameters from `init(global_index)`, and a gradient
-    /// buffer the owner writes its forwards into.
+    /// A backup: initial parameters from `init(global_index)` (or its owner's
+    /// snapshot, remotely written), and a gradient buffer of two halves (by
+    /// version parity) the owner writes its forwards into.
     Backup(&'a dyn Fn(u64) -> f32),
 }
 
@@ -288,12 +289,16 @@ impl<P: Fabric> ShardMemory<P> {
             .collect::<Result<Vec<_>, _>>()?;
         let state_bytes = len as usize * (1 + self.state_k) * 4 + SNAPSHOT_TAIL;
         let incoming = matches!(origin, Origin::Incoming);
-        let access = if incoming { Access::LOCAL_WRITE | Access::REMOTE_WRITE } else { Access::LOCAL_WRITE };
-        let state = self.alloc(id, "master parameters and optimizer state", state_bytes, access)?;
+        // A backup's state is written by its owner's snapshot when it is new.
         let backup = matches!(origin, Origin::Backup(_));
+        let access = if incoming || backup { Access::LOCAL_WRITE | Access::REMOTE_WRITE } else { Access::LOCAL_WRITE };
+        let state = self.alloc(id, "master parameters and optimizer state", state_bytes, access)?;
         let grad_access = Access::LOCAL_WRITE | Access::REMOTE_WRITE;
+        // A backup receives forwards into two halves by version parity: the next
+        // may land while the last is applied (it is acknowledged on arrival).
+        let halves = if backup { 2 } else { 1 };
         let grad = if incoming || backup {
-            Some(self.alloc(id, "forwarded gradient buffer", len as usize * 4, grad_access)?)
+            Some(self.alloc(id, "forwarded gradient buffer", halves * len as usize * 4, grad_access)?)
         } else {
             None
         };
@@ -615,8 +620,11 @@ impl<P: Fabric> ShardMemory<P> {
         let Some(b) = self.block_mut(id) else { return Ok(()) };
         let Some(g) = b.grad.as_ref() else { return Ok(()) };
         let len = b.len as usize;
-        // SAFETY: the source does not write the buffer until we acknowledge (above).
+        // SAFETY: the source does not write the buffer (or, for a backup's two
+        // halves, this version's half) until we acknowledge (above).
         let grad: &[f32] = bytemuck::cast_slice(unsafe { g.as_slice() });
+        // A backup's buffer has two halves: the one of this version's parity.
+        let grad = if grad.len() >= 2 * len { &grad[parity * len..(parity + 1) * len] } else { &grad[..len] };
         let off = published_offset(b.bytes as u64, parity) as usize;
         // SAFETY: the snapshot WRITE into this region completed before any forward
         // (RC ordering on the source's queue pair), and nothing else references it.

@@ -302,13 +302,21 @@ impl<P: Fabric> Server<P> {
             out.bytes += if carry { 0 } else { g.len() as u64 };
         }
         if let (Pending::Forward { worker, .. }, Some((_, Some(ci)))) = (p, h.incoming) {
-            if let Peer::Server(src) = self.conns[ci].peer {
-                let remote = RemoteAddr { addr: src.pull_addr, rkey: src.pull_rkey };
+            // (Unless a backup acknowledged it on arrival.)
+            if !matches!(h.replica, Some(crate::replica::Replica::Backup { acked, .. }) if acked == version) {
                 // SSP/ASP: the acknowledgement names the contribution's worker.
-                let seq = worker.map_or(version as u16, |w| w as u16);
-                self.notice(ci, remote, Imm { kind: ImmKind::ForwardAck, shard: id, seq })?;
+                self.ack_forward(ci, id, worker.map_or(version, u64::from))?;
             }
             self.try_complete(id)?;
+        }
+        Ok(())
+    }
+
+    /// Acknowledges a forward of shard `id` to its source on connection `ci`.
+    pub(crate) fn ack_forward(&mut self, ci: usize, id: u32, seq: u64) -> Result<(), ServerError> {
+        if let Peer::Server(src) = self.conns[ci].peer {
+            let remote = RemoteAddr { addr: src.pull_addr, rkey: src.pull_rkey };
+            self.notice(ci, remote, Imm { kind: ImmKind::ForwardAck, shard: id, seq: seq as u16 })?;
         }
         Ok(())
     }
@@ -392,7 +400,9 @@ impl<P: Fabric> Server<P> {
                     self.violation(ci, &format!("forwarded version {version} of shard {id}, expected {expected}"));
                     return Ok(());
                 }
-                // A zero-length forward: an update without contributions.
+                // A zero-length forward: an update without contributions. A backup
+                // acknowledges it now if it applies it now; else after applying.
+                self.ack_on_arrival(id, ci, version)?;
                 self.update(id, Pending::Forward { version, carry: len == 0, worker: None })
             }
             None => {

@@ -40,6 +40,8 @@ pub(crate) enum Replica {
         /// A new backup (after a loss): it starts from the owner's snapshot,
         /// whose notice comes first on the owner's connection.
         snapshot: bool,
+        /// The last version acknowledged on arrival.
+        acked: u64,
     },
     /// This server owns the shard and forwards each update to its backup.
     Primary {
@@ -120,14 +122,14 @@ impl<P: Fabric> Server<P> {
             self.spans.resize(id as usize + 1, (0, 0));
         }
         self.spans[id as usize] = (start, len);
-        self.mem.add(id, start, len, crate::Origin::Incoming)?;
+        self.mem.add(id, start, len, crate::Origin::Backup(&|_| 0.0))?;
         self.shards[id as usize] = Some(crate::Held {
             sync: eps_proto::sync::ShardSync::incoming(self.mode, self.ranks, 0),
             waiting: Default::default(),
             out: None,
             incoming: Some((from, None)),
             split: None,
-            replica: Some(Replica::Backup { primary: from, snapshot: true }),
+            replica: Some(Replica::Backup { primary: from, snapshot: true, acked: 0 }),
         });
         eprintln!("eps server {}: keeping a new backup of shard {id} (owner: server {from})", self.rank);
         self.report_backup(id)
@@ -158,7 +160,9 @@ impl<P: Fabric> Server<P> {
         let b = self.mem.get(id).ok_or_else(|| ServerError::Migration("shard memory vanished".into()))?;
         let g = b.grad.as_ref().ok_or_else(|| ServerError::Migration("no forward buffer".into()))?;
         let imm = Imm { kind: ImmKind::Forward, shard: id, seq: d.version as u16 }.encode();
-        let remote = RemoteAddr { addr: keys.grad_addr, rkey: keys.grad_rkey };
+        // Into the backup's half of this version's parity.
+        let half = eps_proto::sync::ShardSync::parity(d.version) as u64 * b.len * 4;
+        let remote = RemoteAddr { addr: keys.grad_addr + half, rkey: keys.grad_rkey };
         let whole = [Sge::whole(g)];
         let sg: &[Sge<'_, P::Mr>] = if d.carry { &[] } else { &whole };
         let wr = SendWr { wr_id: WR_REPLICA | u64::from(id), op: SendOp::WriteImm(remote, imm), sg, signaled: true };
@@ -208,7 +212,7 @@ impl<P: Fabric> Server<P> {
     /// from this connection.
     pub(crate) fn bind_backups(&mut self, ci: usize, from: u32) {
         for h in self.shards.iter_mut().flatten() {
-            if matches!(h.replica, Some(Replica::Backup { primary, snapshot: false }) if primary == from) {
+            if matches!(h.replica, Some(Replica::Backup { primary, snapshot: false, .. }) if primary == from) {
                 h.incoming = Some((from, Some(ci)));
             }
         }
@@ -234,6 +238,21 @@ impl<P: Fabric> Server<P> {
         let h = self.shards.get(id as usize).and_then(Option::as_ref);
         let promoted = |r: &Option<Replica>| matches!(r, Some(Replica::Promoted | Replica::Primary { promoted: true, .. }));
         h.is_some_and(|h| promoted(&h.replica) && iteration < h.sync.version())
+    }
+
+    /// A backup acknowledges a forward as it arrives, when it applies it at once
+    /// (nothing parked): the owner may then serve the version, since this server
+    /// applies it now whatever happens to the owner, and the next forward lands
+    /// in the other half of the buffer. Returns whether it did.
+    pub(crate) fn ack_on_arrival(&mut self, id: u32, ci: usize, version: u64) -> Result<bool, ServerError> {
+        let free = self.free(id);
+        let Some(Replica::Backup { acked, .. }) = self.held_mut(id).and_then(|h| h.replica.as_mut()) else { return Ok(false) };
+        if !free {
+            return Ok(false);
+        }
+        *acked = version;
+        self.ack_forward(ci, id, version)?;
+        Ok(true)
     }
 
     /// Tells the control plane about the backups held here.

@@ -278,7 +278,7 @@ impl<P: Fabric> Server<P> {
     }
 
     /// Whether shard `id` can take its next update now.
-    fn free(&self, id: u32) -> bool {
+    pub(crate) fn free(&self, id: u32) -> bool {
         self.shards[id as usize]
             .as_ref()
             .is_some_and(|h| h.sync.can_publish() && h.waiting.is_empty() && h.out.as_ref().is_none_or(|o| !o.busy()))
