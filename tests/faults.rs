@@ -156,7 +156,7 @@ impl Run {
 
 impl Drop for Run {
     fn drop(&mut self) {
-        let _ = Command::new("kill").args(["-KILL", "--", &format!("-{}", self.child.id())]).status();
+        let _ = Command::new("kill").args(["-KILL", "--", &format!("-{}", self.child.id())]).stderr(Stdio::null()).status();
         let _ = self.child.wait();
     }
 }

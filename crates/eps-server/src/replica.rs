@@ -233,10 +233,14 @@ impl<P: Fabric> Server<P> {
     }
 
     /// Whether a push of `iteration` to shard `id` was applied already (a
-    /// worker pushing again after the owner was lost): it is ignored.
+    /// worker pushing again after the owner was lost): it is ignored. (A push
+    /// reaches a backup only from a worker routing by the map that promotes
+    /// it, which may come before the order does.)
     pub(crate) fn applied_before_promotion(&self, id: u32, iteration: u64) -> bool {
         let h = self.shards.get(id as usize).and_then(Option::as_ref);
-        let promoted = |r: &Option<Replica>| matches!(r, Some(Replica::Promoted | Replica::Primary { promoted: true, .. }));
+        let promoted = |r: &Option<Replica>| {
+            matches!(r, Some(Replica::Backup { .. } | Replica::Promoted | Replica::Primary { promoted: true, .. }))
+        };
         h.is_some_and(|h| promoted(&h.replica) && iteration < h.sync.version())
     }
 
