@@ -163,7 +163,8 @@ impl<P: Fabric> Server<P> {
         // Into the backup's half of this version's parity.
         let half = eps_proto::sync::ShardSync::parity(d.version) as u64 * b.len * 4;
         let remote = RemoteAddr { addr: keys.grad_addr + half, rkey: keys.grad_rkey };
-        let whole = [Sge::whole(g)];
+        // One shard's gradient (a promoted backup's buffer has two halves).
+        let whole = [Sge::new(g, 0, (b.len * 4) as u32)];
         let sg: &[Sge<'_, P::Mr>] = if d.carry { &[] } else { &whole };
         let wr = SendWr { wr_id: WR_REPLICA | u64::from(id), op: SendOp::WriteImm(remote, imm), sg, signaled: true };
         if self.conns[ci].post(&wr).is_err() {
@@ -189,12 +190,15 @@ impl<P: Fabric> Server<P> {
 
     /// The connection `ci` failed: shards replicated over it lost their
     /// backup; they go on alone (what waited for an acknowledgement is served).
-    pub(crate) fn replica_conn_lost(&mut self, ci: usize) -> Result<(), ServerError> {
+    pub(crate) fn replica_conn_lost(&mut self, ci: usize, status: WcStatus, wr_id: u64) -> Result<(), ServerError> {
         let ids: Vec<u32> = (0..self.shards.len() as u32)
             .filter(|&id| matches!(self.shards[id as usize].as_ref().and_then(|h| h.replica.as_ref()), Some(Replica::Primary { ci: c, .. }) if *c == ci))
             .collect();
         for id in ids {
-            eprintln!("eps server {}: the backup of shard {id} is gone; the shard goes on without one", self.rank);
+            eprintln!(
+                "eps server {}: the backup of shard {id} is gone ({}: {status:?}, request {wr_id:#x}); the shard goes on without one",
+                self.rank, self.conns[ci].peer
+            );
             let d = match self.held_mut(id).map(|h| h.replica.take()) {
                 Some(Some(Replica::Primary { waiting, .. })) => waiting,
                 _ => None,

@@ -697,6 +697,7 @@ impl<P: Fabric> Worker<P> {
                 self.replace_in_round(sid, &cover);
             }
             for c in cover {
+                self.await_route_away(c, need)?;
                 let to = self.slot_at(&self.map.routes[c].owner)?;
                 self.post_pull_req(c, to, need)?;
                 self.outstanding[c] += 1;
@@ -728,6 +729,7 @@ impl<P: Fabric> Worker<P> {
 
     /// Pushes shard `sid`'s gradient of iteration `t` and asks for the version after.
     fn push_shard(&mut self, sid: usize, t: u64) -> Result<(), WorkerError> {
+        self.await_route_away(sid, t)?;
         let es = self.layout.dtype.size_bytes() as u64;
         let (start, len) = (self.map.routes[sid].start, self.map.routes[sid].len);
         let (owner, slot) = self.slot_at(self.route(sid, t))?;
@@ -865,6 +867,15 @@ impl<P: Fabric> Worker<P> {
             }
         }
         Ok(k > 0)
+    }
+
+    /// Waits for a map that no longer routes shard `sid` (at iteration `t`) to
+    /// a server that failed (the control plane promotes its backups).
+    fn await_route_away(&mut self, sid: usize, t: u64) -> Result<(), WorkerError> {
+        while self.lost.contains(&self.route(sid, t).owner) || self.lost.contains(&self.map.routes[sid].owner.owner) {
+            self.refresh_map()?;
+        }
+        Ok(())
     }
 
     /// Server `server` failed in a job with replicas: the control plane
