@@ -9,52 +9,16 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-const SPEC: &str = r#"
-[job]
-workers = 2
-servers = 2
-steps = 300
-batch = 32
-shard_bytes = 65536
-[model]
-preset = "synthetic"
-buckets = 16384
-[optimizer]
-kind = "adam"
-lr = 0.01
-[lr_schedule]
-warmup_steps = 10
-decay = "cosine"
-min_lr = 0.001
-"#;
+mod common;
+
+use common::cli::{eps, json_field, spec_file};
 
 fn tmp(name: &str) -> PathBuf {
-    let p = std::env::temp_dir().join(format!("eps-ckpt-test-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&p);
-    p
-}
-
-fn spec_file(name: &str) -> PathBuf {
-    let p = tmp(name).with_extension("toml");
-    std::fs::write(&p, SPEC).unwrap();
-    p
-}
-
-fn eps() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_eps"))
+    common::cli::tmp("ckpt", name)
 }
 
 fn json(out: &Output, key: &str) -> String {
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let last = stdout.lines().last().unwrap_or_default().to_string();
-    let pat = format!("\"{key}\":");
-    let at = last.find(&pat).unwrap_or_else(|| panic!("{key} missing: {stdout}\n{}", String::from_utf8_lossy(&out.stderr)))
-        + pat.len();
-    let rest = &last[at..];
-    if let Some(text) = rest.strip_prefix('"') {
-        return text[..text.find('"').unwrap()].to_string();
-    }
-    rest[..rest.find([',', '}']).unwrap()].to_string()
+    json_field(&String::from_utf8_lossy(&out.stdout), key)
 }
 
 fn train(args: &[&str]) -> Output {
@@ -84,7 +48,7 @@ fn kill_group(pid: u32) {
 }
 
 fn resume_after_sigkill_equals_the_uninterrupted_run(dtype: &str) {
-    let spec = spec_file(dtype);
+    let spec = spec_file("ckpt", dtype);
     let s = spec.to_str().unwrap();
     let whole = train(&["--spec", s, "--dtype", dtype, "--servers", "1"]);
     let expected = json(&whole, "params_checksum");
@@ -134,7 +98,7 @@ fn bf16_resume_after_sigkill_of_every_process_is_bitwise() {
 
 #[test]
 fn an_operators_checkpoint_resumes_to_the_same_parameters() {
-    let spec = spec_file("op");
+    let spec = spec_file("ckpt", "op");
     let s = spec.to_str().unwrap();
     let expected = json(&train(&["--spec", s]), "params_checksum");
 
@@ -258,7 +222,7 @@ fn bad_resumes_say_why() {
 /// parent and parts) resume to the same bits.
 #[test]
 fn checkpoints_taken_during_scale_events_resume_bitwise() {
-    let spec = spec_file("scale");
+    let spec = spec_file("ckpt", "scale");
     let s = spec.to_str().unwrap();
     // Four workers: a migration forwards the update of its cutover iteration,
     // so source and target both save that version.

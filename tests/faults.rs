@@ -13,46 +13,12 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-const SPEC: &str = r#"
-[job]
-workers = 2
-servers = 2
-steps = 300
-batch = 32
-shard_bytes = 65536
-[model]
-preset = "synthetic"
-buckets = 16384
-[optimizer]
-kind = "adam"
-lr = 0.01
-"#;
+mod common;
+
+use common::cli::{SMALL_JOB, eps, json_field as json, spec_file};
 
 fn tmp(name: &str) -> PathBuf {
-    let p = std::env::temp_dir().join(format!("eps-faults-test-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&p);
-    p
-}
-
-fn spec_file(name: &str) -> PathBuf {
-    let p = tmp(name).with_extension("toml");
-    std::fs::write(&p, SPEC).unwrap();
-    p
-}
-
-fn eps() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_eps"))
-}
-
-fn json(stdout: &str, key: &str) -> String {
-    let last = stdout.lines().last().unwrap_or_default().to_string();
-    let pat = format!("\"{key}\":");
-    let at = last.find(&pat).unwrap_or_else(|| panic!("{key} missing: {stdout}")) + pat.len();
-    let rest = &last[at..];
-    if let Some(text) = rest.strip_prefix('"') {
-        return text[..text.find('"').unwrap()].to_string();
-    }
-    rest[..rest.find([',', '}']).unwrap()].to_string()
+    common::cli::tmp("faults", name)
 }
 
 fn uninterrupted(spec: &str) -> String {
@@ -167,7 +133,7 @@ fn kill(pid: u32) {
 
 #[test]
 fn a_control_plane_killed_mid_run_is_restarted_and_the_job_ends_bitwise() {
-    let spec = spec_file("control");
+    let spec = spec_file("faults", "control");
     let s = spec.to_str().unwrap();
     let expected = uninterrupted(s);
     let mut run = Run::start(&["--spec", s]);
@@ -182,7 +148,7 @@ fn a_control_plane_killed_mid_run_is_restarted_and_the_job_ends_bitwise() {
 
 #[test]
 fn a_server_killed_mid_run_rolls_back_to_the_newest_checkpoint_bitwise() {
-    let spec = spec_file("server");
+    let spec = spec_file("faults", "server");
     let s = spec.to_str().unwrap();
     let expected = uninterrupted(s);
     let dir = tmp("server-dir");
@@ -203,7 +169,7 @@ fn a_server_killed_mid_run_rolls_back_to_the_newest_checkpoint_bitwise() {
 
 #[test]
 fn a_server_killed_without_checkpoints_stops_the_run_naming_its_shards() {
-    let spec = spec_file("lost");
+    let spec = spec_file("faults", "lost");
     let mut run = Run::start(&["--spec", spec.to_str().unwrap()]);
     run.wait_step(20);
     let killed = Instant::now();
@@ -219,8 +185,11 @@ fn a_server_killed_without_checkpoints_stops_the_run_naming_its_shards() {
 /// Three workers, leases of a second.
 fn three_workers(name: &str) -> PathBuf {
     let p = tmp(name).with_extension("toml");
-    std::fs::write(&p, SPEC.replace("workers = 2", "workers = 3\nworker_lease_ms = 1000").replace("steps = 300", "steps = 150"))
-        .unwrap();
+    std::fs::write(
+        &p,
+        SMALL_JOB.replace("workers = 2", "workers = 3\nworker_lease_ms = 1000").replace("steps = 300", "steps = 150"),
+    )
+    .unwrap();
     p
 }
 
@@ -266,7 +235,7 @@ fn a_worker_killed_during_a_migration_is_removed_and_the_others_finish() {
 
 #[test]
 fn servers_killed_one_after_another_with_two_replicas_lose_nothing() {
-    let spec = spec_file("replicas");
+    let spec = spec_file("faults", "replicas");
     let s = spec.to_str().unwrap();
     let args = ["--spec", s, "--servers", "4", "--steps", "900"];
     let o: Output = eps().args(["train", "--json"]).args(args).output().unwrap();

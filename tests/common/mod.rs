@@ -4,6 +4,8 @@
 
 #![allow(dead_code)]
 
+pub mod cli;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;

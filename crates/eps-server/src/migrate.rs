@@ -112,6 +112,17 @@ impl<P: Fabric> Server<P> {
         let sync = ShardSync::incoming(self.mode, self.ranks, 0);
         self.shards[id as usize] =
             Some(Held { sync, waiting: Default::default(), out: None, incoming: Some((from, None)), split: None, replica: None });
+        let (endpoint, keys) = self.writable_by_peer(id)?;
+        let bytes = self.mem.get(id).map_or(0, |b| b.bytes);
+        eprintln!("eps server {}: receiving shard {id} ({bytes} bytes) from server {from}", self.rank);
+        self.ctl.call(&ControlMsg::ShardReady { endpoint, keys })?;
+        self.summary.migrated_in += 1;
+        Ok(())
+    }
+
+    /// Shard `id`'s endpoint for workers, and where a peer server writes its
+    /// master values and state and its forwarded gradients.
+    pub(crate) fn writable_by_peer(&self, id: u32) -> Result<(eps_proto::control::ShardEndpoint, MigrationKeys), ServerError> {
         let b = self.mem.get(id).ok_or_else(|| ServerError::Migration("shard memory vanished".into()))?;
         let grad = b.grad.as_ref().ok_or_else(|| ServerError::Migration("no gradient buffer".into()))?;
         let keys = MigrationKeys {
@@ -121,10 +132,7 @@ impl<P: Fabric> Server<P> {
             grad_rkey: grad.rkey(),
         };
         let endpoint = self.endpoint(id).ok_or_else(|| ServerError::Migration("shard memory vanished".into()))?;
-        eprintln!("eps server {}: receiving shard {id} ({} bytes) from server {from}", self.rank, b.bytes);
-        self.ctl.call(&ControlMsg::ShardReady { endpoint, keys })?;
-        self.summary.migrated_in += 1;
-        Ok(())
+        Ok((endpoint, keys))
     }
 
     /// The connection to target server `to`, dialed on first use.

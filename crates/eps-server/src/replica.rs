@@ -277,15 +277,7 @@ impl<P: Fabric> Server<P> {
     }
 
     fn report_backup(&mut self, id: u32) -> Result<(), ServerError> {
-        let b = self.mem.get(id).ok_or_else(|| ServerError::Migration("shard memory vanished".into()))?;
-        let grad = b.grad.as_ref().ok_or_else(|| ServerError::Migration("no gradient buffer".into()))?;
-        let keys = MigrationKeys {
-            state_addr: b.state.addr(),
-            state_rkey: b.state.rkey(),
-            grad_addr: grad.addr(),
-            grad_rkey: grad.rkey(),
-        };
-        let endpoint = self.endpoint(id).ok_or_else(|| ServerError::Migration("shard memory vanished".into()))?;
+        let (endpoint, keys) = self.writable_by_peer(id)?;
         self.ctl.call(&ControlMsg::BackupReady { endpoint, keys })?;
         Ok(())
     }
