@@ -130,23 +130,6 @@ pub fn prune(dir: &Path, keep: usize) -> Vec<u64> {
     removed
 }
 
-/// What the manifest records of the job besides the pieces.
-#[derive(Clone, Debug)]
-pub struct JobRecord {
-    /// The shard map's epoch.
-    pub epoch: u64,
-    /// Servers holding shards.
-    pub servers: u32,
-    /// Elements of the flat space.
-    pub total: u64,
-    /// Optimizer state values per element.
-    pub state_k: u32,
-    /// Contributor sets up to the checkpoint.
-    pub membership: String,
-    /// The spec without `[resume]`.
-    pub spec: String,
-}
-
 #[derive(Debug, Default)]
 struct Collecting {
     pieces: Vec<PieceEntry>,
@@ -215,7 +198,7 @@ impl Tracker {
     /// `sha256` is empty if the server had passed `version`, else why writing
     /// failed); once the pieces cover the parameters, writes the manifest and
     /// prunes.
-    pub fn saved(&mut self, r: &Report<'_>, job: &JobRecord) -> Outcome {
+    pub fn saved(&mut self, r: &Report<'_>, job: &Manifest) -> Outcome {
         let Report { version, start, len, file, sha256, missed } = *r;
         let path = Path::new(file);
         let (Some(ckpt), Some(name)) = (path.parent(), path.file_name().and_then(|n| n.to_str())) else {
@@ -244,17 +227,7 @@ impl Tracker {
         }
         let spans: Vec<(u64, u64)> = c.pieces.iter().map(|p| (p.start, p.len)).collect();
         let Ok(chosen) = cover(&spans, job.total) else { return Outcome::Pending };
-        let manifest = Manifest {
-            format: eps_proto::checkpoint::FORMAT,
-            version,
-            epoch: job.epoch,
-            servers: job.servers,
-            total: job.total,
-            state_k: job.state_k,
-            membership: job.membership.clone(),
-            spec: job.spec.clone(),
-            pieces: chosen.iter().map(|&i| c.pieces[i].clone()).collect(),
-        };
+        let manifest = Manifest { version, pieces: chosen.iter().map(|&i| c.pieces[i].clone()).collect(), ..job.clone() };
         let ckpt = dir.join(dir_name(version));
         self.collecting.remove(&key);
         if let Err(e) = write_atomic(&ckpt.join(MANIFEST), &[manifest.to_toml().as_bytes()]) {
@@ -278,8 +251,19 @@ mod tests {
         d
     }
 
-    fn record(total: u64) -> JobRecord {
-        JobRecord { epoch: 1, servers: 2, total, state_k: 1, membership: "0:0,1".into(), spec: "[job]\n".into() }
+    fn record(total: u64) -> Manifest {
+        let (membership, spec) = ("0:0,1".into(), "[job]\n".into());
+        Manifest {
+            format: eps_proto::checkpoint::FORMAT,
+            version: 0,
+            epoch: 1,
+            servers: 2,
+            total,
+            state_k: 1,
+            membership,
+            spec,
+            pieces: Vec::new(),
+        }
     }
 
     /// Writes a piece of `len` elements from `start` and reports it.

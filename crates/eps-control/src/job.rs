@@ -306,16 +306,20 @@ impl Job {
         self.progress.iter().copied().max().unwrap_or(0).max(self.start)
     }
 
-    /// What a checkpoint at `version` records of the job.
-    pub fn checkpoint_record(&self, version: u64) -> crate::checkpoint::JobRecord {
+    /// What a checkpoint at `version` records of the job: its manifest but for
+    /// the pieces.
+    pub fn checkpoint_record(&self, version: u64) -> eps_proto::checkpoint::Manifest {
         let spec = JobSpec::set_resume(&self.spec_text, None).unwrap_or_else(|_| self.spec_text.clone());
-        crate::checkpoint::JobRecord {
+        eps_proto::checkpoint::Manifest {
+            format: eps_proto::checkpoint::FORMAT,
+            version,
             epoch: self.map.epoch,
             servers: self.live_servers().len() as u32,
             total: self.spans.iter().map(|s| s.start + s.len).max().unwrap_or(0),
             state_k: self.state_k,
             membership: self.w.members.resumed_at(version, Vec::new()).to_text(),
             spec,
+            pieces: Vec::new(),
         }
     }
 
