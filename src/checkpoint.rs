@@ -62,16 +62,8 @@ pub fn take(control: SocketAddr, dir: Option<&Path>, timeout: Duration) -> Resul
     eprintln!("eps checkpoint: asking the job at {control} for a checkpoint");
     // A job still starting takes the request once its servers are ready.
     let deadline = std::time::Instant::now() + timeout;
-    let answer = loop {
-        match c.call(&ControlMsg::Checkpoint { version: 0, dir: dir.clone() }) {
-            Err(eps_control::ControlError::Rejected(m))
-                if m.contains("still starting") && std::time::Instant::now() < deadline =>
-            {
-                std::thread::sleep(Duration::from_millis(100));
-            }
-            r => break r.map_err(|e| crate_error(&e))?,
-        }
-    };
+    let answer =
+        c.call_when_possible(&ControlMsg::Checkpoint { version: 0, dir: dir.clone() }, deadline).map_err(|e| crate_error(&e))?;
     match answer {
         ControlMsg::Checkpointed { version, path } => {
             println!("checkpoint at iteration {version} in {path}");

@@ -279,3 +279,45 @@ fn a_worker_that_asks_to_leave_is_removed_at_a_boundary() {
         }
     }
 }
+
+/// A change asked for the moment the job can take it (as a scheduler that
+/// shrinks a job it just started does) may be in the map a worker registers
+/// with: every worker still votes on it, and the job goes on without the one
+/// that leaves.
+#[test]
+fn a_change_asked_while_the_workers_register_is_voted_on_by_all() {
+    let text = common::spec_text(2, 1, 6, "f32", "adam", "bsp");
+    for round in 0..6 {
+        let (_, control) = start_control(&text);
+        // Outside the scope: a worker stuck on a vote fails the test (its wait
+        // times out) instead of leaving it waiting for the server to end.
+        let server = std::thread::spawn(move || run_server(control));
+        let outcomes: Vec<Outcome> = std::thread::scope(|s| {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while !status(control).contains("1 ready") {
+                assert!(Instant::now() < deadline, "the server never became ready");
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            // Asked again and again until the second worker has registered.
+            let asker = s.spawn(move || {
+                let mut c = ControlClient::connect(control, &secret(), Duration::from_secs(10)).unwrap();
+                loop {
+                    match c.call(&ControlMsg::ScaleWorkers { workers: 1 }) {
+                        Ok(_) => return,
+                        Err(e) if e.is_temporary() && Instant::now() < deadline => std::thread::sleep(Duration::from_micros(200)),
+                        Err(e) => panic!("round {round}: {e}"),
+                    }
+                }
+            });
+            let hs: Vec<_> = (0..2).map(|_| s.spawn(|| train(control, &|_, _| {}))).collect();
+            asker.join().unwrap();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        server.join().unwrap();
+        let o = outcomes.iter().find(|o| o.params.is_some()).expect("one worker trains to the end");
+        let sets: Vec<&[u32]> = o.membership.epochs().iter().map(|(_, s)| &s[..]).collect();
+        assert_eq!(sets.len(), 2, "round {round}: {:?}", o.membership.epochs());
+        assert_eq!(outcomes.iter().filter(|o| o.params.is_none()).count(), 1, "round {round}: one worker left");
+        assert!(o.params.as_ref() == Some(&reference(&text, &o.membership)), "round {round}: differs from the reference");
+    }
+}

@@ -97,6 +97,20 @@ fn live_service_takes_submissions_lists_and_kills_jobs() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    // The service's log, read as it comes (a full pipe would stall it), shown on failure.
+    let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let mut err = serve.stderr.take().unwrap();
+    let l = log.clone();
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        while let Ok(n @ 1..) = std::io::Read::read(&mut err, &mut buf) {
+            l.lock().unwrap().push_str(&String::from_utf8_lossy(&buf[..n]));
+        }
+    });
+    let tail = || {
+        let g = log.lock().unwrap();
+        g.lines().rev().take(40).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n")
+    };
     let deadline = Instant::now() + Duration::from_secs(10);
     while !sock.exists() && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
@@ -128,8 +142,18 @@ fn live_service_takes_submissions_lists_and_kills_jobs() {
     };
     let wait_for = |name: &str, want: &str| {
         let deadline = Instant::now() + Duration::from_secs(60);
-        while state(name) != want {
-            assert!(Instant::now() < deadline, "{name} never {want}: {}", ok(eps(&["jobs", "--socket", sock_s])));
+        loop {
+            let s = state(name);
+            if s == want {
+                break;
+            }
+            let table = || ok(eps(&["jobs", "--socket", sock_s]));
+            assert!(
+                s != "failed" && Instant::now() < deadline,
+                "{name} never {want}: {}\nthe service's log:\n{}",
+                table(),
+                tail()
+            );
             std::thread::sleep(Duration::from_millis(200));
         }
     };

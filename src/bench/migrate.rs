@@ -18,7 +18,7 @@ use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use eps_control::{ControlClient, ControlError};
+use eps_control::ControlClient;
 use eps_fabric::Secret;
 use eps_proto::control::ControlMsg;
 use eps_worker::{Worker, WorkerError};
@@ -336,18 +336,9 @@ fn follow(
         let servers = if k % 2 == 0 { 2 } else { 1 };
         let done_before = status(&mut ctl)?.1;
         let deadline = Instant::now() + Duration::from_secs(120);
-        loop {
-            match ctl.call(&ControlMsg::Scale { servers }) {
-                Ok(_) => break,
-                // Still starting, or the previous shrink's server still retiring.
-                Err(ControlError::Rejected(m))
-                    if (m.contains("starting") || m.contains("in progress")) && Instant::now() < deadline =>
-                {
-                    std::thread::sleep(Duration::from_millis(5));
-                }
-                Err(e) => return Err(format!("scaling to {servers} servers: {e}")),
-            }
-        }
+        // Still starting, or the previous shrink's server still retiring.
+        ctl.call_when_possible(&ControlMsg::Scale { servers }, deadline)
+            .map_err(|e| format!("scaling to {servers} servers: {e}"))?;
         if servers == 2 {
             spawn.send(Spawn::Servers(1)).map_err(|_| "the driver is gone".to_string())?;
         }

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use eps_control::{ControlClient, ControlError};
+use eps_control::ControlClient;
 use eps_proto::control::ControlMsg;
 use eps_sched::Alloc;
 
@@ -130,7 +130,8 @@ impl Running {
                 if let Some(s) = progress_samples(l) {
                     g.samples = s;
                     g.points.push((now, s));
-                } else if l.starts_with("EPS_DONE") && field(l, "rank") == Some("0") && field(l, "left") != Some("1") {
+                } else if l.starts_with("EPS_DONE") && field(l, "params_checksum").is_some() {
+                    // The lowest-ranked contributor of the last iteration evaluates the result.
                     g.done_s = Some(now);
                     g.checksum = field(l, "params_checksum").map(str::to_string);
                     g.membership = field(l, "membership").map(str::to_string);
@@ -243,16 +244,8 @@ fn scale_thread(
     }
 }
 
-/// One scale call, retried while an earlier change is still under way.
+/// One scale call, retried while the job starts or an earlier change is
+/// still under way.
 fn call(c: &mut ControlClient, msg: &ControlMsg) -> Result<(), String> {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        match c.call(msg) {
-            Ok(_) => return Ok(()),
-            Err(ControlError::Rejected(m)) if m.contains("in progress") && Instant::now() < deadline => {
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            Err(e) => return Err(e.to_string()),
-        }
-    }
+    c.call_when_possible(msg, Instant::now() + Duration::from_secs(60)).map(drop).map_err(|e| e.to_string())
 }

@@ -148,6 +148,8 @@ pub struct JobState<'a> {
     pub record: &'a JobRecord,
     /// Its processes per node (`name:Nw+Ms,...`).
     pub nodes: String,
+    /// Why it failed, for a failed job.
+    pub error: Option<&'a str>,
 }
 
 /// A trace replayed: each job submitted at its `submit_s`.
@@ -399,7 +401,16 @@ fn state_of(h: &Held, nodes: String) -> JobState<'_> {
         (State::Ended(_), _, Some(_)) => "failed",
         (State::Ended(_), ..) => "finished",
     };
-    JobState { name: &h.spec.name, state, alloc: h.alloc, samples: (h.samples, h.spec.samples), record: &h.out.record, nodes }
+    let error = h.out.error.as_deref().filter(|_| state == "failed");
+    JobState {
+        name: &h.spec.name,
+        state,
+        alloc: h.alloc,
+        samples: (h.samples, h.spec.samples),
+        record: &h.out.record,
+        nodes,
+        error,
+    }
 }
 
 /// Ends a job (killed: its processes are stopped), freeing its slots.

@@ -156,6 +156,11 @@ impl Source for Service {
                 if j.nodes.is_empty() { "-" } else { &j.nodes }
             );
         }
+        for j in jobs {
+            if let Some(e) = j.error {
+                t += &format!("{} failed: {e}\n", j.name);
+            }
+        }
         t += &format!("(at {now_s:.1} s)\n");
         let mut g = inbox(&self.0);
         // Jobs submitted since the poll are active too.

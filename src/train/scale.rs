@@ -9,7 +9,7 @@ use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use eps_control::{ControlClient, ControlError};
+use eps_control::ControlClient;
 use eps_fabric::Secret;
 use eps_proto::control::ControlMsg;
 
@@ -139,17 +139,9 @@ fn run_plan(
             Target::Servers(n) => ControlMsg::Scale { servers: n },
             Target::Workers(n) => ControlMsg::ScaleWorkers { workers: n },
         };
-        // Retry while an earlier event is still under way.
+        // Retry while the job starts or an earlier event is still under way.
         let deadline = Instant::now() + Duration::from_secs(120);
-        loop {
-            match ctl.call(&msg) {
-                Ok(_) => break,
-                Err(ControlError::Rejected(m)) if m.contains("in progress") && Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-                Err(e) => return Err(format!("scale event at step {} ({:?}): {e}", ev.step, ev.target)),
-            }
-        }
+        ctl.call_when_possible(&msg, deadline).map_err(|e| format!("scale event at step {} ({:?}): {e}", ev.step, ev.target))?;
         let now = step.load(Ordering::Acquire);
         let mut min_done = out.lock().unwrap_or_else(|p| p.into_inner()).migrations;
         match ev.target {

@@ -104,6 +104,17 @@ impl ControlClient {
         }
     }
 
+    /// As [`ControlClient::call`], asking again while the refusal is
+    /// temporary ([`ControlError::is_temporary`]) until `deadline`.
+    pub fn call_when_possible(&mut self, m: &ControlMsg, deadline: Instant) -> Result<ControlMsg, ControlError> {
+        loop {
+            match self.call(m) {
+                Err(e) if e.is_temporary() && Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
+                r => return r,
+            }
+        }
+    }
+
     fn answer(r: Result<ControlMsg, ControlError>) -> Result<ControlMsg, ControlError> {
         match r {
             Ok(ControlMsg::Error { message }) => Err(ControlError::Rejected(message)),

@@ -652,16 +652,17 @@ impl Job {
             return Err("a job needs at least one server".into());
         }
         if !self.initial_ready() {
-            return Err("the job is still starting: its initial servers are not all ready".into());
+            return Err(crate::STILL_STARTING.into());
         }
         if self.w.proposal_id() != 0 {
-            return Err("a worker membership change is being voted on; try again in a moment".into());
+            return Err(format!("{}; try again in a moment", crate::VOTE_IN_PROGRESS));
         }
         let busy = self.migrations_in_flight() + usize::from(self.splitting.is_some()) + self.to_balance.len();
         let joining = self.servers.len() as u32 != self.server_slots || self.servers.iter().any(|s| !s.ready && !s.retired);
         if busy > 0 || joining {
             return Err(format!(
-                "a scale event is in progress ({busy} migrations, splits or servers to balance, {} servers still joining); try again when `eps status` shows none",
+                "{} ({busy} migrations, splits or servers to balance, {} servers still joining); try again when `eps status` shows none",
+                crate::CHANGE_IN_PROGRESS,
                 self.server_slots - self.servers.len() as u32
             ));
         }

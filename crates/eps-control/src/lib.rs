@@ -59,3 +59,20 @@ pub enum ControlError {
     #[error("control plane refused: {0}")]
     Rejected(String),
 }
+
+/// The refusal of a request that needs the job's initial servers.
+pub const STILL_STARTING: &str = "the job is still starting: its initial servers are not all ready";
+/// How the refusal of a change begins while another is under way.
+pub const CHANGE_IN_PROGRESS: &str = "a scale event is in progress";
+/// How the refusal of a change begins while a worker change is voted on.
+pub const VOTE_IN_PROGRESS: &str = "a worker membership change is being voted on";
+
+impl ControlError {
+    /// A refusal that the same request may not get later: the job still
+    /// starting, or another change still under way.
+    pub fn is_temporary(&self) -> bool {
+        matches!(self, Self::Rejected(m) if m == STILL_STARTING
+            || m.starts_with(CHANGE_IN_PROGRESS)
+            || m.starts_with(VOTE_IN_PROGRESS))
+    }
+}

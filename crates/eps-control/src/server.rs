@@ -360,7 +360,7 @@ fn checkpoint(mut st: std::sync::MutexGuard<'_, State>, cv: &Condvar, dir: Strin
         return ControlMsg::Error { message: format!("{dir}: give an absolute directory (servers may run elsewhere)") };
     }
     if !st.job.initial_ready() {
-        return ControlMsg::Error { message: "the job is still starting: its initial servers are not all ready".into() };
+        return ControlMsg::Error { message: crate::STILL_STARTING.into() };
     }
     let steps = spec.map_or(u64::MAX, |s| s.job.steps);
     let mut last = String::new();

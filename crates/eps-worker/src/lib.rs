@@ -310,7 +310,7 @@ impl<P: Fabric> Worker<P> {
         // A job resumed from a checkpoint starts at the checkpoint's iteration.
         let start = joined.max(spec.resume.as_ref().map_or(0, |r| r.iteration));
         let watch = Arc::new(MapWatch::new(&map, membership.clone(), start));
-        watch::spawn(cfg, rank, watch.clone())?;
+        watch::spawn(cfg, rank, watch.clone(), &map)?;
         let ids = map.routes.len();
         let mut w = Self {
             rank,

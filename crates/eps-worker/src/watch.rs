@@ -93,10 +93,18 @@ impl MapWatch {
     }
 }
 
-/// Starts the watcher thread of worker `rank`.
-pub(crate) fn spawn(cfg: &WorkerConfig, rank: u32, watch: Arc<MapWatch>) -> Result<(), WorkerError> {
+/// Starts the watcher thread of worker `rank`, which registered with `map`.
+pub(crate) fn spawn(cfg: &WorkerConfig, rank: u32, watch: Arc<MapWatch>, map: &JobMap) -> Result<(), WorkerError> {
     let mut ctl = ControlClient::connect(cfg.control, &cfg.secret, cfg.timeout)?;
+    // A change proposed before this worker began its first iteration is in the
+    // map it registered with, and no newer map may come until it votes.
+    let first = watch.observe(map);
     std::thread::spawn(move || {
+        if let Some((id, hold)) = first
+            && ctl.call(&ControlMsg::Vote { role: Role::Worker, rank, id, hold }).is_err()
+        {
+            return;
+        }
         while !watch.stop.load(Ordering::Relaxed) {
             let have = watch.newest.load(Ordering::Acquire);
             let adopted = watch.adopted.load(Ordering::Acquire);

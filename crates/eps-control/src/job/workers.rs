@@ -197,17 +197,17 @@ impl Job {
             return Err("changing the workers of a running job needs BSP consistency".into());
         }
         if !self.initial_ready() {
-            return Err("the job is still starting: its initial servers are not all ready".into());
+            return Err(crate::STILL_STARTING.into());
         }
         let joining = (0..self.w.admitted as usize).any(|r| !self.w.registered[r] && !self.w.finished[r]);
         let servers_busy = self.migrations_in_flight() > 0
             || self.servers.len() as u32 != self.server_slots
             || self.servers.iter().any(|s| !s.ready && !s.retired);
         if self.w.proposal.is_some() || joining || servers_busy {
-            return Err(
-                "a scale event is in progress (workers joining, a vote, or migrations); try again when `eps status` shows none"
-                    .into(),
-            );
+            return Err(format!(
+                "{} (workers joining, a vote, or migrations); try again when `eps status` shows none",
+                crate::CHANGE_IN_PROGRESS
+            ));
         }
         Ok(())
     }
