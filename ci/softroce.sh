@@ -115,7 +115,7 @@ SPEC
 # train TRANSPORT [AGGREGATOR]: its JSON line in /tmp/train_TRANSPORT[AGGREGATOR].json.
 train() {
     out="/tmp/train_$1$2"
-    "$dir/eps" train --spec /tmp/tiny.toml --scale-plan 10:servers=3,20:servers=1 --progress-every 10 --json --transport "$1" \
+    timeout 300 "$dir/eps" train --spec /tmp/tiny.toml --scale-plan 10:servers=3,20:servers=1 --progress-every 10 --json --transport "$1" \
         ${2:+--aggregator "$2"} >"$out.out" &&
         tail -n 1 "$out.out" >"$out.json" && grep -q "\"transport\":\"$1\"" "$out.json"
 }
@@ -133,25 +133,28 @@ check eps_train_rdma_direct train rdma host-direct
 check eps_train_rdma_direct_equals_soft same rdmahost-direct
 # ASP (pulls are RDMA READs) with the servers scaled, and BSP with a worker joining
 # and one leaving: they must finish (their results depend on timing).
-check eps_train_rdma_asp "$dir/eps" train --spec /tmp/tiny.toml --consistency asp --scale-plan 10:servers=3,20:servers=1 --transport rdma
-check eps_train_rdma_workers "$dir/eps" train --spec /tmp/tiny.toml --scale-plan 10:workers=3,20:workers=2 --transport rdma
+check eps_train_rdma_asp timeout 300 "$dir/eps" train --spec /tmp/tiny.toml --consistency asp --scale-plan 10:servers=3,20:servers=1 --transport rdma
+check eps_train_rdma_workers timeout 300 "$dir/eps" train --spec /tmp/tiny.toml --scale-plan 10:workers=3,20:workers=2 --transport rdma
 # libeps over rdma: the C example, two processes against `eps up`, both on rxe.
 libeps_c() {
-    "$dir/eps" up --workers 2 --servers 2 --steps 40 --lr 0.05 --transport rdma >/tmp/up.env 2>/tmp/up.err &
+    # Bounded: a hang fails this check with every process's log instead of
+    # holding the VM until its limit.
+    timeout 240 "$dir/eps" up --workers 2 --servers 2 --steps 40 --lr 0.05 --transport rdma >/tmp/up.env 2>/tmp/up.err &
     up=$!
     i=0
     while [ "$(wc -l </tmp/up.env)" -lt 2 ] && [ $i -lt 600 ]; do sleep 0.1; i=$((i + 1)); done
     # shellcheck disable=SC2046
     export $(cat /tmp/up.env)
-    EPS_TRANSPORT=rdma "$dir/train_c" >/tmp/c0.out 2>/tmp/c0.err &
+    EPS_TRANSPORT=rdma timeout 180 "$dir/train_c" >/tmp/c0.out 2>/tmp/c0.err &
     a=$!
-    EPS_TRANSPORT=rdma "$dir/train_c" >/tmp/c1.out 2>/tmp/c1.err &
+    EPS_TRANSPORT=rdma timeout 180 "$dir/train_c" >/tmp/c1.out 2>/tmp/c1.err &
     b=$!
     ok=0
     wait $a || ok=1
     wait $b || ok=1
     wait $up || ok=1
     cat /tmp/c0.err /tmp/c1.err
+    [ $ok -eq 0 ] || { echo "eps up:"; cat /tmp/up.err; }
     test $ok -eq 0 && grep -q "rdma transport" /tmp/c0.err && grep -q "rdma transport" /tmp/c1.err && cat /tmp/c0.out /tmp/c1.out | grep -h "^accuracy="
 }
 check libeps_c_example_rdma libeps_c
@@ -172,7 +175,7 @@ for t in "$dir"/checks/*; do
             [ -z "$GAPS" ] || echo "NOT YET (skipped): $GAPS" ;;
     esac
     # shellcheck disable=SC2086
-    check "$(basename "$t" | sed 's/-[0-9a-f]*$//')" env EPS_RDMA_REQUIRE=1 EPS_RDMA_ADDR=10.77.0.1 EPS_CONFORMANCE_ADDR=10.77.0.1:0 "$t" --test-threads 1 --nocapture $filter
+    check "$(basename "$t" | sed 's/-[0-9a-f]*$//')" timeout 300 env EPS_RDMA_REQUIRE=1 EPS_RDMA_ADDR=10.77.0.1 EPS_CONFORMANCE_ADDR=10.77.0.1:0 "$t" --test-threads 1 --nocapture $filter
 done
 echo "SOFTROCE FAILURES $fails"
 exit "$fails"
