@@ -256,3 +256,38 @@ fn servers_killed_one_after_another_with_two_replicas_lose_nothing() {
     assert_eq!(json(&out, "params_checksum"), expected, "{err}");
     std::fs::remove_file(&spec).ok();
 }
+
+fn signal(sig: &str, pid: u32) {
+    assert!(Command::new("kill").args([sig, &pid.to_string()]).status().unwrap().success());
+}
+
+/// A server stopped (SIGSTOP), not dead: its connections stay open, so only
+/// its lease tells. Once it lapses the backups take over; woken up later, the
+/// server is fenced off (it learns it was lost and exits) and nothing it
+/// still sends is taken.
+#[test]
+fn a_stopped_server_with_two_replicas_is_declared_lost_fenced_off_and_loses_nothing() {
+    let spec = tmp("stopped").with_extension("toml");
+    std::fs::write(&spec, SMALL_JOB.replace("[job]", "[job]\nserver_lease_ms = 2000")).unwrap();
+    let s = spec.to_str().unwrap();
+    let args = ["--spec", s, "--servers", "3", "--steps", "500"];
+    let o: Output = eps().args(["train", "--json"]).args(args).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let expected = json(&String::from_utf8_lossy(&o.stdout), "params_checksum");
+    let mut run = Run::start(&[&args[..], &["--replicas", "2"]].concat());
+    run.wait_step(60);
+    let stopped = *run.role_pids("server").last().unwrap();
+    signal("-STOP", stopped);
+    run.wait_line("has not polled for orders");
+    run.wait_line("is served here from version");
+    run.wait_step(200);
+    signal("-CONT", stopped);
+    let (ok, out, err) = run.finish();
+    assert!(ok, "{err}");
+    assert!(
+        err.contains("was declared lost and its shards' backups serve them now"),
+        "the woken server was not fenced off:\n{err}"
+    );
+    assert_eq!(json(&out, "params_checksum"), expected, "{err}");
+    std::fs::remove_file(&spec).ok();
+}

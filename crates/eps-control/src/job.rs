@@ -268,7 +268,15 @@ impl Job {
                 until: g.until,
             })
             .collect();
-        let servers = self.servers.iter().enumerate().filter(|(_, s)| s.ready).map(|(r, s)| (r as u32, s.addr.clone())).collect();
+        // A lost server is left out: workers still waiting on it take that as
+        // the loss (it may be stopped, its connections open).
+        let servers = self
+            .servers
+            .iter()
+            .enumerate()
+            .filter(|(r, s)| s.ready && !self.lost.contains(&(*r as u32)))
+            .map(|(r, s)| (r as u32, s.addr.clone()))
+            .collect();
         JobMap {
             epoch: self.map.epoch,
             servers,

@@ -45,6 +45,9 @@ struct State {
     last_checkpoint: Option<(u64, PathBuf)>,
     /// Servers whose order poll connection dropped, and when.
     dropped: HashMap<u32, Instant>,
+    /// When each server's order poll last reached the control plane (its lease).
+    polled: HashMap<u32, Instant>,
+    server_lease: Duration,
 }
 
 impl State {
@@ -53,24 +56,33 @@ impl State {
     }
 
     /// Declares lost the servers whose order poll dropped and did not come
-    /// back within `SERVER_GRACE` (a job with replicas promotes their backups).
-    /// Returns whether anything changed.
+    /// back within `SERVER_GRACE`, or stopped coming for the server lease
+    /// (a job with replicas promotes their backups). Returns whether anything
+    /// changed.
     fn lose_servers(&mut self) -> Result<bool, ControlError> {
         let now = Instant::now();
-        let gone: Vec<u32> =
-            self.dropped.iter().filter(|(_, t)| now.duration_since(**t) > SERVER_GRACE).map(|(r, _)| *r).collect();
+        let mut gone: Vec<(u32, String)> = self
+            .dropped
+            .iter()
+            .filter(|(_, t)| now.duration_since(**t) > SERVER_GRACE)
+            .map(|(r, _)| (*r, format!("its connection dropped {} ms ago", SERVER_GRACE.as_millis())))
+            .collect();
+        gone.extend(
+            self.polled
+                .iter()
+                .filter(|(r, t)| now > **t && now.duration_since(**t) > self.server_lease && !self.dropped.contains_key(r))
+                .map(|(r, t)| (*r, format!("it has not polled for orders for {} ms", now.duration_since(*t).as_millis()))),
+        );
         let mut changed = false;
-        for r in gone {
+        for (r, why) in gone {
             self.dropped.remove(&r);
+            self.polled.remove(&r);
             if !self.job.replicated() || !self.job.server_serving(r) || self.job.done() {
                 continue;
             }
             let m = ControlMsg::ServerLost { rank: r };
             if self.job.apply(&m).is_ok() {
-                eprintln!(
-                    "eps control: server {r} is lost (its connection dropped {} ms ago); its shards' backups take over",
-                    SERVER_GRACE.as_millis()
-                );
+                eprintln!("eps control: server {r} is lost ({why}); its shards' backups take over");
                 self.persist(&m)?;
                 changed = true;
             }
@@ -142,6 +154,8 @@ impl ControlService {
             ckpt,
             last_checkpoint: None,
             dropped: HashMap::new(),
+            polled: HashMap::new(),
+            server_lease: Duration::from_millis(spec.job.server_lease_ms),
         };
         for (i, r) in records.iter().enumerate() {
             let m = ControlMsg::decode(r).map_err(|_| ControlError::Protocol("corrupt record in the control store"))?;
@@ -293,10 +307,22 @@ fn serve(mut s: TcpStream, secret: &Secret, shared: &(Mutex<State>, Condvar)) ->
                 poller = Some(rank);
                 st.dropped.remove(&rank);
                 let deadline = Instant::now() + LONG_POLL;
+                // Alive while it waits here: its lease runs from the answer.
+                st.polled.insert(rank, deadline);
                 loop {
+                    if st.job.lost_servers().contains(&rank) {
+                        // Fenced off: its shards are served by their backups now.
+                        poller = None;
+                        break ControlMsg::Error {
+                            message: format!(
+                                "server {rank} was declared lost and its shards' backups serve them now; it must stop"
+                            ),
+                        };
+                    }
                     let (last, orders) = st.job.orders_for(rank, after);
                     let left = deadline.saturating_duration_since(Instant::now());
                     if !orders.is_empty() || left.is_zero() {
+                        st.polled.insert(rank, Instant::now());
                         break ControlMsg::Orders { last, orders };
                     }
                     st = cv.wait_timeout(st, left).unwrap_or_else(|p| p.into_inner()).0;

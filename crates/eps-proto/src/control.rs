@@ -85,7 +85,8 @@ impl Route {
 pub struct JobMap {
     /// Grows with every change of ownership.
     pub epoch: u64,
-    /// Fabric address of every server that owns or owned a routed shard, by rank.
+    /// Fabric address of every server that owns or owned a routed shard, by
+    /// rank (a server declared lost is left out).
     pub servers: Vec<(u32, String)>,
     /// Per global shard id.
     pub routes: Vec<Route>,

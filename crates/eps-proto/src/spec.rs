@@ -159,6 +159,11 @@ pub struct JobSection {
     /// from the job at the next iteration boundary.
     #[serde(default = "default_lease_ms")]
     pub worker_lease_ms: u64,
+    /// With replicas: a server whose order poll has not reached the control
+    /// plane for this long (stopped, hung, cut off) is lost; its shards'
+    /// backups take over, and it is fenced off if it comes back.
+    #[serde(default = "default_server_lease_ms")]
+    pub server_lease_ms: u64,
     /// Where servers sum and step: `auto` (a GPU when one is usable, else the
     /// CPU), `cpu` or `cuda` (command-line flags and the environment override it).
     #[serde(default)]
@@ -184,6 +189,10 @@ fn default_keep() -> u32 {
 
 fn default_lease_ms() -> u64 {
     10_000
+}
+
+fn default_server_lease_ms() -> u64 {
+    5_000
 }
 
 impl JobSection {
@@ -413,6 +422,9 @@ impl JobSpec {
         }
         if j.worker_lease_ms < 500 {
             return Err(bad("job.worker_lease_ms", "must be at least 500 (ms)"));
+        }
+        if j.server_lease_ms < 1000 {
+            return Err(bad("job.server_lease_ms", "must be at least 1000 (ms): servers poll every 500 ms"));
         }
         if j.servers == 0 || j.servers > 1024 {
             return Err(bad("job.servers", "must be between 1 and 1024"));

@@ -13,7 +13,7 @@ use eps_fabric::prelude::*;
 use eps_proto::control::{ControlMsg, MigrationKeys};
 use eps_proto::imm::{Imm, ImmKind};
 
-use crate::{Pending, Server, ServerError, WR_OTHER};
+use crate::{Peer, Pending, Server, ServerError, WR_OTHER};
 
 /// Work-request ids of forwards to a backup: shard in the low bits.
 pub(crate) const WR_REPLICA: u64 = WR_OTHER | (1 << 41);
@@ -76,7 +76,17 @@ impl<P: Fabric> Server<P> {
         let Some(h) = self.held_mut(id) else {
             return Err(ServerError::Migration(format!("ordered to replicate shard {id}, which is not here")));
         };
-        let promoted = matches!(h.replica, Some(Replica::Promoted));
+        let old = h.replica.take();
+        let promoted = matches!(old, Some(Replica::Promoted | Replica::Primary { promoted: true, .. }));
+        if let Some(Replica::Primary { waiting: Some(d), .. }) = old {
+            // A new backup replaces one that never acknowledged (lost while
+            // stopped, not closed): the update it waited for is served, and
+            // the snapshot below holds it.
+            self.finish_update(id, d)?;
+        }
+        let Some(h) = self.held_mut(id) else {
+            return Err(ServerError::Migration(format!("shard {id} left while its backup was replaced")));
+        };
         let version = h.sync.version();
         let ci = self.target_conn(to, addr)?;
         if self.mem.get(id).is_some_and(|b| b.grad.is_none()) {
@@ -231,8 +241,19 @@ impl<P: Fabric> Server<P> {
         let at = h.sync.version();
         h.sync.caught_up();
         h.incoming = None;
-        h.replica = Some(Replica::Promoted);
+        let lost = match h.replica.replace(Replica::Promoted) {
+            Some(Replica::Backup { primary, .. }) => Some(primary),
+            _ => None,
+        };
         eprintln!("eps server {rank}: shard {id} is served here from version {at} on (its owner was lost)");
+        // Fenced off: a lost owner that was only stopped, not dead, may wake
+        // up; nothing it sends lands here any more.
+        let from_lost = |p: &Peer| matches!(p, Peer::Server(h) if Some(h.rank & !eps_proto::hello::PEER_BIT) == lost);
+        for ci in 0..self.conns.len() {
+            if from_lost(&self.conns[ci].peer) {
+                self.drop_conn(ci);
+            }
+        }
         self.try_complete(id)
     }
 

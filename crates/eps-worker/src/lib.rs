@@ -782,6 +782,7 @@ impl<P: Fabric> Worker<P> {
     fn wait_until(&mut self, done: impl Fn(&Self) -> bool, what: &'static str) -> Result<(), WorkerError> {
         let deadline = Instant::now() + self.timeout;
         let mut idle = Instant::now();
+        let mut looked = Instant::now();
         while !done(self) {
             if self.reap()? {
                 idle = Instant::now();
@@ -789,9 +790,32 @@ impl<P: Fabric> Worker<P> {
                 return Err(WorkerError::Timeout(what));
             } else if idle.elapsed() > Duration::from_micros(200) {
                 self.cq.wait(Duration::from_millis(1));
+                if looked.elapsed() > Duration::from_millis(50) {
+                    looked = Instant::now();
+                    self.notice_lost_servers();
+                }
             }
         }
         Ok(())
+    }
+
+    /// With replicas: a server the newest map leaves out was declared lost
+    /// (it may be stopped, not dead, so its connection need not fail): this
+    /// round goes to its shards' backups, as when a connection fails.
+    fn notice_lost_servers(&mut self) {
+        if self.spec.job.replicas < 2 || self.watch.newest.load(Ordering::Acquire) <= self.map.epoch {
+            return;
+        }
+        let gone: Vec<u32> = {
+            let g = self.watch.latest.lock().unwrap_or_else(|p| p.into_inner());
+            let Some(m) = g.as_ref() else { return };
+            self.map.servers.iter().map(|(r, _)| *r).filter(|r| !m.servers.iter().any(|(s, _)| s == r)).collect()
+        };
+        for s in gone {
+            if !self.lost.contains(&s) && self.routes_to(s) {
+                self.lose_server(s);
+            }
+        }
     }
 
     /// Polls once; counts pull answers, "moved" answers and acknowledged hellos.
