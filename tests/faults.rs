@@ -4,7 +4,10 @@
 //! job back to its newest checkpoint, and it still ends with them; without
 //! checkpoints the run stops at once, naming the shards lost; a worker killed
 //! at any point (mid-push, mid-pull, during a migration) is removed when its
-//! lease runs out and the others finish the job.
+//! lease runs out and the others finish the job. Stopped processes (SIGSTOP)
+//! keep their connections open: a stopped server with replicas is lost when
+//! its lease lapses and fenced off when woken; a stopped worker is removed and,
+//! woken, says so and leaves.
 
 use std::io::{BufRead, BufReader};
 use std::os::unix::process::CommandExt as _;
@@ -289,5 +292,28 @@ fn a_stopped_server_with_two_replicas_is_declared_lost_fenced_off_and_loses_noth
         "the woken server was not fenced off:\n{err}"
     );
     assert_eq!(json(&out, "params_checksum"), expected, "{err}");
+    std::fs::remove_file(&spec).ok();
+}
+
+/// A worker stopped past its lease is removed and the others go on; woken
+/// up, it finds itself removed and leaves without disturbing them.
+#[test]
+fn a_stopped_worker_is_removed_when_its_lease_lapses_and_leaves_when_woken() {
+    let spec = tmp("stopped-worker").with_extension("toml");
+    std::fs::write(&spec, SMALL_JOB.replace("workers = 2", "workers = 3\nworker_lease_ms = 1000")).unwrap();
+    let s = spec.to_str().unwrap();
+    let mut run = Run::start(&["--spec", s, "--steps", "1500"]);
+    run.wait_step(40);
+    let stopped = *run.role_pids("worker").last().unwrap();
+    signal("-STOP", stopped);
+    run.wait_line("has not renewed its lease");
+    run.wait_step(150);
+    signal("-CONT", stopped);
+    let (ok, out, err) = run.finish();
+    assert!(ok, "{err}");
+    assert_eq!(json(&out, "steps"), "1500", "{err}");
+    // The job's contributor sets show the removal, and the woken worker says so.
+    assert_eq!(json(&out, "membership").matches(';').count(), 1, "{out}");
+    assert!(err.contains("was removed from the job from iteration"), "{err}");
     std::fs::remove_file(&spec).ok();
 }

@@ -110,6 +110,16 @@ pub enum WorkerError {
         /// The epoch of the worker's shard map.
         epoch: u64,
     },
+    /// The job removed this worker while it could not reach the control plane.
+    #[error(
+        "this worker (rank {rank}) was removed from the job from iteration {iteration} on: it did not reach the control plane for longer than job.worker_lease_ms (stopped, hung or cut off); the job goes on without it"
+    )]
+    Removed {
+        /// The worker's rank.
+        rank: u32,
+        /// The first iteration it no longer contributes to.
+        iteration: u64,
+    },
     /// No tensor has that name.
     #[error("unknown tensor {0:?}")]
     UnknownTensor(String),
@@ -459,6 +469,15 @@ impl<P: Fabric> Worker<P> {
     }
 
     /// Blocks until a map newer than ours is known (after a "moved" answer).
+    /// The iteration from which the job no longer counts this worker among
+    /// its contributors, if it removed it (asked of the control plane now).
+    fn removed_at(&mut self) -> Option<u64> {
+        let adopted = self.watch.adopted.load(Ordering::Acquire);
+        let req = ControlMsg::GetMap { worker: self.rank, adopted, min_epoch: 0, iteration: self.iteration };
+        let Ok(ControlMsg::Map(m)) = self.ctl.call(&req) else { return None };
+        m.membership.last().filter(|(_, set)| !set.contains(&self.rank)).map(|(first, _)| *first)
+    }
+
     fn refresh_map(&mut self) -> Result<(), WorkerError> {
         let deadline = Instant::now() + self.timeout;
         let have = self.map.epoch;
@@ -843,6 +862,10 @@ impl<P: Fabric> Worker<P> {
                     continue;
                 }
                 if matches!(c.opcode, WcOpcode::Recv | WcOpcode::RecvWithImm) {
+                    // Servers cut off a worker the job removed (its lease lapsed).
+                    if let Some(iteration) = self.removed_at() {
+                        return Err(WorkerError::Removed { rank: self.rank, iteration });
+                    }
                     return Err(WorkerError::ServerGone { server, iteration: self.iteration, epoch: self.map.epoch });
                 }
                 let what = if c.wr_id & (3 << 62) == WR_PUSH { "push" } else { "pull" };
