@@ -165,9 +165,10 @@ enum Peer {
     Unknown,
     /// A worker.
     Worker(Hello),
-    /// Another server migrating shards here (acknowledgements go to its region).
+    /// Another server migrating shards here or forwarding to backups here
+    /// (acknowledgements go to its region).
     Server(Hello),
-    /// A server this one dialed to migrate shards to.
+    /// A server this one dialed to migrate shards to or forward to backups on.
     Target(u32),
 }
 
@@ -176,8 +177,8 @@ impl std::fmt::Display for Peer {
         match self {
             Peer::Unknown => f.write_str("a peer that has not said hello"),
             Peer::Worker(h) => write!(f, "worker {}", h.rank),
-            Peer::Server(h) => write!(f, "migration source server {}", h.rank & !eps_proto::hello::PEER_BIT),
-            Peer::Target(r) => write!(f, "migration target server {r}"),
+            Peer::Server(h) => write!(f, "server {} (forwarding here)", h.rank & !eps_proto::hello::PEER_BIT),
+            Peer::Target(r) => write!(f, "server {r} (forwarded to)"),
         }
     }
 }
