@@ -24,8 +24,9 @@ fn tmp(name: &str) -> PathBuf {
     common::cli::tmp("faults", name)
 }
 
-fn uninterrupted(spec: &str) -> String {
-    let o: Output = eps().args(["train", "--json", "--spec", spec]).output().unwrap();
+/// The parameters' checksum an uninterrupted `eps train` with `args` ends with.
+fn uninterrupted(args: &[&str]) -> String {
+    let o: Output = eps().args(["train", "--json"]).args(args).output().unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     json(&String::from_utf8_lossy(&o.stdout), "params_checksum")
 }
@@ -138,7 +139,7 @@ fn kill(pid: u32) {
 fn a_control_plane_killed_mid_run_is_restarted_and_the_job_ends_bitwise() {
     let spec = spec_file("faults", "control");
     let s = spec.to_str().unwrap();
-    let expected = uninterrupted(s);
+    let expected = uninterrupted(&["--spec", s]);
     let mut run = Run::start(&["--spec", s]);
     run.wait_step(40);
     kill(run.role_pid("control"));
@@ -153,7 +154,7 @@ fn a_control_plane_killed_mid_run_is_restarted_and_the_job_ends_bitwise() {
 fn a_server_killed_mid_run_rolls_back_to_the_newest_checkpoint_bitwise() {
     let spec = spec_file("faults", "server");
     let s = spec.to_str().unwrap();
-    let expected = uninterrupted(s);
+    let expected = uninterrupted(&["--spec", s]);
     let dir = tmp("server-dir");
     let mut run = Run::start(&["--spec", s, "--checkpoint-every", "20", "--checkpoint-dir", dir.to_str().unwrap()]);
     run.wait_step(70);
@@ -241,9 +242,7 @@ fn servers_killed_one_after_another_with_two_replicas_lose_nothing() {
     let spec = spec_file("faults", "replicas");
     let s = spec.to_str().unwrap();
     let args = ["--spec", s, "--servers", "4", "--steps", "900"];
-    let o: Output = eps().args(["train", "--json"]).args(args).output().unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let expected = json(&String::from_utf8_lossy(&o.stdout), "params_checksum");
+    let expected = uninterrupted(&args);
     let mut run = Run::start(&[&args[..], &["--replicas", "2"]].concat());
     run.wait_step(60);
     kill(*run.role_pids("server").last().unwrap());
@@ -274,9 +273,7 @@ fn a_stopped_server_with_two_replicas_is_declared_lost_fenced_off_and_loses_noth
     std::fs::write(&spec, SMALL_JOB.replace("[job]", "[job]\nserver_lease_ms = 2000")).unwrap();
     let s = spec.to_str().unwrap();
     let args = ["--spec", s, "--servers", "3", "--steps", "500"];
-    let o: Output = eps().args(["train", "--json"]).args(args).output().unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let expected = json(&String::from_utf8_lossy(&o.stdout), "params_checksum");
+    let expected = uninterrupted(&args);
     let mut run = Run::start(&[&args[..], &["--replicas", "2"]].concat());
     run.wait_step(60);
     let stopped = *run.role_pids("server").last().unwrap();
@@ -315,5 +312,43 @@ fn a_stopped_worker_is_removed_when_its_lease_lapses_and_leaves_when_woken() {
     // The job's contributor sets show the removal, and the woken worker says so.
     assert_eq!(json(&out, "membership").matches(';').count(), 1, "{out}");
     assert!(err.contains("was removed from the job from iteration"), "{err}");
+    std::fs::remove_file(&spec).ok();
+}
+
+/// Two of three servers killed at once: some shard lost its owner and its
+/// backup together. Without checkpoints the run stops at once, naming them,
+/// instead of waiting on shards nobody holds; with them it rolls back (on two
+/// servers, still with replicas) and ends with the uninterrupted parameters.
+#[test]
+fn a_shard_whose_owner_and_backup_die_together_stops_the_run_naming_it() {
+    let spec = spec_file("faults", "both");
+    let s = spec.to_str().unwrap();
+    let mut run = Run::start(&["--spec", s, "--servers", "3", "--steps", "3000", "--replicas", "2"]);
+    run.wait_step(40);
+    let servers = run.role_pids("server");
+    let started = Instant::now();
+    kill(servers[0]);
+    kill(servers[1]);
+    let (ok, _, err) = run.finish();
+    assert!(!ok, "{err}");
+    assert!(err.contains("its shards are lost") && err.contains("their backups were lost too"), "{err}");
+    assert!(err.contains("writes no checkpoints to roll back to"), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(20), "noticed only after {:?}:\n{err}", started.elapsed());
+
+    let args = ["--spec", s, "--servers", "3", "--steps", "400"];
+    let expected = uninterrupted(&args);
+    let dir = tmp("both-dir");
+    let d = dir.to_str().unwrap();
+    let mut run = Run::start(&[&args[..], &["--replicas", "2", "--checkpoint-every", "20", "--checkpoint-dir", d]].concat());
+    run.wait_step(70);
+    let servers = run.role_pids("server");
+    kill(servers[1]);
+    kill(servers[2]);
+    let (ok, out, err) = run.finish();
+    assert!(ok, "{err}");
+    assert!(err.contains("their backups were lost too") && err.contains("on 2 servers ("), "{err}");
+    assert_eq!(json(&out, "rollbacks"), "1", "{err}");
+    assert_eq!(json(&out, "params_checksum"), expected, "{err}");
+    std::fs::remove_dir_all(&dir).ok();
     std::fs::remove_file(&spec).ok();
 }

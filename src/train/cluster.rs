@@ -9,7 +9,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use eps_proto::JobSpec;
 
@@ -200,19 +200,42 @@ impl LocalCluster {
         let rank = self.server_ranks.iter().find(|(n, _)| *n == name).and_then(|(_, r)| r.get().copied());
         let held = rank
             .and_then(|r| {
-                let addr = self.addr.parse().ok()?;
-                let secret = eps_fabric::Secret::new(self.secret.as_str()).ok()?;
-                let mut c = eps_control::ControlClient::connect(addr, &secret, Duration::from_secs(2)).ok()?;
-                let eps_proto::control::ControlMsg::StatusReport { text } =
-                    c.call(&eps_proto::control::ControlMsg::Status).ok()?
-                else {
-                    return None;
-                };
                 let prefix = format!("server {r}: ");
-                text.lines().find_map(|l| l.trim().strip_prefix(&prefix).map(str::to_string))
+                self.status_text()?.lines().find_map(|l| l.trim().strip_prefix(&prefix).map(str::to_string))
             })
             .unwrap_or_default();
         TrainError::ServerLost { name, rank, status, held }
+    }
+
+    /// The control plane's status report, if it answers.
+    fn status_text(&self) -> Option<String> {
+        let addr = self.addr.parse().ok()?;
+        let secret = eps_fabric::Secret::new(self.secret.as_str()).ok()?;
+        let mut c = eps_control::ControlClient::connect(addr, &secret, Duration::from_secs(2)).ok()?;
+        match c.call(&eps_proto::control::ControlMsg::Status).ok()? {
+            eps_proto::control::ControlMsg::StatusReport { text } => Some(text),
+            _ => None,
+        }
+    }
+
+    /// With replicas, after servers died: a lost server that still owns
+    /// shards lost them for good (their backups died too, or were still being
+    /// rebuilt). `died` names the dead server processes and how they exited.
+    fn shards_lost_for_good(&self, died: &[(String, String)]) -> Option<TrainError> {
+        let text = self.status_text()?;
+        text.lines().find_map(|l| {
+            let rest = l.trim().strip_prefix("server ")?;
+            let (rank, state) = rest.split_once(": ")?;
+            let owned: u32 = state.strip_prefix("lost, ")?.split(' ').next()?.parse().ok()?;
+            let rank: u32 = rank.parse().ok()?;
+            (owned > 0).then(|| {
+                let name = self.server_ranks.iter().find(|(_, r)| r.get() == Some(&rank)).map(|(n, _)| n.clone());
+                let name = name.unwrap_or_else(|| format!("server {rank}"));
+                let status = died.iter().find(|(n, _)| *n == name).map_or("a failure".to_string(), |(_, s)| s.clone());
+                let held = format!("{state}; their backups were lost too");
+                TrainError::ServerLost { name, rank: Some(rank), status, held }
+            })
+        })
     }
 
     /// Starts the control plane; returns the address it listens on.
@@ -338,7 +361,17 @@ impl LocalCluster {
         tolerant: bool,
     ) -> Result<(u32, u32), TrainError> {
         let mut died = 0;
+        // With replicas: the servers that died, and when the control plane was
+        // last asked whether shards were lost with them.
+        let mut servers_died: Vec<(String, String)> = Vec::new();
+        let mut asked = Instant::now();
         loop {
+            if !servers_died.is_empty() && asked.elapsed() > Duration::from_millis(500) {
+                asked = Instant::now();
+                if let Some(e) = self.shards_lost_for_good(&servers_died) {
+                    return Err(e);
+                }
+            }
             if INTERRUPTED.load(Ordering::SeqCst) {
                 return Err(TrainError::Interrupted);
             }
@@ -374,6 +407,7 @@ impl LocalCluster {
                     }
                     Ok(Some(st)) if !st.success() && self.replicated && name.starts_with("server") => {
                         eprintln!("eps train: {name} (pid {}) exited with {st}; its shards' backups take over", c.id());
+                        servers_died.push((name.clone(), st.to_string()));
                         gone.push(i);
                         lost_servers += 1;
                     }
@@ -389,6 +423,15 @@ impl LocalCluster {
             }
             died += gone.len() as u32 - lost_servers;
             if died > 0 && died == self.workers_started {
+                // Workers give up on shards nobody holds: say so, if that is why
+                // (the control plane declares a dead server lost after a grace).
+                let until = Instant::now() + Duration::from_secs(3);
+                while !servers_died.is_empty() && Instant::now() < until {
+                    if let Some(e) = self.shards_lost_for_good(&servers_died) {
+                        return Err(e);
+                    }
+                    std::thread::sleep(Duration::from_millis(200));
+                }
                 return Err(TrainError::Child("every worker process died; stopped the cluster".into()));
             }
             let mut remove: Vec<usize> = gone.into_iter().chain(control_died).collect();

@@ -271,7 +271,8 @@ pub fn run(
             };
             return Err(TrainError::Child(format!("{e}; stopped the cluster: {why}")));
         };
-        let servers = (spec.job.servers - 1).max(1);
+        // Two at least with replicas (a backup lives on another server).
+        let servers = (spec.job.servers - 1).max(spec.job.replicas.min(2));
         let o = Overrides {
             servers: Some(servers),
             workers: Some(spec.job.workers),

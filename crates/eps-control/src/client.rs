@@ -37,6 +37,7 @@ fn applied_if_refused(m: &ControlMsg) -> bool {
         m,
         ControlMsg::ShardReady { .. }
             | ControlMsg::BackupReady { .. }
+            | ControlMsg::BackupSynced { .. }
             | ControlMsg::Cutover { .. }
             | ControlMsg::Split { .. }
             | ControlMsg::Released { .. }

@@ -116,6 +116,9 @@ pub struct Job {
     /// By shard id: a new backup was ordered after a loss (it starts from a
     /// snapshot).
     rebuilding: Vec<bool>,
+    /// A new backup whose snapshot has not landed: it holds nothing yet and
+    /// is not promoted.
+    unsynced: Vec<bool>,
 }
 
 impl Job {
@@ -156,6 +159,7 @@ impl Job {
             backups: Vec::new(),
             lost: Vec::new(),
             rebuilding: Vec::new(),
+            unsynced: Vec::new(),
         };
         job.set_layout(&layout);
         if let Some(r) = &spec.resume {
@@ -179,6 +183,7 @@ impl Job {
         self.spans = layout.shards.iter().map(|s| Span { start: s.start, len: s.len, from: 0, until: u64::MAX }).collect();
         self.backups = vec![None; n];
         self.rebuilding = vec![false; n];
+        self.unsynced = vec![false; n];
         self.shard_cap = eps_proto::layout::live_shard_cap(n);
     }
 
@@ -269,12 +274,14 @@ impl Job {
             })
             .collect();
         // A lost server is left out: workers still waiting on it take that as
-        // the loss (it may be stopped, its connections open).
+        // the loss (it may be stopped, its connections open). One that still
+        // owns shards (their backups were lost too) stays: nobody else has them.
+        let owns = |r: u32| self.map.shards.iter().any(|x| x.owner == r);
         let servers = self
             .servers
             .iter()
             .enumerate()
-            .filter(|(r, s)| s.ready && !self.lost.contains(&(*r as u32)))
+            .filter(|(r, s)| s.ready && (!self.lost.contains(&(*r as u32)) || owns(*r as u32)))
             .map(|(r, s)| (r as u32, s.addr.clone()))
             .collect();
         JobMap {
@@ -454,6 +461,15 @@ impl Job {
                 Ok(ControlMsg::Ok)
             }
             ControlMsg::BackupReady { endpoint, keys } => self.backup_ready(endpoint, keys),
+            ControlMsg::BackupSynced { shard, rank } => {
+                let sid = *shard as usize;
+                let keeps = self.backups.get(sid).and_then(Option::as_ref).is_some_and(|(r, _, _)| r == rank);
+                if !keeps {
+                    return Err(format!("server {rank} reported a snapshot of shard {shard} it keeps no backup of"));
+                }
+                self.unsynced[sid] = false;
+                Ok(ControlMsg::Ok)
+            }
             ControlMsg::ServerLost { rank } => self.server_lost(*rank),
             ControlMsg::Checkpoint { version, dir } => {
                 if self.consistency != Consistency::Bsp {
@@ -557,6 +573,7 @@ impl Job {
         let to_addr = self.servers[to as usize].addr.clone();
         if !to_addr.is_empty() && to != owner {
             let snapshot = std::mem::take(&mut self.rebuilding[sid]);
+            self.unsynced[sid] |= snapshot;
             self.order(owner, Order::Replicate { shard: sid as u32, to, to_addr, keys, snapshot });
         }
     }
@@ -579,10 +596,14 @@ impl Job {
                 // forwards fail and goes on alone).
                 if self.backups[sid].as_ref().is_some_and(|(b, _, _)| *b == rank) {
                     self.backups[sid] = None;
+                    self.unsynced[sid] = false;
                 }
                 continue;
             }
-            if let Some((b, ep, _)) = self.backups[sid].take() {
+            // A backup still waiting for its snapshot holds nothing: the
+            // shard is lost with its owner.
+            let synced = !std::mem::take(&mut self.unsynced[sid]);
+            if let Some((b, ep, _)) = self.backups[sid].take().filter(|_| synced) {
                 self.map.shards[k].owner = b;
                 self.endpoints[sid] = Some(ep);
                 self.previous[sid] = None;

@@ -238,6 +238,7 @@ fn serve(mut s: TcpStream, secret: &Secret, shared: &(Mutex<State>, Condvar)) ->
             | ControlMsg::ServerReady { .. }
             | ControlMsg::ShardReady { .. }
             | ControlMsg::BackupReady { .. }
+            | ControlMsg::BackupSynced { .. }
             | ControlMsg::Cutover { .. }
             | ControlMsg::Released { .. }
             | ControlMsg::Split { .. }

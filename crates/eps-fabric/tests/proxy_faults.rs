@@ -186,23 +186,18 @@ fn delays_and_short_stalls_change_nothing() {
             faults.stalled.store(false, Ordering::Relaxed);
         }
     });
-    for chunk in ranges.chunks(32) {
-        for (i, &(o, l)) in chunk.iter().enumerate() {
-            let sg = [Sge::new(&src, o as u64, l as u32)];
-            let wr = SendWr { wr_id: i as u64, op: SendOp::Write(p.target_mr.remote(o as u64)), sg: &sg, signaled: true };
-            p.qp.post_send(&wr).unwrap();
+    // Writes from `src`, then reads into `back`, 32 in flight at a time.
+    for (local, read) in [(&src, false), (&back, true)] {
+        for chunk in ranges.chunks(32) {
+            for (i, &(o, l)) in chunk.iter().enumerate() {
+                let sg = [Sge::new(local, o as u64, l as u32)];
+                let remote = p.target_mr.remote(o as u64);
+                let op = if read { SendOp::Read(remote) } else { SendOp::Write(remote) };
+                p.qp.post_send(&SendWr { wr_id: i as u64, op, sg: &sg, signaled: true }).unwrap();
+            }
+            let got = completions(&p.cq, chunk.len(), Duration::from_secs(30));
+            assert!(got.iter().all(|(_, s)| *s == WcStatus::Success), "{got:?}");
         }
-        let got = completions(&p.cq, chunk.len(), Duration::from_secs(30));
-        assert!(got.iter().all(|(_, s)| *s == WcStatus::Success), "{got:?}");
-    }
-    for chunk in ranges.chunks(32) {
-        for (i, &(o, l)) in chunk.iter().enumerate() {
-            let sg = [Sge::new(&back, o as u64, l as u32)];
-            let wr = SendWr { wr_id: i as u64, op: SendOp::Read(p.target_mr.remote(o as u64)), sg: &sg, signaled: true };
-            p.qp.post_send(&wr).unwrap();
-        }
-        let got = completions(&p.cq, chunk.len(), Duration::from_secs(30));
-        assert!(got.iter().all(|(_, s)| *s == WcStatus::Success), "{got:?}");
     }
     staller.join().unwrap();
     let (mut at_target, mut read_back) = (vec![0u8; REGION], vec![0u8; REGION]);

@@ -433,6 +433,14 @@ pub enum ControlMsg {
         /// Where the primary forwards to.
         keys: MigrationKeys,
     },
+    /// Server -> control: the snapshot that starts its new backup of `shard`
+    /// landed (from now on the backup may be promoted).
+    BackupSynced {
+        /// Shard id.
+        shard: u32,
+        /// The backup's server rank.
+        rank: u32,
+    },
     /// Control plane -> its own log: server `rank` is lost (its connections
     /// dropped and it did not come back): backups of its shards are promoted.
     ServerLost {
@@ -887,6 +895,11 @@ impl ControlMsg {
                 w.u8(28);
                 w.u32(*rank);
             }
+            ControlMsg::BackupSynced { shard, rank } => {
+                w.u8(29);
+                w.u32(*shard);
+                w.u32(*rank);
+            }
             ControlMsg::Orders { last, orders } => {
                 w.u8(16);
                 w.u64(*last);
@@ -953,6 +966,7 @@ impl ControlMsg {
             26 => ControlMsg::Checkpointed { version: r.u64()?, path: r.str()? },
             27 => ControlMsg::BackupReady { endpoint: r.endpoint()?, keys: r.keys()? },
             28 => ControlMsg::ServerLost { rank: r.u32()? },
+            29 => ControlMsg::BackupSynced { shard: r.u32()?, rank: r.u32()? },
             t => return Err(DecodeError::Tag(t)),
         };
         if !r.0.is_empty() {

@@ -360,10 +360,15 @@ impl<P: Fabric> Server<P> {
                     Vec::new()
                 };
                 h.incoming = Some((from, Some(ci)));
+                let backup = matches!(h.replica, Some(crate::replica::Replica::Backup { .. }));
                 let parity = ShardSync::parity(v0);
                 self.mem.publish(id, parity)?;
                 self.mem.set_stamp(id, parity, v0);
                 eprintln!("eps server {}: snapshot of shard {id} at version {v0} landed", self.rank);
+                if backup {
+                    // From now on this backup may be promoted.
+                    self.ctl.call(&ControlMsg::BackupSynced { shard: id, rank: self.rank })?;
+                }
                 for w in moved {
                     self.send_pull_moved(w, id, v0 as u16)?;
                 }

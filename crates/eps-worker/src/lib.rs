@@ -55,6 +55,7 @@ use eps_proto::layout::Layout;
 use eps_proto::membership::Membership;
 use eps_proto::{Consistency, JobSpec, SpecError};
 
+mod loss;
 mod pull;
 mod register;
 mod round;
@@ -417,7 +418,18 @@ impl<P: Fabric> Worker<P> {
         self.outstanding.resize(ids, 0);
         self.sending.resize(ids, 0);
         for o in self.needed_owners() {
-            self.connect(o)?;
+            if self.lost.contains(&o) {
+                continue;
+            }
+            match self.connect(o) {
+                // With replicas, a server that cannot be reached is treated as
+                // lost: a map that routes its shards to their backups comes.
+                Err(e) if self.spec.job.replicas > 1 && !matches!(e, WorkerError::Removed { .. }) => {
+                    eprintln!("eps worker {}: cannot reach server {o} ({e})", self.rank);
+                    self.lose_server(o);
+                }
+                r => r?,
+            }
         }
         Ok(())
     }
@@ -469,15 +481,6 @@ impl<P: Fabric> Worker<P> {
     }
 
     /// Blocks until a map newer than ours is known (after a "moved" answer).
-    /// The iteration from which the job no longer counts this worker among
-    /// its contributors, if it removed it (asked of the control plane now).
-    fn removed_at(&mut self) -> Option<u64> {
-        let adopted = self.watch.adopted.load(Ordering::Acquire);
-        let req = ControlMsg::GetMap { worker: self.rank, adopted, min_epoch: 0, iteration: self.iteration };
-        let Ok(ControlMsg::Map(m)) = self.ctl.call(&req) else { return None };
-        m.membership.last().filter(|(_, set)| !set.contains(&self.rank)).map(|(first, _)| *first)
-    }
-
     fn refresh_map(&mut self) -> Result<(), WorkerError> {
         let deadline = Instant::now() + self.timeout;
         let have = self.map.epoch;
@@ -818,25 +821,6 @@ impl<P: Fabric> Worker<P> {
         Ok(())
     }
 
-    /// With replicas: a server the newest map leaves out was declared lost
-    /// (it may be stopped, not dead, so its connection need not fail): this
-    /// round goes to its shards' backups, as when a connection fails.
-    fn notice_lost_servers(&mut self) {
-        if self.spec.job.replicas < 2 || self.watch.newest.load(Ordering::Acquire) <= self.map.epoch {
-            return;
-        }
-        let gone: Vec<u32> = {
-            let g = self.watch.latest.lock().unwrap_or_else(|p| p.into_inner());
-            let Some(m) = g.as_ref() else { return };
-            self.map.servers.iter().map(|(r, _)| *r).filter(|r| !m.servers.iter().any(|(s, _)| s == r)).collect()
-        };
-        for s in gone {
-            if !self.lost.contains(&s) && self.routes_to(s) {
-                self.lose_server(s);
-            }
-        }
-    }
-
     /// Polls once; counts pull answers, "moved" answers and acknowledged hellos.
     /// True if anything came.
     fn reap(&mut self) -> Result<bool, WorkerError> {
@@ -914,39 +898,6 @@ impl<P: Fabric> Worker<P> {
             }
         }
         Ok(k > 0)
-    }
-
-    /// Waits for a map that no longer routes shard `sid` (at iteration `t`) to
-    /// a server that failed (the control plane promotes its backups).
-    fn await_route_away(&mut self, sid: usize, t: u64) -> Result<(), WorkerError> {
-        while self.lost.contains(&self.route(sid, t).owner) || self.lost.contains(&self.map.routes[sid].owner.owner) {
-            self.refresh_map()?;
-        }
-        Ok(())
-    }
-
-    /// Server `server` failed in a job with replicas: the control plane
-    /// promotes its shards' backups in a new epoch. This round's pushes to it
-    /// whose parameters have not come are pushed again to the new owners, and
-    /// their pulls asked again (the backup applied every version anyone pulled).
-    fn lose_server(&mut self, server: u32) {
-        eprintln!("eps worker {}: server {server} failed; its shards' backups take over", self.rank);
-        self.lost.insert(server);
-        if let Some(q) = self.qps.get_mut(server as usize) {
-            *q = None;
-        }
-        let t = self.iteration;
-        for sid in self.round.clone() {
-            if self.route(sid, t).owner != server || self.round_pulled[sid] || self.outstanding[sid] == 0 {
-                continue;
-            }
-            self.outstanding[sid] = 0;
-            self.sending[sid] = 0;
-            self.pull_moved += 1;
-            self.pulls_moved.push((sid, server));
-            self.moved.push((sid, t, server));
-            self.credit[sid] = true;
-        }
     }
 
     /// Waits (up to the worker's timeout) until nothing is in flight: no pull

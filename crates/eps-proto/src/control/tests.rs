@@ -55,6 +55,7 @@ fn roundtrip_and_garbage() {
         },
         ControlMsg::Checkpointed { version: 40, path: "/tmp/ck/ckpt-000000000040".into() },
         ControlMsg::BackupReady { endpoint: ep(3, 1), keys },
+        ControlMsg::BackupSynced { shard: 3, rank: 2 },
         ControlMsg::ServerLost { rank: 2 },
         ControlMsg::Orders {
             last: 9,
