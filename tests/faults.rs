@@ -9,16 +9,14 @@
 //! its lease lapses and fenced off when woken; a stopped worker is removed and,
 //! woken, says so and leaves.
 
-use std::io::{BufRead, BufReader};
 use std::os::unix::process::CommandExt as _;
 use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 mod common;
 
-use common::cli::{SMALL_JOB, eps, json_field as json, spec_file};
+use common::cli::{Lines, SMALL_JOB, eps, json_field as json, spec_file};
 
 fn tmp(name: &str) -> PathBuf {
     common::cli::tmp("faults", name)
@@ -35,8 +33,7 @@ fn uninterrupted(args: &[&str]) -> String {
 /// collected as they come.
 struct Run {
     child: Child,
-    lines: mpsc::Receiver<String>,
-    err: Vec<String>,
+    lines: Lines,
 }
 
 impl Run {
@@ -49,29 +46,17 @@ impl Run {
             .process_group(0)
             .spawn()
             .unwrap();
-        let (tx, lines) = mpsc::channel();
-        let err = child.stderr.take().unwrap();
-        std::thread::spawn(move || {
-            for l in BufReader::new(err).lines().map_while(Result::ok) {
-                let _ = tx.send(l);
-            }
-        });
-        Self { child, lines, err: Vec::new() }
+        let lines = Lines::default();
+        lines.collect(child.stderr.take().unwrap(), "");
+        Self { child, lines }
     }
 
     /// Waits for a progress line at `step` or later.
     fn wait_step(&mut self, step: u64) {
-        let deadline = Instant::now() + Duration::from_secs(120);
-        loop {
-            let l = self.lines.recv_timeout(deadline.saturating_duration_since(Instant::now())).unwrap_or_else(|_| {
-                panic!("no step {step} in time:\n{}", self.err.join("\n"));
-            });
-            self.err.push(l.clone());
+        self.lines.until(&format!("step {step}"), |l| {
             let at = l.strip_prefix("step").and_then(|r| r.trim_start().split('/').next()?.parse::<u64>().ok());
-            if at.is_some_and(|s| s >= step) {
-                return;
-            }
-        }
+            at.is_some_and(|s| s >= step)
+        });
     }
 
     /// The pid of the child process whose command line has `role` (`control`,
@@ -100,16 +85,7 @@ impl Run {
 
     /// Waits for a stderr line containing `text`.
     fn wait_line(&mut self, text: &str) {
-        let deadline = Instant::now() + Duration::from_secs(120);
-        loop {
-            let l = self.lines.recv_timeout(deadline.saturating_duration_since(Instant::now())).unwrap_or_else(|_| {
-                panic!("no line with {text:?} in time:\n{}", self.err.join("\n"));
-            });
-            self.err.push(l.clone());
-            if l.contains(text) {
-                return;
-            }
-        }
+        self.lines.line(text);
     }
 
     /// Waits for the end: success, stdout and every stderr line.
@@ -117,10 +93,8 @@ impl Run {
         let mut out = String::new();
         std::io::Read::read_to_string(self.child.stdout.as_mut().unwrap(), &mut out).unwrap();
         let ok = self.child.wait().unwrap().success();
-        while let Ok(l) = self.lines.recv_timeout(Duration::from_secs(5)) {
-            self.err.push(l);
-        }
-        (ok, out, self.err.join("\n"))
+        self.lines.rest(Duration::from_secs(5));
+        (ok, out, self.lines.text())
     }
 }
 

@@ -8,14 +8,12 @@
 //! the job: it ends with the same parameters. Needs root and `ip` (iproute2);
 //! without them the tests say they skipped.
 
-use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Output, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 mod common;
 
-use common::cli::{SMALL_JOB, eps, json_field as json, tmp};
+use common::cli::{Lines, SMALL_JOB, eps, json_field as json, tmp};
 
 const SECRET: &str = "netfaults-test-secret-0123456789";
 
@@ -32,7 +30,7 @@ struct Link {
 }
 
 impl Link {
-    /// None (the test skips) without the rights or tools to make one.
+    /// None (the test skips, saying so) without the rights or tools to make one.
     fn new(subnet: u8) -> Option<Self> {
         let id = std::process::id() % 100_000;
         let (ns, host, inner) = (format!("eps-nf{id}-{subnet}"), format!("enf{id}h{subnet}"), format!("enf{id}n{subnet}"));
@@ -46,6 +44,9 @@ impl Link {
             && ip(&["-n", &ns, "addr", "add", &n, "dev", &inner])
             && ip(&["-n", &ns, "link", "set", &inner, "up"])
             && ip(&["-n", &ns, "link", "set", "lo", "up"]);
+        if !ok {
+            eprintln!("skipped: cannot create a network namespace and a veth pair here (needs root and iproute2)");
+        }
         ok.then_some(link)
     }
 
@@ -74,74 +75,49 @@ impl Drop for Link {
 struct Job {
     children: Vec<(String, Child)>,
     /// Every line the processes print, tagged with the process.
-    lines: mpsc::Receiver<String>,
-    seen: Vec<String>,
+    lines: Lines,
 }
 
 impl Job {
     fn start(link: &Link, spec: &str) -> Self {
-        let (tx, lines) = mpsc::channel();
-        let mut job = Self { children: Vec::new(), lines, seen: Vec::new() };
+        let mut job = Self { children: Vec::new(), lines: Lines::default() };
         let host = link.host_ip();
         let state = tmp("netfaults", &format!("state-{}", link.subnet));
         let listen = format!("{host}:0");
         let args = ["control", "--listen", &listen, "--spec", spec, "--state-dir", state.to_str().unwrap()];
-        job.spawn("control", eps().args(args), &tx);
-        let control = job.wait_line("eps control: job").split(" on ").nth(1).and_then(|r| r.split(':').nth(1)).map(|p| {
+        job.spawn("control", eps().args(args));
+        let control = job.lines.line("eps control: job").split(" on ").nth(1).and_then(|r| r.split(':').nth(1)).map(|p| {
             let port: String = p.chars().take_while(char::is_ascii_digit).collect();
             format!("{host}:{port}")
         });
         let control = control.expect("the control plane's address");
         let server = ["server", "--control", &control, "--transport", "soft", "--aggregator", "cpu", "--exit-with-parent"];
         for i in 0..2 {
-            job.spawn(&format!("server-host-{i}"), eps().args(server).args(["--listen-ip", &host]), &tx);
+            job.spawn(&format!("server-host-{i}"), eps().args(server).args(["--listen-ip", &host]));
         }
         let bin = eps().get_program().to_owned();
         let mut inner = Command::new("ip");
         inner.args(["netns", "exec", &link.ns]).arg(bin).args(server).args(["--listen-ip", &link.inner_ip()]);
         inner.env("EPS_JOB_SECRET", SECRET);
-        job.spawn("server-ns", &mut inner, &tx);
+        job.spawn("server-ns", &mut inner);
         for i in 0..2 {
             let w = ["worker", "--control", &control, "--transport", "soft", "--progress-every", "5", "--exit-with-parent"];
-            job.spawn(&format!("worker-{i}"), eps().args(w), &tx);
+            job.spawn(&format!("worker-{i}"), eps().args(w));
         }
         job
     }
 
-    fn spawn(&mut self, name: &str, cmd: &mut Command, tx: &mpsc::Sender<String>) {
+    fn spawn(&mut self, name: &str, cmd: &mut Command) {
         let mut c = cmd.env("EPS_JOB_SECRET", SECRET).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
-        for r in [Box::new(c.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>, Box::new(c.stderr.take().unwrap())] {
-            let (tx, name) = (tx.clone(), name.to_string());
-            std::thread::spawn(move || {
-                for l in BufReader::new(r).lines().map_while(Result::ok) {
-                    let _ = tx.send(format!("[{name}] {l}"));
-                }
-            });
-        }
+        let tag = format!("[{name}] ");
+        self.lines.collect(c.stdout.take().unwrap(), &tag);
+        self.lines.collect(c.stderr.take().unwrap(), &tag);
         self.children.push((name.to_string(), c));
-    }
-
-    fn wait_line(&mut self, text: &str) -> String {
-        let deadline = Instant::now() + Duration::from_secs(120);
-        loop {
-            let l = self.lines.recv_timeout(deadline.saturating_duration_since(Instant::now())).unwrap_or_else(|_| {
-                panic!("no line with {text:?} in time:\n{}", self.seen.join("\n"));
-            });
-            self.seen.push(l.clone());
-            if l.contains(text) {
-                return l;
-            }
-        }
     }
 
     /// Waits for a worker's progress line at `step` or later.
     fn wait_step(&mut self, step: u64) {
-        loop {
-            let l = self.wait_line("EPS_PROGRESS");
-            if json_step(&l) >= step {
-                return;
-            }
-        }
+        self.lines.until(&format!("progress at step {step}"), |l| l.contains("EPS_PROGRESS") && json_step(l) >= step);
     }
 
     /// Waits for every process to exit; returns the exit status by process.
@@ -158,19 +134,18 @@ impl Job {
                 std::thread::sleep(Duration::from_millis(50));
             }
         }
-        while let Ok(l) = self.lines.recv_timeout(Duration::from_millis(500)) {
-            self.seen.push(l);
-        }
+        self.lines.rest(Duration::from_millis(500));
         out
     }
 
     fn log(&self) -> String {
-        self.seen.join("\n")
+        self.lines.text()
     }
 
     /// The final parameters' checksum, from the worker that evaluated them.
     fn checksum(&self) -> String {
-        let l = self.seen.iter().find(|l| l.contains("EPS_DONE") && l.contains("params_checksum=")).expect("an EPS_DONE line");
+        let l =
+            self.lines.seen.iter().find(|l| l.contains("EPS_DONE") && l.contains("params_checksum=")).expect("an EPS_DONE line");
         l.split("params_checksum=").nth(1).unwrap().split_whitespace().next().unwrap().to_string()
     }
 }
@@ -204,16 +179,13 @@ fn job_and_reference(name: &str, steps: u64, replicas: u32) -> (std::path::PathB
 
 #[test]
 fn a_server_cut_off_by_its_link_with_two_replicas_is_lost_and_nothing_is_lost() {
-    let Some(link) = Link::new(1) else {
-        eprintln!("skipped: cannot create a network namespace and a veth pair here (needs root and iproute2)");
-        return;
-    };
+    let Some(link) = Link::new(1) else { return };
     let (spec, want) = job_and_reference("cut", 600, 2);
     let mut job = Job::start(&link, spec.to_str().unwrap());
     job.wait_step(60);
     link.set(false);
-    job.wait_line("has not polled for orders");
-    job.wait_line("is served here from version");
+    job.lines.line("has not polled for orders");
+    job.lines.line("is served here from version");
     job.wait_step(250);
     // Back on the link, the server asks for orders and is told it was lost.
     link.set(true);
@@ -232,10 +204,7 @@ fn a_server_cut_off_by_its_link_with_two_replicas_is_lost_and_nothing_is_lost() 
 
 #[test]
 fn a_slow_link_slows_the_job_and_changes_nothing() {
-    let Some(link) = Link::new(2) else {
-        eprintln!("skipped: cannot create a network namespace and a veth pair here (needs root and iproute2)");
-        return;
-    };
+    let Some(link) = Link::new(2) else { return };
     let (spec, want) = job_and_reference("slow", 300, 1);
     // 40 Mbit/s to the namespace's server, queued up to 50 ms.
     let tbf = ["qdisc", "add", "dev", &link.host, "root", "tbf", "rate", "40mbit", "burst", "64kb", "latency", "50ms"];

@@ -1,8 +1,11 @@
 //! Helpers for tests that run the `eps` binary as a user does: a small job,
 //! temporary paths, and the fields of the JSON line a run ends with.
 
+use std::io::{BufRead, BufReader, Read};
 use std::path::PathBuf;
 use std::process::Command;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
 
 /// A small BSP job of the built-in task (2 workers, 2 servers, 300 steps).
 pub const SMALL_JOB: &str = r#"
@@ -53,4 +56,64 @@ pub fn json_field(stdout: &str, key: &str) -> String {
         return text[..text.find('"').unwrap()].to_string();
     }
     rest[..rest.find([',', '}']).unwrap()].to_string()
+}
+
+/// Lines that child processes print, collected as they come (a thread per
+/// stream), and every line taken so far.
+pub struct Lines {
+    tx: mpsc::Sender<String>,
+    rx: mpsc::Receiver<String>,
+    /// Every line taken so far, in the order taken.
+    pub seen: Vec<String>,
+}
+
+impl Default for Lines {
+    fn default() -> Self {
+        let (tx, rx) = mpsc::channel();
+        Self { tx, rx, seen: Vec::new() }
+    }
+}
+
+impl Lines {
+    /// Collects `r`'s lines, each prefixed with `tag`.
+    pub fn collect(&self, r: impl Read + Send + 'static, tag: &str) {
+        let (tx, tag) = (self.tx.clone(), tag.to_string());
+        std::thread::spawn(move || {
+            for l in BufReader::new(r).lines().map_while(Result::ok) {
+                let _ = tx.send(format!("{tag}{l}"));
+            }
+        });
+    }
+
+    /// Takes lines until one for which `done` holds (at most 120 s); returns
+    /// it. Panics naming `what`, with every line so far, if none comes.
+    pub fn until(&mut self, what: &str, done: impl Fn(&str) -> bool) -> String {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            let l = self.rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).unwrap_or_else(|_| {
+                panic!("no {what} in time:\n{}", self.text());
+            });
+            self.seen.push(l.clone());
+            if done(&l) {
+                return l;
+            }
+        }
+    }
+
+    /// Takes a line containing `text`.
+    pub fn line(&mut self, text: &str) -> String {
+        self.until(&format!("line with {text:?}"), |l| l.contains(text))
+    }
+
+    /// Takes what is left, until nothing comes for `quiet`.
+    pub fn rest(&mut self, quiet: Duration) {
+        while let Ok(l) = self.rx.recv_timeout(quiet) {
+            self.seen.push(l);
+        }
+    }
+
+    /// Every line taken so far.
+    pub fn text(&self) -> String {
+        self.seen.join("\n")
+    }
 }

@@ -125,12 +125,18 @@ fn pair(ack_timeout: Duration, seed: u64) -> Pair {
     let target_mr = pd.alloc_mr(REGION, Access::ALL).unwrap();
     let proxy = Proxy::start(listener.local_addr(), seed);
     let tcq = pd.create_cq(1024).unwrap();
-    let (accepted, qp) = std::thread::scope(|s| {
-        let h = s.spawn(|| listener.accept(&tcq, &tcq, Duration::from_secs(10)).unwrap());
-        let qp = pd.connect(proxy.addr, &cq, &cq, &o).unwrap();
-        (h.join().unwrap(), qp)
-    });
+    let (accepted, qp) = dial(&pd, &listener, &tcq, proxy.addr, &cq, &o);
     Pair { pd, cq, listener, target_mr, qp, proxy, _accepted: accepted, _accepted_cq: tcq }
+}
+
+/// Dials `addr` (the listener, or a proxy in front of it) while `listener`
+/// accepts onto `tcq`: (the accepted QP, the dialer's QP).
+fn dial(pd: &SoftPd, listener: &SoftListener, tcq: &SoftCq, addr: SocketAddr, cq: &SoftCq, o: &QpOptions) -> (SoftQp, SoftQp) {
+    std::thread::scope(|s| {
+        let h = s.spawn(|| listener.accept(tcq, tcq, Duration::from_secs(10)).unwrap());
+        let qp = pd.connect(addr, cq, cq, o).unwrap();
+        (h.join().unwrap(), qp)
+    })
 }
 
 /// Waits for `n` completions (at most `limit`), returning their ids and statuses.
@@ -249,11 +255,7 @@ fn a_cut_fails_the_requests_in_flight_and_others_are_still_served() {
     let cq = p.pd.create_cq(16).unwrap();
     let o = opts(Duration::from_secs(5));
     let tcq = p.pd.create_cq(16).unwrap();
-    let (_theirs, qp) = std::thread::scope(|s| {
-        let h = s.spawn(|| p.listener.accept(&tcq, &tcq, Duration::from_secs(10)).unwrap());
-        let qp = p.pd.connect(p.listener.local_addr(), &cq, &cq, &o).unwrap();
-        (h.join().unwrap(), qp)
-    });
+    let (_theirs, qp) = dial(&p.pd, &p.listener, &tcq, p.listener.local_addr(), &cq, &o);
     let sg = [Sge::new(&src, 0, 8)];
     qp.post_send(&SendWr { wr_id: 99, op: SendOp::Write(p.target_mr.remote(100)), sg: &sg, signaled: true }).unwrap();
     assert_eq!(completions(&cq, 1, Duration::from_secs(10)), vec![(99, WcStatus::Success)]);
