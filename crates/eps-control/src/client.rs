@@ -38,6 +38,7 @@ fn applied_if_refused(m: &ControlMsg) -> bool {
         ControlMsg::ShardReady { .. }
             | ControlMsg::BackupReady { .. }
             | ControlMsg::BackupSynced { .. }
+            | ControlMsg::Unreplicated { .. }
             | ControlMsg::Cutover { .. }
             | ControlMsg::Split { .. }
             | ControlMsg::Released { .. }

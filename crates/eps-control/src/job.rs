@@ -13,6 +13,7 @@ use eps_proto::layout::Layout;
 use eps_proto::shardmap::{Move, ShardMap};
 use eps_proto::spec::Consistency;
 
+mod replicas;
 mod split;
 mod workers;
 
@@ -21,6 +22,9 @@ pub use split::Span;
 /// Phase of one shard migration.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Phase {
+    /// The owner stops forwarding to the shard's backup (which then goes; a
+    /// new one is built after the move).
+    Unreplicating,
     /// The target registers memory.
     Preparing,
     /// The source sends the snapshot and forwards updates.
@@ -33,6 +37,8 @@ pub enum Phase {
     },
     /// The source released the shard.
     Done,
+    /// Stopped: a server at one end was lost.
+    Cancelled,
 }
 
 /// One shard migration.
@@ -55,6 +61,13 @@ pub struct Migration {
     /// release (once every worker routes with that epoch).
     cut_epoch: u64,
     release_ordered: bool,
+}
+
+impl Migration {
+    /// Neither done nor cancelled.
+    pub fn in_flight(&self) -> bool {
+        !matches!(self.phase, Phase::Done | Phase::Cancelled)
+    }
 }
 
 #[derive(Clone, Debug, Default)]
@@ -113,12 +126,15 @@ pub struct Job {
     backups: Vec<Option<(u32, ShardEndpoint, MigrationKeys)>>,
     /// Servers lost (their backups promoted).
     lost: Vec<u32>,
-    /// By shard id: a new backup was ordered after a loss (it starts from a
-    /// snapshot).
-    rebuilding: Vec<bool>,
+    /// By shard id: the server ordered to keep a new backup (it starts from a
+    /// snapshot), until it reports it.
+    rebuilding: Vec<Option<u32>>,
     /// A new backup whose snapshot has not landed: it holds nothing yet and
     /// is not promoted.
     unsynced: Vec<bool>,
+    /// Shards lost in a move whose source was lost after the cutover, with
+    /// that source's rank.
+    lost_moving: Vec<(u32, u32)>,
 }
 
 impl Job {
@@ -159,6 +175,7 @@ impl Job {
             backups: Vec::new(),
             lost: Vec::new(),
             rebuilding: Vec::new(),
+            lost_moving: Vec::new(),
             unsynced: Vec::new(),
         };
         job.set_layout(&layout);
@@ -182,7 +199,7 @@ impl Job {
         self.previous = vec![None; n];
         self.spans = layout.shards.iter().map(|s| Span { start: s.start, len: s.len, from: 0, until: u64::MAX }).collect();
         self.backups = vec![None; n];
-        self.rebuilding = vec![false; n];
+        self.rebuilding = vec![None; n];
         self.unsynced = vec![false; n];
         self.shard_cap = eps_proto::layout::live_shard_cap(n);
     }
@@ -340,7 +357,7 @@ impl Job {
 
     /// Migrations that are not done.
     pub fn migrations_in_flight(&self) -> usize {
-        self.migrations.iter().filter(|m| m.phase != Phase::Done).count()
+        self.migrations.iter().filter(|m| m.in_flight()).count()
     }
 
     /// All migrations so far.
@@ -451,6 +468,8 @@ impl Job {
                 self.previous[*shard as usize] = None;
                 self.retire_drained();
                 self.balance_next()?;
+                // The moved shard's new backup.
+                self.rebuild_backups();
                 Ok(ControlMsg::Ok)
             }
             ControlMsg::Split { shard, at, lo, hi } => self.split_done(*shard, *at, lo, hi),
@@ -470,6 +489,7 @@ impl Job {
                 self.unsynced[sid] = false;
                 Ok(ControlMsg::Ok)
             }
+            ControlMsg::Unreplicated { shard, rank } => self.unreplicated(*shard, *rank),
             ControlMsg::ServerLost { rank } => self.server_lost(*rank),
             ControlMsg::Checkpoint { version, dir } => {
                 if self.consistency != Consistency::Bsp {
@@ -552,103 +572,6 @@ impl Job {
         Ok(ControlMsg::Ok)
     }
 
-    /// A server holds a backup of a shard: its primary forwards to it once both
-    /// are ready.
-    fn backup_ready(&mut self, e: &ShardEndpoint, keys: &MigrationKeys) -> Result<ControlMsg, String> {
-        let sid = e.shard as usize;
-        if self.replicas < 2 || sid >= self.backups.len() || self.servers.get(e.owner as usize).is_none() {
-            return Err(format!("server {} reported a backup of shard {} the job does not keep", e.owner, e.shard));
-        }
-        self.backups[sid] = Some((e.owner, e.clone(), *keys));
-        if self.endpoints[sid].is_some() {
-            self.order_replicate(sid);
-        }
-        Ok(ControlMsg::Ok)
-    }
-
-    /// Orders shard `sid`'s owner to forward to its backup.
-    fn order_replicate(&mut self, sid: usize) {
-        let (Some((to, _, keys)), Some(owner)) = (&self.backups[sid], &self.endpoints[sid]) else { return };
-        let (to, keys, owner) = (*to, *keys, owner.owner);
-        let to_addr = self.servers[to as usize].addr.clone();
-        if !to_addr.is_empty() && to != owner {
-            let snapshot = std::mem::take(&mut self.rebuilding[sid]);
-            self.unsynced[sid] |= snapshot;
-            self.order(owner, Order::Replicate { shard: sid as u32, to, to_addr, keys, snapshot });
-        }
-    }
-
-    /// A server is lost: its shards' backups become their owners (a new
-    /// epoch); shards without one are lost with it.
-    fn server_lost(&mut self, rank: u32) -> Result<ControlMsg, String> {
-        let Some(info) = self.servers.get_mut(rank as usize) else { return Err(format!("no server {rank}")) };
-        if info.retired || info.finished {
-            return Err(format!("server {rank} is not serving"));
-        }
-        info.retired = true;
-        info.leaving = true;
-        self.lost.push(rank);
-        for k in 0..self.map.shards.len() {
-            let (id, owner) = (self.map.shards[k].id, self.map.shards[k].owner);
-            let sid = id as usize;
-            if owner != rank {
-                // A backup on the lost server is gone (its primary sees its
-                // forwards fail and goes on alone).
-                if self.backups[sid].as_ref().is_some_and(|(b, _, _)| *b == rank) {
-                    self.backups[sid] = None;
-                    self.unsynced[sid] = false;
-                }
-                continue;
-            }
-            // A backup still waiting for its snapshot holds nothing: the
-            // shard is lost with its owner.
-            let synced = !std::mem::take(&mut self.unsynced[sid]);
-            if let Some((b, ep, _)) = self.backups[sid].take().filter(|_| synced) {
-                self.map.shards[k].owner = b;
-                self.endpoints[sid] = Some(ep);
-                self.previous[sid] = None;
-                self.order(b, Order::Promote { shard: id });
-            }
-        }
-        self.map.servers.retain(|&s| s != rank);
-        self.map.epoch += 1;
-        self.rebuild_backups();
-        Ok(ControlMsg::Ok)
-    }
-
-    /// Orders a new backup, on the next live server after its owner, for every
-    /// shard that has none (after a loss).
-    fn rebuild_backups(&mut self) {
-        let live = self.live_servers();
-        if self.replicas < 2 || live.len() < 2 {
-            return;
-        }
-        for k in 0..self.map.shards.len() {
-            let (id, owner, start, len) = {
-                let x = &self.map.shards[k];
-                (x.id, x.owner, x.start, x.len)
-            };
-            let sid = id as usize;
-            if self.backups[sid].is_some() || self.rebuilding[sid] || !live.contains(&owner) {
-                continue;
-            }
-            let at = live.iter().position(|&r| r == owner).unwrap_or(0);
-            let to = live[(at + 1) % live.len()];
-            self.rebuilding[sid] = true;
-            self.order(to, Order::AddBackup { shard: id, from: owner, start, len });
-        }
-    }
-
-    /// Whether shards have backups (`job.replicas = 2`).
-    pub fn replicated(&self) -> bool {
-        self.replicas > 1
-    }
-
-    /// Servers lost so far.
-    pub fn lost_servers(&self) -> &[u32] {
-        &self.lost
-    }
-
     /// Whether server `rank` is serving (registered, not retired or finished).
     pub fn server_serving(&self, rank: u32) -> bool {
         self.servers.get(rank as usize).is_some_and(|s| s.ready && !s.retired && !s.finished)
@@ -658,25 +581,34 @@ impl Job {
         for mv in moves {
             let Some(i) = self.map.shard_of(mv.start) else { continue };
             let shard = self.map.shards[i].id;
+            let waits = self.unreplicate_for_move(shard as usize, mv.from);
             self.migrations.push(Migration {
                 shard,
                 from: mv.from,
                 to: mv.to,
-                phase: Phase::Preparing,
+                phase: if waits { Phase::Unreplicating } else { Phase::Preparing },
                 bytes: 0,
                 millis: 0,
                 target: None,
                 cut_epoch: 0,
                 release_ordered: false,
             });
-            self.order(mv.to, Order::MigrateIn { shard, from: mv.from, start: mv.start, len: mv.len });
+            if !waits {
+                self.order_migrate_in(self.migrations.len() - 1);
+            }
+        }
+    }
+
+    /// Orders migration `i`'s target to receive the shard.
+    fn order_migrate_in(&mut self, i: usize) {
+        let m = &self.migrations[i];
+        let (shard, from, to) = (m.shard, m.from, m.to);
+        if let Some(x) = self.map.index_of(shard).map(|k| self.map.shards[k]) {
+            self.order(to, Order::MigrateIn { shard, from, start: x.start, len: x.len });
         }
     }
 
     fn scale(&mut self, want: u32) -> Result<ControlMsg, String> {
-        if self.replicas > 1 {
-            return Err("a job with 2 replicas keeps its servers (scaling them is not supported yet)".into());
-        }
         if want == 0 {
             return Err("a job needs at least one server".into());
         }
@@ -710,6 +642,7 @@ impl Job {
                 }
             }
             self.start_moves(&moves);
+            self.unreplicate_leaving(&gone);
             self.retire_drained();
         }
         Ok(ControlMsg::Ok)
@@ -746,9 +679,9 @@ impl Job {
                 continue;
             }
             let holds = self.map.shards.iter().any(|x| x.owner == r as u32);
-            let involved = self.migrations.iter().any(|m| m.phase != Phase::Done && (m.from == r as u32 || m.to == r as u32));
+            let involved = self.migrations.iter().any(|m| m.in_flight() && (m.from == r as u32 || m.to == r as u32));
             let routed = (0..self.adopted.len()).any(|w| self.w.routes(w as u32) && self.adopted[w] < s.drained_at);
-            if !holds && !involved && !routed {
+            if !holds && !involved && !routed && !self.keeps_backups(r as u32) {
                 self.servers[r].retired = true;
                 self.order(r as u32, Order::Retire);
                 self.server_retired(r as u32);
@@ -774,7 +707,8 @@ impl Job {
         let _ = writeln!(t, "servers: {}/{} registered, {ready} ready, {fs} finished", self.servers.len(), self.server_slots);
         let load = self.map.bytes_per_server();
         for (r, s) in self.servers.iter().enumerate() {
-            let shards = self.map.shards.iter().filter(|x| x.owner == r as u32).count();
+            let shards = self.map.shards.iter().filter(|x| x.owner == r as u32).count()
+                + self.lost_moving.iter().filter(|&&(s, _)| s == r as u32).count();
             let state = if self.lost.contains(&(r as u32)) {
                 "lost"
             } else if s.retired {
@@ -811,8 +745,10 @@ impl Job {
         for m in &finished[finished.len().saturating_sub(8)..] {
             let _ = writeln!(t, "  shard {}: server {} -> {}: done, {} bytes in {} ms", m.shard, m.from, m.to, m.bytes, m.millis);
         }
-        for m in self.migrations.iter().filter(|m| m.phase != Phase::Done) {
+        for m in self.migrations.iter().filter(|m| m.in_flight()) {
             let phase = match m.phase {
+                Phase::Unreplicating => "dropping its backup".to_string(),
+                Phase::Cancelled => "cancelled".to_string(),
                 Phase::Preparing => "preparing".to_string(),
                 Phase::Copying => "copying".to_string(),
                 Phase::CuttingOver { at } => format!("cutover at iteration {at}"),

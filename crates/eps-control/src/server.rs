@@ -239,6 +239,7 @@ fn serve(mut s: TcpStream, secret: &Secret, shared: &(Mutex<State>, Condvar)) ->
             | ControlMsg::ShardReady { .. }
             | ControlMsg::BackupReady { .. }
             | ControlMsg::BackupSynced { .. }
+            | ControlMsg::Unreplicated { .. }
             | ControlMsg::Cutover { .. }
             | ControlMsg::Released { .. }
             | ControlMsg::Split { .. }

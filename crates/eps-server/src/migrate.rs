@@ -50,6 +50,8 @@ pub(crate) struct Outgoing {
     last_forward: u64,
     /// The cutover iteration, once announced.
     at: u64,
+    /// The cutover was announced to the control plane.
+    pub(crate) announced: bool,
     /// SSP/ASP: the relay after the cutover (see `relay.rs`).
     pub(crate) relay: Option<crate::relay::Relay>,
 }
@@ -93,6 +95,8 @@ impl<P: Fabric> Server<P> {
             Order::Replicate { shard, to, to_addr, keys, snapshot } => self.on_replicate(shard, to, &to_addr, keys, snapshot),
             Order::AddBackup { shard, from, start, len } => self.on_add_backup(shard, from, start, len),
             Order::Promote { shard } => self.on_promote(shard),
+            Order::Unreplicate { shard } => self.on_unreplicate(shard),
+            Order::DropBackup { shard } => self.on_drop_backup(shard),
         }
     }
 
@@ -209,6 +213,7 @@ impl<P: Fabric> Server<P> {
             forward_busy: false,
             last_forward: v0,
             at: 0,
+            announced: false,
             relay: None,
         };
         if let Some(h) = self.shards[id as usize].as_mut() {
@@ -224,11 +229,40 @@ impl<P: Fabric> Server<P> {
         Ok(())
     }
 
+    /// Shard `id`'s move stops, its target gone: before the cutover the
+    /// shard stays here and is served as before; after it, the target owned
+    /// it and the control plane counts it lost.
+    pub(crate) fn abandon_move(&mut self, id: u32, why: &str) -> Result<(), ServerError> {
+        let rank = self.rank;
+        let Some(h) = self.held_mut(id) else { return Ok(()) };
+        let Some(out) = h.out.as_ref() else { return Ok(()) };
+        let to = out.to;
+        if out.announced {
+            eprintln!("eps server {rank}: the move of shard {id} to server {to} failed after its cutover ({why})");
+            return Ok(());
+        }
+        h.out = None;
+        h.sync.set_publish_waiting(!h.waiting.is_empty());
+        eprintln!("eps server {rank}: the move of shard {id} to server {to} stopped ({why}); the shard stays here");
+        self.drain(id)
+    }
+
+    /// The connection `ci` failed: moves to its server stop.
+    pub(crate) fn moves_conn_lost(&mut self, ci: usize) -> Result<(), ServerError> {
+        let ids: Vec<u32> = (0..self.shards.len() as u32)
+            .filter(|&id| self.shards[id as usize].as_ref().and_then(|h| h.out.as_ref()).is_some_and(|o| o.ci == ci))
+            .collect();
+        for id in ids {
+            self.abandon_move(id, "its connection failed")?;
+        }
+        Ok(())
+    }
+
     /// A snapshot or forward WRITE completed.
     pub(crate) fn on_migration_written(&mut self, wr_id: u64, ok: bool) -> Result<(), ServerError> {
         let id = (wr_id & 0xFFFF_FFFF) as u32;
         if !ok {
-            return Err(ServerError::Migration(format!("sending shard {id} to its new owner failed (the target is gone)")));
+            return self.abandon_move(id, "sending to it failed");
         }
         if wr_id & WR_FORWARD != 0 {
             return Ok(()); // the acknowledgement frees the buffer
@@ -263,6 +297,7 @@ impl<P: Fabric> Server<P> {
         out.snapshot_done();
         let action = out.src.announce(at).map_err(|e| ServerError::Migration(e.to_string()))?;
         out.at = at;
+        out.announced = true;
         if at == version {
             // Tell the target: no forward follows (a zero-length forward of the
             // snapshot's own version).
@@ -278,7 +313,12 @@ impl<P: Fabric> Server<P> {
             self.moved_pushes.remove(&(w, id));
             self.send_pull_moved(w, id, version as u16)?;
         }
-        self.ctl.call(&ControlMsg::Cutover { shard: id, at })?;
+        match self.ctl.call(&ControlMsg::Cutover { shard: id, at }) {
+            Ok(_) => {}
+            // The control plane cancelled the move (the target was lost).
+            Err(eps_control::ControlError::Rejected(why)) => return self.abandon_move(id, &why),
+            Err(e) => return Err(e.into()),
+        }
         if action == Some(SourceAction::Release) {
             return self.release(id);
         }

@@ -53,6 +53,7 @@ impl<P: Fabric> Server<P> {
         let Some(out) = h.out.as_mut() else { return Ok(()) };
         out.snapshot_done();
         out.relay = Some(Relay { queue, ..Relay::default() });
+        out.announced = true;
         for w in refused {
             self.moved_pushes.remove(&(w, id));
             self.send_pull_moved(w, id, 0)?;

@@ -56,6 +56,9 @@ pub(crate) enum Replica {
         snapshotting: bool,
         /// A backup promoted after a loss (see `Promoted`).
         promoted: bool,
+        /// Ordered to stop forwarding (`Unreplicate`): it stops once the
+        /// forward or snapshot in flight is done.
+        stopping: bool,
     },
     /// A backup promoted to owner: pushes of iterations before its version,
     /// sent again after the loss, were applied already.
@@ -107,7 +110,7 @@ impl<P: Fabric> Server<P> {
             self.conns[ci].post(&SendWr { wr_id: WR_REPLICA_SNAPSHOT | u64::from(id), op, sg: &[], signaled: true })?;
         }
         if let Some(h) = self.held_mut(id) {
-            h.replica = Some(Replica::Primary { ci, keys, waiting: None, snapshotting: snapshot, promoted });
+            h.replica = Some(Replica::Primary { ci, keys, waiting: None, snapshotting: snapshot, promoted, stopping: false });
         }
         let how = if snapshot { format!(" (a new backup, from version {version})") } else { String::new() };
         eprintln!("eps server {}: shard {id} is replicated on server {to}{how}", self.rank);
@@ -116,10 +119,60 @@ impl<P: Fabric> Server<P> {
 
     /// The snapshot for shard `id`'s new backup is written: updates go on.
     pub(crate) fn replica_snapshot_done(&mut self, id: u32) -> Result<(), ServerError> {
-        if let Some(Replica::Primary { snapshotting, .. }) = self.held_mut(id).and_then(|h| h.replica.as_mut()) {
+        if let Some(Replica::Primary { snapshotting, stopping, .. }) = self.held_mut(id).and_then(|h| h.replica.as_mut()) {
             *snapshotting = false;
+            if *stopping {
+                self.stop_replicating(id)?;
+            }
         }
         self.drain(id)
+    }
+
+    /// The control plane orders shard `id`'s forwards to its backup to stop
+    /// (the shard is about to move, or its backup's server leaves).
+    pub(crate) fn on_unreplicate(&mut self, id: u32) -> Result<(), ServerError> {
+        match self.held_mut(id).and_then(|h| h.replica.as_mut()) {
+            Some(Replica::Primary { waiting, snapshotting, stopping, .. }) if waiting.is_some() || *snapshotting => {
+                // Stops when the acknowledgement or the snapshot's completion
+                // comes: nothing may land on the backup after it is dropped.
+                *stopping = true;
+                Ok(())
+            }
+            _ => {
+                self.stop_replicating(id)?;
+                self.drain(id)
+            }
+        }
+    }
+
+    /// Shard `id` forwards to no backup from now on; the control plane is told.
+    fn stop_replicating(&mut self, id: u32) -> Result<(), ServerError> {
+        if let Some(h) = self.held_mut(id)
+            && let Some(Replica::Primary { promoted, .. }) = h.replica
+        {
+            // A promoted backup still ignores pushes it applied already.
+            h.replica = promoted.then_some(Replica::Promoted);
+            self.mem.drop_forward_buffer(id);
+            eprintln!("eps server {}: shard {id} no longer forwards to a backup", self.rank);
+        }
+        self.ctl.call(&ControlMsg::Unreplicated { shard: id, rank: self.rank })?;
+        Ok(())
+    }
+
+    /// The control plane orders this server's copy of shard `id` freed: a
+    /// backup whose owner stopped forwarding, or a move's target whose source
+    /// was lost before the copy was complete. A shard served here is kept.
+    pub(crate) fn on_drop_backup(&mut self, id: u32) -> Result<(), ServerError> {
+        let Some(h) = self.shards.get(id as usize).and_then(Option::as_ref) else { return Ok(()) };
+        let unserved = matches!(h.replica, Some(Replica::Backup { .. })) || (h.replica.is_none() && h.sync.catching_up());
+        if !unserved {
+            eprintln!("eps server {}: ordered to drop shard {id}, which it serves; kept", self.rank);
+            return Ok(());
+        }
+        self.shards[id as usize] = None;
+        self.mem.remove(id);
+        eprintln!("eps server {}: dropped its copy of shard {id}", self.rank);
+        Ok(())
     }
 
     /// The control plane orders a new backup of shard `id` here (after a loss).
@@ -188,10 +241,14 @@ impl<P: Fabric> Server<P> {
 
     /// The backup acknowledged shard `id`'s forward: its version is served.
     pub(crate) fn replica_acked(&mut self, id: u32) -> Result<(), ServerError> {
-        let d = match self.held_mut(id).and_then(|h| h.replica.as_mut()) {
-            Some(Replica::Primary { waiting, .. }) => waiting.take(),
-            _ => None,
+        let (d, stop) = match self.held_mut(id).and_then(|h| h.replica.as_mut()) {
+            Some(Replica::Primary { waiting, stopping, .. }) => (waiting.take(), *stopping),
+            _ => (None, false),
         };
+        if stop {
+            // Before the update is finished: the next one is not forwarded.
+            self.stop_replicating(id)?;
+        }
         if let Some(d) = d {
             self.finish_update(id, d)?;
         }

@@ -565,9 +565,11 @@ impl SimServer {
             // The simulation takes no checkpoints (nothing orders one).
             Order::Checkpoint { version, .. } => w.fail(format!("server {rank}: ordered a checkpoint at {version}")),
             // Nor replicas (jobs keep one copy of each shard).
-            Order::Replicate { shard, .. } | Order::Promote { shard } | Order::AddBackup { shard, .. } => {
-                w.fail(format!("server {rank}: ordered to replicate or promote shard {shard}"))
-            }
+            Order::Replicate { shard, .. }
+            | Order::Promote { shard }
+            | Order::AddBackup { shard, .. }
+            | Order::Unreplicate { shard }
+            | Order::DropBackup { shard } => w.fail(format!("server {rank}: ordered to replicate or promote shard {shard}")),
             Order::Retire => {
                 self.retired = true;
                 w.check_retired(rank);

@@ -64,10 +64,11 @@ impl Job {
         let Some(&rank) = self.to_balance.first() else { return Ok(()) };
         if self.balancing.is_none() {
             let mut plan = self.map.clone();
-            let (splits, moves) = if self.consistency == eps_proto::Consistency::Bsp {
+            // Splits need BSP (an iteration boundary to cut at); a shard with
+            // a backup moves whole (its backup is rebuilt after the move).
+            let (splits, moves) = if self.consistency == eps_proto::Consistency::Bsp && self.replicas < 2 {
                 plan.plan_add_splits(rank).map_err(|e| e.to_string())?
             } else {
-                // Splits need BSP (an iteration boundary to cut at).
                 (Vec::new(), plan.plan_add_whole(rank).map_err(|e| e.to_string())?)
             };
             // Past the shard cap (or the ids), move whole shards only.
@@ -127,6 +128,11 @@ impl Job {
         self.endpoints.push(Some(hi.clone()));
         self.previous.push(None);
         self.previous.push(None);
+        for _ in 0..2 {
+            self.backups.push(None);
+            self.rebuilding.push(None);
+            self.unsynced.push(false);
+        }
         self.map.epoch += 1;
         self.splitting = None;
         self.splits += 1;

@@ -56,6 +56,7 @@ fn roundtrip_and_garbage() {
         ControlMsg::Checkpointed { version: 40, path: "/tmp/ck/ckpt-000000000040".into() },
         ControlMsg::BackupReady { endpoint: ep(3, 1), keys },
         ControlMsg::BackupSynced { shard: 3, rank: 2 },
+        ControlMsg::Unreplicated { shard: 3, rank: 1 },
         ControlMsg::ServerLost { rank: 2 },
         ControlMsg::Orders {
             last: 9,
@@ -71,6 +72,8 @@ fn roundtrip_and_garbage() {
                 Order::Replicate { shard: 2, to: 1, to_addr: "127.0.0.1:8".into(), keys, snapshot: true },
                 Order::AddBackup { shard: 2, from: 0, start: 4096, len: 512 },
                 Order::Promote { shard: 2 },
+                Order::Unreplicate { shard: 2 },
+                Order::DropBackup { shard: 5 },
             ],
         },
     ];

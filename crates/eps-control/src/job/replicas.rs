@@ -1,0 +1,260 @@
+//! Replicas (`job.replicas = 2`): each shard's backup on another server, its
+//! promotion when the owner is lost, new backups after a loss, and backups
+//! around scale events.
+//!
+//! A shard about to move first stops forwarding to its backup (`Unreplicate`,
+//! answered `Unreplicated` once no forward or snapshot is in flight); its
+//! backup is dropped and the move runs as it does without replicas; once the
+//! source released it, a new backup is built from the new owner's snapshot
+//! (`AddBackup`). A backup on a server that leaves is dropped and rebuilt on
+//! one that stays the same way. So a shard has no backup from the start of
+//! its move until its new backup's snapshot landed: a server lost in that
+//! window takes the shard with it (the job rolls back to its last checkpoint,
+//! or stops naming it), as it does for a migration whose source or target is
+//! lost before the new owner holds everything.
+
+use eps_proto::control::{ControlMsg, MigrationKeys, Order, ShardEndpoint};
+use eps_proto::shardmap::Move;
+
+use super::{Job, Phase};
+
+impl Job {
+    /// A server holds a backup of a shard: its primary forwards to it once both
+    /// are ready.
+    pub(super) fn backup_ready(&mut self, e: &ShardEndpoint, keys: &MigrationKeys) -> Result<ControlMsg, String> {
+        let sid = e.shard as usize;
+        if self.replicas < 2 || sid >= self.backups.len() || self.servers.get(e.owner as usize).is_none() {
+            return Err(format!("server {} reported a backup of shard {} the job does not keep", e.owner, e.shard));
+        }
+        if self.moving(e.shard) {
+            // A new backup ordered before the shard began to move: its drop was
+            // ordered then (see `start_moves`); one follows the move.
+            return Ok(ControlMsg::Ok);
+        }
+        self.backups[sid] = Some((e.owner, e.clone(), *keys));
+        if self.endpoints[sid].is_some() {
+            self.order_replicate(sid);
+        }
+        Ok(ControlMsg::Ok)
+    }
+
+    /// Orders shard `sid`'s owner to forward to its backup.
+    pub(super) fn order_replicate(&mut self, sid: usize) {
+        let (Some((to, _, keys)), Some(owner)) = (&self.backups[sid], &self.endpoints[sid]) else { return };
+        let (to, keys, owner) = (*to, *keys, owner.owner);
+        let to_addr = self.servers[to as usize].addr.clone();
+        if !to_addr.is_empty() && to != owner {
+            let snapshot = self.rebuilding[sid].take().is_some();
+            self.unsynced[sid] |= snapshot;
+            self.order(owner, Order::Replicate { shard: sid as u32, to, to_addr, keys, snapshot });
+        }
+    }
+
+    /// Whether shard `id` is moving (a migration of it is in flight).
+    pub(super) fn moving(&self, id: u32) -> bool {
+        self.migrations.iter().any(|m| m.shard == id && m.in_flight())
+    }
+
+    /// Whether server `rank` keeps a backup of any shard, or is ordered to.
+    pub(super) fn keeps_backups(&self, rank: u32) -> bool {
+        self.backups.iter().flatten().any(|(b, _, _)| *b == rank) || self.rebuilding.contains(&Some(rank))
+    }
+
+    /// A move of shard `sid` starts: its backup goes (see the module's doc).
+    /// Returns whether the move waits for the owner's `Unreplicated`.
+    pub(super) fn unreplicate_for_move(&mut self, sid: usize, owner: u32) -> bool {
+        if let Some(c) = self.rebuilding.get_mut(sid).and_then(Option::take) {
+            // A new backup ordered and not reported yet: dropped before any
+            // later order to its server (which may be the move's target).
+            self.order(c, Order::DropBackup { shard: sid as u32 });
+        }
+        if self.backups.get(sid).is_some_and(Option::is_some) {
+            self.order(owner, Order::Unreplicate { shard: sid as u32 });
+            return true;
+        }
+        false
+    }
+
+    /// Shard `shard`'s owner stopped forwarding to its backup: the backup is
+    /// dropped, a move waiting for it starts, and backups are rebuilt where
+    /// they are missing.
+    pub(super) fn unreplicated(&mut self, shard: u32, rank: u32) -> Result<ControlMsg, String> {
+        let sid = shard as usize;
+        let owner = self.map.index_of(shard).map(|i| self.map.shards[i].owner);
+        if owner != Some(rank) {
+            return Err(format!("server {rank} stopped replicating shard {shard}, which it does not own"));
+        }
+        self.unsynced[sid] = false;
+        if let Some((b, _, _)) = self.backups[sid].take()
+            && self.server_serving(b)
+        {
+            self.order(b, Order::DropBackup { shard });
+        }
+        if let Some(i) = self.migration(shard, Phase::Unreplicating) {
+            self.migrations[i].phase = Phase::Preparing;
+            self.order_migrate_in(i);
+        }
+        self.rebuild_backups();
+        Ok(ControlMsg::Ok)
+    }
+
+    /// A server is lost: its shards' backups become their owners (a new
+    /// epoch); shards without one are lost with it, and so are the shards
+    /// of its moves that the other side cannot finish alone.
+    pub(super) fn server_lost(&mut self, rank: u32) -> Result<ControlMsg, String> {
+        let Some(info) = self.servers.get_mut(rank as usize) else { return Err(format!("no server {rank}")) };
+        if info.retired || info.finished {
+            return Err(format!("server {rank} is not serving"));
+        }
+        info.retired = true;
+        info.leaving = true;
+        self.lost.push(rank);
+        for k in 0..self.map.shards.len() {
+            let (id, owner) = (self.map.shards[k].id, self.map.shards[k].owner);
+            let sid = id as usize;
+            if owner != rank {
+                // A backup on the lost server is gone (its primary sees its
+                // forwards fail and goes on alone).
+                if self.backups[sid].as_ref().is_some_and(|(b, _, _)| *b == rank) {
+                    self.backups[sid] = None;
+                    self.unsynced[sid] = false;
+                }
+                if self.rebuilding[sid] == Some(rank) {
+                    self.rebuilding[sid] = None;
+                }
+                continue;
+            }
+            // A backup still waiting for its snapshot holds nothing: the
+            // shard is lost with its owner.
+            let synced = !std::mem::take(&mut self.unsynced[sid]);
+            if let Some((b, ep, _)) = self.backups[sid].take().filter(|_| synced) {
+                self.map.shards[k].owner = b;
+                self.endpoints[sid] = Some(ep);
+                self.previous[sid] = None;
+                self.order(b, Order::Promote { shard: id });
+            }
+        }
+        self.cancel_moves_of(rank);
+        self.map.servers.retain(|&s| s != rank);
+        self.map.epoch += 1;
+        self.rebuild_backups();
+        self.move_leftovers();
+        self.balance_next()?;
+        Ok(ControlMsg::Ok)
+    }
+
+    /// Moves with lost server `rank` at one end stop. A source that keeps its
+    /// shard (the target was lost before the cutover) keeps serving it; a
+    /// target that cannot finish (its source was lost before it held
+    /// everything, or it was lost after the cutover) loses the shard.
+    fn cancel_moves_of(&mut self, rank: u32) {
+        for i in 0..self.migrations.len() {
+            let m = &self.migrations[i];
+            if !m.in_flight() || (m.from != rank && m.to != rank) {
+                continue;
+            }
+            let (shard, from, to, phase) = (m.shard, m.from, m.to, m.phase);
+            self.migrations[i].phase = Phase::Cancelled;
+            match phase {
+                // The owner's backup was kept (promoted above if the owner
+                // was lost); the target holds nothing yet.
+                Phase::Unreplicating => {}
+                Phase::Preparing | Phase::Copying if to == rank => {
+                    // The source abandons the move when its writes fail, or
+                    // when its cutover is refused.
+                }
+                Phase::Preparing | Phase::Copying => {
+                    // The source (and the only copy) is gone; the target's
+                    // empty copy goes too.
+                    self.order(to, Order::DropBackup { shard });
+                }
+                Phase::CuttingOver { .. } if from == rank => {
+                    // The target waits for forwards that will never come.
+                    self.lost_moving.push((rank, shard));
+                }
+                // The target owned it alone (counted with its shards).
+                Phase::CuttingOver { .. } | Phase::Done | Phase::Cancelled => {}
+            }
+            self.previous[shard as usize] = None;
+        }
+    }
+
+    /// Shards left on servers that leave, with no move under way (one was
+    /// cancelled): they move to the least loaded server that stays.
+    fn move_leftovers(&mut self) {
+        let live = self.live_servers();
+        if live.is_empty() {
+            return;
+        }
+        let mut load = self.map.bytes_per_server();
+        load.retain(|r, _| live.contains(r));
+        for &r in &live {
+            load.entry(r).or_insert(0);
+        }
+        let mut moves = Vec::new();
+        for s in &self.map.shards {
+            let leaving = self.servers.get(s.owner as usize).is_some_and(|x| x.leaving && !x.retired);
+            if !leaving || self.moving(s.id) {
+                continue;
+            }
+            let Some((&to, _)) = load.iter().min_by_key(|(r, b)| (**b, **r)) else { return };
+            *load.entry(to).or_insert(0) += s.len * self.map.elem_bytes;
+            moves.push(Move { start: s.start, len: s.len, from: s.owner, to });
+        }
+        self.start_moves(&moves);
+    }
+
+    /// Orders a new backup, on the next live server after its owner, for every
+    /// shard that has none and is not moving (after a loss, a move, or a
+    /// scale event that took its backup's server).
+    pub(super) fn rebuild_backups(&mut self) {
+        let live = self.live_servers();
+        if self.replicas < 2 || live.len() < 2 {
+            return;
+        }
+        for k in 0..self.map.shards.len() {
+            let (id, owner, start, len) = {
+                let x = &self.map.shards[k];
+                (x.id, x.owner, x.start, x.len)
+            };
+            let sid = id as usize;
+            if self.backups[sid].is_some() || self.rebuilding[sid].is_some() || !live.contains(&owner) || self.moving(id) {
+                continue;
+            }
+            let at = live.iter().position(|&r| r == owner).unwrap_or(0);
+            let to = live[(at + 1) % live.len()];
+            self.rebuilding[sid] = Some(to);
+            self.order(to, Order::AddBackup { shard: id, from: owner, start, len });
+        }
+    }
+
+    /// Scale-in: backups on servers that leave (of shards that stay) go, and
+    /// are rebuilt on servers that stay.
+    pub(super) fn unreplicate_leaving(&mut self, gone: &[u32]) {
+        for k in 0..self.map.shards.len() {
+            let (id, owner) = (self.map.shards[k].id, self.map.shards[k].owner);
+            let sid = id as usize;
+            if gone.contains(&owner) {
+                continue; // it moves (see `start_moves`)
+            }
+            if let Some(c) = self.rebuilding[sid].filter(|c| gone.contains(c)) {
+                self.rebuilding[sid] = None;
+                self.order(c, Order::DropBackup { shard: id });
+            }
+            if self.backups[sid].as_ref().is_some_and(|(b, _, _)| gone.contains(b)) {
+                self.order(owner, Order::Unreplicate { shard: id });
+            }
+        }
+        self.rebuild_backups();
+    }
+
+    /// Whether shards have backups (`job.replicas = 2`).
+    pub fn replicated(&self) -> bool {
+        self.replicas > 1
+    }
+
+    /// Servers lost so far.
+    pub fn lost_servers(&self) -> &[u32] {
+        &self.lost
+    }
+}

@@ -1,0 +1,232 @@
+//! Orders: what the control plane asks of a server, and their encoding.
+
+use super::{DecodeError, MigrationKeys, R, W};
+
+/// What the control plane asks of a server.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Order {
+    /// Allocate and register memory for `shard` (it will come from `from`), then
+    /// report `ShardReady`.
+    MigrateIn {
+        /// Global shard id.
+        shard: u32,
+        /// Source server.
+        from: u32,
+        /// First element of the shard.
+        start: u64,
+        /// Its elements.
+        len: u64,
+    },
+    /// Migrate `shard` to server `to` at `to_addr`, into `keys`.
+    MigrateOut {
+        /// Global shard id.
+        shard: u32,
+        /// Target server.
+        to: u32,
+        /// Its fabric address.
+        to_addr: String,
+        /// Where the target receives the shard.
+        keys: MigrationKeys,
+    },
+    /// Leave: the job is over, or this server was scaled away and holds nothing.
+    Retire,
+    /// A membership change is proposed: vote the first iteration none of your
+    /// shards has aggregated yet, and aggregate nothing from there on until the
+    /// change is committed.
+    Propose {
+        /// Proposal id.
+        id: u64,
+    },
+    /// A membership change is committed (or, to a server that joins later, one
+    /// committed earlier): from iteration `at` on, `workers` contribute. Workers in
+    /// `expired` lost their lease: their contributions of iterations before `at`
+    /// that never arrived are dropped, and their connections are closed.
+    Members {
+        /// First iteration of the new contributor set.
+        at: u64,
+        /// The contributor set, sorted.
+        workers: Vec<u32>,
+        /// Workers removed because their lease expired.
+        expired: Vec<u32>,
+    },
+    /// SSP/ASP migration source: every worker routes `shard` to its new owner now
+    /// and none has a push to this server in flight; forward what is queued, then
+    /// release it and report `Released`.
+    Release {
+        /// Global shard id.
+        shard: u32,
+    },
+    /// Split `shard` (BSP) at the first iteration it has not aggregated: elements
+    /// before `mid` become shard `lo`, the rest shard `hi`, both held here from
+    /// that iteration on; report `Split`.
+    Split {
+        /// Global shard id.
+        shard: u32,
+        /// First element of the upper part.
+        mid: u64,
+        /// Id of the lower part.
+        lo: u32,
+        /// Id of the upper part.
+        hi: u32,
+    },
+    /// Forward every update of `shard` to its backup on server `to` (at
+    /// `to_addr`, into `keys`), and serve a version to pulls only once the
+    /// backup acknowledged it (`job.replicas = 2`); with `snapshot`, first
+    /// write the shard's master values and state into the backup (a new one,
+    /// after a loss).
+    Replicate {
+        /// Global shard id.
+        shard: u32,
+        /// The backup's server.
+        to: u32,
+        /// Its fabric address.
+        to_addr: String,
+        /// Where the backup receives the snapshot and forwarded gradients.
+        keys: MigrationKeys,
+        /// The backup starts from a snapshot.
+        snapshot: bool,
+    },
+    /// Keep a new backup of `shard` (`len` elements from `start`), owned by
+    /// server `from`, which sends a snapshot; report `BackupReady`.
+    AddBackup {
+        /// Global shard id.
+        shard: u32,
+        /// Its owner.
+        from: u32,
+        /// First element.
+        start: u64,
+        /// Elements.
+        len: u64,
+    },
+    /// The shard's primary was lost: this backup owns `shard` from now on.
+    Promote {
+        /// Global shard id.
+        shard: u32,
+    },
+    /// Stop forwarding `shard`'s updates to its backup (it is about to move,
+    /// or its backup's server leaves): once no forward or snapshot is in
+    /// flight, report `Unreplicated`.
+    Unreplicate {
+        /// Global shard id.
+        shard: u32,
+    },
+    /// Free this server's backup of `shard` (its owner no longer forwards).
+    DropBackup {
+        /// Global shard id.
+        shard: u32,
+    },
+    /// Save every shard held here when it publishes `version` (BSP), into
+    /// directory `dir`; report each as `Saved` (or missed: its version is past).
+    Checkpoint {
+        /// The version to save.
+        version: u64,
+        /// The checkpoint's directory.
+        dir: String,
+    },
+}
+
+impl W {
+    pub(super) fn order(&mut self, o: &Order) {
+        match o {
+            Order::MigrateIn { shard, from, start, len } => {
+                self.u8(1);
+                self.u32(*shard);
+                self.u32(*from);
+                self.u64(*start);
+                self.u64(*len);
+            }
+            Order::MigrateOut { shard, to, to_addr, keys } => {
+                self.u8(2);
+                self.u32(*shard);
+                self.u32(*to);
+                self.str(to_addr);
+                self.keys(keys);
+            }
+            Order::Retire => self.u8(3),
+            Order::Propose { id } => {
+                self.u8(4);
+                self.u64(*id);
+            }
+            Order::Members { at, workers, expired } => {
+                self.u8(5);
+                self.u64(*at);
+                self.ranks(workers);
+                self.ranks(expired);
+            }
+            Order::Release { shard } => {
+                self.u8(7);
+                self.u32(*shard);
+            }
+            Order::Split { shard, mid, lo, hi } => {
+                self.u8(6);
+                self.u32(*shard);
+                self.u64(*mid);
+                self.u32(*lo);
+                self.u32(*hi);
+            }
+            Order::Replicate { shard, to, to_addr, keys, snapshot } => {
+                self.u8(9);
+                self.u32(*shard);
+                self.u32(*to);
+                self.str(to_addr);
+                self.keys(keys);
+                self.u8(u8::from(*snapshot));
+            }
+            Order::AddBackup { shard, from, start, len } => {
+                self.u8(11);
+                self.u32(*shard);
+                self.u32(*from);
+                self.u64(*start);
+                self.u64(*len);
+            }
+            Order::Promote { shard } => {
+                self.u8(10);
+                self.u32(*shard);
+            }
+            Order::Unreplicate { shard } => {
+                self.u8(12);
+                self.u32(*shard);
+            }
+            Order::DropBackup { shard } => {
+                self.u8(13);
+                self.u32(*shard);
+            }
+            Order::Checkpoint { version, dir } => {
+                self.u8(8);
+                self.u64(*version);
+                self.str(dir);
+            }
+        }
+    }
+}
+
+impl R<'_> {
+    pub(super) fn order(&mut self) -> Result<Order, DecodeError> {
+        Ok(match self.u8()? {
+            4 => Order::Propose { id: self.u64()? },
+            5 => Order::Members { at: self.u64()?, workers: self.ranks()?, expired: self.ranks()? },
+            1 => Order::MigrateIn { shard: self.u32()?, from: self.u32()?, start: self.u64()?, len: self.u64()? },
+            7 => Order::Release { shard: self.u32()? },
+            6 => Order::Split { shard: self.u32()?, mid: self.u64()?, lo: self.u32()?, hi: self.u32()? },
+            2 => Order::MigrateOut { shard: self.u32()?, to: self.u32()?, to_addr: self.str()?, keys: self.keys()? },
+            3 => Order::Retire,
+            8 => Order::Checkpoint { version: self.u64()?, dir: self.str()? },
+            9 => Order::Replicate {
+                shard: self.u32()?,
+                to: self.u32()?,
+                to_addr: self.str()?,
+                keys: self.keys()?,
+                snapshot: match self.u8()? {
+                    0 => false,
+                    1 => true,
+                    t => return Err(DecodeError::Tag(t)),
+                },
+            },
+            11 => Order::AddBackup { shard: self.u32()?, from: self.u32()?, start: self.u64()?, len: self.u64()? },
+            10 => Order::Promote { shard: self.u32()? },
+            12 => Order::Unreplicate { shard: self.u32()? },
+            13 => Order::DropBackup { shard: self.u32()? },
+            t => return Err(DecodeError::Tag(t)),
+        })
+    }
+}
