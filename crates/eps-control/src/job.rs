@@ -483,10 +483,13 @@ impl Job {
             ControlMsg::BackupSynced { shard, rank } => {
                 let sid = *shard as usize;
                 let keeps = self.backups.get(sid).and_then(Option::as_ref).is_some_and(|(r, _, _)| r == rank);
-                if !keeps {
-                    return Err(format!("server {rank} reported a snapshot of shard {shard} it keeps no backup of"));
+                if sid >= self.unsynced.len() {
+                    return Err(format!("server {rank} reported a snapshot of shard {shard}, which does not exist"));
                 }
-                self.unsynced[sid] = false;
+                // (A backup dropped while its snapshot landed reports it late.)
+                if keeps {
+                    self.unsynced[sid] = false;
+                }
                 Ok(ControlMsg::Ok)
             }
             ControlMsg::Unreplicated { shard, rank } => self.unreplicated(*shard, *rank),
@@ -581,7 +584,7 @@ impl Job {
         for mv in moves {
             let Some(i) = self.map.shard_of(mv.start) else { continue };
             let shard = self.map.shards[i].id;
-            let waits = self.unreplicate_for_move(shard as usize, mv.from);
+            let waits = self.unreplicate_for_move(shard as usize, mv.from, mv.to);
             self.migrations.push(Migration {
                 shard,
                 from: mv.from,
@@ -605,6 +608,7 @@ impl Job {
         let (shard, from, to) = (m.shard, m.from, m.to);
         if let Some(x) = self.map.index_of(shard).map(|k| self.map.shards[k]) {
             self.order(to, Order::MigrateIn { shard, from, start: x.start, len: x.len });
+            self.replicate_from_target(shard as usize, to);
         }
     }
 

@@ -268,6 +268,9 @@ pub(crate) struct Server<P: Fabric> {
     /// Landing regions of released shards, kept so that a push routed with an old
     /// epoch still lands in bounds and is answered "moved".
     retained: Vec<Vec<P::Mr>>,
+    /// Moves ordered while their shard's backup had not acknowledged its last
+    /// update: started once it has (see `replica.rs`).
+    parked_moves: Vec<eps_proto::control::Order>,
     /// (worker, shard) whose last push was answered "moved": the pull request
     /// that follows it is answered "pull moved" too, even if the shard arrived
     /// here meanwhile (the worker counts one answer of each kind).
@@ -458,6 +461,7 @@ pub fn run_direct<P: Fabric>(
         hold: None,
         lost: Vec::new(),
         retained: Vec::new(),
+        parked_moves: Vec::new(),
         moved_pushes: Default::default(),
         pulls_out: Default::default(),
         orphaned: Vec::new(),

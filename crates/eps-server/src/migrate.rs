@@ -166,6 +166,12 @@ impl<P: Fabric> Server<P> {
         if h.out.is_some() {
             return Err(ServerError::Migration(format!("shard {id} is already migrating")));
         }
+        if self.replica_forwarding(id) {
+            // The update applied is not served before its backup has it: the
+            // snapshot waits for the acknowledgement (see `replica_acked`).
+            self.parked_moves.push(Order::MigrateOut { shard: id, to, to_addr: addr.to_string(), keys });
+            return Ok(());
+        }
         let v0 = h.sync.version();
         // SSP/ASP: the workers' clocks, less contributions parked here (they are
         // not in the snapshot; they are relayed after it).
@@ -179,7 +185,9 @@ impl<P: Fabric> Server<P> {
         }
         let started = Instant::now();
         let ci = self.target_conn(to, addr)?;
-        self.mem.add_forward_buffer(id)?;
+        if self.mem.get(id).is_some_and(|b| b.grad.is_none()) {
+            self.mem.add_forward_buffer(id)?;
+        }
         // The snapshot is the host region: current from the device first.
         self.mem.to_host(id)?;
         self.mem.set_snapshot_version(id, v0, &clocks);
@@ -238,7 +246,12 @@ impl<P: Fabric> Server<P> {
         let Some(out) = h.out.as_ref() else { return Ok(()) };
         let to = out.to;
         if out.announced {
-            eprintln!("eps server {rank}: the move of shard {id} to server {to} failed after its cutover ({why})");
+            // The target owned it; what is left here is not served any more.
+            eprintln!("eps server {rank}: the move of shard {id} to server {to} failed after its cutover ({why}); dropped here");
+            self.shards[id as usize] = None;
+            if let Some(b) = self.mem.remove(id) {
+                self.retained.push(b.landing);
+            }
             return Ok(());
         }
         h.out = None;
@@ -378,6 +391,10 @@ impl<P: Fabric> Server<P> {
         let id = m.shard;
         let snapshot_version = self.mem.snapshot_version(id);
         let bsp = self.mode == eps_proto::Consistency::Bsp;
+        let sender = match self.conns[ci].peer {
+            Peer::Server(p) => p.rank & !PEER_BIT,
+            _ => u32::MAX,
+        };
         let Some(h) = self.held_mut(id) else {
             if len == 0 {
                 // A "no forwards follow" notice that crossed this server's own
@@ -432,7 +449,16 @@ impl<P: Fabric> Server<P> {
                 }
                 self.update(id, Pending::Forward { version: 0, carry: false, worker: Some(w) })
             }
-            Some((_, Some(_))) => {
+            Some((_, Some(c))) => {
+                if c != ci
+                    && let Some(crate::replica::Replica::Backup { primary, .. }) = h.replica.as_mut()
+                {
+                    // A moved shard's new owner forwards from here on (its
+                    // first forward comes after the old owner's last one was
+                    // acknowledged): acknowledgements go to it.
+                    *primary = sender;
+                    h.incoming = Some((sender, Some(ci)));
+                }
                 let queued = h.waiting.iter().filter(|p| matches!(p, Pending::Forward { .. })).count() as u64;
                 let expected = h.sync.version() + 1 + queued;
                 let version = widen_seq(m.seq, expected);
@@ -472,7 +498,10 @@ impl<P: Fabric> Server<P> {
             return Ok(());
         };
         let id = m.shard;
-        if matches!(self.held_mut(id).and_then(|h| h.replica.as_ref()), Some(crate::replica::Replica::Primary { .. })) {
+        // A moving shard forwards both to its backup and to its new owner:
+        // the connection says which one acknowledged.
+        if matches!(self.held_mut(id).and_then(|h| h.replica.as_ref()), Some(crate::replica::Replica::Primary { ci: c, .. }) if *c == ci)
+        {
             return self.replica_acked(id);
         }
         let Some(out) = self.held_mut(id).and_then(|h| h.out.as_mut()) else {

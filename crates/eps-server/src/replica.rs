@@ -10,7 +10,7 @@
 //! worker had not pulled it yet) is ignored and its pull answered.
 
 use eps_fabric::prelude::*;
-use eps_proto::control::{ControlMsg, MigrationKeys};
+use eps_proto::control::{ControlMsg, MigrationKeys, Order};
 use eps_proto::imm::{Imm, ImmKind};
 
 use crate::{Peer, Pending, Server, ServerError, WR_OTHER};
@@ -125,6 +125,7 @@ impl<P: Fabric> Server<P> {
                 self.stop_replicating(id)?;
             }
         }
+        self.start_parked_moves(id)?;
         self.drain(id)
     }
 
@@ -160,17 +161,18 @@ impl<P: Fabric> Server<P> {
     }
 
     /// The control plane orders this server's copy of shard `id` freed: a
-    /// backup whose owner stopped forwarding, or a move's target whose source
-    /// was lost before the copy was complete. A shard served here is kept.
+    /// backup whose owner stopped forwarding, a move's target whose source was
+    /// lost before the copy was complete, or one whose source was lost after
+    /// the cutover (the shard's backup, which holds every version served, is
+    /// promoted instead). Its landing slots stay (a push routed by an older
+    /// map lands in bounds and is answered "moved").
     pub(crate) fn on_drop_backup(&mut self, id: u32) -> Result<(), ServerError> {
-        let Some(h) = self.shards.get(id as usize).and_then(Option::as_ref) else { return Ok(()) };
-        let unserved = matches!(h.replica, Some(Replica::Backup { .. })) || (h.replica.is_none() && h.sync.catching_up());
-        if !unserved {
-            eprintln!("eps server {}: ordered to drop shard {id}, which it serves; kept", self.rank);
+        if self.shards.get_mut(id as usize).and_then(Option::take).is_none() {
             return Ok(());
         }
-        self.shards[id as usize] = None;
-        self.mem.remove(id);
+        if let Some(b) = self.mem.remove(id) {
+            self.retained.push(b.landing);
+        }
         eprintln!("eps server {}: dropped its copy of shard {id}", self.rank);
         Ok(())
     }
@@ -198,13 +200,35 @@ impl<P: Fabric> Server<P> {
         self.report_backup(id)
     }
 
-    /// Whether shard `id` waits for its backup's acknowledgement.
+    /// Whether shard `id` waits for its backup's acknowledgement, or takes no
+    /// update before a move waiting for that starts.
     pub(crate) fn replica_busy(&self, id: u32) -> bool {
+        self.replica_forwarding(id)
+            || self.parked_moves.iter().any(|o| matches!(o, Order::MigrateOut { shard, .. } if *shard == id))
+    }
+
+    /// Whether a forward or snapshot of shard `id` to its backup is in flight.
+    pub(crate) fn replica_forwarding(&self, id: u32) -> bool {
         let h = self.shards.get(id as usize).and_then(Option::as_ref);
         match h.and_then(|h| h.replica.as_ref()) {
             Some(Replica::Primary { waiting, snapshotting, .. }) => waiting.is_some() || *snapshotting,
             _ => false,
         }
+    }
+
+    /// Starts the moves of shard `id` parked until its backup acknowledged.
+    fn start_parked_moves(&mut self, id: u32) -> Result<(), ServerError> {
+        if self.replica_forwarding(id) {
+            return Ok(());
+        }
+        let (now, later): (Vec<Order>, Vec<Order>) = std::mem::take(&mut self.parked_moves)
+            .into_iter()
+            .partition(|o| matches!(o, Order::MigrateOut { shard, .. } if *shard == id));
+        self.parked_moves = later;
+        for o in now {
+            self.on_order(o)?;
+        }
+        Ok(())
     }
 
     /// After an update of a replicated shard: forwards the averaged gradient
@@ -252,6 +276,7 @@ impl<P: Fabric> Server<P> {
         if let Some(d) = d {
             self.finish_update(id, d)?;
         }
+        self.start_parked_moves(id)?;
         self.drain(id)
     }
 
@@ -274,6 +299,7 @@ impl<P: Fabric> Server<P> {
             if let Some(d) = d {
                 self.finish_update(id, d)?;
             }
+            self.start_parked_moves(id)?;
             self.drain(id)?;
         }
         Ok(())

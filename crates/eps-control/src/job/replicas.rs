@@ -2,16 +2,22 @@
 //! promotion when the owner is lost, new backups after a loss, and backups
 //! around scale events.
 //!
-//! A shard about to move first stops forwarding to its backup (`Unreplicate`,
-//! answered `Unreplicated` once no forward or snapshot is in flight); its
-//! backup is dropped and the move runs as it does without replicas; once the
-//! source released it, a new backup is built from the new owner's snapshot
-//! (`AddBackup`). A backup on a server that leaves is dropped and rebuilt on
-//! one that stays the same way. So a shard has no backup from the start of
-//! its move until its new backup's snapshot landed: a server lost in that
-//! window takes the shard with it (the job rolls back to its last checkpoint,
-//! or stops naming it), as it does for a migration whose source or target is
-//! lost before the new owner holds everything.
+//! A shard that moves keeps its backup: the source forwards each update to
+//! the backup, then to the target; the target forwards its own updates to the
+//! same backup from the start (`Replicate` right after `MigrateIn`). So the
+//! backup holds every version served by either owner, and a loss at any point
+//! of the move loses nothing: the source lost before the target holds
+//! everything, or the target lost after the cutover, and the backup is
+//! promoted; the target lost before the cutover, and the source keeps the
+//! shard.
+//!
+//! When the backup is on the move's target or on a server that leaves, the
+//! owner first stops forwarding to it (`Unreplicate`, answered `Unreplicated`
+//! once no forward or snapshot is in flight), the backup is dropped, and a new
+//! one is built from the owner's snapshot (`AddBackup`) once the move is done;
+//! backups of shards that stay, on a server that leaves, go the same way. In
+//! that window the shard has no backup: a loss then takes it with it (the job
+//! rolls back to its last checkpoint, or stops naming it).
 
 use eps_proto::control::{ControlMsg, MigrationKeys, Order, ShardEndpoint};
 use eps_proto::shardmap::Move;
@@ -60,19 +66,31 @@ impl Job {
         self.backups.iter().flatten().any(|(b, _, _)| *b == rank) || self.rebuilding.contains(&Some(rank))
     }
 
-    /// A move of shard `sid` starts: its backup goes (see the module's doc).
-    /// Returns whether the move waits for the owner's `Unreplicated`.
-    pub(super) fn unreplicate_for_move(&mut self, sid: usize, owner: u32) -> bool {
+    /// A move of shard `sid` from `owner` to `to` starts. Returns whether it
+    /// waits for the owner's `Unreplicated` (its backup goes; see the
+    /// module's doc).
+    pub(super) fn unreplicate_for_move(&mut self, sid: usize, owner: u32, to: u32) -> bool {
         if let Some(c) = self.rebuilding.get_mut(sid).and_then(Option::take) {
             // A new backup ordered and not reported yet: dropped before any
             // later order to its server (which may be the move's target).
             self.order(c, Order::DropBackup { shard: sid as u32 });
         }
-        if self.backups.get(sid).is_some_and(Option::is_some) {
+        let Some((c, _, _)) = self.backups.get(sid).and_then(Option::as_ref) else { return false };
+        let kept = *c != to && self.servers.get(*c as usize).is_some_and(|s| !s.leaving);
+        if !kept {
             self.order(owner, Order::Unreplicate { shard: sid as u32 });
-            return true;
         }
-        false
+        !kept
+    }
+
+    /// The target of a move of shard `sid` forwards its own updates to the
+    /// shard's backup from its first one.
+    pub(super) fn replicate_from_target(&mut self, sid: usize, to: u32) {
+        if let Some((c, _, keys)) = self.backups.get(sid).and_then(Option::as_ref) {
+            let (c, keys) = (*c, *keys);
+            let to_addr = self.servers[c as usize].addr.clone();
+            self.order(to, Order::Replicate { shard: sid as u32, to: c, to_addr, keys, snapshot: false });
+        }
     }
 
     /// Shard `shard`'s owner stopped forwarding to its backup: the backup is
@@ -144,9 +162,10 @@ impl Job {
     }
 
     /// Moves with lost server `rank` at one end stop. A source that keeps its
-    /// shard (the target was lost before the cutover) keeps serving it; a
-    /// target that cannot finish (its source was lost before it held
-    /// everything, or it was lost after the cutover) loses the shard.
+    /// shard (the target was lost before the cutover) keeps serving it; the
+    /// target of a source lost after the cutover may miss forwards: the
+    /// shard's backup, which has every version served, is promoted and the
+    /// target drops its copy (without a backup, the shard is lost).
     fn cancel_moves_of(&mut self, rank: u32) {
         for i in 0..self.migrations.len() {
             let m = &self.migrations[i];
@@ -169,8 +188,19 @@ impl Job {
                     self.order(to, Order::DropBackup { shard });
                 }
                 Phase::CuttingOver { .. } if from == rank => {
-                    // The target waits for forwards that will never come.
-                    self.lost_moving.push((rank, shard));
+                    let sid = shard as usize;
+                    let synced = !self.unsynced[sid];
+                    match self.backups[sid].take().filter(|(c, _, _)| synced && *c != to && self.server_serving(*c)) {
+                        Some((c, ep, _)) => {
+                            if let Some(k) = self.map.index_of(shard) {
+                                self.map.shards[k].owner = c;
+                            }
+                            self.endpoints[sid] = Some(ep);
+                            self.order(c, Order::Promote { shard });
+                        }
+                        None => self.lost_moving.push((rank, shard)),
+                    }
+                    self.order(to, Order::DropBackup { shard });
                 }
                 // The target owned it alone (counted with its shards).
                 Phase::CuttingOver { .. } | Phase::Done | Phase::Cancelled => {}
