@@ -349,6 +349,27 @@ impl ShardSync {
         out
     }
 
+    /// No contribution in, no pull waiting, no update waiting to publish.
+    pub fn idle(&self) -> bool {
+        self.full_count == 0 && self.pending.iter().all(Option::is_none) && !self.publish_waiting
+    }
+
+    /// Its state in a few words, for a stall report: the version, the
+    /// workers whose contributions are in, the pulls waiting.
+    pub fn describe(&self) -> String {
+        let ins: Vec<u32> = (0..self.slot_full.len() as u32).filter(|&w| self.slot_full[w as usize]).collect();
+        let pulls: Vec<String> =
+            self.pending.iter().enumerate().filter_map(|(w, p)| p.map(|need| format!("{w}:{need}"))).collect();
+        format!(
+            "version {}{}, contributions in from {ins:?} (iteration {:?}), pulls waiting [{}]{}",
+            self.version,
+            if self.catching_up { " (catching up)" } else { "" },
+            self.held,
+            pulls.join(","),
+            if self.publish_waiting { ", an update waits to publish" } else { "" }
+        )
+    }
+
     /// Whether `worker`'s landing slot holds a contribution not yet consumed.
     pub fn has_pushed(&self, worker: u32) -> bool {
         self.slot_full.get(worker as usize).copied().unwrap_or(false)

@@ -320,6 +320,7 @@ impl Registration {
 pub fn register(cfg: &ServerConfig) -> Result<Registration, ServerError> {
     let mut ctl = ControlClient::connect(cfg.control, &cfg.secret, cfg.accept_timeout)?;
     let (rank, spec_text) = ctl.register(Role::Server)?;
+    eprintln!("eps server {rank}: registered (pid {})", std::process::id());
     let mut spec = JobSpec::from_toml(&spec_text)?;
     if spec.awaits_declaration() {
         eprintln!("eps server {rank}: waiting for the first worker to declare the model's tensors");

@@ -184,7 +184,17 @@ impl<P: Fabric> Server<P> {
             }
         }
         let started = Instant::now();
-        let ci = self.target_conn(to, addr)?;
+        let ci = match self.target_conn(to, addr) {
+            Ok(ci) => ci,
+            Err(e) => {
+                // Lost (the control plane cancels the move): the shard stays.
+                eprintln!(
+                    "eps server {}: cannot reach server {to} to move shard {id} there ({e}); the shard stays here",
+                    self.rank
+                );
+                return Ok(());
+            }
+        };
         if self.mem.get(id).is_some_and(|b| b.grad.is_none()) {
             self.mem.add_forward_buffer(id)?;
         }
@@ -483,6 +493,16 @@ impl<P: Fabric> Server<P> {
                 // acknowledges it now if it applies it now; else after applying.
                 self.ack_on_arrival(id, ci, version)?;
                 self.update(id, Pending::Forward { version, carry: len == 0, worker: None })
+            }
+            None if matches!(
+                h.replica,
+                Some(crate::replica::Replica::Promoted | crate::replica::Replica::Primary { promoted: true, .. })
+            ) =>
+            {
+                // From a move's target whose copy was dropped when this backup
+                // was promoted (the move's source was lost): its pushers push
+                // again here.
+                Ok(())
             }
             None => {
                 self.violation(ci, &format!("forwarded shard {id}, which is not arriving here"));

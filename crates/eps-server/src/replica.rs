@@ -91,7 +91,17 @@ impl<P: Fabric> Server<P> {
             return Err(ServerError::Migration(format!("shard {id} left while its backup was replaced")));
         };
         let version = h.sync.version();
-        let ci = self.target_conn(to, addr)?;
+        let ci = match self.target_conn(to, addr) {
+            Ok(ci) => ci,
+            Err(e) => {
+                // Lost (the control plane declares it so): no backup for now.
+                eprintln!(
+                    "eps server {}: cannot reach server {to} for shard {id}'s backup ({e}); the shard goes on without one",
+                    self.rank
+                );
+                return Ok(());
+            }
+        };
         if self.mem.get(id).is_some_and(|b| b.grad.is_none()) {
             self.mem.add_forward_buffer(id)?;
         }
@@ -167,11 +177,35 @@ impl<P: Fabric> Server<P> {
     /// promoted instead). Its landing slots stay (a push routed by an older
     /// map lands in bounds and is answered "moved").
     pub(crate) fn on_drop_backup(&mut self, id: u32) -> Result<(), ServerError> {
-        if self.shards.get_mut(id as usize).and_then(Option::take).is_none() {
-            return Ok(());
-        }
+        let Some(mut h) = self.shards.get_mut(id as usize).and_then(Option::take) else { return Ok(()) };
         if let Some(b) = self.mem.remove(id) {
             self.retained.push(b.landing);
+        }
+        if !matches!(h.replica, Some(Replica::Backup { .. })) {
+            // Workers may have pushed here, or wait for a pull: they are sent
+            // to the new map (the promoted backup). So are the contributors of
+            // an update applied here and not served (its backup may not have
+            // it): they push it again, and the backup ignores it if it has.
+            let v = h.sync.version() as u16;
+            if let Some(Replica::Primary { waiting: Some(d), .. }) = &h.replica
+                && let Pending::Update { iteration, one } = d.p
+            {
+                let c: Vec<u32> = match one {
+                    Some(w) => vec![w],
+                    None => h.sync.contributors(&self.membership, &self.lost, iteration).into_owned(),
+                };
+                for w in c {
+                    self.send_moved(w, id, iteration as u16)?;
+                }
+            }
+            let (held, waiting) = h.sync.evict();
+            for w in held {
+                self.send_moved(w, id, v)?;
+            }
+            for w in waiting {
+                self.moved_pushes.remove(&(w, id));
+                self.send_pull_moved(w, id, v)?;
+            }
         }
         eprintln!("eps server {}: dropped its copy of shard {id}", self.rank);
         Ok(())

@@ -14,6 +14,10 @@ use eps_proto::imm::{Imm, ImmKind, widen_seq};
 use eps_proto::layout::published_offset;
 use eps_proto::sync::{PushOutcome, ShardSync};
 
+/// How long a server waits with nothing coming before it says what its
+/// shards wait for.
+const STALL_REPORT: Duration = Duration::from_secs(10);
+
 use crate::{
     ALL_RANKS, Conn, Peer, Pending, Server, ServerError, UpdateArgs, WR_HELLO, WR_MIGRATE, WR_OTHER, WR_PULL, pull_wr,
     pull_wr_parts,
@@ -66,6 +70,7 @@ impl<P: Fabric> Server<P> {
     ) -> Result<(), ServerError> {
         let mut wc = [Completion::EMPTY; 64];
         let mut last = Instant::now();
+        let mut told = false;
         // Completions of accepted connections not handed over yet (their receives
         // are posted before the peer can send, on the acceptor's thread).
         let mut early: Vec<(Completion, Instant)> = Vec::new();
@@ -94,11 +99,38 @@ impl<P: Fabric> Server<P> {
             }
             if k > 0 {
                 last = Instant::now();
+                told = false;
             } else if last.elapsed() > Duration::from_micros(200) {
                 self.cq.wait(Duration::from_millis(1));
+                if !told && last.elapsed() > STALL_REPORT {
+                    told = true;
+                    self.report_stall();
+                }
             }
         }
         Ok(())
+    }
+
+    /// Nothing came for a while: says what each shard that waits waits for
+    /// (a job stalls only on a bug or a peer that is gone for good).
+    fn report_stall(&self) {
+        for (id, h) in self.shards.iter().enumerate() {
+            let Some(h) = h else { continue };
+            if h.sync.idle() && h.waiting.is_empty() {
+                continue;
+            }
+            let what = h.sync.describe();
+            eprintln!(
+                "eps server {}: nothing came for {STALL_REPORT:?}: shard {id}: {what}; {} updates parked{}{}",
+                self.rank,
+                h.waiting.len(),
+                if h.out.is_some() { ", moving out" } else { "" },
+                match &h.replica {
+                    Some(r) => format!(", {r:?}"),
+                    None => String::new(),
+                }
+            );
+        }
     }
 
     /// Takes the connections the acceptor handed over, then the early completions

@@ -50,13 +50,14 @@ use eps_control::{ControlClient, ControlError};
 use eps_fabric::prelude::*;
 use eps_proto::control::{ControlMsg, JobMap, Role, ShardEndpoint};
 use eps_proto::hello::{HELLO_LEN, Hello};
-use eps_proto::imm::{Imm, ImmKind, widen_seq};
+use eps_proto::imm::{Imm, ImmKind};
 use eps_proto::layout::Layout;
 use eps_proto::membership::Membership;
 use eps_proto::{Consistency, JobSpec, SpecError};
 
 mod loss;
 mod pull;
+mod reap;
 mod register;
 mod round;
 mod watch;
@@ -201,6 +202,12 @@ pub struct Worker<P: Fabric = SoftPd> {
     moved: Vec<(usize, u64, u32)>,
     /// "Pull moved" answers since the current pull began: (shard, server).
     pulls_moved: Vec<(usize, u32)>,
+    /// (shard, server): a "pull moved" the server owes this round (it
+    /// answered the shard's push "moved"; the answer to the pull request
+    /// follows). Forgiven if the server is lost.
+    owed: Vec<(usize, u32)>,
+    /// By shard: the server its latest push went to.
+    pushed_to: Vec<u32>,
     /// Per shard, in the current round: pull answered with data.
     round_pulled: Vec<bool>,
     /// Per shard, in the current round: pull requests not answered yet.
@@ -340,6 +347,8 @@ impl<P: Fabric> Worker<P> {
             round: Vec::new(),
             moved: Vec::new(),
             pulls_moved: Vec::new(),
+            owed: Vec::new(),
+            pushed_to: vec![u32::MAX; ids],
             round_pulled: vec![false; ids],
             outstanding: vec![0; ids],
             pull_moved: 0,
@@ -417,6 +426,7 @@ impl<P: Fabric> Worker<P> {
         self.round_pulled.resize(ids, false);
         self.outstanding.resize(ids, 0);
         self.sending.resize(ids, 0);
+        self.pushed_to.resize(ids, u32::MAX);
         for o in self.needed_owners() {
             if self.lost.contains(&o) {
                 continue;
@@ -667,6 +677,7 @@ impl<P: Fabric> Worker<P> {
         self.pull_moved = 0;
         self.pulls_moved.clear();
         self.moved.clear();
+        self.owed.clear();
         self.round_pulled.iter_mut().for_each(|p| *p = false);
         self.outstanding.iter_mut().for_each(|o| *o = 0);
         self.round = self.map.shards_at(t);
@@ -763,6 +774,7 @@ impl<P: Fabric> Worker<P> {
         }
         self.credit[sid] = false;
         self.sending[sid] += 1;
+        self.pushed_to[sid] = owner;
         self.stats.pushed_bytes += len * es;
         Ok(())
     }
@@ -797,107 +809,6 @@ impl<P: Fabric> Worker<P> {
                 r => return Ok(r?),
             }
         }
-    }
-
-    /// Reaps completions until `done` holds: spinning while they flow, sleeping on
-    /// the CQ after 200 us without any; fails after the worker's timeout.
-    fn wait_until(&mut self, done: impl Fn(&Self) -> bool, what: &'static str) -> Result<(), WorkerError> {
-        let deadline = Instant::now() + self.timeout;
-        let mut idle = Instant::now();
-        let mut looked = Instant::now();
-        while !done(self) {
-            if self.reap()? {
-                idle = Instant::now();
-            } else if Instant::now() > deadline {
-                return Err(WorkerError::Timeout(what));
-            } else if idle.elapsed() > Duration::from_micros(200) {
-                self.cq.wait(Duration::from_millis(1));
-                if looked.elapsed() > Duration::from_millis(50) {
-                    looked = Instant::now();
-                    self.notice_lost_servers();
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Polls once; counts pull answers, "moved" answers and acknowledged hellos.
-    /// True if anything came.
-    fn reap(&mut self) -> Result<bool, WorkerError> {
-        let mut wc = [Completion::EMPTY; 64];
-        let k = self.cq.poll(&mut wc)?;
-        for c in &wc[..k] {
-            let server = self.qp_rank.get(&c.qp_num).copied().unwrap_or(u32::MAX);
-            if !c.status.is_ok() {
-                if self.lost.contains(&server) {
-                    continue;
-                }
-                if self.spec.job.replicas > 1 && self.routes_to(server) {
-                    // Its shards' backups take over: this round goes there again.
-                    self.lose_server(server);
-                    continue;
-                }
-                if !self.routes_to(server) {
-                    // A server this worker no longer routes to left the job: its
-                    // connection's posted receives are flushed. Nothing was lost.
-                    if let Some(q) = self.qps.get_mut(server as usize) {
-                        *q = None;
-                    }
-                    continue;
-                }
-                if matches!(c.opcode, WcOpcode::Recv | WcOpcode::RecvWithImm) {
-                    // Servers cut off a worker the job removed (its lease lapsed).
-                    if let Some(iteration) = self.removed_at() {
-                        return Err(WorkerError::Removed { rank: self.rank, iteration });
-                    }
-                    return Err(WorkerError::ServerGone { server, iteration: self.iteration, epoch: self.map.epoch });
-                }
-                let what = if c.wr_id & (3 << 62) == WR_PUSH { "push" } else { "pull" };
-                return Err(WorkerError::Transfer { what, shard: (c.wr_id & 0xFFFF_FFFF) as u32, status: c.status });
-            }
-            match c.opcode {
-                WcOpcode::RecvWithImm => {
-                    if let Ok(q) = self.qp(server) {
-                        q.post_recv(&RecvWr { wr_id: 0, sg: &[] })?;
-                    }
-                    let Some(m) = c.imm.and_then(Imm::decode).filter(|m| (m.shard as usize) < self.credit.len()) else {
-                        continue;
-                    };
-                    let sid = m.shard as usize;
-                    match m.kind {
-                        ImmKind::PullDone => {
-                            self.pulled += 1;
-                            self.round_pulled[sid] = true;
-                            self.outstanding[sid] = self.outstanding[sid].saturating_sub(1);
-                            self.stats.pulled_bytes += c.byte_len as u64;
-                            if self.mode == Consistency::Bsp {
-                                self.credit[sid] = true;
-                            }
-                        }
-                        ImmKind::Credit => self.credit[sid] = true,
-                        ImmKind::PullMoved => {
-                            self.pull_moved += 1;
-                            self.outstanding[sid] = self.outstanding[sid].saturating_sub(1);
-                            self.pulls_moved.push((sid, server));
-                        }
-                        ImmKind::Moved => {
-                            self.credit[sid] = true;
-                            self.moved.push((sid, widen_seq(m.seq, self.iteration), server));
-                        }
-                        _ => {}
-                    }
-                }
-                _ if c.wr_id == WR_HELLO => self.hellos_acked += 1,
-                _ if c.wr_id & (3 << 62) == WR_PUSH => {
-                    if let Some(n) = self.sending.get_mut((c.wr_id & 0xFFFF_FFFF) as usize) {
-                        *n = n.saturating_sub(1);
-                    }
-                }
-                WcOpcode::Read if c.wr_id == WR_READ => self.reads_done += 1,
-                _ => {}
-            }
-        }
-        Ok(k > 0)
     }
 
     /// Waits (up to the worker's timeout) until nothing is in flight: no pull

@@ -56,9 +56,16 @@ impl<P: Fabric> Worker<P> {
         if let Some(q) = self.qps.get_mut(server as usize) {
             *q = None;
         }
+        // A "pull moved" it owed (for a push it answered "moved" before the
+        // shard moved on) will not come.
+        for (sid, _) in self.owed.extract_if(.., |o| o.1 == server) {
+            self.outstanding[sid] = self.outstanding[sid].saturating_sub(1);
+        }
         let t = self.iteration;
         for sid in self.round.clone() {
-            if self.route(sid, t).owner != server || self.round_pulled[sid] || self.outstanding[sid] == 0 {
+            // (Routed there, or pushed there with an older map.)
+            let there = self.route(sid, t).owner == server || self.pushed_to[sid] == server;
+            if !there || self.round_pulled[sid] || self.outstanding[sid] == 0 {
                 continue;
             }
             self.outstanding[sid] = 0;

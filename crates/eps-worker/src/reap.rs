@@ -1,0 +1,147 @@
+//! Waiting for completions: reaping the completion queue (pull answers,
+//! "moved" answers, hello acknowledgements, push completions), and what a
+//! round that waits too long says it waits for.
+
+use std::time::{Duration, Instant};
+
+use eps_fabric::prelude::*;
+use eps_proto::Consistency;
+use eps_proto::imm::{Imm, ImmKind, widen_seq};
+
+use crate::{WR_HELLO, WR_PUSH, WR_READ, Worker, WorkerError};
+
+/// How long a round waits with nothing coming before it says what it waits for.
+const STALL_REPORT: Duration = Duration::from_secs(10);
+
+impl<P: Fabric> Worker<P> {
+    /// Reaps completions until `done` holds: spinning while they flow, sleeping on
+    /// the CQ after 200 us without any; fails after the worker's timeout.
+    pub(crate) fn wait_until(&mut self, done: impl Fn(&Self) -> bool, what: &'static str) -> Result<(), WorkerError> {
+        let deadline = Instant::now() + self.timeout;
+        let mut idle = Instant::now();
+        let mut looked = Instant::now();
+        let mut told = false;
+        while !done(self) {
+            if self.reap()? {
+                idle = Instant::now();
+            } else if Instant::now() > deadline {
+                return Err(WorkerError::Timeout(what));
+            } else if idle.elapsed() > Duration::from_micros(200) {
+                self.cq.wait(Duration::from_millis(1));
+                if looked.elapsed() > Duration::from_millis(50) {
+                    looked = Instant::now();
+                    self.notice_lost_servers();
+                }
+                if !told && idle.elapsed() > STALL_REPORT {
+                    told = true;
+                    eprintln!("eps worker {}: nothing came for {:?}: {}", self.rank, STALL_REPORT, self.waiting_for(what));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// What a stalled round waits for, for its report.
+    fn waiting_for(&self, what: &str) -> String {
+        let t = self.iteration;
+        let shards: Vec<String> = self
+            .round
+            .iter()
+            .filter(|&&s| !self.round_pulled[s] || self.outstanding[s] > 0 || self.sending[s] > 0)
+            .take(16)
+            .map(|&s| {
+                format!(
+                    "shard {s} on server {} (pulled {}, {} answers owed, {} sends)",
+                    self.route(s, t).owner,
+                    self.round_pulled[s],
+                    self.outstanding[s],
+                    self.sending[s]
+                )
+            })
+            .collect();
+        format!("waiting for {what} at iteration {t}, epoch {}: {}", self.map.epoch, shards.join("; "))
+    }
+
+    /// Polls once; counts pull answers, "moved" answers and acknowledged hellos.
+    /// True if anything came.
+    pub(crate) fn reap(&mut self) -> Result<bool, WorkerError> {
+        let mut wc = [Completion::EMPTY; 64];
+        let k = self.cq.poll(&mut wc)?;
+        for c in &wc[..k] {
+            let server = self.qp_rank.get(&c.qp_num).copied().unwrap_or(u32::MAX);
+            if !c.status.is_ok() {
+                if self.lost.contains(&server) {
+                    continue;
+                }
+                if self.spec.job.replicas > 1 && self.routes_to(server) {
+                    // Its shards' backups take over: this round goes there again.
+                    self.lose_server(server);
+                    continue;
+                }
+                if !self.routes_to(server) {
+                    // A server this worker no longer routes to left the job: its
+                    // connection's posted receives are flushed. Nothing was lost.
+                    if let Some(q) = self.qps.get_mut(server as usize) {
+                        *q = None;
+                    }
+                    continue;
+                }
+                if matches!(c.opcode, WcOpcode::Recv | WcOpcode::RecvWithImm) {
+                    // Servers cut off a worker the job removed (its lease lapsed).
+                    if let Some(iteration) = self.removed_at() {
+                        return Err(WorkerError::Removed { rank: self.rank, iteration });
+                    }
+                    return Err(WorkerError::ServerGone { server, iteration: self.iteration, epoch: self.map.epoch });
+                }
+                let what = if c.wr_id & (3 << 62) == WR_PUSH { "push" } else { "pull" };
+                return Err(WorkerError::Transfer { what, shard: (c.wr_id & 0xFFFF_FFFF) as u32, status: c.status });
+            }
+            match c.opcode {
+                WcOpcode::RecvWithImm => {
+                    if let Ok(q) = self.qp(server) {
+                        q.post_recv(&RecvWr { wr_id: 0, sg: &[] })?;
+                    }
+                    let Some(m) = c.imm.and_then(Imm::decode).filter(|m| (m.shard as usize) < self.credit.len()) else {
+                        continue;
+                    };
+                    let sid = m.shard as usize;
+                    match m.kind {
+                        ImmKind::PullDone => {
+                            self.pulled += 1;
+                            self.round_pulled[sid] = true;
+                            self.outstanding[sid] = self.outstanding[sid].saturating_sub(1);
+                            self.stats.pulled_bytes += c.byte_len as u64;
+                            if self.mode == Consistency::Bsp {
+                                self.credit[sid] = true;
+                            }
+                        }
+                        ImmKind::Credit => self.credit[sid] = true,
+                        ImmKind::PullMoved => {
+                            self.pull_moved += 1;
+                            self.outstanding[sid] = self.outstanding[sid].saturating_sub(1);
+                            self.pulls_moved.push((sid, server));
+                            if let Some(i) = self.owed.iter().position(|&o| o == (sid, server)) {
+                                self.owed.swap_remove(i);
+                            }
+                        }
+                        ImmKind::Moved => {
+                            self.credit[sid] = true;
+                            self.owed.push((sid, server));
+                            self.moved.push((sid, widen_seq(m.seq, self.iteration), server));
+                        }
+                        _ => {}
+                    }
+                }
+                _ if c.wr_id == WR_HELLO => self.hellos_acked += 1,
+                _ if c.wr_id & (3 << 62) == WR_PUSH => {
+                    if let Some(n) = self.sending.get_mut((c.wr_id & 0xFFFF_FFFF) as usize) {
+                        *n = n.saturating_sub(1);
+                    }
+                }
+                WcOpcode::Read if c.wr_id == WR_READ => self.reads_done += 1,
+                _ => {}
+            }
+        }
+        Ok(k > 0)
+    }
+}
