@@ -84,8 +84,22 @@ impl Run {
     }
 
     /// Waits for a stderr line containing `text`.
-    fn wait_line(&mut self, text: &str) {
-        self.lines.line(text);
+    fn wait_line(&mut self, text: &str) -> String {
+        self.lines.line(text)
+    }
+
+    /// A stderr line containing `text`: one seen already, or the next.
+    fn seen_line(&mut self, text: &str) -> String {
+        match self.lines.text().lines().find(|l| l.contains(text)) {
+            Some(l) => l.to_string(),
+            None => self.wait_line(text),
+        }
+    }
+
+    /// The pid of server rank `rank` (from its "registered" line).
+    fn server_pid(&mut self, rank: u32) -> u32 {
+        let l = self.seen_line(&format!("eps server {rank}: registered (pid "));
+        l.rsplit("pid ").next().unwrap().trim_end_matches(')').parse().unwrap()
     }
 
     /// Waits for the end: success, stdout and every stderr line.
@@ -324,5 +338,70 @@ fn a_shard_whose_owner_and_backup_die_together_stops_the_run_naming_it() {
     assert_eq!(json(&out, "rollbacks"), "1", "{err}");
     assert_eq!(json(&out, "params_checksum"), expected, "{err}");
     std::fs::remove_dir_all(&dir).ok();
+    std::fs::remove_file(&spec).ok();
+}
+
+/// Servers added and removed in a job with replicas: shards that move keep
+/// their backups (or get new ones), and the run ends with the parameters of
+/// a static one.
+#[test]
+fn scale_events_with_two_replicas_end_bitwise_equal_to_a_static_run() {
+    let spec = spec_file("faults", "rep-scale");
+    let s = spec.to_str().unwrap();
+    let args = ["--spec", s, "--servers", "3", "--steps", "150"];
+    let expected = uninterrupted(&args);
+    // In: backups on the servers that leave go; out: moves to new servers;
+    // in again: some shards move to the server holding their backup.
+    let plan = ["--replicas", "2", "--scale-plan", "10:servers=2,50:servers=4,100:servers=2"];
+    let o: Output = eps().args(["train", "--json"]).args(args).args(plan).output().unwrap();
+    let (out, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(o.status.success(), "{err}");
+    assert_eq!(json(&out, "scale_events"), "3");
+    assert!(err.contains("no longer forwards to a backup") && err.contains("(a new backup, from version"), "{err}");
+    assert_eq!(json(&out, "params_checksum"), expected, "{err}");
+    std::fs::remove_file(&spec).ok();
+}
+
+/// A server killed while a shard moves to an added server, whichever it is
+/// (the move's source, its target, or the shard's backup), loses nothing:
+/// the backup, kept in step by both owners, holds every version served.
+#[test]
+fn a_server_killed_during_a_migration_with_two_replicas_loses_nothing() {
+    let spec = tmp("moving").with_extension("toml");
+    // Shards of 1 MiB: a move takes long enough to be killed in.
+    let text = SMALL_JOB.replace("shard_bytes = 65536", "shard_bytes = 1048576").replace("buckets = 16384", "buckets = 1048576");
+    std::fs::write(&spec, text).unwrap();
+    let s = spec.to_str().unwrap();
+    let args = ["--spec", s, "--servers", "3", "--steps", "120"];
+    let expected = uninterrupted(&args);
+    for victim in ["source", "target", "backup"] {
+        let mut run = Run::start(&[&args[..], &["--replicas", "2", "--scale-plan", "30:servers=4"]].concat());
+        // "eps server S: migrating shard N (...) to server T from version V"
+        let l = run.wait_line("migrating shard");
+        let num = |after: &str| -> u32 {
+            let rest = &l[l.find(after).unwrap() + after.len()..];
+            rest[..rest.find(|c: char| !c.is_ascii_digit()).unwrap()].parse().unwrap()
+        };
+        let (from, shard, to) = (num("eps server "), num("migrating shard "), num(") to server "));
+        let rank = match victim {
+            "source" => from,
+            "target" => to,
+            _ => {
+                // (Lines of several processes may interleave: the first
+                // that reads whole.)
+                let pat = format!(": shard {shard} is replicated on server ");
+                run.seen_line(&pat);
+                let text = run.lines.text();
+                let c = text.lines().filter_map(|l| l.split_once(pat.as_str())?.1.parse::<u32>().ok()).next();
+                c.expect("the shard's backup")
+            }
+        };
+        let pid = run.server_pid(rank);
+        kill(pid);
+        let (ok, out, err) = run.finish();
+        assert!(ok, "{victim} (server {rank}) killed while shard {shard} moved {from} -> {to}:\n{err}");
+        assert!(err.contains(&format!("server {rank} is lost")), "{err}");
+        assert_eq!(json(&out, "params_checksum"), expected, "{victim} killed:\n{err}");
+    }
     std::fs::remove_file(&spec).ok();
 }

@@ -58,9 +58,12 @@ impl<P: Fabric> Worker<P> {
         }
         // A "pull moved" it owed (for a push it answered "moved" before the
         // shard moved on) will not come.
-        for (sid, _) in self.owed.extract_if(.., |o| o.1 == server) {
-            self.outstanding[sid] = self.outstanding[sid].saturating_sub(1);
+        for &(sid, s) in &self.owed {
+            if s == server {
+                self.outstanding[sid] = self.outstanding[sid].saturating_sub(1);
+            }
         }
+        self.owed.retain(|o| o.1 != server);
         let t = self.iteration;
         for sid in self.round.clone() {
             // (Routed there, or pushed there with an older map.)
