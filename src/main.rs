@@ -491,9 +491,9 @@ enum BenchCmd {
     /// --pulls-per-step times, timing each pull. After --steady-steps the job
     /// scales to two servers and that shard migrates whole onto the new one
     /// (snapshot, forwarded updates,
-    /// cutover at an iteration boundary, release) while the pulls go on; every
-    /// --gap-steps after that it shrinks back to one (the shard moves home) or grows
-    /// again, --migrations times in all.
+    /// cutover at an iteration boundary, release) while the pulls go on; --gap-steps
+    /// after each migration finished it shrinks back to one (the shard moves home)
+    /// or grows again, --migrations times in all.
     ///
     /// Reports pulls_failed (must be 0), the pull latency p99 before the first
     /// migration and while any is in flight, the max during them, the median

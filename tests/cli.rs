@@ -216,8 +216,9 @@ fn migrate_bench_pulls_through_migrations_and_plots_them() {
     let last = out.lines().last().unwrap();
     assert_eq!(json_field(last, "pulls_failed"), 0.0, "{last}");
     assert_eq!(json_field(last, "migrations"), 3.0, "{last}");
-    // 10 + 2 x 6 + 6 steps, 4 timed pulls after each.
-    assert_eq!(json_field(last, "pulls"), 112.0, "{last}");
+    // 10 + 3 x (6 + 40) + 6 steps (each migration is given 40 for itself),
+    // 4 timed pulls after each.
+    assert_eq!(json_field(last, "pulls"), 616.0, "{last}");
     assert!(json_field(last, "steady_pulls") >= 30.0, "{last}");
     // The snapshot (1 MiB of f32 parameters + the version tail), and a forward
     // when the cutover is the iteration after the snapshot's.

@@ -39,7 +39,7 @@ pub struct MigrateBench {
     /// Migrations of the shard: odd ones onto a new server (scale to 2), even ones
     /// back (scale to 1).
     pub migrations: u32,
-    /// Steps between two scale events.
+    /// Steps from the end of one migration to the next scale event.
     pub gap_steps: u64,
     /// Steps after the last one.
     pub after_steps: u64,
@@ -229,7 +229,9 @@ pub fn run(cfg: &MigrateBench) -> Result<MigrateReport, MigrateError> {
     // Two shards of SHARD bytes: when the second server joins, moving shard 0
     // whole balances the bytes (no split), and it moves home when it leaves.
     let elements = cfg.shard_bytes / 4 * 2;
-    let steps = cfg.steady_steps + u64::from(cfg.migrations - 1) * cfg.gap_steps + cfg.after_steps;
+    // Each migration's own steps (a new server starting, the move) come on
+    // top of the gaps: room for them, whatever the step rate.
+    let steps = cfg.steady_steps + u64::from(cfg.migrations) * (cfg.gap_steps + MIGRATION_STEPS) + cfg.after_steps;
     let text = format!(
         "[job]\nname = \"migrate\"\nworkers = 1\nservers = 1\nsteps = {steps}\nshard_bytes = {}\n\
          [model]\ntensors = [{{ name = \"params\", elements = {elements} }}]\n[optimizer]\nkind = \"sgd\"\nlr = 0.0001\n",
@@ -315,7 +317,12 @@ pub fn run(cfg: &MigrateBench) -> Result<MigrateReport, MigrateError> {
     })
 }
 
-/// Runs the scale events: after `steady` steps and then every `gap` steps, grows
+/// Steps each migration is given in the job's length (a fast step rate makes
+/// a server's start alone last a dozen).
+const MIGRATION_STEPS: u64 = 40;
+
+/// Runs the scale events: after `steady` steps and then `gap` steps after the
+/// previous migration finished, grows
 /// the job to two servers (starting the new process through `spawn`) or shrinks it
 /// back to one, and follows each migration of shard 0 through the status every
 /// 2 ms until it is done, appending its phases to `out`.
@@ -328,8 +335,8 @@ fn follow(
     out: &mut Vec<Phases>,
 ) -> Result<(), String> {
     let mut ctl = ControlClient::connect(control, secret, Duration::from_secs(30)).map_err(|e| e.to_string())?;
+    let mut at = cfg.steady_steps;
     for k in 0..cfg.migrations {
-        let at = cfg.steady_steps + u64::from(k) * cfg.gap_steps;
         while step.load(Ordering::Acquire) < at {
             std::thread::sleep(Duration::from_millis(2));
         }
@@ -350,6 +357,7 @@ fn follow(
         );
         let requested_us = unix_us();
         out.push(Phases { requested_us, ..follow_one(&mut ctl, done_before, deadline)? });
+        at = step.load(Ordering::Acquire) + cfg.gap_steps;
     }
     Ok(())
 }

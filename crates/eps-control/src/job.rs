@@ -738,8 +738,10 @@ impl Job {
                 list.join(",")
             );
         }
-        let done = self.migrations.len() - self.migrations_in_flight();
-        let _ = writeln!(t, "migrations: {} in flight, {done} done", self.migrations_in_flight());
+        let done = self.migrations.iter().filter(|m| m.phase == Phase::Done).count();
+        let cancelled = self.migrations.iter().filter(|m| m.phase == Phase::Cancelled).count();
+        let _ = write!(t, "migrations: {} in flight, {done} done", self.migrations_in_flight());
+        let _ = if cancelled > 0 { writeln!(t, ", {cancelled} cancelled (a server at one end was lost)") } else { writeln!(t) };
         let _ = match &self.splitting {
             Some(o) => writeln!(t, "splits: {} done, shard {} splitting on server {}", self.splits, o.shard, o.owner),
             None => writeln!(t, "splits: {} done", self.splits),
