@@ -288,3 +288,6 @@ impl Job {
         &self.lost
     }
 }
+
+#[cfg(test)]
+mod tests;

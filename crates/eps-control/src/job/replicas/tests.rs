@@ -1,0 +1,132 @@
+//! The replica rules through a scale-in, record by record: moves keep a
+//! shard's backup unless it sits on the target or a leaving server, backups
+//! on a leaving server are dropped and rebuilt elsewhere, and a leaving
+//! server retires only once it keeps none.
+
+use eps_proto::JobSpec;
+use eps_proto::control::{ControlMsg, MigrationKeys, Order, Role, ShardEndpoint};
+
+use crate::job::Job;
+
+const SPEC: &str = "[job]\nworkers = 1\nservers = 3\nreplicas = 2\nshard_bytes = 4096\n\
+                    [model]\npreset = \"synthetic\"\nbuckets = 8192\n";
+
+fn ep(shard: u32, owner: u32) -> ShardEndpoint {
+    ShardEndpoint { shard, owner, landing: vec![(0, 0)], published_addr: 0, published_rkey: 0 }
+}
+
+const KEYS: MigrationKeys = MigrationKeys { state_addr: 1, state_rkey: 2, grad_addr: 3, grad_rkey: 4 };
+
+/// Orders issued since `mark`, with their servers.
+fn since(job: &Job, mark: u64) -> Vec<(u32, Order)> {
+    let (last, _) = job.orders_for(0, 0);
+    let mut out = Vec::new();
+    for r in 0..8 {
+        let (_, mine) = job.orders_for(r, mark);
+        out.extend(mine.into_iter().map(|o| (r, o)));
+    }
+    assert!(last >= mark);
+    out
+}
+
+#[test]
+fn a_scale_in_keeps_moved_shards_backed_up_and_rebuilds_backups_of_a_leaving_server() {
+    let spec = JobSpec::from_toml(SPEC).unwrap();
+    let layout = spec.layout().unwrap();
+    let mut job = Job::new(&spec, SPEC).unwrap();
+    for _ in 0..3 {
+        job.apply(&ControlMsg::Register { role: Role::Server, fabric_addr: String::new() }).unwrap();
+    }
+    for r in 0..3u32 {
+        let shards = layout.shards_of(r).map(|s| ep(s.id, r)).collect();
+        job.apply(&ControlMsg::ServerReady { rank: r, fabric_addr: format!("127.0.0.1:{}", 7000 + r), shards }).unwrap();
+    }
+    for r in 0..3u32 {
+        for s in layout.backups_of(r) {
+            job.apply(&ControlMsg::BackupReady { endpoint: ep(s.id, r), keys: KEYS }).unwrap();
+        }
+    }
+    let owner_of = |id: u32| layout.shards.iter().find(|s| s.id == id).unwrap().server;
+    let backup_of = |id: u32| layout.backup_server(owner_of(id));
+
+    let (mark, _) = job.orders_for(0, 0);
+    job.apply(&ControlMsg::Scale { servers: 2 }).unwrap();
+    let orders = since(&job, mark);
+    let (mut waiting, mut kept) = (Vec::new(), 0);
+    for s in layout.shards.iter() {
+        let (id, owner, backup) = (s.id, s.server, backup_of(s.id));
+        let stops = orders.iter().any(|(r, o)| *r == owner && *o == Order::Unreplicate { shard: id });
+        if owner == 2 {
+            // Moves: its backup goes along unless the target keeps it.
+            let to = orders.iter().find_map(|(r, o)| matches!(o, Order::MigrateIn { shard, .. } if *shard == id).then_some(*r));
+            match to {
+                Some(to) => {
+                    assert_ne!(to, backup, "shard {id}");
+                    let kept = Order::Replicate {
+                        shard: id,
+                        to: backup,
+                        to_addr: format!("127.0.0.1:{}", 7000 + backup),
+                        keys: KEYS,
+                        snapshot: false,
+                    };
+                    assert!(orders.contains(&(to, kept)), "shard {id}'s target forwards to its backup: {orders:?}");
+                    assert!(!stops, "shard {id}");
+                    kept += 1;
+                }
+                None => {
+                    assert!(stops, "shard {id} moves to its backup's server: the backup goes first: {orders:?}");
+                    waiting.push(id);
+                }
+            }
+        } else if backup == 2 {
+            assert!(stops, "shard {id}'s backup is on the leaving server: {orders:?}");
+            waiting.push(id);
+        } else {
+            assert!(!stops, "shard {id} keeps its backup");
+        }
+    }
+    // Both kinds of move happen: onto the server keeping the backup, and
+    // onto the other one.
+    assert!(kept > 0 && waiting.iter().any(|&id| owner_of(id) == 2), "{orders:?}");
+
+    // The owners stop forwarding: backups on the leaving server are dropped
+    // there and rebuilt on a server that stays; moves waiting for it start.
+    for &id in &waiting {
+        let (mark, _) = job.orders_for(0, 0);
+        job.apply(&ControlMsg::Unreplicated { shard: id, rank: owner_of(id) }).unwrap();
+        let orders = since(&job, mark);
+        assert!(orders.iter().any(|(r, o)| *r == backup_of(id) && *o == Order::DropBackup { shard: id }), "{orders:?}");
+        if owner_of(id) == 2 {
+            assert!(orders.iter().any(|(_, o)| matches!(o, Order::MigrateIn { shard, .. } if *shard == id)), "{orders:?}");
+        } else {
+            let rebuilt =
+                orders.iter().find_map(|(r, o)| matches!(o, Order::AddBackup { shard, .. } if *shard == id).then_some(*r));
+            assert!(rebuilt.is_some_and(|r| r != 2 && r != owner_of(id)), "shard {id}: {orders:?}");
+        }
+    }
+    assert!(job.status().contains("server 2: leaving"), "{}", job.status());
+
+    // The moves end; a moved shard whose backup went gets a new one.
+    for s in layout.shards_of(2) {
+        let id = s.id;
+        let all = since(&job, 0);
+        let to = all
+            .iter()
+            .rev()
+            .find_map(|(r, o)| matches!(o, Order::MigrateIn { shard, .. } if *shard == id).then_some(*r))
+            .unwrap();
+        job.apply(&ControlMsg::ShardReady { endpoint: ep(id, to), keys: KEYS }).unwrap();
+        job.apply(&ControlMsg::Cutover { shard: id, at: 1 }).unwrap();
+        let (mark, _) = job.orders_for(0, 0);
+        job.apply(&ControlMsg::Released { shard: id, bytes: 1, millis: 1 }).unwrap();
+        if waiting.contains(&id) {
+            let orders = since(&job, mark);
+            assert!(
+                orders.iter().any(|(r, o)| *r != 2 && matches!(o, Order::AddBackup { shard, .. } if *shard == id)),
+                "{orders:?}"
+            );
+        }
+    }
+    // Server 2 holds nothing and keeps no backup: it retires.
+    assert!(job.status().contains("server 2: retired"), "{}", job.status());
+}
