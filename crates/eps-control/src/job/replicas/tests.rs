@@ -62,14 +62,14 @@ fn a_scale_in_keeps_moved_shards_backed_up_and_rebuilds_backups_of_a_leaving_ser
             match to {
                 Some(to) => {
                     assert_ne!(to, backup, "shard {id}");
-                    let kept = Order::Replicate {
+                    let forward = Order::Replicate {
                         shard: id,
                         to: backup,
                         to_addr: format!("127.0.0.1:{}", 7000 + backup),
                         keys: KEYS,
                         snapshot: false,
                     };
-                    assert!(orders.contains(&(to, kept)), "shard {id}'s target forwards to its backup: {orders:?}");
+                    assert!(orders.contains(&(to, forward)), "shard {id}'s target forwards to its backup: {orders:?}");
                     assert!(!stops, "shard {id}");
                     kept += 1;
                 }
