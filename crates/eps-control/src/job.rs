@@ -709,6 +709,9 @@ impl Job {
         let ready = self.servers.iter().filter(|s| s.ready).count();
         let fs = self.servers.iter().filter(|s| s.finished).count();
         let _ = writeln!(t, "servers: {}/{} registered, {ready} ready, {fs} finished", self.servers.len(), self.server_slots);
+        if self.replicated() {
+            self.backups_status(&mut t);
+        }
         let load = self.map.bytes_per_server();
         for (r, s) in self.servers.iter().enumerate() {
             let shards = self.map.shards.iter().filter(|x| x.owner == r as u32).count()

@@ -278,6 +278,24 @@ impl Job {
         self.rebuild_backups();
     }
 
+    /// The status line on backups: how many shards one protects, and why the
+    /// others have none now.
+    pub(super) fn backups_status(&self, t: &mut String) {
+        use std::fmt::Write as _;
+        let n = self.map.shards.len();
+        let ids = || self.map.shards.iter().map(|s| s.id as usize);
+        let synced = ids().filter(|&i| self.backups[i].is_some() && !self.unsynced[i]).count();
+        let syncing = ids().filter(|&i| self.backups[i].is_some() && self.unsynced[i]).count();
+        let ordered = ids().filter(|&i| self.backups[i].is_none() && self.rebuilding[i].is_some()).count();
+        let moving =
+            ids().filter(|&i| self.backups[i].is_none() && self.rebuilding[i].is_none() && self.moving(i as u32)).count();
+        let _ = writeln!(
+            t,
+            "backups: {synced} of {n} shards protected, {syncing} receiving their snapshot, {ordered} ordered, {moving} to follow a move, {} none",
+            n - synced - syncing - ordered - moving
+        );
+    }
+
     /// Whether shards have backups (`job.replicas = 2`).
     pub fn replicated(&self) -> bool {
         self.replicas > 1

@@ -46,6 +46,8 @@ fn a_scale_in_keeps_moved_shards_backed_up_and_rebuilds_backups_of_a_leaving_ser
             job.apply(&ControlMsg::BackupReady { endpoint: ep(s.id, r), keys: KEYS }).unwrap();
         }
     }
+    let n = layout.shards.len();
+    assert!(job.status().contains(&format!("backups: {n} of {n} shards protected")), "{}", job.status());
     let owner_of = |id: u32| layout.shards.iter().find(|s| s.id == id).unwrap().server;
     let backup_of = |id: u32| layout.backup_server(owner_of(id));
 
@@ -127,6 +129,8 @@ fn a_scale_in_keeps_moved_shards_backed_up_and_rebuilds_backups_of_a_leaving_ser
             );
         }
     }
+    // Every shard is backed up again once the new backups report.
+    assert!(job.status().contains(&format!("backups: {} of {n} shards protected", n - waiting.len())), "{}", job.status());
     // Server 2 holds nothing and keeps no backup: it retires.
     assert!(job.status().contains("server 2: retired"), "{}", job.status());
 }
