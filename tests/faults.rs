@@ -104,9 +104,21 @@ impl Run {
 
     /// Waits for the end: success, stdout and every stderr line.
     fn finish(mut self) -> (bool, String, String) {
+        // Bounded: a run that hangs fails with its log.
+        let deadline = Instant::now() + Duration::from_secs(200);
+        let status = loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                break st;
+            }
+            if Instant::now() > deadline {
+                self.lines.rest(Duration::from_millis(200));
+                panic!("the run did not end in time; its log:\n{}", self.lines.text());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
         let mut out = String::new();
         std::io::Read::read_to_string(self.child.stdout.as_mut().unwrap(), &mut out).unwrap();
-        let ok = self.child.wait().unwrap().success();
+        let ok = status.success();
         self.lines.rest(Duration::from_secs(5));
         (ok, out, self.lines.text())
     }

@@ -182,8 +182,10 @@ fn ssp_and_asp_scale_events_apply_every_contribution_once() {
 fn bsp_worker_changes_equal_the_reference_with_the_same_contributor_sets() {
     use eps::train::task::{Sample, Task};
     for (dtype, opt) in [("f32", "adam"), ("bf16", "momentum")] {
+        // Room after the last event: a change takes effect some iterations
+        // after it is asked, many at a fast step rate.
         let text = SMALL
-            .replace("steps = 25", "steps = 60")
+            .replace("steps = 25", "steps = 120")
             .replace("kind = \"adam\"", &format!("kind = \"{opt}\""))
             .replace("[job]", &format!("[job]\ndtype = \"{dtype}\""));
         let spec = spec_file(&format!("workers-{dtype}"), &text);

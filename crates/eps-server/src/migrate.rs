@@ -308,6 +308,16 @@ impl<P: Fabric> Server<P> {
         let c = h.sync.contributors(membership, lost, version);
         let complete = h.sync.complete(&c).is_some() || !h.waiting.is_empty();
         let at = eps_proto::migrate::cutover_at(version, complete, c.len(), self.mem.dtype.size_bytes() as u64);
+        // Announced before anything changes here: a refusal (the control plane
+        // cancelled the move, its target lost) leaves the shard as it was.
+        // (Nothing else happens here meanwhile: this loop does one thing at a
+        // time.)
+        match self.ctl.call(&ControlMsg::Cutover { shard: id, at }) {
+            Ok(_) => {}
+            Err(eps_control::ControlError::Rejected(why)) => return self.abandon_move(id, &why),
+            Err(e) => return Err(e.into()),
+        }
+        let Some(h) = self.shards.get_mut(id as usize).and_then(Option::as_mut) else { return Ok(()) };
         // Pull requests waiting here for a version after the cutover go to the
         // target.
         let (held, waiting) = if at > version { (Vec::new(), h.sync.refuse_above(at)) } else { h.sync.evict() };
@@ -335,12 +345,6 @@ impl<P: Fabric> Server<P> {
             // Its pull request was here already: answered now, not when it comes.
             self.moved_pushes.remove(&(w, id));
             self.send_pull_moved(w, id, version as u16)?;
-        }
-        match self.ctl.call(&ControlMsg::Cutover { shard: id, at }) {
-            Ok(_) => {}
-            // The control plane cancelled the move (the target was lost).
-            Err(eps_control::ControlError::Rejected(why)) => return self.abandon_move(id, &why),
-            Err(e) => return Err(e.into()),
         }
         if action == Some(SourceAction::Release) {
             return self.release(id);
