@@ -99,7 +99,8 @@ impl Run {
     /// The pid of server rank `rank` (from its "registered" line).
     fn server_pid(&mut self, rank: u32) -> u32 {
         let l = self.seen_line(&format!("eps server {rank}: registered (pid "));
-        l.rsplit("pid ").next().unwrap().trim_end_matches(')').parse().unwrap()
+        let rest = l.rsplit("(pid ").next().unwrap();
+        rest[..rest.find(|c: char| !c.is_ascii_digit()).unwrap_or(rest.len())].parse().unwrap()
     }
 
     /// Waits for the end: success, stdout and every stderr line.
@@ -389,12 +390,18 @@ fn a_server_killed_during_a_migration_with_two_replicas_loses_nothing() {
     for victim in ["source", "target", "backup"] {
         let mut run = Run::start(&[&args[..], &["--replicas", "2", "--scale-plan", "30:servers=4"]].concat());
         // "eps server S: migrating shard N (...) to server T from version V"
-        let l = run.wait_line("migrating shard");
-        let num = |after: &str| -> u32 {
-            let rest = &l[l.find(after).unwrap() + after.len()..];
-            rest[..rest.find(|c: char| !c.is_ascii_digit()).unwrap()].parse().unwrap()
+        // (the first that reads whole: lines of several processes may
+        // interleave).
+        let (from, shard, to) = loop {
+            let l = run.wait_line("migrating shard");
+            let num = |after: &str| -> Option<u32> {
+                let rest = &l[l.find(after)? + after.len()..];
+                rest[..rest.find(|c: char| !c.is_ascii_digit())?].parse().ok()
+            };
+            if let (Some(f), Some(n), Some(t)) = (num("eps server "), num(": migrating shard "), num(") to server ")) {
+                break (f, n, t);
+            }
         };
-        let (from, shard, to) = (num("eps server "), num("migrating shard "), num(") to server "));
         let rank = match victim {
             "source" => from,
             "target" => to,
