@@ -151,7 +151,7 @@ fn bsp_scale_events_end_bitwise_equal_to_a_static_run() {
 /// servers (workers x steps x shards updates in all).
 #[test]
 fn ssp_and_asp_scale_events_apply_every_contribution_once() {
-    let spec = spec_file("async-scale", &SMALL.replace("steps = 25", "steps = 80"));
+    let spec = spec_file("async-scale", &SMALL.replace("steps = 25", "steps = 160"));
     for (mode, agg) in [("ssp", "cpu"), ("asp", "cpu"), ("asp", "host-device"), ("ssp", "host-direct")] {
         let o =
             train(&spec, &["--consistency", mode, "--scale-plan", "8:servers=2,30:servers=3,55:servers=1", "--aggregator", agg]);
@@ -166,8 +166,8 @@ fn ssp_and_asp_scale_events_apply_every_contribution_once() {
             .match_indices(" updates applied")
             .map(|(i, _)| log[..i].rsplit(|c: char| !c.is_ascii_digit()).next().unwrap().parse::<u64>().unwrap())
             .sum();
-        // 2 workers x 80 steps x 5 shards.
-        assert_eq!(updates, 2 * 80 * 5, "{mode}: contributions lost or applied twice; log:\n{log}");
+        // 2 workers x 160 steps x 5 shards.
+        assert_eq!(updates, 2 * 160 * 5, "{mode}: contributions lost or applied twice; log:\n{log}");
         let loss: f64 = json_str(&o, "final_loss").parse().unwrap();
         assert!(loss.is_finite() && loss < 0.69, "{mode}: loss {loss}");
     }

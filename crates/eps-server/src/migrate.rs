@@ -139,6 +139,23 @@ impl<P: Fabric> Server<P> {
         Ok((endpoint, keys))
     }
 
+    /// The connection shard `id` forwards to server `to` on (dialed on first
+    /// use), with a buffer to forward from; none if `to` cannot be reached
+    /// (`then` says what follows; the control plane declares `to` lost).
+    pub(crate) fn forward_conn(&mut self, id: u32, to: u32, addr: &str, then: &str) -> Result<Option<usize>, ServerError> {
+        let ci = match self.target_conn(to, addr) {
+            Ok(ci) => ci,
+            Err(e) => {
+                eprintln!("eps server {}: cannot reach server {to} for shard {id} ({e}); {then}", self.rank);
+                return Ok(None);
+            }
+        };
+        if self.mem.get(id).is_some_and(|b| b.grad.is_none()) {
+            self.mem.add_forward_buffer(id)?;
+        }
+        Ok(Some(ci))
+    }
+
     /// The connection to target server `to`, dialed on first use.
     pub(crate) fn target_conn(&mut self, to: u32, addr: &str) -> Result<usize, ServerError> {
         if let Some(&ci) = self.targets.get(&to)
@@ -184,20 +201,10 @@ impl<P: Fabric> Server<P> {
             }
         }
         let started = Instant::now();
-        let ci = match self.target_conn(to, addr) {
-            Ok(ci) => ci,
-            Err(e) => {
-                // Lost (the control plane cancels the move): the shard stays.
-                eprintln!(
-                    "eps server {}: cannot reach server {to} to move shard {id} there ({e}); the shard stays here",
-                    self.rank
-                );
-                return Ok(());
-            }
+        // Lost (the control plane cancels the move): the shard stays.
+        let Some(ci) = self.forward_conn(id, to, addr, "the move goes no further; the shard stays here")? else {
+            return Ok(());
         };
-        if self.mem.get(id).is_some_and(|b| b.grad.is_none()) {
-            self.mem.add_forward_buffer(id)?;
-        }
         // The snapshot is the host region: current from the device first.
         self.mem.to_host(id)?;
         self.mem.set_snapshot_version(id, v0, &clocks);

@@ -91,20 +91,7 @@ impl<P: Fabric> Server<P> {
             return Err(ServerError::Migration(format!("shard {id} left while its backup was replaced")));
         };
         let version = h.sync.version();
-        let ci = match self.target_conn(to, addr) {
-            Ok(ci) => ci,
-            Err(e) => {
-                // Lost (the control plane declares it so): no backup for now.
-                eprintln!(
-                    "eps server {}: cannot reach server {to} for shard {id}'s backup ({e}); the shard goes on without one",
-                    self.rank
-                );
-                return Ok(());
-            }
-        };
-        if self.mem.get(id).is_some_and(|b| b.grad.is_none()) {
-            self.mem.add_forward_buffer(id)?;
-        }
+        let Some(ci) = self.forward_conn(id, to, addr, "the shard goes on without a backup")? else { return Ok(()) };
         if snapshot {
             // Between updates (this loop does one thing at a time); none runs
             // until the WRITE is done (`snapshotting`).

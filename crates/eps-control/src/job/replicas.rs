@@ -146,10 +146,7 @@ impl Job {
             // shard is lost with its owner.
             let synced = !std::mem::take(&mut self.unsynced[sid]);
             if let Some((b, ep, _)) = self.backups[sid].take().filter(|_| synced) {
-                self.map.shards[k].owner = b;
-                self.endpoints[sid] = Some(ep);
-                self.previous[sid] = None;
-                self.order(b, Order::Promote { shard: id });
+                self.promote(id, b, ep);
             }
         }
         self.cancel_moves_of(rank);
@@ -159,6 +156,16 @@ impl Job {
         self.move_leftovers();
         self.balance_next()?;
         Ok(ControlMsg::Ok)
+    }
+
+    /// Shard `id`'s backup on server `b` (endpoint `ep`) owns it from now on.
+    fn promote(&mut self, id: u32, b: u32, ep: ShardEndpoint) {
+        if let Some(k) = self.map.index_of(id) {
+            self.map.shards[k].owner = b;
+        }
+        self.endpoints[id as usize] = Some(ep);
+        self.previous[id as usize] = None;
+        self.order(b, Order::Promote { shard: id });
     }
 
     /// Moves with lost server `rank` at one end stop. A source that keeps its
@@ -191,13 +198,7 @@ impl Job {
                     let sid = shard as usize;
                     let synced = !self.unsynced[sid];
                     match self.backups[sid].take().filter(|(c, _, _)| synced && *c != to && self.server_serving(*c)) {
-                        Some((c, ep, _)) => {
-                            if let Some(k) = self.map.index_of(shard) {
-                                self.map.shards[k].owner = c;
-                            }
-                            self.endpoints[sid] = Some(ep);
-                            self.order(c, Order::Promote { shard });
-                        }
+                        Some((c, ep, _)) => self.promote(shard, c, ep),
                         None => self.lost_moving.push((rank, shard)),
                     }
                     self.order(to, Order::DropBackup { shard });
