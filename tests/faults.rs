@@ -375,8 +375,8 @@ fn scale_events_with_two_replicas_end_bitwise_equal_to_a_static_run() {
     std::fs::remove_file(&spec).ok();
 }
 
-/// A server killed while a shard moves to an added server, the move's source
-/// or its target, loses nothing:
+/// A server killed while a shard moves to an added server, the move's source,
+/// its target or the shard's backup, loses nothing:
 /// the backup, kept in step by both owners, holds every version served.
 #[test]
 fn a_server_killed_during_a_migration_with_two_replicas_loses_nothing() {
@@ -387,10 +387,7 @@ fn a_server_killed_during_a_migration_with_two_replicas_loses_nothing() {
     let s = spec.to_str().unwrap();
     let args = ["--spec", s, "--servers", "3", "--steps", "120"];
     let expected = uninterrupted(&args);
-    // (The shard's backup as the victim is left out for now: a run of it
-    // hung once in about ten, the source abandoning a move to a live target
-    // when the backup's connection failed; see the note.)
-    for victim in ["source", "target"] {
+    for victim in ["source", "target", "backup"] {
         let mut run = Run::start(&[&args[..], &["--replicas", "2", "--scale-plan", "30:servers=4"]].concat());
         // "eps server S: migrating shard N (...) to server T from version V"
         // (the first that reads whole: lines of several processes may
