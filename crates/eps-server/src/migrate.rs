@@ -277,13 +277,13 @@ impl<P: Fabric> Server<P> {
         self.drain(id)
     }
 
-    /// The connection `ci` failed: moves to its server stop.
-    pub(crate) fn moves_conn_lost(&mut self, ci: usize) -> Result<(), ServerError> {
+    /// The connection `ci` failed (`why`): moves to its server stop.
+    pub(crate) fn moves_conn_lost(&mut self, ci: usize, why: &str) -> Result<(), ServerError> {
         let ids: Vec<u32> = (0..self.shards.len() as u32)
             .filter(|&id| self.shards[id as usize].as_ref().and_then(|h| h.out.as_ref()).is_some_and(|o| o.ci == ci))
             .collect();
         for id in ids {
-            self.abandon_move(id, "its connection failed")?;
+            self.abandon_move(id, &format!("its connection failed: {why}"))?;
         }
         Ok(())
     }
@@ -371,7 +371,9 @@ impl<P: Fabric> Server<P> {
             let g = b.grad.as_ref().ok_or_else(|| ServerError::Migration("no gradient buffer".into()))?;
             let imm = Imm { kind: ImmKind::Forward, shard: id, seq: version as u16 }.encode();
             let remote = RemoteAddr { addr: out.keys.grad_addr, rkey: out.keys.grad_rkey };
-            let whole = [Sge::whole(g)];
+            // One shard's gradient: a promoted backup's buffer has two halves,
+            // and the target's holds one.
+            let whole = [Sge::new(g, 0, (b.len * 4) as u32)];
             let wr = SendWr {
                 wr_id: WR_MIGRATE | WR_FORWARD | u64::from(id),
                 op: SendOp::WriteImm(remote, imm),
@@ -381,7 +383,7 @@ impl<P: Fabric> Server<P> {
             self.conns[out.ci].post(&wr)?;
             out.forward_busy = true;
             out.last_forward = version;
-            out.bytes += if carry { 0 } else { g.len() as u64 };
+            out.bytes += if carry { 0 } else { b.len * 4 };
         }
         if let (Pending::Forward { worker, .. }, Some((_, Some(ci)))) = (p, h.incoming) {
             // (Unless a backup acknowledged it on arrival.)

@@ -80,10 +80,11 @@ impl<P: Fabric> Server<P> {
         let b = self.mem.get(id).ok_or_else(|| ServerError::Migration("shard memory vanished".into()))?;
         let g = b.grad.as_ref().ok_or_else(|| ServerError::Migration("no gradient buffer".into()))?;
         let imm = Imm { kind: ImmKind::Forward, shard: id, seq: w as u16 }.encode();
-        let sg = [Sge::whole(g)];
+        // One shard's gradient (see `after_apply`).
+        let sg = [Sge::new(g, 0, (b.len * 4) as u32)];
         let wr =
             SendWr { wr_id: WR_MIGRATE | WR_FORWARD | u64::from(id), op: SendOp::WriteImm(remote, imm), sg: &sg, signaled: true };
-        let bytes = g.len() as u64;
+        let bytes = b.len * 4;
         self.conns[ci].post(&wr)?;
         if let Some(out) = self.held_mut(id).and_then(|h| h.out.as_mut()) {
             out.forward_busy = true;

@@ -170,7 +170,7 @@ impl<P: Fabric> Server<P> {
                 self.on_send_done(c.wr_id, false)?;
             }
             self.drop_conn(ci);
-            self.moves_conn_lost(ci)?;
+            self.moves_conn_lost(ci, &format!("{:?} on request {:#x}", c.status, c.wr_id))?;
             return self.replica_conn_lost(ci, c.status, c.wr_id);
         }
         match c.opcode {
