@@ -227,6 +227,9 @@ pub(crate) struct Held {
     split: Option<split::SplitOrder>,
     /// Its part in replication (`job.replicas = 2`).
     replica: Option<replica::Replica>,
+    /// A new backup (`Order::Replicate` with a snapshot) ordered while the
+    /// shard still arrives here: started once it caught up.
+    new_backup: Option<eps_proto::control::Order>,
 }
 
 pub(crate) struct Server<P: Fabric> {
@@ -413,6 +416,7 @@ pub fn run_direct<P: Fabric>(
             incoming: backup_of.map(|p| (p, None)),
             split: None,
             replica: backup_of.map(|primary| replica::Replica::Backup { primary, snapshot: false, acked: 0 }),
+            new_backup: None,
         });
     }
     let es = layout.dtype.size_bytes() as u64;

@@ -115,7 +115,7 @@ impl<P: Fabric> Server<P> {
         self.mem.add(id, start, len, Origin::Incoming)?;
         let sync = ShardSync::incoming(self.mode, self.ranks, 0);
         self.shards[id as usize] =
-            Some(Held { sync, waiting: Default::default(), out: None, incoming: Some((from, None)), split: None, replica: None });
+            Some(Held { sync, waiting: Default::default(), out: None, incoming: Some((from, None)), split: None, replica: None, new_backup: None });
         let (endpoint, keys) = self.writable_by_peer(id)?;
         let bytes = self.mem.get(id).map_or(0, |b| b.bytes);
         eprintln!("eps server {}: receiving shard {id} ({bytes} bytes) from server {from}", self.rank);
@@ -489,6 +489,7 @@ impl<P: Fabric> Server<P> {
                     // The source cut over at the snapshot's version: we aggregate
                     // from here on.
                     h.sync.caught_up();
+                    self.start_new_backup(id)?;
                     return self.try_complete(id);
                 }
                 if len == 0 && queued == 0 && !h.sync.catching_up() && (h.sync.floor()..h.sync.version()).contains(&version) {

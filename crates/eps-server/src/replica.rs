@@ -79,6 +79,13 @@ impl<P: Fabric> Server<P> {
         let Some(h) = self.held_mut(id) else {
             return Err(ServerError::Migration(format!("ordered to replicate shard {id}, which is not here")));
         };
+        if snapshot && (matches!(h.incoming, Some((_, None))) || h.sync.catching_up()) {
+            // A move's target ordered a new backup once the move's source let
+            // go: the snapshot waits for the shard's own state (see
+            // `start_new_backup`).
+            h.new_backup = Some(Order::Replicate { shard: id, to, to_addr: addr.to_string(), keys, snapshot });
+            return Ok(());
+        }
         let old = h.replica.take();
         let promoted = matches!(old, Some(Replica::Promoted | Replica::Primary { promoted: true, .. }));
         if let Some(Replica::Primary { waiting: Some(d), .. }) = old {
@@ -216,6 +223,7 @@ impl<P: Fabric> Server<P> {
             incoming: Some((from, None)),
             split: None,
             replica: Some(Replica::Backup { primary: from, snapshot: true, acked: 0 }),
+            new_backup: None,
         });
         eprintln!("eps server {}: keeping a new backup of shard {id} (owner: server {from})", self.rank);
         self.report_backup(id)
@@ -234,6 +242,19 @@ impl<P: Fabric> Server<P> {
         match h.and_then(|h| h.replica.as_ref()) {
             Some(Replica::Primary { waiting, snapshotting, .. }) => waiting.is_some() || *snapshotting,
             _ => false,
+        }
+    }
+
+    /// Orders shard `id` the new backup it was given while it still arrived,
+    /// once it has caught up.
+    pub(crate) fn start_new_backup(&mut self, id: u32) -> Result<(), ServerError> {
+        let Some(h) = self.held_mut(id) else { return Ok(()) };
+        if h.new_backup.is_none() || matches!(h.incoming, Some((_, None))) || h.sync.catching_up() {
+            return Ok(());
+        }
+        match h.new_backup.take() {
+            Some(o) => self.on_order(o),
+            None => Ok(()),
         }
     }
 

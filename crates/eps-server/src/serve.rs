@@ -345,6 +345,7 @@ impl<P: Fabric> Server<P> {
 
     /// Applies parked updates while the shard is free.
     pub(crate) fn drain(&mut self, id: u32) -> Result<(), ServerError> {
+        self.start_new_backup(id)?;
         loop {
             let replica_busy = self.replica_busy(id);
             let Some(h) = self.shards[id as usize].as_mut() else { return Ok(()) };

@@ -75,7 +75,7 @@ impl<P: Fabric> Server<P> {
         for p in [o.lo, o.hi] {
             let sync = ShardSync::at_version(self.mode, self.ranks, v);
             self.shards[p as usize] =
-                Some(Held { sync, waiting: VecDeque::new(), out: None, incoming: None, split: None, replica: None });
+                Some(Held { sync, waiting: VecDeque::new(), out: None, incoming: None, split: None, replica: None, new_backup: None });
         }
         let Some(mut parent) = self.shards[id as usize].take() else { return Ok(()) };
         if let Some(b) = self.mem.remove(id) {
