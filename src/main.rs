@@ -78,6 +78,18 @@ enum Cmd {
     /// of the jobs run to completion, makespan, utilization, rescales, the
     /// longest queue wait. `eps sim generate` writes synthetic traces.
     Sim(eps::sim::SimArgs),
+    /// Train a local job with backups under faults for a few minutes, and
+    /// check that nothing was lost.
+    ///
+    /// 8 workers and 4 servers with `replicas = 2` train while, every few
+    /// seconds, a server is killed (and replaced), the servers scale out or
+    /// in, a server or a worker stops for less than its lease, or the control
+    /// plane is killed. Then the same steps run without faults. Reports
+    /// errors, faults and recoveries, lost updates (parameter chunks whose
+    /// bits differ from the fault-free run), resident-memory growth and
+    /// push_pull latency; exits non-zero unless errors and lost updates are 0
+    /// and memory grew 10% at most.
+    Soak(eps::soak::SoakArgs),
     /// The multi-job scheduler on this machine.
     #[command(subcommand)]
     Sched(SchedCmd),
@@ -189,6 +201,14 @@ enum Cmd {
         /// sample of the batch (an accelerator's time, slept).
         #[arg(long, hide = true, default_value_t = 0.0)]
         compute_ms_per_sample: f64,
+        /// (internal) Print push_pull latencies every this many milliseconds
+        /// (`eps soak`).
+        #[arg(long, hide = true, default_value_t = 0)]
+        latency_every_ms: u64,
+        /// (internal) Report a digest per shard_bytes of the final parameters
+        /// (`eps soak`).
+        #[arg(long, hide = true)]
+        chunk_digests: bool,
         /// (internal) Time this many push_pull iterations instead of training.
         #[arg(long, hide = true)]
         bench_iters: Option<u64>,
@@ -844,6 +864,7 @@ fn main() -> ExitCode {
         Cmd::Train(a) => train(a),
         Cmd::Up(a) => eps::up::run(a),
         Cmd::Sim(a) => eps::sim::run(a),
+        Cmd::Soak(a) => eps::soak::run(a),
         Cmd::Sched(SchedCmd::Calibrate(a)) => eps::calibrate::run(a),
         Cmd::Sched(SchedCmd::Run(a)) => eps::live::cli::run(a),
         Cmd::Sched(SchedCmd::Serve(a)) => eps::live::serve::serve(a),
@@ -883,6 +904,8 @@ fn main() -> ExitCode {
             timeout,
             until_samples,
             compute_ms_per_sample,
+            latency_every_ms,
+            chunk_digests,
             bench_iters,
             bench_migrate,
             exit_with_parent,
@@ -895,7 +918,13 @@ fn main() -> ExitCode {
                 (_, Some(pulls_per_step)) => WorkerBench::Migrate { pulls_per_step },
                 _ => WorkerBench::None,
             };
-            let pace = eps::train::worker::Pace { every: progress_every.max(1), until_samples, compute_ms_per_sample };
+            let pace = eps::train::worker::Pace {
+                every: progress_every.max(1),
+                until_samples,
+                compute_ms_per_sample,
+                latency_every_ms,
+                chunk_digests,
+            };
             if compute_ms_per_sample.is_finite() && compute_ms_per_sample >= 0.0 {
                 eps::roles::worker(control, pace, bench, Duration::from_secs(timeout.max(1)), &fabric)
             } else {

@@ -71,6 +71,41 @@ pub struct LocalCluster {
     server_ranks: Vec<(String, Arc<std::sync::OnceLock<u32>>)>,
     /// Shards have backups: a server that dies does not stop the job.
     replicated: bool,
+    /// The processes running now, for whoever watches or injects faults.
+    procs: Processes,
+}
+
+/// One running process of a local cluster.
+#[derive(Clone, Debug)]
+pub struct Proc {
+    /// `control plane`, `server process N` or `worker process N`.
+    pub name: String,
+    pub pid: u32,
+    /// A server's rank, once it registered.
+    pub rank: Option<u32>,
+}
+
+/// The processes of a local cluster running now (shared: the cluster adds
+/// those it starts and removes those that exited).
+#[derive(Clone, Debug, Default)]
+pub struct Processes(Arc<std::sync::Mutex<Vec<(String, u32, Option<Arc<std::sync::OnceLock<u32>>>)>>>);
+
+impl Processes {
+    fn add(&self, name: &str, pid: u32, rank: Option<Arc<std::sync::OnceLock<u32>>>) {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).push((name.to_string(), pid, rank));
+    }
+
+    fn remove(&self, pid: u32) {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).retain(|p| p.1 != pid);
+    }
+
+    /// The processes running now.
+    pub fn list(&self) -> Vec<Proc> {
+        let l = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        l.iter()
+            .map(|(name, pid, r)| Proc { name: name.clone(), pid: *pid, rank: r.as_ref().and_then(|r| r.get().copied()) })
+            .collect()
+    }
 }
 
 /// The control plane's name among the children.
@@ -168,6 +203,7 @@ impl LocalCluster {
             control_restarts: 0,
             server_ranks: Vec::new(),
             replicated: false,
+            procs: Processes::default(),
         };
         let state = dir.join("state");
         let ctl_args = [
@@ -249,6 +285,7 @@ impl LocalCluster {
             .spawn()
             .map_err(|source| TrainError::Spawn { what: "the control plane".into(), source })?;
         let out = control.stdout.take().expect("piped");
+        self.procs.add(CONTROL, control.id(), None);
         self.children.push((CONTROL.into(), control));
         let mut line = String::new();
         BufReader::new(out).read_line(&mut line).map_err(|e| TrainError::Child(format!("control plane: {e}")))?;
@@ -270,6 +307,7 @@ impl LocalCluster {
                 let _ = tx.send(l);
             }
         }));
+        self.procs.add(&name, c.id(), None);
         self.children.push((name, c));
         self.workers_started += 1;
         Ok(())
@@ -292,6 +330,11 @@ impl LocalCluster {
     /// process of the cluster and return [`TrainError::Stopped`].
     pub fn stop_handle(&self) -> Arc<AtomicBool> {
         self.stop.clone()
+    }
+
+    /// The processes running now (kept up to date while the cluster runs).
+    pub fn processes(&self) -> Processes {
+        self.procs.clone()
     }
 
     /// The control plane's address.
@@ -325,6 +368,7 @@ impl LocalCluster {
                 }
             }
         });
+        self.procs.add(&name, c.id(), Some(rank.clone()));
         self.server_ranks.push((name.clone(), rank));
         self.children.push((name, c));
         self.servers_started += 1;
@@ -392,7 +436,12 @@ impl LocalCluster {
             let mut gone = Vec::new();
             let mut lost_servers = 0;
             for (i, (name, c)) in self.children.iter_mut().enumerate() {
-                match c.try_wait() {
+                let exited = c.try_wait();
+                if let Ok(Some(_)) = exited {
+                    // Reaped: its pid may be reused from now on.
+                    self.procs.remove(c.id());
+                }
+                match exited {
                     Ok(None) => running += 1,
                     Ok(Some(st)) if !st.success() && tolerant && name.starts_with("worker") => {
                         eprintln!(

@@ -57,13 +57,64 @@ pub struct Pace {
     /// of the worker's batch (the rest of the time slept): an accelerator's
     /// compute time, for the scheduler's live runs.
     pub compute_ms_per_sample: f64,
+    /// Every this many milliseconds (0: never), an `EPS_LAT` line with the
+    /// push_pull latencies of the interval (`eps soak` plots them).
+    pub latency_every_ms: u64,
+    /// The evaluating rank's `EPS_DONE` adds a digest per `shard_bytes` of
+    /// parameters (`eps soak` compares them with a fault-free run's).
+    pub chunk_digests: bool,
 }
 
 impl Pace {
     /// Progress every `every` steps, no other pacing.
     pub fn every(every: u64) -> Self {
-        Self { every, until_samples: None, compute_ms_per_sample: 0.0 }
+        Self { every, until_samples: None, compute_ms_per_sample: 0.0, latency_every_ms: 0, chunk_digests: false }
     }
+}
+
+/// Push_pull latencies in microseconds: the whole run's, and those since the
+/// last `EPS_LAT` line.
+struct Latency {
+    all: hdrhistogram::Histogram<u64>,
+    recent: hdrhistogram::Histogram<u64>,
+    every: Option<std::time::Duration>,
+    last: Instant,
+}
+
+impl Latency {
+    fn new(every_ms: u64) -> Self {
+        // 1 us to 10 min, 2 significant digits.
+        let h = || hdrhistogram::Histogram::new_with_bounds(1, 600_000_000, 2).expect("valid histogram bounds");
+        let every = (every_ms > 0).then(|| std::time::Duration::from_millis(every_ms));
+        Self { all: h(), recent: h(), every, last: Instant::now() }
+    }
+
+    fn record(&mut self, rank: u32, took: std::time::Duration, since_start: f64) {
+        let us = (took.as_micros() as u64).clamp(1, 600_000_000);
+        self.all.saturating_record(us);
+        let Some(every) = self.every else { return };
+        self.recent.saturating_record(us);
+        if self.last.elapsed() >= every {
+            let r = &self.recent;
+            println!(
+                "EPS_LAT rank={rank} t_s={since_start:.3} n={} p50_us={} p99_us={} max_us={}",
+                r.len(),
+                r.value_at_quantile(0.5),
+                r.value_at_quantile(0.99),
+                r.max()
+            );
+            self.recent.reset();
+            self.last = Instant::now();
+        }
+    }
+}
+
+/// SHA-256 (first 4 bytes, hex) of each `chunk`-byte piece of `bytes`, joined
+/// by commas: which parts of two runs' parameters differ.
+pub fn chunk_digests(bytes: &[u8], chunk: usize) -> String {
+    let d: Vec<String> =
+        bytes.chunks(chunk.max(1)).map(|c| Sha256::digest(c)[..4].iter().map(|b| format!("{b:02x}")).collect()).collect();
+    d.join(",")
 }
 
 /// Joins the job and trains; prints `EPS_PROGRESS` lines every `pace.every`
@@ -90,6 +141,7 @@ pub fn run<P: eps_fabric::Fabric>(mut w: Worker<P>, pace: Pace) -> Result<(), Tr
     let mut trained = 0u64;
     let scale = 1.0 / batch as f32;
     let mut left = false;
+    let mut lat = Latency::new(pace.latency_every_ms);
     let job_done = |w: &Worker<P>| {
         let it = w.iteration();
         it >= spec.job.steps || pace.until_samples.is_some_and(|n| w.membership().samples_before(it, batch) >= n)
@@ -126,7 +178,9 @@ pub fn run<P: eps_fabric::Fabric>(mut w: Worker<P>, pace: Pace) -> Result<(), Tr
         if let Some(rest) = compute.checked_sub(step_start.elapsed()) {
             std::thread::sleep(rest);
         }
+        let pp = Instant::now();
         w.push_pull()?;
+        lat.record(rank, pp.elapsed(), start.elapsed().as_secs_f64());
         // The lowest-ranked contributor reports (rank 0 unless it left or died).
         if w.membership().contributors(step).first() == Some(&rank) && (step + 1) % every == 0 {
             let st = w.stats();
@@ -148,12 +202,15 @@ pub fn run<P: eps_fabric::Fabric>(mut w: Worker<P>, pace: Pace) -> Result<(), Tr
     let elapsed = start.elapsed().as_secs_f64();
     let st = w.stats();
     let mut line = format!(
-        "EPS_DONE rank={rank} steps={} first_step={first_step} left={} samples={trained} elapsed_s={elapsed:.4} pushed={} pulled={} comm_s={:.4}",
+        "EPS_DONE rank={rank} steps={} first_step={first_step} left={} samples={trained} elapsed_s={elapsed:.4} pushed={} pulled={} comm_s={:.4} lat_p50_us={} lat_p99_us={} lat_max_us={}",
         w.iteration() - first_step,
         u8::from(left),
         st.pushed_bytes,
         st.pulled_bytes,
-        st.comm.as_secs_f64()
+        st.comm.as_secs_f64(),
+        lat.all.value_at_quantile(0.5),
+        lat.all.value_at_quantile(0.99),
+        lat.all.max()
     );
     if left {
         eprintln!("eps worker {rank}: left the job at iteration {} (scaled away)", w.iteration());
@@ -176,6 +233,9 @@ pub fn run<P: eps_fabric::Fabric>(mut w: Worker<P>, pace: Pace) -> Result<(), Tr
             loss / 2_000.0,
             checksum(w.params_bytes())
         );
+        if pace.chunk_digests {
+            line += &format!(" chunk_digests={}", chunk_digests(w.params_bytes(), spec.job.shard_bytes as usize));
+        }
     }
     println!("{line}");
     w.finish()?;

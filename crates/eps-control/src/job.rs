@@ -61,6 +61,8 @@ pub struct Migration {
     /// release (once every worker routes with that epoch).
     cut_epoch: u64,
     release_ordered: bool,
+    /// Done, and the source told it may free the shard's landing slots.
+    landing_freed: bool,
 }
 
 impl Migration {
@@ -323,6 +325,27 @@ impl Job {
         }
         self.release_async();
         self.retire_drained();
+        self.free_landings();
+    }
+
+    /// Sources of moves done that no worker routes to for the shard any more
+    /// may free its landing slots (kept for pushes routed by older maps).
+    fn free_landings(&mut self) {
+        for i in 0..self.migrations.len() {
+            let m = &self.migrations[i];
+            if m.phase != Phase::Done || m.landing_freed {
+                continue;
+            }
+            let cut = m.cut_epoch;
+            if (0..self.adopted.len()).any(|w| self.w.routes(w as u32) && self.adopted[w] < cut) {
+                continue;
+            }
+            self.migrations[i].landing_freed = true;
+            let (from, shard) = (self.migrations[i].from, self.migrations[i].shard);
+            if self.servers.get(from as usize).is_some_and(|s| !s.retired) {
+                self.order(from, Order::FreeLanding { shard });
+            }
+        }
     }
 
     /// A worker reports its progress: the first iteration it has not begun.
@@ -467,6 +490,7 @@ impl Job {
                 (mg.phase, mg.bytes, mg.millis) = (Phase::Done, *bytes, *millis);
                 self.previous[*shard as usize] = None;
                 self.retire_drained();
+                self.free_landings();
                 self.balance_next()?;
                 // The moved shard's new backup.
                 self.rebuild_backups();
@@ -594,6 +618,7 @@ impl Job {
                 millis: 0,
                 target: None,
                 cut_epoch: 0,
+                landing_freed: false,
                 release_ordered: false,
             });
             if !waits {

@@ -270,7 +270,9 @@ pub(crate) struct Server<P: Fabric> {
     lost: Vec<(u32, u64)>,
     /// Landing regions of released shards, kept so that a push routed with an old
     /// epoch still lands in bounds and is answered "moved".
-    retained: Vec<Vec<P::Mr>>,
+    /// The shard moved away, for the slots of a completed move (freed when
+    /// every worker routes by a newer map: `Order::FreeLanding`).
+    retained: Vec<(Option<u32>, Vec<P::Mr>)>,
     /// Moves ordered while their shard's backup had not acknowledged its last
     /// update: started once it has (see `replica.rs`).
     parked_moves: Vec<eps_proto::control::Order>,

@@ -97,6 +97,14 @@ impl<P: Fabric> Server<P> {
             Order::Promote { shard } => self.on_promote(shard),
             Order::Unreplicate { shard } => self.on_unreplicate(shard),
             Order::DropBackup { shard } => self.on_drop_backup(shard),
+            Order::FreeLanding { shard } => {
+                // The oldest move away: orders come in order, and a later
+                // move of the shard away from here comes after this one.
+                if let Some(k) = self.retained.iter().position(|(s, _)| *s == Some(shard)) {
+                    self.retained.remove(k);
+                }
+                Ok(())
+            }
         }
     }
 
@@ -114,8 +122,15 @@ impl<P: Fabric> Server<P> {
         self.spans[id as usize] = (start, len);
         self.mem.add(id, start, len, Origin::Incoming)?;
         let sync = ShardSync::incoming(self.mode, self.ranks, 0);
-        self.shards[id as usize] =
-            Some(Held { sync, waiting: Default::default(), out: None, incoming: Some((from, None)), split: None, replica: None, new_backup: None });
+        self.shards[id as usize] = Some(Held {
+            sync,
+            waiting: Default::default(),
+            out: None,
+            incoming: Some((from, None)),
+            split: None,
+            replica: None,
+            new_backup: None,
+        });
         let (endpoint, keys) = self.writable_by_peer(id)?;
         let bytes = self.mem.get(id).map_or(0, |b| b.bytes);
         eprintln!("eps server {}: receiving shard {id} ({bytes} bytes) from server {from}", self.rank);
@@ -267,7 +282,7 @@ impl<P: Fabric> Server<P> {
             eprintln!("eps server {rank}: the move of shard {id} to server {to} failed after its cutover ({why}); dropped here");
             self.shards[id as usize] = None;
             if let Some(b) = self.mem.remove(id) {
-                self.retained.push(b.landing);
+                self.retained.push((None, b.landing));
             }
             return Ok(());
         }
@@ -558,7 +573,7 @@ impl<P: Fabric> Server<P> {
         let Some(h) = self.shards[id as usize].take() else { return Ok(()) };
         let Some(out) = h.out else { return Ok(()) };
         if let Some(b) = self.mem.remove(id) {
-            self.retained.push(b.landing);
+            self.retained.push((Some(id), b.landing));
         }
         let secs = out.started.elapsed().as_secs_f64();
         let setup = out.snapshot_posted.duration_since(out.started).as_secs_f64();

@@ -173,7 +173,7 @@ impl<P: Fabric> Server<P> {
     pub(crate) fn on_drop_backup(&mut self, id: u32) -> Result<(), ServerError> {
         let Some(mut h) = self.shards.get_mut(id as usize).and_then(Option::take) else { return Ok(()) };
         if let Some(b) = self.mem.remove(id) {
-            self.retained.push(b.landing);
+            self.retained.push((None, b.landing));
         }
         if !matches!(h.replica, Some(Replica::Backup { .. })) {
             // Workers may have pushed here, or wait for a pull: they are sent

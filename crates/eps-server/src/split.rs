@@ -74,12 +74,19 @@ impl<P: Fabric> Server<P> {
         self.spans[o.hi as usize] = (o.mid, start + len - o.mid);
         for p in [o.lo, o.hi] {
             let sync = ShardSync::at_version(self.mode, self.ranks, v);
-            self.shards[p as usize] =
-                Some(Held { sync, waiting: VecDeque::new(), out: None, incoming: None, split: None, replica: None, new_backup: None });
+            self.shards[p as usize] = Some(Held {
+                sync,
+                waiting: VecDeque::new(),
+                out: None,
+                incoming: None,
+                split: None,
+                replica: None,
+                new_backup: None,
+            });
         }
         let Some(mut parent) = self.shards[id as usize].take() else { return Ok(()) };
         if let Some(b) = self.mem.remove(id) {
-            self.retained.push(b.landing);
+            self.retained.push((None, b.landing));
         }
         let (held, waiting) = parent.sync.evict();
         for w in held {

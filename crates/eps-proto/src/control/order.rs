@@ -115,6 +115,13 @@ pub enum Order {
         /// Global shard id.
         shard: u32,
     },
+    /// Every worker routes by a map in which `shard` left this server (by its
+    /// oldest move away still remembered here): the landing slots kept for
+    /// pushes routed by an older map can go.
+    FreeLanding {
+        /// Global shard id.
+        shard: u32,
+    },
     /// Save every shard held here when it publishes `version` (BSP), into
     /// directory `dir`; report each as `Saved` (or missed: its version is past).
     Checkpoint {
@@ -191,6 +198,10 @@ impl W {
                 self.u8(13);
                 self.u32(*shard);
             }
+            Order::FreeLanding { shard } => {
+                self.u8(14);
+                self.u32(*shard);
+            }
             Order::Checkpoint { version, dir } => {
                 self.u8(8);
                 self.u64(*version);
@@ -226,6 +237,7 @@ impl R<'_> {
             10 => Order::Promote { shard: self.u32()? },
             12 => Order::Unreplicate { shard: self.u32()? },
             13 => Order::DropBackup { shard: self.u32()? },
+            14 => Order::FreeLanding { shard: self.u32()? },
             t => return Err(DecodeError::Tag(t)),
         })
     }

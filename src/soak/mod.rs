@@ -1,0 +1,498 @@
+//! `eps soak`: a local elastic job with backups (8 workers, 4 servers,
+//! `replicas = 2`, BSP) trains under a stream of faults for a few minutes
+//! (see [`faults`]), then the same steps run again without faults. The
+//! verdict:
+//!
+//! - `errors`: faults the job did not recover from, processes that failed;
+//! - `lost_updates`: parameter chunks (`shard_bytes` each) whose final bits
+//!   differ from the fault-free run's. In BSP every version of a chunk
+//!   depends on the one before, so one update lost or applied twice anywhere
+//!   leaves its chunk different at the end;
+//! - `rss_growth_ratio`: per role (control plane, servers, workers), the
+//!   summed resident memory at the end against the same after warm-up, with
+//!   as many servers; the largest;
+//! - push_pull latency: each worker's whole-run p50 and p99.
+
+pub mod faults;
+mod plot;
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use eps_proto::JobSpec;
+
+use crate::bench::json::Json;
+use crate::train::cluster::{Processes, soft_args};
+use crate::train::{LocalCluster, Overrides, build_spec_or, field, num};
+
+/// The job the soak trains (workers, servers and steps are set per run).
+pub const SOAK_SPEC: &str = r#"
+[job]
+name = "soak"
+workers = 8
+servers = 4
+steps = 100
+consistency = "bsp"
+batch = 64
+seed = 7
+shard_bytes = 131072
+replicas = 2
+
+[model]
+preset = "synthetic"
+buckets = 131072
+dense_dim = 16
+classes = 4
+sparse_per_sample = 8
+vocab = 2000
+
+[optimizer]
+kind = "adam"
+lr = 0.01
+"#;
+
+/// `eps soak` flags.
+#[derive(clap::Args, Debug)]
+pub struct SoakArgs {
+    /// Minutes of training under faults, roughly: a short calibration run
+    /// sets the steps. The fault-free run of the same steps comes after.
+    #[arg(long, default_value_t = 5.0)]
+    pub minutes: f64,
+    /// Train exactly this many steps instead (no calibration).
+    #[arg(long)]
+    pub steps: Option<u64>,
+    /// Mean seconds between two faults (each waits for the job to recover
+    /// from the one before).
+    #[arg(long, default_value_t = 4.0)]
+    pub every_s: f64,
+    /// Worker processes.
+    #[arg(long, default_value_t = 8)]
+    pub workers: u32,
+    /// Server processes at the start (3 at least: a kill leaves two).
+    #[arg(long, default_value_t = 4)]
+    pub servers: u32,
+    /// The faults to inject, comma-separated: server_kill, scale_out,
+    /// scale_in, server_stall, worker_stall, control_kill (2 at most).
+    #[arg(long, default_value = "server_kill,scale_out,scale_in,server_stall,worker_stall,control_kill")]
+    pub faults: String,
+    /// Seed of the fault schedule.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Draw resident memory and push_pull latency over time, faults marked,
+    /// into this PNG file.
+    #[arg(long, value_name = "FILE.png")]
+    pub plot: Option<PathBuf>,
+    /// Also print one JSON object with the results as the last line of stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Share of the calibrated fault-free speed the soak assumes (faults stop
+/// training for a while: a lost server for its lease, a stall for its length).
+const FAULTED_SPEED: f64 = 0.8;
+const CALIBRATION_STEPS: u64 = 60;
+/// Resident memory is sampled this often.
+const SAMPLE_EVERY: Duration = Duration::from_millis(500);
+/// Training that makes no progress this long is stopped (an error).
+const STALL_LIMIT: Duration = Duration::from_secs(180);
+/// The largest growth of resident memory that passes.
+const RSS_GROWTH_LIMIT: f64 = 1.10;
+
+const ROLES: [&str; 3] = ["control", "server", "worker"];
+
+/// One sample of resident memory: summed per role.
+#[derive(Clone, Debug)]
+pub(crate) struct Tick {
+    pub t: f64,
+    pub step: u64,
+    pub rss: [u64; 3],
+    pub procs: [u32; 3],
+}
+
+/// The push_pull latency of one worker over one interval.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Lat {
+    pub t: f64,
+    pub p50_us: f64,
+    pub p99_us: f64,
+}
+
+/// What the run under faults produced.
+#[derive(Debug, Default)]
+pub(crate) struct Soaked {
+    pub ticks: Vec<Tick>,
+    pub lat: Vec<Lat>,
+    pub faults: faults::Log,
+    pub checksum: String,
+    pub digests: String,
+    /// Each worker's whole-run p50 and p99 (us).
+    pub worker_lat: Vec<(f64, f64)>,
+    pub samples_per_s: f64,
+    pub seconds: f64,
+    /// Seconds since the start from which no fault came any more.
+    pub quiet_from: f64,
+}
+
+pub fn run(a: SoakArgs) -> Result<(), String> {
+    if !(a.minutes.is_finite() && a.minutes > 0.0) {
+        return Err("--minutes must be a positive number".into());
+    }
+    if !(a.every_s.is_finite() && a.every_s > 0.0) {
+        return Err("--every-s must be a positive number of seconds".into());
+    }
+    if a.servers < 3 {
+        return Err("--servers must be 3 at least (a server killed leaves two to hold each shard and its backup)".into());
+    }
+    if a.workers == 0 {
+        return Err("--workers must be 1 at least".into());
+    }
+    let kinds = kinds(&a.faults)?;
+    let steps = match a.steps {
+        Some(0) => return Err("--steps must be 1 at least".into()),
+        Some(s) => s,
+        None => {
+            let (spec, text) = spec(&a, CALIBRATION_STEPS, 2)?;
+            eprintln!("eps soak: calibrating: {CALIBRATION_STEPS} steps without faults");
+            let r = crate::train::run(&spec, &text, CALIBRATION_STEPS, &[], &soft_args(), |_| {}).map_err(|e| e.to_string())?;
+            let rate = r.steps as f64 / r.elapsed_s.max(1e-3);
+            let s = (rate * a.minutes * 60.0 * FAULTED_SPEED).round().max(50.0) as u64;
+            eprintln!("eps soak: {rate:.1} steps/s without faults; the soak trains {s} steps");
+            s
+        }
+    };
+    let soaked = soak(&a, steps, kinds)?;
+    eprintln!("eps soak: the same {steps} steps without faults (the reference)");
+    let (reference, ref_digests) = reference(&a, steps)?;
+    let report = Report::new(&a, steps, &soaked, &reference, &ref_digests);
+    report.print(&soaked);
+    if let Some(path) = &a.plot {
+        plot::draw(path, &soaked).map_err(|e| format!("--plot {}: {e}", path.display()))?;
+        println!("plot written to {}", path.display());
+    }
+    if a.json {
+        println!("{}", report.json(&soaked));
+    }
+    report.verdict()
+}
+
+fn spec(a: &SoakArgs, steps: u64, replicas: u32) -> Result<(JobSpec, String), String> {
+    let o = Overrides {
+        workers: Some(a.workers),
+        servers: Some(a.servers),
+        steps: Some(steps),
+        replicas: Some(replicas),
+        ..Default::default()
+    };
+    build_spec_or(None, SOAK_SPEC, &o).map_err(|e| e.to_string())
+}
+
+/// The run under faults.
+fn kinds(list: &str) -> Result<Vec<faults::Kind>, String> {
+    let mut kinds = Vec::new();
+    for name in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let k = faults::Kind::parse(name).ok_or_else(|| {
+            let all: Vec<&str> = faults::Kind::ALL.iter().map(|k| k.name()).collect();
+            format!("--faults: unknown fault {name:?} (known: {})", all.join(", "))
+        })?;
+        kinds.push(k);
+    }
+    if kinds.is_empty() {
+        return Err("--faults names no fault".into());
+    }
+    Ok(kinds)
+}
+
+fn soak(a: &SoakArgs, steps: u64, kinds: Vec<faults::Kind>) -> Result<Soaked, String> {
+    let (spec, text) = spec(a, steps, 2)?;
+    let cluster = LocalCluster::start(
+        &spec,
+        &text,
+        &["--progress-every", "1", "--latency-every-ms", "1000", "--chunk-digests"],
+        &soft_args(),
+    )
+    .map_err(|e| e.to_string())?;
+    let t0 = Instant::now();
+    let step = Arc::new(AtomicU64::new(0));
+    let done = Arc::new(AtomicBool::new(false));
+    let (tx, more) = std::sync::mpsc::channel();
+    let log = Arc::new(Mutex::new(faults::Log::default()));
+    let plan = faults::Plan {
+        control: cluster.control_addr().parse().map_err(|_| "bad control-plane address")?,
+        secret: eps_fabric::Secret::new(cluster.secret()).map_err(|_| "bad job secret")?,
+        procs: cluster.processes(),
+        spawn: tx,
+        step: step.clone(),
+        first: steps * 15 / 100,
+        last: steps * 85 / 100,
+        servers: a.servers,
+        kinds,
+        every: Duration::from_secs_f64(a.every_s),
+        seed: a.seed,
+        t0,
+        done: done.clone(),
+    };
+    let injector = faults::spawn(plan, log.clone());
+    let sampler = sample(cluster.processes(), step.clone(), done.clone(), cluster.stop_handle(), log.clone(), t0);
+    let mut out = Soaked::default();
+    let res = cluster.supervise_tolerant(Some(&more), true, |l| {
+        let t = t0.elapsed().as_secs_f64();
+        if l.starts_with("EPS_PROGRESS") {
+            step.store(num(l, "step") as u64, Ordering::Release);
+        } else if l.starts_with("EPS_LAT") {
+            out.lat.push(Lat { t, p50_us: num(l, "p50_us"), p99_us: num(l, "p99_us") });
+        } else if l.starts_with("EPS_DONE") {
+            out.worker_lat.push((num(l, "lat_p50_us"), num(l, "lat_p99_us")));
+            out.samples_per_s += num(l, "samples") / num(l, "elapsed_s").max(1e-9);
+            if let Some(c) = field(l, "params_checksum") {
+                out.checksum = c.to_string();
+                out.digests = field(l, "chunk_digests").unwrap_or_default().to_string();
+            }
+        }
+    });
+    out.seconds = t0.elapsed().as_secs_f64();
+    done.store(true, Ordering::Release);
+    let _ = injector.join();
+    out.ticks = sampler.join().unwrap_or_default();
+    out.faults = std::mem::take(&mut *log.lock().unwrap_or_else(|p| p.into_inner()));
+    // (Training ended before the faults did: the samples after the last
+    // fault's recovery.)
+    let last = out.faults.faults.last().map_or(0.0, |f| f.at_s + f.recovered_s.unwrap_or(0.0));
+    out.quiet_from = out.faults.quiet_from.unwrap_or(last);
+    if let Err(e) = res {
+        out.faults.errors.push(format!("the job failed: {e}"));
+    } else if out.checksum.is_empty() {
+        out.faults.errors.push("no worker reported the final parameters".into());
+    }
+    Ok(out)
+}
+
+/// Samples the resident memory of every process; stops the cluster if
+/// training stalls for good.
+fn sample(
+    procs: Processes,
+    step: Arc<AtomicU64>,
+    done: Arc<AtomicBool>,
+    stop: Arc<AtomicBool>,
+    log: Arc<Mutex<faults::Log>>,
+    t0: Instant,
+) -> std::thread::JoinHandle<Vec<Tick>> {
+    std::thread::spawn(move || {
+        let mut ticks = Vec::new();
+        let (mut last_step, mut moved) = (0, Instant::now());
+        while !done.load(Ordering::Acquire) {
+            let mut tick = Tick { t: t0.elapsed().as_secs_f64(), step: step.load(Ordering::Acquire), rss: [0; 3], procs: [0; 3] };
+            for p in procs.list() {
+                let role = if p.name.starts_with("server") {
+                    1
+                } else if p.name.starts_with("worker") {
+                    2
+                } else {
+                    0
+                };
+                if let Some(kb) = rss_kib(p.pid) {
+                    tick.rss[role] += kb * 1024;
+                    tick.procs[role] += 1;
+                }
+            }
+            if tick.step != last_step {
+                (last_step, moved) = (tick.step, Instant::now());
+            } else if moved.elapsed() > STALL_LIMIT {
+                log.lock().unwrap_or_else(|p| p.into_inner()).errors.push(format!(
+                    "training made no progress for {} s at step {last_step}; stopped the cluster",
+                    STALL_LIMIT.as_secs()
+                ));
+                stop.store(true, Ordering::Release);
+                moved = Instant::now();
+            }
+            ticks.push(tick);
+            std::thread::sleep(SAMPLE_EVERY);
+        }
+        ticks
+    })
+}
+
+/// A process's resident set (VmRSS), if it still runs.
+fn rss_kib(pid: u32) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    s.lines().find_map(|l| l.strip_prefix("VmRSS:")?.trim().strip_suffix("kB")?.trim().parse().ok())
+}
+
+/// The fault-free run of the same steps (no backups: they change nothing in
+/// the result): its checksum and chunk digests.
+fn reference(a: &SoakArgs, steps: u64) -> Result<(String, String), String> {
+    let (spec, text) = spec(a, steps, 1)?;
+    let cluster = LocalCluster::start(&spec, &text, &["--progress-every", "1000000", "--chunk-digests"], &soft_args())
+        .map_err(|e| e.to_string())?;
+    let (mut checksum, mut digests) = (String::new(), String::new());
+    cluster
+        .supervise(None, |l| {
+            if let (true, Some(c)) = (l.starts_with("EPS_DONE"), field(l, "params_checksum")) {
+                checksum = c.to_string();
+                digests = field(l, "chunk_digests").unwrap_or_default().to_string();
+            }
+        })
+        .map_err(|e| format!("the reference run: {e}"))?;
+    if checksum.is_empty() {
+        return Err("the reference run reported no final parameters".into());
+    }
+    Ok((checksum, digests))
+}
+
+/// The soak's figures.
+struct Report {
+    steps: u64,
+    errors: Vec<String>,
+    lost_updates: u64,
+    chunks: u64,
+    reference: String,
+    /// Per role (NaN: no sample to compare).
+    rss_growth: [f64; 3],
+    p50_us: f64,
+    p99_us: f64,
+}
+
+impl Report {
+    fn new(a: &SoakArgs, steps: u64, s: &Soaked, reference: &str, ref_digests: &str) -> Self {
+        let (mine, theirs): (Vec<&str>, Vec<&str>) = (s.digests.split(',').collect(), ref_digests.split(',').collect());
+        let chunks = theirs.len() as u64;
+        let lost_updates =
+            if mine.len() != theirs.len() { chunks } else { mine.iter().zip(&theirs).filter(|(x, y)| x != y).count() as u64 };
+        let mut p50: Vec<f64> = s.worker_lat.iter().map(|l| l.0).collect();
+        p50.sort_by(f64::total_cmp);
+        let p99 = s.worker_lat.iter().map(|l| l.1).fold(f64::NAN, f64::max);
+        Self {
+            steps,
+            errors: s.faults.errors.clone(),
+            lost_updates,
+            chunks,
+            reference: reference.to_string(),
+            rss_growth: rss_growth(&s.ticks, steps * 15 / 100, steps * 90 / 100, s.quiet_from, a.servers),
+            p50_us: p50.get(p50.len() / 2).copied().unwrap_or(f64::NAN),
+            p99_us: p99,
+        }
+    }
+
+    fn rss_growth_ratio(&self) -> f64 {
+        self.rss_growth.iter().copied().filter(|x| x.is_finite()).fold(f64::NAN, f64::max)
+    }
+
+    fn recoveries(s: &Soaked) -> u64 {
+        s.faults.faults.iter().filter(|f| f.recovered_s.is_some()).count() as u64
+    }
+
+    fn print(&self, s: &Soaked) {
+        let f = &s.faults.faults;
+        println!("eps soak: {} steps in {:.0} s, {:.0} samples/s", self.steps, s.seconds, s.samples_per_s);
+        let kinds: Vec<String> =
+            faults::Kind::ALL.iter().map(|k| format!("{} {}", f.iter().filter(|x| x.kind == *k).count(), k.name())).collect();
+        println!("  faults injected: {} ({})", f.len(), kinds.join(", "));
+        let worst = f.iter().filter_map(|x| x.recovered_s).fold(0.0, f64::max);
+        println!("  recoveries:      {} (slowest {worst:.1} s)", Self::recoveries(s));
+        println!("  errors:          {}", self.errors.len());
+        for e in &self.errors {
+            println!("    {e}");
+        }
+        println!(
+            "  lost updates:    {} of {} parameter chunks differ from the fault-free run ({} vs {})",
+            self.lost_updates, self.chunks, s.checksum, self.reference
+        );
+        let g: Vec<String> = ROLES.iter().zip(self.rss_growth).map(|(r, x)| format!("{r} {x:.3}")).collect();
+        println!("  RSS growth:      {:.3} (after warm-up to the end: {})", self.rss_growth_ratio(), g.join(", "));
+        println!("  push_pull:       p50 {:.0} us (median worker), p99 {:.0} us (worst worker)", self.p50_us, self.p99_us);
+    }
+
+    fn json(&self, s: &Soaked) -> String {
+        let f = &s.faults.faults;
+        let mut kinds = Json::new();
+        for k in faults::Kind::ALL {
+            kinds = kinds.int(k.name(), f.iter().filter(|x| x.kind == k).count() as u64);
+        }
+        let mut growth = Json::new();
+        for (r, x) in ROLES.iter().zip(self.rss_growth) {
+            growth = growth.num(r, x);
+        }
+        Json::new()
+            .int("steps", self.steps)
+            .num("seconds", s.seconds)
+            .int("errors", self.errors.len() as u64)
+            .int("faults_injected", f.len() as u64)
+            .raw("faults", &kinds.finish())
+            .int("recoveries", Self::recoveries(s))
+            .num("recovery_s_max", f.iter().filter_map(|x| x.recovered_s).fold(0.0, f64::max))
+            .int("lost_updates", self.lost_updates)
+            .int("chunks", self.chunks)
+            .str("params_checksum", &s.checksum)
+            .str("reference_checksum", &self.reference)
+            .num("rss_growth_ratio", self.rss_growth_ratio())
+            .raw("rss_growth", &growth.finish())
+            .num("push_pull_p50_us", self.p50_us)
+            .num("push_pull_p99_us", self.p99_us)
+            .num("samples_per_s", s.samples_per_s)
+            .finish()
+    }
+
+    fn verdict(&self) -> Result<(), String> {
+        let mut bad = Vec::new();
+        if !self.errors.is_empty() {
+            bad.push(format!("{} errors", self.errors.len()));
+        }
+        if self.lost_updates > 0 {
+            bad.push(format!("{} lost updates", self.lost_updates));
+        }
+        let g = self.rss_growth_ratio();
+        if !g.is_finite() {
+            bad.push("no resident-memory samples to compare (a longer soak has them)".into());
+        } else if g > RSS_GROWTH_LIMIT {
+            bad.push(format!("resident memory grew {g:.3}x (the limit is {RSS_GROWTH_LIMIT})"));
+        }
+        if bad.is_empty() { Ok(()) } else { Err(format!("the soak failed: {}", bad.join(", "))) }
+    }
+}
+
+/// Per role: the median summed RSS of the samples after `quiet_from` (no
+/// more faults) from step `end_from` on, over the median of those between
+/// 60% of the warm-up (`warm` steps) and its end; only samples with
+/// `servers` servers count.
+fn rss_growth(ticks: &[Tick], warm: u64, end_from: u64, quiet_from: f64, servers: u32) -> [f64; 3] {
+    let median = |mut v: Vec<u64>| {
+        v.sort_unstable();
+        v.get(v.len() / 2).map(|&x| x as f64)
+    };
+    let ok = |t: &&Tick| t.procs[1] == servers;
+    let before: Vec<&Tick> = ticks.iter().filter(ok).filter(|t| t.step >= warm * 6 / 10 && t.step < warm).collect();
+    let after: Vec<&Tick> = ticks.iter().filter(ok).filter(|t| t.t >= quiet_from && t.step >= end_from).collect();
+    let mut g = [f64::NAN; 3];
+    for (r, x) in g.iter_mut().enumerate() {
+        if let (Some(b), Some(e)) =
+            (median(before.iter().map(|t| t.rss[r]).collect()), median(after.iter().map(|t| t.rss[r]).collect()))
+        {
+            *x = e / b.max(1.0);
+        }
+    }
+    g
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rss_growth_compares_the_ends_with_as_many_servers() {
+        let tick =
+            |t: f64, step: u64, server: u64, servers: u32| Tick { t, step, rss: [10, server, 100], procs: [1, servers, 8] };
+        let ticks = vec![
+            tick(0.0, 5, 40, 4),
+            tick(1.0, 10, 40, 4),
+            tick(2.0, 40, 90, 5), // a fault: not compared
+            tick(3.0, 90, 44, 4), // before the faults ended
+            tick(4.0, 95, 44, 4),
+            tick(5.0, 99, 400, 3), // other server count
+        ];
+        let g = rss_growth(&ticks, 15, 90, 3.5, 4);
+        assert_eq!(g, [1.0, 1.1, 1.0]);
+        let none = rss_growth(&ticks, 15, 90, 10.0, 4);
+        assert!(none.iter().all(|x| x.is_nan()), "no sample after the faults: {none:?}");
+    }
+}
