@@ -355,10 +355,7 @@ struct Report {
 
 impl Report {
     fn new(a: &SoakArgs, steps: u64, s: &Soaked, reference: &str, ref_digests: &str) -> Self {
-        let (mine, theirs): (Vec<&str>, Vec<&str>) = (s.digests.split(',').collect(), ref_digests.split(',').collect());
-        let chunks = theirs.len() as u64;
-        let lost_updates =
-            if mine.len() != theirs.len() { chunks } else { mine.iter().zip(&theirs).filter(|(x, y)| x != y).count() as u64 };
+        let (lost_updates, chunks) = differing_chunks(&s.digests, ref_digests);
         let mut p50: Vec<f64> = s.worker_lat.iter().map(|l| l.0).collect();
         p50.sort_by(f64::total_cmp);
         let p99 = s.worker_lat.iter().map(|l| l.1).fold(f64::NAN, f64::max);
@@ -451,6 +448,17 @@ impl Report {
     }
 }
 
+/// Of two runs' comma-separated chunk digests: how many differ (all of them
+/// when the run under faults reported none), and how many there are.
+fn differing_chunks(soaked: &str, reference: &str) -> (u64, u64) {
+    let (mine, theirs): (Vec<&str>, Vec<&str>) = (soaked.split(',').collect(), reference.split(',').collect());
+    let chunks = theirs.len() as u64;
+    if mine.len() != theirs.len() {
+        return (chunks, chunks);
+    }
+    (mine.iter().zip(&theirs).filter(|(x, y)| x != y).count() as u64, chunks)
+}
+
 /// Per role: the median summed RSS of the samples after `quiet_from` (no
 /// more faults) from step `end_from` on, over the median of those between
 /// 60% of the warm-up (`warm` steps) and its end; only samples with
@@ -477,6 +485,13 @@ fn rss_growth(ticks: &[Tick], warm: u64, end_from: u64, quiet_from: f64, servers
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn chunks_that_differ_count_as_lost_updates() {
+        assert_eq!(differing_chunks("aa,bb,cc", "aa,bb,cc"), (0, 3));
+        assert_eq!(differing_chunks("aa,bx,cc", "aa,bb,cc"), (1, 3));
+        assert_eq!(differing_chunks("", "aa,bb,cc"), (3, 3), "no digests from the soak: every chunk counts");
+    }
 
     #[test]
     fn rss_growth_compares_the_ends_with_as_many_servers() {
