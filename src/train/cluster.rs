@@ -88,7 +88,10 @@ pub struct Proc {
 /// The processes of a local cluster running now (shared: the cluster adds
 /// those it starts and removes those that exited).
 #[derive(Clone, Debug, Default)]
-pub struct Processes(Arc<std::sync::Mutex<Vec<(String, u32, Option<Arc<std::sync::OnceLock<u32>>>)>>>);
+pub struct Processes(Arc<std::sync::Mutex<Vec<Running>>>);
+
+/// A process's name, pid and, for a server, where its rank will be.
+type Running = (String, u32, Option<Arc<std::sync::OnceLock<u32>>>);
 
 impl Processes {
     fn add(&self, name: &str, pid: u32, rank: Option<Arc<std::sync::OnceLock<u32>>>) {

@@ -365,6 +365,11 @@ impl World {
         }
     }
 
+    /// Pushes of `shard` to server `rank` in flight.
+    pub(crate) fn pushes_in_flight(&self, rank: u32, shard: u32) -> usize {
+        self.net.pushes_to(rank, shard)
+    }
+
     /// Server `rank` retired (it exits): no live worker may still route to it or
     /// have a request to it in flight.
     pub(crate) fn check_retired(&mut self, rank: u32) {

@@ -150,6 +150,14 @@ impl Net {
             .count()
     }
 
+    /// Pushes of `shard` to server `rank` in flight.
+    pub fn pushes_to(&self, rank: u32, shard: u32) -> usize {
+        self.pending
+            .values()
+            .filter(|(_, t, m)| *t == Node::Server(rank) && matches!(m, Msg::Push { shard: s, .. } if *s == shard))
+            .count()
+    }
+
     /// Drops queued deliveries that match `f` (work requests a torn-down
     /// connection never completes).
     pub fn discard(&mut self, f: impl Fn(&Node, &Node, &Msg) -> bool) {

@@ -570,6 +570,13 @@ impl SimServer {
             | Order::AddBackup { shard, .. }
             | Order::Unreplicate { shard }
             | Order::DropBackup { shard } => w.fail(format!("server {rank}: ordered to replicate or promote shard {shard}")),
+            Order::FreeLanding { shard } => {
+                // Its landing slots go: no push for it may still come here.
+                let pushes = w.pushes_in_flight(rank, shard);
+                if self.shards.contains_key(&shard) || pushes > 0 {
+                    w.fail(format!("server {rank}: told to free shard {shard}'s landing slots, holding it or with {pushes} pushes of it in flight"));
+                }
+            }
             Order::Retire => {
                 self.retired = true;
                 w.check_retired(rank);
