@@ -85,6 +85,8 @@ pub(crate) struct SimServer {
     moved_pushes: BTreeSet<(u32, u32)>,
     /// Pull WRITEs posted and not completed: (worker, shard, version) -> count.
     pulls_out: BTreeMap<(u32, u32, u64), u32>,
+    /// Copies of a shard released here whose landing slots are kept.
+    released: BTreeMap<u32, u32>,
     ranks: u32,
 }
 
@@ -103,6 +105,7 @@ impl SimServer {
             hold: None,
             lost: Vec::new(),
             retired: false,
+            released: BTreeMap::new(),
             dead: BTreeSet::new(),
             moved_pushes: BTreeSet::new(),
             pulls_out: BTreeMap::new(),
@@ -517,6 +520,7 @@ impl SimServer {
 
     fn release(&mut self, w: &mut World, id: u32) {
         self.shards.remove(&id);
+        *self.released.entry(id).or_insert(0) += 1;
         w.migrations += 1;
         if let Err(e) = w.ctl(&ControlMsg::Released { shard: id, bytes: 0, millis: 0 }) {
             w.fail(format!("server {}: the control plane refused the release of shard {id}: {e}", self.rank));
@@ -571,10 +575,19 @@ impl SimServer {
             | Order::Unreplicate { shard }
             | Order::DropBackup { shard } => w.fail(format!("server {rank}: ordered to replicate or promote shard {shard}")),
             Order::FreeLanding { shard } => {
-                // Its landing slots go: no push for it may still come here.
+                // The landing slots of the oldest copy that left go. Pushes in
+                // flight may be for a newer copy (one released since, or held):
+                // with none, none may be in flight.
+                let left = self.released.get(&shard).copied().unwrap_or(0);
+                if left == 0 {
+                    return w.fail(format!("server {rank}: told to free shard {shard}'s landing slots, none kept"));
+                }
+                self.released.insert(shard, left - 1);
                 let pushes = w.pushes_in_flight(rank, shard);
-                if self.shards.contains_key(&shard) || pushes > 0 {
-                    w.fail(format!("server {rank}: told to free shard {shard}'s landing slots, holding it or with {pushes} pushes of it in flight"));
+                if left == 1 && !self.shards.contains_key(&shard) && pushes > 0 {
+                    w.fail(format!(
+                        "server {rank}: told to free shard {shard}'s landing slots with {pushes} pushes of it in flight"
+                    ));
                 }
             }
             Order::Retire => {
