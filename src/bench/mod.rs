@@ -2,6 +2,7 @@
 //! command has a `--json` flag, one JSON object as the last line of stdout.
 
 pub mod agg;
+pub mod cli;
 pub mod fabric;
 pub mod gpu;
 pub(crate) mod json;
