@@ -139,6 +139,9 @@ check eps_train_rdma_workers timeout 300 "$dir/eps" train --spec /tmp/tiny.toml 
 libeps_c() {
     # Bounded: a hang fails this check with every process's log instead of
     # holding the VM until its limit.
+    # (Created first: the loop below may read it before the background job's
+    # redirection has run.)
+    : >/tmp/up.env
     timeout 240 "$dir/eps" up --workers 2 --servers 2 --steps 40 --lr 0.05 --transport rdma >/tmp/up.env 2>/tmp/up.err &
     up=$!
     i=0

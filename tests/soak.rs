@@ -16,7 +16,7 @@ fn json<'a>(line: &'a str, key: &str) -> &'a str {
 #[test]
 fn a_short_soak_under_every_fault_loses_nothing() {
     let o = eps()
-        .args(["soak", "--steps", "400", "--every-s", "1", "--seed", "2", "--json"])
+        .args(["soak", "--steps", "600", "--every-s", "1", "--seed", "2", "--json"])
         .args(["--faults", "server_kill,scale_out,scale_in,server_stall,worker_stall,control_kill"])
         .output()
         .unwrap();

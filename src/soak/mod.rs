@@ -260,7 +260,9 @@ fn soak(a: &SoakArgs, steps: u64, kinds: Vec<faults::Kind>) -> Result<Soaked, St
     // fault's recovery.)
     let last = out.faults.faults.last().map_or(0.0, |f| f.at_s + f.recovered_s.unwrap_or(0.0));
     out.quiet_from = out.faults.quiet_from.unwrap_or(last);
-    if let Err(e) = res {
+    if let Err(crate::train::TrainError::Interrupted) = res {
+        return Err("interrupted (Ctrl-C); stopped the cluster".into());
+    } else if let Err(e) = res {
         out.faults.errors.push(format!("the job failed: {e}"));
     } else if out.checksum.is_empty() {
         out.faults.errors.push("no worker reported the final parameters".into());
