@@ -388,6 +388,7 @@ fn a_server_killed_during_a_migration_with_two_replicas_loses_nothing() {
     let args = ["--spec", s, "--servers", "3", "--steps", "120"];
     let expected = uninterrupted(&args);
     for victim in ["source", "target", "backup"] {
+        let started = Instant::now();
         let mut run = Run::start(&[&args[..], &["--replicas", "2", "--scale-plan", "30:servers=4"]].concat());
         // "eps server S: migrating shard N (...) to server T from version V"
         // (the first that reads whole: lines of several processes may
@@ -421,6 +422,11 @@ fn a_server_killed_during_a_migration_with_two_replicas_loses_nothing() {
         assert!(ok, "{victim} (server {rank}) killed while shard {shard} moved {from} -> {to}:\n{err}");
         assert!(err.contains(&format!("server {rank} is lost")), "{err}");
         assert_eq!(json(&out, "params_checksum"), expected, "{victim} killed:\n{err}");
+        // (Shown with --no-capture: where a slow run spent its time.)
+        eprintln!(
+            "{victim} (server {rank}) killed while shard {shard} moved {from} -> {to}: the run took {:.1} s",
+            started.elapsed().as_secs_f64()
+        );
     }
     std::fs::remove_file(&spec).ok();
 }
