@@ -1,17 +1,9 @@
 //! `eps soak`: a short soak under every kind of fault ends with nothing lost
 //! (the same bits as the fault-free run), and bad flags are refused.
 
-use std::process::Command;
+mod common;
 
-fn eps() -> Command {
-    Command::new(std::env::var("EPS_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_eps").to_string()))
-}
-
-fn json<'a>(line: &'a str, key: &str) -> &'a str {
-    let at = line.find(&format!("\"{key}\":")).unwrap_or_else(|| panic!("no {key} in {line}")) + key.len() + 3;
-    let rest = &line[at..];
-    rest[..rest.find([',', '}']).unwrap()].trim_matches('"')
-}
+use common::cli::{eps, json_field as json};
 
 #[test]
 fn a_short_soak_under_every_fault_loses_nothing() {
@@ -21,19 +13,18 @@ fn a_short_soak_under_every_fault_loses_nothing() {
         .output()
         .unwrap();
     let (out, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
-    let line = out.lines().last().unwrap_or_default();
-    assert_eq!(json(line, "errors"), "0", "{out}\n{err}");
-    assert_eq!(json(line, "lost_updates"), "0", "{out}\n{err}");
-    assert_eq!(json(line, "params_checksum"), json(line, "reference_checksum"));
-    let faults: u64 = json(line, "faults_injected").parse().unwrap();
+    assert_eq!(json(&out, "errors"), "0", "{out}\n{err}");
+    assert_eq!(json(&out, "lost_updates"), "0", "{out}\n{err}");
+    assert_eq!(json(&out, "params_checksum"), json(&out, "reference_checksum"));
+    let faults: u64 = json(&out, "faults_injected").parse().unwrap();
     assert!(faults >= 3, "only {faults} faults in the soak:\n{err}");
-    assert_eq!(json(line, "recoveries"), faults.to_string(), "every fault recovered from:\n{err}");
+    assert_eq!(json(&out, "recoveries"), faults.to_string(), "every fault recovered from:\n{err}");
     // (Resident memory is reported; its limit is checked by the soak's exit
     // status, which a short run on a loaded machine may miss for reasons
     // other than a leak: the figure must be there.)
-    let growth: f64 = json(line, "rss_growth_ratio").parse().expect("an RSS growth figure");
-    assert!(growth > 0.5, "{line}");
-    assert!(json(line, "push_pull_p99_us").parse::<f64>().unwrap() > 0.0, "{line}");
+    let growth: f64 = json(&out, "rss_growth_ratio").parse().expect("an RSS growth figure");
+    assert!(growth > 0.5, "{out}");
+    assert!(json(&out, "push_pull_p99_us").parse::<f64>().unwrap() > 0.0, "{out}");
 }
 
 #[test]

@@ -328,6 +328,13 @@ impl Job {
         self.free_landings();
     }
 
+    /// Whether every worker that routes reported routing with `epoch` or a
+    /// later one (and so, having nothing in flight then, sends nothing by an
+    /// older map).
+    fn all_route_with(&self, epoch: u64) -> bool {
+        (0..self.adopted.len()).all(|w| !self.w.routes(w as u32) || self.adopted[w] >= epoch)
+    }
+
     /// Sources of moves done that no worker routes to for the shard any more
     /// may free its landing slots (kept for pushes routed by older maps).
     fn free_landings(&mut self) {
@@ -337,7 +344,7 @@ impl Job {
                 continue;
             }
             let cut = m.cut_epoch;
-            if (0..self.adopted.len()).any(|w| self.w.routes(w as u32) && self.adopted[w] < cut) {
+            if !self.all_route_with(cut) {
                 continue;
             }
             self.migrations[i].landing_freed = true;
@@ -690,7 +697,7 @@ impl Job {
                 continue;
             }
             let cut = m.cut_epoch;
-            if (0..self.adopted.len()).any(|w| self.w.routes(w as u32) && self.adopted[w] < cut) {
+            if !self.all_route_with(cut) {
                 continue;
             }
             self.migrations[i].release_ordered = true;
@@ -709,7 +716,7 @@ impl Job {
             }
             let holds = self.map.shards.iter().any(|x| x.owner == r as u32);
             let involved = self.migrations.iter().any(|m| m.in_flight() && (m.from == r as u32 || m.to == r as u32));
-            let routed = (0..self.adopted.len()).any(|w| self.w.routes(w as u32) && self.adopted[w] < s.drained_at);
+            let routed = !self.all_route_with(s.drained_at);
             if !holds && !involved && !routed && !self.keeps_backups(r as u32) {
                 self.servers[r].retired = true;
                 self.order(r as u32, Order::Retire);
