@@ -86,11 +86,12 @@ impl<P: Fabric> Worker<P> {
                     }
                     continue;
                 }
+                // Servers cut off a worker the job removed (its lease lapsed): its
+                // pushes in flight fail as well as its posted receives, in either order.
+                if let Some(iteration) = self.removed_at() {
+                    return Err(WorkerError::Removed { rank: self.rank, iteration });
+                }
                 if matches!(c.opcode, WcOpcode::Recv | WcOpcode::RecvWithImm) {
-                    // Servers cut off a worker the job removed (its lease lapsed).
-                    if let Some(iteration) = self.removed_at() {
-                        return Err(WorkerError::Removed { rank: self.rank, iteration });
-                    }
                     return Err(WorkerError::ServerGone { server, iteration: self.iteration, epoch: self.map.epoch });
                 }
                 let what = if c.wr_id & (3 << 62) == WR_PUSH { "push" } else { "pull" };
