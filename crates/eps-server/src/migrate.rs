@@ -289,6 +289,7 @@ impl<P: Fabric> Server<P> {
         h.out = None;
         h.sync.set_publish_waiting(!h.waiting.is_empty());
         eprintln!("eps server {rank}: the move of shard {id} to server {to} stopped ({why}); the shard stays here");
+        self.release_forward_buffer(id);
         self.drain(id)
     }
 
@@ -317,6 +318,11 @@ impl<P: Fabric> Server<P> {
         }
         let (membership, lost) = (&self.membership, &self.lost);
         let Some(h) = self.shards.get_mut(id as usize).and_then(Option::as_mut) else { return Ok(()) };
+        if h.out.is_none() {
+            // The move stopped meanwhile (its connection failed: the failure
+            // may be polled before this snapshot's completion): no cutover.
+            return Ok(());
+        }
         let version = h.sync.version();
         // No update ran while the snapshot was in flight, so every worker is still
         // at most at iteration `version`. If that iteration's update is ready here

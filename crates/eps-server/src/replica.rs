@@ -157,7 +157,7 @@ impl<P: Fabric> Server<P> {
         {
             // A promoted backup still ignores pushes it applied already.
             h.replica = promoted.then_some(Replica::Promoted);
-            self.mem.drop_forward_buffer(id);
+            self.release_forward_buffer(id);
             eprintln!("eps server {}: shard {id} no longer forwards to a backup", self.rank);
         }
         self.ctl.call(&ControlMsg::Unreplicated { shard: id, rank: self.rank })?;
@@ -322,6 +322,18 @@ impl<P: Fabric> Server<P> {
         self.drain(id)
     }
 
+    /// Frees shard `id`'s gradient buffer unless something still uses it: a
+    /// backup or a move forwards from it, or the source of a move (or the
+    /// owner, for a backup) forwards into it.
+    pub(crate) fn release_forward_buffer(&mut self, id: u32) {
+        let used = self.shards.get(id as usize).and_then(Option::as_ref).is_some_and(|h| {
+            h.out.is_some() || h.incoming.is_some() || matches!(h.replica, Some(Replica::Primary { .. } | Replica::Backup { .. }))
+        });
+        if !used {
+            self.mem.drop_forward_buffer(id);
+        }
+    }
+
     /// The connection `ci` failed: shards replicated over it lost their
     /// backup; they go on alone (what waited for an acknowledgement is served).
     pub(crate) fn replica_conn_lost(&mut self, ci: usize, status: WcStatus, wr_id: u64) -> Result<(), ServerError> {
@@ -337,7 +349,7 @@ impl<P: Fabric> Server<P> {
                 Some(Some(Replica::Primary { waiting, .. })) => waiting,
                 _ => None,
             };
-            self.mem.drop_forward_buffer(id);
+            self.release_forward_buffer(id);
             if let Some(d) = d {
                 self.finish_update(id, d)?;
             }
