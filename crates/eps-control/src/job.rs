@@ -17,6 +17,9 @@ mod replicas;
 mod split;
 mod workers;
 
+#[cfg(test)]
+mod tests;
+
 pub use split::Span;
 
 /// Phase of one shard migration.
@@ -105,7 +108,12 @@ pub struct Job {
     endpoints: Vec<Option<ShardEndpoint>>,
     previous: Vec<Option<(ShardEndpoint, u64)>>,
     migrations: Vec<Migration>,
-    orders: Vec<(u32, Order)>,
+    /// By server rank: its orders it has not polled past yet, with their
+    /// numbers (not persisted: a replay issues them all again, with the same
+    /// numbers).
+    orders: Vec<std::collections::VecDeque<(u64, Order)>>,
+    /// Orders issued so far (the number of the last one).
+    issued: u64,
     /// Added servers ready for their share of shards, planned one at a time.
     to_balance: Vec<u32>,
     /// By shard id: its elements and the iterations it is used in.
@@ -165,6 +173,7 @@ impl Job {
             previous: Vec::new(),
             migrations: Vec::new(),
             orders: Vec::new(),
+            issued: 0,
             to_balance: Vec::new(),
             spans: Vec::new(),
             splitting: None,
@@ -266,14 +275,25 @@ impl Job {
 
     /// Number of orders issued so far (the sequence number of the last one).
     pub fn orders_issued(&self) -> u64 {
-        self.orders.len() as u64
+        self.issued
     }
 
     /// Orders for server `rank` after sequence number `after`, and the last number.
     pub fn orders_for(&self, rank: u32, after: u64) -> (u64, Vec<Order>) {
-        let last = self.orders.len() as u64;
-        let mine = self.orders.iter().skip(after as usize).filter(|(r, _)| *r == rank).map(|(_, o)| o.clone()).collect();
-        (last, mine)
+        let q = self.orders.get(rank as usize);
+        let mine = q.into_iter().flatten().filter(|(n, _)| *n > after).map(|(_, o)| o.clone()).collect();
+        (self.issued, mine)
+    }
+
+    /// Server `rank` polls after order `after`: it carried out every order up
+    /// to that one, and they are dropped (a long job's orders do not pile
+    /// up). Returns how many of its orders are kept.
+    pub fn orders_polled(&mut self, rank: u32, after: u64) -> usize {
+        let Some(q) = self.orders.get_mut(rank as usize) else { return 0 };
+        while q.front().is_some_and(|(n, _)| *n <= after) {
+            q.pop_front();
+        }
+        q.len()
     }
 
     /// The map as workers see it.
@@ -396,7 +416,12 @@ impl Job {
     }
 
     pub(crate) fn order(&mut self, rank: u32, o: Order) {
-        self.orders.push((rank, o));
+        self.issued += 1;
+        let r = rank as usize;
+        if self.orders.len() <= r {
+            self.orders.resize_with(r + 1, Default::default);
+        }
+        self.orders[r].push_back((self.issued, o));
     }
 
     /// Servers that registered and have not retired (leaving ones included).

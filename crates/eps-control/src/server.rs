@@ -308,6 +308,8 @@ fn serve(mut s: TcpStream, secret: &Secret, shared: &(Mutex<State>, Condvar)) ->
                 let mut st = locked();
                 poller = Some(rank);
                 st.dropped.remove(&rank);
+                // It carried out the orders up to `after`: they are dropped.
+                st.job.orders_polled(rank, after);
                 let deadline = Instant::now() + LONG_POLL;
                 // Alive while it waits here: its lease runs from the answer.
                 st.polled.insert(rank, deadline);

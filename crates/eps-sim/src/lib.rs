@@ -188,6 +188,8 @@ impl World {
 
     fn after_ctl(&mut self) {
         for r in 0..self.servers.len() {
+            // (Delivery is reliable here: orders sent are carried out.)
+            self.job.orders_polled(r as u32, self.orders_after[r]);
             let (last, orders) = self.job.orders_for(r as u32, self.orders_after[r]);
             self.orders_after[r] = last;
             if !orders.is_empty() {
