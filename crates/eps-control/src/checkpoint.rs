@@ -73,6 +73,14 @@ pub fn read_piece(dir: &Path, e: &PieceEntry, version: u64, state_k: u32) -> Res
     Ok((h, values))
 }
 
+/// The header of a piece the manifest lists (its file's first bytes).
+pub fn read_piece_header(dir: &Path, e: &PieceEntry) -> Result<PieceHeader, String> {
+    let path = dir.join(&e.file);
+    let mut b = [0u8; eps_proto::checkpoint::PIECE_HEADER];
+    File::open(&path).and_then(|mut f| f.read_exact(&mut b)).map_err(|err| io_err(&path, "cannot read", err))?;
+    PieceHeader::decode(&b).map_err(|err| format!("{}: {err}", path.display()))
+}
+
 /// The checkpoint to resume from in `path`: `path` itself when it holds a
 /// manifest, else the newest `ckpt-*` directory inside it whose manifest
 /// parses (a torn one, without a manifest, is skipped).
@@ -268,7 +276,7 @@ mod tests {
 
     /// Writes a piece of `len` elements from `start` and reports it.
     fn piece(t: &mut Tracker, dir: &Path, v: u64, shard: u32, start: u64, len: u64) -> Outcome {
-        let h = PieceHeader { version: v, start, len, state_k: 1 };
+        let h = PieceHeader { version: v, start, len, state_k: 1, updates: 0 };
         let values: Vec<f32> = (0..2 * len).map(|i| (start * 2 + i) as f32).collect();
         let file = dir.join(dir_name(v)).join(eps_proto::checkpoint::piece_name(shard, 0));
         let sha = write_piece(&file, &h, &values).unwrap();

@@ -10,6 +10,13 @@
 //! flat space. A directory without a manifest is a torn checkpoint and is never
 //! taken for a good one. Pieces may overlap (a migration's source and target
 //! both apply `v`): they hold the same bits, and the manifest lists a cover.
+//!
+//! In SSP/ASP, where shards apply each worker's contribution on its own, a
+//! checkpoint at iteration `t` is a cut: every shard is saved when it holds
+//! exactly the contributions of iterations before `t` of every worker (it
+//! holds back those of `t` on until it does), with the number of updates it
+//! applied ([`PieceHeader::updates`]). Resumed, every worker starts at `t`:
+//! no contribution is lost or applied twice.
 
 use serde::{Deserialize, Serialize};
 
@@ -72,9 +79,18 @@ pub struct PieceHeader {
     pub len: u64,
     /// Optimizer state values per element.
     pub state_k: u32,
+    /// SSP/ASP: the updates the shard had applied (each one worker's
+    /// contribution; the learning-rate schedule's position); 0 in BSP, where
+    /// that is `version`.
+    pub updates: u64,
 }
 
 impl PieceHeader {
+    /// The updates the piece's shard had applied.
+    pub fn applied(&self) -> u64 {
+        if self.updates == 0 { self.version } else { self.updates }
+    }
+
     /// Bytes of the payload after the header: master values, then state.
     pub fn payload_bytes(&self) -> u64 {
         self.len * (1 + u64::from(self.state_k)) * 4
@@ -88,17 +104,19 @@ impl PieceHeader {
         b[16..24].copy_from_slice(&self.start.to_le_bytes());
         b[24..32].copy_from_slice(&self.len.to_le_bytes());
         b[32..36].copy_from_slice(&self.state_k.to_le_bytes());
+        b[40..48].copy_from_slice(&self.updates.to_le_bytes());
         b
     }
 
     /// Reads a header (reserved bytes must be zero).
     pub fn decode(b: &[u8]) -> Result<Self, CheckpointError> {
-        if b.len() < PIECE_HEADER || b[..8] != PIECE_MAGIC || b[36..PIECE_HEADER].iter().any(|&x| x != 0) {
+        let reserved = |r: std::ops::Range<usize>| b[r].iter().any(|&x| x != 0);
+        if b.len() < PIECE_HEADER || b[..8] != PIECE_MAGIC || reserved(36..40) || reserved(48..PIECE_HEADER) {
             return Err(CheckpointError::Header);
         }
         let u = |r: std::ops::Range<usize>| u64::from_le_bytes(b[r].try_into().expect("8 bytes"));
         let state_k = u32::from_le_bytes(b[32..36].try_into().expect("4 bytes"));
-        let h = Self { version: u(8..16), start: u(16..24), len: u(24..32), state_k };
+        let h = Self { version: u(8..16), start: u(16..24), len: u(24..32), state_k, updates: u(40..48) };
         if h.len == 0 || h.state_k > 8 || h.start.checked_add(h.len).is_none() {
             return Err(CheckpointError::Header);
         }
@@ -213,11 +231,11 @@ mod tests {
 
     #[test]
     fn headers_round_trip_and_garbage_is_refused() {
-        let h = PieceHeader { version: 40, start: 1 << 20, len: 4096, state_k: 2 };
+        let h = PieceHeader { version: 40, start: 1 << 20, len: 4096, state_k: 2, updates: 160 };
         assert_eq!(PieceHeader::decode(&h.encode()), Ok(h));
         assert_eq!(h.payload_bytes(), 4096 * 3 * 4);
         let mut b = h.encode();
-        b[40] = 1;
+        b[50] = 1;
         assert_eq!(PieceHeader::decode(&b), Err(CheckpointError::Header));
         assert_eq!(PieceHeader::decode(&[0u8; 10]), Err(CheckpointError::Header));
         let mut b = h.encode();

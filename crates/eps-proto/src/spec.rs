@@ -494,9 +494,6 @@ impl JobSpec {
             }
         }
         if j.checkpoint_every > 0 {
-            if j.consistency != Consistency::Bsp {
-                return Err(bad("job.checkpoint_every", "checkpoints need BSP consistency (one version for every shard)"));
-            }
             if j.checkpoint_dir.as_deref().is_none_or(str::is_empty) {
                 return Err(bad("job.checkpoint_dir", "give the directory checkpoints are written to"));
             }
@@ -511,9 +508,6 @@ impl JobSpec {
             return Err(bad("job.checkpoint_keep", "keep at least 1 checkpoint"));
         }
         if let Some(r) = &self.resume {
-            if j.consistency != Consistency::Bsp {
-                return Err(bad("resume", "only BSP jobs resume from a checkpoint"));
-            }
             if r.iteration == 0 || r.iteration >= j.steps {
                 return Err(bad("resume.iteration", format!("{} is not before job.steps ({})", r.iteration, j.steps)));
             }

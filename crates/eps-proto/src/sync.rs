@@ -186,6 +186,17 @@ impl ShardSync {
         }
     }
 
+    /// An SSP/ASP shard resumed from a checkpoint cut at iteration `t`: it
+    /// holds every worker's contributions before `t`, and no other.
+    pub fn resumed_at(mut self, t: u64) -> Self {
+        self.clock.iter_mut().for_each(|c| *c = t);
+        if self.mode != Consistency::Bsp {
+            // Pulls ask for clocks, not versions: any is served.
+            self.floor = 0;
+        }
+        self
+    }
+
     /// Per-worker clocks (contributions received from each worker).
     pub fn clocks(&self) -> &[u64] {
         &self.clock

@@ -23,15 +23,17 @@ use crate::{Server, ServerConfig, ServerError};
 const QUEUE: usize = 4;
 
 /// One shard's copy on its way to disk, or a miss to report.
-struct Piece {
-    version: u64,
-    shard: u32,
-    start: u64,
-    len: u64,
-    state_k: u32,
-    dir: PathBuf,
+pub(crate) struct Piece {
+    pub(crate) version: u64,
+    /// SSP/ASP: the updates the shard had applied (0 in BSP).
+    pub(crate) updates: u64,
+    pub(crate) shard: u32,
+    pub(crate) start: u64,
+    pub(crate) len: u64,
+    pub(crate) state_k: u32,
+    pub(crate) dir: PathBuf,
     /// Master values then state; `None`: the shard had passed `version`.
-    values: Option<Vec<f32>>,
+    pub(crate) values: Option<Vec<f32>>,
 }
 
 /// The checkpoints a server saves, and its writer thread.
@@ -40,7 +42,14 @@ pub(crate) struct Saver {
     periodic: Option<(u64, PathBuf)>,
     steps: u64,
     /// Versions the control plane ordered, with their directories.
-    ordered: Vec<(u64, PathBuf)>,
+    pub(crate) ordered: Vec<(u64, PathBuf)>,
+    /// SSP/ASP cuts (`cut.rs`): the iteration the job resumed at.
+    pub(crate) start: u64,
+    /// SSP/ASP, by shard: the last cut saved or passed.
+    pub(crate) cuts: std::collections::HashMap<u32, u64>,
+    /// SSP/ASP, by shard: contributions (worker, iteration) of the cut's
+    /// iteration or later, held back until the shard is saved.
+    pub(crate) held: std::collections::HashMap<u32, Vec<(u32, u64)>>,
     tx: Option<SyncSender<Piece>>,
     writer: Option<JoinHandle<()>>,
 }
@@ -58,11 +67,27 @@ impl Saver {
             .name("eps-checkpoint".into())
             .spawn(move || write_pieces(rank, rx, ctl))
             .map_err(|_| ServerError::Unexpected)?;
-        Ok(Self { periodic, steps: spec.job.steps, ordered: Vec::new(), tx: Some(tx), writer: Some(writer) })
+        Ok(Self {
+            periodic,
+            steps: spec.job.steps,
+            ordered: Vec::new(),
+            start: spec.resume.as_ref().map_or(0, |r| r.iteration),
+            cuts: Default::default(),
+            held: Default::default(),
+            tx: Some(tx),
+            writer: Some(writer),
+        })
+    }
+
+    /// SSP/ASP: the first checkpoint iteration after `after`.
+    pub(crate) fn next_cut(&self, after: u64) -> Option<u64> {
+        let periodic = self.periodic.as_ref().map(|(n, _)| (after / n + 1) * n).filter(|&t| t < self.steps);
+        let ordered = self.ordered.iter().map(|(t, _)| *t).filter(|&t| t > after).min();
+        periodic.into_iter().chain(ordered).min()
     }
 
     /// The directories version `v` is saved into.
-    fn due(&self, v: u64) -> Vec<PathBuf> {
+    pub(crate) fn due(&self, v: u64) -> Vec<PathBuf> {
         let mut dirs: Vec<PathBuf> = self.ordered.iter().filter(|(o, _)| *o == v).map(|(_, d)| d.clone()).collect();
         if let Some((n, d)) = &self.periodic
             && v % n == 0
@@ -74,7 +99,7 @@ impl Saver {
         dirs
     }
 
-    fn send(&self, p: Piece) {
+    pub(crate) fn send(&self, p: Piece) {
         if let Some(tx) = &self.tx {
             // The writer only stops when the server does.
             let _ = tx.send(p);
@@ -103,7 +128,7 @@ fn write_pieces(rank: u32, rx: Receiver<Piece>, mut ctl: ControlClient) {
         let (sha256, missed) = match &p.values {
             None => (String::new(), true),
             Some(values) => {
-                let h = PieceHeader { version: p.version, start: p.start, len: p.len, state_k: p.state_k };
+                let h = PieceHeader { version: p.version, start: p.start, len: p.len, state_k: p.state_k, updates: p.updates };
                 match write_piece(&path, &h, values) {
                     Ok(sha) => (sha, false),
                     Err(e) => {
@@ -123,6 +148,10 @@ fn write_pieces(rank: u32, rx: Receiver<Piece>, mut ctl: ControlClient) {
 impl<P: Fabric> Server<P> {
     /// After shard `id` published `version`: saves it if a checkpoint is due.
     pub(crate) fn save_if_due(&mut self, id: u32, version: u64) -> Result<(), ServerError> {
+        if self.mode != eps_proto::Consistency::Bsp {
+            // SSP/ASP shards are saved at cuts (`cut.rs`), not at versions.
+            return Ok(());
+        }
         let dirs = self.saver.due(version);
         if dirs.is_empty() {
             return Ok(());
@@ -133,7 +162,7 @@ impl<P: Fabric> Server<P> {
         let state_k = self.mem.state_k as u32;
         for dir in dirs {
             let values = Some(values.clone());
-            self.saver.send(Piece { version, shard: id, start, len, state_k, dir, values });
+            self.saver.send(Piece { version, updates: 0, shard: id, start, len, state_k, dir, values });
         }
         self.saver.ordered.retain(|(v, _)| *v + 64 > version);
         Ok(())
@@ -141,7 +170,10 @@ impl<P: Fabric> Server<P> {
 
     /// The control plane orders a checkpoint at `version` into `dir`: shards
     /// that passed it already are reported missed.
-    pub(crate) fn on_checkpoint_order(&mut self, version: u64, dir: &str) {
+    pub(crate) fn on_checkpoint_order(&mut self, version: u64, dir: &str) -> Result<(), ServerError> {
+        if self.mode != eps_proto::Consistency::Bsp {
+            return self.on_cut_order(version, dir);
+        }
         let state_k = self.mem.state_k as u32;
         for id in self.mem.held().collect::<Vec<_>>() {
             let Some(h) = self.shards.get(id as usize).and_then(Option::as_ref) else { continue };
@@ -149,10 +181,11 @@ impl<P: Fabric> Server<P> {
                 && let Some((start, len)) = self.mem.get(id).map(|b| (b.start, b.len))
             {
                 let dir = PathBuf::from(dir);
-                self.saver.send(Piece { version, shard: id, start, len, state_k, dir, values: None });
+                self.saver.send(Piece { version, updates: 0, shard: id, start, len, state_k, dir, values: None });
             }
         }
         self.saver.ordered.push((version, PathBuf::from(dir)));
+        Ok(())
     }
 
     /// Finishes the writes of checkpoints (before the server reports it is done).
@@ -185,9 +218,32 @@ impl Restore {
         Ok(Self { dir, manifest })
     }
 
-    /// The version every shard starts at.
+    /// The version every shard starts at (BSP), the iteration every worker
+    /// resumes at.
     pub(crate) fn version(&self) -> u64 {
         self.manifest.version
+    }
+
+    /// The updates every shard had applied (SSP/ASP: the learning-rate
+    /// schedule's position; BSP: the version). The pieces of a cut agree.
+    pub(crate) fn updates(&self) -> Result<u64, ServerError> {
+        let mut seen = None;
+        for e in &self.manifest.pieces {
+            let h = eps_control::checkpoint::read_piece_header(&self.dir, e).map_err(ServerError::Checkpoint)?;
+            match seen {
+                Some((n, f)) if n != h.applied() => {
+                    return Err(ServerError::Checkpoint(format!(
+                        "{}: piece {} applied {} updates, piece {f} {n}: not one cut",
+                        self.dir.display(),
+                        e.file,
+                        h.applied()
+                    )));
+                }
+                Some(_) => {}
+                None => seen = Some((h.applied(), e.file.as_str())),
+            }
+        }
+        Ok(seen.map_or(self.manifest.version, |(n, _)| n))
     }
 
     /// Fills elements `[start, start + master.len())`: master values, and the

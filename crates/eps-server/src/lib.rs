@@ -15,6 +15,7 @@
 //! say so at each use.
 
 mod checkpoint;
+mod cut;
 mod members;
 mod memory;
 mod migrate;
@@ -386,8 +387,13 @@ pub fn run_direct<P: Fabric>(
     if let Some(r) = &restore {
         eprintln!("eps server {rank}: resuming at iteration {} from {}", r.version(), r.dir().display());
     }
-    // A resumed job's shards start at the checkpoint's version.
-    let first = restore.as_ref().map_or(0, checkpoint::Restore::version);
+    // A resumed job's shards start at the checkpoint's version (SSP/ASP: the
+    // updates they had applied, with every worker's clock at its iteration).
+    let first = match &restore {
+        Some(r) => r.updates()?,
+        None => 0,
+    };
+    let clock = restore.as_ref().map_or(0, checkpoint::Restore::version);
     let parity = ShardSync::parity(first);
     let k = opt.state_per_param();
     let mut shards: Vec<Option<Held>> = (0..total).map(|_| None).collect();
@@ -409,7 +415,7 @@ pub fn run_direct<P: Fabric>(
         let sync = match backup_of {
             // Forwards bring it up from `first`; it serves nothing until promoted.
             Some(_) => ShardSync::incoming(spec.job.consistency, ranks, first),
-            None => ShardSync::at_version(spec.job.consistency, ranks, first),
+            None => ShardSync::at_version(spec.job.consistency, ranks, first).resumed_at(clock),
         };
         shards[s.id as usize] = Some(Held {
             sync,

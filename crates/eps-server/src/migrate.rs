@@ -88,10 +88,7 @@ impl<P: Fabric> Server<P> {
             }
             Order::Propose { id } => self.on_propose(id),
             Order::Members { at, workers, expired } => self.on_members(at, workers, expired),
-            Order::Checkpoint { version, dir } => {
-                self.on_checkpoint_order(version, &dir);
-                Ok(())
-            }
+            Order::Checkpoint { version, dir } => self.on_checkpoint_order(version, &dir),
             Order::Replicate { shard, to, to_addr, keys, snapshot } => self.on_replicate(shard, to, &to_addr, keys, snapshot),
             Order::AddBackup { shard, from, start, len } => self.on_add_backup(shard, from, start, len),
             Order::Promote { shard } => self.on_promote(shard),
@@ -198,9 +195,11 @@ impl<P: Fabric> Server<P> {
         if h.out.is_some() {
             return Err(ServerError::Migration(format!("shard {id} is already migrating")));
         }
-        if self.replica_forwarding(id) {
+        if self.replica_forwarding(id) || self.holds_for_cut(id) {
             // The update applied is not served before its backup has it: the
             // snapshot waits for the acknowledgement (see `replica_acked`).
+            // (SSP/ASP: a shard holding contributions back for its checkpoint
+            // moves once it is saved and they are applied, see `cut.rs`.)
             self.parked_moves.push(Order::MigrateOut { shard: id, to, to_addr: addr.to_string(), keys });
             return Ok(());
         }

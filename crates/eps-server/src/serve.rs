@@ -320,6 +320,12 @@ impl<P: Fabric> Server<P> {
 
     /// Applies an update to shard `id`, or parks it until the shard is free.
     pub(crate) fn update(&mut self, id: u32, p: Pending) -> Result<(), ServerError> {
+        // SSP/ASP: a contribution past the shard's next checkpoint cut waits.
+        if let Pending::Update { iteration, one: Some(w) } = p
+            && self.hold_for_cut(id, w, iteration)?
+        {
+            return Ok(());
+        }
         // An SSP/ASP source after its cutover applies nothing: it relays.
         if let (Pending::Update { one: Some(w), .. }, Some(r)) =
             (p, self.held_mut(id).and_then(|h| h.out.as_mut()).and_then(|o| o.relay.as_mut()))
@@ -448,6 +454,8 @@ impl<P: Fabric> Server<P> {
         // was removed (it carries the parameters over).
         if self.mode == eps_proto::Consistency::Bsp {
             self.try_complete(id)?;
+        } else {
+            self.try_cut(id)?;
         }
         self.try_split(id)
     }
