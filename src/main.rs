@@ -224,7 +224,7 @@ enum Cmd {
         #[arg(long)]
         control: SocketAddr,
     },
-    /// Take a checkpoint of a running job (BSP) and wait until it is complete.
+    /// Take a checkpoint of a running job and wait until it is complete.
     ///
     /// The control plane picks an iteration no worker has begun; every server
     /// saves its shards when it publishes that version (training pauses only
@@ -320,7 +320,7 @@ struct TrainArgs {
     /// take over and training goes on with nothing lost (BSP) [default: 1].
     #[arg(long, value_name = "N")]
     replicas: Option<u32>,
-    /// Write a checkpoint every N iterations (BSP) into --checkpoint-dir.
+    /// Write a checkpoint every N iterations into --checkpoint-dir.
     #[arg(long, value_name = "N")]
     checkpoint_every: Option<u64>,
     /// Where checkpoints go (one `ckpt-ITERATION` directory each).

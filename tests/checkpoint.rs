@@ -47,6 +47,23 @@ fn kill_group(pid: u32) {
     assert!(ok.success());
 }
 
+/// Runs `eps train args` (checkpointing into `dir`) in a process group of
+/// its own and SIGKILLs every process of it once `dir` holds a complete
+/// checkpoint at iteration 50 or later; returns the newest.
+fn kill_after_checkpoint(args: &[&str], dir: &Path) -> u64 {
+    let mut run = eps().arg("train").args(args).stdout(Stdio::null()).stderr(Stdio::null()).process_group(0).spawn().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while newest(dir).is_none_or(|v| v < 50) {
+        assert!(run.try_wait().unwrap().is_none(), "the run ended before its second checkpoint");
+        assert!(Instant::now() < deadline, "no checkpoint within 120 s");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    kill_group(run.id());
+    let status = run.wait().unwrap();
+    assert_eq!(status.signal(), Some(9), "killed, not finished");
+    newest(dir).unwrap()
+}
+
 fn resume_after_sigkill_equals_the_uninterrupted_run(dtype: &str) {
     let spec = spec_file("ckpt", dtype);
     let s = spec.to_str().unwrap();
@@ -55,23 +72,10 @@ fn resume_after_sigkill_equals_the_uninterrupted_run(dtype: &str) {
 
     let dir = tmp(&format!("{dtype}-dir"));
     let d = dir.to_str().unwrap();
-    let mut run = eps()
-        .args(["train", "--spec", s, "--dtype", dtype, "--checkpoint-every", "25", "--checkpoint-dir", d, "--keep", "2"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .process_group(0)
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while newest(&dir).is_none_or(|v| v < 50) {
-        assert!(run.try_wait().unwrap().is_none(), "the run ended before its second checkpoint");
-        assert!(Instant::now() < deadline, "no checkpoint within 120 s");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    kill_group(run.id());
-    let status = run.wait().unwrap();
-    assert_eq!(status.signal(), Some(9), "killed, not finished");
-    let at = newest(&dir).unwrap();
+    let at = kill_after_checkpoint(
+        &["--spec", s, "--dtype", dtype, "--checkpoint-every", "25", "--checkpoint-dir", d, "--keep", "2"],
+        &dir,
+    );
     assert!((50..300).contains(&at), "{at}");
     // Pruned to the newest two.
     assert!(!dir.join(eps_proto::checkpoint::dir_name(at - 50)).exists() || at < 75);
@@ -94,6 +98,59 @@ fn f32_resume_after_sigkill_of_every_process_is_bitwise() {
 #[test]
 fn bf16_resume_after_sigkill_of_every_process_is_bitwise() {
     resume_after_sigkill_equals_the_uninterrupted_run("bf16");
+}
+
+/// The headers of the pieces of checkpoint `at` in `dir`.
+fn piece_headers(dir: &Path, at: u64) -> Vec<eps_proto::checkpoint::PieceHeader> {
+    let ck = dir.join(eps_proto::checkpoint::dir_name(at));
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(&ck).unwrap().flatten() {
+        if e.path().extension().is_some_and(|x| x == "bin") {
+            let b = std::fs::read(e.path()).unwrap();
+            out.push(eps_proto::checkpoint::PieceHeader::decode(&b).unwrap());
+        }
+    }
+    assert!(!out.is_empty(), "{}", ck.display());
+    out
+}
+
+/// SSP and ASP: a checkpoint is a cut. Each of its pieces holds exactly the
+/// contributions of the iterations before it of both workers (2 per
+/// iteration), and resumed after SIGKILL of every process on another number
+/// of servers, the job's later checkpoints are cuts too: no contribution was
+/// lost or applied twice on the way (the workers' clocks would not match).
+fn a_cut_resumes_with_every_contribution_once(mode: &str) {
+    let spec = spec_file("ckpt", mode);
+    let s = spec.to_str().unwrap();
+    let dir = tmp(&format!("{mode}-dir"));
+    let d = dir.to_str().unwrap();
+    let args = ["--spec", s, "--consistency", mode, "--steps", "1200", "--checkpoint-every", "25", "--checkpoint-dir", d];
+    let at = kill_after_checkpoint(&args, &dir);
+    for h in piece_headers(&dir, at) {
+        assert_eq!((h.version, h.updates), (at, 2 * at), "{mode}: a piece of the checkpoint at {at}");
+    }
+    let resumed = train(&["--resume", d, "--servers", "3"]);
+    assert_eq!(json(&resumed, "resumed_at"), at.to_string());
+    assert_eq!(json(&resumed, "consistency"), mode);
+    let last = newest(&dir).unwrap();
+    assert!(last > at + 100, "{mode}: checkpoints after the resume: newest {last}");
+    for h in piece_headers(&dir, last) {
+        assert_eq!((h.version, h.updates), (last, 2 * last), "{mode}: a piece of the checkpoint at {last}, resumed at {at}");
+    }
+    let err = String::from_utf8_lossy(&resumed.stderr);
+    assert!(!err.contains("not in that checkpoint") && !err.contains("closing its connection"), "{err}");
+    std::fs::remove_dir_all(&dir).ok();
+    std::fs::remove_file(&spec).ok();
+}
+
+#[test]
+fn ssp_resume_after_sigkill_of_every_process_applies_every_contribution_once() {
+    a_cut_resumes_with_every_contribution_once("ssp");
+}
+
+#[test]
+fn asp_resume_after_sigkill_of_every_process_applies_every_contribution_once() {
+    a_cut_resumes_with_every_contribution_once("asp");
 }
 
 #[test]
@@ -209,11 +266,10 @@ fn bad_resumes_say_why() {
     let o = eps().args(["train", "--checkpoint-every", "5"]).output().unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("--checkpoint-dir"), "{err}");
-    // SSP has no single version to save.
-    let o =
-        eps().args(["train", "--consistency", "ssp", "--checkpoint-every", "5", "--checkpoint-dir", "/tmp/x"]).output().unwrap();
+    // At least one checkpoint is kept.
+    let o = eps().args(["train", "--checkpoint-every", "5", "--checkpoint-dir", "/tmp/x", "--keep", "0"]).output().unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success() && err.contains("BSP"), "{err}");
+    assert!(!o.status.success() && err.contains("keep at least 1"), "{err}");
     std::fs::remove_dir_all(&dir).ok();
 }
 

@@ -168,7 +168,7 @@ pub struct JobSection {
     /// CPU), `cpu` or `cuda` (command-line flags and the environment override it).
     #[serde(default)]
     pub aggregator: Option<String>,
-    /// Servers write a checkpoint every this many iterations (BSP; 0: never).
+    /// Servers write a checkpoint every this many iterations (0: never; in SSP/ASP a cut, see `checkpoint`).
     #[serde(default)]
     pub checkpoint_every: u64,
     /// Where checkpoints are written (one directory per checkpoint inside).
@@ -493,10 +493,8 @@ impl JobSpec {
                 return Err(bad("model.tensors.name", format!("tensor {:?} appears twice", t.name)));
             }
         }
-        if j.checkpoint_every > 0 {
-            if j.checkpoint_dir.as_deref().is_none_or(str::is_empty) {
-                return Err(bad("job.checkpoint_dir", "give the directory checkpoints are written to"));
-            }
+        if j.checkpoint_every > 0 && j.checkpoint_dir.as_deref().is_none_or(str::is_empty) {
+            return Err(bad("job.checkpoint_dir", "give the directory checkpoints are written to"));
         }
         if j.replicas == 0 || j.replicas > 2 {
             return Err(bad("job.replicas", "must be 1 or 2"));

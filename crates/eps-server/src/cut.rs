@@ -78,7 +78,10 @@ impl<P: Fabric> Server<P> {
         let values = if passed { None } else { self.mem.copy_state(id)? };
         let Some((start, len)) = self.mem.get(id).map(|b| (b.start, b.len)) else { return Ok(()) };
         if passed {
-            eprintln!("eps server {}: shard {id} is past iteration {t} (it arrived so): not in that checkpoint", self.rank);
+            eprintln!(
+                "eps server {}: shard {id} applied contributions of iteration {t} or later already: not in that checkpoint",
+                self.rank
+            );
         }
         let state_k = self.mem.state_k as u32;
         for dir in self.saver.due(t) {
