@@ -153,9 +153,35 @@ fn bsp_scale_events_end_bitwise_equal_to_a_static_run() {
 fn ssp_and_asp_scale_events_apply_every_contribution_once() {
     let spec = spec_file("async-scale", &SMALL.replace("steps = 25", "steps = 160"));
     for (mode, agg) in [("ssp", "cpu"), ("asp", "cpu"), ("asp", "host-device"), ("ssp", "host-direct")] {
-        let o =
-            train(&spec, &["--consistency", mode, "--scale-plan", "8:servers=2,30:servers=3,55:servers=1", "--aggregator", agg]);
+        // With the CPU aggregator, checkpoints too: shards hold contributions
+        // back at each cut while they migrate.
+        let ck = common::cli::tmp("async-scale", &format!("{mode}-{agg}-ck"));
+        let mut args = vec!["--consistency", mode, "--scale-plan", "8:servers=2,30:servers=3,55:servers=1", "--aggregator", agg];
+        if agg == "cpu" {
+            args.extend(["--checkpoint-every", "6", "--keep", "100", "--checkpoint-dir", ck.to_str().unwrap()]);
+        }
+        let o = train(&spec, &args);
         let log = String::from_utf8_lossy(&o.stderr);
+        if agg == "cpu" {
+            // Every checkpoint completed is a cut: each piece holds both
+            // workers' contributions of the iterations before it, no other.
+            let mut complete = 0;
+            for e in std::fs::read_dir(&ck).unwrap().flatten() {
+                let Some(t) = eps_proto::checkpoint::parse_dir_name(&e.file_name().to_string_lossy()) else { continue };
+                if !e.path().join(eps_proto::checkpoint::MANIFEST).exists() {
+                    continue;
+                }
+                complete += 1;
+                for p in
+                    std::fs::read_dir(e.path()).unwrap().flatten().filter(|p| p.path().extension().is_some_and(|x| x == "bin"))
+                {
+                    let h = eps_proto::checkpoint::PieceHeader::decode(&std::fs::read(p.path()).unwrap()).unwrap();
+                    assert_eq!((h.version, h.updates), (t, 2 * t), "{mode}: {}", p.path().display());
+                }
+            }
+            assert!(complete >= 10, "{mode}: {complete} checkpoints complete of 26; log:\n{log}");
+            std::fs::remove_dir_all(&ck).ok();
+        }
         assert_eq!(json_str(&o, "scale_events"), "3", "{mode}");
         let migrations: u64 = json_str(&o, "migrations").parse().unwrap();
         assert!(migrations >= 3, "{mode}: {migrations} migrations");

@@ -9,9 +9,11 @@
 //! shards are cut, and a resumed job starts every worker at `t`: none is lost
 //! or applied twice.
 //!
+//! A shard that moves away before its cut gives the contributions it held back
+//! to the move (they are relayed to the target, as updates parked then are).
 //! A shard that already applied a contribution of `t` or later (it arrived by
-//! a migration from a server that had not cut it) reports a miss: the
-//! checkpoint fails, and the next one is taken.
+//! a migration meanwhile) reports a miss: that checkpoint fails, and the next
+//! one is taken.
 
 use std::path::PathBuf;
 
@@ -35,9 +37,15 @@ impl<P: Fabric> Server<P> {
         self.saver.next_cut(after)
     }
 
-    /// Whether shard `id` holds contributions back for its cut.
-    pub(crate) fn holds_for_cut(&self, id: u32) -> bool {
-        self.saver.held.get(&id).is_some_and(|v| !v.is_empty())
+    /// Shard `id` moves away: the contributions it held back for its cut
+    /// wait as any parked update does (the move relays them to the target);
+    /// its cut is the target's to take.
+    pub(crate) fn unhold_for_move(&mut self, id: u32) {
+        let Some(held) = self.saver.held.remove(&id) else { return };
+        if let Some(h) = self.shards.get_mut(id as usize).and_then(Option::as_mut) {
+            h.waiting.extend(held.into_iter().map(|(w, iteration)| Pending::Update { iteration, one: Some(w) }));
+            h.sync.set_publish_waiting(!h.waiting.is_empty());
+        }
     }
 
     /// SSP/ASP: holds `worker`'s contribution of `iteration` back if shard
@@ -93,13 +101,10 @@ impl<P: Fabric> Server<P> {
     }
 
     /// Applies the contributions shard `id` held back (a later cut may hold
-    /// them again), then starts a move that waited for them.
+    /// them again).
     fn release_held(&mut self, id: u32) -> Result<(), ServerError> {
         for (w, iteration) in self.saver.held.remove(&id).unwrap_or_default() {
             self.update(id, Pending::Update { iteration, one: Some(w) })?;
-        }
-        if !self.holds_for_cut(id) {
-            self.start_parked_moves(id)?;
         }
         Ok(())
     }

@@ -117,6 +117,8 @@ impl<P: Fabric> Server<P> {
             self.spans.resize(id as usize + 1, (0, 0));
         }
         self.spans[id as usize] = (start, len);
+        // (SSP/ASP: its cuts start from the clocks it arrives with.)
+        self.saver.cuts.remove(&id);
         self.mem.add(id, start, len, Origin::Incoming)?;
         let sync = ShardSync::incoming(self.mode, self.ranks, 0);
         self.shards[id as usize] = Some(Held {
@@ -195,14 +197,14 @@ impl<P: Fabric> Server<P> {
         if h.out.is_some() {
             return Err(ServerError::Migration(format!("shard {id} is already migrating")));
         }
-        if self.replica_forwarding(id) || self.holds_for_cut(id) {
+        if self.replica_forwarding(id) {
             // The update applied is not served before its backup has it: the
             // snapshot waits for the acknowledgement (see `replica_acked`).
-            // (SSP/ASP: a shard holding contributions back for its checkpoint
-            // moves once it is saved and they are applied, see `cut.rs`.)
             self.parked_moves.push(Order::MigrateOut { shard: id, to, to_addr: addr.to_string(), keys });
             return Ok(());
         }
+        self.unhold_for_move(id);
+        let Some(h) = self.shards.get(id as usize).and_then(Option::as_ref) else { return Ok(()) };
         let v0 = h.sync.version();
         // SSP/ASP: the workers' clocks, less contributions parked here (they are
         // not in the snapshot; they are relayed after it).

@@ -259,7 +259,7 @@ impl<P: Fabric> Server<P> {
     }
 
     /// Starts the moves of shard `id` parked until its backup acknowledged.
-    pub(crate) fn start_parked_moves(&mut self, id: u32) -> Result<(), ServerError> {
+    fn start_parked_moves(&mut self, id: u32) -> Result<(), ServerError> {
         if self.replica_forwarding(id) {
             return Ok(());
         }
