@@ -134,14 +134,10 @@ impl ControlService {
         spec: &JobSpec,
         spec_text: &str,
         secret: Secret,
-        mut store: Box<dyn Store>,
+        store: Box<dyn Store>,
     ) -> Result<Self, ControlError> {
         let listener = TcpListener::bind(addr).map_err(|e| ControlError::Bind { addr, source: e })?;
-        let records = store.records().map_err(ControlError::Store)?;
         let spec_record = ControlMsg::Registered { rank: SPEC_RECORD_RANK, spec_toml: spec_text.to_string() };
-        if records.is_empty() {
-            store.append(&spec_record.encode()[4..]).map_err(ControlError::Store)?;
-        }
         let job = Job::new(spec, spec_text).map_err(|_| ControlError::Protocol("the job spec has no valid layout"))?;
         let lease = Duration::from_millis(spec.job.worker_lease_ms);
         let ckpt = Tracker::new(spec.job.checkpoint_keep);
@@ -157,15 +153,22 @@ impl ControlService {
             polled: HashMap::new(),
             server_lease: Duration::from_millis(spec.job.server_lease_ms),
         };
-        for (i, r) in records.iter().enumerate() {
-            let m = ControlMsg::decode(r).map_err(|_| ControlError::Protocol("corrupt record in the control store"))?;
-            if i == 0 {
-                if m != spec_record {
-                    return Err(ControlError::Protocol("the state directory belongs to a job with another spec"));
-                }
-                continue;
-            }
-            st.job.apply(&m).map_err(|_| ControlError::Protocol("the control store does not replay"))?;
+        // The store's records replayed one by one: the spec's first.
+        let (mut first, mut why) = (true, None);
+        let State { store, job, .. } = &mut st;
+        let replayed = store.replay(&mut |r| {
+            let m = ControlMsg::decode(r);
+            why = match (m, std::mem::take(&mut first)) {
+                (Err(_), _) => Some("corrupt record in the control store"),
+                (Ok(m), true) => (m != spec_record).then_some("the state directory belongs to a job with another spec"),
+                (Ok(m), false) => job.apply(&m).err().map(|_| "the control store does not replay"),
+            };
+            why.map_or(Ok(()), |w| Err(w.to_string()))
+        });
+        match replayed.map_err(ControlError::Store)? {
+            Ok(0) => st.store.append(&spec_record.encode()[4..]).map_err(ControlError::Store)?,
+            Ok(_) => {}
+            Err(_) => return Err(ControlError::Protocol(why.unwrap_or("the control store does not replay"))),
         }
         // A replayed job that had already finished has nothing left to serve.
         st.done_replied = st.job.done();

@@ -9,8 +9,53 @@ use std::path::{Path, PathBuf};
 pub trait Store: Send {
     /// Appends one record durably.
     fn append(&mut self, record: &[u8]) -> std::io::Result<()>;
+    /// Hands every record appended so far to `f`, in order, one at a time
+    /// (a long job's log is never held whole); stops at the first error `f`
+    /// returns. Returns how many records there were.
+    fn replay(&self, f: &mut dyn FnMut(&[u8]) -> Result<(), String>) -> std::io::Result<Result<u64, String>>;
+
     /// Every record appended so far, in order.
-    fn records(&self) -> std::io::Result<Vec<Vec<u8>>>;
+    fn records(&self) -> std::io::Result<Vec<Vec<u8>>> {
+        let mut out = Vec::new();
+        let _ = self.replay(&mut |r| {
+            out.push(r.to_vec());
+            Ok(())
+        })?;
+        Ok(out)
+    }
+}
+
+/// Reads `u32 length | bytes` records from `r` into `f` until the end or a
+/// torn record; returns (records, bytes of whole records) or `f`'s error.
+fn read_records(r: impl Read, f: &mut dyn FnMut(&[u8]) -> Result<(), String>) -> std::io::Result<Result<(u64, u64), String>> {
+    let mut r = std::io::BufReader::with_capacity(64 << 10, r);
+    let (mut n, mut valid) = (0u64, 0u64);
+    let mut rec = Vec::new();
+    loop {
+        let mut len = [0u8; 4];
+        // A torn last record (crash mid-append) ends the log.
+        if !read_whole(&mut r, &mut len)? {
+            return Ok(Ok((n, valid)));
+        }
+        rec.resize(u32::from_le_bytes(len) as usize, 0);
+        if !read_whole(&mut r, &mut rec)? {
+            return Ok(Ok((n, valid)));
+        }
+        if let Err(e) = f(&rec) {
+            return Ok(Err(e));
+        }
+        n += 1;
+        valid += 4 + rec.len() as u64;
+    }
+}
+
+/// Fills `buf` from `r`: false if the input ends first.
+fn read_whole(r: &mut impl Read, buf: &mut [u8]) -> std::io::Result<bool> {
+    match r.read_exact(buf) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Ok(false),
+        Err(e) => Err(e),
+    }
 }
 
 /// A file-backed [`Store`]: `u32 length | bytes` records, fsync'd per append.
@@ -30,7 +75,10 @@ impl FileStore {
         File::open(dir)?.sync_all()?;
         let s = Self { path, file };
         // Drop a torn last record (crash mid-append) so new records follow valid ones.
-        let valid: u64 = s.records()?.iter().map(|r| 4 + r.len() as u64).sum();
+        let valid = match read_records(File::open(&s.path)?, &mut |_| Ok(()))? {
+            Ok((_, valid)) => valid,
+            Err(_) => unreachable!("the visitor accepts every record"),
+        };
         if s.file.metadata()?.len() != valid {
             s.file.set_len(valid)?;
             s.file.sync_all()?;
@@ -48,21 +96,8 @@ impl Store for FileStore {
         self.file.sync_data()
     }
 
-    fn records(&self) -> std::io::Result<Vec<Vec<u8>>> {
-        let mut all = Vec::new();
-        File::open(&self.path)?.read_to_end(&mut all)?;
-        let mut out = Vec::new();
-        let mut rest = &all[..];
-        // A torn last record (crash mid-append) is ignored.
-        while rest.len() >= 4 {
-            let n = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]) as usize;
-            if rest.len() < 4 + n {
-                break;
-            }
-            out.push(rest[4..4 + n].to_vec());
-            rest = &rest[4 + n..];
-        }
-        Ok(out)
+    fn replay(&self, f: &mut dyn FnMut(&[u8]) -> Result<(), String>) -> std::io::Result<Result<u64, String>> {
+        Ok(read_records(File::open(&self.path)?, f)?.map(|(n, _)| n))
     }
 }
 
@@ -75,8 +110,13 @@ impl Store for MemStore {
         self.0.push(record.to_vec());
         Ok(())
     }
-    fn records(&self) -> std::io::Result<Vec<Vec<u8>>> {
-        Ok(self.0.clone())
+    fn replay(&self, f: &mut dyn FnMut(&[u8]) -> Result<(), String>) -> std::io::Result<Result<u64, String>> {
+        for r in &self.0 {
+            if let Err(e) = f(r) {
+                return Ok(Err(e));
+            }
+        }
+        Ok(Ok(self.0.len() as u64))
     }
 }
 
@@ -99,6 +139,13 @@ mod tests {
         f.write_all(&[9, 0, 0, 0, b'x']).unwrap();
         let s = FileStore::open(&dir).unwrap();
         assert_eq!(s.records().unwrap(), vec![b"one".to_vec(), b"".to_vec(), b"three".to_vec()]);
+        // A replay hands them over one at a time and stops where it is told.
+        let mut seen = Vec::new();
+        let r = s.replay(&mut |r| {
+            seen.push(r.len());
+            if r.is_empty() { Err("an empty one".into()) } else { Ok(()) }
+        });
+        assert_eq!((r.unwrap(), seen), (Err("an empty one".to_string()), vec![3, 0]));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
