@@ -127,6 +127,19 @@ fn agg_and_pushpull_benches_report_their_fields() {
 }
 
 #[test]
+fn the_replicas_bench_reports_both_and_their_ratio() {
+    let o = eps(&["bench", "replicas", "--runs", "1", "--steps", "30", "--json"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    let last = out.lines().last().unwrap();
+    for k in ["samples_per_s_replicas_1", "samples_per_s_replicas_2", "ratio", "cpu_s_per_1000_samples_replicas_2", "cpu_ratio"] {
+        assert!(json_field(last, k) > 0.0, "{k}: {last}");
+    }
+    let o = eps(&["bench", "replicas", "--servers", "1"]);
+    assert!(!o.status.success() && text(&o).contains("--servers must be 2"), "{}", text(&o));
+}
+
+#[test]
 fn a_worker_whose_servers_never_come_fails_with_a_message() {
     use std::io::{BufRead, BufReader};
     let dir = std::env::temp_dir().join(format!("eps-cli-noserver-{}", std::process::id()));

@@ -18,6 +18,7 @@ pub fn run(c: BenchCmd) -> Result<(), String> {
         BenchCmd::Migrate(a) => bench_migrate(a),
         BenchCmd::Fabric(a) => bench_fabric(a),
         BenchCmd::Agg(a) => bench_agg(a),
+        BenchCmd::Replicas(a) => crate::bench::replicas::run(a),
         BenchCmd::Gpu(a) => match a.emit_ptx {
             Some(dir) => crate::bench::gpu::emit_ptx(&dir),
             None => crate::bench::gpu::run(a.size, a.reps, a.json),
@@ -53,6 +54,15 @@ pub enum BenchCmd {
     /// step over --size bytes of parameters (7 f32 values moved per parameter);
     /// medians of --reps repetitions timed with CUDA events.
     Gpu(GpuArgs),
+    /// What a backup of every shard costs: training throughput with
+    /// `replicas = 2` against 1.
+    ///
+    /// Runs `eps train`'s job (or --spec) --runs times with each, alternating,
+    /// and reports the median samples/s of each and their ratio, with the CPU
+    /// time every process of the run spent per sample (from /proc) and how many
+    /// cores it kept busy: where the job keeps the cores busy, the throughput
+    /// ratio follows the CPU ratio.
+    Replicas(crate::bench::replicas::ReplicasArgs),
     /// Push + pull iterations of a model through real processes.
     ///
     /// Starts a control plane, --servers servers and --workers workers on 127.0.0.1

@@ -9,5 +9,6 @@ pub(crate) mod json;
 pub mod migrate;
 pub mod plot;
 pub mod pushpull;
+pub mod replicas;
 
 pub use json::Json;
