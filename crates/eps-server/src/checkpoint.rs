@@ -268,3 +268,38 @@ impl Restore {
         &self.dir
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn saver(periodic: Option<u64>, ordered: &[u64]) -> Saver {
+        Saver {
+            periodic: periodic.map(|n| (n, PathBuf::from("/ck"))),
+            steps: 100,
+            ordered: ordered.iter().map(|&t| (t, PathBuf::from("/op"))).collect(),
+            start: 0,
+            cuts: Default::default(),
+            held: Default::default(),
+            tx: None,
+            writer: None,
+        }
+    }
+
+    #[test]
+    fn cuts_come_at_multiples_and_ordered_iterations_before_the_last_step() {
+        let s = saver(Some(25), &[31, 10]);
+        assert_eq!(s.next_cut(0), Some(10));
+        assert_eq!(s.next_cut(10), Some(25));
+        assert_eq!(s.next_cut(25), Some(31));
+        assert_eq!(s.next_cut(31), Some(50));
+        // None at the last step or after it.
+        assert_eq!(s.next_cut(75), None);
+        assert_eq!(saver(None, &[]).next_cut(0), None);
+        // The directories a cut is saved into.
+        let both = saver(Some(10), &[20]);
+        assert_eq!(both.due(20), vec![PathBuf::from("/op"), PathBuf::from("/ck")]);
+        assert_eq!(both.due(30), vec![PathBuf::from("/ck")]);
+        assert!(both.due(31).is_empty());
+    }
+}
