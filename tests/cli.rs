@@ -128,7 +128,14 @@ fn agg_and_pushpull_benches_report_their_fields() {
 
 #[test]
 fn the_replicas_bench_reports_both_and_their_ratio() {
-    let o = eps(&["bench", "replicas", "--runs", "1", "--steps", "30", "--json"]);
+    // A small model: the bench runs four jobs.
+    let spec = std::env::temp_dir().join(format!("eps-cli-replicas-{}.toml", std::process::id()));
+    let small = "[job]\nworkers = 2\nservers = 2\nsteps = 30\nbatch = 32\nshard_bytes = 65536\n\
+                 [model]\npreset = \"synthetic\"\nbuckets = 16384\n";
+    std::fs::write(&spec, small).unwrap();
+    let o =
+        eps(&["bench", "replicas", "--spec", spec.to_str().unwrap(), "--runs", "1", "--steps", "30", "--servers", "2", "--json"]);
+    std::fs::remove_file(&spec).ok();
     assert!(o.status.success(), "{}", text(&o));
     let out = String::from_utf8_lossy(&o.stdout);
     let last = out.lines().last().unwrap();
