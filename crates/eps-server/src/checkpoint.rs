@@ -174,18 +174,23 @@ impl<P: Fabric> Server<P> {
         if self.mode != eps_proto::Consistency::Bsp {
             return self.on_cut_order(version, dir);
         }
-        let state_k = self.mem.state_k as u32;
         for id in self.mem.held().collect::<Vec<_>>() {
             let Some(h) = self.shards.get(id as usize).and_then(Option::as_ref) else { continue };
-            if h.sync.version() >= version
-                && let Some((start, len)) = self.mem.get(id).map(|b| (b.start, b.len))
-            {
-                let dir = PathBuf::from(dir);
-                self.saver.send(Piece { version, updates: 0, shard: id, start, len, state_k, dir, values: None });
+            if h.sync.version() >= version {
+                self.report_missed(id, version, dir);
             }
         }
         self.saver.ordered.push((version, PathBuf::from(dir)));
         Ok(())
+    }
+
+    /// Reports that shard `id` cannot be in the checkpoint at `version` in
+    /// `dir` (it is past it).
+    pub(crate) fn report_missed(&self, id: u32, version: u64, dir: &str) {
+        if let Some((start, len)) = self.mem.get(id).map(|b| (b.start, b.len)) {
+            let (state_k, dir) = (self.mem.state_k as u32, PathBuf::from(dir));
+            self.saver.send(Piece { version, updates: 0, shard: id, start, len, state_k, dir, values: None });
+        }
     }
 
     /// Finishes the writes of checkpoints (before the server reports it is done).

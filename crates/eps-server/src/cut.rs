@@ -114,15 +114,12 @@ impl<P: Fabric> Server<P> {
     /// their cut.
     pub(crate) fn on_cut_order(&mut self, t: u64, dir: &str) -> Result<(), ServerError> {
         self.saver.ordered.push((t, PathBuf::from(dir)));
-        let state_k = self.mem.state_k as u32;
         for id in self.mem.held().collect::<Vec<_>>() {
             // (The first sight of a shard sets its last cut.)
             let _ = self.next_cut(id);
             let Some(&last) = self.saver.cuts.get(&id) else { continue };
             if last >= t {
-                let Some((start, len)) = self.mem.get(id).map(|b| (b.start, b.len)) else { continue };
-                let dir = PathBuf::from(dir);
-                self.saver.send(Piece { version: t, updates: 0, shard: id, start, len, state_k, dir, values: None });
+                self.report_missed(id, t, dir);
             } else {
                 self.try_cut(id)?;
             }

@@ -390,7 +390,8 @@ pub fn run_direct<P: Fabric>(
     // A resumed job's shards start at the checkpoint's version (SSP/ASP: the
     // updates they had applied, with every worker's clock at its iteration).
     let first = match &restore {
-        Some(r) => r.updates()?,
+        Some(r) if spec.job.consistency != Consistency::Bsp => r.updates()?,
+        Some(r) => r.version(),
         None => 0,
     };
     let clock = restore.as_ref().map_or(0, checkpoint::Restore::version);
