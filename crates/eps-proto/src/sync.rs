@@ -155,6 +155,16 @@ impl ShardSync {
         s
     }
 
+    /// A backup that starts with its owner at `version` (the job's first
+    /// iteration; the same initial or restored values): forwards bring it up,
+    /// as they do a migration target, and it serves `version` too once
+    /// promoted (a worker may still need it for its first pull).
+    pub fn backup(mode: Consistency, workers: u32, version: u64) -> Self {
+        let mut s = Self::incoming(mode, workers, version);
+        s.floor = version;
+        s
+    }
+
     /// The snapshot of a migration target landed: the shard is at `version`,
     /// published from the snapshot (contributions already held stay). Pull
     /// requests waiting here for an earlier version are dropped and their workers

@@ -415,7 +415,7 @@ pub fn run_direct<P: Fabric>(
         mem.set_stamp(s.id, 1 - parity, eps_proto::layout::STAMP_WRITING);
         let sync = match backup_of {
             // Forwards bring it up from `first`; it serves nothing until promoted.
-            Some(_) => ShardSync::incoming(spec.job.consistency, ranks, first),
+            Some(_) => ShardSync::backup(spec.job.consistency, ranks, first),
             None => ShardSync::at_version(spec.job.consistency, ranks, first).resumed_at(clock),
         };
         shards[s.id as usize] = Some(Held {
@@ -424,7 +424,11 @@ pub fn run_direct<P: Fabric>(
             out: None,
             incoming: backup_of.map(|p| (p, None)),
             split: None,
-            replica: backup_of.map(|primary| replica::Replica::Backup { primary, snapshot: false, acked: 0 }),
+            replica: match backup_of {
+                Some(primary) => Some(replica::Replica::Backup { primary, snapshot: false, acked: 0 }),
+                None if spec.job.replicas > 1 => Some(replica::Replica::Awaited),
+                None => None,
+            },
             new_backup: None,
         });
     }
@@ -483,7 +487,8 @@ pub fn run_direct<P: Fabric>(
         spans: layout.shards.iter().map(|s| (s.start, s.len)).collect(),
         saver: checkpoint::Saver::start(cfg, rank, &spec)?,
     };
-    let owned = |id: u32| s.shards[id as usize].as_ref().is_some_and(|h| h.replica.is_none());
+    let owned =
+        |id: u32| s.shards[id as usize].as_ref().is_some_and(|h| !matches!(h.replica, Some(replica::Replica::Backup { .. })));
     let endpoints: Vec<ShardEndpoint> = s.mem.held().filter(|&id| owned(id)).filter_map(|id| s.endpoint(id)).collect();
     s.ctl.call(&ControlMsg::ServerReady { rank, fabric_addr, shards: endpoints })?;
     s.report_backups()?;

@@ -55,7 +55,10 @@ impl<P: Fabric> Server<P> {
     pub(crate) fn try_complete(&mut self, id: u32) -> Result<(), ServerError> {
         let Some(h) = self.shards[id as usize].as_ref() else { return Ok(()) };
         let v = h.sync.version();
-        if self.unsettled(v) {
+        // An update applied and waiting for the backup's acknowledgement has
+        // not freed its slots yet: they are not a complete iteration again
+        // (the version is served, and this checked again, on the ack).
+        if self.unsettled(v) || self.replica_deferred(id) {
             return Ok(());
         }
         let c = h.sync.contributors(&self.membership, &self.lost, v);

@@ -94,6 +94,7 @@ impl<P: Fabric> Server<P> {
             Order::Promote { shard } => self.on_promote(shard),
             Order::Unreplicate { shard } => self.on_unreplicate(shard),
             Order::DropBackup { shard } => self.on_drop_backup(shard),
+            Order::NoBackup { shard } => self.on_no_backup(shard),
             Order::FreeLanding { shard } => {
                 // The oldest move away: orders come in order, and a later
                 // move of the shard away from here comes after this one.
@@ -204,6 +205,13 @@ impl<P: Fabric> Server<P> {
             return Ok(());
         }
         self.unhold_for_move(id);
+        if self.replica_awaited(id)
+            && let Some(h) = self.held_mut(id)
+        {
+            // Its backup was never reported (the control plane makes one
+            // after the move): the updates it parked go with it.
+            h.replica = None;
+        }
         let Some(h) = self.shards.get(id as usize).and_then(Option::as_ref) else { return Ok(()) };
         let v0 = h.sync.version();
         // SSP/ASP: the workers' clocks, less contributions parked here (they are

@@ -63,6 +63,11 @@ pub(crate) enum Replica {
     /// A backup promoted to owner: pushes of iterations before its version,
     /// sent again after the loss, were applied already.
     Promoted,
+    /// The owner of a shard the job starts with, before the control plane
+    /// said where its backup is (`Replicate`) or that it has none
+    /// (`NoBackup`): no update runs, so the backup's first forward is the
+    /// first update (the owner may hear of workers before of its backup).
+    Awaited,
 }
 
 impl<P: Fabric> Server<P> {
@@ -98,7 +103,9 @@ impl<P: Fabric> Server<P> {
             return Err(ServerError::Migration(format!("shard {id} left while its backup was replaced")));
         };
         let version = h.sync.version();
-        let Some(ci) = self.forward_conn(id, to, addr, "the shard goes on without a backup")? else { return Ok(()) };
+        // (Updates parked while the backup was awaited run now, unless a
+        // snapshot is written first.)
+        let Some(ci) = self.forward_conn(id, to, addr, "the shard goes on without a backup")? else { return self.drain(id) };
         if snapshot {
             // Between updates (this loop does one thing at a time); none runs
             // until the WRITE is done (`snapshotting`).
@@ -118,7 +125,7 @@ impl<P: Fabric> Server<P> {
         }
         let how = if snapshot { format!(" (a new backup, from version {version})") } else { String::new() };
         eprintln!("eps server {}: shard {id} is replicated on server {to}{how}", self.rank);
-        Ok(())
+        self.drain(id)
     }
 
     /// The snapshot for shard `id`'s new backup is written: updates go on.
@@ -152,6 +159,11 @@ impl<P: Fabric> Server<P> {
 
     /// Shard `id` forwards to no backup from now on; the control plane is told.
     fn stop_replicating(&mut self, id: u32) -> Result<(), ServerError> {
+        if let Some(h) = self.held_mut(id)
+            && matches!(h.replica, Some(Replica::Awaited))
+        {
+            h.replica = None;
+        }
         if let Some(h) = self.held_mut(id)
             && let Some(Replica::Primary { promoted, .. }) = h.replica
         {
@@ -233,7 +245,41 @@ impl<P: Fabric> Server<P> {
     /// update before a move waiting for that starts.
     pub(crate) fn replica_busy(&self, id: u32) -> bool {
         self.replica_forwarding(id)
+            || self.replica_awaited(id)
             || self.parked_moves.iter().any(|o| matches!(o, Order::MigrateOut { shard, .. } if *shard == id))
+    }
+
+    /// Whether shard `id` waits to be told where its backup is.
+    pub(crate) fn replica_awaited(&self, id: u32) -> bool {
+        let h = self.shards.get(id as usize).and_then(Option::as_ref);
+        matches!(h.and_then(|h| h.replica.as_ref()), Some(Replica::Awaited))
+    }
+
+    /// The control plane says shard `id` has no backup now and none can be
+    /// made: it is served alone (what waited for a lost backup is served).
+    pub(crate) fn on_no_backup(&mut self, id: u32) -> Result<(), ServerError> {
+        let Some(h) = self.held_mut(id) else { return Ok(()) };
+        let d = match h.replica.take() {
+            Some(Replica::Primary { waiting, promoted, .. }) => {
+                h.replica = promoted.then_some(Replica::Promoted);
+                waiting
+            }
+            Some(Replica::Awaited) => None,
+            r @ (Some(Replica::Promoted) | None) => {
+                h.replica = r;
+                return Ok(()); // served alone already
+            }
+            Some(other) => {
+                h.replica = Some(other);
+                return Err(ServerError::Migration(format!("told shard {id} has no backup, but it is one here")));
+            }
+        };
+        self.release_forward_buffer(id);
+        eprintln!("eps server {}: shard {id} has no backup (none can be made now); it is served alone", self.rank);
+        if let Some(d) = d {
+            self.finish_update(id, d)?;
+        }
+        self.drain(id)
     }
 
     /// Whether a forward or snapshot of shard `id` to its backup is in flight.
@@ -243,6 +289,13 @@ impl<P: Fabric> Server<P> {
             Some(Replica::Primary { waiting, snapshotting, .. }) => waiting.is_some() || *snapshotting,
             _ => false,
         }
+    }
+
+    /// Whether an update of shard `id` is applied and waits for the backup's
+    /// acknowledgement before it is served.
+    pub(crate) fn replica_deferred(&self, id: u32) -> bool {
+        let h = self.shards.get(id as usize).and_then(Option::as_ref);
+        matches!(h.and_then(|h| h.replica.as_ref()), Some(Replica::Primary { waiting: Some(_), .. }))
     }
 
     /// Orders shard `id` the new backup it was given while it still arrived,

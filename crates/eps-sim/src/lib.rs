@@ -58,6 +58,10 @@ pub struct Report {
     pub empty_updates: u64,
     /// Shard splits.
     pub splits: u64,
+    /// Servers crashed (jobs with replicas: their backups are promoted).
+    pub server_crashes: u64,
+    /// Runs with two replicas of every shard.
+    pub replicated: u64,
 }
 
 /// A run that broke an invariant or stopped making progress.
@@ -110,6 +114,9 @@ pub(crate) struct World {
     /// Workers at the start.
     workers0: u32,
     servers: Vec<Option<SimServer>>,
+    /// Servers crashed (their slot in `servers` is empty).
+    down: BTreeSet<u32>,
+    replicas: u32,
     orders_after: Vec<u64>,
     workers: BTreeMap<u32, Option<SimWorker>>,
     /// Workers whose watcher still runs (they get maps and renew their lease).
@@ -238,17 +245,20 @@ impl World {
         }
     }
 
-    fn start_server(&mut self, shards: &[(u32, u64, u64)]) {
+    fn start_server(&mut self, shards: &[(u32, u64, u64)], backups: &[(u32, u64, u64, u32)]) {
         let reg = self.job.apply(&ControlMsg::Register { role: Role::Server, fabric_addr: String::new() });
         let Ok(ControlMsg::Registered { rank, .. }) = reg else { return };
-        let s = SimServer::new(rank, self.ranks, self.workers0, shards, init_value);
-        self.servers.push(Some(s));
+        let s = SimServer::new(rank, self.ranks, self.workers0, shards, backups, self.replicas > 1, init_value);
+        self.servers.push(None);
         self.orders_after.push(0);
         let eps = shards.iter().map(|&(id, _, _)| server::endpoint(id, rank)).collect();
         if let Err(e) = self.ctl(&ControlMsg::ServerReady { rank, fabric_addr: format!("sim:{rank}"), shards: eps }) {
             self.fail(format!("server {rank} ready refused: {e}"));
         }
-        self.note(format!("server {rank} started with shards {shards:?}"));
+        let mut s = s;
+        s.report_backups(self);
+        self.servers[rank as usize] = Some(s);
+        self.note(format!("server {rank} started with shards {shards:?}, backups {backups:?}"));
     }
 
     fn start_worker(&mut self) {
@@ -266,7 +276,7 @@ impl World {
         match to {
             Node::Server(r) => {
                 let Some(mut s) = self.servers.get_mut(r as usize).and_then(Option::take) else { return };
-                s.handle(self, msg);
+                s.handle(self, from, msg);
                 self.servers[r as usize] = Some(s);
             }
             Node::Worker(r) => {
@@ -277,6 +287,15 @@ impl World {
             Node::Ctl => match msg {
                 Msg::Tick => self.lease_tick(),
                 Msg::Plan => self.plan_step(),
+                Msg::Lost { s } if !self.job.server_serving(s) => {
+                    self.note(format!("server {s} retired before its loss was seen"))
+                }
+                Msg::Lost { s } => {
+                    self.note(format!("server {s} declared lost"));
+                    if let Err(e) = self.ctl(&ControlMsg::ServerLost { rank: s }) {
+                        self.fail(format!("declaring server {s} lost: {e}"));
+                    }
+                }
                 m => self.fail(format!("control got {m:?} from {from:?}")),
             },
         }
@@ -313,7 +332,10 @@ impl World {
         }
         self.plan_left -= 1;
         let roll = self.rng.range(0, 99);
-        if roll < 40 {
+        if roll < 40 && self.replicas > 1 {
+            // (Jobs with replicas do not scale their servers here: crashes.)
+            self.try_crash_server();
+        } else if roll < 40 {
             let n = self.rng.range(1, 4) as u32;
             if self.ctl(&ControlMsg::Scale { servers: n }).is_ok() {
                 self.report.scales.0 += 1;
@@ -321,7 +343,7 @@ impl World {
                 // Start the servers the control plane made room for.
                 loop {
                     let before = self.servers.len();
-                    self.start_server(&[]);
+                    self.start_server(&[], &[]);
                     if self.servers.len() == before || self.failure.is_some() {
                         break;
                     }
@@ -365,6 +387,47 @@ impl World {
         for s in 0..self.servers.len() as u32 {
             self.send(Node::Worker(r), Node::Server(s), Msg::ConnLost { w: r });
         }
+    }
+
+    /// Crashes a server whose every shard has a backup that can be promoted,
+    /// while another server stays and no earlier crash is still undeclared.
+    fn try_crash_server(&mut self) {
+        let live: Vec<u32> = self.job.job_map().servers.iter().map(|(r, _)| *r).filter(|r| !self.down.contains(r)).collect();
+        if live.len() < 2 || self.down.len() > self.job.lost_servers().len() || self.report.server_crashes >= 2 {
+            return;
+        }
+        let safe: Vec<u32> = live.into_iter().filter(|&r| self.job.unprotected_on(r).is_empty()).collect();
+        if safe.is_empty() {
+            return;
+        }
+        let r = safe[self.rng.range(0, safe.len() as u64 - 1) as usize];
+        let Some(s) = self.servers.get_mut(r as usize).and_then(Option::take) else { return };
+        self.down.insert(r);
+        self.report.server_crashes += 1;
+        // Each connection breaks at some point of its stream; what it kept
+        // from landing is lost, and so are the pushes the server held.
+        let cut = self.net.cut(Node::Server(r), &mut self.rng);
+        for (worker, us, t) in s.crash_losses(&cut) {
+            self.unaccept(worker, us, t);
+        }
+        self.note(format!("server {r} crashed ({} messages cut): {}", cut.len(), s.describe()));
+        let peers: Vec<Node> = (0..self.servers.len() as u32)
+            .filter(|&x| self.servers[x as usize].is_some())
+            .map(Node::Server)
+            .chain(self.watching.iter().map(|&w| Node::Worker(w)))
+            .collect();
+        for p in peers {
+            self.send(Node::Server(r), p, Msg::ServerGone { s: r });
+        }
+        // The control plane declares it lost after everything it sent that
+        // still lands has landed (its lease lapses long after).
+        let d = 2 * self.net.max_delay + self.rng.range(1, LEASE);
+        self.net.send_after(Node::Ctl, Node::Ctl, Msg::Lost { s: r }, d);
+    }
+
+    /// Whether server `rank` crashed.
+    pub(crate) fn crashed(&self, rank: u32) -> bool {
+        self.down.contains(&rank)
     }
 
     /// Pushes of `shard` to server `rank` in flight.
@@ -501,12 +564,14 @@ pub fn run(seed: u64) -> Result<Report, Failure> {
     let units = rng.range(1, 8);
     // Shards of one to four units: adding a server splits some.
     let shard_units = rng.range(1, 4);
-    let servers = rng.range(1, 3) as u32;
+    // A third of the jobs keep a backup of every shard; their servers crash.
+    let replicas = if rng.range(0, 2) == 0 { 2 } else { 1 };
+    let servers = if replicas > 1 { rng.range(2, 4) } else { rng.range(1, 3) } as u32;
     let workers = rng.range(1, 3) as u32;
     let steps = rng.range(12, STEPS_MAX);
     let max_workers = workers + 4;
     let text = format!(
-        "[job]\nworkers = {workers}\nservers = {servers}\nsteps = {steps}\nmax_workers = {max_workers}\nshard_bytes = {}\n\
+        "[job]\nworkers = {workers}\nservers = {servers}\nsteps = {steps}\nmax_workers = {max_workers}\nreplicas = {replicas}\nshard_bytes = {}\n\
          [model]\ntensors = [{{ name = \"w\", elements = {} }}]\n",
         shard_units * 4 * UNIT,
         units * UNIT
@@ -524,6 +589,8 @@ pub fn run(seed: u64) -> Result<Report, Failure> {
         ranks: max_workers,
         workers0: workers,
         servers: Vec::new(),
+        down: BTreeSet::new(),
+        replicas,
         orders_after: Vec::new(),
         workers: BTreeMap::new(),
         watching: BTreeSet::new(),
@@ -542,7 +609,9 @@ pub fn run(seed: u64) -> Result<Report, Failure> {
     };
     for r in 0..servers {
         let mine: Vec<(u32, u64, u64)> = layout.shards_of(r).map(|s| (s.id, s.start, s.len)).collect();
-        w.start_server(&mine);
+        let backups: Vec<(u32, u64, u64, u32)> =
+            if replicas > 1 { layout.backups_of(r).map(|s| (s.id, s.start, s.len, s.server)).collect() } else { Vec::new() };
+        w.start_server(&mine, &backups);
     }
     for u in 0..w.units {
         w.published.insert((u, 0), init_value(u));
@@ -583,6 +652,7 @@ pub fn run(seed: u64) -> Result<Report, Failure> {
     w.report.migrations = w.migrations;
     w.report.empty_updates = w.empty_updates;
     w.report.splits = w.splits;
+    w.report.replicated = u64::from(replicas > 1);
     Ok(w.report)
 }
 

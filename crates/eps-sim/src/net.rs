@@ -49,6 +49,13 @@ pub enum Msg {
     /// Source -> target: the cutover is at the snapshot's version; no forward
     /// follows.
     NoForwards { shard: u32 },
+    /// Owner -> itself: the snapshot for a new backup is written.
+    ReplicaSnapshotDone { shard: u32 },
+    /// Server `s` crashed: its connections failed (the last thing heard from it
+    /// on each channel).
+    ServerGone { s: u32 },
+    /// The control plane's view: server `s` stopped renewing and is declared lost.
+    Lost { s: u32 },
     /// Control -> server: new orders.
     Orders(Vec<Order>),
     /// Control -> worker: a newer map (the worker's long poll).
@@ -162,6 +169,25 @@ impl Net {
     /// connection never completes).
     pub fn discard(&mut self, f: impl Fn(&Node, &Node, &Msg) -> bool) {
         self.pending.retain(|_, (from, to, m)| !f(from, to, m));
+    }
+
+    /// A crash of `node`: what it sent is cut at a random point per channel (a
+    /// prefix of each channel still lands, as the connection breaks at some
+    /// point of its stream), and its own timers and completions go. Returns
+    /// the messages cut, in the order they were sent.
+    pub fn cut(&mut self, node: Node, rng: &mut Rng) -> Vec<(Node, Node, Msg)> {
+        let mut broken: BTreeMap<Node, bool> = BTreeMap::new();
+        let mut gone = Vec::new();
+        let seqs: Vec<u64> = self.pending.iter().filter(|(_, (f, _, _))| *f == node).map(|(&s, _)| s).collect();
+        for seq in seqs {
+            let to = self.pending[&seq].1;
+            let cut = to == node || *broken.entry(to).or_insert(false) || rng.range(0, 2) == 0;
+            broken.insert(to, cut);
+            if cut && let Some(m) = self.pending.remove(&seq) {
+                gone.push(m);
+            }
+        }
+        gone
     }
 
     /// Deliveries still queued.

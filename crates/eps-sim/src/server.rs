@@ -1,7 +1,10 @@
 //! A server as the simulation runs it: the decisions of `eps-server` (push and
 //! pull handling, held updates, the migration source and target, membership
-//! votes and commits, splits) over the same protocol cores, with a 64-bit digest
-//! per alignment unit standing in for each shard's parameters.
+//! votes and commits, splits, backups and their promotion) over the same
+//! protocol cores, with a 64-bit digest per alignment unit standing in for each
+//! shard's parameters.
+
+mod replica;
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
@@ -13,6 +16,7 @@ use eps_proto::sync::{PushOutcome, ShardSync};
 
 use crate::net::{Msg, Node, h2};
 use crate::{World, units};
+use replica::Rep;
 
 /// An update waiting for its shard to be free.
 #[derive(Clone, Debug)]
@@ -49,6 +53,8 @@ struct Shard {
     incoming: Option<(u32, bool)>,
     /// A split ordered: (first element of the upper part, lower id, upper id).
     split: Option<(u64, u32, u32)>,
+    /// Its part in replication (`job.replicas = 2`).
+    replica: Option<Rep>,
 }
 
 impl Shard {
@@ -62,6 +68,7 @@ impl Shard {
             out: None,
             incoming: None,
             split: None,
+            replica: None,
         }
     }
 
@@ -81,6 +88,8 @@ pub(crate) struct SimServer {
     pub(crate) retired: bool,
     /// Workers whose connection closed.
     dead: BTreeSet<u32>,
+    /// Servers whose connection failed (they crashed).
+    gone: BTreeSet<u32>,
     /// (worker, shard) whose last push was answered "moved".
     moved_pushes: BTreeSet<(u32, u32)>,
     /// Pull WRITEs posted and not completed: (worker, shard, version) -> count.
@@ -96,8 +105,17 @@ pub(crate) fn endpoint(shard: u32, owner: u32) -> ShardEndpoint {
 
 impl SimServer {
     /// A server holding `shards` (id, first element, elements) at version 0
-    /// (unit values from `init`).
-    pub(crate) fn new(rank: u32, ranks: u32, workers: u32, shards: &[(u32, u64, u64)], init: impl Fn(usize) -> u64) -> Self {
+    /// (unit values from `init`), and the backups of `backups` (the same, and
+    /// the owner's rank).
+    pub(crate) fn new(
+        rank: u32,
+        ranks: u32,
+        workers: u32,
+        shards: &[(u32, u64, u64)],
+        backups: &[(u32, u64, u64, u32)],
+        replicated: bool,
+        init: impl Fn(usize) -> u64,
+    ) -> Self {
         let mut s = Self {
             rank,
             shards: BTreeMap::new(),
@@ -107,6 +125,7 @@ impl SimServer {
             retired: false,
             released: BTreeMap::new(),
             dead: BTreeSet::new(),
+            gone: BTreeSet::new(),
             moved_pushes: BTreeSet::new(),
             pulls_out: BTreeMap::new(),
             ranks,
@@ -114,6 +133,17 @@ impl SimServer {
         for &(id, start, len) in shards {
             let mut sh = Shard::new((start, len), ShardSync::new(Consistency::Bsp, ranks), ranks);
             sh.vals.insert(0, units(start, len).map(&init).collect());
+            // With replicas, no update before it hears of its backup.
+            sh.replica = replicated.then_some(Rep::Awaited);
+            s.shards.insert(id, sh);
+        }
+        for &(id, start, len, primary) in backups {
+            // `eps-server`: forwards bring it up from version 0; it serves
+            // nothing until promoted.
+            let mut sh = Shard::new((start, len), ShardSync::backup(Consistency::Bsp, ranks, 0), ranks);
+            sh.vals.insert(0, units(start, len).map(&init).collect());
+            sh.incoming = Some((primary, true));
+            sh.replica = Some(Rep::Backup { primary });
             s.shards.insert(id, sh);
         }
         s
@@ -123,7 +153,12 @@ impl SimServer {
     /// has it): it holds the shard and neither a migration nor a snapshot floor
     /// refuses the version.
     pub(crate) fn serves(&self, shard: u32, need: u64) -> bool {
-        self.shards.get(&shard).is_some_and(|sh| sh.sync.serves(need) && sh.out.as_ref().is_none_or(|o| o.src.serves(need)))
+        self.shards.get(&shard).is_some_and(|sh| {
+            sh.sync.serves(need)
+                && sh.out.as_ref().is_none_or(|o| o.src.serves(need))
+                && !(matches!(sh.replica, Some(Rep::Backup { .. }))
+                    && sh.incoming == Some((sh.incoming.map_or(0, |i| i.0), false)))
+        })
     }
 
     /// Whether this server can serve version `need` of alignment unit `unit`
@@ -143,13 +178,14 @@ impl SimServer {
         );
         for (id, sh) in &self.shards {
             t += &format!(
-                "[shard {id} units {:?} v{} waiting {} out {:?} in {:?} split {:?} slots {:?}] ",
+                "[shard {id} units {:?} v{} waiting {} out {:?} in {:?} split {:?} replica {:?} slots {:?}] ",
                 sh.units(),
                 sh.sync.version(),
                 sh.waiting.len(),
                 sh.out.as_ref().map(|o| (o.src.phase(), o.to, o.snapshot_busy, o.forward_busy)),
                 sh.incoming,
                 sh.split,
+                sh.replica,
                 sh.landing.iter().enumerate().filter_map(|(r, l)| l.as_ref().map(|l| (r, l.0))).collect::<Vec<_>>()
             );
         }
@@ -157,7 +193,7 @@ impl SimServer {
     }
 
     /// Handles one delivery.
-    pub(crate) fn handle(&mut self, w: &mut World, msg: Msg) {
+    pub(crate) fn handle(&mut self, w: &mut World, from: Node, msg: Msg) {
         if self.retired {
             return;
         }
@@ -169,7 +205,10 @@ impl SimServer {
             Msg::Snapshot { shard, v, value } => self.on_snapshot(w, shard, v, value),
             Msg::SnapshotDone { shard } => self.on_snapshot_done(w, shard),
             Msg::Forward { shard, v, digest } => self.on_forward(w, shard, v, digest),
+            Msg::ForwardAck { shard, v } if self.forwards_to(shard, from) => self.replica_acked(w, shard, v),
             Msg::ForwardAck { shard, v } => self.on_ack(w, shard, v),
+            Msg::ReplicaSnapshotDone { shard } => self.replica_snapshot_done(w, shard),
+            Msg::ServerGone { s } => self.peer_gone(w, s),
             Msg::NoForwards { shard } => {
                 // The notice may cross this server's own migration of the shard
                 // onward (its order comes from the control plane): then ignored.
@@ -202,6 +241,10 @@ impl SimServer {
         if sh.out.as_ref().is_some_and(|o| future || o.src.accepts_push(t).is_err()) {
             self.moved_pushes.insert((r, id));
             w.send(me, Node::Worker(r), Msg::Moved { shard: id, t });
+            return;
+        }
+        if sh.replica.as_ref().is_some_and(|r| r.promoted()) && t < sh.sync.version() {
+            // Pushed again after the owner was lost; its pull is answered.
             return;
         }
         if token.len() != sh.units().len() {
@@ -293,9 +336,13 @@ impl SimServer {
     }
 
     fn free(&self, id: u32) -> bool {
-        self.shards.get(&id).is_some_and(|sh| {
-            sh.sync.can_publish() && sh.waiting.is_empty() && sh.out.as_ref().is_none_or(|o| !(o.snapshot_busy || o.forward_busy))
-        })
+        self.shards.get(&id).is_some_and(|sh| sh.sync.can_publish() && sh.waiting.is_empty() && !Self::busy(sh))
+    }
+
+    /// A snapshot or forward of the shard is in flight (to a move's target or
+    /// to its backup): no update may run.
+    fn busy(sh: &Shard) -> bool {
+        sh.out.as_ref().is_some_and(|o| o.snapshot_busy || o.forward_busy) || sh.replica.as_ref().is_some_and(Rep::busy)
     }
 
     fn update(&mut self, w: &mut World, id: u32, p: Pending) {
@@ -316,8 +363,7 @@ impl SimServer {
     fn drain(&mut self, w: &mut World, id: u32) {
         loop {
             let Some(sh) = self.shards.get_mut(&id) else { return };
-            let busy = sh.out.as_ref().is_some_and(|o| o.snapshot_busy || o.forward_busy);
-            if !sh.sync.can_publish() || busy {
+            if !sh.sync.can_publish() || Self::busy(sh) {
                 return;
             }
             let Some(p) = sh.waiting.pop_front() else { return self.try_split(w, id) };
@@ -334,6 +380,7 @@ impl SimServer {
         let Some(old) = sh.vals.get(&version).cloned() else {
             return w.fail(format!("server {rank}: shard {id} has no value for its version {version}"));
         };
+        let mut applied = None;
         let digest = match p.clone() {
             Pending::Update(iteration) => {
                 if iteration != version {
@@ -362,21 +409,46 @@ impl SimServer {
                         sh.landing[r]
                     ));
                 }
-                sh.sync.published(None);
+                applied = Some((iteration, c));
                 d
             }
             Pending::Forward { v, digest } => {
                 if v != next {
                     return w.fail(format!("server {rank}: forward of version {v} of shard {id} applied at version {version}"));
                 }
-                sh.sync.forwarded();
                 digest
             }
         };
         let value: Vec<u64> = old.iter().zip(&digest).map(|(&o, &d)| h2(h2(o, version), d)).collect();
-        let first = sh.units().start;
-        sh.vals.insert(next, value.clone());
+        sh.vals.insert(next, value);
+        // A replicated shard serves the version once its backup has it.
+        if let Some((iteration, c)) = applied
+            && self.forward_to_backup(
+                w,
+                id,
+                replica::Deferred { version: next, iteration, contributors: c, digest: digest.clone() },
+            )
+        {
+            return;
+        }
+        self.finish(w, id, p, next, digest);
+    }
+
+    /// The end of an update that produced version `next`: the version is
+    /// served (and forwarded, on a migration source), pulls go out, and the
+    /// next iteration may complete.
+    fn finish(&mut self, w: &mut World, id: u32, p: Pending, next: u64, digest: Vec<u64>) {
+        let rank = self.rank;
+        let Some(sh) = self.shards.get_mut(&id) else { return };
+        match p {
+            Pending::Update(_) => sh.sync.published(None),
+            Pending::Forward { .. } => sh.sync.forwarded(),
+        };
         sh.sync.set_publish_waiting(!sh.waiting.is_empty());
+        let first = sh.units().start;
+        let Some(value) = sh.vals.get(&next).cloned() else {
+            return w.fail(format!("server {rank}: shard {id} lost version {next} before serving it"));
+        };
         w.publish(rank, id, first, next, &value);
         self.after_apply(w, id, p, next, digest);
         let mut ready = Vec::new();
@@ -413,7 +485,9 @@ impl SimServer {
     fn try_complete(&mut self, w: &mut World, id: u32) {
         let Some(sh) = self.shards.get(&id) else { return };
         let v = sh.sync.version();
-        if self.hold.is_some_and(|h| v >= h) {
+        // `Server::try_complete`: not while an update waits for the backup's
+        // acknowledgement (its slots are not freed yet).
+        if self.hold.is_some_and(|h| v >= h) || matches!(sh.replica, Some(Rep::Primary { waiting: Some(_), .. })) {
             return;
         }
         let c = sh.sync.contributors(&self.membership, &self.lost, v);
@@ -435,6 +509,12 @@ impl SimServer {
         w.publish(self.rank, id, first, v, &value);
         sh.vals.insert(v, value);
         sh.incoming = Some((from, true));
+        if matches!(sh.replica, Some(Rep::Backup { .. }))
+            && let Err(e) = w.ctl(&ControlMsg::BackupSynced { shard: id, rank: self.rank })
+        {
+            return w.fail(format!("server {}: the control plane refused the snapshot of backup {id}: {e}", self.rank));
+        }
+        let Some(sh) = self.shards.get_mut(&id) else { return };
         for r in moved {
             w.send(me, Node::Worker(r), Msg::PullMoved { shard: id });
         }
@@ -551,6 +631,10 @@ impl SimServer {
                 let Some(value) = sh.vals.get(&v0).cloned() else {
                     return w.fail(format!("server {rank}: shard {shard} has no value at version {v0}"));
                 };
+                if matches!(sh.replica, Some(Rep::Awaited)) {
+                    // `migrate_out`: its backup was never reported.
+                    sh.replica = None;
+                }
                 sh.out = Some(Out { src: Source::start(v0), to, snapshot_busy: true, forward_busy: false, last_forward: v0 });
                 let at = w.send(me, Node::Server(to), Msg::Snapshot { shard, v: v0, value });
                 w.complete_after(me, Msg::SnapshotDone { shard }, at);
@@ -568,12 +652,12 @@ impl SimServer {
             Order::Release { shard } => w.fail(format!("server {rank}: SSP/ASP release of shard {shard} in a BSP job")),
             // The simulation takes no checkpoints (nothing orders one).
             Order::Checkpoint { version, .. } => w.fail(format!("server {rank}: ordered a checkpoint at {version}")),
-            // Nor replicas (jobs keep one copy of each shard).
-            Order::Replicate { shard, .. }
-            | Order::Promote { shard }
-            | Order::AddBackup { shard, .. }
-            | Order::Unreplicate { shard }
-            | Order::DropBackup { shard } => w.fail(format!("server {rank}: ordered to replicate or promote shard {shard}")),
+            Order::Replicate { shard, to, snapshot, .. } => self.on_replicate(w, shard, to, snapshot),
+            Order::AddBackup { shard, from, start, len } => self.on_add_backup(w, shard, from, start, len),
+            Order::Promote { shard } => self.on_promote(w, shard),
+            Order::Unreplicate { shard } => self.on_unreplicate(w, shard),
+            Order::DropBackup { shard } => self.on_drop_backup(w, shard),
+            Order::NoBackup { shard } => self.on_no_backup(w, shard),
             Order::FreeLanding { shard } => {
                 // The landing slots of the oldest copy that left go. Pushes in
                 // flight may be for a newer copy (one released since, or held):

@@ -1,7 +1,10 @@
 //! A worker as the simulation runs it: the decisions of `eps-worker` (join and
 //! its first pull, `begin` with its membership hold, push and pull of every shard
 //! of the iteration, "moved" answers, map refreshes and the parts of split shards)
-//! and of its map watcher (long poll, votes).
+//! and of its map watcher (long poll, votes), and what it does when a server
+//! of a job with replicas crashes (`lose_server`).
+
+use std::collections::{BTreeMap, BTreeSet};
 
 use eps_proto::control::{ControlMsg, JobMap, Role};
 use eps_proto::membership::Membership;
@@ -64,6 +67,10 @@ pub(crate) struct SimWorker {
     pull_refused: Vec<(u32, Node)>,
     /// Pushes answered "moved": (shard, iteration, the server that answered).
     moved: Vec<(u32, u64, Node)>,
+    /// Pull requests not answered yet, per (shard, server).
+    asked: BTreeMap<(u32, u32), u32>,
+    /// Servers whose connection failed.
+    lost: BTreeSet<u32>,
 }
 
 impl SimWorker {
@@ -89,6 +96,8 @@ impl SimWorker {
             outstanding: Vec::new(),
             pull_refused: Vec::new(),
             moved: Vec::new(),
+            asked: BTreeMap::new(),
+            lost: BTreeSet::new(),
         };
         w.set_map(map);
         w
@@ -125,7 +134,7 @@ impl SimWorker {
             })
             .collect();
         format!(
-            "map epoch {} routes [{}], newest {}, hold {:?}, round {:?} pulled {:?} moved {:?} refused {:?} outstanding {:?}",
+            "map epoch {} routes [{}], newest {}, hold {:?}, round {:?} pulled {:?} moved {:?} refused {:?} outstanding {:?} asked {:?} lost {:?}",
             self.map.epoch,
             routes.join(" "),
             self.newest_epoch,
@@ -134,7 +143,9 @@ impl SimWorker {
             self.round.iter().map(|&s| self.round_pulled[s as usize]).collect::<Vec<_>>(),
             self.moved,
             self.pull_refused,
-            self.outstanding
+            self.outstanding,
+            self.asked,
+            self.lost
         )
     }
 
@@ -207,11 +218,65 @@ impl SimWorker {
         }
         self.state = WState::InitialPull;
         self.start_round(start);
-        let me = self.me();
         for s in self.round.clone() {
             let owner = self.map.routes[s as usize].for_iteration(start.saturating_sub(1)).owner;
-            w.send(me, Node::Server(owner), Msg::PullReq { w: self.rank, shard: s, need: start });
-            self.outstanding[s as usize] += 1;
+            self.ask(w, s, owner, start);
+        }
+    }
+
+    /// Asks server `owner` for version `need` of `shard`; one that failed
+    /// counts as a refusal (a map that routes elsewhere is waited for).
+    fn ask(&mut self, w: &mut World, shard: u32, owner: u32, need: u64) -> bool {
+        if self.lost.contains(&owner) {
+            self.pull_refused.push((shard, Node::Server(owner)));
+            return false;
+        }
+        w.send(self.me(), Node::Server(owner), Msg::PullReq { w: self.rank, shard, need });
+        self.outstanding[shard as usize] += 1;
+        *self.asked.entry((shard, owner)).or_insert(0) += 1;
+        true
+    }
+
+    /// A pull answer from `from` came.
+    fn answered(&mut self, shard: u32, from: Node) {
+        let Node::Server(s) = from else { return };
+        if let Some(n) = self.asked.get_mut(&(shard, s)) {
+            *n -= 1;
+            if *n == 0 {
+                self.asked.remove(&(shard, s));
+            }
+        }
+    }
+
+    /// `Worker::lose_server`: server `s`'s connection failed (a job with
+    /// replicas promotes its shards' backups in a new epoch). This round's
+    /// requests to it that were not answered are made again to the new owners:
+    /// the push and its pull (the backup applied every version anyone pulled).
+    fn lose_server(&mut self, w: &mut World, s: u32) {
+        if !self.lost.insert(s) {
+            return;
+        }
+        let t = self.t;
+        let owed: Vec<(u32, u32)> = self.asked.iter().filter(|((_, x), _)| *x == s).map(|(&(sh, _), &n)| (sh, n)).collect();
+        for (shard, n) in owed {
+            self.asked.remove(&(shard, s));
+            let i = shard as usize;
+            self.outstanding[i] = self.outstanding[i].saturating_sub(n);
+            if !self.round.contains(&shard) || self.round_pulled[i] {
+                continue;
+            }
+            match self.state {
+                WState::InitialPull => self.pull_refused.push((shard, Node::Server(s))),
+                _ if self.moved.iter().any(|m| m.0 == shard && m.1 == t) => {}
+                _ => self.moved.push((shard, t, Node::Server(s))),
+            }
+        }
+        match self.state {
+            WState::InitialPull => {
+                self.ask_again(w, self.start);
+            }
+            WState::Waiting | WState::Refreshing => self.step(w),
+            _ => {}
         }
     }
 
@@ -240,7 +305,9 @@ impl SimWorker {
         let rank = self.rank;
         match (msg, self.state) {
             (Msg::Map(m), _) => self.on_map(w, *m),
+            (Msg::ServerGone { s }, _) => self.lose_server(w, s),
             (Msg::PullDone { shard, v, value }, WState::InitialPull) => {
+                self.answered(shard, from);
                 if v != self.start {
                     return w.fail(format!("worker {rank}: first pull of shard {shard} gave version {v}, not {}", self.start));
                 }
@@ -250,12 +317,14 @@ impl SimWorker {
                 }
             }
             (Msg::PullMoved { shard }, WState::InitialPull) => {
+                self.answered(shard, from);
                 let s = shard as usize;
                 self.outstanding[s] = self.outstanding[s].saturating_sub(1);
                 self.pull_refused.push((shard, from));
                 self.ask_again(w, self.start);
             }
             (Msg::PullDone { shard, v, value }, WState::Waiting | WState::Refreshing) => {
+                self.answered(shard, from);
                 // BSP: exactly the next version, unless this worker does not
                 // contribute to the next iteration (it leaves there, and the others
                 // need not wait for it to publish the version after).
@@ -271,6 +340,7 @@ impl SimWorker {
                 self.step(w);
             }
             (Msg::PullMoved { shard }, WState::Waiting | WState::Refreshing) => {
+                self.answered(shard, from);
                 let s = shard as usize;
                 self.outstanding[s] = self.outstanding[s].saturating_sub(1);
                 self.pull_refused.push((shard, from));
@@ -285,7 +355,6 @@ impl SimWorker {
     /// the newest map, or to the parts of a shard split meanwhile; if it was the
     /// owner that refused, after a newer map. False if one waits for a map.
     fn ask_again(&mut self, w: &mut World, need: u64) -> bool {
-        let me = self.me();
         let mut waits = false;
         for (s, from) in std::mem::take(&mut self.pull_refused) {
             let i = s as usize;
@@ -316,8 +385,7 @@ impl SimWorker {
             }
             for c in cover {
                 let owner = self.map.routes[c].owner.owner;
-                w.send(me, Node::Server(owner), Msg::PullReq { w: self.rank, shard: c as u32, need });
-                self.outstanding[c] += 1;
+                waits |= !self.ask(w, c as u32, owner, need);
             }
         }
         !waits
@@ -409,6 +477,11 @@ impl SimWorker {
             self.push_shard(w, s, t);
         }
         self.state = WState::Waiting;
+        if !self.moved.is_empty() {
+            // (Shards of a server that failed: pushed again once a map routes
+            // them elsewhere.)
+            self.step(w);
+        }
     }
 
     fn push_shard(&mut self, w: &mut World, shard: u32, t: u64) {
@@ -416,9 +489,12 @@ impl SimWorker {
         let owner = r.for_iteration(t).owner;
         let token = self.tokens[units(r.start, r.len)].to_vec();
         let (me, to) = (self.me(), Node::Server(owner));
+        if self.lost.contains(&owner) {
+            self.moved.push((shard, t, to));
+            return;
+        }
         w.send(me, to, Msg::Push { w: self.rank, shard, t, token });
-        w.send(me, to, Msg::PullReq { w: self.rank, shard, need: t + 1 });
-        self.outstanding[shard as usize] += 1;
+        self.ask(w, shard, owner, t + 1);
     }
 
     /// Takes a map newer than ours (the watcher's, or the control plane's right
@@ -461,6 +537,11 @@ impl SimWorker {
                 for c in cover {
                     self.push_shard(w, c as u32, t);
                 }
+            }
+            if !self.moved.is_empty() {
+                // Still routed to a server that failed: a newer map comes.
+                self.state = WState::Refreshing;
+                return;
             }
         }
         if !self.ask_again(w, self.t + 1) {

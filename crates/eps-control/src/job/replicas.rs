@@ -127,6 +127,7 @@ impl Job {
         info.retired = true;
         info.leaving = true;
         self.lost.push(rank);
+        let before: std::collections::HashMap<u32, u32> = self.map.shards.iter().map(|s| (s.id, s.owner)).collect();
         for k in 0..self.map.shards.len() {
             let (id, owner) = (self.map.shards[k].id, self.map.shards[k].owner);
             let sid = id as usize;
@@ -150,6 +151,12 @@ impl Job {
             }
         }
         self.cancel_moves_of(rank);
+        // The servers whose backups were promoted.
+        let mut heirs: Vec<u32> =
+            self.map.shards.iter().filter(|s| before.get(&s.id).is_some_and(|&o| o != s.owner)).map(|s| s.owner).collect();
+        heirs.sort_unstable();
+        heirs.dedup();
+        self.revote_after_loss(rank, &heirs);
         self.map.servers.retain(|&s| s != rank);
         self.map.epoch += 1;
         self.rebuild_backups();
@@ -240,7 +247,19 @@ impl Job {
     /// scale event that took its backup's server).
     pub(super) fn rebuild_backups(&mut self) {
         let live = self.live_servers();
-        if self.replicas < 2 || live.len() < 2 {
+        if self.replicas < 2 {
+            return;
+        }
+        if live.len() < 2 {
+            // No server to keep one: the owners serve alone (one still waiting
+            // to hear of its backup would wait forever).
+            for k in 0..self.map.shards.len() {
+                let (id, owner) = (self.map.shards[k].id, self.map.shards[k].owner);
+                let sid = id as usize;
+                if self.backups[sid].is_none() && self.rebuilding[sid].is_none() && live.contains(&owner) && !self.moving(id) {
+                    self.order(owner, Order::NoBackup { shard: id });
+                }
+            }
             return;
         }
         for k in 0..self.map.shards.len() {
@@ -300,6 +319,29 @@ impl Job {
     /// Whether shards have backups (`job.replicas = 2`).
     pub fn replicated(&self) -> bool {
         self.replicas > 1
+    }
+
+    /// The shards that server `rank` owns with no backup that could be
+    /// promoted now (none, one still waiting for its snapshot, or one on a
+    /// server that is not serving), and the shards of moves from or to it:
+    /// what losing it now would lose.
+    pub fn unprotected_on(&self, rank: u32) -> Vec<u32> {
+        let mut out: Vec<u32> = self
+            .map
+            .shards
+            .iter()
+            .filter(|s| s.owner == rank)
+            .map(|s| s.id)
+            .filter(|&id| {
+                let sid = id as usize;
+                let backup = self.backups.get(sid).and_then(Option::as_ref);
+                self.unsynced.get(sid).is_none_or(|&u| u) || backup.is_none_or(|(b, _, _)| !self.server_serving(*b))
+            })
+            .collect();
+        out.extend(self.migrations.iter().filter(|m| m.in_flight() && (m.from == rank || m.to == rank)).map(|m| m.shard));
+        out.sort_unstable();
+        out.dedup();
+        out
     }
 
     /// Servers lost so far.

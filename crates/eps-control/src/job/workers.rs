@@ -284,6 +284,29 @@ impl Job {
         Ok(())
     }
 
+    /// Server `rank` was lost before it voted on the open proposal: its
+    /// shards' new owners (`heirs`) vote again. The lost server may have
+    /// aggregated past every vote cast so far, and its promoted backups hold
+    /// those versions: the change must come after them.
+    pub(super) fn revote_after_loss(&mut self, rank: u32, heirs: &[u32]) {
+        let Some(p) = self.w.proposal.as_mut() else { return };
+        let before = p.voters.len();
+        p.voters.retain(|v| *v != (Role::Server, rank));
+        if p.voters.len() == before {
+            return; // it had voted, and held from its vote on
+        }
+        let id = p.id;
+        for &h in heirs {
+            if !p.voters.contains(&(Role::Server, h)) {
+                p.voters.push((Role::Server, h));
+            }
+        }
+        for &h in heirs {
+            self.order(h, Order::Propose { id });
+        }
+        self.try_commit();
+    }
+
     /// Server `rank` retired: it votes on nothing any more.
     pub(super) fn server_retired(&mut self, rank: u32) {
         if let Some(p) = self.w.proposal.as_mut() {

@@ -115,6 +115,14 @@ pub enum Order {
         /// Global shard id.
         shard: u32,
     },
+    /// `shard` has no backup, and none can be made now (its backup's server
+    /// was lost and no other is left): serve it alone. The owner of a shard
+    /// of a job with replicas applies no update until it is told where its
+    /// backup is (`Replicate`) or this.
+    NoBackup {
+        /// Global shard id.
+        shard: u32,
+    },
     /// Every worker routes by a map in which `shard` left this server (by its
     /// oldest move away still remembered here): the landing slots kept for
     /// pushes routed by an older map can go.
@@ -202,6 +210,10 @@ impl W {
                 self.u8(14);
                 self.u32(*shard);
             }
+            Order::NoBackup { shard } => {
+                self.u8(15);
+                self.u32(*shard);
+            }
             Order::Checkpoint { version, dir } => {
                 self.u8(8);
                 self.u64(*version);
@@ -238,6 +250,7 @@ impl R<'_> {
             12 => Order::Unreplicate { shard: self.u32()? },
             13 => Order::DropBackup { shard: self.u32()? },
             14 => Order::FreeLanding { shard: self.u32()? },
+            15 => Order::NoBackup { shard: self.u32()? },
             t => return Err(DecodeError::Tag(t)),
         })
     }

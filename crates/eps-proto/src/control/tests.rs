@@ -74,6 +74,7 @@ fn roundtrip_and_garbage() {
                 Order::Promote { shard: 2 },
                 Order::Unreplicate { shard: 2 },
                 Order::DropBackup { shard: 5 },
+                Order::NoBackup { shard: 6 },
                 Order::FreeLanding { shard: 6 },
             ],
         },

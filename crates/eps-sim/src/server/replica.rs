@@ -1,0 +1,288 @@
+//! Backups as `eps-server` keeps them (`job.replicas = 2`): the owner forwards
+//! each update's digest to the shard's backup and serves the version only once
+//! the backup acknowledged it; a new backup starts from the owner's snapshot; a
+//! backup is promoted when its owner is lost; pushes sent again to a promoted
+//! backup for an iteration it applied already are ignored.
+
+use eps_proto::control::{ControlMsg, MigrationKeys};
+
+use super::{Pending, Shard, SimServer, endpoint};
+use crate::World;
+use crate::net::{Msg, Node};
+
+/// An update applied whose version waits for the backup's acknowledgement.
+#[derive(Clone, Debug)]
+pub(crate) struct Deferred {
+    pub(crate) version: u64,
+    /// The iteration aggregated and its contributors.
+    pub(crate) iteration: u64,
+    pub(crate) contributors: Vec<u32>,
+    pub(crate) digest: Vec<u64>,
+}
+
+/// A shard's part in replication.
+#[derive(Clone, Debug)]
+pub(crate) enum Rep {
+    /// The backup; forwards come from the owner `primary`.
+    Backup { primary: u32 },
+    /// The owner, forwarding each update to its backup on `to`.
+    Primary { to: u32, waiting: Option<Deferred>, snapshotting: bool, promoted: bool, stopping: bool },
+    /// A backup promoted to owner.
+    Promoted,
+    /// The owner of a shard the job starts with, before it is told where its
+    /// backup is (`Replicate`) or that it has none (`NoBackup`).
+    Awaited,
+}
+
+impl Rep {
+    /// Whether the owner waits for its backup (no update may run).
+    pub(crate) fn busy(&self) -> bool {
+        matches!(self, Rep::Awaited)
+            || matches!(self, Rep::Primary { waiting, snapshotting, .. } if waiting.is_some() || *snapshotting)
+    }
+
+    /// Whether this copy was (or will be) promoted: pushes of iterations it
+    /// applied already are ignored.
+    pub(crate) fn promoted(&self) -> bool {
+        matches!(self, Rep::Backup { .. } | Rep::Promoted | Rep::Primary { promoted: true, .. })
+    }
+}
+
+const KEYS: MigrationKeys = MigrationKeys { state_addr: 0, state_rkey: 0, grad_addr: 0, grad_rkey: 0 };
+
+impl SimServer {
+    /// Whether `from` is the backup shard `id` forwards to (its
+    /// acknowledgements are the replica's, not a move's).
+    pub(super) fn forwards_to(&self, id: u32, from: Node) -> bool {
+        let rep = self.shards.get(&id).and_then(|sh| sh.replica.as_ref());
+        matches!(rep, Some(Rep::Primary { to, .. }) if Node::Server(*to) == from)
+    }
+
+    /// Tells the control plane about the backups held here (at the start).
+    pub(crate) fn report_backups(&mut self, w: &mut World) {
+        let ids: Vec<u32> =
+            self.shards.iter().filter(|(_, sh)| matches!(sh.replica, Some(Rep::Backup { .. }))).map(|(&id, _)| id).collect();
+        for id in ids {
+            if let Err(e) = w.ctl(&ControlMsg::BackupReady { endpoint: endpoint(id, self.rank), keys: KEYS }) {
+                return w.fail(format!("server {}: backup of shard {id} refused: {e}", self.rank));
+            }
+        }
+    }
+
+    /// After an update of a replicated shard: forwards its digest and defers
+    /// the version. False when the shard has no backup (finish now).
+    pub(super) fn forward_to_backup(&mut self, w: &mut World, id: u32, d: Deferred) -> bool {
+        let me = self.me();
+        let Some(Some(Rep::Primary { to, waiting, .. })) = self.shards.get_mut(&id).map(|sh| sh.replica.as_mut()) else {
+            return false;
+        };
+        w.send(me, Node::Server(*to), Msg::Forward { shard: id, v: d.version, digest: d.digest.clone() });
+        *waiting = Some(d);
+        true
+    }
+
+    /// The backup acknowledged version `v`: it is served.
+    pub(super) fn replica_acked(&mut self, w: &mut World, id: u32, v: u64) {
+        let Some(Some(Rep::Primary { waiting, stopping, .. })) = self.shards.get_mut(&id).map(|sh| sh.replica.as_mut()) else {
+            return;
+        };
+        let (d, stop) = (waiting.take(), *stopping);
+        match &d {
+            Some(d) if d.version == v => {}
+            _ => return w.fail(format!("server {}: backup acknowledged version {v} of shard {id}, waited {d:?}", self.rank)),
+        }
+        if stop {
+            self.stop_replicating(w, id);
+        }
+        if let Some(d) = d {
+            self.finish(w, id, Pending::Update(d.iteration), d.version, d.digest);
+        }
+        self.drain(w, id);
+    }
+
+    /// The snapshot for shard `id`'s new backup is written: updates go on.
+    pub(super) fn replica_snapshot_done(&mut self, w: &mut World, id: u32) {
+        if let Some(Some(Rep::Primary { snapshotting, stopping, .. })) = self.shards.get_mut(&id).map(|sh| sh.replica.as_mut()) {
+            *snapshotting = false;
+            if *stopping {
+                self.stop_replicating(w, id);
+            }
+        }
+        self.drain(w, id);
+    }
+
+    /// Server `s` crashed (its connection failed): shards replicated there go
+    /// on alone (what waited for its acknowledgement is served).
+    pub(super) fn peer_gone(&mut self, w: &mut World, s: u32) {
+        self.gone.insert(s);
+        let ids: Vec<u32> = self
+            .shards
+            .iter()
+            .filter(|(_, sh)| matches!(sh.replica, Some(Rep::Primary { to, .. }) if to == s))
+            .map(|(&id, _)| id)
+            .collect();
+        for id in ids {
+            let Some(sh) = self.shards.get_mut(&id) else { continue };
+            let Some(Rep::Primary { waiting, promoted, .. }) = sh.replica.take() else { continue };
+            sh.replica = promoted.then_some(Rep::Promoted);
+            if let Some(d) = waiting {
+                self.finish(w, id, Pending::Update(d.iteration), d.version, d.digest);
+            }
+            self.drain(w, id);
+        }
+        if self
+            .shards
+            .values()
+            .any(|sh| sh.out.as_ref().is_some_and(|o| o.to == s) || sh.incoming.is_some_and(|i| i.0 == s && sh.replica.is_none()))
+        {
+            w.fail(format!("server {}: server {s} crashed during a move (not modelled)", self.rank));
+        }
+    }
+
+    /// The control plane orders shard `id`'s forwards to its backup on `to`
+    /// (after a snapshot of the shard, for a new backup).
+    pub(super) fn on_replicate(&mut self, w: &mut World, id: u32, to: u32, snapshot: bool) {
+        let me = self.me();
+        let Some(sh) = self.shards.get_mut(&id) else {
+            return w.fail(format!("server {}: ordered to replicate shard {id}, which is not here", self.rank));
+        };
+        let old = sh.replica.take();
+        let promoted = old.as_ref().is_some_and(Rep::promoted);
+        if let Some(Rep::Primary { waiting: Some(d), .. }) = old {
+            // A new backup replaces one that never acknowledged: the update it
+            // waited for is served, and the snapshot below holds it.
+            self.finish(w, id, Pending::Update(d.iteration), d.version, d.digest);
+        }
+        let Some(sh) = self.shards.get_mut(&id) else { return };
+        if self.gone.contains(&to) {
+            // `forward_conn`: the backup's server cannot be reached; the shard
+            // goes on without one (the control plane declares it lost).
+            sh.replica = promoted.then_some(Rep::Promoted);
+            return self.drain(w, id);
+        }
+        if snapshot {
+            let v = sh.sync.version();
+            let Some(value) = sh.vals.get(&v).cloned() else {
+                return w.fail(format!("server {}: shard {id} has no value at version {v}", self.rank));
+            };
+            let at = w.send(me, Node::Server(to), Msg::Snapshot { shard: id, v, value });
+            w.complete_after(me, Msg::ReplicaSnapshotDone { shard: id }, at);
+        }
+        sh.replica = Some(Rep::Primary { to, waiting: None, snapshotting: snapshot, promoted, stopping: false });
+        self.drain(w, id);
+    }
+
+    /// Shard `id` has no backup and none can be made: it is served alone.
+    pub(super) fn on_no_backup(&mut self, w: &mut World, id: u32) {
+        let Some(sh) = self.shards.get_mut(&id) else { return };
+        let d = match sh.replica.take() {
+            Some(Rep::Primary { waiting, promoted, .. }) => {
+                sh.replica = promoted.then_some(Rep::Promoted);
+                waiting
+            }
+            Some(Rep::Awaited) => None,
+            r @ (Some(Rep::Promoted) | None) => {
+                sh.replica = r;
+                return;
+            }
+            Some(Rep::Backup { .. }) => {
+                return w.fail(format!("server {}: told shard {id} has no backup, but it is one here", self.rank));
+            }
+        };
+        if let Some(d) = d {
+            self.finish(w, id, Pending::Update(d.iteration), d.version, d.digest);
+        }
+        self.drain(w, id);
+    }
+
+    /// The control plane orders a new backup of shard `id` here (after a loss).
+    pub(super) fn on_add_backup(&mut self, w: &mut World, id: u32, from: u32, start: u64, len: u64) {
+        if self.shards.contains_key(&id) {
+            return w.fail(format!("server {}: ordered to keep a backup of shard {id}, which is here", self.rank));
+        }
+        let mut sh =
+            Shard::new((start, len), eps_proto::sync::ShardSync::incoming(super::Consistency::Bsp, self.ranks, 0), self.ranks);
+        sh.incoming = Some((from, false));
+        sh.replica = Some(Rep::Backup { primary: from });
+        self.shards.insert(id, sh);
+        if let Err(e) = w.ctl(&ControlMsg::BackupReady { endpoint: endpoint(id, self.rank), keys: KEYS }) {
+            w.fail(format!("server {}: backup of shard {id} refused: {e}", self.rank));
+        }
+    }
+
+    /// Shard `id`'s owner was lost: this backup owns it from now on.
+    pub(super) fn on_promote(&mut self, w: &mut World, id: u32) {
+        let Some(sh) = self.shards.get_mut(&id) else {
+            return w.fail(format!("server {}: promoted for shard {id}, which has no backup here", self.rank));
+        };
+        // Only a backup whose owner crashed is promoted.
+        match sh.replica {
+            Some(Rep::Backup { primary }) if w.crashed(primary) => {}
+            ref r => return w.fail(format!("server {}: promoted for shard {id} ({r:?}), its owner did not crash", self.rank)),
+        }
+        sh.sync.caught_up();
+        sh.incoming = None;
+        sh.replica = Some(Rep::Promoted);
+        self.try_complete(w, id);
+    }
+
+    /// Stop forwarding shard `id` to its backup once nothing is in flight.
+    pub(super) fn on_unreplicate(&mut self, w: &mut World, id: u32) {
+        match self.shards.get_mut(&id).and_then(|sh| sh.replica.as_mut()) {
+            Some(Rep::Primary { waiting, snapshotting, stopping, .. }) if waiting.is_some() || *snapshotting => *stopping = true,
+            _ => {
+                self.stop_replicating(w, id);
+                self.drain(w, id);
+            }
+        }
+    }
+
+    fn stop_replicating(&mut self, w: &mut World, id: u32) {
+        if let Some(sh) = self.shards.get_mut(&id) {
+            match sh.replica {
+                Some(Rep::Primary { promoted, .. }) => sh.replica = promoted.then_some(Rep::Promoted),
+                Some(Rep::Awaited) => sh.replica = None,
+                _ => {}
+            }
+        }
+        if let Err(e) = w.ctl(&ControlMsg::Unreplicated { shard: id, rank: self.rank }) {
+            w.fail(format!("server {}: the control plane refused shard {id}'s unreplication: {e}", self.rank));
+        }
+    }
+
+    /// The control plane orders this server's backup of shard `id` freed.
+    pub(super) fn on_drop_backup(&mut self, w: &mut World, id: u32) {
+        match self.shards.get(&id).map(|sh| &sh.replica) {
+            None => {}
+            Some(Some(Rep::Backup { .. })) => {
+                self.shards.remove(&id);
+            }
+            Some(_) => {
+                w.fail(format!("server {}: told to drop its copy of shard {id} (a move's target: not modelled)", self.rank))
+            }
+        }
+    }
+
+    /// What a crash of this server loses of workers' pushes: contributions in
+    /// its landing slots, and those of an update whose forward to the backup
+    /// was cut (`cut`: what the crash kept from landing). As (worker, units,
+    /// iteration).
+    pub(crate) fn crash_losses(&self, cut: &[(Node, Node, Msg)]) -> Vec<(u32, std::ops::Range<usize>, u64)> {
+        let mut out = Vec::new();
+        for (&id, sh) in &self.shards {
+            for (r, l) in sh.landing.iter().enumerate() {
+                if let Some((t, _)) = l {
+                    out.push((r as u32, sh.units(), *t));
+                }
+            }
+            if let Some(Rep::Primary { waiting: Some(d), .. }) = &sh.replica {
+                let forward_cut =
+                    cut.iter().any(|(_, _, m)| matches!(m, Msg::Forward { shard, v, .. } if *shard == id && *v == d.version));
+                if forward_cut {
+                    out.extend(d.contributors.iter().map(|&r| (r, sh.units(), d.iteration)));
+                }
+            }
+        }
+        out
+    }
+}
