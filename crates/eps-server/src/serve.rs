@@ -409,7 +409,6 @@ impl<P: Fabric> Server<P> {
             unsafe { self.mem.update(id, parity, &contributors, &u)? };
         }
         self.mem.set_stamp(id, parity, next);
-        self.save_if_due(id, next)?;
         let d = crate::replica::Deferred { p, version: next, carry, one };
         // A replicated shard serves the version once its backup has it.
         if matches!(p, Pending::Update { .. }) && self.forward_to_backup(id, d)? {
@@ -423,6 +422,10 @@ impl<P: Fabric> Server<P> {
     /// the next iteration may complete.
     pub(crate) fn finish_update(&mut self, id: u32, d: crate::replica::Deferred) -> Result<(), ServerError> {
         let crate::replica::Deferred { p, version: next, carry, one } = d;
+        // A checkpoint due at this version is saved now, once it is served: an
+        // update whose backup never had it (its owner lost before the
+        // acknowledgement) may be done again otherwise, and must not be saved.
+        self.save_if_due(id, next)?;
         let Some(h) = self.shards[id as usize].as_mut() else { return Ok(()) };
         match p {
             Pending::Forward { worker: Some(w), .. } => {

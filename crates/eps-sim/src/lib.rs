@@ -23,6 +23,7 @@
 #![forbid(unsafe_code)]
 
 pub mod net;
+mod rollback;
 mod server;
 mod worker;
 
@@ -62,6 +63,8 @@ pub struct Report {
     pub server_crashes: u64,
     /// Runs with two replicas of every shard.
     pub replicated: u64,
+    /// Roll-backs to a checkpoint after a server crash (jobs without replicas).
+    pub rollbacks: u64,
 }
 
 /// A run that broke an invariant or stopped making progress.
@@ -98,8 +101,8 @@ pub(crate) fn units(start: u64, len: u64) -> std::ops::Range<usize> {
 }
 /// Lines of trace a failure shows.
 const TRACE_LINES: usize = 300;
-const LEASE: u64 = 400;
-const TICK: u64 = 10;
+pub(crate) const LEASE: u64 = 400;
+pub(crate) const TICK: u64 = 10;
 const TIME_LIMIT: u64 = 2_000_000;
 
 /// The simulated job's world.
@@ -117,6 +120,11 @@ pub(crate) struct World {
     /// Servers crashed (their slot in `servers` is empty).
     down: BTreeSet<u32>,
     replicas: u32,
+    /// The job's first iteration (a roll-back's checkpoint).
+    pub(crate) first: u64,
+    ckpt: rollback::Checkpoints,
+    /// Elements per shard in the spec.
+    shard_units: u64,
     orders_after: Vec<u64>,
     workers: BTreeMap<u32, Option<SimWorker>>,
     /// Workers whose watcher still runs (they get maps and renew their lease).
@@ -245,17 +253,40 @@ impl World {
         }
     }
 
+    /// The job's spec with `servers` servers.
+    fn spec_text(&self, servers: u32) -> String {
+        format!(
+            "[job]\nworkers = {}\nservers = {servers}\nsteps = {}\nmax_workers = {}\nreplicas = {}\nshard_bytes = {}\n\
+             [model]\ntensors = [{{ name = \"w\", elements = {} }}]\n",
+            self.workers0,
+            self.steps,
+            self.ranks,
+            self.replicas,
+            self.shard_units * 4 * UNIT,
+            self.units as u64 * UNIT
+        )
+    }
+
     fn start_server(&mut self, shards: &[(u32, u64, u64)], backups: &[(u32, u64, u64, u32)]) {
+        let init: Vec<u64> = (0..self.units).map(init_value).collect();
+        self.start_server_at(0, &init, shards, backups);
+    }
+
+    /// Starts a server holding `shards` and `backups` at version `at`, of
+    /// value `values` (per unit).
+    fn start_server_at(&mut self, at: u64, values: &[u64], shards: &[(u32, u64, u64)], backups: &[(u32, u64, u64, u32)]) {
         let reg = self.job.apply(&ControlMsg::Register { role: Role::Server, fabric_addr: String::new() });
         let Ok(ControlMsg::Registered { rank, .. }) = reg else { return };
-        let s = SimServer::new(rank, self.ranks, self.workers0, shards, backups, self.replicas > 1, init_value);
+        let mut s = SimServer::new(rank, self.ranks, self.workers0, at, shards, backups, |u| values[u]);
+        if self.replicas > 1 {
+            s.await_backups();
+        }
         self.servers.push(None);
         self.orders_after.push(0);
         let eps = shards.iter().map(|&(id, _, _)| server::endpoint(id, rank)).collect();
         if let Err(e) = self.ctl(&ControlMsg::ServerReady { rank, fabric_addr: format!("sim:{rank}"), shards: eps }) {
             self.fail(format!("server {rank} ready refused: {e}"));
         }
-        let mut s = s;
         s.report_backups(self);
         self.servers[rank as usize] = Some(s);
         self.note(format!("server {rank} started with shards {shards:?}, backups {backups:?}"));
@@ -359,6 +390,8 @@ impl World {
                     self.start_worker();
                 }
             }
+        } else if roll >= 90 && self.replicas == 1 {
+            self.try_crash_and_roll_back();
         } else if roll < 90 {
             // Crash a contributor while another one stays (a job whose every
             // worker is gone cannot go on, and that is not what is checked here).
@@ -576,6 +609,8 @@ pub fn run(seed: u64) -> Result<Report, Failure> {
         shard_units * 4 * UNIT,
         units * UNIT
     );
+    // Checkpoints every few versions.
+    let every = rng.range(2, 6);
     let spec = JobSpec::from_toml(&text).map_err(|e| fail_at(seed, 0, format!("spec: {e}")))?;
     let layout = spec.layout().map_err(|e| fail_at(seed, 0, format!("layout: {e}")))?;
     let job = Job::new(&spec, &text).map_err(|e| fail_at(seed, 0, format!("job: {e}")))?;
@@ -591,6 +626,9 @@ pub fn run(seed: u64) -> Result<Report, Failure> {
         servers: Vec::new(),
         down: BTreeSet::new(),
         replicas,
+        first: 0,
+        ckpt: rollback::Checkpoints::every(every),
+        shard_units,
         orders_after: Vec::new(),
         workers: BTreeMap::new(),
         watching: BTreeSet::new(),
@@ -644,6 +682,9 @@ pub fn run(seed: u64) -> Result<Report, Failure> {
     }
     if w.failure.is_none() {
         w.check_end();
+    }
+    if w.failure.is_none() {
+        w.check_pieces();
     }
     if let Some(what) = w.failure.take() {
         return Err(Failure { seed, time: w.net.now, what, trace: w.trace.into_iter().collect() });

@@ -104,16 +104,16 @@ pub(crate) fn endpoint(shard: u32, owner: u32) -> ShardEndpoint {
 }
 
 impl SimServer {
-    /// A server holding `shards` (id, first element, elements) at version 0
+    /// A server holding `shards` (id, first element, elements) at version `at`
     /// (unit values from `init`), and the backups of `backups` (the same, and
     /// the owner's rank).
     pub(crate) fn new(
         rank: u32,
         ranks: u32,
         workers: u32,
+        at: u64,
         shards: &[(u32, u64, u64)],
         backups: &[(u32, u64, u64, u32)],
-        replicated: bool,
         init: impl Fn(usize) -> u64,
     ) -> Self {
         let mut s = Self {
@@ -131,17 +131,15 @@ impl SimServer {
             ranks,
         };
         for &(id, start, len) in shards {
-            let mut sh = Shard::new((start, len), ShardSync::new(Consistency::Bsp, ranks), ranks);
-            sh.vals.insert(0, units(start, len).map(&init).collect());
-            // With replicas, no update before it hears of its backup.
-            sh.replica = replicated.then_some(Rep::Awaited);
+            let mut sh = Shard::new((start, len), ShardSync::at_version(Consistency::Bsp, ranks, at), ranks);
+            sh.vals.insert(at, units(start, len).map(&init).collect());
             s.shards.insert(id, sh);
         }
         for &(id, start, len, primary) in backups {
             // `eps-server`: forwards bring it up from version 0; it serves
             // nothing until promoted.
-            let mut sh = Shard::new((start, len), ShardSync::backup(Consistency::Bsp, ranks, 0), ranks);
-            sh.vals.insert(0, units(start, len).map(&init).collect());
+            let mut sh = Shard::new((start, len), ShardSync::backup(Consistency::Bsp, ranks, at), ranks);
+            sh.vals.insert(at, units(start, len).map(&init).collect());
             sh.incoming = Some((primary, true));
             sh.replica = Some(Rep::Backup { primary });
             s.shards.insert(id, sh);
@@ -449,6 +447,8 @@ impl SimServer {
         let Some(value) = sh.vals.get(&next).cloned() else {
             return w.fail(format!("server {rank}: shard {id} lost version {next} before serving it"));
         };
+        // `Server::finish_update`: a checkpoint due at this version is saved now.
+        w.save_if_due(rank, id, first, next, &value);
         w.publish(rank, id, first, next, &value);
         self.after_apply(w, id, p, next, digest);
         let mut ready = Vec::new();

@@ -207,9 +207,11 @@ impl SimWorker {
         let Some(m) = Membership::from_epochs(self.map.membership.clone()) else {
             return w.fail(format!("worker {}: invalid membership in the map", self.rank));
         };
-        let Some(start) = m.joined_at(self.rank) else {
+        let Some(joined) = m.joined_at(self.rank) else {
             return w.fail(format!("worker {}: registered but contributes to no iteration ({:?})", self.rank, m.epochs()));
         };
+        // A job resumed from a checkpoint starts at the checkpoint's iteration.
+        let start = joined.max(w.first);
         self.wm = m;
         (self.start, self.t, self.next) = (start, start, start);
         if start >= w.steps {

@@ -1,6 +1,6 @@
 //! Hundreds of seeded runs of the simulation (random server and worker scale
-//! events, splits, migrations, worker crashes, server crashes with replicas,
-//! network interleavings). A failure prints its seed;
+//! events, splits, migrations, worker crashes, server crashes with replicas or
+//! rolled back to a checkpoint, network interleavings). A failure prints its seed;
 //! `EPS_SIM_SEED=N` replays exactly that run, `EPS_SIM_SEEDS=N` runs N seeds.
 
 use eps_sim::run;
@@ -30,12 +30,13 @@ fn every_seed_keeps_the_invariants_and_finishes() {
                 totals.splits += r.splits;
                 totals.server_crashes += r.server_crashes;
                 totals.replicated += r.replicated;
+                totals.rollbacks += r.rollbacks;
             }
             Err(f) => failures.push(f),
         }
     }
     println!(
-        "{} events, {} migrations, {} splits, {} server and {} worker scale requests, {} membership changes, {} crashes, {} empty updates, {} runs with replicas, {} server crashes",
+        "{} events, {} migrations, {} splits, {} server and {} worker scale requests, {} membership changes, {} crashes, {} empty updates, {} runs with replicas, {} server crashes, {} roll-backs to a checkpoint",
         totals.events,
         totals.migrations,
         totals.splits,
@@ -45,7 +46,8 @@ fn every_seed_keeps_the_invariants_and_finishes() {
         totals.crashes,
         totals.empty_updates,
         totals.replicated,
-        totals.server_crashes
+        totals.server_crashes,
+        totals.rollbacks
     );
     if let Some(f) = failures.first() {
         let seeds: Vec<u64> = failures.iter().take(20).map(|f| f.seed).collect();
@@ -53,7 +55,7 @@ fn every_seed_keeps_the_invariants_and_finishes() {
     }
     // The plan must actually exercise the machinery.
     assert!(totals.migrations > 0 && totals.splits > 0 && totals.membership_changes > 0 && totals.crashes > 0, "{totals:?}");
-    assert!(totals.replicated > 0 && totals.server_crashes > 0, "{totals:?}");
+    assert!(totals.replicated > 0 && totals.server_crashes > 0 && totals.rollbacks > 0, "{totals:?}");
 }
 
 #[test]

@@ -58,6 +58,14 @@ impl SimServer {
         matches!(rep, Some(Rep::Primary { to, .. }) if Node::Server(*to) == from)
     }
 
+    /// A job with replicas: the shards this server starts with apply no
+    /// update before it hears of their backups.
+    pub(crate) fn await_backups(&mut self) {
+        for sh in self.shards.values_mut().filter(|sh| sh.replica.is_none()) {
+            sh.replica = Some(Rep::Awaited);
+        }
+    }
+
     /// Tells the control plane about the backups held here (at the start).
     pub(crate) fn report_backups(&mut self, w: &mut World) {
         let ids: Vec<u32> =
