@@ -1,7 +1,10 @@
 //! The soak's fault thread: every few seconds, once the job is settled and
 //! every shard has a backup, it kills a server (and starts its replacement),
-//! scales the servers out or in, stops a server or a worker for less than its
-//! lease, or kills the control plane; then it waits for the job to recover.
+//! cuts every data connection to a server that lives on (`ss -K`: its peers
+//! report it unreachable, the control plane declares it lost and fences it
+//! off, and a replacement starts), scales the servers out or in, stops a
+//! server or a worker for less than its lease, or kills the control plane;
+//! then it waits for the job to recover.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -33,11 +36,21 @@ pub enum Kind {
     WorkerStall,
     /// SIGKILL of the control plane (the cluster restarts it from its store).
     ControlKill,
+    /// Every data connection to a live server cut (`ss -K`, root only); a
+    /// replacement is started once it is declared lost.
+    ServerCut,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 6] =
-        [Kind::ServerKill, Kind::ScaleOut, Kind::ScaleIn, Kind::ServerStall, Kind::WorkerStall, Kind::ControlKill];
+    pub const ALL: [Kind; 7] = [
+        Kind::ServerKill,
+        Kind::ScaleOut,
+        Kind::ScaleIn,
+        Kind::ServerStall,
+        Kind::WorkerStall,
+        Kind::ControlKill,
+        Kind::ServerCut,
+    ];
 
     /// By its [`Kind::name`].
     pub fn parse(s: &str) -> Option<Kind> {
@@ -52,6 +65,7 @@ impl Kind {
             Kind::ServerStall => "server_stall",
             Kind::WorkerStall => "worker_stall",
             Kind::ControlKill => "control_kill",
+            Kind::ServerCut => "server_cut",
         }
     }
 }
@@ -108,6 +122,38 @@ impl std::fmt::Debug for Plan {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Plan").field("control", &self.control).field("first", &self.first).field("last", &self.last).finish()
     }
+}
+
+/// Whether connections can be cut here: `ss -K` (iproute2) needs root and a
+/// kernel with socket destruction.
+pub fn can_cut() -> bool {
+    // (The effective uid is the second of /proc/self/status's `Uid:` line.)
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let euid = status.lines().find_map(|l| l.strip_prefix("Uid:")).and_then(|l| l.split_whitespace().nth(1));
+    euid == Some("0") && std::process::Command::new("ss").arg("-V").output().is_ok_and(|o| o.status.success())
+}
+
+/// The fabric port of server `rank`, from the status's server lines
+/// (`  server 2: serving, 4 shards, 1024 bytes, 127.0.0.1:40123 [shards ...]`).
+fn server_port(status: &str, rank: u32) -> Option<u16> {
+    let line = status.lines().find(|l| l.starts_with(&format!("  server {rank}: ")))?;
+    let addr = line.split(", ").nth(3)?.split_whitespace().next()?;
+    addr.parse::<SocketAddr>().ok().map(|a| a.port())
+}
+
+/// Cuts every established TCP connection to or from `port` on this host (both
+/// ends see it fail at once); returns how many.
+fn cut_port(port: u16) -> Result<usize, String> {
+    let filter = format!("( sport = :{port} or dport = :{port} )");
+    let o = std::process::Command::new("ss")
+        .args(["-K", "-t", "-n", "-H", "state", "established"])
+        .arg(&filter)
+        .output()
+        .map_err(|e| format!("ss -K: {e}"))?;
+    if !o.status.success() {
+        return Err(format!("ss -K {filter}: {}", String::from_utf8_lossy(&o.stderr).trim()));
+    }
+    Ok(String::from_utf8_lossy(&o.stdout).lines().filter(|l| !l.trim().is_empty()).count())
 }
 
 /// A server must be declared lost, and a job settle, within these.
@@ -221,6 +267,7 @@ impl Thread {
             let k = self.plan.kinds[i as usize];
             let ok = match k {
                 Kind::ServerKill | Kind::ScaleIn => self.live >= 3 && self.live + 1 >= self.plan.servers,
+                Kind::ServerCut => self.live >= 3 && self.live + 1 >= self.plan.servers && can_cut(),
                 Kind::ScaleOut => self.live <= self.plan.servers,
                 Kind::ControlKill => self.control_kills < CONTROL_KILLS,
                 Kind::ServerStall | Kind::WorkerStall => true,
@@ -277,6 +324,20 @@ impl Thread {
                 std::thread::sleep(Duration::from_secs_f64(d));
                 signal(pid, Signal::SIGCONT)?;
                 Ok(format!("{prefix} pid {pid} stopped for {d:.1} s"))
+            }
+            Kind::ServerCut => {
+                let (pid, rank) = self.pick("server")?;
+                let rank = rank.unwrap_or(u32::MAX);
+                let status = self.status().ok_or("no status from the control plane")?;
+                let port = server_port(&status, rank).ok_or_else(|| format!("no address for server {rank} in the status"))?;
+                let cut = cut_port(port)?;
+                // Its peers report it; declared lost and fenced off (it
+                // exits at its next order poll), then replaced.
+                self.wait_status(LOST_WITHIN, |t| t.contains(&format!("  server {rank}: lost,")))
+                    .map_err(|e| format!("server {rank} cut off: {e}"))?;
+                self.live -= 1;
+                self.scale_to(self.live + 1)?;
+                Ok(format!("server {rank}, pid {pid}: {cut} connections to port {port} cut"))
             }
             Kind::ControlKill => {
                 let (pid, _) = self.pick("control")?;
@@ -377,6 +438,14 @@ pub fn settled(t: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_server_port_comes_from_its_status_line() {
+        let t = "servers: 4/4 registered\n  server 1: serving, 4 shards, 2048 bytes, 127.0.0.1:40123 [shards 1,2]\n  server 2: lost, 0 shards, 0 bytes, 127.0.0.1:5 [shards ]\n";
+        assert_eq!(server_port(t, 1), Some(40123));
+        assert_eq!(server_port(t, 2), Some(5));
+        assert_eq!(server_port(t, 3), None);
+    }
 
     #[test]
     fn settled_needs_every_shard_protected_and_nothing_moving() {

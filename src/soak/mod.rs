@@ -74,8 +74,10 @@ pub struct SoakArgs {
     #[arg(long, default_value_t = 4)]
     pub servers: u32,
     /// The faults to inject, comma-separated: server_kill, scale_out,
-    /// scale_in, server_stall, worker_stall, control_kill (2 at most).
-    #[arg(long, default_value = "server_kill,scale_out,scale_in,server_stall,worker_stall,control_kill")]
+    /// scale_in, server_stall, worker_stall, control_kill (2 at most),
+    /// server_cut (every data connection to a live server cut with `ss -K`:
+    /// root only, skipped otherwise).
+    #[arg(long, default_value = "server_kill,scale_out,scale_in,server_stall,worker_stall,control_kill,server_cut")]
     pub faults: String,
     /// Seed of the fault schedule.
     #[arg(long, default_value_t = 1)]
@@ -200,6 +202,13 @@ fn kinds(list: &str) -> Result<Vec<faults::Kind>, String> {
     }
     if kinds.is_empty() {
         return Err("--faults names no fault".into());
+    }
+    if kinds.contains(&faults::Kind::ServerCut) && !faults::can_cut() {
+        eprintln!("eps soak: server_cut skipped: cutting connections needs root and `ss` (iproute2)");
+        kinds.retain(|k| *k != faults::Kind::ServerCut);
+        if kinds.is_empty() {
+            return Err("--faults: server_cut alone cannot run here (needs root and `ss`)".into());
+        }
     }
     Ok(kinds)
 }

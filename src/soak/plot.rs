@@ -16,6 +16,7 @@ fn color(k: Kind) -> RGBColor {
         Kind::ServerStall => RGBColor(203, 75, 22),
         Kind::WorkerStall => RGBColor(211, 54, 130),
         Kind::ControlKill => RGBColor(88, 110, 117),
+        Kind::ServerCut => RGBColor(133, 153, 0),
     }
 }
 

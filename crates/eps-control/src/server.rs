@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use eps_fabric::Secret;
 use eps_proto::JobSpec;
-use eps_proto::control::ControlMsg;
+use eps_proto::control::{ControlMsg, Role};
 
 use crate::ControlError;
 use crate::checkpoint::{Outcome, Report, Tracker};
@@ -26,6 +26,9 @@ const SPEC_RECORD_RANK: u32 = u32::MAX;
 
 /// How long a server's dropped order poll may stay away before it is lost.
 const SERVER_GRACE: Duration = Duration::from_millis(1500);
+
+/// Reports that a server is unreachable count together within this.
+const UNREACHABLE_WINDOW: Duration = Duration::from_secs(30);
 
 /// How long a long poll (map or orders) waits for news before answering anyway.
 const LONG_POLL: Duration = Duration::from_millis(500);
@@ -47,6 +50,9 @@ struct State {
     dropped: HashMap<u32, Instant>,
     /// When each server's order poll last reached the control plane (its lease).
     polled: HashMap<u32, Instant>,
+    /// Servers reported unreachable (a data connection cut while they poll):
+    /// who reported each, and when first.
+    unreachable: HashMap<u32, (Vec<(Role, u32)>, Instant)>,
     server_lease: Duration,
 }
 
@@ -82,12 +88,60 @@ impl State {
             }
             let m = ControlMsg::ServerLost { rank: r };
             if self.job.apply(&m).is_ok() {
+                self.forget_reports_of(r);
                 eprintln!("eps control: server {r} is lost ({why}); its shards' backups take over");
                 self.persist(&m)?;
                 changed = true;
             }
         }
         Ok(changed)
+    }
+
+    /// Peer `by` cannot reach server `rank`. Two peers saying so (or a job's
+    /// only worker) make it lost, in a job with replicas: its backups take
+    /// over and it is fenced off. One peer alone may be the broken end: it
+    /// gives up on its own (a worker leaves the job). Returns whether anything
+    /// changed.
+    fn unreachable(&mut self, rank: u32, by: (Role, u32)) -> Result<bool, ControlError> {
+        let now = Instant::now();
+        self.unreachable.retain(|_, (_, first)| now.duration_since(*first) < UNREACHABLE_WINDOW);
+        if !self.job.replicated() || !self.job.server_serving(rank) || self.job.done() || by == (Role::Server, rank) {
+            return Ok(false);
+        }
+        if by.0 == Role::Server && !self.job.server_serving(by.1) {
+            // A lost server's connections fail as it goes: its word is void.
+            return Ok(false);
+        }
+        let (who, _) = self.unreachable.entry(rank).or_insert_with(|| (Vec::new(), now));
+        if !who.contains(&by) {
+            who.push(by);
+        }
+        let alone = by.0 == Role::Worker && self.job.leased_workers().len() == 1;
+        if who.len() < 2 && !alone {
+            eprintln!("eps control: {:?} {} cannot reach server {rank} (one report: not declared lost yet)", by.0, by.1);
+            return Ok(false);
+        }
+        let reporters: Vec<String> = who.iter().map(|(r, n)| format!("{r:?} {n}").to_lowercase()).collect();
+        self.forget_reports_of(rank);
+        let m = ControlMsg::ServerLost { rank };
+        if self.job.apply(&m).is_err() {
+            return Ok(false);
+        }
+        eprintln!(
+            "eps control: server {rank} is lost ({} cannot reach it); its shards' backups take over",
+            reporters.join(" and ")
+        );
+        self.persist(&m)?;
+        Ok(true)
+    }
+
+    /// Server `rank` is lost: reports about it are moot, and its own go (cut
+    /// off, it found its peers unreachable too).
+    fn forget_reports_of(&mut self, rank: u32) {
+        self.unreachable.remove(&rank);
+        for (who, _) in self.unreachable.values_mut() {
+            who.retain(|w| *w != (Role::Server, rank));
+        }
     }
 
     /// Removes workers whose lease ran out (a worker renews it with every map
@@ -151,6 +205,7 @@ impl ControlService {
             last_checkpoint: None,
             dropped: HashMap::new(),
             polled: HashMap::new(),
+            unreachable: HashMap::new(),
             server_lease: Duration::from_millis(spec.job.server_lease_ms),
         };
         // The store's records replayed one by one: the spec's first.
@@ -265,6 +320,13 @@ fn serve(mut s: TcpStream, secret: &Secret, shared: &(Mutex<State>, Condvar)) ->
                     }
                     Err(message) => ControlMsg::Error { message },
                 }
+            }
+            ControlMsg::Unreachable { rank, by, by_rank } => {
+                let mut st = locked();
+                if st.unreachable(rank, (by, by_rank))? {
+                    cv.notify_all();
+                }
+                ControlMsg::Ok
             }
             ControlMsg::GetMap { worker, adopted, min_epoch, iteration } => {
                 let mut st = locked();

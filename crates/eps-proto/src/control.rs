@@ -346,6 +346,19 @@ pub enum ControlMsg {
         /// Server rank.
         rank: u32,
     },
+    /// Worker or server -> control: its data connection to server `rank`
+    /// failed, or cannot be made, while that server still polls for orders
+    /// (a cut link). Reported by two peers (or by a job's only worker), the
+    /// server is declared lost (a job with replicas promotes its backups and
+    /// fences it off).
+    Unreachable {
+        /// The server that cannot be reached.
+        rank: u32,
+        /// Who reports it.
+        by: Role,
+        /// The reporter's rank.
+        by_rank: u32,
+    },
     /// Control -> operator: the checkpoint at `version` is complete in `path`.
     Checkpointed {
         /// Its version.
@@ -714,6 +727,12 @@ impl ControlMsg {
                 w.u32(*shard);
                 w.u32(*rank);
             }
+            ControlMsg::Unreachable { rank, by, by_rank } => {
+                w.u8(31);
+                w.u32(*rank);
+                w.u8(role_code(*by));
+                w.u32(*by_rank);
+            }
             ControlMsg::Orders { last, orders } => {
                 w.u8(16);
                 w.u64(*last);
@@ -782,6 +801,7 @@ impl ControlMsg {
             28 => ControlMsg::ServerLost { rank: r.u32()? },
             29 => ControlMsg::BackupSynced { shard: r.u32()?, rank: r.u32()? },
             30 => ControlMsg::Unreplicated { shard: r.u32()?, rank: r.u32()? },
+            31 => ControlMsg::Unreachable { rank: r.u32()?, by: r.role()?, by_rank: r.u32()? },
             t => return Err(DecodeError::Tag(t)),
         };
         if !r.0.is_empty() {

@@ -240,6 +240,8 @@ pub(crate) struct Server<P: Fabric> {
     /// Worker ranks the job may admit (landing slots per shard).
     ranks: u32,
     mode: Consistency,
+    /// Whether shards have backups (`job.replicas = 2`).
+    replicated: bool,
     opt: Optimizer,
     sched: LrSchedule,
     agg: Arc<dyn Aggregator>,
@@ -453,6 +455,7 @@ pub fn run_direct<P: Fabric>(
         workers,
         ranks,
         mode: spec.job.consistency,
+        replicated: spec.job.replicas > 1,
         opt,
         sched,
         agg: cfg.aggregator.clone(),

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use eps_control::ControlError;
 use eps_fabric::prelude::*;
-use eps_proto::control::{Order, ShardEndpoint};
+use eps_proto::control::{ControlMsg, Order, Role, ShardEndpoint};
 use eps_proto::hello::{HELLO_LEN, Hello};
 use eps_proto::imm::{Imm, ImmKind, widen_seq};
 use eps_proto::layout::published_offset;
@@ -169,6 +169,9 @@ impl<P: Fabric> Server<P> {
             if c.opcode == WcOpcode::Write {
                 self.on_send_done(c.wr_id, false)?;
             }
+            if self.conns[ci].alive {
+                self.report_unreachable(ci);
+            }
             self.drop_conn(ci);
             self.moves_conn_lost(ci, &format!("{:?} on request {:#x}", c.status, c.wr_id))?;
             return self.replica_conn_lost(ci, c.status, c.wr_id);
@@ -217,6 +220,24 @@ impl<P: Fabric> Server<P> {
         };
         eprintln!("eps server {}: {who}: {what}; closing its connection", self.rank);
         self.drop_conn(ci);
+    }
+
+    /// The connection `ci` to another server failed: with replicas, the
+    /// control plane is told (two peers saying so make that server lost; a
+    /// cut link leaves it polling for orders).
+    fn report_unreachable(&mut self, ci: usize) {
+        let rank = match self.conns[ci].peer {
+            Peer::Server(h) => h.rank & !eps_proto::hello::PEER_BIT,
+            Peer::Target(r) => r,
+            Peer::Worker(_) | Peer::Unknown => return,
+        };
+        if !self.replicated || self.retired {
+            return;
+        }
+        let m = ControlMsg::Unreachable { rank, by: Role::Server, by_rank: self.rank };
+        if let Err(e) = self.ctl.call(&m) {
+            eprintln!("eps server {}: could not report server {rank} unreachable: {e}", self.rank);
+        }
     }
 
     pub(crate) fn drop_conn(&mut self, ci: usize) {

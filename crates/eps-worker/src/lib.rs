@@ -112,6 +112,18 @@ pub enum WorkerError {
         /// The epoch of the worker's shard map.
         epoch: u64,
     },
+    /// With replicas: this worker cannot reach server `server`, and no other
+    /// peer said so (the control plane did not declare it lost): this worker
+    /// is taken to be the broken end, and leaves the job.
+    #[error(
+        "cannot reach server {server}, which the rest of the job still reaches (iteration {iteration}): this worker leaves the job"
+    )]
+    Unreachable {
+        /// The server's rank.
+        server: u32,
+        /// The worker's iteration.
+        iteration: u64,
+    },
     /// The job removed this worker while it could not reach the control plane.
     #[error(
         "this worker (rank {rank}) was removed from the job from iteration {iteration} on: it did not reach the control plane for longer than job.worker_lease_ms (stopped, hung or cut off); the job goes on without it"
@@ -437,6 +449,7 @@ impl<P: Fabric> Worker<P> {
                 Err(e) if self.spec.job.replicas > 1 && !matches!(e, WorkerError::Removed { .. }) => {
                     eprintln!("eps worker {}: cannot reach server {o} ({e})", self.rank);
                     self.lose_server(o);
+                    self.report_unreachable(o);
                 }
                 r => r?,
             }

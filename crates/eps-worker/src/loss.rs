@@ -41,9 +41,24 @@ impl<P: Fabric> Worker<P> {
     /// a server that failed (the control plane promotes its backups).
     pub(crate) fn await_route_away(&mut self, sid: usize, t: u64) -> Result<(), WorkerError> {
         while self.lost.contains(&self.route(sid, t).owner) || self.lost.contains(&self.map.routes[sid].owner.owner) {
-            self.refresh_map()?;
+            let server = self.route(sid, t).owner;
+            match self.refresh_map() {
+                // No map declared it lost: the rest of the job still reaches it.
+                Err(WorkerError::Timeout(_)) => return Err(WorkerError::Unreachable { server, iteration: self.iteration }),
+                r => r?,
+            }
         }
         Ok(())
+    }
+
+    /// Tells the control plane that server `server` cannot be reached from
+    /// here (a connection failed or could not be made): declared lost once
+    /// another peer says so too. (A server that died is found sooner so.)
+    pub(crate) fn report_unreachable(&mut self, server: u32) {
+        let m = ControlMsg::Unreachable { rank: server, by: eps_proto::control::Role::Worker, by_rank: self.rank };
+        if let Err(e) = self.ctl.call(&m) {
+            eprintln!("eps worker {}: could not report server {server} unreachable: {e}", self.rank);
+        }
     }
 
     /// Server `server` failed in a job with replicas: the control plane

@@ -76,6 +76,7 @@ impl<P: Fabric> Worker<P> {
                 if self.spec.job.replicas > 1 && self.routes_to(server) {
                     // Its shards' backups take over: this round goes there again.
                     self.lose_server(server);
+                    self.report_unreachable(server);
                     continue;
                 }
                 if !self.routes_to(server) {

@@ -58,6 +58,7 @@ fn roundtrip_and_garbage() {
         ControlMsg::BackupSynced { shard: 3, rank: 2 },
         ControlMsg::Unreplicated { shard: 3, rank: 1 },
         ControlMsg::ServerLost { rank: 2 },
+        ControlMsg::Unreachable { rank: 1, by: Role::Worker, by_rank: 3 },
         ControlMsg::Orders {
             last: 9,
             orders: vec![
