@@ -254,8 +254,54 @@ fn servers_killed_one_after_another_with_two_replicas_lose_nothing() {
     kill(run.role_pids("server")[0]);
     let (ok, out, err) = run.finish();
     assert!(ok, "{err}");
-    assert_eq!(err.matches("is lost (its connection dropped").count(), 2, "{err}");
+    // (Lost as its poll connection dropped, or as its peers reported it.)
+    let lost = err.lines().filter(|l| l.starts_with("eps control: server ") && l.contains(" is lost (")).count();
+    assert_eq!(lost, 2, "{err}");
     assert!(err.contains("is served here from version"), "{err}");
+    assert_eq!(json(&out, "params_checksum"), expected, "{err}");
+    std::fs::remove_file(&spec).ok();
+}
+
+/// Whether `ss -K` can cut connections here (root, iproute2).
+fn can_cut() -> bool {
+    let root = std::fs::read_to_string("/proc/self/status")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:").and_then(|u| u.split_whitespace().nth(1)).map(|u| u == "0"))
+        .unwrap_or(false);
+    root && Command::new("ss").arg("-V").output().is_ok_and(|o| o.status.success())
+}
+
+/// A server whose every data connection is cut (`ss -K`) while it lives on
+/// and polls for orders: its peers report it unreachable, the control plane
+/// declares it lost, its backups take over, it is fenced off at its next
+/// poll, and the run ends with the uninterrupted run's parameters.
+#[test]
+fn a_live_server_whose_connections_are_cut_is_declared_lost_and_nothing_is_lost() {
+    if !can_cut() {
+        eprintln!("skipped: cutting connections needs root and `ss` (iproute2)");
+        return;
+    }
+    let spec = spec_file("faults", "cut");
+    let s = spec.to_str().unwrap();
+    let args = ["--spec", s, "--servers", "3", "--steps", "400"];
+    let expected = uninterrupted(&args);
+    let mut run = Run::start(&[&args[..], &["--replicas", "2"]].concat());
+    run.wait_step(60);
+    let pid = run.server_pid(2);
+    // Its fabric listener: the only TCP port it listens on.
+    let o = Command::new("ss").args(["-ltnpH"]).output().unwrap();
+    let listing = String::from_utf8_lossy(&o.stdout);
+    let line = listing.lines().find(|l| l.contains(&format!("pid={pid},"))).expect("server 2's listener");
+    let port = line.split_whitespace().nth(3).and_then(|a| a.rsplit(':').next()).unwrap().to_string();
+    let filter = format!("( sport = :{port} or dport = :{port} )");
+    let cut = Command::new("ss").args(["-K", "-tnH", "state", "established", &filter]).output().unwrap();
+    assert!(cut.status.success() && !cut.stdout.is_empty(), "{}", String::from_utf8_lossy(&cut.stderr));
+    run.wait_line("cannot reach it); its shards' backups take over");
+    let (ok, out, err) = run.finish();
+    assert!(ok, "{err}");
+    assert!(err.contains("server 2 is lost ("), "{err}");
+    assert!(err.contains("server 2 was declared lost and its shards' backups serve them now"), "not fenced off:\n{err}");
     assert_eq!(json(&out, "params_checksum"), expected, "{err}");
     std::fs::remove_file(&spec).ok();
 }

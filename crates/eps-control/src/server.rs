@@ -553,4 +553,56 @@ mod tests {
         assert!(ControlClient::connect(addr, &bad, Duration::from_secs(5)).is_err());
         std::fs::remove_dir_all(&dir).ok();
     }
+
+    /// A server its peers cannot reach while it still polls (a cut link):
+    /// lost once two peers say so; one peer alone, a repeated report, or the
+    /// word of a server that was lost itself is not enough.
+    #[test]
+    fn a_server_two_peers_cannot_reach_is_lost_and_one_peer_is_not_enough() {
+        let text = "[job]\nworkers = 2\nservers = 3\nreplicas = 2\n[model]\npreset = \"synthetic\"\nbuckets = 1024\n";
+        let spec = JobSpec::from_toml(text).unwrap();
+        let layout = spec.layout().unwrap();
+        let dir = std::env::temp_dir().join(format!("eps-control-unreachable-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let secret = Secret::new("unreachable").unwrap();
+        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let svc = ControlService::bind(any, &spec, text, secret.clone(), Box::new(FileStore::open(&dir).unwrap())).unwrap();
+        let addr = svc.local_addr();
+        std::thread::spawn(move || svc.run());
+        let mut c = ControlClient::connect(addr, &secret, Duration::from_secs(5)).unwrap();
+        let ep = |id: u32, r: u32| eps_proto::control::ShardEndpoint {
+            shard: id,
+            owner: r,
+            landing: vec![(0, 0)],
+            published_addr: 0,
+            published_rkey: 0,
+        };
+        for r in 0..3u32 {
+            c.call(&ControlMsg::Register { role: Role::Server, fabric_addr: String::new() }).unwrap();
+            let shards = layout.shards_of(r).map(|s| ep(s.id, r)).collect();
+            c.call(&ControlMsg::ServerReady { rank: r, fabric_addr: format!("127.0.0.1:{}", 7000 + r), shards }).unwrap();
+        }
+        for _ in 0..2 {
+            c.call(&ControlMsg::Register { role: Role::Worker, fabric_addr: String::new() }).unwrap();
+        }
+        let lost = |r: u32| status(addr, &secret).contains(&format!("  server {r}: lost,"));
+        let report = |c: &mut ControlClient, rank: u32, by: Role, by_rank: u32| {
+            assert!(matches!(c.call(&ControlMsg::Unreachable { rank, by, by_rank }).unwrap(), ControlMsg::Ok));
+        };
+        // One worker, twice; and server 2 itself about server 1.
+        report(&mut c, 2, Role::Worker, 0);
+        report(&mut c, 2, Role::Worker, 0);
+        report(&mut c, 1, Role::Server, 2);
+        assert!(!lost(2) && !lost(1), "{}", status(addr, &secret));
+        // A second peer: server 2 is lost, and its own report goes with it.
+        report(&mut c, 2, Role::Worker, 1);
+        assert!(lost(2), "{}", status(addr, &secret));
+        report(&mut c, 1, Role::Worker, 0);
+        assert!(!lost(1), "server 2's report still counted:\n{}", status(addr, &secret));
+        // A lost server's word is void.
+        report(&mut c, 0, Role::Server, 2);
+        report(&mut c, 0, Role::Worker, 1);
+        assert!(!lost(0), "{}", status(addr, &secret));
+        std::fs::remove_dir_all(&dir).ok();
+    }
 }
