@@ -9,8 +9,9 @@
 //!   depends on the one before, so one update lost or applied twice anywhere
 //!   leaves its chunk different at the end;
 //! - `rss_growth_ratio`: per role (control plane, servers, workers), the
-//!   summed resident memory at the end against the same after warm-up, with
-//!   as many servers; the largest;
+//!   summed resident memory of their own (anonymous and shared, not the
+//!   code's file pages) at the end against the same after warm-up, with as
+//!   many servers; the largest;
 //! - push_pull latency: each worker's whole-run p50 and p99.
 
 pub mod faults;
@@ -324,10 +325,17 @@ fn sample(
     })
 }
 
-/// A process's resident set (VmRSS), if it still runs.
+/// A process's resident memory of its own (anonymous and shared memory:
+/// `VmRSS` less the file-backed pages), if it still runs. The pages of the
+/// binary's code are left out: they are faulted in as code first runs (the
+/// first fault of a kind runs code never run before), are bounded by the
+/// binary's size and shared, and are most of a small process's `VmRSS`.
 fn rss_kib(pid: u32) -> Option<u64> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    s.lines().find_map(|l| l.strip_prefix("VmRSS:")?.trim().strip_suffix("kB")?.trim().parse().ok())
+    let field = |name: &str| -> Option<u64> {
+        s.lines().find_map(|l| l.strip_prefix(name)?.trim().strip_suffix("kB")?.trim().parse().ok())
+    };
+    Some(field("RssAnon:")? + field("RssShmem:").unwrap_or(0))
 }
 
 /// The fault-free run of the same steps (no backups: they change nothing in

@@ -35,7 +35,7 @@ pub(crate) fn draw(path: &Path, s: &Soaked) -> Result<(), String> {
             .x_label_area_size(40)
             .y_label_area_size(65)
             .build_cartesian_2d(0f64..x_max, 0f64..rss_max)?;
-        chart.configure_mesh().x_desc("seconds").y_desc("RSS, summed (MiB)").draw()?;
+        chart.configure_mesh().x_desc("seconds").y_desc("RSS anon + shmem, summed (MiB)").draw()?;
         faults(&mut chart, s, 0.0, rss_max)?;
         let palette = [RGBColor(0, 0, 0), RGBColor(38, 139, 210), RGBColor(133, 153, 0)];
         for (r, name) in ROLES.iter().enumerate() {
