@@ -358,6 +358,7 @@ impl Job {
     /// Sources of moves done that no worker routes to for the shard any more
     /// may free its landing slots (kept for pushes routed by older maps).
     fn free_landings(&mut self) {
+        let mut freed = false;
         for i in 0..self.migrations.len() {
             let m = &self.migrations[i];
             if m.phase != Phase::Done || m.landing_freed {
@@ -368,10 +369,15 @@ impl Job {
                 continue;
             }
             self.migrations[i].landing_freed = true;
+            freed = true;
             let (from, shard) = (self.migrations[i].from, self.migrations[i].shard);
             if self.servers.get(from as usize).is_some_and(|s| !s.retired) {
                 self.order(from, Order::FreeLanding { shard });
             }
+        }
+        if freed {
+            // A new backup may go where the shard's landing slots were kept.
+            self.rebuild_backups();
         }
     }
 

@@ -257,7 +257,18 @@ impl ShardSync {
 
     /// A forwarded update (applied by the migration source) has been applied and
     /// published here. Returns the new version; then see [`ShardSync::complete`].
+    ///
+    /// Contributions held for the iteration the forwarded update applied are
+    /// in it already: their slots are freed. (A backup's owner, lost or cut
+    /// off, forwarded it after workers routing by the map that promotes the
+    /// backup pushed that iteration here again; a migration target never
+    /// holds the iteration its source forwards.)
     pub fn forwarded(&mut self) -> u64 {
+        if self.held == Some(self.version) {
+            self.slot_full.iter_mut().for_each(|s| *s = false);
+            self.full_count = 0;
+            self.held = None;
+        }
         self.version += 1;
         self.publish_waiting = false;
         self.version
@@ -706,5 +717,24 @@ mod membership_tests {
         let mut s = ShardSync::incoming(Consistency::Bsp, 1, 2);
         assert_eq!(s.forwarded(), 3);
         assert_eq!(s.on_push(0, 3, &[0]), Ok(PushOutcome::AggregateAll { iteration: 3 }));
+    }
+
+    #[test]
+    fn a_forward_frees_the_slots_of_the_iteration_it_applied() {
+        // A backup at version 4 whose owner was cut off: workers routing by
+        // the map that promotes it push iteration 4 here again, then the
+        // owner's last forward (iteration 4's update) lands.
+        const ALL: &[u32] = &[0, 1];
+        let mut s = ShardSync::backup(Consistency::Bsp, 2, 4);
+        assert_eq!(s.on_push(0, 4, ALL), Ok(PushOutcome::Wait));
+        assert_eq!(s.on_pull(0, 5), Ok(None));
+        assert_eq!(s.forwarded(), 5);
+        let mut ready = Vec::new();
+        s.ready_pulls(&mut ready);
+        assert_eq!(ready, vec![(0, 5)], "the pull is answered by the forwarded version");
+        // Promoted, it aggregates iteration 5 from empty slots.
+        s.caught_up();
+        assert_eq!(s.on_push(0, 5, ALL), Ok(PushOutcome::Wait));
+        assert_eq!(s.on_push(1, 5, ALL), Ok(PushOutcome::AggregateAll { iteration: 5 }));
     }
 }

@@ -452,9 +452,9 @@ impl World {
         for p in peers {
             self.send(Node::Server(r), p, Msg::ServerGone { s: r });
         }
-        // The control plane declares it lost after everything it sent that
-        // still lands has landed (its lease lapses long after).
-        let d = 2 * self.net.max_delay + self.rng.range(1, LEASE);
+        // The control plane declares it lost at once (two peers reported it)
+        // or once its lease lapses: what it sent may still be landing then.
+        let d = if self.rng.range(0, 1) == 0 { self.rng.range(1, self.net.max_delay) } else { self.rng.range(1, LEASE) };
         self.net.send_after(Node::Ctl, Node::Ctl, Msg::Lost { s: r }, d);
     }
 

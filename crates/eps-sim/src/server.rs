@@ -202,6 +202,9 @@ impl SimServer {
             Msg::PullWritten { shard, w: r, v } => self.on_pull_written(w, shard, r, v),
             Msg::Snapshot { shard, v, value } => self.on_snapshot(w, shard, v, value),
             Msg::SnapshotDone { shard } => self.on_snapshot_done(w, shard),
+            // `Server::on_promote`: a promoted backup dropped its connections
+            // from the lost owner; what it still sent does not land.
+            Msg::Forward { shard, .. } if self.fenced(w, shard, from) => {}
             Msg::Forward { shard, v, digest } => self.on_forward(w, shard, v, digest),
             Msg::ForwardAck { shard, v } if self.forwards_to(shard, from) => self.replica_acked(w, shard, v),
             Msg::ForwardAck { shard, v } => self.on_ack(w, shard, v),
@@ -440,7 +443,14 @@ impl SimServer {
         let Some(sh) = self.shards.get_mut(&id) else { return };
         match p {
             Pending::Update(_) => sh.sync.published(None),
-            Pending::Forward { .. } => sh.sync.forwarded(),
+            Pending::Forward { .. } => {
+                // `ShardSync::forwarded`: pushes held for the iteration the
+                // forward applied are in it already.
+                for l in sh.landing.iter_mut().filter(|l| l.as_ref().is_some_and(|(t, _)| *t + 1 == next)) {
+                    *l = None;
+                }
+                sh.sync.forwarded()
+            }
         };
         sh.sync.set_publish_waiting(!sh.waiting.is_empty());
         let first = sh.units().start;

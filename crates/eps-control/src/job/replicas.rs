@@ -271,11 +271,23 @@ impl Job {
             if self.backups[sid].is_some() || self.rebuilding[sid].is_some() || !live.contains(&owner) || self.moving(id) {
                 continue;
             }
+            // The next live server after the owner, but not one the shard
+            // just left while workers may still push it there by an older
+            // map (its landing slots are kept until none does): those pushes
+            // would land in the new backup. If that leaves none, later
+            // (`free_landings` tries again).
             let at = live.iter().position(|&r| r == owner).unwrap_or(0);
-            let to = live[(at + 1) % live.len()];
+            let next = (1..live.len()).map(|k| live[(at + k) % live.len()]).find(|&r| !self.landing_kept(id, r));
+            let Some(to) = next else { continue };
             self.rebuilding[sid] = Some(to);
             self.order(to, Order::AddBackup { shard: id, from: owner, start, len });
         }
+    }
+
+    /// Whether server `rank` keeps shard `id`'s landing slots after a move
+    /// away (some worker may still push it there by an older map).
+    fn landing_kept(&self, id: u32, rank: u32) -> bool {
+        self.migrations.iter().any(|m| m.shard == id && m.from == rank && m.phase == Phase::Done && !m.landing_freed)
     }
 
     /// Scale-in: backups on servers that leave (of shards that stay) go, and

@@ -66,6 +66,14 @@ impl SimServer {
         }
     }
 
+    /// Whether a forward of shard `id` from `from` comes from a crashed owner
+    /// whose backup here was promoted (its connection was dropped then).
+    pub(super) fn fenced(&self, w: &World, id: u32, from: Node) -> bool {
+        let Node::Server(f) = from else { return false };
+        let promoted = self.shards.get(&id).is_none_or(|sh| matches!(sh.replica, Some(Rep::Promoted | Rep::Primary { .. })));
+        w.crashed(f) && promoted
+    }
+
     /// Tells the control plane about the backups held here (at the start).
     pub(crate) fn report_backups(&mut self, w: &mut World) {
         let ids: Vec<u32> =

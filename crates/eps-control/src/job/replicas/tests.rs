@@ -32,21 +32,7 @@ fn since(job: &Job, mark: u64) -> Vec<(u32, Order)> {
 
 #[test]
 fn a_scale_in_keeps_moved_shards_backed_up_and_rebuilds_backups_of_a_leaving_server() {
-    let spec = JobSpec::from_toml(SPEC).unwrap();
-    let layout = spec.layout().unwrap();
-    let mut job = Job::new(&spec, SPEC).unwrap();
-    for _ in 0..3 {
-        job.apply(&ControlMsg::Register { role: Role::Server, fabric_addr: String::new() }).unwrap();
-    }
-    for r in 0..3u32 {
-        let shards = layout.shards_of(r).map(|s| ep(s.id, r)).collect();
-        job.apply(&ControlMsg::ServerReady { rank: r, fabric_addr: format!("127.0.0.1:{}", 7000 + r), shards }).unwrap();
-    }
-    for r in 0..3u32 {
-        for s in layout.backups_of(r) {
-            job.apply(&ControlMsg::BackupReady { endpoint: ep(s.id, r), keys: KEYS }).unwrap();
-        }
-    }
+    let (mut job, layout) = replicated_job();
     let n = layout.shards.len();
     assert!(job.status().contains(&format!("backups: {n} of {n} shards protected")), "{}", job.status());
     let owner_of = |id: u32| layout.shards.iter().find(|s| s.id == id).unwrap().server;
