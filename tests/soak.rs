@@ -9,7 +9,7 @@ use common::cli::{eps, json_field as json};
 fn a_short_soak_under_every_fault_loses_nothing() {
     let o = eps()
         .args(["soak", "--steps", "600", "--every-s", "1", "--seed", "2", "--json"])
-        .args(["--faults", "server_kill,scale_out,scale_in,server_stall,worker_stall,control_kill"])
+        .args(["--faults", "server_kill,scale_out,scale_in,server_stall,worker_stall,control_kill,server_cut"])
         .output()
         .unwrap();
     let (out, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));

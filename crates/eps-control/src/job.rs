@@ -424,10 +424,27 @@ impl Job {
     pub(crate) fn order(&mut self, rank: u32, o: Order) {
         self.issued += 1;
         let r = rank as usize;
+        if self.lost.contains(&rank) {
+            return; // fenced off: it polls no more orders
+        }
         if self.orders.len() <= r {
             self.orders.resize_with(r + 1, Default::default);
         }
+        if o == Order::Retire {
+            // A server that leaves holds nothing: what it has not polled yet
+            // no longer matters. (A server that is gone never polls past its
+            // last orders: they would stay for the job's life, and a replay
+            // would queue its whole history again.)
+            self.orders[r].clear();
+        }
         self.orders[r].push_back((self.issued, o));
+    }
+
+    /// Server `rank` is lost: its orders go (it polls no more).
+    pub(crate) fn drop_orders_of(&mut self, rank: u32) {
+        if let Some(q) = self.orders.get_mut(rank as usize) {
+            *q = std::collections::VecDeque::new();
+        }
     }
 
     /// Servers that registered and have not retired (leaving ones included).

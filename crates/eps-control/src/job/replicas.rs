@@ -127,6 +127,7 @@ impl Job {
         info.retired = true;
         info.leaving = true;
         self.lost.push(rank);
+        self.drop_orders_of(rank);
         let before: std::collections::HashMap<u32, u32> = self.map.shards.iter().map(|s| (s.id, s.owner)).collect();
         for k in 0..self.map.shards.len() {
             let (id, owner) = (self.map.shards[k].id, self.map.shards[k].owner);
