@@ -262,23 +262,13 @@ fn servers_killed_one_after_another_with_two_replicas_lose_nothing() {
     std::fs::remove_file(&spec).ok();
 }
 
-/// Whether `ss -K` can cut connections here (root, iproute2).
-fn can_cut() -> bool {
-    let root = std::fs::read_to_string("/proc/self/status")
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("Uid:").and_then(|u| u.split_whitespace().nth(1)).map(|u| u == "0"))
-        .unwrap_or(false);
-    root && Command::new("ss").arg("-V").output().is_ok_and(|o| o.status.success())
-}
-
 /// A server whose every data connection is cut (`ss -K`) while it lives on
 /// and polls for orders: its peers report it unreachable, the control plane
 /// declares it lost, its backups take over, it is fenced off at its next
 /// poll, and the run ends with the uninterrupted run's parameters.
 #[test]
 fn a_live_server_whose_connections_are_cut_is_declared_lost_and_nothing_is_lost() {
-    if !can_cut() {
+    if !eps::soak::faults::can_cut() {
         eprintln!("skipped: cutting connections needs root and `ss` (iproute2)");
         return;
     }
@@ -293,10 +283,9 @@ fn a_live_server_whose_connections_are_cut_is_declared_lost_and_nothing_is_lost(
     let o = Command::new("ss").args(["-ltnpH"]).output().unwrap();
     let listing = String::from_utf8_lossy(&o.stdout);
     let line = listing.lines().find(|l| l.contains(&format!("pid={pid},"))).expect("server 2's listener");
-    let port = line.split_whitespace().nth(3).and_then(|a| a.rsplit(':').next()).unwrap().to_string();
-    let filter = format!("( sport = :{port} or dport = :{port} )");
-    let cut = Command::new("ss").args(["-K", "-tnH", "state", "established", &filter]).output().unwrap();
-    assert!(cut.status.success() && !cut.stdout.is_empty(), "{}", String::from_utf8_lossy(&cut.stderr));
+    let port: u16 = line.split_whitespace().nth(3).and_then(|a| a.rsplit(':').next()).unwrap().parse().unwrap();
+    let cut = eps::soak::faults::cut_port(port).unwrap();
+    assert!(cut > 0, "no connection to port {port} to cut");
     run.wait_line("cannot reach it); its shards' backups take over");
     let (ok, out, err) = run.finish();
     assert!(ok, "{err}");

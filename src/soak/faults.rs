@@ -143,7 +143,7 @@ fn server_port(status: &str, rank: u32) -> Option<u16> {
 
 /// Cuts every established TCP connection to or from `port` on this host (both
 /// ends see it fail at once); returns how many.
-fn cut_port(port: u16) -> Result<usize, String> {
+pub fn cut_port(port: u16) -> Result<usize, String> {
     let filter = format!("( sport = :{port} or dport = :{port} )");
     let o = std::process::Command::new("ss")
         .args(["-K", "-t", "-n", "-H", "state", "established"])

@@ -83,18 +83,25 @@ impl State {
         for (r, why) in gone {
             self.dropped.remove(&r);
             self.polled.remove(&r);
-            if !self.job.replicated() || !self.job.server_serving(r) || self.job.done() {
-                continue;
-            }
-            let m = ControlMsg::ServerLost { rank: r };
-            if self.job.apply(&m).is_ok() {
-                self.forget_reports_of(r);
-                eprintln!("eps control: server {r} is lost ({why}); its shards' backups take over");
-                self.persist(&m)?;
-                changed = true;
-            }
+            changed |= self.declare_lost(r, &why)?;
         }
         Ok(changed)
+    }
+
+    /// Declares server `rank` lost (`why`), in a job with replicas that it
+    /// still serves: its backups take over (a record of the store).
+    fn declare_lost(&mut self, rank: u32, why: &str) -> Result<bool, ControlError> {
+        if !self.job.replicated() || !self.job.server_serving(rank) || self.job.done() {
+            return Ok(false);
+        }
+        let m = ControlMsg::ServerLost { rank };
+        if self.job.apply(&m).is_err() {
+            return Ok(false);
+        }
+        self.forget_reports_of(rank);
+        eprintln!("eps control: server {rank} is lost ({why}); its shards' backups take over");
+        self.persist(&m)?;
+        Ok(true)
     }
 
     /// Peer `by` cannot reach server `rank`. Two peers saying so (or a job's
@@ -106,7 +113,7 @@ impl State {
         let now = Instant::now();
         self.unreachable.retain(|_, (_, first)| now.duration_since(*first) < UNREACHABLE_WINDOW);
         if !self.job.replicated() || !self.job.server_serving(rank) || self.job.done() || by == (Role::Server, rank) {
-            return Ok(false);
+            return Ok(false); // (nothing to declare: see `declare_lost`)
         }
         if by.0 == Role::Server && !self.job.server_serving(by.1) {
             // A lost server's connections fail as it goes: its word is void.
@@ -122,17 +129,7 @@ impl State {
             return Ok(false);
         }
         let reporters: Vec<String> = who.iter().map(|(r, n)| format!("{r:?} {n}").to_lowercase()).collect();
-        self.forget_reports_of(rank);
-        let m = ControlMsg::ServerLost { rank };
-        if self.job.apply(&m).is_err() {
-            return Ok(false);
-        }
-        eprintln!(
-            "eps control: server {rank} is lost ({} cannot reach it); its shards' backups take over",
-            reporters.join(" and ")
-        );
-        self.persist(&m)?;
-        Ok(true)
+        self.declare_lost(rank, &format!("{} cannot reach it", reporters.join(" and ")))
     }
 
     /// Server `rank` is lost: reports about it are moot, and its own go (cut
