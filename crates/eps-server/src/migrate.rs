@@ -134,7 +134,16 @@ impl<P: Fabric> Server<P> {
         let (endpoint, keys) = self.writable_by_peer(id)?;
         let bytes = self.mem.get(id).map_or(0, |b| b.bytes);
         eprintln!("eps server {}: receiving shard {id} ({bytes} bytes) from server {from}", self.rank);
-        self.ctl.call(&ControlMsg::ShardReady { endpoint, keys })?;
+        match self.ctl.call(&ControlMsg::ShardReady { endpoint, keys }) {
+            Ok(_) => {}
+            Err(eps_control::ControlError::Rejected(why)) => {
+                // The move was cancelled while its order waited here (its
+                // source was lost, say): the empty copy goes.
+                eprintln!("eps server {}: the move of shard {id} here was cancelled ({why})", self.rank);
+                return self.on_drop_backup(id);
+            }
+            Err(e) => return Err(e.into()),
+        }
         self.summary.migrated_in += 1;
         Ok(())
     }

@@ -172,8 +172,15 @@ impl<P: Fabric> Server<P> {
             self.release_forward_buffer(id);
             eprintln!("eps server {}: shard {id} no longer forwards to a backup", self.rank);
         }
-        self.ctl.call(&ControlMsg::Unreplicated { shard: id, rank: self.rank })?;
-        Ok(())
+        match self.ctl.call(&ControlMsg::Unreplicated { shard: id, rank: self.rank }) {
+            // (The shard moved away meanwhile: its new owner keeps the
+            // backup, or the control plane rebuilds one.)
+            Err(eps_control::ControlError::Rejected(why)) => {
+                eprintln!("eps server {}: shard {id}'s end of replication was refused ({why}); going on", self.rank);
+                Ok(())
+            }
+            r => r.map(drop).map_err(Into::into),
+        }
     }
 
     /// The control plane orders this server's copy of shard `id` freed: a
