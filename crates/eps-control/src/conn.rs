@@ -2,7 +2,6 @@
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::time::Duration;
 
 use eps_fabric::Secret;
 use eps_fabric::auth;
@@ -51,20 +50,17 @@ pub fn auth_client(s: &mut TcpStream, secret: &Secret) -> Result<(), ControlErro
     Ok(())
 }
 
-/// Server side of the mutual challenge-response.
-pub fn auth_server(s: &mut TcpStream, secret: &Secret) -> Result<(), ControlError> {
-    s.set_read_timeout(Some(Duration::from_secs(10))).map_err(ControlError::Io)?;
-    let mut nonce_c = [0u8; 16];
-    s.read_exact(&mut nonce_c).map_err(ControlError::Io)?;
+/// Server side of the mutual challenge-response, first half: the answer to
+/// the client's nonce (the server's nonce and its proof, 48 bytes).
+pub fn auth_challenge(secret: &Secret, nonce_c: &[u8; 16]) -> Result<([u8; 16], [u8; 48]), ControlError> {
     let nonce_s = auth::nonce().map_err(ControlError::Io)?;
     let mut b = [0u8; 48];
     b[..16].copy_from_slice(&nonce_s);
-    b[16..].copy_from_slice(&auth::listener_proof(secret, &nonce_c, &nonce_s, 0, CONTROL_CHANNEL));
-    s.write_all(&b).map_err(ControlError::Io)?;
-    let mut p = [0u8; 32];
-    s.read_exact(&mut p).map_err(ControlError::Io)?;
-    let ok = auth::proofs_equal(&p, &auth::dialer_proof(secret, &nonce_c, &nonce_s, 0, CONTROL_CHANNEL));
-    s.write_all(&[ok as u8]).map_err(ControlError::Io)?;
-    s.set_read_timeout(None).map_err(ControlError::Io)?;
-    if ok { Ok(()) } else { Err(ControlError::Auth("a peer failed to prove the job secret")) }
+    b[16..].copy_from_slice(&auth::listener_proof(secret, nonce_c, &nonce_s, 0, CONTROL_CHANNEL));
+    Ok((nonce_s, b))
+}
+
+/// Server side, second half: whether the client's proof holds.
+pub fn auth_proof_holds(secret: &Secret, nonce_c: &[u8; 16], nonce_s: &[u8; 16], proof: &[u8; 32]) -> bool {
+    auth::proofs_equal(proof, &auth::dialer_proof(secret, nonce_c, nonce_s, 0, CONTROL_CHANNEL))
 }

@@ -5,21 +5,29 @@
 //! acknowledged.
 
 use std::collections::HashMap;
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
+use std::net::{SocketAddr, TcpListener};
+use std::os::fd::AsFd;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use eps_fabric::Secret;
 use eps_proto::JobSpec;
 use eps_proto::control::{ControlMsg, Role};
+use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 
 use crate::ControlError;
-use crate::checkpoint::{Outcome, Report, Tracker};
-use crate::conn::{auth_server, read_msg, write_msg};
+use crate::checkpoint::Tracker;
 use crate::job::Job;
 use crate::store::Store;
+
+mod event;
+mod requests;
+
+use event::Conn;
+
+/// How often leases are checked (and waiting answers tried again).
+const TICK: Duration = Duration::from_millis(20);
 
 /// Marks the spec record in the store.
 const SPEC_RECORD_RANK: u32 = u32::MAX;
@@ -169,7 +177,7 @@ impl State {
 pub struct ControlService {
     listener: TcpListener,
     secret: Secret,
-    shared: Arc<(Mutex<State>, Condvar)>,
+    st: State,
 }
 
 impl std::fmt::Debug for ControlService {
@@ -224,7 +232,7 @@ impl ControlService {
         }
         // A replayed job that had already finished has nothing left to serve.
         st.done_replied = st.job.done();
-        Ok(Self { listener, secret, shared: Arc::new((Mutex::new(st), Condvar::new())) })
+        Ok(Self { listener, secret, st })
     }
 
     /// The bound address.
@@ -238,259 +246,78 @@ impl ControlService {
     }
 
     /// As [`ControlService::run`], or until `stop` is set (a host process
-    /// shutting down an embedded job: connections already open are served
-    /// until their peers close them).
-    pub fn run_until(self, stop: &AtomicBool) -> Result<(), ControlError> {
+    /// shutting down an embedded job). One thread serves every connection:
+    /// the control plane's memory does not grow with how many peers came and
+    /// went, or with how many were connected at once.
+    pub fn run_until(mut self, stop: &AtomicBool) -> Result<(), ControlError> {
         self.listener.set_nonblocking(true).map_err(ControlError::Io)?;
+        let mut conns: Vec<Conn> = Vec::new();
+        let mut tick = Instant::now();
         loop {
-            if stop.load(Ordering::Acquire) {
+            if stop.load(Ordering::Acquire) || self.st.done_replied {
                 return Ok(());
             }
-            {
-                let mut st = self.shared.0.lock().unwrap_or_else(|p| p.into_inner());
-                if st.done_replied {
-                    return Ok(());
+            let now = Instant::now();
+            // The job changes with requests and with leases: waiting answers
+            // are tried again after either, and when their deadline passes.
+            let mut changed = false;
+            if now >= tick {
+                tick = now + TICK;
+                self.st.expire_leases()?;
+                self.st.lose_servers()?;
+                changed = true;
+            }
+            let next = conns.iter().filter_map(Conn::deadline).fold(tick, Instant::min);
+            let timeout = next.saturating_duration_since(Instant::now()).as_millis().min(TICK.as_millis()) as u16;
+            let mut fds: Vec<PollFd<'_>> = Vec::with_capacity(conns.len() + 1);
+            fds.push(PollFd::new(self.listener.as_fd(), PollFlags::POLLIN));
+            for c in &conns {
+                let out = if c.writing() { PollFlags::POLLOUT } else { PollFlags::empty() };
+                fds.push(PollFd::new(c.s.as_fd(), PollFlags::POLLIN | out));
+            }
+            match poll(&mut fds, PollTimeout::from(timeout)) {
+                Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+                Err(e) => return Err(ControlError::Io(e.into())),
+            }
+            let ready: Vec<PollFlags> = fds.iter().map(|f| f.revents().unwrap_or(PollFlags::empty())).collect();
+            drop(fds);
+            for (c, r) in conns.iter_mut().zip(&ready[1..]) {
+                if r.intersects(PollFlags::POLLOUT) {
+                    c.flush(&mut self.st);
                 }
-                if st.expire_leases()? | st.lose_servers()? {
-                    self.shared.1.notify_all();
+                if r.intersects(PollFlags::POLLIN | PollFlags::POLLHUP | PollFlags::POLLERR) {
+                    c.readable(&mut self.st, &self.secret);
+                    changed = true;
                 }
             }
-            match self.listener.accept() {
-                Ok((s, _)) => {
-                    let shared = self.shared.clone();
-                    let secret = self.secret.clone();
-                    std::thread::spawn(move || {
-                        let _ = serve(s, &secret, &shared);
-                    });
+            if ready[0].intersects(PollFlags::POLLIN) {
+                self.accept(&mut conns)?;
+            }
+            let now = Instant::now();
+            for c in conns.iter_mut() {
+                if changed || c.deadline().is_some_and(|d| now >= d) {
+                    c.retry(&mut self.st, &self.secret);
+                    c.expire(&mut self.st, now);
                 }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(20)),
+            }
+            conns.retain(|c| !c.dead);
+        }
+    }
+
+    /// Takes the connections waiting to be accepted.
+    fn accept(&mut self, conns: &mut Vec<Conn>) -> Result<(), ControlError> {
+        loop {
+            match self.listener.accept() {
+                // (A socket that cannot be set up is dropped: its peer retries.)
+                Ok((s, _)) => conns.extend(Conn::new(s).ok()),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if matches!(e.kind(), std::io::ErrorKind::Interrupted | std::io::ErrorKind::ConnectionAborted) => {}
+                // Out of descriptors, say: the peers wait and retry.
+                Err(e) if e.raw_os_error().is_some_and(|c| c == 24 || c == 23) => return Ok(()),
                 Err(e) => return Err(ControlError::Io(e)),
             }
         }
     }
-}
-
-fn serve(mut s: TcpStream, secret: &Secret, shared: &(Mutex<State>, Condvar)) -> Result<(), ControlError> {
-    s.set_nonblocking(false).map_err(ControlError::Io)?;
-    auth_server(&mut s, secret)?;
-    let (lock, cv) = shared;
-    let locked = || lock.lock().unwrap_or_else(|p| p.into_inner());
-    // The server whose order poll this connection carries, if any.
-    let mut poller: Option<u32> = None;
-    loop {
-        let m = match read_msg(&mut s) {
-            Ok(m) => m,
-            Err(e) => {
-                if let Some(r) = poller {
-                    locked().dropped.insert(r, Instant::now());
-                }
-                return Err(e);
-            }
-        };
-        let mut finishes_job = false;
-        let reply = match m {
-            ControlMsg::Register { .. }
-            | ControlMsg::ServerReady { .. }
-            | ControlMsg::ShardReady { .. }
-            | ControlMsg::BackupReady { .. }
-            | ControlMsg::BackupSynced { .. }
-            | ControlMsg::Unreplicated { .. }
-            | ControlMsg::Cutover { .. }
-            | ControlMsg::Released { .. }
-            | ControlMsg::Split { .. }
-            | ControlMsg::Scale { .. }
-            | ControlMsg::ScaleWorkers { .. }
-            | ControlMsg::Vote { .. }
-            | ControlMsg::Declare { .. }
-            | ControlMsg::Leave { .. }
-            | ControlMsg::Finished { .. } => {
-                let mut st = locked();
-                if let ControlMsg::Vote { role: eps_proto::control::Role::Worker, rank, .. } = m {
-                    st.seen.insert(rank, Instant::now());
-                }
-                match st.job.apply(&m) {
-                    Ok(r) => {
-                        st.persist(&m)?;
-                        cv.notify_all();
-                        finishes_job = st.job.done();
-                        r
-                    }
-                    Err(message) => ControlMsg::Error { message },
-                }
-            }
-            ControlMsg::Unreachable { rank, by, by_rank } => {
-                let mut st = locked();
-                if st.unreachable(rank, (by, by_rank))? {
-                    cv.notify_all();
-                }
-                ControlMsg::Ok
-            }
-            ControlMsg::GetMap { worker, adopted, min_epoch, iteration } => {
-                let mut st = locked();
-                // A worker waiting in a long poll is alive: its lease runs from
-                // the end of the poll (a worker killed meanwhile never renews it).
-                st.seen.insert(worker, Instant::now() + LONG_POLL);
-                if st.job.adopts_newer(worker, adopted) {
-                    // Persisted, so that a replay issues the orders that follow
-                    // from it under the same sequence numbers.
-                    let record = ControlMsg::GetMap { worker, adopted, min_epoch: 0, iteration: 0 };
-                    let _ = st.job.apply(&record);
-                    st.persist(&record)?;
-                }
-                st.job.worker_progress(worker, iteration);
-                // Orders may follow (a drained server may now retire).
-                cv.notify_all();
-                let deadline = Instant::now() + LONG_POLL;
-                // The first map waits for every initial server (bounded by the
-                // client's timeout); later ones answer after the long poll at most.
-                while !st.job.initial_ready() || (st.job.epoch() < min_epoch && Instant::now() < deadline) {
-                    let wait =
-                        if st.job.initial_ready() { deadline.saturating_duration_since(Instant::now()) } else { LONG_POLL };
-                    st = cv.wait_timeout(st, wait).unwrap_or_else(|p| p.into_inner()).0;
-                    st.seen.insert(worker, Instant::now() + LONG_POLL);
-                }
-                st.seen.insert(worker, Instant::now());
-                ControlMsg::Map(st.job.job_map())
-            }
-            ControlMsg::GetSpec { rank } => {
-                // A server registered before the first worker declared the
-                // tensors waits for them (long poll).
-                let mut st = locked();
-                let deadline = Instant::now() + LONG_POLL;
-                while !st.job.layout_fixed() {
-                    let left = deadline.saturating_duration_since(Instant::now());
-                    if left.is_zero() {
-                        break;
-                    }
-                    st = cv.wait_timeout(st, left).unwrap_or_else(|p| p.into_inner()).0;
-                }
-                ControlMsg::Registered { rank, spec_toml: st.job.spec_text().to_string() }
-            }
-            ControlMsg::Poll { rank, after } => {
-                let mut st = locked();
-                poller = Some(rank);
-                st.dropped.remove(&rank);
-                // It carried out the orders up to `after`: they are dropped.
-                st.job.orders_polled(rank, after);
-                let deadline = Instant::now() + LONG_POLL;
-                // Alive while it waits here: its lease runs from the answer.
-                st.polled.insert(rank, deadline);
-                loop {
-                    if st.job.lost_servers().contains(&rank) {
-                        // Fenced off: its shards are served by their backups now.
-                        poller = None;
-                        break ControlMsg::Error {
-                            message: format!(
-                                "server {rank} was declared lost and its shards' backups serve them now; it must stop"
-                            ),
-                        };
-                    }
-                    let (last, orders) = st.job.orders_for(rank, after);
-                    let left = deadline.saturating_duration_since(Instant::now());
-                    if !orders.is_empty() || left.is_zero() {
-                        st.polled.insert(rank, Instant::now());
-                        break ControlMsg::Orders { last, orders };
-                    }
-                    st = cv.wait_timeout(st, left).unwrap_or_else(|p| p.into_inner()).0;
-                }
-            }
-            ControlMsg::Status => {
-                let st = locked();
-                let mut text = st.job.status();
-                if let Some((v, p)) = &st.last_checkpoint {
-                    text += &format!("\ncheckpoint: iteration {v} in {}", p.display());
-                }
-                ControlMsg::StatusReport { text }
-            }
-            ControlMsg::Saved { version, start, len, file, sha256, missed, .. } => {
-                let mut st = locked();
-                let before = Path::new(&file).parent().and_then(Path::parent).map(|d| st.ckpt.outcome(d, version));
-                let rec = st.job.checkpoint_record(version);
-                let report = Report { version, start, len, file: &file, sha256: &sha256, missed };
-                match st.ckpt.saved(&report, &rec) {
-                    Outcome::Complete(p) if before != Some(Outcome::Complete(p.clone())) => {
-                        eprintln!("eps control: checkpoint at iteration {version} complete in {}", p.display());
-                        if st.last_checkpoint.as_ref().is_none_or(|(v, _)| *v < version) {
-                            st.last_checkpoint = Some((version, p));
-                        }
-                    }
-                    Outcome::Failed(why) if before == Some(Outcome::Pending) => {
-                        eprintln!("eps control: the checkpoint at iteration {version} is abandoned: {why}");
-                    }
-                    _ => {}
-                }
-                cv.notify_all();
-                ControlMsg::Ok
-            }
-            ControlMsg::Checkpoint { dir, .. } => checkpoint(locked(), cv, dir),
-            _ => ControlMsg::Error { message: "unexpected message for the control plane".into() },
-        };
-        let sent = write_msg(&mut s, &reply);
-        if finishes_job {
-            locked().done_replied = true;
-        }
-        sent?;
-    }
-}
-
-/// Tries this many versions, each further ahead, before an on-demand
-/// checkpoint gives up.
-const CHECKPOINT_TRIES: u32 = 10;
-/// How long one try waits for the servers' pieces.
-const CHECKPOINT_WAIT: Duration = Duration::from_secs(120);
-
-/// An operator's checkpoint: orders every server to save at a version no
-/// worker has reached (as far as their last reports tell), waits for the
-/// pieces, and tries further ahead when a server had passed it.
-fn checkpoint(mut st: std::sync::MutexGuard<'_, State>, cv: &Condvar, dir: String) -> ControlMsg {
-    let spec = JobSpec::from_toml(st.job.spec_text()).ok();
-    let dir = if dir.is_empty() { spec.as_ref().and_then(|s| s.job.checkpoint_dir.clone()).unwrap_or_default() } else { dir };
-    if dir.is_empty() {
-        return ControlMsg::Error { message: "give a directory: the job's spec names no checkpoint_dir".into() };
-    }
-    if !Path::new(&dir).is_absolute() {
-        return ControlMsg::Error { message: format!("{dir}: give an absolute directory (servers may run elsewhere)") };
-    }
-    if !st.job.initial_ready() {
-        return ControlMsg::Error { message: crate::STILL_STARTING.into() };
-    }
-    let steps = spec.map_or(u64::MAX, |s| s.job.steps);
-    let mut last = String::new();
-    for attempt in 0..CHECKPOINT_TRIES {
-        let version = st.job.furthest_iteration() + (8 << attempt);
-        if version >= steps {
-            return ControlMsg::Error {
-                message: format!("the job ends (iteration {steps}) before a checkpoint could be taken{last}"),
-            };
-        }
-        let rec = ControlMsg::Checkpoint { version, dir: dir.clone() };
-        if let Err(message) = st.job.apply(&rec) {
-            return ControlMsg::Error { message };
-        }
-        if let Err(e) = st.persist(&rec) {
-            return ControlMsg::Error { message: format!("cannot persist the checkpoint order: {e}") };
-        }
-        cv.notify_all();
-        let deadline = Instant::now() + CHECKPOINT_WAIT;
-        loop {
-            match st.ckpt.outcome(Path::new(&dir), version) {
-                Outcome::Complete(p) => return ControlMsg::Checkpointed { version, path: p.display().to_string() },
-                Outcome::Failed(why) => {
-                    last = format!(" (last try: {why})");
-                    break;
-                }
-                Outcome::Pending => {}
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return ControlMsg::Error {
-                    message: format!("the servers did not save iteration {version} within {} s", CHECKPOINT_WAIT.as_secs()),
-                };
-            }
-            st = cv.wait_timeout(st, left).unwrap_or_else(|p| p.into_inner()).0;
-        }
-    }
-    ControlMsg::Error { message: format!("no checkpoint after {CHECKPOINT_TRIES} tries{last}") }
 }
 
 #[cfg(test)]
