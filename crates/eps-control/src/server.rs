@@ -429,4 +429,40 @@ mod tests {
         assert!(!lost(0), "{}", status(addr, &secret));
         std::fs::remove_dir_all(&dir).ok();
     }
+
+    /// One thread serves every connection: 40 clients waiting in a long poll
+    /// at once are all answered, and the service has no thread for any.
+    #[test]
+    fn one_thread_serves_many_clients_waiting_at_once() {
+        let spec = JobSpec::from_toml(SPEC).unwrap();
+        let secret = Secret::new("many").unwrap();
+        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let svc = ControlService::bind(any, &spec, SPEC, secret.clone(), Box::new(crate::store::MemStore::default())).unwrap();
+        let addr = svc.local_addr();
+        std::thread::spawn(move || svc.run());
+        let threads = || std::fs::read_dir("/proc/self/task").unwrap().count();
+        let before = threads();
+        let mut socks: Vec<std::net::TcpStream> = (0..40)
+            .map(|_| {
+                let mut s = std::net::TcpStream::connect(addr).unwrap();
+                crate::conn::auth_client(&mut s, &secret).unwrap();
+                // No orders for server 0: each waits a long poll.
+                crate::conn::write_msg(&mut s, &ControlMsg::Poll { rank: 0, after: 0 }).unwrap();
+                s
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(100));
+        assert_eq!(threads(), before, "threads for waiting clients");
+        let started = Instant::now();
+        for s in &mut socks {
+            let m = crate::conn::read_msg(s).unwrap();
+            assert!(matches!(m, ControlMsg::Orders { ref orders, .. } if orders.is_empty()), "{m:?}");
+        }
+        let waited = started.elapsed() + Duration::from_millis(100);
+        assert!(waited > LONG_POLL / 2 && waited < LONG_POLL * 2, "answered together after one long poll: {waited:?}");
+        // A wrong secret is refused and holds nothing up.
+        let bad = Secret::new("wrong").unwrap();
+        assert!(ControlClient::connect(addr, &bad, Duration::from_secs(5)).is_err());
+        assert!(status(addr, &secret).contains("servers: 0/2 registered"));
+    }
 }
