@@ -87,6 +87,9 @@ struct ServerInfo {
     drained_at: u64,
 }
 
+/// Finished migrations `eps status` shows.
+const RECENT_MOVES: usize = 8;
+
 /// The job state.
 #[derive(Debug)]
 pub struct Job {
@@ -107,7 +110,14 @@ pub struct Job {
     map: ShardMap,
     endpoints: Vec<Option<ShardEndpoint>>,
     previous: Vec<Option<(ShardEndpoint, u64)>>,
+    /// Migrations in flight, and done ones whose source still keeps the
+    /// shard's landing slots (see `prune_migrations`).
     migrations: Vec<Migration>,
+    /// Migrations finished and forgotten: done, cancelled, and the last few
+    /// done (for `eps status`).
+    moves_done: u64,
+    moves_cancelled: u64,
+    recent_moves: std::collections::VecDeque<Migration>,
     /// By server rank: its orders it has not polled past yet, with their
     /// numbers (not persisted: a replay issues them all again, with the same
     /// numbers).
@@ -172,6 +182,9 @@ impl Job {
             endpoints: Vec::new(),
             previous: Vec::new(),
             migrations: Vec::new(),
+            moves_done: 0,
+            moves_cancelled: 0,
+            recent_moves: Default::default(),
             orders: Vec::new(),
             issued: 0,
             to_balance: Vec::new(),
@@ -416,7 +429,7 @@ impl Job {
         self.migrations.iter().filter(|m| m.in_flight()).count()
     }
 
-    /// All migrations so far.
+    /// Migrations in flight, and done ones not yet forgotten.
     pub fn migrations(&self) -> &[Migration] {
         &self.migrations
     }
@@ -467,7 +480,33 @@ impl Job {
         // worker that finished no longer holds it back).
         self.release_async();
         self.retire_drained();
+        self.prune_migrations();
         Ok(r)
+    }
+
+    /// Forgets the migrations nothing refers to any more (cancelled ones, and
+    /// done ones whose source was told to free the landing slots), keeping
+    /// counts and the last few: a long job's state does not grow with every
+    /// scale event.
+    fn prune_migrations(&mut self) {
+        let finished = |m: &Migration| m.phase == Phase::Cancelled || (m.phase == Phase::Done && m.landing_freed);
+        if !self.migrations.iter().any(finished) {
+            return;
+        }
+        for m in std::mem::take(&mut self.migrations) {
+            match m.phase {
+                Phase::Cancelled => self.moves_cancelled += 1,
+                Phase::Done if m.landing_freed => {
+                    self.moves_done += 1;
+                    if self.recent_moves.len() == RECENT_MOVES {
+                        self.recent_moves.pop_front();
+                    }
+                    self.recent_moves.push_back(Migration { target: None, ..m });
+                }
+                _ => self.migrations.push(m),
+            }
+        }
+        self.migrations.shrink_to(self.migrations.len().max(16));
     }
 
     fn apply_record(&mut self, m: &ControlMsg) -> Result<ControlMsg, String> {
@@ -818,8 +857,8 @@ impl Job {
                 list.join(",")
             );
         }
-        let done = self.migrations.iter().filter(|m| m.phase == Phase::Done).count();
-        let cancelled = self.migrations.iter().filter(|m| m.phase == Phase::Cancelled).count();
+        let done = self.migrations.iter().filter(|m| m.phase == Phase::Done).count() as u64 + self.moves_done;
+        let cancelled = self.migrations.iter().filter(|m| m.phase == Phase::Cancelled).count() as u64 + self.moves_cancelled;
         let _ = write!(t, "migrations: {} in flight, {done} done", self.migrations_in_flight());
         let _ = if cancelled > 0 { writeln!(t, ", {cancelled} cancelled (a server at one end was lost)") } else { writeln!(t) };
         let _ = match &self.splitting {
@@ -827,7 +866,8 @@ impl Job {
             None => writeln!(t, "splits: {} done", self.splits),
         };
         // The most recent finished ones with their figures, then those in flight.
-        let finished: Vec<&Migration> = self.migrations.iter().filter(|m| m.phase == Phase::Done).collect();
+        let finished: Vec<&Migration> =
+            self.recent_moves.iter().chain(self.migrations.iter().filter(|m| m.phase == Phase::Done)).collect();
         for m in &finished[finished.len().saturating_sub(8)..] {
             let _ = writeln!(t, "  shard {}: server {} -> {}: done, {} bytes in {} ms", m.shard, m.from, m.to, m.bytes, m.millis);
         }
