@@ -89,18 +89,18 @@ pub fn choose(flag: &AggregatorFlag, spec: Option<&str>) -> Result<AggKind, Stri
         "host-direct" => Ok(AggKind::HostDirect),
         "cuda" => match gpu() {
             Ok(g) => {
-                eprintln!("eps: aggregating on {g}");
+                eps_proto::say!("eps: aggregating on {g}");
                 Ok(AggKind::Cuda)
             }
             Err(e) => Err(format!("--aggregator cuda: {e}; use --aggregator cpu")),
         },
         "auto" => match gpu() {
             Ok(g) => {
-                eprintln!("eps: --aggregator auto: using {g}");
+                eps_proto::say!("eps: --aggregator auto: using {g}");
                 Ok(AggKind::Cuda)
             }
             Err(e) => {
-                eprintln!("eps: --aggregator auto: using the CPU ({e})");
+                eps_proto::say!("eps: --aggregator auto: using the CPU ({e})");
                 Ok(AggKind::Cpu)
             }
         },
@@ -195,18 +195,18 @@ mod gpudirect {
     /// `0`), saying why not otherwise.
     pub(super) fn regions(d: &eps_cuda::CudaDevice, pd: &RdmaPd) -> Option<Arc<dyn DirectRegions<RdmaPd>>> {
         if std::env::var("EPS_GPUDIRECT").is_ok_and(|v| v == "0") {
-            eprintln!("eps: EPS_GPUDIRECT=0: landing slots and published copies in page-locked host memory");
+            eps_proto::say!("eps: EPS_GPUDIRECT=0: landing slots and published copies in page-locked host memory");
             return None;
         }
         let r = GpuRegions(d.gpu().clone());
         match r.alloc(pd, 4096, Access::LOCAL_WRITE | Access::REMOTE_WRITE) {
             Ok(_) => {
-                eprintln!("eps: landing slots and published copies in {}", r.describe());
+                eps_proto::say!("eps: landing slots and published copies in {}", r.describe());
                 Some(Arc::new(r))
             }
             Err(e) => {
                 let why = std::error::Error::source(&e).map_or(e.to_string(), |s| format!("{e}: {s}"));
-                eprintln!("eps: no GPUDirect RDMA ({why}): landing slots and published copies in page-locked host memory");
+                eps_proto::say!("eps: no GPUDirect RDMA ({why}): landing slots and published copies in page-locked host memory");
                 None
             }
         }

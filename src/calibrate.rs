@@ -28,7 +28,7 @@ pub struct CalibrateArgs {
 /// Runs the measurements and writes the model.
 pub fn run(a: CalibrateArgs) -> Result<(), String> {
     let (size, iters) = if a.quick { (4u64 << 20, 5) } else { (64u64 << 20, 20) };
-    let step = |what: &str| eprintln!("eps sched calibrate: {what}");
+    let step = |what: &str| eps_proto::say!("eps sched calibrate: {what}");
     step(&format!("push/pull of a {} MiB model, one worker, one server", size >> 20));
     let big = pushpull::run(&PushPullBench { size, workers: 1, servers: 1, iters, shard_bytes: 4 << 20 })
         .map_err(|e| crate_error(&e))?;
@@ -108,7 +108,7 @@ pub fn run(a: CalibrateArgs) -> Result<(), String> {
     match &a.out {
         Some(p) => {
             std::fs::write(p, &t).map_err(|e| format!("cannot write {}: {e}", p.display()))?;
-            eprintln!("eps sched calibrate: wrote {}", p.display());
+            eps_proto::say!("eps sched calibrate: wrote {}", p.display());
         }
         None => print!("{t}"),
     }

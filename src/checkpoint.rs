@@ -37,7 +37,13 @@ pub fn resume_spec(dir: &Path, o: &Overrides) -> Result<(JobSpec, String), Strin
     let r = ResumeSection { from: path.display().to_string(), iteration: m.version, membership: m.membership.clone() };
     let text = JobSpec::set_resume(&text, Some(&r)).map_err(|e| e.to_string())?;
     let spec = JobSpec::from_toml(&text).map_err(|e| format!("{}: {e}", path.display()))?;
-    eprintln!("eps: resuming job {:?} at iteration {} of {} from {}", spec.job.name, m.version, spec.job.steps, path.display());
+    eps_proto::say!(
+        "eps: resuming job {:?} at iteration {} of {} from {}",
+        spec.job.name,
+        m.version,
+        spec.job.steps,
+        path.display()
+    );
     Ok((spec, text))
 }
 
@@ -59,7 +65,7 @@ pub fn take(control: SocketAddr, dir: Option<&Path>, timeout: Duration) -> Resul
     let secret = secret_from_env(None)?;
     let dir = dir.map(absolute).transpose()?.map(|p| p.display().to_string()).unwrap_or_default();
     let mut c = eps_control::ControlClient::connect(control, &secret, timeout).map_err(|e| crate_error(&e))?;
-    eprintln!("eps checkpoint: asking the job at {control} for a checkpoint");
+    eps_proto::say!("eps checkpoint: asking the job at {control} for a checkpoint");
     // A job still starting takes the request once its servers are ready.
     let deadline = std::time::Instant::now() + timeout;
     let answer =

@@ -386,7 +386,7 @@ fn train(a: TrainArgs) -> Result<(), String> {
     }
     let layout = spec.layout().map_err(|e| e.to_string())?;
     let opt = spec.optimizer().map_err(|e| e.to_string())?;
-    eprintln!(
+    eps_proto::say!(
         "eps train: {} workers, {} servers, {} steps, {}, {}, {}; model {} parameters ({}) in {} shards",
         spec.job.workers,
         spec.job.servers,
@@ -399,14 +399,14 @@ fn train(a: TrainArgs) -> Result<(), String> {
         layout.shards.len()
     );
     let chosen = eps::transport::choose(&a.fabric, Some(&spec.fabric))?;
-    eprintln!("eps train: {} transport for every server and worker", chosen.name());
+    eps_proto::say!("eps train: {} transport for every server and worker", chosen.name());
     let agg = eps::aggregator::choose(&a.agg, spec.job.aggregator.as_deref())?;
-    eprintln!("eps train: {} aggregator on every server", agg.name());
+    eps_proto::say!("eps train: {} aggregator on every server", agg.name());
     let children = eps::train::cluster::ChildArgs {
         both: a.fabric.child_args(&chosen),
         servers: vec!["--aggregator".into(), agg.name().into()],
     };
-    let r = eps::train::run(&spec, &text, a.progress_every.max(1), &plan, &children, |l| eprintln!("{l}"))
+    let r = eps::train::run(&spec, &text, a.progress_every.max(1), &plan, &children, |l| eps_proto::say!("{l}"))
         .map_err(|e| error_chain(&e))?;
     println!(
         "trained {} steps in {:.1} s: held-out accuracy {:.4} (teacher {:.4}), loss {:.4}",
@@ -548,7 +548,7 @@ fn main() -> ExitCode {
     match res {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("eps: error: {e}");
+            eps_proto::say!("eps: error: {e}");
             ExitCode::FAILURE
         }
     }

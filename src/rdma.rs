@@ -133,7 +133,7 @@ pub fn selection(_named: &Named) -> Result<std::convert::Infallible, String> {
 /// (device, port, GID, MTU).
 #[cfg(feature = "rdma")]
 pub fn open(sel: &eps_rdma::Selection) -> Result<eps_rdma::RdmaPd, String> {
-    eprintln!("eps: {sel}");
+    eps_proto::say!("eps: {sel}");
     let dev = eps_rdma::RdmaDevice::open(&sel.device).map_err(|e| format!("{}: {e}", sel.device))?;
     dev.alloc_pd().map_err(|e| format!("{}: {e}", sel.device))
 }

@@ -37,7 +37,7 @@ pub fn exit_with_parent() {
         loop {
             std::thread::sleep(Duration::from_millis(200));
             if std::os::unix::process::parent_id() != parent {
-                eprintln!("eps: parent process {parent} is gone; exiting");
+                eps_proto::say!("eps: parent process {parent} is gone; exiting");
                 std::process::exit(3);
             }
         }
@@ -58,7 +58,7 @@ pub fn control_spec(listen: SocketAddr, spec: &JobSpec, text: &str, state_dir: &
         FileStore::open(state_dir).map_err(|e| format!("cannot open the state directory {}: {e}", state_dir.display()))?;
     let svc = ControlService::bind(listen, spec, text, secret, Box::new(store)).map_err(|e| crate_error(&e))?;
     println!("EPS_CONTROL_READY addr={}", svc.local_addr());
-    eprintln!(
+    eps_proto::say!(
         "eps control: job {:?} on {}: waiting for {} servers and {} workers (state in {})",
         spec.job.name,
         svc.local_addr(),

@@ -139,7 +139,7 @@ pub fn run(a: SimArgs) -> Result<(), String> {
     }
     let opts = sim::Options { noise: a.noise, seed: a.seed, nodes, ..sim::Options::default() };
     let policies: Vec<&str> = if a.compare { NAMES.to_vec() } else { vec![a.policy.as_str()] };
-    eprintln!("eps sim: {} jobs from {} on {slots} slots", jobs.len(), path.display());
+    eps_proto::say!("eps sim: {} jobs from {} on {slots} slots", jobs.len(), path.display());
     if !a.out.json {
         print_header();
     }
@@ -161,7 +161,7 @@ pub fn run(a: SimArgs) -> Result<(), String> {
     }
     if let Some(p) = &a.out.plot {
         crate::sim_plot::draw(p, slots, &runs)?;
-        eprintln!("eps sim: plot in {}", p.display());
+        eps_proto::say!("eps sim: plot in {}", p.display());
     }
     Ok(())
 }
@@ -218,7 +218,7 @@ pub fn print_row(s: &sim::Summary) {
 pub fn print_jobs(policy: &str, rec: &[sim::JobRecord]) {
     for r in rec {
         let f = |v: Option<f64>| v.map_or("-".into(), |x| format!("{x:.1}"));
-        eprintln!(
+        eps_proto::say!(
             "  {policy} {}: submit {:.1} start {} feedback {} {} {} rescales {} nodes {}",
             r.name,
             r.submit_s,

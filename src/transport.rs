@@ -115,11 +115,11 @@ pub fn choose(flags: &TransportFlags, spec: Option<&FabricSection>) -> Result<Ch
         },
         "auto" => match crate::rdma::selection(&named) {
             Ok(s) => {
-                eprintln!("eps: --transport auto: using rdma");
+                eps_proto::say!("eps: --transport auto: using rdma");
                 Ok(Chosen::Rdma(s))
             }
             Err(e) => {
-                eprintln!("eps: --transport auto: using soft ({e})");
+                eps_proto::say!("eps: --transport auto: using soft ({e})");
                 Ok(Chosen::Soft)
             }
         },

@@ -112,7 +112,7 @@ pub fn run(a: UpArgs) -> Result<(), String> {
         Err(_) => "tensors declared by the first worker to join".into(),
     };
     let opt = spec.optimizer().map_err(|e| e.to_string())?;
-    eprintln!(
+    eps_proto::say!(
         "eps up: job {:?} at {}: {} servers ({} transport, {} aggregator) waiting for {} workers; {}, optimizer {}; {}",
         spec.job.name,
         cluster.control_addr(),
@@ -124,13 +124,13 @@ pub fn run(a: UpArgs) -> Result<(), String> {
         opt.name(),
         model
     );
-    eprintln!(
+    eps_proto::say!(
         "eps up: workers need EPS_CONTROL and {} in their environment; Ctrl-C stops the job",
         if from_env.is_some() { "EPS_JOB_SECRET" } else { "EPS_JOB_SECRET_FILE" }
     );
     match cluster.supervise(None, |_| {}) {
         Ok(_) => {
-            eprintln!("eps up: the job has finished; every server has exited");
+            eps_proto::say!("eps up: the job has finished; every server has exited");
             Ok(())
         }
         Err(e) => Err(crate_error(&e)),

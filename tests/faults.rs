@@ -279,11 +279,7 @@ fn a_live_server_whose_connections_are_cut_is_declared_lost_and_nothing_is_lost(
     let mut run = Run::start(&[&args[..], &["--replicas", "2"]].concat());
     run.wait_step(60);
     let pid = run.server_pid(2);
-    // Its fabric listener: the only TCP port it listens on.
-    let o = Command::new("ss").args(["-ltnpH"]).output().unwrap();
-    let listing = String::from_utf8_lossy(&o.stdout);
-    let line = listing.lines().find(|l| l.contains(&format!("pid={pid},"))).expect("server 2's listener");
-    let port: u16 = line.split_whitespace().nth(3).and_then(|a| a.rsplit(':').next()).unwrap().parse().unwrap();
+    let port = listen_port(pid);
     let cut = eps::soak::faults::cut_port(port).unwrap();
     assert!(cut > 0, "no connection to port {port} to cut");
     run.wait_line("cannot reach it); its shards' backups take over");
@@ -291,6 +287,70 @@ fn a_live_server_whose_connections_are_cut_is_declared_lost_and_nothing_is_lost(
     assert!(ok, "{err}");
     assert!(err.contains("server 2 is lost ("), "{err}");
     assert!(err.contains("server 2 was declared lost and its shards' backups serve them now"), "not fenced off:\n{err}");
+    assert_eq!(json(&out, "params_checksum"), expected, "{err}");
+    std::fs::remove_file(&spec).ok();
+}
+
+/// The fabric port server process `pid` listens on (its only TCP listener).
+fn listen_port(pid: u32) -> u16 {
+    let o = Command::new("ss").args(["-ltnpH"]).output().unwrap();
+    let listing = String::from_utf8_lossy(&o.stdout);
+    let line = listing.lines().find(|l| l.contains(&format!("pid={pid},"))).expect("the server's listener");
+    line.split_whitespace().nth(3).and_then(|a| a.rsplit(':').next()).unwrap().parse().unwrap()
+}
+
+/// A move whose link alone is cut (source to target; both live and poll):
+/// the source stops it and tells the control plane, which cancels it (the
+/// target drops its copy). Nobody is lost, and the run ends with the
+/// uninterrupted run's parameters.
+#[test]
+fn a_move_whose_link_alone_is_cut_is_cancelled_and_nothing_is_lost() {
+    if !eps::soak::faults::can_cut() {
+        eprintln!("skipped: cutting connections needs root and `ss` (iproute2)");
+        return;
+    }
+    let spec = tmp("movecut").with_extension("toml");
+    // Shards of 1 MiB: a move takes long enough to be cut in.
+    let text = SMALL_JOB.replace("shard_bytes = 65536", "shard_bytes = 1048576").replace("buckets = 16384", "buckets = 1048576");
+    std::fs::write(&spec, text).unwrap();
+    let s = spec.to_str().unwrap();
+    let args = ["--spec", s, "--servers", "3", "--steps", "120"];
+    let expected = uninterrupted(&args);
+    let mut run = Run::start(&[&args[..], &["--scale-plan", "30:servers=4"]].concat());
+    // "eps server S: migrating shard N (...) to server T from version V"
+    let (from, to) = loop {
+        let l = run.wait_line("migrating shard");
+        let num = |after: &str| -> Option<u32> {
+            let rest = &l[l.find(after)? + after.len()..];
+            rest[..rest.find(|c: char| !c.is_ascii_digit())?].parse().ok()
+        };
+        if let (Some(f), Some(t)) = (num("eps server "), num(") to server ")) {
+            break (f, t);
+        }
+    };
+    // The target held (stopped) so that its moves are surely in flight; the
+    // source's connections to it cut, then the target woken.
+    let (source, target) = (run.server_pid(from), run.server_pid(to));
+    signal("-STOP", target);
+    let port = listen_port(target);
+    let o = Command::new("ss").args(["-tnpH", "state", "established", &format!("( dport = :{port} )")]).output().unwrap();
+    let listing = String::from_utf8_lossy(&o.stdout);
+    let mine: Vec<String> = listing
+        .lines()
+        .filter(|l| l.contains(&format!("pid={source},")))
+        .filter_map(|l| l.split_whitespace().nth(2)?.rsplit(':').next().map(str::to_string))
+        .collect();
+    assert!(!mine.is_empty(), "no connection from server {from} to server {to}:\n{listing}");
+    for lp in &mine {
+        let filter = format!("( sport = :{lp} and dport = :{port} )");
+        assert!(Command::new("ss").args(["-K", "-tnH", "state", "established", &filter]).status().unwrap().success());
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    signal("-CONT", target);
+    let (ok, out, err) = run.finish();
+    assert!(ok, "{err}");
+    assert!(err.contains(&format!("server {from} stopped moving shard ")), "no move cancelled:\n{err}");
+    assert!(!err.contains(" is lost ("), "{err}");
     assert_eq!(json(&out, "params_checksum"), expected, "{err}");
     std::fs::remove_file(&spec).ok();
 }

@@ -196,7 +196,13 @@ pub struct PushPullArgs {
 
 fn bench_pushpull(a: PushPullArgs) -> Result<(), String> {
     use crate::bench::pushpull::{PushPullBench, run};
-    eprintln!("eps bench pushpull: size={} workers={} servers={} iters={}", format_size(a.size), a.workers, a.servers, a.iters);
+    eps_proto::say!(
+        "eps bench pushpull: size={} workers={} servers={} iters={}",
+        format_size(a.size),
+        a.workers,
+        a.servers,
+        a.iters
+    );
     let r =
         run(&PushPullBench { size: a.size, workers: a.workers, servers: a.servers, iters: a.iters, shard_bytes: a.shard_bytes })
             .map_err(|e| error_chain(&e))?;
@@ -269,7 +275,7 @@ fn bench_migrate(a: MigrateArgs) -> Result<(), String> {
         after_steps: a.after_steps,
         pulls_per_step: a.pulls_per_step,
     };
-    eprintln!(
+    eps_proto::say!(
         "eps bench migrate: shard {} migrating {} times, first after {} steps, then every {}; {} timed pulls per step",
         format_size(a.shard_bytes),
         a.migrations,
@@ -349,7 +355,7 @@ fn parse_dtype(s: &str) -> Result<DType, String> {
 
 fn bench_agg(a: AggArgs) -> Result<(), String> {
     let cfg = AggBench { dtype: a.dtype, workers: a.workers, size: a.size, threads: a.threads, reps: a.reps };
-    eprintln!("eps bench agg: dtype={} workers={} size={} reps={}", a.dtype.name(), a.workers, format_size(a.size), a.reps);
+    eps_proto::say!("eps bench agg: dtype={} workers={} size={} reps={}", a.dtype.name(), a.workers, format_size(a.size), a.reps);
     let r = crate::bench::agg::run(&cfg).map_err(|e| error_chain(&e))?;
     println!(
         "{:<6} {:>8} {:>10} {:>8} {:>12} {:>12} {:>8}",
@@ -386,7 +392,7 @@ fn bench_fabric(a: FabricArgs) -> Result<(), String> {
     let transport = crate::rdma::transport(&a.transport, &named)?;
     let cfg = FabricBench { op: a.op, size: a.size, iters: a.iters, depth: a.depth };
     let op = format!("{:?}", a.op).to_lowercase();
-    eprintln!(
+    eps_proto::say!(
         "eps bench fabric: op={op} size={} iters={} depth={} transport={transport} (peer process on this machine)",
         format_size(a.size),
         a.iters,

@@ -6,7 +6,7 @@
 pub fn run(size: u64, reps: usize, json: bool) -> Result<(), String> {
     let gpu = std::sync::Arc::new(eps_cuda::Gpu::open(0).map_err(|e| format!("eps bench gpu: {e}"))?);
     let elements = (size / 4).max(1024) as usize;
-    eprintln!("eps bench gpu: {}; buffers of {} f32 values, {reps} repetitions", gpu.info(), elements);
+    eps_proto::say!("eps bench gpu: {}; buffers of {} f32 values, {reps} repetitions", gpu.info(), elements);
     let r = eps_cuda::bench::run(&gpu, elements, reps).map_err(|e| format!("eps bench gpu: {e}"))?;
     println!("{:<14} {:>10} {:>10}", "kernel", "GB/s", "x copy");
     println!("{:<14} {:>10.1} {:>10.3}", "d2d copy", r.copy_gbps, 1.0);
@@ -44,7 +44,7 @@ pub fn emit_ptx(dir: &std::path::Path) -> Result<(), String> {
     for (arch, name) in [("sm_80", "eps_kernels_sm80.ptx"), ("sm_90", "eps_kernels_sm90.ptx")] {
         let ptx = eps_cuda::ptx_for(arch).map_err(|e| e.to_string())?;
         std::fs::write(dir.join(name), ptx).map_err(|e| format!("{}: {e}", dir.join(name).display()))?;
-        eprintln!("eps bench gpu: wrote {}", dir.join(name).display());
+        eps_proto::say!("eps bench gpu: wrote {}", dir.join(name).display());
     }
     Ok(())
 }

@@ -349,7 +349,7 @@ fn follow(
         if servers == 2 {
             spawn.send(Spawn::Servers(1)).map_err(|_| "the driver is gone".to_string())?;
         }
-        eprintln!(
+        eps_proto::say!(
             "eps bench migrate: step {}: migration {} of {}: scaling to {servers} servers",
             step.load(Ordering::Acquire),
             k + 1,

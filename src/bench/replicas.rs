@@ -92,7 +92,7 @@ pub fn run(a: ReplicasArgs) -> Result<(), String> {
             let ((u1, s1), wall_s) = (children_cpu_s()?, t0.elapsed().as_secs_f64());
             let (cpu_s, sys_s) = (u1 - u0 + s1 - s0, s1 - s0);
             let samples = rep.steps as f64 * f64::from(spec.job.batch) * f64::from(a.workers);
-            eprintln!(
+            eps_proto::say!(
                 "eps bench replicas: run {}/{} with replicas = {r}: {:.0} samples/s; {:.2} CPU s ({:.2} of {cores} cores busy over {:.1} s)",
                 i + 1,
                 a.runs,

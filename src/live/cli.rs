@@ -107,9 +107,12 @@ pub fn verify(jobs: &[LiveJob], specs: &[JobSpec], verbose: bool) -> Result<Veri
         let r = crate::train::run(&static_spec, &text, steps.max(1), &[], &crate::train::cluster::soft_args(), |_| {})
             .map_err(|e| format!("static run of {}: {}", j.record.name, crate::roles::crate_error(&e)))?;
         if verbose {
-            eprintln!(
+            eps_proto::say!(
                 "eps sched: {} ({} servers changed: {}) live {sum}, static {}",
-                j.record.name, l.spec.job.servers, j.servers_changed, r.params_checksum
+                j.record.name,
+                l.spec.job.servers,
+                j.servers_changed,
+                r.params_checksum
             );
         }
         if &r.params_checksum != sum {
@@ -141,7 +144,7 @@ pub fn run(a: RunArgs) -> Result<(), String> {
     let launcher = launcher::by_name(&a.launcher).ok_or_else(|| format!("unknown launcher {}", a.launcher))?;
     let cfg = Config { slots, nodes: nodes.clone(), model: model.clone(), timing, launcher, verbose: !a.quiet };
     let t0 = jobs.first().map_or(0.0, |j| j.submit_s);
-    eprintln!(
+    eps_proto::say!(
         "eps sched run: {} jobs from {} on {} slots, {} launcher, time scale {}",
         jobs.len(),
         a.trace.display(),
@@ -154,7 +157,7 @@ pub fn run(a: RunArgs) -> Result<(), String> {
     let mut failed = Vec::new();
     for name in &a.policy {
         let mut p = by_name_timed(name, timing).ok_or_else(|| format!("unknown policy {name}"))?;
-        eprintln!("eps sched run: policy {name}");
+        eps_proto::say!("eps sched run: policy {name}");
         let live: LiveRun = super::run(&mut Trace::new(jobs.clone()), &cfg, p.as_mut(), t0)?;
         let mut sp = by_name_timed(name, timing).expect("known");
         let (_, sim_rec) = sim::run_with(
@@ -182,7 +185,7 @@ pub fn run(a: RunArgs) -> Result<(), String> {
         if a.out.jobs {
             print_jobs(name, &live.summary_records());
             for (job, l, s) in &fid.jobs {
-                eprintln!("  {name} {job}: submit-to-end live {l:.1} s, simulated {s:.1} s");
+                eps_proto::say!("  {name} {job}: submit-to-end live {l:.1} s, simulated {s:.1} s");
             }
         }
         lines.push(Line {
@@ -244,7 +247,7 @@ pub fn run(a: RunArgs) -> Result<(), String> {
     }
     if let Some(p) = &a.out.plot {
         crate::sim_plot::draw(p, slots, &runs)?;
-        eprintln!("eps sched run: plot in {}", p.display());
+        eps_proto::say!("eps sched run: plot in {}", p.display());
     }
     if failed.is_empty() { Ok(()) } else { Err(format!("{} problem(s):\n  {}", failed.len(), failed.join("\n  "))) }
 }

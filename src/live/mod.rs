@@ -198,7 +198,7 @@ pub fn run(source: &mut dyn Source, cfg: &Config, policy: &mut dyn Policy, t0_s:
     let mut seed = 0u64;
     let say = |now: f64, what: String| {
         if cfg.verbose {
-            eprintln!("eps sched: {now:8.1} s  {what}");
+            eps_proto::say!("eps sched: {now:8.1} s  {what}");
         }
     };
     loop {

@@ -235,7 +235,7 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
         });
     }
     println!("EPS_SCHED={}", path.display());
-    eprintln!(
+    eps_proto::say!(
         "eps sched serve: {} slots, policy {}, on {} (eps submit JOB.toml, eps jobs, eps kill JOB; Ctrl-C stops every job)",
         slots,
         a.policy,
@@ -247,7 +247,7 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
     let _ = std::fs::remove_file(&path);
     match r {
         Err(e) if e.starts_with("interrupted") => {
-            eprintln!("eps sched serve: {e}");
+            eps_proto::say!("eps sched serve: {e}");
             Ok(())
         }
         Err(e) => Err(e),

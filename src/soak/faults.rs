@@ -237,11 +237,11 @@ impl Thread {
             let kind = self.choose();
             let (at, step, started) = (self.plan.t0.elapsed().as_secs_f64(), self.step(), Instant::now());
             let what = self.inject(kind)?;
-            eprintln!("eps soak: [{at:>6.1} s] step {step}: {} ({what})", kind.name());
+            eps_proto::say!("eps soak: [{at:>6.1} s] step {step}: {} ({what})", kind.name());
             let recovered = self.recover(kind);
             let recovered_s = recovered.as_ref().ok().map(|_| started.elapsed().as_secs_f64());
             if let Some(s) = recovered_s {
-                eprintln!("eps soak: recovered from {} in {s:.1} s", kind.name());
+                eps_proto::say!("eps soak: recovered from {} in {s:.1} s", kind.name());
             }
             self.log().faults.push(Fault { kind, at_s: at, step, what, recovered_s });
             recovered?;

@@ -157,16 +157,16 @@ pub fn run(a: SoakArgs) -> Result<(), String> {
         Some(s) => s,
         None => {
             let (spec, text) = spec(&a, CALIBRATION_STEPS, 2)?;
-            eprintln!("eps soak: calibrating: {CALIBRATION_STEPS} steps without faults");
+            eps_proto::say!("eps soak: calibrating: {CALIBRATION_STEPS} steps without faults");
             let r = crate::train::run(&spec, &text, CALIBRATION_STEPS, &[], &soft_args(), |_| {}).map_err(|e| e.to_string())?;
             let rate = r.steps as f64 / r.elapsed_s.max(1e-3);
             let s = (rate * a.minutes * 60.0 * FAULTED_SPEED).round().max(50.0) as u64;
-            eprintln!("eps soak: {rate:.1} steps/s without faults; the soak trains {s} steps");
+            eps_proto::say!("eps soak: {rate:.1} steps/s without faults; the soak trains {s} steps");
             s
         }
     };
     let soaked = soak(&a, steps, kinds)?;
-    eprintln!("eps soak: the same {steps} steps without faults (the reference)");
+    eps_proto::say!("eps soak: the same {steps} steps without faults (the reference)");
     let (reference, ref_digests) = reference(&a, steps)?;
     let report = Report::new(&a, steps, &soaked, &reference, &ref_digests);
     report.print(&soaked);
@@ -205,7 +205,7 @@ fn kinds(list: &str) -> Result<Vec<faults::Kind>, String> {
         return Err("--faults names no fault".into());
     }
     if kinds.contains(&faults::Kind::ServerCut) && !faults::can_cut() {
-        eprintln!("eps soak: server_cut skipped: cutting connections needs root and `ss` (iproute2)");
+        eps_proto::say!("eps soak: server_cut skipped: cutting connections needs root and `ss` (iproute2)");
         kinds.retain(|k| *k != faults::Kind::ServerCut);
         if kinds.is_empty() {
             return Err("--faults: server_cut alone cannot run here (needs root and `ss`)".into());

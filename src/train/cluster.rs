@@ -447,18 +447,21 @@ impl LocalCluster {
                 match exited {
                     Ok(None) => running += 1,
                     Ok(Some(st)) if !st.success() && tolerant && name.starts_with("worker") => {
-                        eprintln!(
+                        eps_proto::say!(
                             "eps train: {name} (pid {}) exited with {st}; the job goes on without it once its lease runs out",
                             c.id()
                         );
                         gone.push(i);
                     }
                     Ok(Some(st)) if !st.success() && name == CONTROL && self.control_restarts < CONTROL_RESTARTS => {
-                        eprintln!("eps train: the control plane (pid {}) exited with {st}; restarting it from its store", c.id());
+                        eps_proto::say!(
+                            "eps train: the control plane (pid {}) exited with {st}; restarting it from its store",
+                            c.id()
+                        );
                         control_died = Some(i);
                     }
                     Ok(Some(st)) if !st.success() && self.replicated && name.starts_with("server") => {
-                        eprintln!("eps train: {name} (pid {}) exited with {st}; its shards' backups take over", c.id());
+                        eps_proto::say!("eps train: {name} (pid {}) exited with {st}; its shards' backups take over", c.id());
                         servers_died.push((name.clone(), st.to_string()));
                         gone.push(i);
                         lost_servers += 1;

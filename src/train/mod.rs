@@ -283,7 +283,7 @@ pub fn run(
             .map_err(|why| TrainError::Child(format!("{e}; no checkpoint to roll back to: {why}")))?;
         let at = s.resume.as_ref().map_or(0, |r| r.iteration);
         let was = reached.load(std::sync::atomic::Ordering::Acquire);
-        eprintln!(
+        eps_proto::say!(
             "eps train: {e}; rolling back from iteration {was} to the checkpoint at iteration {at} on {servers} server{} ({} iterations lost)",
             if servers == 1 { "" } else { "s" },
             was.saturating_sub(at)

@@ -146,7 +146,7 @@ fn run_plan(
         let mut min_done = out.lock().unwrap_or_else(|p| p.into_inner()).migrations;
         match ev.target {
             Target::Servers(n) => {
-                eprintln!("eps train: step {now}: scaling servers {servers} -> {n}");
+                eps_proto::say!("eps train: step {now}: scaling servers {servers} -> {n}");
                 if n > servers {
                     let _ = spawn.send(Spawn::Servers(n - servers));
                 }
@@ -154,7 +154,7 @@ fn run_plan(
                 servers = n;
             }
             Target::Workers(n) => {
-                eprintln!("eps train: step {now}: scaling workers {workers} -> {n} at the next iteration boundary");
+                eps_proto::say!("eps train: step {now}: scaling workers {workers} -> {n} at the next iteration boundary");
                 if n > workers {
                     let _ = spawn.send(Spawn::Workers(n - workers));
                 }

@@ -213,7 +213,7 @@ pub fn run<P: eps_fabric::Fabric>(mut w: Worker<P>, pace: Pace) -> Result<(), Tr
         lat.all.max()
     );
     if left {
-        eprintln!("eps worker {rank}: left the job at iteration {} (scaled away)", w.iteration());
+        eps_proto::say!("eps worker {rank}: left the job at iteration {} (scaled away)", w.iteration());
     }
     // The lowest-ranked contributor of the last iteration evaluates the result.
     let last = w.iteration().saturating_sub(1);

@@ -39,6 +39,7 @@ fn applied_if_refused(m: &ControlMsg) -> bool {
             | ControlMsg::BackupReady { .. }
             | ControlMsg::BackupSynced { .. }
             | ControlMsg::Unreplicated { .. }
+            | ControlMsg::MoveStopped { .. }
             | ControlMsg::Cutover { .. }
             | ControlMsg::Split { .. }
             | ControlMsg::Released { .. }
@@ -87,9 +88,9 @@ impl ControlClient {
                     self.s = match Self::dial(self.addr, &self.secret, QUIET.min(self.wait)) {
                         Ok(s) => s,
                         Err(_) => {
-                            eprintln!("eps: the control plane at {} dropped the connection; reconnecting", self.addr);
+                            eps_proto::say!("eps: the control plane at {} dropped the connection; reconnecting", self.addr);
                             let s = Self::dial(self.addr, &self.secret, self.wait)?;
-                            eprintln!("eps: reconnected to the control plane at {}", self.addr);
+                            eps_proto::say!("eps: reconnected to the control plane at {}", self.addr);
                             s
                         }
                     };
@@ -98,7 +99,7 @@ impl ControlClient {
                     again = true;
                 }
                 Ok(ControlMsg::Error { message }) if again && applied_if_refused(m) => {
-                    eprintln!("eps: a request sent again after a reconnect was refused ({message}): the first was applied");
+                    eps_proto::say!("eps: a request sent again after a reconnect was refused ({message}): the first was applied");
                     return Ok(ControlMsg::Ok);
                 }
                 r => return Self::answer(r),

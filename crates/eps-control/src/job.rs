@@ -13,6 +13,7 @@ use eps_proto::layout::Layout;
 use eps_proto::shardmap::{Move, ShardMap};
 use eps_proto::spec::Consistency;
 
+mod moves;
 mod replicas;
 mod split;
 mod workers;
@@ -611,6 +612,7 @@ impl Job {
                 Ok(ControlMsg::Ok)
             }
             ControlMsg::Unreplicated { shard, rank } => self.unreplicated(*shard, *rank),
+            ControlMsg::MoveStopped { shard, rank } => self.move_stopped(*shard, *rank),
             ControlMsg::ServerLost { rank } => self.server_lost(*rank),
             ControlMsg::Checkpoint { version, dir } => {
                 if *version == 0 || dir.is_empty() {

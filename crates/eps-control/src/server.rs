@@ -107,7 +107,7 @@ impl State {
             return Ok(false);
         }
         self.forget_reports_of(rank);
-        eprintln!("eps control: server {rank} is lost ({why}); its shards' backups take over");
+        eps_proto::say!("eps control: server {rank} is lost ({why}); its shards' backups take over");
         self.persist(&m)?;
         Ok(true)
     }
@@ -133,7 +133,7 @@ impl State {
         }
         let alone = by.0 == Role::Worker && self.job.leased_workers().len() == 1;
         if who.len() < 2 && !alone {
-            eprintln!("eps control: {:?} {} cannot reach server {rank} (one report: not declared lost yet)", by.0, by.1);
+            eps_proto::say!("eps control: {:?} {} cannot reach server {rank} (one report: not declared lost yet)", by.0, by.1);
             return Ok(false);
         }
         let reporters: Vec<String> = who.iter().map(|(r, n)| format!("{r:?} {n}").to_lowercase()).collect();
@@ -160,7 +160,7 @@ impl State {
             if now.duration_since(seen) > self.lease {
                 let m = ControlMsg::Expire { rank: r };
                 if self.job.apply(&m).is_ok() {
-                    eprintln!(
+                    eps_proto::say!(
                         "eps control: worker {r} has not renewed its lease for {} ms; removing it at the next iteration boundary",
                         now.duration_since(seen).as_millis()
                     );

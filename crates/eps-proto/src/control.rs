@@ -359,6 +359,17 @@ pub enum ControlMsg {
         /// The reporter's rank.
         by_rank: u32,
     },
+    /// Server -> control: the move of `shard` from server `rank` stopped
+    /// before its cutover (its connection to the target failed while both
+    /// still poll: a link cut between them alone). The shard stays with its
+    /// owner; the control plane cancels the move and the target drops its
+    /// copy.
+    MoveStopped {
+        /// Shard id.
+        shard: u32,
+        /// The source's server rank.
+        rank: u32,
+    },
     /// Control -> operator: the checkpoint at `version` is complete in `path`.
     Checkpointed {
         /// Its version.
@@ -727,6 +738,11 @@ impl ControlMsg {
                 w.u32(*shard);
                 w.u32(*rank);
             }
+            ControlMsg::MoveStopped { shard, rank } => {
+                w.u8(32);
+                w.u32(*shard);
+                w.u32(*rank);
+            }
             ControlMsg::Unreachable { rank, by, by_rank } => {
                 w.u8(31);
                 w.u32(*rank);
@@ -802,6 +818,7 @@ impl ControlMsg {
             29 => ControlMsg::BackupSynced { shard: r.u32()?, rank: r.u32()? },
             30 => ControlMsg::Unreplicated { shard: r.u32()?, rank: r.u32()? },
             31 => ControlMsg::Unreachable { rank: r.u32()?, by: r.role()?, by_rank: r.u32()? },
+            32 => ControlMsg::MoveStopped { shard: r.u32()?, rank: r.u32()? },
             t => return Err(DecodeError::Tag(t)),
         };
         if !r.0.is_empty() {

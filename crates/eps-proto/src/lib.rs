@@ -22,3 +22,16 @@ pub mod spec;
 pub mod sync;
 
 pub use spec::{Consistency, JobSpec, SpecError};
+
+/// `eprintln!` in one write (it expands in the caller: this crate does no
+/// I/O). `eprintln!` writes a line piece by piece, so the lines of processes
+/// sharing one stderr (a local cluster's roles) interleave mid-line; one
+/// write of a line under `PIPE_BUF` bytes reaches a pipe whole.
+#[macro_export]
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        let mut line = ::std::format!($($arg)*);
+        line.push('\n');
+        let _ = ::std::io::Write::write_all(&mut ::std::io::stderr().lock(), line.as_bytes());
+    }};
+}

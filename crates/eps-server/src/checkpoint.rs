@@ -132,7 +132,7 @@ fn write_pieces(rank: u32, rx: Receiver<Piece>, mut ctl: ControlClient) {
                 match write_piece(&path, &h, values) {
                     Ok(sha) => (sha, false),
                     Err(e) => {
-                        eprintln!("eps server {rank}: checkpoint at iteration {}: {e}", p.version);
+                        eps_proto::say!("eps server {rank}: checkpoint at iteration {}: {e}", p.version);
                         (e, true)
                     }
                 }
@@ -140,7 +140,7 @@ fn write_pieces(rank: u32, rx: Receiver<Piece>, mut ctl: ControlClient) {
         };
         let m = ControlMsg::Saved { version: p.version, shard: p.shard, start: p.start, len: p.len, file, sha256, missed };
         if let Err(e) = ctl.call(&m) {
-            eprintln!("eps server {rank}: cannot report a checkpoint piece to the control plane: {e}");
+            eps_proto::say!("eps server {rank}: cannot report a checkpoint piece to the control plane: {e}");
         }
     }
 }

@@ -86,7 +86,7 @@ impl<P: Fabric> Server<P> {
         let values = if passed { None } else { self.mem.copy_state(id)? };
         let Some((start, len)) = self.mem.get(id).map(|b| (b.start, b.len)) else { return Ok(()) };
         if passed {
-            eprintln!(
+            eps_proto::say!(
                 "eps server {}: shard {id} applied contributions of iteration {t} or later already: not in that checkpoint",
                 self.rank
             );

@@ -328,10 +328,10 @@ impl Registration {
 pub fn register(cfg: &ServerConfig) -> Result<Registration, ServerError> {
     let mut ctl = ControlClient::connect(cfg.control, &cfg.secret, cfg.accept_timeout)?;
     let (rank, spec_text) = ctl.register(Role::Server)?;
-    eprintln!("eps server {rank}: registered (pid {})", std::process::id());
+    eps_proto::say!("eps server {rank}: registered (pid {})", std::process::id());
     let mut spec = JobSpec::from_toml(&spec_text)?;
     if spec.awaits_declaration() {
-        eprintln!("eps server {rank}: waiting for the first worker to declare the model's tensors");
+        eps_proto::say!("eps server {rank}: waiting for the first worker to declare the model's tensors");
     }
     while spec.awaits_declaration() {
         match ctl.call(&ControlMsg::GetSpec { rank })? {
@@ -378,7 +378,7 @@ pub fn run_direct<P: Fabric>(
     let total = layout.shards.len();
     let mut mem = ShardMemory::new(&pd, layout.dtype, ranks, &opt, total, cfg.device.clone());
     if let Some(d) = direct.filter(|_| cfg.device.is_some()) {
-        eprintln!("eps server {rank}: landing slots and published copies in {}", d.describe());
+        eps_proto::say!("eps server {rank}: landing slots and published copies in {}", d.describe());
         mem = mem.with_direct(d);
     }
     let init = |i: u64| eps_proto::init::param(seed, i);
@@ -387,7 +387,7 @@ pub fn run_direct<P: Fabric>(
         None => None,
     };
     if let Some(r) = &restore {
-        eprintln!("eps server {rank}: resuming at iteration {} from {}", r.version(), r.dir().display());
+        eps_proto::say!("eps server {rank}: resuming at iteration {} from {}", r.version(), r.dir().display());
     }
     // A resumed job's shards start at the checkpoint's version (SSP/ASP: the
     // updates they had applied, with every worker's clock at its iteration).
@@ -526,7 +526,7 @@ fn spawn_acceptor<P: Fabric>(
             let hello = match spare.take().map_or_else(|| serve::hello_buffer(&pd), Ok) {
                 Ok(h) => h,
                 Err(e) => {
-                    eprintln!("eps server: cannot allocate a connection's hello buffer ({e}); retrying");
+                    eps_proto::say!("eps server: cannot allocate a connection's hello buffer ({e}); retrying");
                     std::thread::sleep(Duration::from_secs(1));
                     continue;
                 }

@@ -29,12 +29,12 @@ impl<P: Fabric> Server<P> {
         if workers.iter().any(|&r| r >= self.ranks) {
             return Err(ServerError::Membership(format!("contributor set {workers:?} names a rank beyond the job's limit")));
         }
-        eprintln!("eps server {}: from iteration {at} on, workers {workers:?} contribute", self.rank);
+        eps_proto::say!("eps server {}: from iteration {at} on, workers {workers:?} contribute", self.rank);
         self.membership
             .schedule(at, at.saturating_sub(1), workers)
             .map_err(|e| ServerError::Membership(format!("change at iteration {at}: {e}")))?;
         for r in expired {
-            eprintln!(
+            eps_proto::say!(
                 "eps server {}: worker {r} lost its lease; its contributions before iteration {at} that have not arrived are dropped",
                 self.rank
             );

@@ -133,13 +133,13 @@ impl<P: Fabric> Server<P> {
         });
         let (endpoint, keys) = self.writable_by_peer(id)?;
         let bytes = self.mem.get(id).map_or(0, |b| b.bytes);
-        eprintln!("eps server {}: receiving shard {id} ({bytes} bytes) from server {from}", self.rank);
+        eps_proto::say!("eps server {}: receiving shard {id} ({bytes} bytes) from server {from}", self.rank);
         match self.ctl.call(&ControlMsg::ShardReady { endpoint, keys }) {
             Ok(_) => {}
             Err(eps_control::ControlError::Rejected(why)) => {
                 // The move was cancelled while its order waited here (its
                 // source was lost, say): the empty copy goes.
-                eprintln!("eps server {}: the move of shard {id} here was cancelled ({why})", self.rank);
+                eps_proto::say!("eps server {}: the move of shard {id} here was cancelled ({why})", self.rank);
                 return self.on_drop_backup(id);
             }
             Err(e) => return Err(e.into()),
@@ -170,7 +170,7 @@ impl<P: Fabric> Server<P> {
         let ci = match self.target_conn(to, addr) {
             Ok(ci) => ci,
             Err(e) => {
-                eprintln!("eps server {}: cannot reach server {to} for shard {id} ({e}); {then}", self.rank);
+                eps_proto::say!("eps server {}: cannot reach server {to} for shard {id} ({e}); {then}", self.rank);
                 return Ok(None);
             }
         };
@@ -243,7 +243,7 @@ impl<P: Fabric> Server<P> {
         self.mem.set_snapshot_version(id, v0, &clocks);
         let b = self.mem.get(id).ok_or_else(|| ServerError::Migration("shard memory vanished".into()))?;
         let size = b.state.len() as u64;
-        eprintln!(
+        eps_proto::say!(
             "eps server {}: migrating shard {id} ({size} bytes of parameters and state) to server {to} from version {v0}",
             self.rank
         );
@@ -297,7 +297,9 @@ impl<P: Fabric> Server<P> {
         let to = out.to;
         if out.announced {
             // The target owned it; what is left here is not served any more.
-            eprintln!("eps server {rank}: the move of shard {id} to server {to} failed after its cutover ({why}); dropped here");
+            eps_proto::say!(
+                "eps server {rank}: the move of shard {id} to server {to} failed after its cutover ({why}); dropped here"
+            );
             self.shards[id as usize] = None;
             if let Some(b) = self.mem.remove(id) {
                 self.retained.push((None, b.landing));
@@ -306,9 +308,29 @@ impl<P: Fabric> Server<P> {
         }
         h.out = None;
         h.sync.set_publish_waiting(!h.waiting.is_empty());
-        eprintln!("eps server {rank}: the move of shard {id} to server {to} stopped ({why}); the shard stays here");
+        eps_proto::say!("eps server {rank}: the move of shard {id} to server {to} stopped ({why}); the shard stays here");
         self.release_forward_buffer(id);
         self.drain(id)
+    }
+
+    /// As [`Server::abandon_move`], for a move whose connection failed: the
+    /// control plane is told, so that it cancels the move (the target may be
+    /// alive, cut off from here alone) and plans what still has to happen.
+    fn move_conn_failed(&mut self, id: u32, why: &str) -> Result<(), ServerError> {
+        let before_cutover =
+            self.shards.get(id as usize).and_then(Option::as_ref).and_then(|h| h.out.as_ref()).is_some_and(|o| !o.announced);
+        self.abandon_move(id, why)?;
+        if !before_cutover {
+            return Ok(());
+        }
+        match self.ctl.call(&ControlMsg::MoveStopped { shard: id, rank: self.rank }) {
+            // (Cancelled already: its target was lost.)
+            Err(eps_control::ControlError::Rejected(why)) => {
+                eps_proto::say!("eps server {}: the control plane did not cancel the move of shard {id} ({why})", self.rank);
+                Ok(())
+            }
+            r => r.map(drop).map_err(Into::into),
+        }
     }
 
     /// The connection `ci` failed (`why`): moves to its server stop.
@@ -317,7 +339,7 @@ impl<P: Fabric> Server<P> {
             .filter(|&id| self.shards[id as usize].as_ref().and_then(|h| h.out.as_ref()).is_some_and(|o| o.ci == ci))
             .collect();
         for id in ids {
-            self.abandon_move(id, &format!("its connection failed: {why}"))?;
+            self.move_conn_failed(id, &format!("its connection failed: {why}"))?;
         }
         Ok(())
     }
@@ -326,7 +348,7 @@ impl<P: Fabric> Server<P> {
     pub(crate) fn on_migration_written(&mut self, wr_id: u64, ok: bool) -> Result<(), ServerError> {
         let id = (wr_id & 0xFFFF_FFFF) as u32;
         if !ok {
-            return self.abandon_move(id, "sending to it failed");
+            return self.move_conn_failed(id, "sending to it failed");
         }
         if wr_id & WR_FORWARD != 0 {
             return Ok(()); // the acknowledgement frees the buffer
@@ -483,7 +505,7 @@ impl<P: Fabric> Server<P> {
                 let parity = ShardSync::parity(v0);
                 self.mem.publish(id, parity)?;
                 self.mem.set_stamp(id, parity, v0);
-                eprintln!("eps server {}: snapshot of shard {id} at version {v0} landed", self.rank);
+                eps_proto::say!("eps server {}: snapshot of shard {id} at version {v0} landed", self.rank);
                 if backup {
                     // From now on this backup may be promoted.
                     self.ctl.call(&ControlMsg::BackupSynced { shard: id, rank: self.rank })?;
@@ -603,7 +625,7 @@ impl<P: Fabric> Server<P> {
         let setup = out.snapshot_posted.duration_since(out.started).as_secs_f64();
         let snap = out.snapshot_secs;
         let snapshot_bytes = out.snapshot_bytes;
-        eprintln!(
+        eps_proto::say!(
             "eps server {}: migrated shard {id} to server {}: {} bytes in {:.1} ms ({:.2} GB/s): setup {:.1} ms, \
              snapshot {:.1} ms ({:.2} GB/s), {} {:.1} ms",
             self.rank,

@@ -124,7 +124,7 @@ impl<P: Fabric> Server<P> {
             h.replica = Some(Replica::Primary { ci, keys, waiting: None, snapshotting: snapshot, promoted, stopping: false });
         }
         let how = if snapshot { format!(" (a new backup, from version {version})") } else { String::new() };
-        eprintln!("eps server {}: shard {id} is replicated on server {to}{how}", self.rank);
+        eps_proto::say!("eps server {}: shard {id} is replicated on server {to}{how}", self.rank);
         self.drain(id)
     }
 
@@ -170,13 +170,13 @@ impl<P: Fabric> Server<P> {
             // A promoted backup still ignores pushes it applied already.
             h.replica = promoted.then_some(Replica::Promoted);
             self.release_forward_buffer(id);
-            eprintln!("eps server {}: shard {id} no longer forwards to a backup", self.rank);
+            eps_proto::say!("eps server {}: shard {id} no longer forwards to a backup", self.rank);
         }
         match self.ctl.call(&ControlMsg::Unreplicated { shard: id, rank: self.rank }) {
             // (The shard moved away meanwhile: its new owner keeps the
             // backup, or the control plane rebuilds one.)
             Err(eps_control::ControlError::Rejected(why)) => {
-                eprintln!("eps server {}: shard {id}'s end of replication was refused ({why}); going on", self.rank);
+                eps_proto::say!("eps server {}: shard {id}'s end of replication was refused ({why}); going on", self.rank);
                 Ok(())
             }
             r => r.map(drop).map_err(Into::into),
@@ -220,7 +220,7 @@ impl<P: Fabric> Server<P> {
                 self.send_pull_moved(w, id, v)?;
             }
         }
-        eprintln!("eps server {}: dropped its copy of shard {id}", self.rank);
+        eps_proto::say!("eps server {}: dropped its copy of shard {id}", self.rank);
         Ok(())
     }
 
@@ -244,7 +244,7 @@ impl<P: Fabric> Server<P> {
             replica: Some(Replica::Backup { primary: from, snapshot: true, acked: 0 }),
             new_backup: None,
         });
-        eprintln!("eps server {}: keeping a new backup of shard {id} (owner: server {from})", self.rank);
+        eps_proto::say!("eps server {}: keeping a new backup of shard {id} (owner: server {from})", self.rank);
         self.report_backup(id)
     }
 
@@ -282,7 +282,7 @@ impl<P: Fabric> Server<P> {
             }
         };
         self.release_forward_buffer(id);
-        eprintln!("eps server {}: shard {id} has no backup (none can be made now); it is served alone", self.rank);
+        eps_proto::say!("eps server {}: shard {id} has no backup (none can be made now); it is served alone", self.rank);
         if let Some(d) = d {
             self.finish_update(id, d)?;
         }
@@ -401,9 +401,10 @@ impl<P: Fabric> Server<P> {
             .filter(|&id| matches!(self.shards[id as usize].as_ref().and_then(|h| h.replica.as_ref()), Some(Replica::Primary { ci: c, .. }) if *c == ci))
             .collect();
         for id in ids {
-            eprintln!(
+            eps_proto::say!(
                 "eps server {}: the backup of shard {id} is gone ({}: {status:?}, request {wr_id:#x}); the shard goes on without one",
-                self.rank, self.conns[ci].peer
+                self.rank,
+                self.conns[ci].peer
             );
             let d = match self.held_mut(id).map(|h| h.replica.take()) {
                 Some(Some(Replica::Primary { waiting, .. })) => waiting,
@@ -442,7 +443,7 @@ impl<P: Fabric> Server<P> {
             Some(Replica::Backup { primary, .. }) => Some(primary),
             _ => None,
         };
-        eprintln!("eps server {rank}: shard {id} is served here from version {at} on (its owner was lost)");
+        eps_proto::say!("eps server {rank}: shard {id} is served here from version {at} on (its owner was lost)");
         // Fenced off: a lost owner that was only stopped, not dead, may wake
         // up; nothing it sends lands here any more.
         let from_lost = |p: &Peer| matches!(p, Peer::Server(h) if Some(h.rank & !eps_proto::hello::PEER_BIT) == lost);

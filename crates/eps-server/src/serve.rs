@@ -120,7 +120,7 @@ impl<P: Fabric> Server<P> {
                 continue;
             }
             let what = h.sync.describe();
-            eprintln!(
+            eps_proto::say!(
                 "eps server {}: nothing came for {STALL_REPORT:?}: shard {id}: {what}; {} updates parked{}{}",
                 self.rank,
                 h.waiting.len(),
@@ -218,7 +218,7 @@ impl<P: Fabric> Server<P> {
             Peer::Target(r) => format!("server {r}"),
             Peer::Unknown => "unidentified peer".to_string(),
         };
-        eprintln!("eps server {}: {who}: {what}; closing its connection", self.rank);
+        eps_proto::say!("eps server {}: {who}: {what}; closing its connection", self.rank);
         self.drop_conn(ci);
     }
 
@@ -236,7 +236,7 @@ impl<P: Fabric> Server<P> {
         }
         let m = ControlMsg::Unreachable { rank, by: Role::Server, by_rank: self.rank };
         if let Err(e) = self.ctl.call(&m) {
-            eprintln!("eps server {}: could not report server {rank} unreachable: {e}", self.rank);
+            eps_proto::say!("eps server {}: could not report server {rank} unreachable: {e}", self.rank);
         }
     }
 

@@ -447,7 +447,7 @@ impl<P: Fabric> Worker<P> {
                 // With replicas, a server that cannot be reached is treated as
                 // lost: a map that routes its shards to their backups comes.
                 Err(e) if self.spec.job.replicas > 1 && !matches!(e, WorkerError::Removed { .. }) => {
-                    eprintln!("eps worker {}: cannot reach server {o} ({e})", self.rank);
+                    eps_proto::say!("eps worker {}: cannot reach server {o} ({e})", self.rank);
                     self.lose_server(o);
                     self.report_unreachable(o);
                 }

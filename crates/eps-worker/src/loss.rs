@@ -57,7 +57,7 @@ impl<P: Fabric> Worker<P> {
     pub(crate) fn report_unreachable(&mut self, server: u32) {
         let m = ControlMsg::Unreachable { rank: server, by: eps_proto::control::Role::Worker, by_rank: self.rank };
         if let Err(e) = self.ctl.call(&m) {
-            eprintln!("eps worker {}: could not report server {server} unreachable: {e}", self.rank);
+            eps_proto::say!("eps worker {}: could not report server {server} unreachable: {e}", self.rank);
         }
     }
 
@@ -66,7 +66,7 @@ impl<P: Fabric> Worker<P> {
     /// whose parameters have not come are pushed again to the new owners, and
     /// their pulls asked again (the backup applied every version anyone pulled).
     pub(crate) fn lose_server(&mut self, server: u32) {
-        eprintln!("eps worker {}: server {server} failed; its shards' backups take over", self.rank);
+        eps_proto::say!("eps worker {}: server {server} failed; its shards' backups take over", self.rank);
         self.lost.insert(server);
         if let Some(q) = self.qps.get_mut(server as usize) {
             *q = None;

@@ -34,7 +34,7 @@ impl<P: Fabric> Worker<P> {
                 }
                 if !told && idle.elapsed() > STALL_REPORT {
                     told = true;
-                    eprintln!("eps worker {}: nothing came for {:?}: {}", self.rank, STALL_REPORT, self.waiting_for(what));
+                    eps_proto::say!("eps worker {}: nothing came for {:?}: {}", self.rank, STALL_REPORT, self.waiting_for(what));
                 }
             }
         }

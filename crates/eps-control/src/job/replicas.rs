@@ -220,7 +220,7 @@ impl Job {
 
     /// Shards left on servers that leave, with no move under way (one was
     /// cancelled): they move to the least loaded server that stays.
-    fn move_leftovers(&mut self) {
+    pub(super) fn move_leftovers(&mut self) {
         let live = self.live_servers();
         if live.is_empty() {
             return;

@@ -45,3 +45,55 @@ fn orders_a_server_polled_past_are_dropped_and_the_others_kept() {
     assert_eq!(job.orders_for(1, issued).1, job.orders_for(1, 0).1);
     assert_eq!(job.orders_polled(0, last), 0);
 }
+
+/// A move its source stopped before the cutover (the link to the target
+/// alone was cut) is cancelled: the target drops its copy, and a shard left
+/// on a leaving server moves again. A stop from anyone else, or after the
+/// cutover, is refused.
+#[test]
+fn a_move_its_source_stopped_is_cancelled_and_planned_again() {
+    use eps_proto::control::{MigrationKeys, Order};
+    let spec = JobSpec::from_toml(SPEC).unwrap();
+    let layout = spec.layout().unwrap();
+    let mut job = Job::new(&spec, SPEC).unwrap();
+    let ep = |shard: u32, owner: u32| ShardEndpoint { shard, owner, landing: vec![(0, 0)], published_addr: 0, published_rkey: 0 };
+    for r in 0..3u32 {
+        job.apply(&ControlMsg::Register { role: Role::Server, fabric_addr: String::new() }).unwrap();
+        let shards = layout.shards_of(r).map(|s| ep(s.id, r)).collect();
+        job.apply(&ControlMsg::ServerReady { rank: r, fabric_addr: format!("127.0.0.1:{}", 7000 + r), shards }).unwrap();
+    }
+    job.apply(&ControlMsg::Scale { servers: 2 }).unwrap();
+    let moving_in = |job: &Job, to: u32, after: u64| -> Vec<u32> {
+        let orders = job.orders_for(to, after).1;
+        orders
+            .iter()
+            .filter_map(|o| match o {
+                Order::MigrateIn { shard, from: 2, .. } => Some(*shard),
+                _ => None,
+            })
+            .collect()
+    };
+    let shard = moving_in(&job, 0, 0)[0];
+    let keys = MigrationKeys { state_addr: 0, state_rkey: 0, grad_addr: 0, grad_rkey: 0 };
+    job.apply(&ControlMsg::ShardReady { endpoint: ep(shard, 0), keys }).unwrap();
+    let before = job.orders_issued();
+
+    // Only the source may stop it.
+    let e = job.apply(&ControlMsg::MoveStopped { shard, rank: 1 }).unwrap_err();
+    assert!(e.contains("not moving"), "{e}");
+    job.apply(&ControlMsg::MoveStopped { shard, rank: 2 }).unwrap();
+    assert!(job.status().contains("cancelled"), "{}", job.status());
+    // The target drops its copy; the shard, still on a leaving server, is
+    // ordered to move again.
+    let (_, to_0) = job.orders_for(0, before);
+    assert!(to_0.contains(&Order::DropBackup { shard }), "{to_0:?}");
+    let again: Vec<u32> = (0..2).flat_map(|t| moving_in(&job, t, before)).collect();
+    assert_eq!(again, vec![shard], "moved again: {again:?}");
+
+    // Past its cutover, a move cannot stop.
+    let t = (0..2).find(|&t| !moving_in(&job, t, before).is_empty()).unwrap();
+    job.apply(&ControlMsg::ShardReady { endpoint: ep(shard, t), keys }).unwrap();
+    job.apply(&ControlMsg::Cutover { shard, at: 3 }).unwrap();
+    let e = job.apply(&ControlMsg::MoveStopped { shard, rank: 2 }).unwrap_err();
+    assert!(e.contains("past its cutover"), "{e}");
+}

@@ -105,7 +105,7 @@ impl Conn {
                 Ok(false) => break,
                 Err(e) => {
                     if !matches!(e, ControlError::Io(_) | ControlError::Auth(_) | ControlError::Protocol(_)) {
-                        eprintln!("eps control: a connection closes: {e}");
+                        eps_proto::say!("eps control: a connection closes: {e}");
                     }
                     return self.close(st);
                 }

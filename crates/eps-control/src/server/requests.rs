@@ -70,6 +70,7 @@ impl State {
             | ControlMsg::BackupReady { .. }
             | ControlMsg::BackupSynced { .. }
             | ControlMsg::Unreplicated { .. }
+            | ControlMsg::MoveStopped { .. }
             | ControlMsg::Cutover { .. }
             | ControlMsg::Released { .. }
             | ControlMsg::Split { .. }
@@ -85,6 +86,11 @@ impl State {
                 match self.job.apply(&m) {
                     Ok(r) => {
                         self.persist(&m)?;
+                        if let ControlMsg::MoveStopped { shard, rank } = m {
+                            eps_proto::say!(
+                                "eps control: server {rank} stopped moving shard {shard} (it cannot reach the target); the move is cancelled"
+                            );
+                        }
                         who.finishes_job = self.job.done();
                         r
                     }
@@ -224,13 +230,13 @@ impl State {
         let rec = self.job.checkpoint_record(version);
         match self.ckpt.saved(report, &rec) {
             Outcome::Complete(p) if before != Some(Outcome::Complete(p.clone())) => {
-                eprintln!("eps control: checkpoint at iteration {version} complete in {}", p.display());
+                eps_proto::say!("eps control: checkpoint at iteration {version} complete in {}", p.display());
                 if self.last_checkpoint.as_ref().is_none_or(|(v, _)| *v < version) {
                     self.last_checkpoint = Some((version, p));
                 }
             }
             Outcome::Failed(why) if before == Some(Outcome::Pending) => {
-                eprintln!("eps control: the checkpoint at iteration {version} is abandoned: {why}");
+                eps_proto::say!("eps control: the checkpoint at iteration {version} is abandoned: {why}");
             }
             _ => {}
         }

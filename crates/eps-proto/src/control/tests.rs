@@ -59,6 +59,7 @@ fn roundtrip_and_garbage() {
         ControlMsg::Unreplicated { shard: 3, rank: 1 },
         ControlMsg::ServerLost { rank: 2 },
         ControlMsg::Unreachable { rank: 1, by: Role::Worker, by_rank: 3 },
+        ControlMsg::MoveStopped { shard: 7, rank: 2 },
         ControlMsg::Orders {
             last: 9,
             orders: vec![
