@@ -1,0 +1,39 @@
+//! Keys to buckets: a key's bucket is the top bits of a 64-bit mix of it, so
+//! any key space (ids hashed by the user or not, dense or clustered) spreads
+//! evenly. Buckets are what servers own, split and move.
+
+/// Buckets of every table (a power of two).
+pub const BUCKETS: u32 = 4096;
+
+/// A bijective 64-bit mix (the splitmix64 finalizer): nearby keys land far
+/// apart.
+pub fn mix(mut x: u64) -> u64 {
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// The bucket of `key`, in `0..BUCKETS`.
+pub fn bucket_of(key: u64) -> u32 {
+    (mix(key) >> (64 - BUCKETS.trailing_zeros())) as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_are_in_range_stable_and_even_for_consecutive_keys() {
+        let mut count = vec![0u32; BUCKETS as usize];
+        let n = 1u64 << 20;
+        for k in 0..n {
+            let b = bucket_of(k);
+            assert!(b < BUCKETS);
+            count[b as usize] += 1;
+        }
+        assert_eq!(bucket_of(12345), bucket_of(12345));
+        // 256 keys a bucket on average: every bucket within a third of it.
+        let mean = (n / BUCKETS as u64) as u32;
+        assert!(count.iter().all(|&c| c > mean * 2 / 3 && c < mean * 4 / 3), "{:?}", (count.iter().min(), count.iter().max()));
+    }
+}

@@ -1,0 +1,48 @@
+//! # eps-sparse
+//!
+//! Sparse embedding tables, free of I/O: rows addressed by u64 keys, created on
+//! first touch from an initializer that depends on the key alone (so a row is
+//! the same whichever server creates it), stepped by row-wise optimizers with
+//! lazy state (a row's Adam step count is its own), evicted when idle or
+//! rarely touched. Keys fall into key-hash buckets ([`bucket`]), the unit of
+//! placement and migration as dense shards are.
+
+#![forbid(unsafe_code)]
+
+pub mod bucket;
+pub mod init;
+pub mod optim;
+pub mod table;
+
+pub use init::Init;
+pub use optim::RowOptimizer;
+pub use table::{RowTable, TableSpec};
+
+/// What a sparse table refuses.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum SparseError {
+    /// A row dimension of 0, or too large.
+    #[error("row dimension {0}: it must be 1 to {max}", max = table::MAX_DIM)]
+    Dim(usize),
+    /// A buffer whose length does not match its keys.
+    #[error("{what}: {got} values for {keys} keys of dimension {dim} (want {want})")]
+    Length {
+        /// Which buffer.
+        what: &'static str,
+        /// Its length.
+        got: usize,
+        /// How many keys.
+        keys: usize,
+        /// The row dimension.
+        dim: usize,
+        /// The length it must have.
+        want: usize,
+    },
+    /// A key pushed twice in one push (duplicates are summed first: see
+    /// [`table::sum_duplicates`]).
+    #[error("key {0} appears twice in one push: sum duplicates first")]
+    Duplicate(u64),
+    /// More rows than the table may hold.
+    #[error("the table is full ({0} rows)")]
+    Full(usize),
+}

@@ -1,0 +1,247 @@
+//! A table's rows on one server: created on first touch, each row's values
+//! and optimizer state side by side in one arena, a key index, and slots of
+//! evicted rows reused. Memory follows the rows that exist, not the key space.
+
+use std::collections::HashMap;
+
+use crate::{Init, RowOptimizer, SparseError};
+
+/// The largest row dimension.
+pub const MAX_DIM: usize = 1 << 16;
+
+/// What a table is.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TableSpec {
+    /// Values per row.
+    pub dim: usize,
+    /// The optimizer that steps pushed rows.
+    pub opt: RowOptimizer,
+    /// How new rows start.
+    pub init: Init,
+    /// The initializer's seed (the table's, the same on every server).
+    pub seed: u64,
+    /// Rows one server may hold (a full table refuses new keys).
+    pub max_rows: usize,
+}
+
+/// A row's bookkeeping.
+#[derive(Clone, Copy, Debug)]
+struct Meta {
+    key: u64,
+    /// Times the optimizer stepped it (lazy Adam's count).
+    steps: u64,
+    /// Times a pull or push touched it.
+    touches: u32,
+    /// The step it was created at, and last touched at.
+    created: u64,
+    last: u64,
+}
+
+/// Bytes of one page of rows (at least one row a page).
+const PAGE_BYTES: usize = 1 << 20;
+
+/// The rows of one table held here.
+#[derive(Debug)]
+pub struct RowTable {
+    spec: TableSpec,
+    /// Values then state, per row.
+    stride: usize,
+    /// Rows in pages of `page_rows`: growing never copies what is held, and
+    /// the slack is one page at most.
+    pages: Vec<Box<[f32]>>,
+    page_rows: usize,
+    meta: Vec<Meta>,
+    index: HashMap<u64, u32>,
+    /// Slots of evicted rows.
+    free: Vec<u32>,
+    evicted: u64,
+}
+
+impl RowTable {
+    /// An empty table.
+    pub fn new(spec: TableSpec) -> Result<Self, SparseError> {
+        if spec.dim == 0 || spec.dim > MAX_DIM {
+            return Err(SparseError::Dim(spec.dim));
+        }
+        let stride = spec.dim * (1 + spec.opt.state_per_value());
+        let page_rows = (PAGE_BYTES / (stride * 4)).max(1);
+        Ok(Self {
+            spec,
+            stride,
+            pages: Vec::new(),
+            page_rows,
+            meta: Vec::new(),
+            index: HashMap::new(),
+            free: Vec::new(),
+            evicted: 0,
+        })
+    }
+
+    /// Rows held.
+    pub fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    /// Whether it holds no row.
+    pub fn is_empty(&self) -> bool {
+        self.index.is_empty()
+    }
+
+    /// Rows evicted so far.
+    pub fn evicted(&self) -> u64 {
+        self.evicted
+    }
+
+    /// The bytes of the rows held and their optimizer state.
+    pub fn row_state_bytes(&self) -> usize {
+        self.len() * self.stride * 4
+    }
+
+    /// What the table holds on the heap, slack included (arena, bookkeeping,
+    /// index).
+    pub fn heap_bytes(&self) -> usize {
+        let index = self.index.capacity() * (std::mem::size_of::<(u64, u32)>() + 1);
+        let pages = self.pages.len() * self.page_rows * self.stride * 4;
+        pages + self.meta.capacity() * std::mem::size_of::<Meta>() + index + self.free.capacity() * 4
+    }
+
+    /// The row of `key`, if held.
+    pub fn row(&self, key: u64) -> Option<&[f32]> {
+        let s = *self.index.get(&key)? as usize;
+        Some(&self.row_state(s)[..self.spec.dim])
+    }
+
+    fn row_state(&self, s: usize) -> &[f32] {
+        let o = (s % self.page_rows) * self.stride;
+        &self.pages[s / self.page_rows][o..o + self.stride]
+    }
+
+    /// Slot `s`'s values and state.
+    fn row_state_mut(&mut self, s: usize) -> (&mut [f32], &mut [f32]) {
+        let o = (s % self.page_rows) * self.stride;
+        self.pages[s / self.page_rows][o..o + self.stride].split_at_mut(self.spec.dim)
+    }
+
+    /// The slot of `key`'s row, created (initialized) if it is not held.
+    fn slot(&mut self, key: u64, now: u64) -> Result<usize, SparseError> {
+        if let Some(&s) = self.index.get(&key) {
+            let m = &mut self.meta[s as usize];
+            m.touches = m.touches.saturating_add(1);
+            m.last = now;
+            return Ok(s as usize);
+        }
+        if self.len() >= self.spec.max_rows {
+            return Err(SparseError::Full(self.spec.max_rows));
+        }
+        let meta = Meta { key, steps: 0, touches: 1, created: now, last: now };
+        let s = match self.free.pop() {
+            Some(s) => {
+                self.meta[s as usize] = meta;
+                s as usize
+            }
+            None => {
+                self.meta.push(meta);
+                if self.meta.len() > self.pages.len() * self.page_rows {
+                    self.pages.push(vec![0.0; self.page_rows * self.stride].into_boxed_slice());
+                }
+                self.meta.len() - 1
+            }
+        };
+        let (spec, seed) = (self.spec, self.spec.seed);
+        let (values, state) = self.row_state_mut(s);
+        spec.init.fill(seed, key, values);
+        spec.opt.init_state(state);
+        self.index.insert(key, s as u32);
+        Ok(s)
+    }
+
+    /// Copies the rows of `keys` into `out` (`keys.len() * dim` values, in
+    /// the order asked), creating the rows not held; `now` is the job's step.
+    pub fn pull(&mut self, keys: &[u64], now: u64, out: &mut [f32]) -> Result<(), SparseError> {
+        let dim = self.spec.dim;
+        check("pull buffer", out.len(), keys.len(), dim)?;
+        for (k, o) in keys.iter().zip(out.chunks_exact_mut(dim)) {
+            let s = self.slot(*k, now)?;
+            o.copy_from_slice(&self.row_state(s)[..dim]);
+        }
+        Ok(())
+    }
+
+    /// Steps the rows of `keys` (each once: see [`sum_duplicates`]) with
+    /// their gradient rows `grads`, at learning rate `lr`; rows not held are
+    /// created first. Nothing changes if the input is refused.
+    pub fn push(&mut self, keys: &[u64], grads: &[f32], lr: f32, now: u64) -> Result<(), SparseError> {
+        let dim = self.spec.dim;
+        check("push gradients", grads.len(), keys.len(), dim)?;
+        let mut seen = std::collections::HashSet::with_capacity(keys.len());
+        if let Some(k) = keys.iter().find(|k| !seen.insert(**k)) {
+            return Err(SparseError::Duplicate(*k));
+        }
+        let new = keys.iter().filter(|k| !self.index.contains_key(k)).count();
+        if self.len() + new > self.spec.max_rows {
+            return Err(SparseError::Full(self.spec.max_rows));
+        }
+        for (k, g) in keys.iter().zip(grads.chunks_exact(dim)) {
+            let s = self.slot(*k, now)?;
+            let t = self.meta[s].steps;
+            self.meta[s].steps += 1;
+            let opt = self.spec.opt;
+            let (values, state) = self.row_state_mut(s);
+            opt.step(lr, t, values, g, state);
+        }
+        Ok(())
+    }
+
+    /// Evicts rows idle for more than `idle_steps` at step `now`, and rows
+    /// touched fewer than `min_touches` times in their first `idle_steps`
+    /// (a key seen once or twice does not keep a row). Returns how many.
+    pub fn evict(&mut self, now: u64, idle_steps: u64, min_touches: u32) -> usize {
+        let before = self.len();
+        for s in 0..self.meta.len() {
+            let m = self.meta[s];
+            if self.index.get(&m.key) != Some(&(s as u32)) {
+                continue; // a free slot
+            }
+            let idle = now.saturating_sub(m.last) > idle_steps;
+            let rare = m.touches < min_touches && now.saturating_sub(m.created) >= idle_steps;
+            if idle || rare {
+                self.index.remove(&m.key);
+                self.free.push(s as u32);
+            }
+        }
+        let n = before - self.len();
+        self.evicted += n as u64;
+        n
+    }
+}
+
+fn check(what: &'static str, got: usize, keys: usize, dim: usize) -> Result<(), SparseError> {
+    let want = keys * dim;
+    if got == want { Ok(()) } else { Err(SparseError::Length { what, got, keys, dim, want }) }
+}
+
+/// `keys` with each duplicate's gradient rows summed into its first place, in
+/// the order given (so the same inputs give the same bits, as BSP needs).
+pub fn sum_duplicates(keys: &[u64], grads: &[f32], dim: usize) -> Result<(Vec<u64>, Vec<f32>), SparseError> {
+    check("gradients", grads.len(), keys.len(), dim)?;
+    let mut at: HashMap<u64, usize> = HashMap::with_capacity(keys.len());
+    let (mut k_out, mut g_out) = (Vec::with_capacity(keys.len()), Vec::with_capacity(grads.len()));
+    for (k, g) in keys.iter().zip(grads.chunks_exact(dim)) {
+        match at.get(k) {
+            Some(&i) => {
+                for (a, b) in g_out[i * dim..(i + 1) * dim].iter_mut().zip(g) {
+                    *a += *b;
+                }
+            }
+            None => {
+                at.insert(*k, k_out.len());
+                k_out.push(*k);
+                g_out.extend_from_slice(g);
+            }
+        }
+    }
+    Ok((k_out, g_out))
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,94 @@
+use super::*;
+
+fn spec(opt: RowOptimizer) -> TableSpec {
+    TableSpec { dim: 4, opt, init: Init::Uniform { scale: 0.1 }, seed: 11, max_rows: 1000 }
+}
+
+const SGD: RowOptimizer = RowOptimizer::Sgd { weight_decay: 0.0 };
+
+#[test]
+fn rows_are_created_on_first_touch_the_same_on_every_table() {
+    let (mut a, mut b) = (RowTable::new(spec(SGD)).unwrap(), RowTable::new(spec(SGD)).unwrap());
+    let mut out = vec![0f32; 12];
+    a.pull(&[5, 1 << 60, 5], 0, &mut out).unwrap();
+    assert_eq!(a.len(), 2, "a key asked twice is one row");
+    assert_eq!(out[..4], out[8..]);
+    let mut one = vec![0f32; 4];
+    b.pull(&[1 << 60], 3, &mut one).unwrap();
+    assert_eq!(one, out[4..8], "another server creates the same row");
+    assert_eq!(a.row(5).unwrap(), &out[..4]);
+    assert!(a.row(6).is_none());
+}
+
+#[test]
+fn a_push_steps_each_row_once_and_memory_follows_the_rows() {
+    let mut t = RowTable::new(spec(SGD)).unwrap();
+    let mut before = vec![0f32; 8];
+    t.pull(&[1, 2], 0, &mut before).unwrap();
+    let g = [1.0, 2.0, 3.0, 4.0, -1.0, -1.0, -1.0, -1.0];
+    t.push(&[2, 1], &g, 0.5, 1).unwrap();
+    let want1: Vec<f32> = before[..4].iter().map(|p| p + 0.5).collect(); // (lr 0.5, gradient -1)
+    let want2: Vec<f32> = before[4..].iter().zip(&g[..4]).map(|(p, g)| p - 0.5 * g).collect();
+    assert_eq!(t.row(1).unwrap(), &want1[..]);
+    assert_eq!(t.row(2).unwrap(), &want2[..]);
+    // A pushed key not held starts from its initial row.
+    t.push(&[9], &[0.0; 4], 0.5, 1).unwrap();
+    let mut fresh = RowTable::new(spec(SGD)).unwrap();
+    let mut nine = vec![0f32; 4];
+    fresh.pull(&[9], 0, &mut nine).unwrap();
+    assert_eq!(t.row(9).unwrap(), &nine[..]);
+    // 10,000 rows of 4 values and 2 Adam states: the bytes they need, with
+    // little more for the index and bookkeeping.
+    let adam = RowOptimizer::Adam { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 };
+    let mut big = RowTable::new(TableSpec { dim: 64, max_rows: 1 << 20, ..spec(adam) }).unwrap();
+    let keys: Vec<u64> = (0..10_000u64).map(|k| k * 7919).collect();
+    big.push(&keys, &vec![0.5; keys.len() * 64], 0.01, 0).unwrap();
+    assert_eq!(big.row_state_bytes(), 10_000 * 64 * 3 * 4);
+    let ratio = big.heap_bytes() as f64 / big.row_state_bytes() as f64;
+    assert!(ratio < 1.3, "{ratio}");
+}
+
+#[test]
+fn bad_input_is_refused_and_changes_nothing() {
+    assert_eq!(RowTable::new(TableSpec { dim: 0, ..spec(SGD) }).unwrap_err(), SparseError::Dim(0));
+    let mut t = RowTable::new(TableSpec { max_rows: 3, ..spec(SGD) }).unwrap();
+    let mut out = vec![0f32; 7];
+    let e = t.pull(&[1, 2], 0, &mut out).unwrap_err();
+    assert!(e.to_string().contains("7 values for 2 keys of dimension 4 (want 8)"), "{e}");
+    assert!(t.is_empty());
+    assert_eq!(t.push(&[1, 1], &[0.0; 8], 0.1, 0).unwrap_err(), SparseError::Duplicate(1));
+    assert!(t.is_empty(), "nothing created by a refused push");
+    t.push(&[1, 2], &[0.0; 8], 0.1, 0).unwrap();
+    assert_eq!(t.push(&[3, 4], &[0.0; 8], 0.1, 0).unwrap_err(), SparseError::Full(3));
+    assert_eq!(t.len(), 2, "a push that does not fit creates nothing");
+}
+
+#[test]
+fn idle_and_rarely_touched_rows_are_evicted_and_come_back_fresh() {
+    let mut t = RowTable::new(spec(SGD)).unwrap();
+    let mut out = vec![0f32; 4];
+    for now in 0..10 {
+        t.pull(&[1], now, &mut out).unwrap(); // hot
+    }
+    t.pull(&[2], 0, &mut out).unwrap(); // idle since step 0
+    t.pull(&[3], 8, &mut out).unwrap(); // touched once, young
+    let initial = t.row(2).unwrap().to_vec();
+    t.push(&[2], &[1.0; 4], 1.0, 0).unwrap();
+    assert_eq!(t.evict(9, 5, 0), 1, "only the idle row");
+    assert!(t.row(2).is_none() && t.row(1).is_some() && t.row(3).is_some());
+    // Touched once in its first 5 steps: rare.
+    assert_eq!(t.evict(13, 5, 2), 1);
+    assert!(t.row(3).is_none() && t.row(1).is_some());
+    assert_eq!(t.evicted(), 2);
+    // An evicted key comes back as a new row (its slot reused).
+    t.pull(&[2], 14, &mut out).unwrap();
+    assert_eq!(out, initial);
+    assert_eq!(t.len(), 2);
+}
+
+#[test]
+fn duplicates_are_summed_in_the_order_given() {
+    let (k, g) = sum_duplicates(&[7, 3, 7, 7], &[1.0, 10.0, 0.5, 0.25], 1).unwrap();
+    assert_eq!((k, g), (vec![7, 3], vec![1.75, 10.0]));
+    assert!(sum_duplicates(&[1], &[1.0, 2.0], 1).is_err());
+}
