@@ -9,6 +9,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod batch;
 pub mod bucket;
 pub mod init;
 pub mod optim;
@@ -42,6 +43,9 @@ pub enum SparseError {
     /// [`table::sum_duplicates`]).
     #[error("key {0} appears twice in one push: sum duplicates first")]
     Duplicate(u64),
+    /// A bucket map without one owner per bucket.
+    #[error("a bucket map of {0} entries (one per bucket: {buckets})", buckets = bucket::BUCKETS)]
+    Buckets(usize),
     /// More rows than the table may hold.
     #[error("the table is full ({0} rows)")]
     Full(usize),
