@@ -4,7 +4,7 @@ fn spec(opt: RowOptimizer) -> TableSpec {
     TableSpec { dim: 4, opt, init: Init::Uniform { scale: 0.1 }, seed: 11, max_rows: 1000 }
 }
 
-const SGD: RowOptimizer = RowOptimizer::Sgd { weight_decay: 0.0 };
+const SGD: RowOptimizer = RowOptimizer::Dense(eps_agg::Optimizer::Sgd { weight_decay: 0.0 });
 
 #[test]
 fn rows_are_created_on_first_touch_the_same_on_every_table() {
@@ -39,7 +39,13 @@ fn a_push_steps_each_row_once_and_memory_follows_the_rows() {
     assert_eq!(t.row(9).unwrap(), &nine[..]);
     // 10,000 rows of 4 values and 2 Adam states: the bytes they need, with
     // little more for the index and bookkeeping.
-    let adam = RowOptimizer::Adam { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 };
+    let adam = RowOptimizer::Dense(eps_agg::Optimizer::Adam {
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.0,
+        decoupled: false,
+    });
     let mut big = RowTable::new(TableSpec { dim: 64, max_rows: 1 << 20, ..spec(adam) }).unwrap();
     let keys: Vec<u64> = (0..10_000u64).map(|k| k * 7919).collect();
     big.push(&keys, &vec![0.5; keys.len() * 64], 0.01, 0).unwrap();
