@@ -318,20 +318,29 @@ fn a_move_whose_link_alone_is_cut_is_cancelled_and_nothing_is_lost() {
     let expected = uninterrupted(&args);
     let mut run = Run::start(&[&args[..], &["--scale-plan", "30:servers=4"]].concat());
     // "eps server S: migrating shard N (...) to server T from version V"
-    let (from, to) = loop {
-        let l = run.wait_line("migrating shard");
-        let num = |after: &str| -> Option<u32> {
-            let rest = &l[l.find(after)? + after.len()..];
-            rest[..rest.find(|c: char| !c.is_ascii_digit())?].parse().ok()
-        };
-        if let (Some(f), Some(t)) = (num("eps server "), num(") to server ")) {
-            break (f, t);
-        }
-    };
-    // The target held (stopped) so that its moves are surely in flight; the
-    // source's connections to it cut, then the target woken.
-    let (source, target) = (run.server_pid(from), run.server_pid(to));
+    let first = run.wait_line("migrating shard");
+    let to = field(&first, ") to server ").expect("a move's target");
+    // The target held (stopped): its moves not cut over by now stay in
+    // flight (a cutover needs it).
+    let target = run.server_pid(to);
     signal("-STOP", target);
+    std::thread::sleep(Duration::from_millis(200)); // (lines already written)
+    // Moves (source, shard) whose snapshot the target has not taken in: not
+    // cut over (the source's "migrated" line may come later, at the release).
+    let text = run.lines.text();
+    let landed: Vec<u32> = text
+        .lines()
+        .filter(|l| l.starts_with(&format!("eps server {to}: snapshot of shard ")))
+        .filter_map(|l| field(l, "shard "))
+        .collect();
+    let held: Vec<(u32, u32)> = text
+        .lines()
+        .filter_map(|l| Some((field(l, "eps server ")?, field(l, ": migrating shard ")?)))
+        .filter(|(_, shard)| !landed.contains(shard))
+        .collect();
+    let &(from, _) = held.first().unwrap_or_else(|| panic!("every move finished before its target was held:\n{text}"));
+    // The source's connections to the target cut, then the target woken.
+    let source = run.server_pid(from);
     let port = listen_port(target);
     let o = Command::new("ss").args(["-tnpH", "state", "established", &format!("( dport = :{port} )")]).output().unwrap();
     let listing = String::from_utf8_lossy(&o.stdout);
@@ -349,10 +358,19 @@ fn a_move_whose_link_alone_is_cut_is_cancelled_and_nothing_is_lost() {
     signal("-CONT", target);
     let (ok, out, err) = run.finish();
     assert!(ok, "{err}");
-    assert!(err.contains(&format!("server {from} stopped moving shard ")), "no move cancelled:\n{err}");
+    assert!(
+        err.contains(&format!("server {from} stopped moving shard ")),
+        "no move cancelled (held {held:?}; cut server {from}'s {mine:?} to port {port}):\n{listing}\n{err}"
+    );
     assert!(!err.contains(" is lost ("), "{err}");
     assert_eq!(json(&out, "params_checksum"), expected, "{err}");
     std::fs::remove_file(&spec).ok();
+}
+
+/// The number right after `after` in `line`.
+fn field(line: &str, after: &str) -> Option<u32> {
+    let rest = &line[line.find(after)? + after.len()..];
+    rest[..rest.find(|c: char| !c.is_ascii_digit()).unwrap_or(rest.len())].parse().ok()
 }
 
 fn signal(sig: &str, pid: u32) {
