@@ -309,10 +309,7 @@ fn a_move_whose_link_alone_is_cut_is_cancelled_and_nothing_is_lost() {
         eprintln!("skipped: cutting connections needs root and `ss` (iproute2)");
         return;
     }
-    let spec = tmp("movecut").with_extension("toml");
-    // Shards of 1 MiB: a move takes long enough to be cut in.
-    let text = SMALL_JOB.replace("shard_bytes = 65536", "shard_bytes = 1048576").replace("buckets = 16384", "buckets = 1048576");
-    std::fs::write(&spec, text).unwrap();
+    let spec = moving_spec("movecut");
     let s = spec.to_str().unwrap();
     let args = ["--spec", s, "--servers", "3", "--steps", "120"];
     let expected = uninterrupted(&args);
@@ -365,6 +362,15 @@ fn a_move_whose_link_alone_is_cut_is_cancelled_and_nothing_is_lost() {
     assert!(!err.contains(" is lost ("), "{err}");
     assert_eq!(json(&out, "params_checksum"), expected, "{err}");
     std::fs::remove_file(&spec).ok();
+}
+
+/// A spec file of the small job with shards of 1 MiB: a move takes long
+/// enough to be killed or cut in.
+fn moving_spec(name: &str) -> std::path::PathBuf {
+    let spec = tmp(name).with_extension("toml");
+    let text = SMALL_JOB.replace("shard_bytes = 65536", "shard_bytes = 1048576").replace("buckets = 16384", "buckets = 1048576");
+    std::fs::write(&spec, text).unwrap();
+    spec
 }
 
 /// The number right after `after` in `line`.
@@ -493,10 +499,7 @@ fn scale_events_with_two_replicas_end_bitwise_equal_to_a_static_run() {
 /// the backup, kept in step by both owners, holds every version served.
 #[test]
 fn a_server_killed_during_a_migration_with_two_replicas_loses_nothing() {
-    let spec = tmp("moving").with_extension("toml");
-    // Shards of 1 MiB: a move takes long enough to be killed in.
-    let text = SMALL_JOB.replace("shard_bytes = 65536", "shard_bytes = 1048576").replace("buckets = 16384", "buckets = 1048576");
-    std::fs::write(&spec, text).unwrap();
+    let spec = moving_spec("moving");
     let s = spec.to_str().unwrap();
     let args = ["--spec", s, "--servers", "3", "--steps", "120"];
     let expected = uninterrupted(&args);
@@ -510,10 +513,7 @@ fn a_server_killed_during_a_migration_with_two_replicas_loses_nothing() {
         // interleave).
         let (from, shard, to) = loop {
             let l = run.wait_line("migrating shard");
-            let num = |after: &str| -> Option<u32> {
-                let rest = &l[l.find(after)? + after.len()..];
-                rest[..rest.find(|c: char| !c.is_ascii_digit())?].parse().ok()
-            };
+            let num = |after: &str| field(&l, after);
             if let (Some(f), Some(n), Some(t)) = (num("eps server "), num(": migrating shard "), num(") to server ")) {
                 break (f, n, t);
             }

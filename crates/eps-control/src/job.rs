@@ -495,16 +495,16 @@ impl Job {
             return;
         }
         for m in std::mem::take(&mut self.migrations) {
-            match m.phase {
-                Phase::Cancelled => self.moves_cancelled += 1,
-                Phase::Done if m.landing_freed => {
-                    self.moves_done += 1;
-                    if self.recent_moves.len() == RECENT_MOVES {
-                        self.recent_moves.pop_front();
-                    }
-                    self.recent_moves.push_back(Migration { target: None, ..m });
+            if !finished(&m) {
+                self.migrations.push(m);
+            } else if m.phase == Phase::Cancelled {
+                self.moves_cancelled += 1;
+            } else {
+                self.moves_done += 1;
+                if self.recent_moves.len() == RECENT_MOVES {
+                    self.recent_moves.pop_front();
                 }
-                _ => self.migrations.push(m),
+                self.recent_moves.push_back(Migration { target: None, ..m });
             }
         }
         self.migrations.shrink_to(self.migrations.len().max(16));

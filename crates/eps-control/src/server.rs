@@ -71,9 +71,8 @@ impl State {
 
     /// Declares lost the servers whose order poll dropped and did not come
     /// back within `SERVER_GRACE`, or stopped coming for the server lease
-    /// (a job with replicas promotes their backups). Returns whether anything
-    /// changed.
-    fn lose_servers(&mut self) -> Result<bool, ControlError> {
+    /// (a job with replicas promotes their backups).
+    fn lose_servers(&mut self) -> Result<(), ControlError> {
         let now = Instant::now();
         let mut gone: Vec<(u32, String)> = self
             .dropped
@@ -87,45 +86,42 @@ impl State {
                 .filter(|(r, t)| now > **t && now.duration_since(**t) > self.server_lease && !self.dropped.contains_key(r))
                 .map(|(r, t)| (*r, format!("it has not polled for orders for {} ms", now.duration_since(*t).as_millis()))),
         );
-        let mut changed = false;
         for (r, why) in gone {
             self.dropped.remove(&r);
             self.polled.remove(&r);
-            changed |= self.declare_lost(r, &why)?;
+            self.declare_lost(r, &why)?;
         }
-        Ok(changed)
+        Ok(())
     }
 
     /// Declares server `rank` lost (`why`), in a job with replicas that it
     /// still serves: its backups take over (a record of the store).
-    fn declare_lost(&mut self, rank: u32, why: &str) -> Result<bool, ControlError> {
+    fn declare_lost(&mut self, rank: u32, why: &str) -> Result<(), ControlError> {
         if !self.job.replicated() || !self.job.server_serving(rank) || self.job.done() {
-            return Ok(false);
+            return Ok(());
         }
         let m = ControlMsg::ServerLost { rank };
         if self.job.apply(&m).is_err() {
-            return Ok(false);
+            return Ok(());
         }
         self.forget_reports_of(rank);
         eps_proto::say!("eps control: server {rank} is lost ({why}); its shards' backups take over");
-        self.persist(&m)?;
-        Ok(true)
+        self.persist(&m)
     }
 
     /// Peer `by` cannot reach server `rank`. Two peers saying so (or a job's
     /// only worker) make it lost, in a job with replicas: its backups take
     /// over and it is fenced off. One peer alone may be the broken end: it
-    /// gives up on its own (a worker leaves the job). Returns whether anything
-    /// changed.
-    fn unreachable(&mut self, rank: u32, by: (Role, u32)) -> Result<bool, ControlError> {
+    /// gives up on its own (a worker leaves the job).
+    fn unreachable(&mut self, rank: u32, by: (Role, u32)) -> Result<(), ControlError> {
         let now = Instant::now();
         self.unreachable.retain(|_, (_, first)| now.duration_since(*first) < UNREACHABLE_WINDOW);
         if !self.job.replicated() || !self.job.server_serving(rank) || self.job.done() || by == (Role::Server, rank) {
-            return Ok(false); // (nothing to declare: see `declare_lost`)
+            return Ok(()); // (nothing to declare: see `declare_lost`)
         }
         if by.0 == Role::Server && !self.job.server_serving(by.1) {
             // A lost server's connections fail as it goes: its word is void.
-            return Ok(false);
+            return Ok(());
         }
         let (who, _) = self.unreachable.entry(rank).or_insert_with(|| (Vec::new(), now));
         if !who.contains(&by) {
@@ -134,7 +130,7 @@ impl State {
         let alone = by.0 == Role::Worker && self.job.leased_workers().len() == 1;
         if who.len() < 2 && !alone {
             eps_proto::say!("eps control: {:?} {} cannot reach server {rank} (one report: not declared lost yet)", by.0, by.1);
-            return Ok(false);
+            return Ok(());
         }
         let reporters: Vec<String> = who.iter().map(|(r, n)| format!("{r:?} {n}").to_lowercase()).collect();
         self.declare_lost(rank, &format!("{} cannot reach it", reporters.join(" and ")))
@@ -150,11 +146,9 @@ impl State {
     }
 
     /// Removes workers whose lease ran out (a worker renews it with every map
-    /// request, which its watcher thread makes at least every long poll). Returns
-    /// whether anything changed.
-    fn expire_leases(&mut self) -> Result<bool, ControlError> {
+    /// request, which its watcher thread makes at least every long poll).
+    fn expire_leases(&mut self) -> Result<(), ControlError> {
         let now = Instant::now();
-        let mut changed = false;
         for r in self.job.leased_workers() {
             let seen = *self.seen.entry(r).or_insert(now);
             if now.duration_since(seen) > self.lease {
@@ -165,11 +159,10 @@ impl State {
                         now.duration_since(seen).as_millis()
                     );
                     self.persist(&m)?;
-                    changed = true;
                 }
             }
         }
-        Ok(changed)
+        Ok(())
     }
 }
 

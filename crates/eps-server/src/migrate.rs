@@ -134,15 +134,11 @@ impl<P: Fabric> Server<P> {
         let (endpoint, keys) = self.writable_by_peer(id)?;
         let bytes = self.mem.get(id).map_or(0, |b| b.bytes);
         eps_proto::say!("eps server {}: receiving shard {id} ({bytes} bytes) from server {from}", self.rank);
-        match self.ctl.call(&ControlMsg::ShardReady { endpoint, keys }) {
-            Ok(_) => {}
-            Err(eps_control::ControlError::Rejected(why)) => {
-                // The move was cancelled while its order waited here (its
-                // source was lost, say): the empty copy goes.
-                eps_proto::say!("eps server {}: the move of shard {id} here was cancelled ({why})", self.rank);
-                return self.on_drop_backup(id);
-            }
-            Err(e) => return Err(e.into()),
+        if let Err(why) = self.report(&ControlMsg::ShardReady { endpoint, keys })? {
+            // The move was cancelled while its order waited here (its source
+            // was lost, say): the empty copy goes.
+            eps_proto::say!("eps server {}: the move of shard {id} here was cancelled ({why})", self.rank);
+            return self.on_drop_backup(id);
         }
         self.summary.migrated_in += 1;
         Ok(())
@@ -323,14 +319,11 @@ impl<P: Fabric> Server<P> {
         if !before_cutover {
             return Ok(());
         }
-        match self.ctl.call(&ControlMsg::MoveStopped { shard: id, rank: self.rank }) {
-            // (Cancelled already: its target was lost.)
-            Err(eps_control::ControlError::Rejected(why)) => {
-                eps_proto::say!("eps server {}: the control plane did not cancel the move of shard {id} ({why})", self.rank);
-                Ok(())
-            }
-            r => r.map(drop).map_err(Into::into),
+        // (Refused when cancelled already: its target was lost.)
+        if let Err(why) = self.report(&ControlMsg::MoveStopped { shard: id, rank: self.rank })? {
+            eps_proto::say!("eps server {}: the control plane did not cancel the move of shard {id} ({why})", self.rank);
         }
+        Ok(())
     }
 
     /// The connection `ci` failed (`why`): moves to its server stop.
@@ -380,10 +373,8 @@ impl<P: Fabric> Server<P> {
         // cancelled the move, its target lost) leaves the shard as it was.
         // (Nothing else happens here meanwhile: this loop does one thing at a
         // time.)
-        match self.ctl.call(&ControlMsg::Cutover { shard: id, at }) {
-            Ok(_) => {}
-            Err(eps_control::ControlError::Rejected(why)) => return self.abandon_move(id, &why),
-            Err(e) => return Err(e.into()),
+        if let Err(why) = self.report(&ControlMsg::Cutover { shard: id, at })? {
+            return self.abandon_move(id, &why);
         }
         let Some(h) = self.shards.get_mut(id as usize).and_then(Option::as_mut) else { return Ok(()) };
         // Pull requests waiting here for a version after the cutover go to the

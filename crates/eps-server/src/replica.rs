@@ -172,15 +172,12 @@ impl<P: Fabric> Server<P> {
             self.release_forward_buffer(id);
             eps_proto::say!("eps server {}: shard {id} no longer forwards to a backup", self.rank);
         }
-        match self.ctl.call(&ControlMsg::Unreplicated { shard: id, rank: self.rank }) {
-            // (The shard moved away meanwhile: its new owner keeps the
-            // backup, or the control plane rebuilds one.)
-            Err(eps_control::ControlError::Rejected(why)) => {
-                eps_proto::say!("eps server {}: shard {id}'s end of replication was refused ({why}); going on", self.rank);
-                Ok(())
-            }
-            r => r.map(drop).map_err(Into::into),
+        // (Refused when the shard moved away meanwhile: its new owner keeps
+        // the backup, or the control plane rebuilds one.)
+        if let Err(why) = self.report(&ControlMsg::Unreplicated { shard: id, rank: self.rank })? {
+            eps_proto::say!("eps server {}: shard {id}'s end of replication was refused ({why}); going on", self.rank);
         }
+        Ok(())
     }
 
     /// The control plane orders this server's copy of shard `id` freed: a

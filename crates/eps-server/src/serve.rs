@@ -51,6 +51,17 @@ impl<P: Fabric> Server<P> {
         self.shards.get_mut(id as usize)?.as_mut()
     }
 
+    /// Tells the control plane `m`; its refusal (the job moved on meanwhile:
+    /// a move cancelled, a shard gone) is an answer too, `Err(why)`, and
+    /// only a failure to reach it an error.
+    pub(crate) fn report(&mut self, m: &ControlMsg) -> Result<Result<(), String>, ServerError> {
+        match self.ctl.call(m) {
+            Ok(_) => Ok(Ok(())),
+            Err(eps_control::ControlError::Rejected(why)) => Ok(Err(why)),
+            Err(e) => Err(e.into()),
+        }
+    }
+
     /// Shard `id`'s endpoint for workers, if held here.
     pub(crate) fn endpoint(&self, id: u32) -> Option<ShardEndpoint> {
         let b = self.mem.get(id)?;
