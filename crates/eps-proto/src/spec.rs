@@ -4,6 +4,9 @@
 use eps_agg::{DType, Decay, LrSchedule, Optimizer};
 use serde::Deserialize;
 
+mod tables;
+pub use tables::{MAX_TABLE_DIM, MAX_TABLES, TABLE_OPTIMIZERS, TableDecl};
+
 /// Consistency model of a job.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -203,7 +206,7 @@ impl JobSection {
 }
 
 /// `[model]`.
-#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelSection {
     /// A built-in model (`synthetic`: the classification task of `eps train`).
@@ -216,6 +219,9 @@ pub struct ModelSection {
     /// them only at run time); the control plane then fixes them in the spec.
     #[serde(default)]
     pub declare: bool,
+    /// Sparse embedding tables (`[[model.tables]]`), beside the dense tensors.
+    #[serde(default)]
+    pub tables: Vec<TableDecl>,
     /// Synthetic preset: hashed sparse-feature buckets (embedding rows).
     #[serde(default = "default_buckets")]
     pub buckets: u64,
@@ -493,6 +499,7 @@ impl JobSpec {
                 return Err(bad("model.tensors.name", format!("tensor {:?} appears twice", t.name)));
             }
         }
+        tables::validate(&self.model.tables, self.tensors().iter().map(|t| t.name.as_str()), &self.optimizer.kind)?;
         if j.checkpoint_every > 0 && j.checkpoint_dir.as_deref().is_none_or(str::is_empty) {
             return Err(bad("job.checkpoint_dir", "give the directory checkpoints are written to"));
         }

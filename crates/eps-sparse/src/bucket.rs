@@ -18,6 +18,14 @@ pub fn bucket_of(key: u64) -> u32 {
     (mix(key) >> (64 - BUCKETS.trailing_zeros())) as u32
 }
 
+/// The first placement of buckets on `servers` servers: contiguous ranges
+/// of about equal size (bucket `b` on server `b * servers / BUCKETS`), so a
+/// server's part is one range, split and moved as ranges later.
+pub fn initial_owners(servers: u32) -> Vec<u32> {
+    let s = servers.max(1) as u64;
+    (0..BUCKETS as u64).map(|b| (b * s / BUCKETS as u64) as u32).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

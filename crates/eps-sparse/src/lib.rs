@@ -11,9 +11,12 @@
 
 pub mod batch;
 pub mod bucket;
+pub mod decl;
 pub mod init;
 pub mod optim;
+pub mod part;
 pub mod table;
+pub mod wire;
 
 pub use init::Init;
 pub use optim::RowOptimizer;

@@ -1,0 +1,137 @@
+//! A table's part on one server: the rows of the buckets it owns and the
+//! consistency state of its pushes and pulls ([`ShardSync`], the same state
+//! machine as a dense shard's), free of I/O. The server hands it the
+//! requests that landed, checked ([`crate::wire::parse`]); it says when an
+//! iteration is complete, applies it, and fills pull answers.
+
+use eps_proto::Consistency;
+use eps_proto::sync::ShardSync;
+
+use crate::bucket::bucket_of;
+use crate::decl::Declared;
+use crate::table::sum_duplicates;
+use crate::{RowTable, SparseError};
+
+/// A table's rows on one server, and their versions.
+#[derive(Debug)]
+pub struct TablePart {
+    table: Declared,
+    rows: RowTable,
+    /// Pushes in, iterations complete, pulls waiting: as a dense shard.
+    pub sync: ShardSync,
+    workers: u32,
+    stats: PartStats,
+}
+
+/// What a part did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PartStats {
+    /// Keys answered to pulls.
+    pub pulled_keys: u64,
+    /// Distinct keys stepped.
+    pub stepped_keys: u64,
+    /// Rows evicted.
+    pub evicted: u64,
+}
+
+impl TablePart {
+    /// An empty part of `table` at version 0, for `workers` worker ranks.
+    pub fn new(table: Declared, mode: Consistency, workers: u32) -> Result<Self, SparseError> {
+        Ok(Self {
+            rows: RowTable::new(table.spec)?,
+            table,
+            sync: ShardSync::new(mode, workers),
+            workers,
+            stats: PartStats::default(),
+        })
+    }
+
+    /// The table.
+    pub fn table(&self) -> &Declared {
+        &self.table
+    }
+
+    /// The rows held.
+    pub fn rows(&self) -> &RowTable {
+        &self.rows
+    }
+
+    /// What it did so far.
+    pub fn stats(&self) -> PartStats {
+        PartStats { evicted: self.rows.evicted(), ..self.stats }
+    }
+
+    /// The first of `keys` whose bucket `owner` (one server rank per bucket)
+    /// does not give to `rank`.
+    pub fn foreign(keys: &[u64], owner: &[u32], rank: u32) -> Option<u64> {
+        keys.iter().copied().find(|k| owner.get(bucket_of(*k) as usize) != Some(&rank))
+    }
+
+    /// The rows of `keys`, in the order asked, into `out` (`keys.len() *
+    /// dim` values); rows not held yet are created.
+    pub fn gather(&mut self, keys: &[u64], out: &mut [f32]) -> Result<(), SparseError> {
+        self.rows.pull(keys, self.sync.version(), out)?;
+        self.stats.pulled_keys += keys.len() as u64;
+        Ok(())
+    }
+
+    /// Answers a pull of version `v` (as [`ShardSync::on_pull`] or
+    /// [`ShardSync::ready_pulls`] gave it): the rows of `keys` into `out`.
+    /// The answer is a copy, so the rows may change as soon as it returns.
+    pub fn answer(&mut self, v: u64, keys: &[u64], out: &mut [f32]) -> Result<(), SparseError> {
+        let r = self.gather(keys, out);
+        self.sync.pull_written(v);
+        r
+    }
+
+    /// BSP: applies one iteration's contributions, given in rank order (each
+    /// worker's keys and gradient rows): duplicates summed in that order,
+    /// averaged over the contributors, one step per distinct key. Returns
+    /// the new version. Nothing changes if it is refused.
+    pub fn apply_all(&mut self, contributions: &[(&[u64], &[f32])]) -> Result<u64, SparseError> {
+        let scale = 1.0 / contributions.len().max(1) as f32;
+        self.step(contributions, scale)?;
+        Ok(self.sync.published(None))
+    }
+
+    /// SSP/ASP: applies worker `w`'s contribution on its own, scaled by the
+    /// worker count (as dense shards do). Returns the new version.
+    pub fn apply_one(&mut self, w: u32, keys: &[u64], rows: &[f32]) -> Result<u64, SparseError> {
+        self.step(&[(keys, rows)], 1.0 / self.workers.max(1) as f32)?;
+        Ok(self.sync.published(Some(w)))
+    }
+
+    fn step(&mut self, contributions: &[(&[u64], &[f32])], scale: f32) -> Result<(), SparseError> {
+        let (keys, mut grads) = merge(contributions, self.table.spec.dim)?;
+        grads.iter_mut().for_each(|g| *g *= scale);
+        let now = self.sync.version();
+        self.rows.push(&keys, &grads, self.table.lr, now)?;
+        self.stats.stepped_keys += keys.len() as u64;
+        if let Some(e) = self.table.evict
+            && (now + 1) % e.idle_steps == 0
+        {
+            self.rows.evict(now + 1, e.idle_steps, e.min_touches);
+        }
+        Ok(())
+    }
+}
+
+/// Contributions (keys and gradient rows of dimension `dim`, in rank order)
+/// merged: each key once, its rows summed in the order given. BSP's sum of
+/// a row, bit for bit: each worker sums its batch's duplicates in batch
+/// order ([`sum_duplicates`]), then the workers' sums are added in rank order.
+pub fn merge(contributions: &[(&[u64], &[f32])], dim: usize) -> Result<(Vec<u64>, Vec<f32>), SparseError> {
+    let n: usize = contributions.iter().map(|c| c.0.len()).sum();
+    let (mut keys, mut rows) = (Vec::with_capacity(n), Vec::with_capacity(n * dim));
+    for (k, r) in contributions {
+        if r.len() != k.len() * dim {
+            return Err(SparseError::Length { what: "gradient rows", got: r.len(), keys: k.len(), dim, want: k.len() * dim });
+        }
+        keys.extend_from_slice(k);
+        rows.extend_from_slice(r);
+    }
+    sum_duplicates(&keys, &rows, dim)
+}
+
+#[cfg(test)]
+mod tests;
