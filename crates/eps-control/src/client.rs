@@ -40,6 +40,7 @@ fn applied_if_refused(m: &ControlMsg) -> bool {
             | ControlMsg::BackupSynced { .. }
             | ControlMsg::Unreplicated { .. }
             | ControlMsg::MoveStopped { .. }
+            | ControlMsg::TablesReady { .. }
             | ControlMsg::Cutover { .. }
             | ControlMsg::Split { .. }
             | ControlMsg::Released { .. }

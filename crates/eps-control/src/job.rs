@@ -156,6 +156,10 @@ pub struct Job {
     /// Shards lost in a move whose source was lost after the cutover, with
     /// that source's rank.
     lost_moving: Vec<(u32, u32)>,
+    /// Sparse tables the spec declares.
+    table_count: usize,
+    /// Per initial server and table: the workers' landing regions.
+    tables: Vec<ShardEndpoint>,
 }
 
 impl Job {
@@ -202,6 +206,8 @@ impl Job {
             rebuilding: Vec::new(),
             lost_moving: Vec::new(),
             unsynced: Vec::new(),
+            table_count: spec.model.tables.len(),
+            tables: Vec::new(),
         };
         job.set_layout(&layout);
         if let Some(r) = &spec.resume {
@@ -231,7 +237,9 @@ impl Job {
 
     /// Whether every initial server is ready (workers may start).
     pub fn initial_ready(&self) -> bool {
-        !self.awaiting && self.endpoints.iter().all(Option::is_some)
+        !self.awaiting
+            && self.endpoints.iter().all(Option::is_some)
+            && self.tables.len() == self.table_count * self.initial_servers as usize
     }
 
     /// Whether the job's tensors are known (given by the spec, or declared by
@@ -343,6 +351,7 @@ impl Job {
             routes,
             membership: self.w.members.epochs().to_vec(),
             proposal: self.w.proposal_id(),
+            tables: self.tables.clone(),
         }
     }
 
@@ -613,6 +622,7 @@ impl Job {
             }
             ControlMsg::Unreplicated { shard, rank } => self.unreplicated(*shard, *rank),
             ControlMsg::MoveStopped { shard, rank } => self.move_stopped(*shard, *rank),
+            ControlMsg::TablesReady { rank, tables } => self.tables_ready(*rank, tables),
             ControlMsg::ServerLost { rank } => self.server_lost(*rank),
             ControlMsg::Checkpoint { version, dir } => {
                 if *version == 0 || dir.is_empty() {
@@ -692,6 +702,28 @@ impl Job {
         Ok(ControlMsg::Ok)
     }
 
+    /// Server `rank` reports its parts of the sparse tables (before it is
+    /// ready): one endpoint per table, in the spec's order.
+    fn tables_ready(&mut self, rank: u32, tables: &[ShardEndpoint]) -> Result<ControlMsg, String> {
+        let Some(info) = self.servers.get(rank as usize) else {
+            return Err(format!("server rank {rank} has not registered"));
+        };
+        if info.ready || rank >= self.initial_servers || self.tables.iter().any(|e| e.owner == rank) {
+            return Err(format!("server {rank} reported sparse tables it does not hold (only the first servers do)"));
+        }
+        let ranks = self.adopted.len();
+        let fits = |(i, e): (usize, &ShardEndpoint)| e.shard == i as u32 && e.owner == rank && e.landing.len() == ranks;
+        if tables.len() != self.table_count || !tables.iter().enumerate().all(fits) {
+            return Err(format!(
+                "server {rank} reported {} sparse table parts; the job has {} tables",
+                tables.len(),
+                self.table_count
+            ));
+        }
+        self.tables.extend_from_slice(tables);
+        Ok(ControlMsg::Ok)
+    }
+
     /// Whether server `rank` is serving (registered, not retired or finished).
     pub fn server_serving(&self, rank: u32) -> bool {
         self.servers.get(rank as usize).is_some_and(|s| s.ready && !s.retired && !s.finished)
@@ -733,6 +765,11 @@ impl Job {
     fn scale(&mut self, want: u32) -> Result<ControlMsg, String> {
         if want == 0 {
             return Err("a job needs at least one server".into());
+        }
+        if self.table_count > 0 {
+            return Err(
+                "this job has sparse tables, whose buckets do not move between servers yet: its servers cannot be scaled".into(),
+            );
         }
         if !self.initial_ready() {
             return Err(crate::STILL_STARTING.into());

@@ -96,6 +96,9 @@ pub struct JobMap {
     /// worker votes the first iteration it has not begun and holds there until
     /// the change is committed.
     pub proposal: u64,
+    /// Sparse tables: per server and table, the workers' landing regions
+    /// (`owner` the server, `shard` the table's index; see `TablesReady`).
+    pub tables: Vec<ShardEndpoint>,
 }
 
 impl JobMap {
@@ -370,6 +373,15 @@ pub enum ControlMsg {
         /// The source's server rank.
         rank: u32,
     },
+    /// Server -> control, before `ServerReady`: where each worker WRITEs its
+    /// requests for the server's part of each sparse table (`shard` is the
+    /// table's index; `landing[w]` worker `w`'s region: pushes, then pulls).
+    TablesReady {
+        /// Server rank.
+        rank: u32,
+        /// One per table, in the spec's order.
+        tables: Vec<ShardEndpoint>,
+    },
     /// Control -> operator: the checkpoint at `version` is complete in `path`.
     Checkpointed {
         /// Its version.
@@ -474,6 +486,7 @@ impl W {
             self.ranks(set);
         }
         self.u64(m.proposal);
+        self.endpoints(&m.tables);
     }
     fn ranks(&mut self, v: &[u32]) {
         self.u32(v.len() as u32);
@@ -562,7 +575,8 @@ impl R<'_> {
         for _ in 0..n {
             membership.push((self.u64()?, self.ranks()?));
         }
-        Ok(JobMap { epoch, servers, routes, membership, proposal: self.u64()? })
+        let proposal = self.u64()?;
+        Ok(JobMap { epoch, servers, routes, membership, proposal, tables: self.endpoints()? })
     }
     fn decls(&mut self) -> Result<Vec<crate::declare::TensorDecl>, DecodeError> {
         let n = self.count(13)?;
@@ -738,6 +752,11 @@ impl ControlMsg {
                 w.u32(*shard);
                 w.u32(*rank);
             }
+            ControlMsg::TablesReady { rank, tables } => {
+                w.u8(33);
+                w.u32(*rank);
+                w.endpoints(tables);
+            }
             ControlMsg::MoveStopped { shard, rank } => {
                 w.u8(32);
                 w.u32(*shard);
@@ -819,6 +838,7 @@ impl ControlMsg {
             30 => ControlMsg::Unreplicated { shard: r.u32()?, rank: r.u32()? },
             31 => ControlMsg::Unreachable { rank: r.u32()?, by: r.role()?, by_rank: r.u32()? },
             32 => ControlMsg::MoveStopped { shard: r.u32()?, rank: r.u32()? },
+            33 => ControlMsg::TablesReady { rank: r.u32()?, tables: r.endpoints()? },
             t => return Err(DecodeError::Tag(t)),
         };
         if !r.0.is_empty() {

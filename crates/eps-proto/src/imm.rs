@@ -45,9 +45,10 @@ pub struct Imm {
 }
 
 impl Imm {
-    /// Encodes; `shard` must be below [`MAX_SHARDS`].
+    /// Encodes; `shard` must be below [`MAX_SHARDS`] or a table's
+    /// [`crate::layout::sparse_id`].
     pub fn encode(self) -> u32 {
-        debug_assert!(self.shard < MAX_SHARDS);
+        debug_assert!(self.shard < MAX_SHARDS + crate::layout::SPARSE_IDS);
         ((self.kind as u32) << 29) | ((self.shard & 0x1FFF) << 16) | self.seq as u32
     }
 
@@ -97,7 +98,7 @@ mod tests {
             ImmKind::ForwardAck,
         ];
         for kind in kinds {
-            for shard in [0, 1, 4095, MAX_SHARDS - 1] {
+            for shard in [0, 1, 4095, MAX_SHARDS - 1, crate::layout::sparse_id(0), crate::layout::sparse_id(63)] {
                 for seq in [0, 1, 0x7FFF, 0xFFFF] {
                     let i = Imm { kind, shard, seq };
                     assert_eq!(Imm::decode(i.encode()), Some(i));

@@ -11,8 +11,23 @@ use crate::spec::TensorSpec;
 
 /// Byte alignment of shard boundaries in the wire dtype.
 pub const SHARD_ALIGN_BYTES: u64 = 4096;
-/// Most shards a job can have (the immediate's shard field is 13 bits).
-pub const MAX_SHARDS: u32 = 1 << 13;
+/// Ids of the immediate's 13-bit shard field kept for sparse tables, one per
+/// table (see [`sparse_id`]).
+pub const SPARSE_IDS: u32 = 64;
+/// Most shards a job can have (the immediate's shard field is 13 bits, its
+/// last [`SPARSE_IDS`] values name sparse tables).
+pub const MAX_SHARDS: u32 = (1 << 13) - SPARSE_IDS;
+
+/// The immediate's shard id of sparse table `table` (its index in the spec).
+pub fn sparse_id(table: u16) -> u32 {
+    debug_assert!(u32::from(table) < SPARSE_IDS);
+    MAX_SHARDS + u32::from(table)
+}
+
+/// The sparse table an immediate's shard id names, if it names one.
+pub fn sparse_table(id: u32) -> Option<u16> {
+    (MAX_SHARDS..MAX_SHARDS + SPARSE_IDS).contains(&id).then(|| (id - MAX_SHARDS) as u16)
+}
 
 /// Most shards a job whose layout has `initial` shards holds at once: splits
 /// (when servers are added) stop there. Servers and workers size their queues

@@ -499,7 +499,7 @@ impl JobSpec {
                 return Err(bad("model.tensors.name", format!("tensor {:?} appears twice", t.name)));
             }
         }
-        tables::validate(&self.model.tables, self.tensors().iter().map(|t| t.name.as_str()), &self.optimizer.kind)?;
+        tables::validate(&self.model.tables, self.tensors().iter().map(|t| t.name.as_str()), self)?;
         if j.checkpoint_every > 0 && j.checkpoint_dir.as_deref().is_none_or(str::is_empty) {
             return Err(bad("job.checkpoint_dir", "give the directory checkpoints are written to"));
         }

@@ -22,6 +22,7 @@ mod migrate;
 mod relay;
 mod replica;
 mod serve;
+mod sparse;
 mod split;
 
 use std::collections::{HashMap, VecDeque};
@@ -85,6 +86,16 @@ pub struct ServerSummary {
     pub moved: u64,
     /// Shards split here.
     pub splits: u64,
+    /// Rows of sparse tables held at the end.
+    pub sparse_rows: u64,
+    /// Their bytes with optimizer state.
+    pub sparse_row_state_bytes: u64,
+    /// Keys answered to sparse pulls, and distinct keys stepped.
+    pub sparse_pulled_keys: u64,
+    /// See `sparse_pulled_keys`.
+    pub sparse_stepped_keys: u64,
+    /// Rows evicted.
+    pub sparse_evicted: u64,
 }
 
 /// Errors of the server role.
@@ -131,6 +142,9 @@ pub enum ServerError {
     /// More workers than one server can sum.
     #[error("{0} workers: a server sums at most 64 contributions")]
     TooManyWorkers(u32),
+    /// A sparse table refused an update or a pull.
+    #[error("sparse table: {0}")]
+    Sparse(String),
 }
 
 /// 0, 1, 2, ...: contributor lists are slices of this.
@@ -295,6 +309,8 @@ pub(crate) struct Server<P: Fabric> {
     spans: Vec<(u64, u64)>,
     /// Checkpoints to save, and the thread writing them.
     saver: checkpoint::Saver,
+    /// The parts of the sparse tables held here.
+    sparse: sparse::Sparse<P>,
 }
 
 /// A server that has registered with the control plane: its rank and the job's
@@ -436,15 +452,18 @@ pub fn run_direct<P: Fabric>(
     }
     let es = layout.dtype.size_bytes() as u64;
     let max_len = layout.shards.iter().map(|s| s.len).max().unwrap_or(0);
+    let sparse = sparse::Sparse::new(&pd, &spec, rank, ranks)?;
     let mut opts = QpOptions::new(cfg.secret.clone());
     // Per peer: at most one pull answer and two credits per shard in flight, for
-    // as many shards as splits may make.
-    let cap = eps_proto::layout::live_shard_cap(total) as u32;
+    // as many shards as splits may make; per table a push, a pull, their answers.
+    let cap = eps_proto::layout::live_shard_cap(total) as u32 + 2 * spec.model.tables.len() as u32;
     opts.max_send_wr = 4 * cap + 16;
     opts.max_recv_wr = 2 * cap + 8;
     opts.max_sge = 1;
-    // The largest message: a shard snapshot (f32 master and optimizer state).
-    opts.max_msg_bytes = (max_len * es).max(max_len * 4 * (1 + opt.state_per_param() as u64) + 4096) as u32;
+    // The largest message: a shard snapshot (f32 master and optimizer state),
+    // or a sparse request or answer.
+    let snapshot = (max_len * es).max(max_len * 4 * (1 + opt.state_per_param() as u64) + 4096);
+    opts.max_msg_bytes = snapshot.max(eps_sparse::wire::max_message_bytes(&spec)) as u32;
     opts.connect_timeout = cfg.accept_timeout;
     let listener = pd.listen(SocketAddr::new(cfg.listen_ip, 0), &opts)?;
     let fabric_addr = listener.local_addr().to_string();
@@ -489,10 +508,18 @@ pub fn run_direct<P: Fabric>(
         retired: false,
         spans: layout.shards.iter().map(|s| (s.start, s.len)).collect(),
         saver: checkpoint::Saver::start(cfg, rank, &spec)?,
+        sparse,
     };
     let owned =
         |id: u32| s.shards[id as usize].as_ref().is_some_and(|h| !matches!(h.replica, Some(replica::Replica::Backup { .. })));
     let endpoints: Vec<ShardEndpoint> = s.mem.held().filter(|&id| owned(id)).filter_map(|id| s.endpoint(id)).collect();
+    if !s.sparse.is_empty() {
+        match s.ctl.call(&ControlMsg::TablesReady { rank, tables: s.sparse.endpoints(rank) })? {
+            ControlMsg::Ok => {}
+            ControlMsg::Error { message } => return Err(ServerError::Sparse(message)),
+            _ => return Err(ServerError::Unexpected),
+        }
+    }
     s.ctl.call(&ControlMsg::ServerReady { rank, fabric_addr, shards: endpoints })?;
     s.report_backups()?;
     let stop = Arc::new(AtomicBool::new(false));
@@ -505,6 +532,10 @@ pub fn run_direct<P: Fabric>(
     s.ctl.call(&ControlMsg::Finished { role: Role::Server, rank })?;
     s.summary.shards = s.shards.iter().flatten().count();
     s.summary.elements = (0..s.shards.len()).filter(|&i| s.shards[i].is_some()).map(|i| s.spans[i].1).sum();
+    let (rows, bytes, st) = s.sparse.summary();
+    (s.summary.sparse_rows, s.summary.sparse_row_state_bytes) = (rows, bytes);
+    (s.summary.sparse_pulled_keys, s.summary.sparse_stepped_keys, s.summary.sparse_evicted) =
+        (st.pulled_keys, st.stepped_keys, st.evicted);
     Ok(s.summary)
 }
 

@@ -270,6 +270,11 @@ impl<P: Fabric> Server<P> {
     }
 
     fn on_worker_imm(&mut self, ci: usize, h: Hello, imm: u32, len: u32) -> Result<(), ServerError> {
+        if let Some(m) = Imm::decode(imm)
+            && let Some(table) = eps_proto::layout::sparse_table(m.shard)
+        {
+            return self.on_sparse_imm(ci, h, table, m, len);
+        }
         // (No map routes a shard to a server that never held it: ids past the
         // ones this server knows are a violation.)
         let Some(m) = Imm::decode(imm).filter(|m| (m.shard as usize) < self.shards.len()) else {
@@ -518,7 +523,7 @@ impl<P: Fabric> Server<P> {
         }
     }
 
-    fn worker_conn(&self, w: u32) -> Option<(&Conn<P>, Hello)> {
+    pub(crate) fn worker_conn(&self, w: u32) -> Option<(&Conn<P>, Hello)> {
         let conn = &self.conns[self.by_rank.get(w as usize).copied().flatten()?];
         match (conn.peer, conn.alive) {
             (Peer::Worker(h), true) => Some((conn, h)),

@@ -1,17 +1,17 @@
 //! What a worker WRITEs into a server's sparse landing regions, and how a
 //! server reads it without trusting it.
 //!
-//! A request is a 32-byte header, the keys (u64), then for a push the
+//! A request is a 40-byte header, the keys (u64), then for a push the
 //! gradient rows (f32, `dim` each, in the keys' order): little-endian, as
-//! the fabric's registered memory holds them. A pull names where in the
-//! worker's row buffer the answer goes; the server WRITEs the rows there in
-//! the order asked. Every field is checked against the table and the region
+//! the fabric's registered memory holds them. A pull names the address and
+//! rkey in the worker's row buffer the answer goes to; the server WRITEs the rows there in
+//! the order asked, which its rkey lets it reach alone. Every field is checked against the table and the region
 //! before anything is read or changed.
 
 use crate::decl::Declared;
 
 /// Bytes of a request's header.
-pub const HEADER: usize = 32;
+pub const HEADER: usize = 40;
 /// The header's first word.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"EPSS");
 
@@ -37,8 +37,10 @@ pub struct Header {
     pub dim: u32,
     /// Push: the iteration; pull: the version wanted.
     pub seq: u64,
-    /// Pull: the byte offset in the worker's row buffer the rows go to.
-    pub reply_at: u64,
+    /// Pull: where the rows go (the worker's registered row buffer).
+    pub reply_addr: u64,
+    /// Pull: that buffer's rkey.
+    pub reply_rkey: u32,
 }
 
 /// Why a request is refused (the worker broke the protocol or its caller
@@ -111,7 +113,8 @@ impl Header {
         b[8..12].copy_from_slice(&self.count.to_le_bytes());
         b[12..16].copy_from_slice(&self.dim.to_le_bytes());
         b[16..24].copy_from_slice(&self.seq.to_le_bytes());
-        b[24..32].copy_from_slice(&self.reply_at.to_le_bytes());
+        b[24..32].copy_from_slice(&self.reply_addr.to_le_bytes());
+        b[32..36].copy_from_slice(&self.reply_rkey.to_le_bytes());
         b
     }
 
@@ -120,7 +123,7 @@ impl Header {
         let b: &[u8; HEADER] = b.get(..HEADER)?.try_into().ok()?;
         let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
         let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
-        if u32_at(0) != MAGIC || b[7] != 0 {
+        if u32_at(0) != MAGIC || b[7] != 0 || u32_at(36) != 0 {
             return None;
         }
         let op = match b[6] {
@@ -134,7 +137,8 @@ impl Header {
             count: u32_at(8),
             dim: u32_at(12),
             seq: u64_at(16),
-            reply_at: u64_at(24),
+            reply_addr: u64_at(24),
+            reply_rkey: u32_at(32),
         })
     }
 
@@ -152,6 +156,13 @@ pub fn request_bytes(op: Op, count: usize, dim: usize) -> usize {
 /// Bytes of the landing region of one worker's `op` requests for table `t`.
 pub fn region_bytes(op: Op, t: &Declared) -> usize {
     request_bytes(op, t.max_keys, t.spec.dim)
+}
+
+/// The largest request or answer of `spec`'s tables (what the fabric's
+/// message limit must admit).
+pub fn max_message_bytes(spec: &eps_proto::JobSpec) -> u64 {
+    let one = |t: &Declared| region_bytes(Op::Push, t).max(t.max_keys * t.spec.dim * 4) as u64;
+    crate::decl::tables(spec).iter().map(one).max().unwrap_or(0)
 }
 
 /// A checked request, its keys and rows read in place.
@@ -236,17 +247,17 @@ mod tests {
         let t = table();
         let mut r = region(&t, Op::Push);
         let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut r);
-        let h = Header { table: 3, op: Op::Push, count: 2, dim: 2, seq: 1 << 40, reply_at: 0 };
+        let h = Header { table: 3, op: Op::Push, count: 2, dim: 2, seq: 1 << 40, reply_addr: 0, reply_rkey: 0 };
         let n = write(bytes, &h, &[7, 999], &[1.0, 2.0, 3.0, 4.0]);
         assert_eq!(n, request_bytes(Op::Push, 2, 2));
         let q = parse(bytes, n, Op::Push, &t).unwrap();
         assert_eq!((q.header, q.keys, q.rows), (h, &[7u64, 999][..], &[1.0f32, 2.0, 3.0, 4.0][..]));
         let mut p = region(&t, Op::Pull);
         let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut p);
-        let h = Header { op: Op::Pull, count: 1, reply_at: 64, ..h };
+        let h = Header { op: Op::Pull, count: 1, reply_addr: 64, reply_rkey: 9, ..h };
         let n = write(bytes, &h, &[5], &[]);
         let q = parse(bytes, n, Op::Pull, &t).unwrap();
-        assert_eq!((q.keys, q.rows.len(), q.header.reply_at), (&[5u64][..], 0, 64));
+        assert_eq!((q.keys, q.rows.len(), q.header.reply_addr, q.header.reply_rkey), (&[5u64][..], 0, 64, 9));
     }
 
     #[test]
@@ -254,7 +265,7 @@ mod tests {
         let t = table();
         let mut r = region(&t, Op::Push);
         let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut r);
-        let good = Header { table: 3, op: Op::Push, count: 1, dim: 2, seq: 0, reply_at: 0 };
+        let good = Header { table: 3, op: Op::Push, count: 1, dim: 2, seq: 0, reply_addr: 0, reply_rkey: 0 };
         let cases: [(Header, Vec<u64>, WireError); 5] = [
             (Header { dim: 3, ..good }, vec![1], WireError::Dim { table: "ids".into(), got: 3, want: 2 }),
             (Header { table: 2, ..good }, vec![1], WireError::Misplaced { got: Op::Push, table: 2, want: Op::Push, region: 3 }),

@@ -60,6 +60,7 @@ mod pull;
 mod reap;
 mod register;
 mod round;
+mod sparse;
 mod watch;
 pub use register::{Registration, register, register_declaring};
 use watch::MapWatch;
@@ -167,6 +168,17 @@ pub enum WorkerError {
     /// The shard map names a server without an address.
     #[error("the shard map names server {0}, whose address is unknown")]
     NoAddress(u32),
+    /// No sparse table has that name.
+    #[error("unknown sparse table {0:?}")]
+    UnknownTable(String),
+    /// A sparse pull or push refused (nothing was sent).
+    #[error("sparse table {table}: {why}")]
+    Sparse {
+        /// The table's name.
+        table: String,
+        /// Why.
+        why: String,
+    },
 }
 
 /// Transfer statistics.
@@ -250,6 +262,8 @@ pub struct Worker<P: Fabric = SoftPd> {
     ctl: ControlClient,
     timeout: Duration,
     hello: P::Mr,
+    /// The job's sparse tables.
+    sparse: sparse::Tables<P>,
     pd: P,
 }
 
@@ -326,11 +340,14 @@ impl<P: Fabric> Worker<P> {
         hello.write_at(0, &Hello { rank, pull_rkey: params.rkey(), pull_addr: params.addr() }.encode());
         let stamps = pd.alloc_mr(16 * eps_proto::layout::MAX_SHARDS as usize, Access::LOCAL_WRITE)?;
         let max_bytes = layout.shards.iter().map(|s| s.len as usize * layout.dtype.size_bytes()).max().unwrap_or(0);
+        let sparse = sparse::Tables::new(&pd, &spec)?;
+        // Per table: a push and a pull request out, a pull answer and a credit in.
+        let n = n + sparse.len();
         let mut opts = QpOptions::new(cfg.secret.clone());
         opts.max_send_wr = 2 * n as u32 + 8;
         opts.max_recv_wr = 2 * n as u32 + 8;
         opts.max_sge = 1;
-        opts.max_msg_bytes = max_bytes.max(4096) as u32;
+        opts.max_msg_bytes = (max_bytes as u64).max(4096).max(eps_sparse::wire::max_message_bytes(&spec)) as u32;
         opts.connect_timeout = cfg.timeout;
         // Room for every shard's answers from servers old and new.
         let cq = pd.create_cq(8 * (2 * n as u32 + 8) + 64)?;
@@ -379,6 +396,7 @@ impl<P: Fabric> Worker<P> {
             ctl,
             timeout: cfg.timeout,
             hello,
+            sparse,
             pd,
         };
         for o in w.needed_owners() {
@@ -830,7 +848,7 @@ impl<P: Fabric> Worker<P> {
     /// borrowed buffers ([`Worker::join_borrowed`]) are their owner's again.
     pub fn quiesce(&mut self) -> Result<(), WorkerError> {
         self.wait_until(
-            |w| w.outstanding.iter().all(|&o| o == 0) && w.sending.iter().all(|&s| s == 0),
+            |w| w.outstanding.iter().all(|&o| o == 0) && w.sending.iter().all(|&s| s == 0) && w.sparse.quiet(),
             "the pulls and pushes in flight to end",
         )
     }

@@ -103,6 +103,12 @@ impl<P: Fabric> Worker<P> {
                     if let Ok(q) = self.qp(server) {
                         q.post_recv(&RecvWr { wr_id: 0, sg: &[] })?;
                     }
+                    if let Some(m) = c.imm.and_then(Imm::decode)
+                        && let Some(table) = eps_proto::layout::sparse_table(m.shard)
+                    {
+                        self.sparse.on_imm(server, table, m);
+                        continue;
+                    }
                     let Some(m) = c.imm.and_then(Imm::decode).filter(|m| (m.shard as usize) < self.credit.len()) else {
                         continue;
                     };
@@ -135,6 +141,7 @@ impl<P: Fabric> Worker<P> {
                     }
                 }
                 _ if c.wr_id == WR_HELLO => self.hellos_acked += 1,
+                _ if c.wr_id & (0xF << 60) == crate::sparse::WR_SPARSE => self.sparse.sent((c.wr_id & 0xFFFF) as usize),
                 _ if c.wr_id & (3 << 62) == WR_PUSH => {
                     if let Some(n) = self.sending.get_mut((c.wr_id & 0xFFFF_FFFF) as usize) {
                         *n = n.saturating_sub(1);

@@ -106,6 +106,7 @@ impl<P: Fabric> Worker<P> {
         if !self.check_pushed(ids)? {
             return Ok(());
         }
+        self.sparse_fill()?;
         if self.mode == Consistency::Asp {
             return self.asp_pull();
         }
@@ -135,6 +136,7 @@ impl<P: Fabric> Worker<P> {
         if !self.check_pushed(ids)? {
             return Ok(true);
         }
+        self.sparse_fill()?;
         if self.mode == Consistency::Asp {
             self.asp_pull()?;
             return Ok(true);

@@ -71,6 +71,7 @@ impl State {
             | ControlMsg::BackupSynced { .. }
             | ControlMsg::Unreplicated { .. }
             | ControlMsg::MoveStopped { .. }
+            | ControlMsg::TablesReady { .. }
             | ControlMsg::Cutover { .. }
             | ControlMsg::Released { .. }
             | ControlMsg::Split { .. }

@@ -14,6 +14,7 @@ fn roundtrip_and_garbage() {
         routes: vec![route(ep(0, 0), None), route(ep(1, 3), Some((ep(1, 0), 12)))],
         membership: vec![(0, vec![0, 1]), (9, vec![0, 1, 2])],
         proposal: 3,
+        tables: vec![ep(0, 3), ep(1, 0)],
     };
     let msgs = vec![
         ControlMsg::Register { role: Role::Server, fabric_addr: "127.0.0.1:5".into() },
@@ -28,6 +29,7 @@ fn roundtrip_and_garbage() {
         ControlMsg::Error { message: "no".into() },
         ControlMsg::ShardReady { endpoint: ep(4, 2), keys },
         ControlMsg::Cutover { shard: 4, at: 99 },
+        ControlMsg::TablesReady { rank: 1, tables: vec![ep(0, 1), ep(1, 1)] },
         ControlMsg::Released { shard: 4, bytes: 1 << 30, millis: 17 },
         ControlMsg::Scale { servers: 3 },
         ControlMsg::Poll { rank: 2, after: 5 },
@@ -152,6 +154,7 @@ fn splits_change_the_shards_of_an_iteration() {
         ],
         membership: Vec::new(),
         proposal: 0,
+        tables: Vec::new(),
     };
     assert_eq!(map.shards_at(4), vec![0, 1]);
     assert_eq!(map.shards_at(5), vec![2, 3, 1]);

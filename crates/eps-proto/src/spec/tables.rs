@@ -11,8 +11,8 @@ use super::{SpecError, bad};
 pub const MAX_TABLE_DIM: u32 = 1 << 16;
 /// The most keys of one request.
 pub const MAX_KEYS: u32 = 1 << 22;
-/// Most tables a job may declare.
-pub const MAX_TABLES: usize = 64;
+/// Most tables a job may declare (each has an id of the immediates').
+pub const MAX_TABLES: usize = crate::layout::SPARSE_IDS as usize;
 
 /// Row-wise optimizers a table may use (the dense ones, stepped row by row
 /// with lazy state, and Adagrad).
@@ -150,10 +150,25 @@ impl TableDecl {
 
 /// Checks a model's tables: each one, their number, and names unique among
 /// tables and `tensors`.
-pub fn validate<'a>(tables: &[TableDecl], tensors: impl Iterator<Item = &'a str>, job_kind: &str) -> Result<(), SpecError> {
+pub fn validate<'a>(tables: &[TableDecl], tensors: impl Iterator<Item = &'a str>, job: &super::JobSpec) -> Result<(), SpecError> {
+    if tables.is_empty() {
+        return Ok(());
+    }
     if tables.len() > MAX_TABLES {
         return Err(bad("model.tables", format!("{} tables: at most {MAX_TABLES}", tables.len())));
     }
+    // What sparse tables do not do yet.
+    let j = &job.job;
+    if j.consistency != super::Consistency::Bsp {
+        return Err(bad("job.consistency", "sparse tables are served under BSP only for now"));
+    }
+    if j.replicas > 1 || j.checkpoint_every > 0 || j.max_workers.is_some_and(|m| m > j.workers) {
+        return Err(bad(
+            "model.tables",
+            "sparse tables have no replicas, checkpoints or workers joining yet: use job.replicas = 1, no checkpoint_every and no max_workers",
+        ));
+    }
+    let job_kind = job.optimizer.kind.as_str();
     let mut names: std::collections::HashSet<&str> = tensors.collect();
     for t in tables {
         t.validate(job_kind)?;
@@ -184,6 +199,20 @@ mod tests {
         .unwrap();
         assert_eq!(s.model.tables.len(), 2);
         assert!(s.model.tables[0].admits(99) && !s.model.tables[0].admits(100));
+    }
+
+    #[test]
+    fn what_tables_do_not_do_yet_is_refused() {
+        let t = "[[model.tables]]\nname = \"t\"\ndim = 4\n";
+        for (job, field) in [
+            ("consistency = \"asp\"", "job.consistency"),
+            ("replicas = 2\nservers = 2", "model.tables"),
+            ("checkpoint_every = 5\ncheckpoint_dir = \"/tmp/x\"", "model.tables"),
+            ("max_workers = 4", "model.tables"),
+        ] {
+            let e = JobSpec::from_toml(&(BASE.replace("[job]\n", &format!("[job]\n{job}\n")) + t)).unwrap_err();
+            assert!(e.to_string().contains(field), "{job}: {e}");
+        }
     }
 
     #[test]

@@ -1,0 +1,229 @@
+//! The server's parts of the job's sparse tables (see `eps-sparse`): per table,
+//! the rows of the buckets this server owns ([`TablePart`]) and, per worker
+//! rank, a landing region its requests are WRITTEN into (pushes first, then
+//! pulls) and a reply region the rows of its pulls are gathered into and
+//! WRITTEN from.
+//!
+//! A worker WRITEs a table's push (keys and gradient rows) with the
+//! immediate `Push | sparse_id(table) | iteration`; BSP applies the
+//! iteration once every contributor's push is in (their rows merged in rank
+//! order), then gives each of them a credit (its push region may be written
+//! again). A pull (keys, and where in the worker's registered row buffer
+//! the rows go) comes as `PullReq`; it is answered once the table's version
+//! reaches the one asked, by one WRITE of the rows in the order asked, with
+//! `PullDone`.
+
+use eps_fabric::{Access, Fabric, HostRegion, MemoryRegion, RemoteAddr, SendOp, SendWr, Sge};
+use eps_proto::control::ShardEndpoint;
+use eps_proto::hello::Hello;
+use eps_proto::imm::{Imm, ImmKind, widen_seq};
+use eps_proto::layout::sparse_id;
+use eps_proto::sync::PushOutcome;
+use eps_proto::{Consistency, JobSpec};
+use eps_sparse::decl::Declared;
+use eps_sparse::part::{PartStats, TablePart};
+use eps_sparse::wire::{self, Op};
+
+use crate::{Server, ServerError, WR_OTHER};
+
+/// One table's part here and its regions.
+pub(crate) struct Table<P: Fabric> {
+    part: TablePart,
+    /// By worker rank: its requests land here (push region, then pull region).
+    landing: Vec<P::Mr>,
+    /// By worker rank: its pulls' rows are gathered here and WRITTEN from.
+    reply: Vec<P::Mr>,
+    /// By worker rank: bytes of the push and of the pull request that landed.
+    pushed: Vec<usize>,
+    pulled: Vec<usize>,
+}
+
+/// The job's sparse tables on this server.
+pub(crate) struct Sparse<P: Fabric> {
+    tables: Vec<Table<P>>,
+    /// Server rank of each bucket.
+    owner: Vec<u32>,
+}
+
+impl<P: Fabric> Sparse<P> {
+    /// The parts of `spec`'s tables that server `rank` holds (every table has
+    /// a part on each of the job's first servers), with regions for `ranks`
+    /// worker ranks.
+    pub(crate) fn new(pd: &P, spec: &JobSpec, rank: u32, ranks: u32) -> Result<Self, ServerError> {
+        let owner = eps_sparse::bucket::initial_owners(spec.job.servers);
+        if spec.model.tables.is_empty() || rank >= spec.job.servers {
+            return Ok(Self { tables: Vec::new(), owner });
+        }
+        let mut tables = Vec::new();
+        for t in eps_sparse::decl::tables(spec) {
+            let (push, pull) = (wire::region_bytes(Op::Push, &t), wire::region_bytes(Op::Pull, &t));
+            let reply_bytes = t.max_keys * t.spec.dim * 4;
+            let mut landing = Vec::with_capacity(ranks as usize);
+            let mut reply = Vec::with_capacity(ranks as usize);
+            for _ in 0..ranks {
+                landing.push(pd.alloc_mr(push.next_multiple_of(8) + pull, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?);
+                reply.push(pd.alloc_mr(reply_bytes, Access::LOCAL_WRITE)?);
+            }
+            let part = TablePart::new(t, Consistency::Bsp, ranks).map_err(|e| ServerError::Sparse(e.to_string()))?;
+            let n = ranks as usize;
+            tables.push(Table { part, landing, reply, pushed: vec![0; n], pulled: vec![0; n] });
+        }
+        Ok(Self { tables, owner })
+    }
+
+    /// Whether this server holds no table.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.tables.is_empty()
+    }
+
+    /// Where workers WRITE their requests, per table (see `TablesReady`).
+    pub(crate) fn endpoints(&self, rank: u32) -> Vec<ShardEndpoint> {
+        let ep = |(i, t): (usize, &Table<P>)| ShardEndpoint {
+            shard: i as u32,
+            owner: rank,
+            landing: t.landing.iter().map(|m| (m.addr(), m.rkey())).collect(),
+            published_addr: 0,
+            published_rkey: 0,
+        };
+        self.tables.iter().enumerate().map(ep).collect()
+    }
+
+    /// Rows held and their bytes with optimizer state, and what the parts did.
+    pub(crate) fn summary(&self) -> (u64, u64, PartStats) {
+        let mut s = PartStats::default();
+        for t in &self.tables {
+            let p = t.part.stats();
+            s.pulled_keys += p.pulled_keys;
+            s.stepped_keys += p.stepped_keys;
+            s.evicted += p.evicted;
+        }
+        let rows = self.tables.iter().map(|t| t.part.rows().len() as u64).sum();
+        let bytes = self.tables.iter().map(|t| t.part.rows().row_state_bytes() as u64).sum();
+        (rows, bytes, s)
+    }
+}
+
+/// Offset of the pull region in a landing region.
+fn pull_offset(t: &Declared) -> usize {
+    wire::region_bytes(Op::Push, t).next_multiple_of(8)
+}
+
+impl<P: Fabric> Server<P> {
+    /// A worker's sparse request for `table` landed (`len` bytes).
+    pub(crate) fn on_sparse_imm(&mut self, ci: usize, h: Hello, table: u16, m: Imm, len: u32) -> Result<(), ServerError> {
+        let w = h.rank as usize;
+        let Some(t) = self.sparse.tables.get_mut(table as usize) else {
+            self.violation(ci, &format!("a request for sparse table {table}, which this server does not hold"));
+            return Ok(());
+        };
+        let op = match m.kind {
+            ImmKind::Push => Op::Push,
+            ImmKind::PullReq => Op::Pull,
+            _ => {
+                self.violation(ci, "sent a server-only message");
+                return Ok(());
+            }
+        };
+        let decl = t.part.table();
+        let at = if op == Op::Push { 0 } else { pull_offset(decl) };
+        // SAFETY: the worker WRITEs this region only while it holds its credit
+        // (push) or has no pull of this table outstanding (pull); the request
+        // just landed, so neither holds until this server answers it.
+        let bytes = unsafe { t.landing[w].as_slice() };
+        let checked = wire::parse(&bytes[at..], len as usize, op, decl).map_err(|e| e.to_string()).and_then(|q| {
+            if let Some(k) = TablePart::foreign(q.keys, &self.sparse.owner, self.rank) {
+                return Err(format!("key {k} of table {:?} belongs to another server", decl.name));
+            }
+            if q.header.seq as u16 != m.seq {
+                return Err(format!("a request for {} under the immediate's {}", q.header.seq, m.seq));
+            }
+            Ok(q.header.seq)
+        });
+        let seq = match checked {
+            Ok(seq) => seq,
+            Err(e) => {
+                self.violation(ci, &e);
+                return Ok(());
+            }
+        };
+        let t = &mut self.sparse.tables[table as usize];
+        match op {
+            Op::Push => {
+                let iteration = widen_seq(m.seq, t.part.sync.version());
+                t.pushed[w] = len as usize;
+                let contributors = t.part.sync.contributors(&self.membership, &self.lost, iteration).into_owned();
+                match t.part.sync.on_push(h.rank, iteration, &contributors) {
+                    Ok(PushOutcome::AggregateAll { .. }) => self.sparse_update(table, &contributors)?,
+                    Ok(_) => {}
+                    Err(e) => self.violation(ci, &e.to_string()),
+                }
+            }
+            Op::Pull => {
+                t.pulled[w] = len as usize;
+                match t.part.sync.on_pull(h.rank, seq) {
+                    Ok(Some(v)) => self.sparse_answer(table, h.rank, v)?,
+                    Ok(None) => {}
+                    Err(e) => self.violation(ci, &e.to_string()),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// BSP: every contributor's push of the table's iteration is in: merge
+    /// them in rank order, step, credit their push regions, answer the pulls
+    /// that waited for the new version.
+    fn sparse_update(&mut self, table: u16, contributors: &[u32]) -> Result<(), ServerError> {
+        let t = &mut self.sparse.tables[table as usize];
+        let mut views = Vec::with_capacity(contributors.len());
+        for &w in contributors {
+            // SAFETY: a worker writes its push region again only after the
+            // credit sent below; its push of this iteration has landed.
+            let bytes = unsafe { t.landing[w as usize].as_slice() };
+            let q = wire::parse(bytes, t.pushed[w as usize], Op::Push, t.part.table())
+                .map_err(|e| ServerError::Sparse(format!("a push checked on arrival: {e}")))?;
+            views.push((q.keys, q.rows));
+        }
+        t.part.apply_all(&views).map_err(|e| ServerError::Sparse(e.to_string()))?;
+        self.summary.updates += 1;
+        let id = sparse_id(table);
+        for &w in contributors {
+            self.send_credit(w, id)?;
+        }
+        let mut ready = Vec::new();
+        self.sparse.tables[table as usize].part.sync.ready_pulls(&mut ready);
+        for (w, v) in ready {
+            self.sparse_answer(table, w, v)?;
+        }
+        Ok(())
+    }
+
+    /// Answers worker `w`'s pull of `table` with version `v`: its rows
+    /// gathered into its reply region, WRITTEN where the request said.
+    fn sparse_answer(&mut self, table: u16, w: u32, v: u64) -> Result<(), ServerError> {
+        let t = &mut self.sparse.tables[table as usize];
+        let decl = t.part.table().clone();
+        let at = pull_offset(&decl);
+        // SAFETY: the worker sends no other pull of this table before this
+        // one is answered, so nothing lands in its pull region meanwhile.
+        let bytes = unsafe { t.landing[w as usize].as_slice() };
+        let q = wire::parse(&bytes[at..], t.pulled[w as usize], Op::Pull, &decl)
+            .map_err(|e| ServerError::Sparse(format!("a pull checked on arrival: {e}")))?;
+        let n = q.keys.len() * decl.spec.dim;
+        let keys = q.keys.to_vec();
+        let remote = RemoteAddr { addr: q.header.reply_addr, rkey: q.header.reply_rkey };
+        // SAFETY: the previous answer's WRITE from this region was delivered
+        // (the worker asks again only after it), and no other one is posted.
+        let out = unsafe { t.reply[w as usize].as_mut_slice() };
+        let rows: &mut [f32] = bytemuck::cast_slice_mut(&mut out[..n * 4]);
+        t.part.answer(v, &keys, rows).map_err(|e| ServerError::Sparse(e.to_string()))?;
+        let Some((conn, _)) = self.worker_conn(w) else { return Ok(()) };
+        let t = &self.sparse.tables[table as usize];
+        let sg = [Sge::new(&t.reply[w as usize], 0, (n * 4) as u32)];
+        let imm = Imm { kind: ImmKind::PullDone, shard: sparse_id(table), seq: v as u16 }.encode();
+        let sg: &[Sge<'_, P::Mr>] = if n == 0 { &[] } else { &sg };
+        conn.post(&SendWr { wr_id: WR_OTHER, op: SendOp::WriteImm(remote, imm), sg, signaled: false })?;
+        self.summary.pulls += 1;
+        Ok(())
+    }
+}

@@ -1,0 +1,314 @@
+//! Sparse tables from a worker: rows pulled and gradients pushed by key (see
+//! `eps-sparse` and the server's `sparse.rs`).
+//!
+//! A pull deduplicates the batch's keys, sends each server owning some of
+//! them its key list, and the servers WRITE the rows straight into this
+//! worker's registered row buffer, each server's rows where its request
+//! said; they are then spread to every position of the batch. A push sums
+//! each key's gradient rows in batch order and sends every server its keys
+//! and rows (an empty push where it owns none: BSP counts every worker's
+//! push). Both are for the worker's current iteration: a pull gets the rows
+//! as of it (every earlier iteration applied), a push is the iteration's
+//! gradient. A table not pushed in an iteration is pushed empty when the
+//! worker waits for the iteration's parameters.
+
+use eps_fabric::{Access, Fabric, FabricError, MemoryRegion, QueuePair, RemoteAddr, SendOp, SendWr, Sge};
+use eps_proto::control::JobMap;
+use eps_proto::imm::{Imm, ImmKind};
+use eps_proto::layout::sparse_id;
+use eps_sparse::batch::{dedup, split_by_owner};
+use eps_sparse::decl::Declared;
+use eps_sparse::table::sum_duplicates;
+use eps_sparse::wire::{self, HEADER, Header, Op};
+
+use crate::{Worker, WorkerError};
+
+/// Work-request ids of sparse pushes: this bit, and the table's index.
+pub(crate) const WR_SPARSE: u64 = 1 << 60;
+
+/// One table, as this worker uses it.
+pub(crate) struct Table<P: Fabric> {
+    decl: Declared,
+    /// The servers WRITE pulled rows here.
+    rows: P::Mr,
+    /// Requests are written here and WRITTEN from.
+    push_out: P::Mr,
+    pull_out: P::Mr,
+    /// By server rank: its push region may be written (the server applied
+    /// the last push).
+    credit: Vec<bool>,
+    /// Push WRITEs not completed.
+    sending: u32,
+    /// The iteration last pushed.
+    pushed_at: Option<u64>,
+    /// Pull answers not in yet.
+    awaiting: u32,
+}
+
+/// The job's tables, and which server owns each bucket.
+pub(crate) struct Tables<P: Fabric> {
+    tables: Vec<Table<P>>,
+    owner: Vec<u32>,
+    servers: u32,
+}
+
+impl<P: Fabric> Tables<P> {
+    /// Registers each table's buffers.
+    pub(crate) fn new(pd: &P, spec: &eps_proto::JobSpec) -> Result<Self, FabricError> {
+        let servers = spec.job.servers;
+        let mut tables = Vec::new();
+        for decl in eps_sparse::decl::tables(spec) {
+            // Every server's request, each 8-byte aligned.
+            let slack = servers as usize * (HEADER + 8);
+            let push = wire::request_bytes(Op::Push, decl.max_keys, decl.spec.dim) + slack;
+            let pull = wire::request_bytes(Op::Pull, decl.max_keys, 0) + slack;
+            tables.push(Table {
+                rows: pd.alloc_mr(decl.max_keys * decl.spec.dim * 4, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?,
+                push_out: pd.alloc_mr(push, Access::LOCAL_WRITE)?,
+                pull_out: pd.alloc_mr(pull, Access::LOCAL_WRITE)?,
+                credit: vec![true; servers as usize],
+                sending: 0,
+                pushed_at: None,
+                awaiting: 0,
+                decl,
+            });
+        }
+        Ok(Self { tables, owner: eps_sparse::bucket::initial_owners(servers), servers })
+    }
+
+    /// How many tables.
+    pub(crate) fn len(&self) -> usize {
+        self.tables.len()
+    }
+
+    /// A pull answer or a credit for table `table` from server `server`.
+    pub(crate) fn on_imm(&mut self, server: u32, table: u16, m: Imm) {
+        let Some(t) = self.tables.get_mut(table as usize) else { return };
+        match m.kind {
+            ImmKind::PullDone => t.awaiting = t.awaiting.saturating_sub(1),
+            ImmKind::Credit => {
+                if let Some(c) = t.credit.get_mut(server as usize) {
+                    *c = true;
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// A push WRITE of table `table` completed.
+    pub(crate) fn sent(&mut self, table: usize) {
+        if let Some(t) = self.tables.get_mut(table) {
+            t.sending = t.sending.saturating_sub(1);
+        }
+    }
+
+    /// Whether nothing is in flight: no pull a server may still answer into a
+    /// row buffer, no push still reading its staging buffer.
+    pub(crate) fn quiet(&self) -> bool {
+        self.tables.iter().all(|t| t.awaiting == 0 && t.sending == 0)
+    }
+}
+
+/// Where worker `rank`'s requests for table `table` land on server `server`.
+fn landing(map: &JobMap, rank: u32, server: u32, table: u16) -> Option<(u64, u32)> {
+    let e = map.tables.iter().find(|e| e.owner == server && e.shard == u32::from(table))?;
+    e.landing.get(rank as usize).copied()
+}
+
+impl<P: Fabric> Worker<P> {
+    /// The index of table `name` (what [`Worker::sparse_pull`] and
+    /// [`Worker::sparse_push`] take).
+    pub fn table(&self, name: &str) -> Result<u16, WorkerError> {
+        let t = self.sparse.tables.iter().position(|t| t.decl.name == name);
+        t.map(|i| i as u16).ok_or_else(|| WorkerError::UnknownTable(name.to_string()))
+    }
+
+    /// The row dimension of table `table`.
+    pub fn table_dim(&self, table: u16) -> Result<usize, WorkerError> {
+        Ok(self.decl(table)?.spec.dim)
+    }
+
+    fn decl(&self, table: u16) -> Result<&Declared, WorkerError> {
+        let n = self.sparse.len();
+        self.sparse
+            .tables
+            .get(table as usize)
+            .map(|t| &t.decl)
+            .ok_or(WorkerError::Sparse { table: format!("#{table}"), why: format!("no such table (the job has {n})") })
+    }
+
+    fn sparse_err(&self, table: u16, why: String) -> WorkerError {
+        WorkerError::Sparse { table: self.sparse.tables[table as usize].decl.name.clone(), why }
+    }
+
+    /// Checks `keys` against the table's key limit and its distinct keys
+    /// against `max_keys`.
+    fn check_keys(&self, table: u16, keys: &[u64], distinct: usize) -> Result<(), WorkerError> {
+        let d = self.decl(table)?;
+        if let (Some(limit), Some(k)) = (d.key_limit, keys.iter().find(|k| !d.admits(**k))) {
+            return Err(self.sparse_err(table, format!("key {k} is not below the table's key_limit {limit}")));
+        }
+        if distinct > d.max_keys {
+            return Err(
+                self.sparse_err(table, format!("{distinct} distinct keys in one call; the table's max_keys is {}", d.max_keys))
+            );
+        }
+        Ok(())
+    }
+
+    /// The rows of `keys` as of the current iteration, into `out` (`dim`
+    /// values per key, in the order of `keys`; a key may repeat). Rows not
+    /// seen before are created by their servers from the table's
+    /// initializer.
+    pub fn sparse_pull(&mut self, table: u16, keys: &[u64], out: &mut [f32]) -> Result<(), WorkerError> {
+        let dim = self.decl(table)?.spec.dim;
+        if out.len() != keys.len() * dim {
+            return Err(WorkerError::Length { what: "sparse pull output", expected: keys.len() * dim, got: out.len() });
+        }
+        let d = dedup(keys);
+        self.check_keys(table, keys, d.keys.len())?;
+        let reqs = split_by_owner(&d.keys, &self.sparse.owner).map_err(|e| self.sparse_err(table, e.to_string()))?;
+        let v = self.iteration;
+        // Row `slot[i]` of the row buffer is distinct key `i`'s.
+        let mut slot = vec![0usize; d.keys.len()];
+        let (mut at, mut row) = (0usize, 0usize);
+        let mut posts = Vec::with_capacity(reqs.len());
+        let t = &mut self.sparse.tables[table as usize];
+        for r in &reqs {
+            for (j, &i) in r.at.iter().enumerate() {
+                slot[i as usize] = row + j;
+            }
+            let h = Header {
+                table,
+                op: Op::Pull,
+                count: r.keys.len() as u32,
+                dim: dim as u32,
+                seq: v,
+                reply_addr: t.rows.addr() + (row * dim * 4) as u64,
+                reply_rkey: t.rows.rkey(),
+            };
+            let mut buf = vec![0u8; h.bytes()];
+            let n = wire::write(&mut buf, &h, &r.keys, &[]);
+            t.pull_out.write_at(at, &buf[..n]);
+            posts.push((r.server, at, n));
+            at = (at + n).next_multiple_of(8);
+            row += r.keys.len();
+        }
+        t.awaiting = reqs.len() as u32;
+        let imm = Imm { kind: ImmKind::PullReq, shard: sparse_id(table), seq: v as u16 }.encode();
+        let off = wire::region_bytes(Op::Push, &t.decl).next_multiple_of(8) as u64;
+        for (server, at, n) in posts {
+            let (addr, rkey) = landing(&self.map, self.rank, server, table).ok_or(WorkerError::NoAddress(server))?;
+            self.post_sparse(server, table, false, RemoteAddr { addr: addr + off, rkey }, imm, at, n)?;
+        }
+        self.wait_until(|w| w.sparse.tables[table as usize].awaiting == 0, "sparse pull answers")?;
+        let t = &self.sparse.tables[table as usize];
+        let mut rows = vec![0u8; row * dim * 4];
+        t.rows.read_at(0, &mut rows);
+        let rows: &[f32] = bytemuck::cast_slice(&rows);
+        for (o, &u) in out.chunks_exact_mut(dim).zip(&d.of) {
+            let s = slot[u as usize];
+            o.copy_from_slice(&rows[s * dim..(s + 1) * dim]);
+        }
+        self.stats.pulled_bytes += (row * dim * 4) as u64;
+        Ok(())
+    }
+
+    /// Pushes the current iteration's gradient rows of table `table`: one
+    /// row of `dim` values per entry of `keys` (a key may repeat: its rows
+    /// are summed in order). Once per table and iteration; a table not
+    /// pushed is pushed empty when the worker waits for the iteration's
+    /// parameters.
+    pub fn sparse_push(&mut self, table: u16, keys: &[u64], grads: &[f32]) -> Result<(), WorkerError> {
+        let dim = self.decl(table)?.spec.dim;
+        if grads.len() != keys.len() * dim {
+            return Err(WorkerError::Length { what: "sparse push gradients", expected: keys.len() * dim, got: grads.len() });
+        }
+        let v = self.iteration;
+        if self.sparse.tables[table as usize].pushed_at == Some(v) {
+            return Err(self.sparse_err(table, format!("pushed twice in iteration {v}")));
+        }
+        let (k, g) = sum_duplicates(keys, grads, dim).map_err(|e| self.sparse_err(table, e.to_string()))?;
+        self.check_keys(table, keys, k.len())?;
+        let reqs = split_by_owner(&k, &self.sparse.owner).map_err(|e| self.sparse_err(table, e.to_string()))?;
+        self.wait_until(
+            |w| {
+                let t = &w.sparse.tables[table as usize];
+                t.sending == 0 && t.credit.iter().all(|&c| c)
+            },
+            "the servers to apply this worker's last sparse push",
+        )?;
+        let servers = self.sparse.servers;
+        let t = &mut self.sparse.tables[table as usize];
+        let mut at = 0usize;
+        let mut posts = Vec::with_capacity(servers as usize);
+        for s in 0..servers {
+            let (keys, rows): (&[u64], Vec<f32>) = match reqs.iter().find(|r| r.server == s) {
+                Some(r) => (&r.keys, r.at.iter().flat_map(|&i| &g[i as usize * dim..(i as usize + 1) * dim]).copied().collect()),
+                None => (&[], Vec::new()),
+            };
+            let h =
+                Header { table, op: Op::Push, count: keys.len() as u32, dim: dim as u32, seq: v, reply_addr: 0, reply_rkey: 0 };
+            let mut buf = vec![0u8; h.bytes()];
+            let n = wire::write(&mut buf, &h, keys, &rows);
+            t.push_out.write_at(at, &buf[..n]);
+            posts.push((s, at, n));
+            at = (at + n).next_multiple_of(8);
+        }
+        t.pushed_at = Some(v);
+        let imm = Imm { kind: ImmKind::Push, shard: sparse_id(table), seq: v as u16 }.encode();
+        for (server, at, n) in posts {
+            let (addr, rkey) = landing(&self.map, self.rank, server, table).ok_or(WorkerError::NoAddress(server))?;
+            let t = &mut self.sparse.tables[table as usize];
+            t.credit[server as usize] = false;
+            t.sending += 1;
+            self.post_sparse(server, table, true, RemoteAddr { addr, rkey }, imm, at, n)?;
+            self.stats.pushed_bytes += n as u64;
+        }
+        Ok(())
+    }
+
+    /// Pushes every table not pushed in the current iteration, empty.
+    pub(crate) fn sparse_fill(&mut self) -> Result<(), WorkerError> {
+        let v = self.iteration;
+        for i in 0..self.sparse.len() {
+            if self.sparse.tables[i].pushed_at != Some(v) {
+                self.sparse_push(i as u16, &[], &[])?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Posts bytes `at..at + n` of a table's push or pull staging buffer to
+    /// server `server` with immediate `imm`; a full send queue is
+    /// backpressure: reap and retry.
+    #[allow(clippy::too_many_arguments)]
+    fn post_sparse(
+        &mut self,
+        server: u32,
+        table: u16,
+        push: bool,
+        to: RemoteAddr,
+        imm: u32,
+        at: usize,
+        n: usize,
+    ) -> Result<(), WorkerError> {
+        loop {
+            let res = {
+                let t = &self.sparse.tables[table as usize];
+                let mr = if push { &t.push_out } else { &t.pull_out };
+                let sg = [Sge::new(mr, at as u64, n as u32)];
+                let wr_id = WR_SPARSE | u64::from(table);
+                self.qp(server)?.post_send(&SendWr { wr_id, op: SendOp::WriteImm(to, imm), sg: &sg, signaled: push })
+            };
+            match res {
+                Err(FabricError::QueueFull { .. }) => {
+                    if !self.reap()? {
+                        std::thread::yield_now();
+                    }
+                }
+                r => return Ok(r?),
+            }
+        }
+    }
+}

@@ -1,0 +1,210 @@
+//! Sparse tables end to end, in one process: a control plane, servers and
+//! workers on threads over the soft fabric on 127.0.0.1, a job with a dense
+//! tensor and two sparse tables. BSP must equal one process stepping the
+//! same rows (each worker's duplicates summed in batch order, the workers'
+//! sums in rank order), and the dense parameters the dense reference, bit
+//! for bit; bad input is refused with a clear error and changes nothing.
+
+mod common;
+
+use common::{reference, run_server, start_control, step, worker_config};
+use eps_proto::JobSpec;
+use eps_proto::membership::Membership;
+use eps_sparse::RowTable;
+use eps_sparse::part::merge;
+use eps_sparse::table::sum_duplicates;
+use eps_worker::{Worker, WorkerError};
+
+const KEYS: u64 = 300;
+
+fn spec(workers: u32, servers: u32) -> String {
+    format!(
+        r#"
+        [job]
+        workers = {workers}
+        servers = {servers}
+        steps = 8
+        shard_bytes = 8192
+        seed = 7
+        [model]
+        tensors = [{{ name = "w", elements = 5000 }}]
+        [[model.tables]]
+        name = "ids"
+        dim = 8
+        optimizer = "adagrad"
+        lr = 0.2
+        max_keys = 512
+        [[model.tables]]
+        name = "cats"
+        dim = 3
+        key_limit = {KEYS}
+        init = "zeros"
+        [optimizer]
+        kind = "adam"
+        lr = 0.05
+        "#
+    )
+}
+
+/// Worker `rank`'s keys at iteration `t`: skewed towards small keys, with
+/// repeats in a batch and keys shared between workers.
+fn batch(rank: u32, t: u64, n: usize) -> Vec<u64> {
+    (0..n as u64)
+        .map(|i| {
+            let x = eps_sparse::bucket::mix(u64::from(rank) << 40 ^ t << 20 ^ i);
+            (x % KEYS) * (x >> 60) / 15
+        })
+        .collect()
+}
+
+/// The gradient rows a worker computes from the rows it pulled.
+fn grads(rows: &[f32], rank: u32, t: u64) -> Vec<f32> {
+    rows.iter().enumerate().map(|(i, r)| (r * 2.0 + rank as f32 * 0.3 + t as f32 * 0.1 + (i % 5) as f32 * 0.07).sin()).collect()
+}
+
+/// Pulls, then pushes, each table's rows of this step's batch.
+fn sparse_step(w: &mut Worker, tables: &[(u16, usize)]) {
+    let (rank, t) = (w.rank(), w.iteration());
+    for &(id, dim) in tables {
+        let keys = batch(rank, t, 40 + id as usize * 17);
+        let mut rows = vec![0f32; keys.len() * dim];
+        w.sparse_pull(id, &keys, &mut rows).unwrap();
+        w.sparse_push(id, &keys, &grads(&rows, rank, t)).unwrap();
+    }
+}
+
+/// Every key's row at the end, per table.
+type Rows = Vec<Vec<f32>>;
+
+fn run(text: &str) -> (Vec<Vec<u8>>, Vec<Rows>, u64) {
+    let (spec, control) = start_control(text);
+    std::thread::scope(|s| {
+        let servers: Vec<_> = (0..spec.job.servers).map(|_| s.spawn(move || run_server(control))).collect();
+        let workers: Vec<_> = (0..spec.job.workers)
+            .map(|_| {
+                s.spawn(move || {
+                    let mut w = Worker::join(&worker_config(control)).unwrap();
+                    let tables: Vec<(u16, usize)> =
+                        ["ids", "cats"].iter().map(|n| w.table(n).unwrap()).map(|i| (i, w.table_dim(i).unwrap())).collect();
+                    let n = w.layout().total as usize;
+                    let (mut p, mut g) = (vec![0f32; n], vec![0f32; n]);
+                    for _ in 0..w.spec().job.steps {
+                        sparse_step(&mut w, &tables);
+                        step(&mut w, &mut p, &mut g);
+                    }
+                    let all: Vec<u64> = (0..KEYS).collect();
+                    let end: Rows = tables
+                        .iter()
+                        .map(|&(id, dim)| {
+                            let mut rows = vec![0f32; all.len() * dim];
+                            w.sparse_pull(id, &all, &mut rows).unwrap();
+                            rows
+                        })
+                        .collect();
+                    let out = w.params_bytes().to_vec();
+                    w.finish().unwrap();
+                    (out, end)
+                })
+            })
+            .collect();
+        let got: Vec<_> = workers.into_iter().map(|h| h.join().unwrap()).collect();
+        let rows_held: u64 = servers.into_iter().map(|h| h.join().unwrap().sparse_rows).sum();
+        let (dense, sparse) = got.into_iter().unzip();
+        (dense, sparse, rows_held)
+    })
+}
+
+/// One process: each table's rows, stepped as BSP defines it.
+fn sparse_reference(text: &str) -> Rows {
+    let spec = JobSpec::from_toml(text).unwrap();
+    let mut out = Vec::new();
+    for (id, d) in eps_sparse::decl::tables(&spec).into_iter().enumerate() {
+        let dim = d.spec.dim;
+        let mut table = RowTable::new(d.spec).unwrap();
+        for t in 0..spec.job.steps {
+            let mut own = Vec::new();
+            for rank in 0..spec.job.workers {
+                let keys = batch(rank, t, 40 + id * 17);
+                let mut rows = vec![0f32; keys.len() * dim];
+                table.pull(&keys, t, &mut rows).unwrap();
+                own.push(sum_duplicates(&keys, &grads(&rows, rank, t), dim).unwrap());
+            }
+            let all: Vec<(&[u64], &[f32])> = own.iter().map(|(k, g)| (&k[..], &g[..])).collect();
+            let (k, mut g) = merge(&all, dim).unwrap();
+            g.iter_mut().for_each(|x| *x *= 1.0 / spec.job.workers as f32);
+            table.push(&k, &g, d.lr, t).unwrap();
+        }
+        let all: Vec<u64> = (0..KEYS).collect();
+        let mut rows = vec![0f32; all.len() * dim];
+        table.pull(&all, spec.job.steps, &mut rows).unwrap();
+        out.push(rows);
+    }
+    out
+}
+
+#[test]
+fn bsp_with_sparse_and_dense_equals_one_process() {
+    for (workers, servers) in [(1, 1), (3, 2)] {
+        let text = spec(workers, servers);
+        let (dense, sparse, held) = run(&text);
+        let want_dense = reference(&text, &Membership::new((0..workers).collect()).unwrap());
+        let want_sparse = sparse_reference(&text);
+        for r in 0..workers as usize {
+            assert!(dense[r] == want_dense, "worker {r}: dense parameters differ ({workers} workers, {servers} servers)");
+            for (i, (got, want)) in sparse[r].iter().zip(&want_sparse).enumerate() {
+                assert!(got == want, "worker {r}: table {i} differs ({workers} workers, {servers} servers)");
+            }
+        }
+        assert_eq!(held, 2 * KEYS, "every key of both tables is held once, after the last pull");
+    }
+}
+
+#[test]
+fn bad_sparse_input_is_refused_and_changes_nothing() {
+    let text = spec(1, 2);
+    let (_, control) = start_control(&text);
+    std::thread::scope(|s| {
+        for _ in 0..2 {
+            s.spawn(move || run_server(control));
+        }
+        let mut w = Worker::join(&worker_config(control)).unwrap();
+        let err = |e: WorkerError| e.to_string();
+        assert!(matches!(w.table("nope"), Err(WorkerError::UnknownTable(_))));
+        let (ids, cats) = (w.table("ids").unwrap(), w.table("cats").unwrap());
+        let mut before = vec![0f32; 3 * 3];
+        w.sparse_pull(cats, &[1, 2, 3], &mut before).unwrap();
+        let cases = [
+            err(w.sparse_pull(cats, &[1, 2], &mut [0.0; 5]).unwrap_err()),
+            err(w.sparse_pull(cats, &[1, KEYS], &mut [0.0; 6]).unwrap_err()),
+            err(w.sparse_push(cats, &[1], &[0.5; 4]).unwrap_err()),
+            err(w.sparse_push(cats, &[KEYS + 5], &[0.5; 3]).unwrap_err()),
+            err(w.sparse_pull(ids, &(0..513).collect::<Vec<u64>>(), &mut vec![0.0; 513 * 8]).unwrap_err()),
+            err(w.sparse_pull(7, &[1], &mut [0.0; 3]).unwrap_err()),
+        ];
+        let wants = [
+            "expected 6 elements, got 5",
+            "not below the table's key_limit 300",
+            "expected 3 elements, got 4",
+            "key 305 is not below",
+            "513 distinct keys in one call; the table's max_keys is 512",
+            "no such table",
+        ];
+        for (got, want) in cases.iter().zip(wants) {
+            assert!(got.contains(want), "{got:?} should say {want:?}");
+        }
+        w.sparse_push(cats, &[1, 1], &[1.0; 6]).unwrap();
+        let twice = err(w.sparse_push(cats, &[2], &[1.0; 3]).unwrap_err());
+        assert!(twice.contains("cats") && twice.contains("pushed twice"), "{twice}");
+        let n = w.layout().total as usize;
+        let (mut p, mut g) = (vec![0f32; n], vec![0f32; n]);
+        step(&mut w, &mut p, &mut g);
+        let mut after = vec![0f32; 3 * 3];
+        w.sparse_pull(cats, &[1, 2, 3], &mut after).unwrap();
+        assert_ne!(after[..3], before[..3], "key 1 was stepped");
+        assert_eq!(after[3..], before[3..], "keys 2 and 3 were not: the refused calls sent nothing");
+        for _ in 1..w.spec().job.steps {
+            step(&mut w, &mut p, &mut g);
+        }
+        w.finish().unwrap();
+    });
+}
