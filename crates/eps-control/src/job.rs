@@ -240,6 +240,7 @@ impl Job {
         !self.awaiting
             && self.endpoints.iter().all(Option::is_some)
             && self.tables.len() == self.table_count * self.initial_servers as usize
+            && self.tables.iter().all(|e| self.servers.get(e.owner as usize).is_some_and(|s| s.ready))
     }
 
     /// Whether the job's tensors are known (given by the spec, or declared by

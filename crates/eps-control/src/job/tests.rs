@@ -97,3 +97,51 @@ fn a_move_its_source_stopped_is_cancelled_and_planned_again() {
     let e = job.apply(&ControlMsg::MoveStopped { shard, rank: 2 }).unwrap_err();
     assert!(e.contains("past its cutover"), "{e}");
 }
+
+/// A job with sparse tables is ready once every initial server reported its
+/// parts of them (one per table, a region per worker rank) and is ready; the
+/// map carries them; scale events are refused while buckets cannot move.
+#[test]
+fn sparse_tables_are_reported_before_servers_are_ready_and_block_scaling() {
+    let text = "[job]\nworkers = 2\nservers = 2\n[model]\ntensors = [{ name = \"w\", elements = 4096 }]\n\
+                [[model.tables]]\nname = \"a\"\ndim = 4\n[[model.tables]]\nname = \"b\"\ndim = 2\n";
+    let spec = JobSpec::from_toml(text).unwrap();
+    let layout = spec.layout().unwrap();
+    let mut job = Job::new(&spec, text).unwrap();
+    let ep = |shard: u32, owner: u32, workers: usize| ShardEndpoint {
+        shard,
+        owner,
+        landing: vec![(4096 * u64::from(owner), 7); workers],
+        published_addr: 0,
+        published_rkey: 0,
+    };
+    for r in 0..2u32 {
+        job.apply(&ControlMsg::Register { role: Role::Server, fabric_addr: String::new() }).unwrap();
+    }
+    let bad = [
+        vec![ep(0, 0, 2)],
+        vec![ep(1, 0, 2), ep(0, 0, 2)],
+        vec![ep(0, 0, 1), ep(1, 0, 1)],
+        vec![ep(0, 1, 2), ep(1, 1, 2)],
+    ];
+    for tables in bad {
+        let e = job.apply(&ControlMsg::TablesReady { rank: 0, tables: tables.clone() }).unwrap_err();
+        assert!(e.contains("sparse table"), "{tables:?}: {e}");
+    }
+    for r in 0..2u32 {
+        job.apply(&ControlMsg::TablesReady { rank: r, tables: vec![ep(0, r, 2), ep(1, r, 2)] }).unwrap();
+        assert!(!job.initial_ready());
+        let shards = layout.shards_of(r).map(|s| ep(s.id, r, 2)).collect();
+        job.apply(&ControlMsg::ServerReady { rank: r, fabric_addr: format!("127.0.0.1:{}", 7000 + r), shards }).unwrap();
+    }
+    assert!(job.initial_ready());
+    let again = job.apply(&ControlMsg::TablesReady { rank: 1, tables: vec![ep(0, 1, 2), ep(1, 1, 2)] }).unwrap_err();
+    assert!(again.contains("does not hold"), "{again}");
+    let map = job.job_map();
+    assert_eq!(map.tables.len(), 4);
+    assert!(map.tables.iter().any(|e| e.owner == 1 && e.shard == 1 && e.landing[1] == (4096, 7)));
+    for m in [ControlMsg::Scale { servers: 3 }, ControlMsg::ScaleWorkers { workers: 1 }] {
+        let e = job.apply(&m).unwrap_err();
+        assert!(e.contains("sparse tables"), "{m:?}: {e}");
+    }
+}
