@@ -212,6 +212,9 @@ enum Cmd {
         /// (internal) Train, timing this many pulls of shard 0 after each step.
         #[arg(long, hide = true, conflicts_with = "bench_iters")]
         bench_migrate: Option<u32>,
+        /// (internal) Time sparse pulls and pushes (ITERS,KEYS,ROWS,ZIPF).
+        #[arg(long, hide = true, conflicts_with_all = ["bench_iters", "bench_migrate"])]
+        bench_sparse: Option<String>,
         /// Exit when the parent process exits.
         #[arg(long, hide = true)]
         exit_with_parent: bool,
@@ -517,14 +520,16 @@ fn main() -> ExitCode {
             chunk_digests,
             bench_iters,
             bench_migrate,
+            bench_sparse,
             exit_with_parent,
         } => {
             if exit_with_parent {
                 eps::roles::exit_with_parent();
             }
-            let bench = match (bench_iters, bench_migrate) {
-                (Some(iters), _) => WorkerBench::PushPull { iters },
-                (_, Some(pulls_per_step)) => WorkerBench::Migrate { pulls_per_step },
+            let bench = match (bench_iters, bench_migrate, bench_sparse) {
+                (Some(iters), _, _) => WorkerBench::PushPull { iters },
+                (_, Some(pulls_per_step), _) => WorkerBench::Migrate { pulls_per_step },
+                (_, _, Some(args)) => WorkerBench::Sparse { args },
                 _ => WorkerBench::None,
             };
             let pace = eps::train::worker::Pace {

@@ -120,6 +120,23 @@ pub fn server(
         }
     }
     let s = transport::run_on(&chosen, Serve { cfg, reg, built })?.map_err(|e| crate_error(&e))?;
+    if s.sparse_rss_start_bytes > 0 {
+        // For a supervisor (`eps bench sparse`): what the sparse tables hold.
+        println!(
+            "EPS_SERVER_SPARSE rank={} rows={} row_state_bytes={} heap_bytes={} rss_start_bytes={} rss_end_bytes={} pulled_keys={} stepped_keys={} evicted={} refused={}",
+            s.rank,
+            s.sparse_rows,
+            s.sparse_row_state_bytes,
+            s.sparse_heap_bytes,
+            s.sparse_rss_start_bytes,
+            s.sparse_rss_end_bytes,
+            s.sparse_pulled_keys,
+            s.sparse_stepped_keys,
+            s.sparse_evicted,
+            s.sparse_refused
+        );
+        let _ = std::io::Write::flush(&mut std::io::stdout());
+    }
     // One write, so that other processes' lines on the same stderr cannot land
     // inside it.
     let line = format!(
@@ -166,6 +183,7 @@ pub fn worker(
                 WorkerBench::Migrate { pulls_per_step } => {
                     crate::bench::migrate::run_worker(w, pulls_per_step.max(1)).map_err(|e| crate_error(&e))
                 }
+                WorkerBench::Sparse { args } => crate::bench::sparse::run_worker(w, &args).map_err(|e| crate_error(&e)),
                 WorkerBench::None => crate::train::worker::run(w, self.pace).map_err(|e| crate_error(&e)),
             }
         }
@@ -174,7 +192,7 @@ pub fn worker(
 }
 
 /// What an `eps worker` process runs instead of the built-in task, for a benchmark.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub enum WorkerBench {
     /// Train the built-in task.
     None,
@@ -187,6 +205,11 @@ pub enum WorkerBench {
     Migrate {
         /// Timed pulls per step.
         pulls_per_step: u32,
+    },
+    /// `eps bench sparse`: time sparse pulls and pushes (ITERS,KEYS,ROWS,ZIPF).
+    Sparse {
+        /// The benchmark's parameters.
+        args: String,
     },
 }
 

@@ -32,6 +32,22 @@ pub fn parse_size(s: &str) -> Result<u64, SizeError> {
     n.checked_mul(mult).ok_or_else(|| err("the size overflows 64 bits"))
 }
 
+/// Parses a count with an optional decimal suffix: `65536`, `64K` (64,000),
+/// `100M`, `2G`.
+pub fn parse_count(s: &str) -> Result<u64, SizeError> {
+    let err = |reason| SizeError { input: s.to_string(), reason };
+    let t = s.trim();
+    let (num, mult) = match t.strip_suffix(['K', 'k']) {
+        Some(n) => (n, 1_000),
+        None => match t.strip_suffix('M') {
+            Some(n) => (n, 1_000_000),
+            None => t.strip_suffix('G').map_or((t, 1), |n| (n, 1_000_000_000)),
+        },
+    };
+    let n: u64 = num.trim().parse().map_err(|_| err("not a count (examples: 65536, 64K, 100M)"))?;
+    n.checked_mul(mult).ok_or_else(|| err("the count overflows 64 bits"))
+}
+
 /// Formats bytes with a binary unit, e.g. `4 MiB`.
 pub fn format_size(n: u64) -> String {
     const UNITS: [(&str, u64); 3] = [("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)];
@@ -62,5 +78,9 @@ mod tests {
         assert!(parse_size("20000000000G").is_err());
         assert_eq!(format_size(4 << 20), "4 MiB");
         assert_eq!(format_size(100), "100 B");
+        assert_eq!(parse_count("100M"), Ok(100_000_000));
+        assert_eq!(parse_count("64K"), Ok(64_000));
+        assert_eq!(parse_count("65536"), Ok(65536));
+        assert!(parse_count("1.5M").is_err() && parse_count("M").is_err() && parse_count("99999999999G").is_err());
     }
 }

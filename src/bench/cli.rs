@@ -19,6 +19,7 @@ pub fn run(c: BenchCmd) -> Result<(), String> {
         BenchCmd::Fabric(a) => bench_fabric(a),
         BenchCmd::Agg(a) => bench_agg(a),
         BenchCmd::Replicas(a) => crate::bench::replicas::run(a),
+        BenchCmd::Sparse(a) => bench_sparse(a),
         BenchCmd::Gpu(a) => match a.emit_ptx {
             Some(dir) => crate::bench::gpu::emit_ptx(&dir),
             None => crate::bench::gpu::run(a.size, a.reps, a.json),
@@ -63,6 +64,18 @@ pub enum BenchCmd {
     /// cores it kept busy: where the job keeps the cores busy, the throughput
     /// ratio follows the CPU ratio.
     Replicas(crate::bench::replicas::ReplicasArgs),
+    /// Pulls and pushes of a sparse table's rows by key through real processes.
+    ///
+    /// Starts a control plane, --servers servers and --workers workers on
+    /// 127.0.0.1 with one table of --dim values per row. Each step a worker
+    /// draws --keys ids (zipf with exponent --zipf over 0..--rows, repeats
+    /// included), pulls their rows, pushes a gradient row per id and waits
+    /// until the servers applied it. Reports the median pull and push (ids/s;
+    /// GB/s counts the distinct rows' bytes moved) against the fabric's 4 MiB
+    /// WRITE bandwidth (depth 8) measured in the same run, and the servers'
+    /// memory: what it grew by from before the first row against the rows'
+    /// bytes with optimizer state.
+    Sparse(SparseArgs),
     /// Push + pull iterations of a model through real processes.
     ///
     /// Starts a control plane, --servers servers and --workers workers on 127.0.0.1
@@ -192,6 +205,124 @@ pub struct PushPullArgs {
     /// Also print one JSON object with the results as the last line of stdout.
     #[arg(long)]
     json: bool,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct SparseArgs {
+    /// Size of the key space: ids are drawn from 0..ROWS (e.g. 100M).
+    #[arg(long, value_parser = crate::units::parse_count, default_value = "100M")]
+    rows: u64,
+    /// Values per row (f32).
+    #[arg(long, default_value_t = 64)]
+    dim: u32,
+    /// Ids per batch, repeats included (e.g. 65536 or 64K).
+    #[arg(long, value_parser = crate::units::parse_count, default_value = "65536")]
+    keys: u64,
+    /// Zipf exponent of the ids (1.0 and above: heavily skewed).
+    #[arg(long, default_value_t = 1.05)]
+    zipf: f64,
+    /// Measured steps (after 2 warm-up steps).
+    #[arg(long, default_value_t = 20)]
+    iters: u64,
+    /// Worker processes.
+    #[arg(long, default_value_t = 1)]
+    workers: u32,
+    /// Server processes.
+    #[arg(long, default_value_t = 1)]
+    servers: u32,
+    /// The row-wise optimizer: sgd, momentum, nesterov, adam, adamw or adagrad.
+    #[arg(long, default_value = "adagrad")]
+    optimizer: String,
+    /// Also print one JSON object with the results as the last line of stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+fn bench_sparse(a: SparseArgs) -> Result<(), String> {
+    use crate::bench::sparse::{SparseBench, run};
+    let keys = u32::try_from(a.keys).map_err(|_| format!("--keys {}: at most {}", a.keys, eps_proto::spec::MAX_KEYS))?;
+    eps_proto::say!(
+        "eps bench sparse: rows={} dim={} keys={} zipf={} workers={} servers={} iters={} optimizer={}",
+        a.rows,
+        a.dim,
+        a.keys,
+        a.zipf,
+        a.workers,
+        a.servers,
+        a.iters,
+        a.optimizer
+    );
+    let cfg = SparseBench {
+        rows: a.rows,
+        dim: a.dim,
+        keys,
+        zipf: a.zipf,
+        iters: a.iters,
+        workers: a.workers,
+        servers: a.servers,
+        optimizer: a.optimizer.clone(),
+    };
+    let r = run(&cfg).map_err(|e| error_chain(&e))?;
+    let (pull_ratio, push_ratio) =
+        (r.pull_gbytes_per_s / r.fabric_write_gbytes_per_s, r.push_gbytes_per_s / r.fabric_write_gbytes_per_s);
+    let mem_ratio = r.server_rss_growth_bytes as f64 / r.row_state_bytes as f64;
+    println!("{:>6} {:>10} {:>10} {:>12} {:>10} {:>8}", "", "ms p50", "Mkeys/s", "row GB/s", "fabric", "ratio");
+    println!(
+        "{:>6} {:>10.2} {:>10.2} {:>12.3} {:>10.3} {:>8.3}",
+        "pull",
+        r.pull_ms_p50,
+        r.pull_keys_per_s / 1e6,
+        r.pull_gbytes_per_s,
+        r.fabric_write_gbytes_per_s,
+        pull_ratio
+    );
+    println!(
+        "{:>6} {:>10.2} {:>10.2} {:>12.3} {:>10.3} {:>8.3}",
+        "push",
+        r.push_ms_p50,
+        r.push_keys_per_s / 1e6,
+        r.push_gbytes_per_s,
+        r.fabric_write_gbytes_per_s,
+        push_ratio
+    );
+    println!(
+        "distinct ids per batch {:.0}; rows held {}, {} with optimizer state; server memory grew {} ({mem_ratio:.3}x), {} resident at the end; tables' own count {}",
+        r.distinct_p50,
+        r.rows_held,
+        format_size(r.row_state_bytes),
+        format_size(r.server_rss_growth_bytes),
+        format_size(r.server_rss_bytes),
+        format_size(r.table_heap_bytes)
+    );
+    if a.json {
+        let j = Json::new()
+            .int("rows", a.rows)
+            .int("dim", a.dim.into())
+            .int("keys", a.keys)
+            .num("zipf", a.zipf)
+            .int("workers", a.workers.into())
+            .int("servers", a.servers.into())
+            .int("iters", a.iters)
+            .num("distinct_keys_p50", r.distinct_p50)
+            .num("pull_ms_p50", r.pull_ms_p50)
+            .num("push_ms_p50", r.push_ms_p50)
+            .num("pull_keys_per_s", r.pull_keys_per_s)
+            .num("push_keys_per_s", r.push_keys_per_s)
+            .num("pull_gbytes_per_s", r.pull_gbytes_per_s)
+            .num("push_gbytes_per_s", r.push_gbytes_per_s)
+            .num("fabric_write_gbytes_per_s", r.fabric_write_gbytes_per_s)
+            .num("pull_ratio", pull_ratio)
+            .num("push_ratio", push_ratio)
+            .int("rows_held", r.rows_held)
+            .int("row_state_bytes", r.row_state_bytes)
+            .int("server_rss_bytes", r.server_rss_bytes)
+            .int("server_rss_growth_bytes", r.server_rss_growth_bytes)
+            .num("memory_ratio", mem_ratio)
+            .int("table_heap_bytes", r.table_heap_bytes)
+            .finish();
+        println!("{j}");
+    }
+    Ok(())
 }
 
 fn bench_pushpull(a: PushPullArgs) -> Result<(), String> {

@@ -10,5 +10,6 @@ pub mod migrate;
 pub mod plot;
 pub mod pushpull;
 pub mod replicas;
+pub mod sparse;
 
 pub use json::Json;

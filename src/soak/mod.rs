@@ -331,11 +331,7 @@ fn sample(
 /// first fault of a kind runs code never run before), are bounded by the
 /// binary's size and shared, and are most of a small process's `VmRSS`.
 fn rss_kib(pid: u32) -> Option<u64> {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let field = |name: &str| -> Option<u64> {
-        s.lines().find_map(|l| l.strip_prefix(name)?.trim().strip_suffix("kB")?.trim().parse().ok())
-    };
-    Some(field("RssAnon:")? + field("RssShmem:").unwrap_or(0))
+    eps_server::rss_bytes(Some(pid)).map(|b| b / 1024)
 }
 
 /// The fault-free run of the same steps (no backups: they change nothing in

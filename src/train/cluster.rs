@@ -364,13 +364,17 @@ impl LocalCluster {
         let out = c.stdout.take().expect("piped");
         let rank = Arc::new(std::sync::OnceLock::new());
         let r = rank.clone();
-        std::thread::spawn(move || {
+        let tx = self.tx.clone();
+        self.readers.push(std::thread::spawn(move || {
             for l in BufReader::new(out).lines().map_while(Result::ok) {
                 if let Some(n) = l.strip_prefix("EPS_SERVER rank=").and_then(|n| n.parse().ok()) {
                     let _ = r.set(n);
+                } else if l.starts_with("EPS_SERVER_SPARSE") {
+                    // What a server's sparse tables held, for whoever supervises.
+                    let _ = tx.send(l);
                 }
             }
-        });
+        }));
         self.procs.add(&name, c.id(), Some(rank.clone()));
         self.server_ranks.push((name.clone(), rank));
         self.children.push((name, c));

@@ -5,7 +5,7 @@ use eps_agg::{DType, Decay, LrSchedule, Optimizer};
 use serde::Deserialize;
 
 mod tables;
-pub use tables::{MAX_TABLE_DIM, MAX_TABLES, TABLE_OPTIMIZERS, TableDecl};
+pub use tables::{MAX_KEYS, MAX_TABLE_DIM, MAX_TABLES, TABLE_OPTIMIZERS, TableDecl};
 
 /// Consistency model of a job.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]

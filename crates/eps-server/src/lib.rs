@@ -42,6 +42,7 @@ use eps_proto::sync::ShardSync;
 use eps_proto::{Consistency, JobSpec, SpecError};
 
 pub use memory::{DirectRegions, HostRegions, MAX_WORKERS, MemoryError, Origin, ShardMemory, UpdateArgs};
+pub use sparse::rss_bytes;
 
 /// How a server runs.
 #[derive(Clone, Debug)]
@@ -96,6 +97,15 @@ pub struct ServerSummary {
     pub sparse_stepped_keys: u64,
     /// Rows evicted.
     pub sparse_evicted: u64,
+    /// Rows a full table did not create.
+    pub sparse_refused: u64,
+    /// What the tables hold on the heap (rows, state, index, bookkeeping).
+    pub sparse_heap_bytes: u64,
+    /// The process's resident bytes once the tables' regions were set up,
+    /// before any row (0 without tables).
+    pub sparse_rss_start_bytes: u64,
+    /// And once the job ended, with every row still held.
+    pub sparse_rss_end_bytes: u64,
 }
 
 /// Errors of the server role.
@@ -534,8 +544,12 @@ pub fn run_direct<P: Fabric>(
     s.summary.elements = (0..s.shards.len()).filter(|&i| s.shards[i].is_some()).map(|i| s.spans[i].1).sum();
     let (rows, bytes, st) = s.sparse.summary();
     (s.summary.sparse_rows, s.summary.sparse_row_state_bytes) = (rows, bytes);
-    (s.summary.sparse_pulled_keys, s.summary.sparse_stepped_keys, s.summary.sparse_evicted) =
-        (st.pulled_keys, st.stepped_keys, st.evicted);
+    (s.summary.sparse_heap_bytes, s.summary.sparse_rss_start_bytes) = (s.sparse.heap_bytes(), s.sparse.rss_start());
+    if !s.sparse.is_empty() {
+        s.summary.sparse_rss_end_bytes = rss_bytes(None).unwrap_or(0);
+    }
+    (s.summary.sparse_pulled_keys, s.summary.sparse_stepped_keys, s.summary.sparse_evicted, s.summary.sparse_refused) =
+        (st.pulled_keys, st.stepped_keys, st.evicted, st.refused);
     Ok(s.summary)
 }
 

@@ -43,6 +43,10 @@ pub(crate) struct Sparse<P: Fabric> {
     tables: Vec<Table<P>>,
     /// Server rank of each bucket.
     owner: Vec<u32>,
+    /// This process's resident memory once the regions were set up (all
+    /// their pages touched), before any row: what rows add is measured from
+    /// here.
+    rss_start: u64,
 }
 
 impl<P: Fabric> Sparse<P> {
@@ -52,7 +56,7 @@ impl<P: Fabric> Sparse<P> {
     pub(crate) fn new(pd: &P, spec: &JobSpec, rank: u32, ranks: u32) -> Result<Self, ServerError> {
         let owner = eps_sparse::bucket::initial_owners(spec.job.servers);
         if spec.model.tables.is_empty() || rank >= spec.job.servers {
-            return Ok(Self { tables: Vec::new(), owner });
+            return Ok(Self { tables: Vec::new(), owner, rss_start: 0 });
         }
         let mut tables = Vec::new();
         for t in eps_sparse::decl::tables(spec) {
@@ -61,14 +65,14 @@ impl<P: Fabric> Sparse<P> {
             let mut landing = Vec::with_capacity(ranks as usize);
             let mut reply = Vec::with_capacity(ranks as usize);
             for _ in 0..ranks {
-                landing.push(pd.alloc_mr(push.next_multiple_of(8) + pull, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?);
-                reply.push(pd.alloc_mr(reply_bytes, Access::LOCAL_WRITE)?);
+                landing.push(touched(pd.alloc_mr(push.next_multiple_of(8) + pull, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?));
+                reply.push(touched(pd.alloc_mr(reply_bytes, Access::LOCAL_WRITE)?));
             }
             let part = TablePart::new(t, Consistency::Bsp, ranks).map_err(|e| ServerError::Sparse(e.to_string()))?;
             let n = ranks as usize;
             tables.push(Table { part, landing, reply, pushed: vec![0; n], pulled: vec![0; n] });
         }
-        Ok(Self { tables, owner })
+        Ok(Self { tables, owner, rss_start: rss_bytes(None).unwrap_or(0) })
     }
 
     /// Whether this server holds no table.
@@ -88,6 +92,16 @@ impl<P: Fabric> Sparse<P> {
         self.tables.iter().enumerate().map(ep).collect()
     }
 
+    /// The process's resident bytes before any row.
+    pub(crate) fn rss_start(&self) -> u64 {
+        self.rss_start
+    }
+
+    /// What the tables hold on the heap (rows, state, index, bookkeeping).
+    pub(crate) fn heap_bytes(&self) -> u64 {
+        self.tables.iter().map(|t| t.part.rows().heap_bytes() as u64).sum()
+    }
+
     /// Rows held and their bytes with optimizer state, and what the parts did.
     pub(crate) fn summary(&self) -> (u64, u64, PartStats) {
         let mut s = PartStats::default();
@@ -96,11 +110,35 @@ impl<P: Fabric> Sparse<P> {
             s.pulled_keys += p.pulled_keys;
             s.stepped_keys += p.stepped_keys;
             s.evicted += p.evicted;
+            s.refused += p.refused;
         }
         let rows = self.tables.iter().map(|t| t.part.rows().len() as u64).sum();
         let bytes = self.tables.iter().map(|t| t.part.rows().row_state_bytes() as u64).sum();
         (rows, bytes, s)
     }
+}
+
+/// `mr` with every page written once, so that it is resident from the start
+/// (the memory rows add is then measured apart from it).
+fn touched<M: MemoryRegion>(mut mr: M) -> M {
+    let zeros = vec![0u8; 1 << 20];
+    for at in (0..mr.len()).step_by(zeros.len()) {
+        let n = zeros.len().min(mr.len() - at);
+        mr.write_at(at, &zeros[..n]);
+    }
+    mr
+}
+
+/// The resident anonymous and shared memory of process `pid` (this one if
+/// `None`), from `/proc`: without the file-backed pages of the binary and
+/// its libraries, which are shared and most of a small process's `VmRSS`.
+pub fn rss_bytes(pid: Option<u32>) -> Option<u64> {
+    let path = pid.map_or_else(|| "/proc/self/status".to_string(), |p| format!("/proc/{p}/status"));
+    let s = std::fs::read_to_string(path).ok()?;
+    let field = |name: &str| -> Option<u64> {
+        s.lines().find_map(|l| l.strip_prefix(name)?.trim().strip_suffix("kB")?.trim().parse().ok())
+    };
+    Some((field("RssAnon:")? + field("RssShmem:").unwrap_or(0)) * 1024)
 }
 
 /// Offset of the pull region in a landing region.

@@ -3,8 +3,6 @@
 //! (in first-seen order, so requests and sums are the same for the same
 //! batch), and the rows that come back spread to every position that asked.
 
-use std::collections::HashMap;
-
 use crate::SparseError;
 use crate::bucket::{BUCKETS, bucket_of};
 
@@ -20,7 +18,7 @@ pub struct Dedup {
 
 /// Deduplicates `batch`.
 pub fn dedup(batch: &[u64]) -> Dedup {
-    let mut at: HashMap<u64, u32> = HashMap::with_capacity(batch.len());
+    let mut at: crate::bucket::KeyMap<u32> = crate::bucket::key_map(batch.len());
     let mut keys = Vec::new();
     let of = batch
         .iter()

@@ -22,11 +22,17 @@ impl Init {
         match *self {
             Init::Zeros => row.fill(0.0),
             Init::Uniform { scale } => {
-                let base = mix(seed ^ mix(key));
-                for (i, x) in row.iter_mut().enumerate() {
-                    // 24 random bits: exactly representable, in [0, 1).
-                    let u = (mix(base.wrapping_add(i as u64)) >> 40) as f32 / (1u32 << 24) as f32;
-                    *x = (2.0 * u - 1.0) * scale;
+                // A wyrand stream seeded by the table's seed and the key: two
+                // 24-bit uniforms per 64-bit draw.
+                let mut state = mix(seed ^ mix(key));
+                let unit = |bits: u64| ((bits >> 8) & 0xFF_FFFF) as f32 / (1u32 << 24) as f32;
+                for pair in row.chunks_mut(2) {
+                    state = state.wrapping_add(0xa076_1d64_78bd_642f);
+                    let t = u128::from(state) * u128::from(state ^ 0xe703_7ed1_a0b4_28db);
+                    let r = (t >> 64) as u64 ^ t as u64;
+                    for (x, bits) in pair.iter_mut().zip([r, r >> 32]) {
+                        *x = (2.0 * unit(bits) - 1.0) * scale;
+                    }
                 }
             }
         }

@@ -17,6 +17,7 @@ pub mod optim;
 pub mod part;
 pub mod table;
 pub mod wire;
+pub mod zipf;
 
 pub use init::Init;
 pub use optim::RowOptimizer;
@@ -49,7 +50,4 @@ pub enum SparseError {
     /// A bucket map without one owner per bucket.
     #[error("a bucket map of {0} entries (one per bucket: {buckets})", buckets = bucket::BUCKETS)]
     Buckets(usize),
-    /// More rows than the table may hold.
-    #[error("the table is full ({0} rows)")]
-    Full(usize),
 }

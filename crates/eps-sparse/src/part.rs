@@ -9,6 +9,7 @@ use eps_proto::sync::ShardSync;
 
 use crate::bucket::bucket_of;
 use crate::decl::Declared;
+#[cfg(doc)]
 use crate::table::sum_duplicates;
 use crate::{RowTable, SparseError};
 
@@ -21,6 +22,7 @@ pub struct TablePart {
     pub sync: ShardSync,
     workers: u32,
     stats: PartStats,
+    merged: Merger,
 }
 
 /// What a part did.
@@ -32,6 +34,8 @@ pub struct PartStats {
     pub stepped_keys: u64,
     /// Rows evicted.
     pub evicted: u64,
+    /// Rows not created because the table was full.
+    pub refused: u64,
 }
 
 impl TablePart {
@@ -43,6 +47,7 @@ impl TablePart {
             sync: ShardSync::new(mode, workers),
             workers,
             stats: PartStats::default(),
+            merged: Merger::default(),
         })
     }
 
@@ -58,7 +63,7 @@ impl TablePart {
 
     /// What it did so far.
     pub fn stats(&self) -> PartStats {
-        PartStats { evicted: self.rows.evicted(), ..self.stats }
+        PartStats { evicted: self.rows.evicted(), refused: self.rows.refused(), ..self.stats }
     }
 
     /// The first of `keys` whose bucket `owner` (one server rank per bucket)
@@ -102,10 +107,10 @@ impl TablePart {
     }
 
     fn step(&mut self, contributions: &[(&[u64], &[f32])], scale: f32) -> Result<(), SparseError> {
-        let (keys, mut grads) = merge(contributions, self.table.spec.dim)?;
+        let (keys, grads) = self.merged.merge(contributions, self.table.spec.dim)?;
         grads.iter_mut().for_each(|g| *g *= scale);
         let now = self.sync.version();
-        self.rows.push(&keys, &grads, self.table.lr, now)?;
+        self.rows.push_distinct(keys, grads, self.table.lr, now);
         self.stats.stepped_keys += keys.len() as u64;
         if let Some(e) = self.table.evict
             && (now + 1) % e.idle_steps == 0
@@ -121,16 +126,48 @@ impl TablePart {
 /// a row, bit for bit: each worker sums its batch's duplicates in batch
 /// order ([`sum_duplicates`]), then the workers' sums are added in rank order.
 pub fn merge(contributions: &[(&[u64], &[f32])], dim: usize) -> Result<(Vec<u64>, Vec<f32>), SparseError> {
-    let n: usize = contributions.iter().map(|c| c.0.len()).sum();
-    let (mut keys, mut rows) = (Vec::with_capacity(n), Vec::with_capacity(n * dim));
-    for (k, r) in contributions {
-        if r.len() != k.len() * dim {
-            return Err(SparseError::Length { what: "gradient rows", got: r.len(), keys: k.len(), dim, want: k.len() * dim });
+    let mut m = Merger::default();
+    let (k, g) = m.merge(contributions, dim)?;
+    Ok((k.to_vec(), g.to_vec()))
+}
+
+/// [`merge`] into buffers kept from one update to the next (an update then
+/// touches no fresh memory).
+#[derive(Debug, Default)]
+pub struct Merger {
+    at: crate::bucket::KeyMap<u32>,
+    keys: Vec<u64>,
+    rows: Vec<f32>,
+}
+
+impl Merger {
+    /// Merges `contributions`; the keys and rows are valid until the next call.
+    pub fn merge(&mut self, contributions: &[(&[u64], &[f32])], dim: usize) -> Result<(&[u64], &mut [f32]), SparseError> {
+        for (k, r) in contributions {
+            if r.len() != k.len() * dim {
+                return Err(SparseError::Length { what: "gradient rows", got: r.len(), keys: k.len(), dim, want: k.len() * dim });
+            }
         }
-        keys.extend_from_slice(k);
-        rows.extend_from_slice(r);
+        self.at.clear();
+        self.keys.clear();
+        self.rows.clear();
+        for (k, r) in contributions {
+            for (key, row) in k.iter().zip(r.chunks_exact(dim)) {
+                match self.at.get(key) {
+                    Some(&i) => {
+                        let i = i as usize * dim;
+                        self.rows[i..i + dim].iter_mut().zip(row).for_each(|(a, b)| *a += *b);
+                    }
+                    None => {
+                        self.at.insert(*key, self.keys.len() as u32);
+                        self.keys.push(*key);
+                        self.rows.extend_from_slice(row);
+                    }
+                }
+            }
+        }
+        Ok((&self.keys, &mut self.rows))
     }
-    sum_duplicates(&keys, &rows, dim)
 }
 
 #[cfg(test)]

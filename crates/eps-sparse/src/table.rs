@@ -2,8 +2,7 @@
 //! and optimizer state side by side in one arena, a key index, and slots of
 //! evicted rows reused. Memory follows the rows that exist, not the key space.
 
-use std::collections::HashMap;
-
+use crate::bucket::{KeyMap, key_map};
 use crate::{Init, RowOptimizer, SparseError};
 
 /// The largest row dimension.
@@ -20,7 +19,8 @@ pub struct TableSpec {
     pub init: Init,
     /// The initializer's seed (the table's, the same on every server).
     pub seed: u64,
-    /// Rows one server may hold (a full table refuses new keys).
+    /// Rows one server may hold (a full table creates no more: see
+    /// [`RowTable::refused`]).
     pub max_rows: usize,
 }
 
@@ -51,10 +51,12 @@ pub struct RowTable {
     pages: Vec<Box<[f32]>>,
     page_rows: usize,
     meta: Vec<Meta>,
-    index: HashMap<u64, u32>,
+    index: KeyMap<u32>,
     /// Slots of evicted rows.
     free: Vec<u32>,
     evicted: u64,
+    /// Rows not created because the table was full.
+    refused: u64,
 }
 
 impl RowTable {
@@ -71,9 +73,10 @@ impl RowTable {
             pages: Vec::new(),
             page_rows,
             meta: Vec::new(),
-            index: HashMap::new(),
+            index: key_map(0),
             free: Vec::new(),
             evicted: 0,
+            refused: 0,
         })
     }
 
@@ -90,6 +93,12 @@ impl RowTable {
     /// Rows evicted so far.
     pub fn evicted(&self) -> u64 {
         self.evicted
+    }
+
+    /// Rows not created because the table was full: their pulls got the
+    /// initializer's values, their pushes were dropped.
+    pub fn refused(&self) -> u64 {
+        self.refused
     }
 
     /// The bytes of the rows held and their optimizer state.
@@ -122,16 +131,21 @@ impl RowTable {
         self.pages[s / self.page_rows][o..o + self.stride].split_at_mut(self.spec.dim)
     }
 
-    /// The slot of `key`'s row, created (initialized) if it is not held.
-    fn slot(&mut self, key: u64, now: u64) -> Result<usize, SparseError> {
-        if let Some(&s) = self.index.get(&key) {
-            let m = &mut self.meta[s as usize];
-            m.touches = m.touches.saturating_add(1);
-            m.last = now;
-            return Ok(s as usize);
-        }
+    /// The slot of `key`'s row, touched at `now`, if held.
+    fn touch(&mut self, key: u64, now: u64) -> Option<usize> {
+        let s = *self.index.get(&key)? as usize;
+        let m = &mut self.meta[s];
+        m.touches = m.touches.saturating_add(1);
+        m.last = now;
+        Some(s)
+    }
+
+    /// The slot of a new row for `key` (not held), initialized; `None` if
+    /// the table is full.
+    fn create(&mut self, key: u64, now: u64) -> Option<usize> {
         if self.len() >= self.spec.max_rows {
-            return Err(SparseError::Full(self.spec.max_rows));
+            self.refused += 1;
+            return None;
         }
         let meta = Meta { key, steps: 0, touches: 1, created: now, last: now };
         let s = match self.free.pop() {
@@ -152,44 +166,52 @@ impl RowTable {
         spec.init.fill(seed, key, values);
         spec.opt.init_state(state);
         self.index.insert(key, s as u32);
-        Ok(s)
+        Some(s)
     }
 
     /// Copies the rows of `keys` into `out` (`keys.len() * dim` values, in
     /// the order asked), creating the rows not held; `now` is the job's step.
+    /// A key whose row a full table cannot create gets the initializer's
+    /// values, and no row (see [`RowTable::refused`]).
     pub fn pull(&mut self, keys: &[u64], now: u64, out: &mut [f32]) -> Result<(), SparseError> {
         let dim = self.spec.dim;
         check("pull buffer", out.len(), keys.len(), dim)?;
-        for (k, o) in keys.iter().zip(out.chunks_exact_mut(dim)) {
-            let s = self.slot(*k, now)?;
-            o.copy_from_slice(&self.row_state(s)[..dim]);
+        for (&k, o) in keys.iter().zip(out.chunks_exact_mut(dim)) {
+            match self.touch(k, now).or_else(|| self.create(k, now)) {
+                Some(s) => o.copy_from_slice(&self.row_state(s)[..dim]),
+                None => self.spec.init.fill(self.spec.seed, k, o),
+            }
         }
         Ok(())
     }
 
     /// Steps the rows of `keys` (each once: see [`sum_duplicates`]) with
     /// their gradient rows `grads`, at learning rate `lr`; rows not held are
-    /// created first. Nothing changes if the input is refused.
+    /// created first (a full table drops the gradients of keys it cannot
+    /// create a row for: see [`RowTable::refused`]). Nothing changes if the
+    /// input is refused.
     pub fn push(&mut self, keys: &[u64], grads: &[f32], lr: f32, now: u64) -> Result<(), SparseError> {
-        let dim = self.spec.dim;
-        check("push gradients", grads.len(), keys.len(), dim)?;
-        let mut seen = std::collections::HashSet::with_capacity(keys.len());
-        if let Some(k) = keys.iter().find(|k| !seen.insert(**k)) {
+        check("push gradients", grads.len(), keys.len(), self.spec.dim)?;
+        let mut seen = key_map::<()>(keys.len());
+        if let Some(k) = keys.iter().find(|k| seen.insert(**k, ()).is_some()) {
             return Err(SparseError::Duplicate(*k));
         }
-        let new = keys.iter().filter(|k| !self.index.contains_key(k)).count();
-        if self.len() + new > self.spec.max_rows {
-            return Err(SparseError::Full(self.spec.max_rows));
-        }
-        for (k, g) in keys.iter().zip(grads.chunks_exact(dim)) {
-            let s = self.slot(*k, now)?;
+        self.push_distinct(keys, grads, lr, now);
+        Ok(())
+    }
+
+    /// [`RowTable::push`] of keys known to be distinct and rows of the
+    /// right length (what [`crate::part::merge`] gives).
+    pub(crate) fn push_distinct(&mut self, keys: &[u64], grads: &[f32], lr: f32, now: u64) {
+        let (dim, opt) = (self.spec.dim, self.spec.opt);
+        debug_assert_eq!(grads.len(), keys.len() * dim);
+        for (&k, g) in keys.iter().zip(grads.chunks_exact(dim)) {
+            let Some(s) = self.touch(k, now).or_else(|| self.create(k, now)) else { continue };
             let t = self.meta[s].steps;
             self.meta[s].steps += 1;
-            let opt = self.spec.opt;
             let (values, state) = self.row_state_mut(s);
             opt.step(lr, t, values, g, state);
         }
-        Ok(())
     }
 
     /// Evicts rows idle for more than `idle_steps` at step `now`, and rows
@@ -224,23 +246,7 @@ fn check(what: &'static str, got: usize, keys: usize, dim: usize) -> Result<(), 
 /// the order given (so the same inputs give the same bits, as BSP needs).
 pub fn sum_duplicates(keys: &[u64], grads: &[f32], dim: usize) -> Result<(Vec<u64>, Vec<f32>), SparseError> {
     check("gradients", grads.len(), keys.len(), dim)?;
-    let mut at: HashMap<u64, usize> = HashMap::with_capacity(keys.len());
-    let (mut k_out, mut g_out) = (Vec::with_capacity(keys.len()), Vec::with_capacity(grads.len()));
-    for (k, g) in keys.iter().zip(grads.chunks_exact(dim)) {
-        match at.get(k) {
-            Some(&i) => {
-                for (a, b) in g_out[i * dim..(i + 1) * dim].iter_mut().zip(g) {
-                    *a += *b;
-                }
-            }
-            None => {
-                at.insert(*k, k_out.len());
-                k_out.push(*k);
-                g_out.extend_from_slice(g);
-            }
-        }
-    }
-    Ok((k_out, g_out))
+    crate::part::merge(&[(keys, grads)], dim)
 }
 
 #[cfg(test)]

@@ -63,6 +63,7 @@ mod round;
 mod sparse;
 mod watch;
 pub use register::{Registration, register, register_declaring};
+pub use sparse::PulledRows;
 use watch::MapWatch;
 
 /// How a worker joins.

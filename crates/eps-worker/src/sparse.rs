@@ -12,13 +12,13 @@
 //! gradient. A table not pushed in an iteration is pushed empty when the
 //! worker waits for the iteration's parameters.
 
-use eps_fabric::{Access, Fabric, FabricError, MemoryRegion, QueuePair, RemoteAddr, SendOp, SendWr, Sge};
+use eps_fabric::{Access, Fabric, FabricError, HostRegion, MemoryRegion, QueuePair, RemoteAddr, SendOp, SendWr, Sge};
 use eps_proto::control::JobMap;
 use eps_proto::imm::{Imm, ImmKind};
 use eps_proto::layout::sparse_id;
 use eps_sparse::batch::{dedup, split_by_owner};
+use eps_sparse::bucket::bucket_of;
 use eps_sparse::decl::Declared;
-use eps_sparse::table::sum_duplicates;
 use eps_sparse::wire::{self, HEADER, Header, Op};
 
 use crate::{Worker, WorkerError};
@@ -109,6 +109,26 @@ impl<P: Fabric> Tables<P> {
     }
 }
 
+/// The rows of a pull, in the worker's registered row buffer (see
+/// [`Worker::sparse_pull_rows`]).
+#[derive(Debug)]
+pub struct PulledRows<'a> {
+    /// The distinct keys' rows, `dim` values each.
+    pub rows: &'a [f32],
+    /// Per key asked, in order: the index of its row in `rows`.
+    pub index: Vec<u32>,
+    /// Values per row.
+    pub dim: usize,
+}
+
+impl PulledRows<'_> {
+    /// Row `r`.
+    pub fn row(&self, r: u32) -> &[f32] {
+        let r = r as usize * self.dim;
+        &self.rows[r..r + self.dim]
+    }
+}
+
 /// Where worker `rank`'s requests for table `table` land on server `server`.
 fn landing(map: &JobMap, rank: u32, server: u32, table: u16) -> Option<(u64, u32)> {
     let e = map.tables.iter().find(|e| e.owner == server && e.shard == u32::from(table))?;
@@ -159,24 +179,41 @@ impl<P: Fabric> Worker<P> {
     /// The rows of `keys` as of the current iteration, into `out` (`dim`
     /// values per key, in the order of `keys`; a key may repeat). Rows not
     /// seen before are created by their servers from the table's
-    /// initializer.
+    /// initializer. (A copy out of [`Worker::sparse_pull_rows`].)
     pub fn sparse_pull(&mut self, table: u16, keys: &[u64], out: &mut [f32]) -> Result<(), WorkerError> {
         let dim = self.decl(table)?.spec.dim;
         if out.len() != keys.len() * dim {
             return Err(WorkerError::Length { what: "sparse pull output", expected: keys.len() * dim, got: out.len() });
         }
+        let p = self.sparse_pull_rows(table, keys)?;
+        for (o, &r) in out.chunks_exact_mut(dim).zip(&p.index) {
+            o.copy_from_slice(p.row(r));
+        }
+        Ok(())
+    }
+
+    /// Pulls the rows of `keys` as of the current iteration, each distinct
+    /// key once, straight into this worker's registered row buffer (the
+    /// servers WRITE them there), and returns a view of them: no copy on
+    /// this side. Valid until the table's next pull.
+    pub fn sparse_pull_rows(&mut self, table: u16, keys: &[u64]) -> Result<PulledRows<'_>, WorkerError> {
+        let dim = self.decl(table)?.spec.dim;
         let d = dedup(keys);
         self.check_keys(table, keys, d.keys.len())?;
         let reqs = split_by_owner(&d.keys, &self.sparse.owner).map_err(|e| self.sparse_err(table, e.to_string()))?;
         let v = self.iteration;
         // Row `slot[i]` of the row buffer is distinct key `i`'s.
-        let mut slot = vec![0usize; d.keys.len()];
+        let mut slot = vec![0u32; d.keys.len()];
         let (mut at, mut row) = (0usize, 0usize);
         let mut posts = Vec::with_capacity(reqs.len());
         let t = &mut self.sparse.tables[table as usize];
+        // SAFETY: no pull of this table is in flight (they are answered
+        // before the call returns), so no WRITE reads this buffer; nothing
+        // is ever written into it remotely.
+        let out = unsafe { t.pull_out.as_mut_slice() };
         for r in &reqs {
             for (j, &i) in r.at.iter().enumerate() {
-                slot[i as usize] = row + j;
+                slot[i as usize] = (row + j) as u32;
             }
             let h = Header {
                 table,
@@ -187,9 +224,7 @@ impl<P: Fabric> Worker<P> {
                 reply_addr: t.rows.addr() + (row * dim * 4) as u64,
                 reply_rkey: t.rows.rkey(),
             };
-            let mut buf = vec![0u8; h.bytes()];
-            let n = wire::write(&mut buf, &h, &r.keys, &[]);
-            t.pull_out.write_at(at, &buf[..n]);
+            let n = wire::write(&mut out[at..], &h, &r.keys, &[]);
             posts.push((r.server, at, n));
             at = (at + n).next_multiple_of(8);
             row += r.keys.len();
@@ -202,16 +237,14 @@ impl<P: Fabric> Worker<P> {
             self.post_sparse(server, table, false, RemoteAddr { addr: addr + off, rkey }, imm, at, n)?;
         }
         self.wait_until(|w| w.sparse.tables[table as usize].awaiting == 0, "sparse pull answers")?;
-        let t = &self.sparse.tables[table as usize];
-        let mut rows = vec![0u8; row * dim * 4];
-        t.rows.read_at(0, &mut rows);
-        let rows: &[f32] = bytemuck::cast_slice(&rows);
-        for (o, &u) in out.chunks_exact_mut(dim).zip(&d.of) {
-            let s = slot[u as usize];
-            o.copy_from_slice(&rows[s * dim..(s + 1) * dim]);
-        }
         self.stats.pulled_bytes += (row * dim * 4) as u64;
-        Ok(())
+        let index = d.of.iter().map(|&u| slot[u as usize]).collect();
+        let t = &self.sparse.tables[table as usize];
+        // SAFETY: every pull of this table was answered (above), and servers
+        // WRITE into the row buffer only to answer one; the view borrows the
+        // worker, so no other pull starts while it lives.
+        let bytes = unsafe { t.rows.as_slice() };
+        Ok(PulledRows { rows: bytemuck::cast_slice(&bytes[..row * dim * 4]), index, dim })
     }
 
     /// Pushes the current iteration's gradient rows of table `table`: one
@@ -228,33 +261,57 @@ impl<P: Fabric> Worker<P> {
         if self.sparse.tables[table as usize].pushed_at == Some(v) {
             return Err(self.sparse_err(table, format!("pushed twice in iteration {v}")));
         }
-        let (k, g) = sum_duplicates(keys, grads, dim).map_err(|e| self.sparse_err(table, e.to_string()))?;
-        self.check_keys(table, keys, k.len())?;
-        let reqs = split_by_owner(&k, &self.sparse.owner).map_err(|e| self.sparse_err(table, e.to_string()))?;
-        self.wait_until(
-            |w| {
-                let t = &w.sparse.tables[table as usize];
-                t.sending == 0 && t.credit.iter().all(|&c| c)
-            },
-            "the servers to apply this worker's last sparse push",
-        )?;
-        let servers = self.sparse.servers;
-        let t = &mut self.sparse.tables[table as usize];
+        let d = dedup(keys);
+        self.check_keys(table, keys, d.keys.len())?;
+        self.sparse_flush(table)?;
+        let servers = self.sparse.servers as usize;
+        // Each distinct key's server, and its place in that server's request.
+        let owner = &self.sparse.owner;
+        let server: Vec<u32> = d.keys.iter().map(|k| owner[bucket_of(*k) as usize]).collect();
+        let mut count = vec![0usize; servers];
+        let place: Vec<usize> = server
+            .iter()
+            .map(|&s| {
+                count[s as usize] += 1;
+                count[s as usize] - 1
+            })
+            .collect();
+        let mut base = Vec::with_capacity(servers);
         let mut at = 0usize;
-        let mut posts = Vec::with_capacity(servers as usize);
-        for s in 0..servers {
-            let (keys, rows): (&[u64], Vec<f32>) = match reqs.iter().find(|r| r.server == s) {
-                Some(r) => (&r.keys, r.at.iter().flat_map(|&i| &g[i as usize * dim..(i as usize + 1) * dim]).copied().collect()),
-                None => (&[], Vec::new()),
-            };
-            let h =
-                Header { table, op: Op::Push, count: keys.len() as u32, dim: dim as u32, seq: v, reply_addr: 0, reply_rkey: 0 };
-            let mut buf = vec![0u8; h.bytes()];
-            let n = wire::write(&mut buf, &h, keys, &rows);
-            t.push_out.write_at(at, &buf[..n]);
-            posts.push((s, at, n));
-            at = (at + n).next_multiple_of(8);
+        for &n in &count {
+            base.push(at);
+            at = (at + wire::request_bytes(Op::Push, n, dim)).next_multiple_of(8);
         }
+        let t = &mut self.sparse.tables[table as usize];
+        // SAFETY: no WRITE from the push buffer is in flight (`sparse_flush`
+        // waited for every one), and nothing is ever written into it remotely.
+        let out = unsafe { t.push_out.as_mut_slice() };
+        for (s, (&b, &n)) in base.iter().zip(&count).enumerate() {
+            let h = Header { table, op: Op::Push, count: n as u32, dim: dim as u32, seq: v, reply_addr: 0, reply_rkey: 0 };
+            out[b..b + HEADER].copy_from_slice(&h.encode());
+            debug_assert!(s < servers);
+        }
+        for (u, k) in d.keys.iter().enumerate() {
+            let o = base[server[u] as usize] + HEADER + 8 * place[u];
+            out[o..o + 8].copy_from_slice(&k.to_le_bytes());
+        }
+        // Each distinct key's row: the first of its rows, then the others
+        // added in batch order (the bits BSP defines).
+        let mut seen = vec![false; d.keys.len()];
+        for (g, &u) in grads.chunks_exact(dim).zip(&d.of) {
+            let u = u as usize;
+            let s = server[u] as usize;
+            let o = base[s] + HEADER + 8 * count[s] + place[u] * dim * 4;
+            let row: &mut [f32] = bytemuck::cast_slice_mut(&mut out[o..o + dim * 4]);
+            if seen[u] {
+                row.iter_mut().zip(g).for_each(|(a, b)| *a += *b);
+            } else {
+                row.copy_from_slice(g);
+                seen[u] = true;
+            }
+        }
+        let posts: Vec<(u32, usize, usize)> =
+            (0..servers).map(|s| (s as u32, base[s], wire::request_bytes(Op::Push, count[s], dim))).collect();
         t.pushed_at = Some(v);
         let imm = Imm { kind: ImmKind::Push, shard: sparse_id(table), seq: v as u16 }.encode();
         for (server, at, n) in posts {
@@ -266,6 +323,20 @@ impl<P: Fabric> Worker<P> {
             self.stats.pushed_bytes += n as u64;
         }
         Ok(())
+    }
+
+    /// Waits until the servers applied this worker's last push of table
+    /// `table` (under BSP: until every worker's push of that iteration is in
+    /// and applied).
+    pub fn sparse_flush(&mut self, table: u16) -> Result<(), WorkerError> {
+        self.decl(table)?;
+        self.wait_until(
+            |w| {
+                let t = &w.sparse.tables[table as usize];
+                t.sending == 0 && t.credit.iter().all(|&c| c)
+            },
+            "the servers to apply this worker's last sparse push",
+        )
     }
 
     /// Pushes every table not pushed in the current iteration, empty.

@@ -118,12 +118,7 @@ fn sparse_tables_are_reported_before_servers_are_ready_and_block_scaling() {
     for r in 0..2u32 {
         job.apply(&ControlMsg::Register { role: Role::Server, fabric_addr: String::new() }).unwrap();
     }
-    let bad = [
-        vec![ep(0, 0, 2)],
-        vec![ep(1, 0, 2), ep(0, 0, 2)],
-        vec![ep(0, 0, 1), ep(1, 0, 1)],
-        vec![ep(0, 1, 2), ep(1, 1, 2)],
-    ];
+    let bad = [vec![ep(0, 0, 2)], vec![ep(1, 0, 2), ep(0, 0, 2)], vec![ep(0, 0, 1), ep(1, 0, 1)], vec![ep(0, 1, 2), ep(1, 1, 2)]];
     for tables in bad {
         let e = job.apply(&ControlMsg::TablesReady { rank: 0, tables: tables.clone() }).unwrap_err();
         assert!(e.contains("sparse table"), "{tables:?}: {e}");

@@ -65,8 +65,18 @@ fn bad_input_is_refused_and_changes_nothing() {
     assert_eq!(t.push(&[1, 1], &[0.0; 8], 0.1, 0).unwrap_err(), SparseError::Duplicate(1));
     assert!(t.is_empty(), "nothing created by a refused push");
     t.push(&[1, 2], &[0.0; 8], 0.1, 0).unwrap();
-    assert_eq!(t.push(&[3, 4], &[0.0; 8], 0.1, 0).unwrap_err(), SparseError::Full(3));
-    assert_eq!(t.len(), 2, "a push that does not fit creates nothing");
+    // Full (3 rows): key 4 gets no row; its pull is the initializer's values,
+    // its gradient is dropped; the rows held are stepped.
+    let held = t.row(1).unwrap().to_vec();
+    t.push(&[3, 4, 1], &[1.0; 12], 0.1, 1).unwrap();
+    assert_eq!((t.len(), t.refused()), (3, 1));
+    assert!(t.row(4).is_none() && t.row(3).is_some());
+    assert_ne!(t.row(1).unwrap(), &held[..], "a held row is stepped");
+    let mut four = [0f32; 4];
+    t.pull(&[4], 2, &mut four).unwrap();
+    let mut fresh = [0f32; 4];
+    t.spec.init.fill(t.spec.seed, 4, &mut fresh);
+    assert_eq!((four, t.refused(), t.len()), (fresh, 2, 3), "a full table answers with the initial row");
 }
 
 #[test]
