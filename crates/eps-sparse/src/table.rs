@@ -176,13 +176,34 @@ impl RowTable {
     pub fn pull(&mut self, keys: &[u64], now: u64, out: &mut [f32]) -> Result<(), SparseError> {
         let dim = self.spec.dim;
         check("pull buffer", out.len(), keys.len(), dim)?;
-        for (&k, o) in keys.iter().zip(out.chunks_exact_mut(dim)) {
-            match self.touch(k, now).or_else(|| self.create(k, now)) {
+        // Lookups first, then the rows: independent loads the CPU overlaps,
+        // where a lookup followed by its row's copy waits on each in turn.
+        let slots = self.slots(keys, now);
+        for ((&k, s), o) in keys.iter().zip(slots).zip(out.chunks_exact_mut(dim)) {
+            match s {
                 Some(s) => o.copy_from_slice(&self.row_state(s)[..dim]),
                 None => self.spec.init.fill(self.spec.seed, k, o),
             }
         }
         Ok(())
+    }
+
+    /// The slots of `keys`' rows, touched at `now`, created where not held
+    /// (`None` where a full table cannot).
+    fn slots(&mut self, keys: &[u64], now: u64) -> Vec<Option<usize>> {
+        let mut slots: Vec<Option<usize>> = keys.iter().map(|k| self.index.get(k).map(|&s| s as usize)).collect();
+        for (&k, s) in keys.iter().zip(slots.iter_mut()) {
+            match *s {
+                Some(i) => {
+                    let m = &mut self.meta[i];
+                    m.touches = m.touches.saturating_add(1);
+                    m.last = now;
+                }
+                // (A key twice in `keys` is created once: the second finds it.)
+                None => *s = self.touch(k, now).or_else(|| self.create(k, now)),
+            }
+        }
+        slots
     }
 
     /// Steps the rows of `keys` (each once: see [`sum_duplicates`]) with
@@ -205,8 +226,9 @@ impl RowTable {
     pub(crate) fn push_distinct(&mut self, keys: &[u64], grads: &[f32], lr: f32, now: u64) {
         let (dim, opt) = (self.spec.dim, self.spec.opt);
         debug_assert_eq!(grads.len(), keys.len() * dim);
-        for (&k, g) in keys.iter().zip(grads.chunks_exact(dim)) {
-            let Some(s) = self.touch(k, now).or_else(|| self.create(k, now)) else { continue };
+        let slots = self.slots(keys, now);
+        for (s, g) in slots.into_iter().zip(grads.chunks_exact(dim)) {
+            let Some(s) = s else { continue };
             let t = self.meta[s].steps;
             self.meta[s].steps += 1;
             let (values, state) = self.row_state_mut(s);
