@@ -115,7 +115,7 @@ fn sparse_tables_are_reported_before_servers_are_ready_and_block_scaling() {
         published_addr: 0,
         published_rkey: 0,
     };
-    for r in 0..2u32 {
+    for _ in 0..2 {
         job.apply(&ControlMsg::Register { role: Role::Server, fabric_addr: String::new() }).unwrap();
     }
     let bad = [vec![ep(0, 0, 2)], vec![ep(1, 0, 2), ep(0, 0, 2)], vec![ep(0, 0, 1), ep(1, 0, 1)], vec![ep(0, 1, 2), ep(1, 1, 2)]];
