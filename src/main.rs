@@ -279,9 +279,15 @@ enum Cmd {
 
 #[derive(clap::Args, Debug)]
 struct TrainArgs {
-    /// Job spec (TOML); without it, the built-in default job.
+    /// Job spec (TOML); without it, the built-in job of --model.
     #[arg(long)]
     spec: Option<PathBuf>,
+    /// The built-in job: `synthetic` (a linear classifier with a hashed
+    /// embedding, all dense) or `ctr` (click-through: embedding bags in a
+    /// sparse table, an MLP; reports AUC against the teacher's). With
+    /// --spec, the spec's preset must be this model.
+    #[arg(long, default_value = "synthetic")]
+    model: String,
     /// Worker processes [built-in job: 2].
     #[arg(long)]
     workers: Option<u32>,
@@ -360,13 +366,21 @@ fn train(a: TrainArgs) -> Result<(), String> {
     let mut o = o;
     eps::checkpoint::train_overrides(a.checkpoint_every, a.checkpoint_dir.as_deref(), a.keep, &mut o)?;
     let plan = eps::train::scale::parse_plan(a.scale_plan.as_deref().unwrap_or(""))?;
+    let default = eps::train::default_spec(&a.model)?;
     let build = |o: &eps::train::Overrides| match &a.resume {
         Some(dir) => eps::checkpoint::resume_spec(dir, o),
-        None => eps::train::build_spec(a.spec.as_deref(), o).map_err(|e| error_chain(&e)),
+        None => eps::train::build_model_spec(a.spec.as_deref(), default, o).map_err(|e| error_chain(&e)),
     };
     let (mut spec, mut text) = build(&o)?;
-    if spec.model.preset.is_none() {
-        return Err("`eps train` runs the built-in synthetic task; this checkpoint's job declares its own tensors (resume it with `eps control --resume`)".into());
+    match spec.model.preset.as_deref() {
+        None => return Err("`eps train` runs a built-in task; this checkpoint's job declares its own tensors (resume it with `eps control --resume`)".into()),
+        Some(p) if p != a.model => {
+            return Err(format!("the spec's model.preset is {p:?} but --model is {:?}: give --model {p}", a.model));
+        }
+        Some(_) => {}
+    }
+    if !plan.is_empty() && !spec.model.tables.is_empty() {
+        return Err("--scale-plan: this job has sparse tables, whose buckets do not move between servers yet, nor follow workers joining or leaving".into());
     }
     let workers_change = plan.iter().any(|e| matches!(e.target, eps::train::scale::Target::Workers(_)));
     if workers_change && spec.job.consistency != eps_proto::Consistency::Bsp {
@@ -389,6 +403,9 @@ fn train(a: TrainArgs) -> Result<(), String> {
     }
     let layout = spec.layout().map_err(|e| e.to_string())?;
     let opt = spec.optimizer().map_err(|e| e.to_string())?;
+    for t in &spec.model.tables {
+        eps_proto::say!("eps train: sparse table {:?}: rows of {} values, created on first touch", t.name, t.dim);
+    }
     eps_proto::say!(
         "eps train: {} workers, {} servers, {} steps, {}, {}, {}; model {} parameters ({}) in {} shards",
         spec.job.workers,
@@ -411,10 +428,16 @@ fn train(a: TrainArgs) -> Result<(), String> {
     };
     let r = eps::train::run(&spec, &text, a.progress_every.max(1), &plan, &children, |l| eps_proto::say!("{l}"))
         .map_err(|e| error_chain(&e))?;
-    println!(
-        "trained {} steps in {:.1} s: held-out accuracy {:.4} (teacher {:.4}), loss {:.4}",
-        r.steps, r.elapsed_s, r.final_accuracy, r.teacher_accuracy, r.final_loss
-    );
+    match (r.final_auc, r.teacher_auc) {
+        (Some(auc), Some(teacher)) => println!(
+            "trained {} steps in {:.1} s: held-out AUC {auc:.4} (teacher {teacher:.4}), accuracy {:.4}, log loss {:.4}",
+            r.steps, r.elapsed_s, r.final_accuracy, r.final_loss
+        ),
+        _ => println!(
+            "trained {} steps in {:.1} s: held-out accuracy {:.4} (teacher {:.4}), loss {:.4}",
+            r.steps, r.elapsed_s, r.final_accuracy, r.teacher_accuracy, r.final_loss
+        ),
+    }
     println!(
         "{:.0} samples/s; push {:.2} GB/s, pull {:.2} GB/s (all workers); params checksum {}",
         r.samples_per_s, r.push_gbytes_per_s, r.pull_gbytes_per_s, r.params_checksum
@@ -444,8 +467,13 @@ fn train(a: TrainArgs) -> Result<(), String> {
             .str("membership", &r.membership)
             .int("resumed_at", spec.resume.as_ref().map_or(0, |r| r.iteration))
             .int("rollbacks", r.rollbacks)
-            .int("iterations_lost", r.iterations_lost)
-            .finish();
+            .int("iterations_lost", r.iterations_lost);
+        let j = match (r.final_auc, r.teacher_auc, &r.sparse_checksum) {
+            (Some(auc), Some(teacher), Some(sum)) => {
+                j.num("final_auc", auc).num("teacher_auc", teacher).str("sparse_checksum", sum).finish()
+            }
+            _ => j.finish(),
+        };
         println!("{j}");
     }
     Ok(())

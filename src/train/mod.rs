@@ -3,6 +3,8 @@
 //! task; progress while it runs, a summary and an optional JSON line at the end.
 
 pub mod cluster;
+pub mod ctr;
+mod ctr_worker;
 pub mod scale;
 pub mod task;
 pub mod worker;
@@ -43,6 +45,50 @@ warmup_steps = 20
 decay = "cosine"
 min_lr = 0.001
 "#;
+
+/// The job `eps train --model ctr` runs when no spec file is given: a
+/// click-through model, embedding bags in a sparse table and an MLP.
+pub const CTR_SPEC: &str = r#"
+[job]
+name = "ctr"
+workers = 2
+servers = 2
+steps = 1500
+consistency = "bsp"
+batch = 512
+seed = 1
+
+[model]
+preset = "ctr"
+fields = 4
+vocab = 1000
+max_bag = 3
+zipf = 1.05
+embed_dim = 8
+dense_dim = 8
+hidden = 16
+
+[[model.tables]]
+name = "ctr.ids"
+dim = 8
+optimizer = "adagrad"
+lr = 0.3
+init_scale = 0.05
+max_keys = 8192
+
+[optimizer]
+kind = "adam"
+lr = 0.01
+"#;
+
+/// The built-in jobs of `eps train --model`.
+pub fn default_spec(model: &str) -> Result<&'static str, String> {
+    match model {
+        "synthetic" => Ok(DEFAULT_SPEC),
+        "ctr" => Ok(CTR_SPEC),
+        m => Err(format!("--model {m:?}: the built-in models are synthetic and ctr")),
+    }
+}
 
 /// Command-line overrides of spec fields.
 #[derive(Clone, Debug, Default)]
@@ -125,11 +171,16 @@ pub enum TrainError {
 
 /// Builds the spec text: a file (or the default job) with overrides applied.
 pub fn build_spec(path: Option<&Path>, o: &Overrides) -> Result<(JobSpec, String), TrainError> {
-    let (spec, text) = build_spec_or(path, DEFAULT_SPEC, o)?;
+    build_model_spec(path, DEFAULT_SPEC, o)
+}
+
+/// As [`build_spec`], with `default` the job without a file.
+pub fn build_model_spec(path: Option<&Path>, default: &str, o: &Overrides) -> Result<(JobSpec, String), TrainError> {
+    let (spec, text) = build_spec_or(path, default, o)?;
     if spec.model.preset.is_none() {
         return Err(eps_proto::SpecError::Field {
             field: "model.preset",
-            reason: "`eps train` runs the built-in synthetic task; set preset = \"synthetic\"".into(),
+            reason: "`eps train` runs a built-in task; set preset = \"synthetic\" or \"ctr\"".into(),
         }
         .into());
     }
@@ -206,6 +257,12 @@ pub struct TrainReport {
     pub final_accuracy: f64,
     /// Held-out accuracy of the teacher (the ceiling).
     pub teacher_accuracy: f64,
+    /// Ctr: held-out AUC of the trained model, and of the teacher.
+    pub final_auc: Option<f64>,
+    /// See `final_auc`.
+    pub teacher_auc: Option<f64>,
+    /// Ctr: checksum of the sparse table's rows of the first ids of each field.
+    pub sparse_checksum: Option<String>,
     /// Checksum of the final parameters.
     pub params_checksum: String,
     /// Training samples per second, all workers.
@@ -397,6 +454,9 @@ fn absorb_done(l: &str, rep: &mut TrainReport, totals: &mut Totals) {
         rep.final_accuracy = num(l, "final_accuracy");
         rep.teacher_accuracy = num(l, "teacher_accuracy");
         rep.params_checksum = field(l, "params_checksum").unwrap_or_default().to_string();
+        rep.final_auc = field(l, "final_auc").and_then(|v| v.parse().ok());
+        rep.teacher_auc = field(l, "teacher_auc").and_then(|v| v.parse().ok());
+        rep.sparse_checksum = field(l, "sparse_checksum").map(str::to_string);
     }
 }
 

@@ -117,6 +117,36 @@ pub fn chunk_digests(bytes: &[u8], chunk: usize) -> String {
     d.join(",")
 }
 
+/// Rank 0 (the lowest-ranked contributor of `step`: rank 0 unless it left or
+/// died) prints an `EPS_PROGRESS` line after every `every` steps: the loss
+/// and accuracy over the samples since the last one (`(loss sum, correct,
+/// seen)`). Returns whether it did.
+pub fn report_progress<P: eps_fabric::Fabric>(
+    w: &Worker<P>,
+    step: u64,
+    every: u64,
+    batch: u64,
+    (loss_sum, correct, seen): (f64, u64, u64),
+    start: Instant,
+) -> bool {
+    if w.membership().contributors(step).first() != Some(&w.rank()) || (step + 1) % every != 0 {
+        return false;
+    }
+    let st = w.stats();
+    println!(
+        "EPS_PROGRESS step={} samples={} loss={:.5} acc={:.4} elapsed_s={:.3} pushed={} pulled={} workers={}",
+        step + 1,
+        w.membership().samples_before(step + 1, batch),
+        loss_sum / seen.max(1) as f64,
+        correct as f64 / seen.max(1) as f64,
+        start.elapsed().as_secs_f64(),
+        st.pushed_bytes,
+        st.pulled_bytes,
+        w.membership().contributors(step).len()
+    );
+    true
+}
+
 /// Joins the job and trains; prints `EPS_PROGRESS` lines every `pace.every`
 /// steps (rank 0; `samples=` is the job's samples trained so far) and
 /// `EPS_DONE` at the end (every rank; rank 0 adds the evaluation).
@@ -125,6 +155,9 @@ pub fn run<P: eps_fabric::Fabric>(mut w: Worker<P>, pace: Pace) -> Result<(), Tr
     let spec = w.spec().clone();
     if spec.model.preset.is_none() {
         return Err(TrainWorkerError::NoTask);
+    }
+    if spec.model.preset.as_deref() == Some("ctr") {
+        return super::ctr_worker::run(w, pace);
     }
     let task = Task::new(&spec.model, spec.job.seed);
     let (rank, batch) = (w.rank(), spec.job.batch as u64);
@@ -182,20 +215,7 @@ pub fn run<P: eps_fabric::Fabric>(mut w: Worker<P>, pace: Pace) -> Result<(), Tr
         w.push_pull()?;
         lat.record(rank, pp.elapsed(), start.elapsed().as_secs_f64());
         // The lowest-ranked contributor reports (rank 0 unless it left or died).
-        if w.membership().contributors(step).first() == Some(&rank) && (step + 1) % every == 0 {
-            let st = w.stats();
-            let secs = start.elapsed().as_secs_f64();
-            println!(
-                "EPS_PROGRESS step={} samples={} loss={:.5} acc={:.4} elapsed_s={:.3} pushed={} pulled={} workers={}",
-                step + 1,
-                w.membership().samples_before(step + 1, batch),
-                loss_sum / seen.max(1) as f64,
-                correct as f64 / seen.max(1) as f64,
-                secs,
-                st.pushed_bytes,
-                st.pulled_bytes,
-                w.membership().contributors(step).len()
-            );
+        if report_progress(&w, step, every, batch, (loss_sum, correct, seen), start) {
             (loss_sum, correct, seen) = (0.0, 0, 0);
         }
     }

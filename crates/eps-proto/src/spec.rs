@@ -234,10 +234,46 @@ pub struct ModelSection {
     /// Synthetic preset: active sparse features per sample.
     #[serde(default = "default_sparse_per_sample")]
     pub sparse_per_sample: u32,
-    /// Synthetic preset: distinct raw sparse ids before hashing.
+    /// Synthetic preset: distinct raw sparse ids before hashing; ctr
+    /// preset: ids per field.
     #[serde(default = "default_vocab")]
     pub vocab: u64,
+    /// Ctr preset: categorical fields per sample (each an embedding bag).
+    #[serde(default = "default_fields")]
+    pub fields: u32,
+    /// Ctr preset: ids per bag, 1 to this many.
+    #[serde(default = "default_max_bag")]
+    pub max_bag: u32,
+    /// Ctr preset: zipf exponent of the ids.
+    #[serde(default = "default_zipf")]
+    pub zipf: f64,
+    /// Ctr preset: values of an embedding row (the table `ctr.ids` must have
+    /// this dim).
+    #[serde(default = "default_embed_dim")]
+    pub embed_dim: u32,
+    /// Ctr preset: units of the MLP's hidden layer.
+    #[serde(default = "default_hidden")]
+    pub hidden: u32,
 }
+
+fn default_fields() -> u32 {
+    4
+}
+fn default_max_bag() -> u32 {
+    3
+}
+fn default_zipf() -> f64 {
+    1.05
+}
+fn default_embed_dim() -> u32 {
+    8
+}
+fn default_hidden() -> u32 {
+    16
+}
+
+/// The table of the ctr preset's embedding bags.
+pub const CTR_TABLE: &str = "ctr.ids";
 
 fn default_buckets() -> u64 {
     2_621_440
@@ -463,8 +499,9 @@ impl JobSpec {
         }
         if let Some(p) = &self.model.preset
             && p != "synthetic"
+            && p != "ctr"
         {
-            return Err(bad("model.preset", format!("unknown preset {p:?} (known: synthetic)")));
+            return Err(bad("model.preset", format!("unknown preset {p:?} (known: synthetic, ctr)")));
         }
         if self.model.declare && (self.model.preset.is_some() || !self.model.tensors.is_empty()) {
             return Err(bad("model.declare", "workers declare the tensors: give no preset and no tensors with it"));
@@ -473,7 +510,9 @@ impl JobSpec {
             return Err(bad("model.tensors", "give a preset, at least one tensor, or `declare = true` (workers declare them)"));
         }
         let m = &self.model;
-        if m.preset.is_some() {
+        if m.preset.as_deref() == Some("ctr") {
+            self.validate_ctr()?;
+        } else if m.preset.is_some() {
             if m.classes < 2 || m.classes > 1000 {
                 return Err(bad("model.classes", "must be between 2 and 1000"));
             }
@@ -544,10 +583,45 @@ impl JobSpec {
         self.model.declare
     }
 
+    fn validate_ctr(&self) -> Result<(), SpecError> {
+        let m = &self.model;
+        let within = |v: u64, hi: u64| (1..=hi).contains(&v);
+        let checks = [
+            (within(m.fields.into(), 64), "model.fields", "must be between 1 and 64"),
+            (within(m.max_bag.into(), 64), "model.max_bag", "must be between 1 and 64"),
+            (within(m.embed_dim.into(), 1024), "model.embed_dim", "must be between 1 and 1024"),
+            (within(m.hidden.into(), 1024), "model.hidden", "must be between 1 and 1024"),
+            (within(m.dense_dim, 1024), "model.dense_dim", "must be between 1 and 1024"),
+            (within(m.vocab, 1 << 40), "model.vocab", "must be between 1 and 2^40"),
+            (m.zipf.is_finite() && m.zipf > 0.0, "model.zipf", "must be a positive number"),
+        ];
+        if let Some((_, field, why)) = checks.iter().find(|c| !c.0) {
+            return Err(bad(field, *why));
+        }
+        match m.tables.iter().find(|t| t.name == CTR_TABLE) {
+            Some(t) if t.dim == m.embed_dim => Ok(()),
+            Some(t) => {
+                Err(bad("model.tables.dim", format!("table {CTR_TABLE:?} has dim {}; model.embed_dim is {}", t.dim, m.embed_dim)))
+            }
+            None => {
+                Err(bad("model.tables", format!("the ctr preset's embeddings live in a table named {CTR_TABLE:?}: declare it")))
+            }
+        }
+    }
+
     /// The model's tensors: the preset's, or the explicit list.
     pub fn tensors(&self) -> Vec<TensorSpec> {
         let m = &self.model;
         match m.preset.as_deref() {
+            Some("ctr") => {
+                let (h, input) = (u64::from(m.hidden), u64::from(m.fields * m.embed_dim) + m.dense_dim);
+                vec![
+                    TensorSpec { name: "mlp.w1".into(), elements: h * input },
+                    TensorSpec { name: "mlp.b1".into(), elements: h },
+                    TensorSpec { name: "mlp.w2".into(), elements: h },
+                    TensorSpec { name: "mlp.b2".into(), elements: 1 },
+                ]
+            }
             Some(_) => vec![
                 TensorSpec { name: "dense.weight".into(), elements: m.classes * m.dense_dim },
                 TensorSpec { name: "dense.bias".into(), elements: m.classes },

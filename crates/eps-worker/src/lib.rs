@@ -476,7 +476,7 @@ impl<P: Fabric> Worker<P> {
         Ok(())
     }
 
-    /// Servers this worker may still talk to: owners of shards not split before
+    /// Servers this worker may still talk to: holders of sparse tables, owners of shards not split before
     /// its iteration, and previous owners until their cutover.
     fn needed_owners(&self) -> Vec<u32> {
         let t = self.iteration;
@@ -489,6 +489,8 @@ impl<P: Fabric> Worker<P> {
                 v.push(p.owner);
             }
         }
+        // And every server holding a part of a sparse table.
+        v.extend(self.map.tables.iter().map(|e| e.owner));
         v.sort_unstable();
         v.dedup();
         v

@@ -1,0 +1,72 @@
+//! `eps train --model ctr` as a user runs it: real processes (control plane,
+//! servers, workers) on 127.0.0.1 training a click-through model whose
+//! embedding bags live in a sparse table and whose MLP is dense.
+
+mod common;
+
+use common::cli::{eps, json_field};
+
+fn train(args: &[&str]) -> std::process::Output {
+    let mut all = vec!["train", "--model", "ctr", "--json", "--progress-every", "500"];
+    all.extend_from_slice(args);
+    eps().args(&all).output().expect("run eps")
+}
+
+fn ok(o: &std::process::Output) -> String {
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(o.status.success(), "eps train failed: {}\n{out}", String::from_utf8_lossy(&o.stderr));
+    out
+}
+
+/// The built-in click-through job reaches the teacher's AUC (within 0.01),
+/// and BSP gives the same dense parameters and the same table rows, bit for
+/// bit, on one server as on two.
+#[test]
+fn ctr_reaches_the_teachers_auc_and_bsp_does_not_depend_on_the_servers() {
+    let two = ok(&train(&["--servers", "2"]));
+    let (auc, teacher): (f64, f64) =
+        (json_field(&two, "final_auc").parse().unwrap(), json_field(&two, "teacher_auc").parse().unwrap());
+    assert!(teacher > 0.75 && teacher - auc < 0.01, "held-out AUC {auc} against the teacher's {teacher}");
+    let one = ok(&train(&["--servers", "1"]));
+    for k in ["params_checksum", "sparse_checksum", "final_auc"] {
+        assert_eq!(json_field(&one, k), json_field(&two, k), "{k}: one server against two");
+    }
+}
+
+/// What the ctr job refuses, it says plainly.
+#[test]
+fn ctr_refusals_are_clear() {
+    let bad_dim = common::cli::tmp("ctr", "dim").with_extension("toml");
+    let spec = SMALL_CTR.replace("\"ctr.ids\"\ndim = 8", "\"ctr.ids\"\ndim = 4");
+    std::fs::write(&bad_dim, spec).unwrap();
+    let cases: [(Vec<&str>, &str); 3] = [
+        (vec!["--spec", bad_dim.to_str().unwrap()], "table \"ctr.ids\" has dim 4; model.embed_dim is 8"),
+        (vec!["--consistency", "asp"], "sparse tables are served under BSP only"),
+        (vec!["--steps", "40", "--scale-plan", "10:servers=3"], "sparse tables"),
+    ];
+    for (args, want) in cases {
+        let o = train(&args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(want), "{args:?}: {err}");
+    }
+    let o = eps().args(["train", "--model", "wide"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&o.stderr).contains("the built-in models are synthetic and ctr"));
+}
+
+/// A small ctr job.
+const SMALL_CTR: &str = r#"
+[job]
+name = "ctr"
+workers = 2
+servers = 2
+steps = 40
+batch = 64
+[model]
+preset = "ctr"
+embed_dim = 8
+[[model.tables]]
+name = "ctr.ids"
+dim = 8
+[optimizer]
+kind = "adam"
+"#;
