@@ -55,7 +55,7 @@
 /**
  * Minor version: additions only.
  */
-#define EPS_VERSION_MINOR 1
+#define EPS_VERSION_MINOR 2
 
 /**
  * Patch version.
@@ -477,6 +477,82 @@ enum eps_status eps_cluster_close(struct eps_cluster *c);
  * environment, as for workers) or one.
  */
 enum eps_status eps_scale(const char *control, const char *secret, int servers, int workers);
+
+/**
+ * The index of the sparse table named `name` (what the other `eps_sparse_*`
+ * calls take).
+ *
+ * # Safety
+ * `name` is a NUL-terminated string; `table` is writable.
+ */
+enum eps_status eps_table_find(struct eps_worker *w, const char *name, uint32_t *table);
+
+/**
+ * The row dimension (values per row) of sparse table `table`.
+ *
+ * # Safety
+ * `dim` is writable.
+ */
+enum eps_status eps_table_dim(struct eps_worker *w, uint32_t table, uint32_t *dim);
+
+/**
+ * Pulls the rows of `keys` (a key may repeat) as of the worker's current
+ * iteration into `rows`: `rows_len` must be `count * dim` floats, row `i`
+ * the row of `keys[i]`. Rows never seen are created by their servers from
+ * the table's initializer.
+ *
+ * # Safety
+ * `keys` points to `count` readable keys, `rows` to `rows_len` writable
+ * floats (either may be NULL when its count is 0).
+ */
+enum eps_status eps_sparse_pull(struct eps_worker *w,
+                                uint32_t table,
+                                const uint64_t *keys,
+                                size_t count,
+                                float *rows,
+                                size_t rows_len);
+
+/**
+ * Pulls the rows of `keys` as of the worker's current iteration without a
+ * copy: each distinct key's row is written by its server into the worker's
+ * registered row buffer. `*rows` points to those rows (`*row_count` of
+ * them, `dim` floats each), and `index[i]` is the row of `keys[i]`. The
+ * rows stay valid until the table's next pull on this worker, or its close.
+ *
+ * # Safety
+ * `keys` points to `count` readable keys and `index` to `count` writable
+ * `uint32_t`s (NULL when `count` is 0); `rows` and `row_count` are writable.
+ */
+enum eps_status eps_sparse_pull_rows(struct eps_worker *w,
+                                     uint32_t table,
+                                     const uint64_t *keys,
+                                     size_t count,
+                                     uint32_t *index,
+                                     const float **rows,
+                                     size_t *row_count);
+
+/**
+ * Pushes the current iteration's gradient rows of `keys`: `grads_len` must
+ * be `count * dim` floats, row `i` for `keys[i]` (a key may repeat: its
+ * rows are summed in order). Once per table and iteration; returns when
+ * the rows are on their way (see `eps_sparse_flush`). A table not pushed in
+ * an iteration is pushed empty when the worker waits for its parameters.
+ *
+ * # Safety
+ * `keys` points to `count` readable keys and `grads` to `grads_len`
+ * readable floats (NULL when their count is 0).
+ */
+enum eps_status eps_sparse_push(struct eps_worker *w,
+                                uint32_t table,
+                                const uint64_t *keys,
+                                size_t count,
+                                const float *grads,
+                                size_t grads_len);
+
+/**
+ * Waits until the servers applied this worker's last push of `table`.
+ */
+enum eps_status eps_sparse_flush(struct eps_worker *w, uint32_t table);
 
 /**
  * Sets every option to its default and `struct_size` to this header's size.

@@ -259,6 +259,78 @@ class Worker:
         """Pushes every tensor and waits for the next parameters."""
         _check(_c.eps_worker_push_pull(self._h))
 
+    # -- sparse tables -------------------------------------------------------
+
+    def table(self, name):
+        """The index of the sparse table named ``name`` (the ``table`` the
+        sparse calls take; they take the name too)."""
+        t = ctypes.c_uint32()
+        _check(_c.eps_table_find(self._h, _enc(name), ctypes.byref(t)))
+        return t.value
+
+    def _table(self, table):
+        return self.table(table) if isinstance(table, str) else int(table)
+
+    def table_dim(self, table):
+        """Values per row of sparse table ``table``."""
+        d = ctypes.c_uint32()
+        _check(_c.eps_table_dim(self._h, self._table(table), ctypes.byref(d)))
+        return d.value
+
+    @staticmethod
+    def _keys(keys):
+        k = np.asarray(keys)
+        if k.dtype.kind == "i" and k.size and k.min() < 0:
+            raise ValueError("sparse table keys must not be negative")
+        if k.dtype.kind not in "iu":
+            raise ValueError(f"sparse table keys must be integers, not {k.dtype}")
+        k = np.ascontiguousarray(k.reshape(-1), dtype=np.uint64)
+        return k, k.ctypes.data_as(ctypes.POINTER(ctypes.c_uint64))
+
+    def sparse_pull(self, table, keys):
+        """The rows of ``keys`` (a key may repeat) as of the current
+        iteration: a new float32 array of shape ``(len(keys), dim)``."""
+        t = self._table(table)
+        k, kp = self._keys(keys)
+        out = np.empty((len(k), self.table_dim(t)), dtype=np.float32)
+        fp = out.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        _check(_c.eps_sparse_pull(self._h, t, kp, len(k), fp, out.size))
+        return out
+
+    def sparse_pull_rows(self, table, keys):
+        """The rows of ``keys`` without a copy: ``(rows, index)``, ``rows`` a
+        read-only float32 view ``(distinct keys, dim)`` of the registered
+        buffer the servers wrote them into, ``index[i]`` the row of
+        ``keys[i]``. The view is valid until the table's next pull."""
+        t = self._table(table)
+        k, kp = self._keys(keys)
+        dim = self.table_dim(t)
+        index = np.empty(len(k), dtype=np.uint32)
+        ip = index.ctypes.data_as(ctypes.POINTER(ctypes.c_uint32))
+        rows, n = ctypes.POINTER(ctypes.c_float)(), ctypes.c_size_t()
+        _check(_c.eps_sparse_pull_rows(self._h, t, kp, len(k), ip, ctypes.byref(rows), ctypes.byref(n)))
+        if n.value == 0:
+            return np.empty((0, dim), dtype=np.float32), index
+        buf = (ctypes.c_float * (n.value * dim)).from_address(ctypes.addressof(rows.contents))
+        buf._eps_owner = self  # the view keeps the worker (and its memory) alive
+        view = np.frombuffer(buf, dtype=np.float32).reshape(n.value, dim)
+        view.flags.writeable = False
+        return view, index
+
+    def sparse_push(self, table, keys, grads):
+        """Pushes this iteration's gradient rows of ``keys`` (``grads`` of
+        shape ``(len(keys), dim)``; a repeated key's rows are summed). Once
+        per table and iteration, before :meth:`push_pull` returns."""
+        t = self._table(table)
+        k, kp = self._keys(keys)
+        g = np.ascontiguousarray(grads, dtype=np.float32)
+        gp = g.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        _check(_c.eps_sparse_push(self._h, t, kp, len(k), gp, g.size))
+
+    def sparse_flush(self, table):
+        """Waits until the servers applied this worker's last push of ``table``."""
+        _check(_c.eps_sparse_flush(self._h, self._table(table)))
+
     # -- membership and statistics -----------------------------------------
 
     def members(self, iteration):

@@ -42,7 +42,7 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 DTYPE_BYTES = {0: 4, 1: 2, 2: 2}
 
 # The header this binding was written against: EPS_VERSION of include/eps.h.
-EPS_VERSION = 100
+EPS_VERSION = 200
 
 
 class WorkerOptions(Structure):
@@ -145,6 +145,20 @@ _SIGNATURES = {
     "eps_cluster_close": [c_void_p],
     "eps_scale": [c_char_p, c_char_p, c_int, c_int],
     "eps_initial_params": [c_uint64, c_uint64, POINTER(c_float), c_size_t],
+    "eps_table_find": [c_void_p, c_char_p, POINTER(c_uint32)],
+    "eps_table_dim": [c_void_p, c_uint32, POINTER(c_uint32)],
+    "eps_sparse_pull": [c_void_p, c_uint32, POINTER(c_uint64), c_size_t, POINTER(c_float), c_size_t],
+    "eps_sparse_pull_rows": [
+        c_void_p,
+        c_uint32,
+        POINTER(c_uint64),
+        c_size_t,
+        POINTER(c_uint32),
+        POINTER(POINTER(c_float)),
+        POINTER(c_size_t),
+    ],
+    "eps_sparse_push": [c_void_p, c_uint32, POINTER(c_uint64), c_size_t, POINTER(c_float), c_size_t],
+    "eps_sparse_flush": [c_void_p, c_uint32],
 }
 
 _RESTYPES = {

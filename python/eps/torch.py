@@ -85,6 +85,10 @@ class DistributedModel:
                 # The servers' parameters, pulled at join, in place of the
                 # model's own: every worker trains the same values.
                 p.data = pv
+        # EPS's embedding modules in the model pull and push through this worker.
+        for m in model.modules():
+            if isinstance(m, _SparseModule):
+                m.bind(self.worker)
         self._hooks = []
         self._pushed = set()
         self._requests = []
@@ -169,6 +173,78 @@ class DistributedModel:
             p.grad = None
         self.worker.finish()
         self.worker.close()
+
+
+class _SparseModule(torch.nn.Module):
+    """What EPS's embedding modules share: a sparse table of the job, rows
+    pulled by key for each forward, their gradients pushed as sparse rows
+    when the backward pass reaches them."""
+
+    def __init__(self, table, worker=None):
+        super().__init__()
+        self.table_name = table
+        self.worker = None
+        if worker is not None:
+            self.bind(worker)
+
+    def bind(self, worker):
+        """Uses ``worker`` (joined) for this module's pulls and pushes
+        (:class:`DistributedModel` binds the modules of its model)."""
+        self.worker = worker
+        self.table = worker._table(self.table_name)
+        self.dim = worker.table_dim(self.table)
+
+    def _rows(self, ids):
+        """The distinct rows of ``ids`` as a leaf tensor whose gradient is
+        pushed, and each id's row index."""
+        if self.worker is None:
+            raise RuntimeError(f"the EPS table {self.table_name!r} has no worker: wrap the model in DistributedModel or bind one")
+        keys = ids.detach().reshape(-1).cpu().numpy()
+        rows, index = self.worker.sparse_pull_rows(self.table, keys)
+        distinct = np.empty(len(rows), dtype=np.uint64)
+        distinct[index] = keys
+        weight = torch.from_numpy(rows.copy()).requires_grad_(self.training)
+        if self.training:
+            worker, table = self.worker, self.table
+
+            def push(grad):
+                worker.sparse_push(table, distinct, grad.detach().cpu().numpy())
+
+            weight.register_hook(push)
+        return weight, torch.from_numpy(index.astype(np.int64)).to(ids.device)
+
+
+class EmbeddingBag(_SparseModule):
+    """``torch.nn.EmbeddingBag`` over a sparse table of the EPS job: each
+    forward pulls the rows of the ids it is given (each distinct id once,
+    written by the servers into the worker's registered buffer), pools them
+    (``mode`` ``"mean"`` or ``"sum"``), and the backward pass pushes one
+    gradient row per distinct id: no dense gradient of the table is ever
+    made. One forward per table and step (BSP pushes a table once per
+    iteration). ``input`` and ``offsets`` are as ``torch.nn.EmbeddingBag``'s
+    (1-D ids with bag offsets, or 2-D fixed-size bags)."""
+
+    def __init__(self, table, mode="mean", worker=None):
+        if mode not in ("mean", "sum"):
+            raise ValueError(f"mode {mode!r}: EPS bags pool by mean or sum")
+        super().__init__(table, worker)
+        self.mode = mode
+
+    def forward(self, input, offsets=None, per_sample_weights=None):
+        weight, index = self._rows(input)
+        return torch.nn.functional.embedding_bag(
+            index.view(input.shape), weight, offsets, mode=self.mode, per_sample_weights=per_sample_weights
+        )
+
+
+class Embedding(_SparseModule):
+    """``torch.nn.Embedding`` over a sparse table of the EPS job: the rows
+    of ``input``'s ids (any shape), pulled for each forward; their gradient
+    rows are pushed by the backward pass. One forward per table and step."""
+
+    def forward(self, input):
+        weight, index = self._rows(input)
+        return torch.nn.functional.embedding(index.view(input.shape), weight)
 
 
 class ElasticLoader:

@@ -181,4 +181,33 @@ impl AnyWorker {
     pub(crate) fn quiesce(&mut self) -> Result<(), WorkerError> {
         on!(self, w => w.quiesce())
     }
+    pub(crate) fn table(&self, name: &str) -> Result<u16, WorkerError> {
+        on!(self, w => w.table(name))
+    }
+    pub(crate) fn table_dim(&self, table: u16) -> Result<usize, WorkerError> {
+        on!(self, w => w.table_dim(table))
+    }
+    pub(crate) fn sparse_pull(&mut self, table: u16, keys: &[u64], out: &mut [f32]) -> Result<(), WorkerError> {
+        on!(self, w => w.sparse_pull(table, keys, out))
+    }
+    /// A pull's distinct rows (where they lie in the worker's registered
+    /// buffer, and how many) with each key's row index written into `index`.
+    pub(crate) fn sparse_pull_rows(
+        &mut self,
+        table: u16,
+        keys: &[u64],
+        index: &mut [u32],
+    ) -> Result<(*const f32, usize), WorkerError> {
+        on!(self, w => {
+            let p = w.sparse_pull_rows(table, keys)?;
+            index.copy_from_slice(&p.index);
+            Ok((p.rows.as_ptr(), p.rows.len() / p.dim.max(1)))
+        })
+    }
+    pub(crate) fn sparse_push(&mut self, table: u16, keys: &[u64], grads: &[f32]) -> Result<(), WorkerError> {
+        on!(self, w => w.sparse_push(table, keys, grads))
+    }
+    pub(crate) fn sparse_flush(&mut self, table: u16) -> Result<(), WorkerError> {
+        on!(self, w => w.sparse_flush(table))
+    }
 }

@@ -30,6 +30,7 @@
 mod any;
 mod cluster;
 mod handle;
+mod sparse;
 mod status;
 mod types;
 mod worker;
@@ -37,6 +38,7 @@ mod worker;
 use std::ffi::c_char;
 
 pub use cluster::*;
+pub use sparse::*;
 pub use status::eps_status;
 pub use types::*;
 pub use worker::*;
@@ -47,7 +49,7 @@ use status::{guard, non_null};
 /// Major version: a change means an incompatible ABI.
 pub const EPS_VERSION_MAJOR: u32 = 0;
 /// Minor version: additions only.
-pub const EPS_VERSION_MINOR: u32 = 1;
+pub const EPS_VERSION_MINOR: u32 = 2;
 /// Patch version.
 pub const EPS_VERSION_PATCH: u32 = 0;
 /// `EPS_VERSION_MAJOR * 10000 + EPS_VERSION_MINOR * 100 + EPS_VERSION_PATCH`,

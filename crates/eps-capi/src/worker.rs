@@ -48,8 +48,8 @@ struct Pending {
     iteration: u64,
 }
 
-struct Joined {
-    w: AnyWorker,
+pub(crate) struct Joined {
+    pub(crate) w: AnyWorker,
     /// The buffers are the caller's (`eps_worker_join_borrowed`).
     borrowed: bool,
     names: Vec<CString>,
@@ -121,13 +121,13 @@ fn worker<'a>(w: *mut eps_worker) -> Res<&'a eps_worker> {
 }
 
 /// Runs `f` on a joined worker (that has not finished).
-fn joined<R>(w: *mut eps_worker, f: impl FnOnce(&mut Joined) -> Res<R>) -> Res<R> {
+pub(crate) fn joined<R>(w: *mut eps_worker, f: impl FnOnce(&mut Joined) -> Res<R>) -> Res<R> {
     with_joined(w, false, f)
 }
 
 /// Runs `f` on a joined worker; a finished one too if `finished_ok` (the
 /// calls that only read its layout, buffers and statistics).
-fn with_joined<R>(w: *mut eps_worker, finished_ok: bool, f: impl FnOnce(&mut Joined) -> Res<R>) -> Res<R> {
+pub(crate) fn with_joined<R>(w: *mut eps_worker, finished_ok: bool, f: impl FnOnce(&mut Joined) -> Res<R>) -> Res<R> {
     let h = worker(w)?;
     let mut st = h.state.lock().unwrap_or_else(|p| p.into_inner());
     match &mut *st {
@@ -143,7 +143,7 @@ fn with_joined<R>(w: *mut eps_worker, finished_ok: bool, f: impl FnOnce(&mut Joi
 ///
 /// # Safety
 /// `out` is NULL or valid for a write of `T`.
-unsafe fn put<T>(out: *mut T, v: T, what: &str) -> Res {
+pub(crate) unsafe fn put<T>(out: *mut T, v: T, what: &str) -> Res {
     non_null(out, what)?;
     // SAFETY: not NULL, and writable by the caller's contract.
     unsafe { out.write(v) };
