@@ -150,11 +150,8 @@ impl<P: Fabric> Worker<P> {
 
     fn decl(&self, table: u16) -> Result<&Declared, WorkerError> {
         let n = self.sparse.len();
-        self.sparse
-            .tables
-            .get(table as usize)
-            .map(|t| &t.decl)
-            .ok_or(WorkerError::Sparse { table: format!("#{table}"), why: format!("no such table (the job has {n})") })
+        let t = self.sparse.tables.get(table as usize).map(|t| &t.decl);
+        t.ok_or_else(|| WorkerError::UnknownTable(format!("#{table} (the job has {n} tables)")))
     }
 
     fn sparse_err(&self, table: u16, why: String) -> WorkerError {

@@ -15,7 +15,8 @@
 
 static const char *SPEC =
     "[job]\nworkers = 1\nservers = 2\nsteps = 3\nshard_bytes = 4096\n"
-    "[model]\ndeclare = true\n[optimizer]\nkind = \"none\"\n";
+    "[model]\ndeclare = true\n[[model.tables]]\nname = \"emb\"\ndim = 2\noptimizer = \"sgd\"\nlr = 1.0\n"
+    "max_keys = 8\n[optimizer]\nkind = \"none\"\n";
 
 int main(void) {
     const char *secret = "bad-input-test-secret";
@@ -152,6 +153,33 @@ int main(void) {
     uint64_t at = 0;
     EXPECT(eps_worker_next_change(w, 0, &at), EPS_ERR_NOT_FOUND);
 
+    /* Sparse tables: names, NULLs, lengths. */
+    uint32_t tab = 99, dim = 0;
+    EXPECT(eps_table_find(w, "nope", &tab), EPS_ERR_NOT_FOUND);
+    EXPECT(eps_table_find(w, NULL, &tab), EPS_ERR_NULL_POINTER);
+    EXPECT(eps_table_find(w, "emb", NULL), EPS_ERR_NULL_POINTER);
+    EXPECT(eps_table_find(w, "emb", &tab), EPS_OK);
+    EXPECT(eps_table_dim(w, tab, &dim), EPS_OK);
+    CHECK(tab == 0 && dim == 2);
+    EXPECT(eps_table_dim(w, 7, &dim), EPS_ERR_NOT_FOUND);
+    uint64_t keys[3] = {5, 9, 5}, many[9] = {1, 2, 3, 4, 5, 6, 7, 8, 9};
+    float rows[18], grads[6] = {1, 2, 3, 4, 5, 6};
+    uint32_t index[9];
+    const float *view = NULL;
+    size_t nrows = 0;
+    EXPECT(eps_sparse_pull(w, tab, NULL, 3, rows, 6), EPS_ERR_NULL_POINTER);
+    EXPECT(eps_sparse_pull(w, tab, keys, 3, NULL, 6), EPS_ERR_NULL_POINTER);
+    EXPECT(eps_sparse_pull(w, tab, keys, 3, rows, 5), EPS_ERR_INVALID_ARGUMENT);
+    EXPECT(eps_sparse_pull(w, tab, many, 9, rows, 18), EPS_ERR_INVALID_ARGUMENT);
+    CHECK(strstr(eps_last_error(), "max_keys is 8") != NULL);
+    EXPECT(eps_sparse_pull(w, 7, keys, 3, rows, 6), EPS_ERR_NOT_FOUND);
+    EXPECT(eps_sparse_pull_rows(w, tab, keys, 3, index, NULL, &nrows), EPS_ERR_NULL_POINTER);
+    EXPECT(eps_sparse_pull_rows(w, tab, keys, 3, NULL, &view, &nrows), EPS_ERR_NULL_POINTER);
+    EXPECT(eps_sparse_push(w, tab, keys, 3, grads, 4), EPS_ERR_INVALID_ARGUMENT);
+    EXPECT(eps_sparse_push(w, tab, keys, 3, NULL, 6), EPS_ERR_NULL_POINTER);
+    EXPECT(eps_sparse_pull(w, tab, NULL, 0, NULL, 0), EPS_OK);
+    EXPECT(eps_sparse_flush(w, 7), EPS_ERR_NOT_FOUND);
+
     /* Push/pull out of order and with bad tensor lists. */
     uint32_t bogus[1] = {5};
     EXPECT(eps_worker_pull_start(w, NULL, 0, &req), EPS_ERR_STATE);
@@ -177,6 +205,14 @@ int main(void) {
         EXPECT(eps_worker_begin(w, 8, &it), EPS_OK);
         CHECK(it.iteration == step && it.contributes == 1 && it.contributors == 1);
         CHECK(it.sample_begin == 8 * step && it.sample_end == 8 * step + 8);
+        /* Key 5 twice, key 9 once: rows pulled without a copy, then
+         * gradient rows pushed (key 5's summed in order). */
+        EXPECT(eps_sparse_pull_rows(w, tab, keys, 3, index, &view, &nrows), EPS_OK);
+        CHECK(nrows == 2 && index[0] == index[2] && index[0] != index[1]);
+        float before[4] = {view[2 * index[0]], view[2 * index[0] + 1], view[2 * index[1]], view[2 * index[1] + 1]};
+        EXPECT(eps_sparse_push(w, tab, keys, 3, grads, 6), EPS_OK);
+        EXPECT(eps_sparse_push(w, tab, keys, 3, grads, 6), EPS_ERR_INVALID_ARGUMENT);
+        CHECK(strstr(eps_last_error(), "pushed twice") != NULL);
         float *gw = (float *)wt.grads, *gb = (float *)bt.grads;
         for (uint64_t i = 0; i < wt.elements; i++) gw[i] = (float)(i + step);
         for (uint64_t i = 0; i < bt.elements; i++) gb[i] = -(float)(i + step);
@@ -195,6 +231,11 @@ int main(void) {
         const float *pw = (const float *)wt.params, *pb = (const float *)bt.params;
         for (uint64_t i = 0; i < wt.elements; i++) CHECK(pw[i] == (float)(i + step));
         for (uint64_t i = 0; i < bt.elements; i++) CHECK(pb[i] == -(float)(i + step));
+        /* One worker, SGD at lr 1: each row less its gradient. */
+        float after[4];
+        EXPECT(eps_sparse_pull(w, tab, keys, 2, after, 4), EPS_OK);
+        CHECK(after[0] == before[0] - 6.0f && after[1] == before[1] - 8.0f);
+        CHECK(after[2] == before[2] - 3.0f && after[3] == before[3] - 4.0f);
     }
     eps_worker_stats st;
     EXPECT(eps_worker_get_stats(w, &st), EPS_OK);
