@@ -135,6 +135,21 @@ check eps_train_rdma_direct_equals_soft same rdmahost-direct
 # and one leaving: they must finish (their results depend on timing).
 check eps_train_rdma_asp timeout 300 "$dir/eps" train --spec /tmp/tiny.toml --consistency asp --scale-plan 10:servers=3,20:servers=1 --transport rdma
 check eps_train_rdma_workers timeout 300 "$dir/eps" train --spec /tmp/tiny.toml --scale-plan 10:workers=3,20:workers=2 --transport rdma
+# Sparse tables over rdma: the click-through job (rows pulled and pushed by key,
+# WRITTEN by the servers into the workers' row buffers) ends with the soft
+# transport's dense parameters and table rows, bit for bit.
+ctr() {
+    timeout 300 "$dir/eps" train --model ctr --steps 60 --batch 64 --progress-every 30 --json --transport "$1" >"/tmp/ctr_$1.out" &&
+        tail -n 1 "/tmp/ctr_$1.out" | grep -o '"params_checksum":"[0-9a-f]*"\|"transport":"[a-z]*"\|"sparse_checksum":"[0-9a-f]*"' >"/tmp/ctr_$1.sums" &&
+        grep -q "\"transport\":\"$1\"" "/tmp/ctr_$1.sums"
+}
+ctr_same() {
+    grep -v transport /tmp/ctr_soft.sums >/tmp/ctr_a && grep -v transport /tmp/ctr_rdma.sums >/tmp/ctr_b &&
+        test "$(wc -l </tmp/ctr_a)" -eq 2 && cmp -s /tmp/ctr_a /tmp/ctr_b && echo "rdma ctr equals soft: $(tr '\n' ' ' </tmp/ctr_b)"
+}
+check eps_train_ctr_soft ctr soft
+check eps_train_ctr_rdma ctr rdma
+check eps_train_ctr_rdma_equals_soft ctr_same
 # libeps over rdma: the C example, two processes against `eps up`, both on rxe.
 libeps_c() {
     # Bounded: a hang fails this check with every process's log instead of

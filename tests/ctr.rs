@@ -41,7 +41,7 @@ fn ctr_refusals_are_clear() {
     std::fs::write(&bad_dim, spec).unwrap();
     let cases: [(Vec<&str>, &str); 3] = [
         (vec!["--spec", bad_dim.to_str().unwrap()], "table \"ctr.ids\" has dim 4; model.embed_dim is 8"),
-        (vec!["--consistency", "asp"], "sparse tables are served under BSP only"),
+        (vec!["--replicas", "2"], "sparse tables have no replicas"),
         (vec!["--steps", "40", "--scale-plan", "10:servers=3"], "sparse tables"),
     ];
     for (args, want) in cases {

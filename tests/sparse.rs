@@ -219,3 +219,61 @@ fn bad_sparse_input_is_refused_and_changes_nothing() {
         w.finish().unwrap();
     }
 }
+
+/// SSP and ASP apply each worker's push on arrival (scaled by the worker
+/// count, as dense shards do): once both workers' pushes are applied, every
+/// row holds the sum of all of them, whatever the order they came in.
+#[test]
+fn ssp_and_asp_apply_every_push_on_arrival() {
+    for consistency in ["ssp", "asp"] {
+        let text = format!(
+            "[job]\nworkers = 2\nservers = 2\nsteps = 6\nconsistency = \"{consistency}\"\nstaleness = 1\nseed = 3\n\
+             [model]\ntensors = [{{ name = \"w\", elements = 4096 }}]\n\
+             [[model.tables]]\nname = \"t\"\ndim = 2\noptimizer = \"sgd\"\nlr = 0.25\ninit = \"zeros\"\n\
+             [optimizer]\nkind = \"sgd\"\nlr = 0.01\n"
+        );
+        let (spec, control) = start_control(&text);
+        let _servers = start_servers(2, control);
+        let both = std::sync::Barrier::new(2);
+        let rows: Vec<Vec<f32>> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..2)
+                .map(|_| {
+                    s.spawn(|| {
+                        let mut w = Worker::join(&worker_config(control)).unwrap();
+                        let n = w.layout().total as usize;
+                        let (mut p, mut g) = (vec![0f32; n], vec![0f32; n]);
+                        let mut pulled = vec![0f32; 2 * 10];
+                        for _ in 0..spec.job.steps {
+                            let (r, t) = (u64::from(w.rank()), w.iteration());
+                            w.sparse_pull(0, &(0..10).collect::<Vec<u64>>(), &mut pulled).unwrap();
+                            let keys: Vec<u64> = (0..10).map(|k| (k + r + t) % 10).collect();
+                            let grads: Vec<f32> = keys.iter().flat_map(|&k| [k as f32, 1.0 + r as f32]).collect();
+                            w.sparse_push(0, &keys, &grads).unwrap();
+                            step(&mut w, &mut p, &mut g);
+                        }
+                        w.sparse_flush(0).unwrap();
+                        both.wait();
+                        let mut end = vec![0f32; 2 * 10];
+                        w.sparse_pull(0, &(0..10).collect::<Vec<u64>>(), &mut end).unwrap();
+                        w.finish().unwrap();
+                        end
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        // Each worker pushed every key once a step: key k's first value got
+        // k, its second 1 + rank, each scaled by 1/2, at lr 0.25.
+        let steps = spec.job.steps as f32;
+        for k in 0..10usize {
+            let want = [-0.25 * 0.5 * (2.0 * steps * k as f32), -0.25 * 0.5 * steps * (1.0 + 2.0)];
+            for got in &rows {
+                let row = &got[2 * k..2 * k + 2];
+                assert!(
+                    (row[0] - want[0]).abs() < 1e-4 && (row[1] - want[1]).abs() < 1e-4,
+                    "{consistency}: key {k}: {row:?}, want {want:?}"
+                );
+            }
+        }
+    }
+}

@@ -16,7 +16,7 @@
 use eps_fabric::{Access, Fabric, HostRegion, MemoryRegion, RemoteAddr, SendOp, SendWr, Sge};
 use eps_proto::control::ShardEndpoint;
 use eps_proto::hello::Hello;
-use eps_proto::imm::{Imm, ImmKind, widen_seq};
+use eps_proto::imm::{Imm, ImmKind};
 use eps_proto::layout::sparse_id;
 use eps_proto::sync::PushOutcome;
 use eps_proto::{Consistency, JobSpec};
@@ -68,7 +68,7 @@ impl<P: Fabric> Sparse<P> {
                 landing.push(touched(pd.alloc_mr(push.next_multiple_of(8) + pull, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?));
                 reply.push(touched(pd.alloc_mr(reply_bytes, Access::LOCAL_WRITE)?));
             }
-            let part = TablePart::new(t, Consistency::Bsp, ranks).map_err(|e| ServerError::Sparse(e.to_string()))?;
+            let part = TablePart::new(t, spec.job.consistency, ranks).map_err(|e| ServerError::Sparse(e.to_string()))?;
             let n = ranks as usize;
             tables.push(Table { part, landing, reply, pushed: vec![0; n], pulled: vec![0; n] });
         }
@@ -187,12 +187,15 @@ impl<P: Fabric> Server<P> {
         let t = &mut self.sparse.tables[table as usize];
         match op {
             Op::Push => {
-                let iteration = widen_seq(m.seq, t.part.sync.version());
+                // (The header's iteration is the whole one; the immediate's
+                // low bits were checked against it.)
+                let iteration = seq;
                 t.pushed[w] = len as usize;
                 let contributors = t.part.sync.contributors(&self.membership, &self.lost, iteration).into_owned();
                 match t.part.sync.on_push(h.rank, iteration, &contributors) {
                     Ok(PushOutcome::AggregateAll { .. }) => self.sparse_update(table, &contributors)?,
-                    Ok(_) => {}
+                    Ok(PushOutcome::ApplyOne { worker, .. }) => self.sparse_update(table, &[worker])?,
+                    Ok(PushOutcome::Wait) => {}
                     Err(e) => self.violation(ci, &e.to_string()),
                 }
             }
@@ -210,7 +213,8 @@ impl<P: Fabric> Server<P> {
 
     /// BSP: every contributor's push of the table's iteration is in: merge
     /// them in rank order, step, credit their push regions, answer the pulls
-    /// that waited for the new version.
+    /// that waited for the new version. SSP/ASP: the one worker in
+    /// `contributors` pushed; its rows are applied on their own.
     fn sparse_update(&mut self, table: u16, contributors: &[u32]) -> Result<(), ServerError> {
         let t = &mut self.sparse.tables[table as usize];
         let mut views = Vec::with_capacity(contributors.len());
@@ -222,7 +226,12 @@ impl<P: Fabric> Server<P> {
                 .map_err(|e| ServerError::Sparse(format!("a push checked on arrival: {e}")))?;
             views.push((q.keys, q.rows));
         }
-        t.part.apply_all(&views).map_err(|e| ServerError::Sparse(e.to_string()))?;
+        let applied = match (self.mode, contributors) {
+            (Consistency::Bsp, _) => t.part.apply_all(&views),
+            (_, &[w]) => t.part.apply_one(w, views[0].0, views[0].1),
+            _ => return Err(ServerError::Sparse("an SSP/ASP update of more than one worker's push".into())),
+        };
+        applied.map_err(|e| ServerError::Sparse(e.to_string()))?;
         self.summary.updates += 1;
         let id = sparse_id(table);
         for &w in contributors {

@@ -198,7 +198,13 @@ impl<P: Fabric> Worker<P> {
         let d = dedup(keys);
         self.check_keys(table, keys, d.keys.len())?;
         let reqs = split_by_owner(&d.keys, &self.sparse.owner).map_err(|e| self.sparse_err(table, e.to_string()))?;
-        let v = self.iteration;
+        // The version asked: BSP every earlier iteration applied; SSP the
+        // slowest worker within the staleness bound; ASP whatever is there.
+        let v = match self.mode {
+            eps_proto::Consistency::Bsp => self.iteration,
+            eps_proto::Consistency::Ssp => self.iteration.saturating_sub(self.spec.job.staleness.into()),
+            eps_proto::Consistency::Asp => 0,
+        };
         // Row `slot[i]` of the row buffer is distinct key `i`'s.
         let mut slot = vec![0u32; d.keys.len()];
         let (mut at, mut row) = (0usize, 0usize);

@@ -159,9 +159,6 @@ pub fn validate<'a>(tables: &[TableDecl], tensors: impl Iterator<Item = &'a str>
     }
     // What sparse tables do not do yet.
     let j = &job.job;
-    if j.consistency != super::Consistency::Bsp {
-        return Err(bad("job.consistency", "sparse tables are served under BSP only for now"));
-    }
     if j.replicas > 1 || j.checkpoint_every > 0 || j.max_workers.is_some_and(|m| m > j.workers) {
         return Err(bad(
             "model.tables",
@@ -205,7 +202,6 @@ mod tests {
     fn what_tables_do_not_do_yet_is_refused() {
         let t = "[[model.tables]]\nname = \"t\"\ndim = 4\n";
         for (job, field) in [
-            ("consistency = \"asp\"", "job.consistency"),
             ("replicas = 2\nservers = 2", "model.tables"),
             ("checkpoint_every = 5\ncheckpoint_dir = \"/tmp/x\"", "model.tables"),
             ("max_workers = 4", "model.tables"),
