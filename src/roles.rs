@@ -140,7 +140,7 @@ pub fn server(
     // One write, so that other processes' lines on the same stderr cannot land
     // inside it.
     let line = format!(
-        "eps server {}: {} shards, {} parameters, {} updates applied, {} pulls served, {} protocol violations ({} transport, {} aggregator)\n",
+        "eps server {}: {} shards, {} parameters, {} updates applied, {} pulls served, {} protocol violations ({} transport, {} aggregator){}\n",
         s.rank,
         s.shards,
         s.elements,
@@ -148,7 +148,18 @@ pub fn server(
         s.pulls,
         s.violations,
         chosen.name(),
-        kind.name()
+        kind.name(),
+        if s.sparse_rss_start_bytes > 0 {
+            format!(
+                "; sparse tables: {} rows ({} with optimizer state), {} evicted, {} refused (table full)",
+                s.sparse_rows,
+                crate::units::format_size(s.sparse_row_state_bytes),
+                s.sparse_evicted,
+                s.sparse_refused
+            )
+        } else {
+            String::new()
+        }
     );
     let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
     Ok(())
