@@ -280,3 +280,33 @@ fn ssp_and_asp_apply_every_push_on_arrival() {
         }
     }
 }
+
+/// Rows not touched for `evict_idle_steps` are evicted (the servers count
+/// them), and an evicted key comes back as its initial row.
+#[test]
+fn idle_rows_are_evicted_and_come_back_fresh() {
+    let text = "[job]\nworkers = 1\nservers = 2\nsteps = 12\n[model]\ntensors = [{ name = \"w\", elements = 4096 }]\n\
+                [[model.tables]]\nname = \"t\"\ndim = 3\noptimizer = \"sgd\"\nlr = 0.5\nevict_idle_steps = 3\n\
+                [optimizer]\nkind = \"sgd\"\nlr = 0.01\n";
+    let (spec, control) = start_control(text);
+    let servers = start_servers(2, control);
+    let mut w = Worker::join(&worker_config(control)).unwrap();
+    let n = w.layout().total as usize;
+    let (mut p, mut g) = (vec![0f32; n], vec![0f32; n]);
+    let (mut first, mut rows) = (vec![0f32; 3 * 8], vec![0f32; 3 * 8]);
+    let early: Vec<u64> = (0..8).collect();
+    w.sparse_pull(0, &early, &mut first).unwrap();
+    for _ in 0..spec.job.steps {
+        // Keys 0..8 in the first two steps only; 100.. every step.
+        let t = w.iteration();
+        let keys: Vec<u64> = if t < 2 { (0..8).chain(100..104).collect() } else { (100..104).collect() };
+        w.sparse_push(0, &keys, &vec![1.0; keys.len() * 3]).unwrap();
+        step(&mut w, &mut p, &mut g);
+    }
+    w.sparse_pull(0, &early, &mut rows).unwrap();
+    assert_eq!(rows, first, "evicted rows come back as their initial values, not as the stepped ones");
+    w.finish().unwrap();
+    let timeout = std::time::Duration::from_secs(60);
+    let evicted: u64 = (0..2).map(|_| servers.recv_timeout(timeout).expect("a server's summary").sparse_evicted).sum();
+    assert_eq!(evicted, 8, "keys 0..8 were idle for more than 3 steps");
+}
