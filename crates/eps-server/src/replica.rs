@@ -82,7 +82,15 @@ impl<P: Fabric> Server<P> {
         snapshot: bool,
     ) -> Result<(), ServerError> {
         let Some(h) = self.held_mut(id) else {
-            return Err(ServerError::Migration(format!("ordered to replicate shard {id}, which is not here")));
+            // A move's target is ordered to forward to the shard's backup
+            // right after `MigrateIn`; if the move was cancelled meanwhile (its
+            // source lost), the target dropped its empty copy and the order
+            // is stale: there is nothing to forward.
+            eps_proto::say!(
+                "eps server {}: ordered to replicate shard {id}, which is not here (a stale order: a cancelled move's): ignored",
+                self.rank
+            );
+            return Ok(());
         };
         if snapshot && (matches!(h.incoming, Some((_, None))) || h.sync.catching_up()) {
             // A move's target ordered a new backup once the move's source let
