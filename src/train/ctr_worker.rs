@@ -11,7 +11,7 @@ use eps_proto::spec::CTR_TABLE;
 use eps_worker::Worker;
 
 use super::ctr::{Click, Ctr, auc, key, log_loss};
-use super::worker::{HELD_OUT, HELD_OUT_FIRST, Pace, TrainWorkerError, checksum, membership_text, report_progress};
+use super::worker::{HELD_OUT, HELD_OUT_FIRST, Pace, TrainWorkerError, checksum, done_line, membership_text, report_progress};
 
 /// Held-out samples evaluated per pull.
 const EVAL_CHUNK: u64 = 1024;
@@ -118,16 +118,7 @@ pub fn run<P: eps_fabric::Fabric>(mut w: Worker<P>, pace: Pace) -> Result<(), Tr
             (loss_sum, correct, seen) = (0.0, 0, 0);
         }
     }
-    let st = w.stats();
-    let mut line = format!(
-        "EPS_DONE rank={rank} steps={} first_step={first_step} left={} samples={trained} elapsed_s={:.4} pushed={} pulled={} comm_s={:.4}",
-        w.iteration() - first_step,
-        u8::from(left),
-        start.elapsed().as_secs_f64(),
-        st.pushed_bytes,
-        st.pulled_bytes,
-        st.comm.as_secs_f64()
-    );
+    let mut line = done_line(&w, first_step, left, trained, start.elapsed().as_secs_f64());
     let last = w.iteration().saturating_sub(1);
     if !left && w.membership().contributors(last).first() == Some(&rank) {
         line += &format!(" membership={}", membership_text(w.membership()));

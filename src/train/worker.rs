@@ -117,6 +117,20 @@ pub fn chunk_digests(bytes: &[u8], chunk: usize) -> String {
     d.join(",")
 }
 
+/// The start of a worker's `EPS_DONE` line: what it trained and moved.
+pub fn done_line<P: eps_fabric::Fabric>(w: &Worker<P>, first_step: u64, left: bool, trained: u64, elapsed: f64) -> String {
+    let st = w.stats();
+    format!(
+        "EPS_DONE rank={} steps={} first_step={first_step} left={} samples={trained} elapsed_s={elapsed:.4} pushed={} pulled={} comm_s={:.4}",
+        w.rank(),
+        w.iteration() - first_step,
+        u8::from(left),
+        st.pushed_bytes,
+        st.pulled_bytes,
+        st.comm.as_secs_f64()
+    )
+}
+
 /// Rank 0 (the lowest-ranked contributor of `step`: rank 0 unless it left or
 /// died) prints an `EPS_PROGRESS` line after every `every` steps: the loss
 /// and accuracy over the samples since the last one (`(loss sum, correct,
@@ -220,14 +234,9 @@ pub fn run<P: eps_fabric::Fabric>(mut w: Worker<P>, pace: Pace) -> Result<(), Tr
         }
     }
     let elapsed = start.elapsed().as_secs_f64();
-    let st = w.stats();
     let mut line = format!(
-        "EPS_DONE rank={rank} steps={} first_step={first_step} left={} samples={trained} elapsed_s={elapsed:.4} pushed={} pulled={} comm_s={:.4} lat_p50_us={} lat_p99_us={} lat_max_us={}",
-        w.iteration() - first_step,
-        u8::from(left),
-        st.pushed_bytes,
-        st.pulled_bytes,
-        st.comm.as_secs_f64(),
+        "{} lat_p50_us={} lat_p99_us={} lat_max_us={}",
+        done_line(&w, first_step, left, trained, elapsed),
         lat.all.value_at_quantile(0.5),
         lat.all.value_at_quantile(0.99),
         lat.all.max()

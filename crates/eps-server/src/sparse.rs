@@ -248,22 +248,20 @@ impl<P: Fabric> Server<P> {
     /// Answers worker `w`'s pull of `table` with version `v`: its rows
     /// gathered into its reply region, WRITTEN where the request said.
     fn sparse_answer(&mut self, table: u16, w: u32, v: u64) -> Result<(), ServerError> {
-        let t = &mut self.sparse.tables[table as usize];
-        let decl = t.part.table().clone();
-        let at = pull_offset(&decl);
+        let Table { part, landing, reply, pulled, .. } = &mut self.sparse.tables[table as usize];
+        let (at, dim) = (pull_offset(part.table()), part.table().spec.dim);
         // SAFETY: the worker sends no other pull of this table before this
         // one is answered, so nothing lands in its pull region meanwhile.
-        let bytes = unsafe { t.landing[w as usize].as_slice() };
-        let q = wire::parse(&bytes[at..], t.pulled[w as usize], Op::Pull, &decl)
+        let bytes = unsafe { landing[w as usize].as_slice() };
+        let q = wire::parse(&bytes[at..], pulled[w as usize], Op::Pull, part.table())
             .map_err(|e| ServerError::Sparse(format!("a pull checked on arrival: {e}")))?;
-        let n = q.keys.len() * decl.spec.dim;
-        let keys = q.keys.to_vec();
+        let n = q.keys.len() * dim;
         let remote = RemoteAddr { addr: q.header.reply_addr, rkey: q.header.reply_rkey };
         // SAFETY: the previous answer's WRITE from this region was delivered
         // (the worker asks again only after it), and no other one is posted.
-        let out = unsafe { t.reply[w as usize].as_mut_slice() };
+        let out = unsafe { reply[w as usize].as_mut_slice() };
         let rows: &mut [f32] = bytemuck::cast_slice_mut(&mut out[..n * 4]);
-        t.part.answer(v, &keys, rows).map_err(|e| ServerError::Sparse(e.to_string()))?;
+        part.answer(v, q.keys, rows).map_err(|e| ServerError::Sparse(e.to_string()))?;
         let Some((conn, _)) = self.worker_conn(w) else { return Ok(()) };
         let t = &self.sparse.tables[table as usize];
         let sg = [Sge::new(&t.reply[w as usize], 0, (n * 4) as u32)];

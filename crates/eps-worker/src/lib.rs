@@ -818,29 +818,33 @@ impl<P: Fabric> Worker<P> {
     }
 
     /// Posts a WRITE_WITH_IMM to server `server` (payload: `grad` = (byte offset,
-    /// length) of the gradient buffer, or none); a full send queue is backpressure:
-    /// reap completions and retry.
+    /// length) of the gradient buffer, or none).
     fn post(&mut self, server: u32, wr_id: u64, to: RemoteAddr, imm: u32, grad: Option<(u64, u32)>) -> Result<(), WorkerError> {
-        loop {
-            let res = {
-                let sg_buf;
-                let sg: &[Sge<'_, P::Mr>] = match grad {
-                    Some((off, len)) => {
-                        sg_buf = [Sge::new(&self.grads, off, len)];
-                        &sg_buf
-                    }
-                    None => &[],
-                };
-                let signaled = grad.is_some();
-                self.qp(server)?.post_send(&SendWr { wr_id, op: SendOp::WriteImm(to, imm), sg, signaled })
+        self.post_retrying(|w| {
+            let sg_buf;
+            let sg: &[Sge<'_, P::Mr>] = match grad {
+                Some((off, len)) => {
+                    sg_buf = [Sge::new(&w.grads, off, len)];
+                    &sg_buf
+                }
+                None => &[],
             };
-            match res {
-                Err(FabricError::QueueFull { .. }) => {
+            let signaled = grad.is_some();
+            Ok(w.qp(server)?.post_send(&SendWr { wr_id, op: SendOp::WriteImm(to, imm), sg, signaled })?)
+        })
+    }
+
+    /// Runs `post` until the send queue takes the request: a full queue is
+    /// backpressure (reap completions and retry).
+    pub(crate) fn post_retrying(&mut self, post: impl Fn(&Self) -> Result<(), WorkerError>) -> Result<(), WorkerError> {
+        loop {
+            match post(self) {
+                Err(WorkerError::Fabric(FabricError::QueueFull { .. })) => {
                     if !self.reap()? {
                         std::thread::yield_now();
                     }
                 }
-                r => return Ok(r?),
+                r => return r,
             }
         }
     }

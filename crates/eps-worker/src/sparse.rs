@@ -354,8 +354,7 @@ impl<P: Fabric> Worker<P> {
     }
 
     /// Posts bytes `at..at + n` of a table's push or pull staging buffer to
-    /// server `server` with immediate `imm`; a full send queue is
-    /// backpressure: reap and retry.
+    /// server `server` with immediate `imm`.
     #[allow(clippy::too_many_arguments)]
     fn post_sparse(
         &mut self,
@@ -367,22 +366,12 @@ impl<P: Fabric> Worker<P> {
         at: usize,
         n: usize,
     ) -> Result<(), WorkerError> {
-        loop {
-            let res = {
-                let t = &self.sparse.tables[table as usize];
-                let mr = if push { &t.push_out } else { &t.pull_out };
-                let sg = [Sge::new(mr, at as u64, n as u32)];
-                let wr_id = WR_SPARSE | u64::from(table);
-                self.qp(server)?.post_send(&SendWr { wr_id, op: SendOp::WriteImm(to, imm), sg: &sg, signaled: push })
-            };
-            match res {
-                Err(FabricError::QueueFull { .. }) => {
-                    if !self.reap()? {
-                        std::thread::yield_now();
-                    }
-                }
-                r => return Ok(r?),
-            }
-        }
+        self.post_retrying(|w| {
+            let t = &w.sparse.tables[table as usize];
+            let mr = if push { &t.push_out } else { &t.pull_out };
+            let sg = [Sge::new(mr, at as u64, n as u32)];
+            let wr_id = WR_SPARSE | u64::from(table);
+            Ok(w.qp(server)?.post_send(&SendWr { wr_id, op: SendOp::WriteImm(to, imm), sg: &sg, signaled: push })?)
+        })
     }
 }
