@@ -99,6 +99,9 @@ pub struct JobMap {
     /// Sparse tables: per server and table, the workers' landing regions
     /// (`owner` the server, `shard` the table's index; see `TablesReady`).
     pub tables: Vec<ShardEndpoint>,
+    /// Sparse tables: the bucket maps by first iteration (see
+    /// [`crate::buckets`]), as runs.
+    pub buckets: Vec<(u64, crate::buckets::Runs)>,
 }
 
 impl JobMap {
@@ -382,6 +385,28 @@ pub enum ControlMsg {
         /// One per table, in the spec's order.
         tables: Vec<ShardEndpoint>,
     },
+    /// Server -> control: the rows of the buckets server `rank` gives to
+    /// server `to` (every table's, as of the cutover) wait in its registered
+    /// memory, `len` bytes at `addr` under `rkey`, for `to` to READ.
+    RowsOut {
+        /// The source's rank.
+        rank: u32,
+        /// The target's rank.
+        to: u32,
+        /// Where they are.
+        addr: u64,
+        /// Its remote key.
+        rkey: u32,
+        /// Their bytes.
+        len: u64,
+    },
+    /// Server -> control: server `rank` took in the rows server `from` gave it.
+    RowsTaken {
+        /// The target's rank.
+        rank: u32,
+        /// The source's rank.
+        from: u32,
+    },
     /// Control -> operator: the checkpoint at `version` is complete in `path`.
     Checkpointed {
         /// Its version.
@@ -487,6 +512,18 @@ impl W {
         }
         self.u64(m.proposal);
         self.endpoints(&m.tables);
+        self.u32(m.buckets.len() as u32);
+        for (at, runs) in &m.buckets {
+            self.u64(*at);
+            self.runs(runs);
+        }
+    }
+    fn runs(&mut self, runs: &[(u32, u32)]) {
+        self.u32(runs.len() as u32);
+        for (b, o) in runs {
+            self.u32(*b);
+            self.u32(*o);
+        }
     }
     fn ranks(&mut self, v: &[u32]) {
         self.u32(v.len() as u32);
@@ -576,7 +613,17 @@ impl R<'_> {
             membership.push((self.u64()?, self.ranks()?));
         }
         let proposal = self.u64()?;
-        Ok(JobMap { epoch, servers, routes, membership, proposal, tables: self.endpoints()? })
+        let tables = self.endpoints()?;
+        let n = self.count(12)?;
+        let mut buckets = Vec::with_capacity(n);
+        for _ in 0..n {
+            buckets.push((self.u64()?, self.runs()?));
+        }
+        Ok(JobMap { epoch, servers, routes, membership, proposal, tables, buckets })
+    }
+    fn runs(&mut self) -> Result<crate::buckets::Runs, DecodeError> {
+        let n = self.count(8)?;
+        (0..n).map(|_| Ok((self.u32()?, self.u32()?))).collect()
     }
     fn decls(&mut self) -> Result<Vec<crate::declare::TensorDecl>, DecodeError> {
         let n = self.count(13)?;
@@ -757,6 +804,19 @@ impl ControlMsg {
                 w.u32(*rank);
                 w.endpoints(tables);
             }
+            ControlMsg::RowsOut { rank, to, addr, rkey, len } => {
+                w.u8(34);
+                w.u32(*rank);
+                w.u32(*to);
+                w.u64(*addr);
+                w.u32(*rkey);
+                w.u64(*len);
+            }
+            ControlMsg::RowsTaken { rank, from } => {
+                w.u8(35);
+                w.u32(*rank);
+                w.u32(*from);
+            }
             ControlMsg::MoveStopped { shard, rank } => {
                 w.u8(32);
                 w.u32(*shard);
@@ -839,6 +899,8 @@ impl ControlMsg {
             31 => ControlMsg::Unreachable { rank: r.u32()?, by: r.role()?, by_rank: r.u32()? },
             32 => ControlMsg::MoveStopped { shard: r.u32()?, rank: r.u32()? },
             33 => ControlMsg::TablesReady { rank: r.u32()?, tables: r.endpoints()? },
+            34 => ControlMsg::RowsOut { rank: r.u32()?, to: r.u32()?, addr: r.u64()?, rkey: r.u32()?, len: r.u64()? },
+            35 => ControlMsg::RowsTaken { rank: r.u32()?, from: r.u32()? },
             t => return Err(DecodeError::Tag(t)),
         };
         if !r.0.is_empty() {

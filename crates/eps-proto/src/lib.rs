@@ -8,6 +8,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod buckets;
 pub mod checkpoint;
 pub mod control;
 pub mod declare;

@@ -2,8 +2,7 @@
 //! any key space (ids hashed by the user or not, dense or clustered) spreads
 //! evenly. Buckets are what servers own, split and move.
 
-/// Buckets of every table (a power of two).
-pub const BUCKETS: u32 = 4096;
+pub use eps_proto::buckets::{BUCKETS, initial_owners};
 
 /// A bijective 64-bit mix (the splitmix64 finalizer): nearby keys land far
 /// apart.
@@ -16,14 +15,6 @@ pub fn mix(mut x: u64) -> u64 {
 /// The bucket of `key`, in `0..BUCKETS`.
 pub fn bucket_of(key: u64) -> u32 {
     (mix(key) >> (64 - BUCKETS.trailing_zeros())) as u32
-}
-
-/// The first placement of buckets on `servers` servers: contiguous ranges
-/// of about equal size (bucket `b` on server `b * servers / BUCKETS`), so a
-/// server's part is one range, split and moved as ranges later.
-pub fn initial_owners(servers: u32) -> Vec<u32> {
-    let s = servers.max(1) as u64;
-    (0..BUCKETS as u64).map(|b| (b * s / BUCKETS as u64) as u32).collect()
 }
 
 /// Hashes a u64 key by [`mix`] alone: keys are spread well by it, and it

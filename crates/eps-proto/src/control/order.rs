@@ -130,6 +130,35 @@ pub enum Order {
         /// Global shard id.
         shard: u32,
     },
+    /// Sparse tables: from iteration `at` on, the buckets are owned as
+    /// `runs` say. A server giving buckets away takes their rows out at
+    /// version `at` and reports `RowsOut`; one receiving holds requests of
+    /// `at` and later until every source's rows are in.
+    Buckets {
+        /// The cutover iteration.
+        at: u64,
+        /// The new bucket map.
+        runs: crate::buckets::Runs,
+    },
+    /// READ the rows server `from` (at `from_addr`) gives this one: `len`
+    /// bytes at `addr` under `rkey`; then report `RowsTaken`.
+    FetchRows {
+        /// The source's rank.
+        from: u32,
+        /// Its fabric address.
+        from_addr: String,
+        /// Where the rows are.
+        addr: u64,
+        /// Their remote key.
+        rkey: u32,
+        /// Their bytes.
+        len: u64,
+    },
+    /// The rows for server `to` were taken: their memory may go.
+    FreeRows {
+        /// The target's rank.
+        to: u32,
+    },
     /// Save every shard held here when it publishes `version` (BSP), into
     /// directory `dir`; report each as `Saved` (or missed: its version is past).
     Checkpoint {
@@ -214,6 +243,23 @@ impl W {
                 self.u8(15);
                 self.u32(*shard);
             }
+            Order::Buckets { at, runs } => {
+                self.u8(16);
+                self.u64(*at);
+                self.runs(runs);
+            }
+            Order::FetchRows { from, from_addr, addr, rkey, len } => {
+                self.u8(17);
+                self.u32(*from);
+                self.str(from_addr);
+                self.u64(*addr);
+                self.u32(*rkey);
+                self.u64(*len);
+            }
+            Order::FreeRows { to } => {
+                self.u8(18);
+                self.u32(*to);
+            }
             Order::Checkpoint { version, dir } => {
                 self.u8(8);
                 self.u64(*version);
@@ -251,6 +297,15 @@ impl R<'_> {
             13 => Order::DropBackup { shard: self.u32()? },
             14 => Order::FreeLanding { shard: self.u32()? },
             15 => Order::NoBackup { shard: self.u32()? },
+            16 => Order::Buckets { at: self.u64()?, runs: self.runs()? },
+            17 => Order::FetchRows {
+                from: self.u32()?,
+                from_addr: self.str()?,
+                addr: self.u64()?,
+                rkey: self.u32()?,
+                len: self.u64()?,
+            },
+            18 => Order::FreeRows { to: self.u32()? },
             t => return Err(DecodeError::Tag(t)),
         })
     }

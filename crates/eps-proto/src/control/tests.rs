@@ -15,6 +15,7 @@ fn roundtrip_and_garbage() {
         membership: vec![(0, vec![0, 1]), (9, vec![0, 1, 2])],
         proposal: 3,
         tables: vec![ep(0, 3), ep(1, 0)],
+        buckets: vec![(0, vec![(0, 0), (2048, 1)]), (40, vec![(0, 0), (1366, 1), (2731, 2)])],
     };
     let msgs = vec![
         ControlMsg::Register { role: Role::Server, fabric_addr: "127.0.0.1:5".into() },
@@ -30,6 +31,8 @@ fn roundtrip_and_garbage() {
         ControlMsg::ShardReady { endpoint: ep(4, 2), keys },
         ControlMsg::Cutover { shard: 4, at: 99 },
         ControlMsg::TablesReady { rank: 1, tables: vec![ep(0, 1), ep(1, 1)] },
+        ControlMsg::RowsOut { rank: 1, to: 2, addr: 1 << 40, rkey: 7, len: 1 << 33 },
+        ControlMsg::RowsTaken { rank: 2, from: 1 },
         ControlMsg::Released { shard: 4, bytes: 1 << 30, millis: 17 },
         ControlMsg::Scale { servers: 3 },
         ControlMsg::Poll { rank: 2, after: 5 },
@@ -73,6 +76,9 @@ fn roundtrip_and_garbage() {
                 Order::Propose { id: 4 },
                 Order::Members { at: 30, workers: vec![0, 2], expired: vec![1] },
                 Order::Checkpoint { version: 40, dir: "/tmp/ck".into() },
+                Order::Buckets { at: 40, runs: vec![(0, 0), (1366, 2)] },
+                Order::FetchRows { from: 1, from_addr: "127.0.0.1:9".into(), addr: 1 << 41, rkey: 3, len: 99 },
+                Order::FreeRows { to: 2 },
                 Order::Replicate { shard: 2, to: 1, to_addr: "127.0.0.1:8".into(), keys, snapshot: true },
                 Order::AddBackup { shard: 2, from: 0, start: 4096, len: 512 },
                 Order::Promote { shard: 2 },
@@ -155,6 +161,7 @@ fn splits_change_the_shards_of_an_iteration() {
         membership: Vec::new(),
         proposal: 0,
         tables: Vec::new(),
+        buckets: Vec::new(),
     };
     assert_eq!(map.shards_at(4), vec![0, 1]);
     assert_eq!(map.shards_at(5), vec![2, 3, 1]);
