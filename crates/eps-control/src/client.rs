@@ -41,6 +41,8 @@ fn applied_if_refused(m: &ControlMsg) -> bool {
             | ControlMsg::Unreplicated { .. }
             | ControlMsg::MoveStopped { .. }
             | ControlMsg::TablesReady { .. }
+            | ControlMsg::RowsOut { .. }
+            | ControlMsg::RowsTaken { .. }
             | ControlMsg::Cutover { .. }
             | ControlMsg::Split { .. }
             | ControlMsg::Released { .. }

@@ -13,6 +13,7 @@ use eps_proto::layout::Layout;
 use eps_proto::shardmap::{Move, ShardMap};
 use eps_proto::spec::Consistency;
 
+mod buckets;
 mod moves;
 mod replicas;
 mod split;
@@ -158,8 +159,17 @@ pub struct Job {
     lost_moving: Vec<(u32, u32)>,
     /// Sparse tables the spec declares.
     table_count: usize,
-    /// Per initial server and table: the workers' landing regions.
+    /// Per server and table: the workers' landing regions.
     tables: Vec<ShardEndpoint>,
+    /// Every initial server reported its tables (latched: scale-downs
+    /// retire some later).
+    tables_started: bool,
+    /// Sparse tables: the bucket maps by first iteration (see `buckets.rs`).
+    buckets: Vec<(u64, Vec<u32>)>,
+    /// The bucket move committed and not finished.
+    bucket_move: Option<buckets::BucketMove>,
+    /// Bucket moves finished.
+    bucket_moves: u64,
 }
 
 impl Job {
@@ -208,6 +218,10 @@ impl Job {
             unsynced: Vec::new(),
             table_count: spec.model.tables.len(),
             tables: Vec::new(),
+            tables_started: false,
+            buckets: vec![(0, eps_proto::buckets::initial_owners(spec.job.servers))],
+            bucket_move: None,
+            bucket_moves: 0,
         };
         job.set_layout(&layout);
         if let Some(r) = &spec.resume {
@@ -237,10 +251,14 @@ impl Job {
 
     /// Whether every initial server is ready (workers may start).
     pub fn initial_ready(&self) -> bool {
-        !self.awaiting
-            && self.endpoints.iter().all(Option::is_some)
-            && self.tables.len() == self.table_count * self.initial_servers as usize
-            && self.tables.iter().all(|e| self.servers.get(e.owner as usize).is_some_and(|s| s.ready))
+        !self.awaiting && self.endpoints.iter().all(Option::is_some) && (self.tables_started || self.tables_up())
+    }
+
+    /// Every initial server reported its tables and is ready.
+    fn tables_up(&self) -> bool {
+        let initial: Vec<&ShardEndpoint> = self.tables.iter().filter(|e| e.owner < self.initial_servers).collect();
+        initial.len() == self.table_count * self.initial_servers as usize
+            && initial.iter().all(|e| self.servers.get(e.owner as usize).is_some_and(|s| s.ready))
     }
 
     /// Whether the job's tensors are known (given by the spec, or declared by
@@ -353,6 +371,7 @@ impl Job {
             membership: self.w.members.epochs().to_vec(),
             proposal: self.w.proposal_id(),
             tables: self.tables.clone(),
+            buckets: self.bucket_runs(),
         }
     }
 
@@ -492,6 +511,8 @@ impl Job {
         self.release_async();
         self.retire_drained();
         self.prune_migrations();
+        self.tables_started = self.tables_started || self.tables_up();
+        self.maybe_move_buckets();
         Ok(r)
     }
 
@@ -539,6 +560,10 @@ impl Job {
                 for (at, workers) in earlier {
                     let expired = self.w.lost.iter().filter(|&&(_, a)| a == at).map(|&(r, _)| r).collect();
                     self.order(rank, Order::Members { at, workers, expired });
+                }
+                // And the bucket maps after the first.
+                for (at, runs) in self.bucket_runs().into_iter().skip(1) {
+                    self.order(rank, Order::Buckets { at, runs });
                 }
                 Ok(ControlMsg::Registered { rank, spec_toml: self.spec_text.clone() })
             }
@@ -624,6 +649,8 @@ impl Job {
             ControlMsg::Unreplicated { shard, rank } => self.unreplicated(*shard, *rank),
             ControlMsg::MoveStopped { shard, rank } => self.move_stopped(*shard, *rank),
             ControlMsg::TablesReady { rank, tables } => self.tables_ready(*rank, tables),
+            ControlMsg::RowsOut { rank, to, addr, rkey, len } => self.rows_out(*rank, *to, *addr, *rkey, *len),
+            ControlMsg::RowsTaken { rank, from } => self.rows_taken(*rank, *from),
             ControlMsg::ServerLost { rank } => self.server_lost(*rank),
             ControlMsg::Checkpoint { version, dir } => {
                 if *version == 0 || dir.is_empty() {
@@ -709,8 +736,8 @@ impl Job {
         let Some(info) = self.servers.get(rank as usize) else {
             return Err(format!("server rank {rank} has not registered"));
         };
-        if info.ready || rank >= self.initial_servers || self.tables.iter().any(|e| e.owner == rank) {
-            return Err(format!("server {rank} reported sparse tables it does not hold (only the first servers do)"));
+        if info.ready || self.tables.iter().any(|e| e.owner == rank) {
+            return Err(format!("server {rank} reported its sparse tables twice, or after it was ready"));
         }
         let ranks = self.adopted.len();
         let fits = |(i, e): (usize, &ShardEndpoint)| e.shard == i as u32 && e.owner == rank && e.landing.len() == ranks;
@@ -767,10 +794,8 @@ impl Job {
         if want == 0 {
             return Err("a job needs at least one server".into());
         }
-        if self.table_count > 0 {
-            return Err(
-                "this job has sparse tables, whose buckets do not move between servers yet: its servers cannot be scaled".into(),
-            );
+        if self.table_count > 0 && self.consistency != Consistency::Bsp {
+            return Err("this job has sparse tables, whose buckets move between servers under BSP only (its consistency is not BSP): its servers cannot be scaled".into());
         }
         if !self.initial_ready() {
             return Err(crate::STILL_STARTING.into());
@@ -778,7 +803,10 @@ impl Job {
         if self.w.proposal_id() != 0 {
             return Err(format!("{}; try again in a moment", crate::VOTE_IN_PROGRESS));
         }
-        let busy = self.migrations_in_flight() + usize::from(self.splitting.is_some()) + self.to_balance.len();
+        let busy = self.migrations_in_flight()
+            + usize::from(self.splitting.is_some())
+            + self.to_balance.len()
+            + usize::from(self.buckets_busy());
         let joining = self.servers.len() as u32 != self.server_slots || self.servers.iter().any(|s| !s.ready && !s.retired);
         if busy > 0 || joining {
             return Err(format!(
@@ -841,8 +869,9 @@ impl Job {
             let holds = self.map.shards.iter().any(|x| x.owner == r as u32);
             let involved = self.migrations.iter().any(|m| m.in_flight() && (m.from == r as u32 || m.to == r as u32));
             let routed = !self.all_route_with(s.drained_at);
-            if !holds && !involved && !routed && !self.keeps_backups(r as u32) {
+            if !holds && !involved && !routed && !self.keeps_backups(r as u32) && !self.holds_buckets(r as u32) {
                 self.servers[r].retired = true;
+                self.tables.retain(|e| e.owner != r as u32);
                 self.order(r as u32, Order::Retire);
                 self.server_retired(r as u32);
             }
@@ -868,6 +897,7 @@ impl Job {
         if self.replicated() {
             self.backups_status(&mut t);
         }
+        self.buckets_status(&mut t);
         let load = self.map.bytes_per_server();
         for (r, s) in self.servers.iter().enumerate() {
             let shards = self.map.shards.iter().filter(|x| x.owner == r as u32).count()

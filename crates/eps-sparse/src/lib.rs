@@ -13,6 +13,7 @@ pub mod batch;
 pub mod bucket;
 pub mod decl;
 pub mod init;
+pub mod moves;
 pub mod optim;
 pub mod part;
 pub mod table;
@@ -47,6 +48,9 @@ pub enum SparseError {
     /// [`table::sum_duplicates`]).
     #[error("key {0} appears twice in one push: sum duplicates first")]
     Duplicate(u64),
+    /// Rows moved between servers that do not parse or do not fit.
+    #[error("moved rows: {0}")]
+    Rows(String),
     /// A bucket map without one owner per bucket.
     #[error("a bucket map of {0} entries (one per bucket: {buckets})", buckets = bucket::BUCKETS)]
     Buckets(usize),

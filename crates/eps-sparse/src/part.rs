@@ -20,6 +20,7 @@ pub struct TablePart {
     rows: RowTable,
     /// Pushes in, iterations complete, pulls waiting: as a dense shard.
     pub sync: ShardSync,
+    mode: Consistency,
     workers: u32,
     stats: PartStats,
     merged: Merger,
@@ -45,6 +46,7 @@ impl TablePart {
             rows: RowTable::new(table.spec)?,
             table,
             sync: ShardSync::new(mode, workers),
+            mode,
             workers,
             stats: PartStats::default(),
             merged: Merger::default(),
@@ -64,6 +66,24 @@ impl TablePart {
     /// What it did so far.
     pub fn stats(&self) -> PartStats {
         PartStats { evicted: self.rows.evicted(), refused: self.rows.refused(), ..self.stats }
+    }
+
+    /// The rows held here from now on are those of the buckets it receives
+    /// at iteration `at`, when it held none before: its pushes and pulls
+    /// start at version `at`.
+    pub fn restart_at(&mut self, at: u64) {
+        self.sync = ShardSync::at_version(self.mode, self.workers, at);
+    }
+
+    /// Takes out the rows of the buckets `dest` sends away (see
+    /// [`RowTable::take_rows`]).
+    pub fn take_rows(&mut self, dest: impl Fn(u32) -> Option<usize>, outs: &mut [Vec<u8>]) -> Vec<u64> {
+        self.rows.take_rows(|k| dest(bucket_of(k)), outs)
+    }
+
+    /// Takes in rows another server took out (see [`RowTable::put_rows`]).
+    pub fn put_rows(&mut self, records: &[u8], rows: u64) -> Result<(), SparseError> {
+        self.rows.put_rows(records, rows)
     }
 
     /// The first of `keys` whose bucket `owner` (one server rank per bucket)

@@ -147,8 +147,19 @@ impl RowTable {
             self.refused += 1;
             return None;
         }
-        let meta = Meta { key, steps: 0, touches: 1, created: now, last: now };
-        let s = match self.free.pop() {
+        let s = self.new_slot(Meta { key, steps: 0, touches: 1, created: now, last: now });
+        let (spec, seed) = (self.spec, self.spec.seed);
+        let (values, state) = self.row_state_mut(s);
+        spec.init.fill(seed, key, values);
+        spec.opt.init_state(state);
+        self.index.insert(key, s as u32);
+        Some(s)
+    }
+
+    /// A slot for a row with `meta` (a free one, or a new one): its values
+    /// and state are the caller's to set.
+    fn new_slot(&mut self, meta: Meta) -> usize {
+        match self.free.pop() {
             Some(s) => {
                 self.meta[s as usize] = meta;
                 s as usize
@@ -160,13 +171,7 @@ impl RowTable {
                 }
                 self.meta.len() - 1
             }
-        };
-        let (spec, seed) = (self.spec, self.spec.seed);
-        let (values, state) = self.row_state_mut(s);
-        spec.init.fill(seed, key, values);
-        spec.opt.init_state(state);
-        self.index.insert(key, s as u32);
-        Some(s)
+        }
     }
 
     /// Copies the rows of `keys` into `out` (`keys.len() * dim` values, in
@@ -234,6 +239,66 @@ impl RowTable {
             let (values, state) = self.row_state_mut(s);
             opt.step(lr, t, values, g, state);
         }
+    }
+
+    /// Takes out the rows whose key `dest` sends somewhere: row `r` goes to
+    /// `outs[dest(key)]` as a record of [`crate::moves`] (its values, state
+    /// and bookkeeping), in slot order, and is no longer held here. Returns
+    /// how many went to each.
+    pub fn take_rows(&mut self, dest: impl Fn(u64) -> Option<usize>, outs: &mut [Vec<u8>]) -> Vec<u64> {
+        let mut counts = vec![0u64; outs.len()];
+        for s in 0..self.meta.len() {
+            let m = self.meta[s];
+            if self.index.get(&m.key) != Some(&(s as u32)) {
+                continue; // a free slot
+            }
+            let Some(i) = dest(m.key).filter(|&i| i < outs.len()) else { continue };
+            let out = &mut outs[i];
+            for v in [m.key, m.steps, m.created, m.last] {
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+            out.extend_from_slice(&m.touches.to_le_bytes());
+            out.extend_from_slice(&0u32.to_le_bytes());
+            out.extend_from_slice(bytemuck::cast_slice(self.row_state(s)));
+            counts[i] += 1;
+            self.index.remove(&m.key);
+            self.free.push(s as u32);
+        }
+        counts
+    }
+
+    /// Takes in `rows` records of [`RowTable::take_rows`] from `bytes`: each
+    /// row as it was where it came from. A key already held is refused (and
+    /// nothing is taken in); a full table takes them in anyway (rows are
+    /// never dropped on a move).
+    pub fn put_rows(&mut self, bytes: &[u8], rows: u64) -> Result<(), SparseError> {
+        let rec = crate::moves::ROW_META + self.stride * 4;
+        if bytes.len() as u64 != rows.saturating_mul(rec as u64) {
+            return Err(SparseError::Rows(format!("{} bytes for {rows} rows of {rec} bytes", bytes.len())));
+        }
+        let u64_at = |r: &[u8], i: usize| u64::from_le_bytes(r[i * 8..i * 8 + 8].try_into().unwrap_or_default());
+        let mut seen = key_map::<()>(rows as usize);
+        let clash = |k: &u64| self.index.contains_key(k) || seen.insert(*k, ()).is_some();
+        if let Some(k) = bytes.chunks_exact(rec).map(|r| u64_at(r, 0)).find(clash) {
+            return Err(SparseError::Rows(format!("key {k} arrived twice, or is already held here")));
+        }
+        for r in bytes.chunks_exact(rec) {
+            let touches = u32::from_le_bytes(r[32..36].try_into().unwrap_or_default());
+            let meta = Meta { key: u64_at(r, 0), steps: u64_at(r, 1), touches, created: u64_at(r, 2), last: u64_at(r, 3) };
+            let s = self.new_slot(meta);
+            let o = (s % self.page_rows) * self.stride;
+            let dst = &mut self.pages[s / self.page_rows][o..o + self.stride];
+            for (d, v) in dst.iter_mut().zip(r[crate::moves::ROW_META..].chunks_exact(4)) {
+                *d = f32::from_le_bytes(v.try_into().unwrap_or_default());
+            }
+            self.index.insert(meta.key, s as u32);
+        }
+        Ok(())
+    }
+
+    /// Values and state per row.
+    pub fn stride(&self) -> usize {
+        self.stride
     }
 
     /// Evicts rows idle for more than `idle_steps` at step `now`, and rows

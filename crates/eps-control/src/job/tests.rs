@@ -2,7 +2,7 @@
 //! as issued.
 
 use eps_proto::JobSpec;
-use eps_proto::control::{ControlMsg, Role, ShardEndpoint};
+use eps_proto::control::{ControlMsg, Order, Role, ShardEndpoint};
 
 use crate::job::Job;
 
@@ -100,9 +100,9 @@ fn a_move_its_source_stopped_is_cancelled_and_planned_again() {
 
 /// A job with sparse tables is ready once every initial server reported its
 /// parts of them (one per table, a region per worker rank) and is ready; the
-/// map carries them; scale events are refused while buckets cannot move.
+/// map carries them; its workers cannot be scaled.
 #[test]
-fn sparse_tables_are_reported_before_servers_are_ready_and_block_scaling() {
+fn sparse_tables_are_reported_before_servers_are_ready_and_block_worker_scaling() {
     let text = "[job]\nworkers = 2\nservers = 2\n[model]\ntensors = [{ name = \"w\", elements = 4096 }]\n\
                 [[model.tables]]\nname = \"a\"\ndim = 4\n[[model.tables]]\nname = \"b\"\ndim = 2\n";
     let spec = JobSpec::from_toml(text).unwrap();
@@ -131,12 +131,84 @@ fn sparse_tables_are_reported_before_servers_are_ready_and_block_scaling() {
     }
     assert!(job.initial_ready());
     let again = job.apply(&ControlMsg::TablesReady { rank: 1, tables: vec![ep(0, 1, 2), ep(1, 1, 2)] }).unwrap_err();
-    assert!(again.contains("does not hold"), "{again}");
+    assert!(again.contains("twice"), "{again}");
     let map = job.job_map();
     assert_eq!(map.tables.len(), 4);
     assert!(map.tables.iter().any(|e| e.owner == 1 && e.shard == 1 && e.landing[1] == (4096, 7)));
-    for m in [ControlMsg::Scale { servers: 3 }, ControlMsg::ScaleWorkers { workers: 1 }] {
-        let e = job.apply(&m).unwrap_err();
-        assert!(e.contains("sparse tables"), "{m:?}: {e}");
+    let e = job.apply(&ControlMsg::ScaleWorkers { workers: 1 }).unwrap_err();
+    assert!(e.contains("sparse tables"), "{e}");
+}
+
+/// Scaling the servers of a job with tables moves buckets: a vote, a commit
+/// at the largest hold with every server told, the source's rows fetched by
+/// the target, and a leaving server retired only once its rows are taken and
+/// every worker routes past the cutover.
+#[test]
+fn buckets_move_to_added_servers_and_off_leaving_ones() {
+    let text = "[job]\nworkers = 1\nservers = 1\n[model]\ntensors = [{ name = \"w\", elements = 1024 }]\n\
+                [[model.tables]]\nname = \"a\"\ndim = 4\n";
+    let spec = JobSpec::from_toml(text).unwrap();
+    let layout = spec.layout().unwrap();
+    let mut job = Job::new(&spec, text).unwrap();
+    let ep = |owner: u32| ShardEndpoint { shard: 0, owner, landing: vec![(1, 2)], published_addr: 0, published_rkey: 0 };
+    let join = |job: &mut Job, r: u32| {
+        job.apply(&ControlMsg::Register { role: Role::Server, fabric_addr: String::new() }).unwrap();
+        job.apply(&ControlMsg::TablesReady { rank: r, tables: vec![ep(r)] }).unwrap();
+        let shards = layout.shards_of(r).map(|s| ShardEndpoint { shard: s.id, ..ep(r) }).collect();
+        job.apply(&ControlMsg::ServerReady { rank: r, fabric_addr: format!("127.0.0.1:{}", 7000 + r), shards }).unwrap();
+    };
+    join(&mut job, 0);
+    job.apply(&ControlMsg::Register { role: Role::Worker, fabric_addr: String::new() }).unwrap();
+    let orders = |job: &Job, r: u32| job.orders_for(r, 0).1;
+    let vote = |job: &mut Job, holds: &[(Role, u32, u64)]| {
+        let id = job.job_map().proposal;
+        assert_ne!(id, 0, "a vote is open: {}", job.status());
+        for &(role, rank, hold) in holds {
+            job.apply(&ControlMsg::Vote { role, rank, id, hold }).unwrap();
+        }
+        assert_eq!(job.job_map().proposal, 0);
+    };
+
+    // The dense shard's move (buckets move after it).
+    let move_shard = |job: &mut Job, to: u32, at: u64| {
+        let keys = eps_proto::control::MigrationKeys { state_addr: 1, state_rkey: 2, grad_addr: 3, grad_rkey: 4 };
+        assert_eq!(job.job_map().proposal, 0, "no vote while a shard moves");
+        job.apply(&ControlMsg::ShardReady { endpoint: ep(to), keys }).unwrap();
+        job.apply(&ControlMsg::Cutover { shard: 0, at }).unwrap();
+        job.apply(&ControlMsg::Released { shard: 0, bytes: 4096, millis: 1 }).unwrap();
+    };
+
+    // Up: server 1 joins and gets half of the buckets from iteration 7 on.
+    job.apply(&ControlMsg::Scale { servers: 2 }).unwrap();
+    join(&mut job, 1);
+    move_shard(&mut job, 1, 3);
+    vote(&mut job, &[(Role::Worker, 0, 7), (Role::Server, 0, 4), (Role::Server, 1, 1)]);
+    let map = job.job_map();
+    assert_eq!(map.buckets, vec![(0, vec![(0, 0)]), (7, vec![(0, 0), (2048, 1)])]);
+    for r in 0..2 {
+        assert!(orders(&job, r).contains(&Order::Buckets { at: 7, runs: vec![(0, 0), (2048, 1)] }), "server {r}");
     }
+    let busy = job.apply(&ControlMsg::Scale { servers: 1 }).unwrap_err();
+    assert!(busy.contains("try again"), "{busy}");
+    assert!(job.apply(&ControlMsg::RowsOut { rank: 1, to: 0, addr: 1, rkey: 2, len: 3 }).is_err(), "no such move");
+    job.apply(&ControlMsg::RowsOut { rank: 0, to: 1, addr: 64, rkey: 9, len: 4000 }).unwrap();
+    let fetch = Order::FetchRows { from: 0, from_addr: "127.0.0.1:7000".into(), addr: 64, rkey: 9, len: 4000 };
+    assert!(orders(&job, 1).contains(&fetch));
+    job.apply(&ControlMsg::RowsTaken { rank: 1, from: 0 }).unwrap();
+    assert!(orders(&job, 0).contains(&Order::FreeRows { to: 1 }));
+    assert!(job.status().contains("server 0: 2048, server 1: 2048; 1 moves done"), "{}", job.status());
+
+    // Down: server 1 gives its buckets back, then retires once the worker
+    // routes past the cutover.
+    job.apply(&ControlMsg::Scale { servers: 1 }).unwrap();
+    move_shard(&mut job, 0, 18);
+    vote(&mut job, &[(Role::Worker, 0, 20), (Role::Server, 0, 19), (Role::Server, 1, 19)]);
+    assert_eq!(job.job_map().buckets.last(), Some(&(20, vec![(0, 0)])));
+    job.apply(&ControlMsg::RowsOut { rank: 1, to: 0, addr: 64, rkey: 9, len: 4000 }).unwrap();
+    job.apply(&ControlMsg::RowsTaken { rank: 0, from: 1 }).unwrap();
+    assert!(!orders(&job, 1).contains(&Order::Retire), "the worker still routes by the old map");
+    let epoch = job.epoch();
+    job.apply(&ControlMsg::GetMap { worker: 0, adopted: epoch, min_epoch: 0, iteration: 20 }).unwrap();
+    assert!(orders(&job, 1).contains(&Order::Retire));
+    assert!(job.job_map().tables.iter().all(|e| e.owner == 0), "a retired server's regions leave the map");
 }

@@ -23,7 +23,7 @@ use super::Job;
 
 /// A membership change being voted on.
 #[derive(Clone, Debug)]
-struct Proposal {
+pub(super) struct Proposal {
     id: u64,
     /// The contributor set from the commit on.
     want: Vec<u32>,
@@ -33,6 +33,9 @@ struct Proposal {
     voters: Vec<(Role, u32)>,
     /// The largest hold voted so far.
     hold: u64,
+    /// Sparse tables: the bucket map from the commit on (the contributor
+    /// set does not change), one owner per bucket.
+    pub(super) buckets: Option<Vec<u32>>,
 }
 
 /// Worker state by rank.
@@ -51,7 +54,7 @@ pub(crate) struct Workers {
     pub(crate) lost: Vec<(u32, u64)>,
     /// Committed contributor sets by iteration.
     pub(crate) members: Membership,
-    proposal: Option<Proposal>,
+    pub(super) proposal: Option<Proposal>,
     proposals: u64,
     /// Changes committed so far.
     pub(crate) changes: u64,
@@ -176,7 +179,7 @@ impl Job {
         if want == now {
             return Ok(ControlMsg::Ok);
         }
-        self.propose(want, Vec::new());
+        self.propose(want, Vec::new(), None);
         Ok(ControlMsg::Ok)
     }
 
@@ -193,7 +196,7 @@ impl Job {
         if want.is_empty() {
             return Err("the job's last worker cannot leave it (it finishes instead)".into());
         }
-        self.propose(want, Vec::new());
+        self.propose(want, Vec::new(), None);
         Ok(ControlMsg::Ok)
     }
 
@@ -218,7 +221,7 @@ impl Job {
         Ok(())
     }
 
-    fn propose(&mut self, want: Vec<u32>, expired: Vec<u32>) {
+    pub(super) fn propose(&mut self, want: Vec<u32>, expired: Vec<u32>, buckets: Option<Vec<u32>>) {
         self.w.proposals += 1;
         let id = self.w.proposals;
         let mut voters = self.w.voters();
@@ -229,7 +232,7 @@ impl Job {
             voters.push((Role::Server, r));
             self.order(r, Order::Propose { id });
         }
-        self.w.proposal = Some(Proposal { id, want, expired, voters, hold: 0 });
+        self.w.proposal = Some(Proposal { id, want, expired, voters, hold: 0, buckets });
         self.map.epoch += 1;
         self.try_commit();
     }
@@ -271,7 +274,7 @@ impl Job {
             }
             None => {
                 let want: Vec<u32> = self.w.members.latest().iter().copied().filter(|&r| r != rank).collect();
-                self.propose(want, vec![rank]);
+                self.propose(want, vec![rank], None);
             }
         }
         Ok(ControlMsg::Ok)
@@ -332,6 +335,17 @@ impl Job {
         }
         let current = self.w.members.epochs().last().map_or(0, |e| e.0);
         let at = p.hold.max(current + 1);
+        if let Some(owners) = p.buckets {
+            // (The contributor set stays; an expiry during the vote proposes
+            // its own change after this one.)
+            self.commit_buckets(p.hold, owners);
+            self.map.epoch += 1;
+            if !p.expired.is_empty() {
+                let want = self.w.members.latest().iter().copied().filter(|r| !p.expired.contains(r)).collect();
+                self.propose(want, p.expired, None);
+            }
+            return;
+        }
         if self.w.members.schedule(at, at - 1, p.want.clone()).is_err() {
             return;
         }

@@ -72,6 +72,8 @@ impl State {
             | ControlMsg::Unreplicated { .. }
             | ControlMsg::MoveStopped { .. }
             | ControlMsg::TablesReady { .. }
+            | ControlMsg::RowsOut { .. }
+            | ControlMsg::RowsTaken { .. }
             | ControlMsg::Cutover { .. }
             | ControlMsg::Released { .. }
             | ControlMsg::Split { .. }

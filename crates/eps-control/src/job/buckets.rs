@@ -1,0 +1,153 @@
+//! The buckets of sparse tables over a job's life: which server owns each,
+//! from which iteration on, and their moves after a scale event.
+//!
+//! A move is decided like a membership change (see `workers.rs`): every
+//! worker and server votes the first iteration it has not begun or
+//! aggregated and holds there, and the new map is committed at the largest
+//! vote, `T`. No worker has then pushed `T` by the old map, so none of a
+//! sparse push's many buckets is ever answered "moved". Every server is
+//! ordered `Buckets { at: T }`; a source takes the rows of the buckets it
+//! gives away out at version `T` (all of iteration `T - 1` applied) and
+//! reports where they wait (`RowsOut`); the control plane orders the target
+//! to READ them (`FetchRows`), and the target, which held requests of `T`
+//! and later meanwhile, reports them taken (`RowsTaken`), after which the
+//! source frees them (`FreeRows`).
+//!
+//! Moves are planned one at a time, once no shard migration, split or vote
+//! is in flight and every server has joined: after a scale-up, the added
+//! servers get their share; after a scale-down, leaving servers give theirs
+//! away (and retire only once their rows are taken and no worker routes by
+//! a map that still names them).
+
+use std::fmt::Write as _;
+
+use eps_proto::buckets::{self, BUCKETS};
+use eps_proto::control::{ControlMsg, Order};
+
+use super::Job;
+
+/// A bucket move committed and not finished.
+#[derive(Clone, Debug)]
+pub(crate) struct BucketMove {
+    /// The cutover iteration.
+    pub(crate) at: u64,
+    /// `(source, target)` pairs whose rows are not taken yet.
+    pub(crate) pending: Vec<(u32, u32)>,
+}
+
+impl Job {
+    /// The bucket maps by first iteration, as the job map carries them.
+    pub(super) fn bucket_runs(&self) -> Vec<(u64, buckets::Runs)> {
+        if self.table_count == 0 {
+            return Vec::new();
+        }
+        self.buckets.iter().map(|(at, o)| (*at, buckets::runs(o))).collect()
+    }
+
+    /// Whether server `rank` owns buckets or is at one end of a bucket move.
+    pub(super) fn holds_buckets(&self, rank: u32) -> bool {
+        let owns = self.buckets.last().is_some_and(|(_, o)| o.contains(&rank));
+        let moving = self.bucket_move.as_ref().is_some_and(|m| m.pending.iter().any(|&(a, b)| a == rank || b == rank));
+        self.table_count > 0 && (owns || moving)
+    }
+
+    /// Whether a bucket move is voted on or under way.
+    pub(super) fn buckets_busy(&self) -> bool {
+        self.bucket_move.is_some() || self.w.proposal.as_ref().is_some_and(|p| p.buckets.is_some())
+    }
+
+    /// Proposes the next bucket move, if one is due and nothing else moves.
+    pub(super) fn maybe_move_buckets(&mut self) {
+        if self.table_count == 0 || self.buckets_busy() || self.w.proposal.is_some() || self.awaiting {
+            return;
+        }
+        let joining = self.servers.len() as u32 != self.server_slots || self.servers.iter().any(|s| !s.ready && !s.retired);
+        let moving = self.migrations_in_flight() > 0 || self.splitting.is_some() || !self.to_balance.is_empty();
+        if joining || moving || !self.initial_ready() || self.w.all_finished() {
+            return;
+        }
+        let has_tables = |r: u32| self.tables.iter().filter(|e| e.owner == r).count() == self.table_count;
+        let eligible: Vec<u32> =
+            self.live_servers().into_iter().filter(|&r| has_tables(r) && !self.lost.contains(&r)).collect();
+        let Some((_, now)) = self.buckets.last() else { return };
+        let want = buckets::rebalance(now, &eligible);
+        if want != *now {
+            let members = self.w.members.latest().to_vec();
+            self.propose(members, Vec::new(), Some(want));
+        }
+    }
+
+    /// The vote on a bucket move is over: from `hold` (or the iteration after
+    /// the last map's) on, `owners` own the buckets.
+    pub(super) fn commit_buckets(&mut self, hold: u64, owners: Vec<u32>) {
+        let Some((last_at, old)) = self.buckets.last().cloned() else { return };
+        let at = hold.max(last_at + 1);
+        let pending = buckets::transfers(&old, &owners);
+        let runs = buckets::runs(&owners);
+        for r in self.unretired_servers() {
+            self.order(r, Order::Buckets { at, runs: runs.clone() });
+        }
+        let gave_all: Vec<u32> = old.iter().copied().filter(|r| !owners.contains(r)).collect();
+        self.buckets.push((at, owners));
+        // (The caller moves the epoch on: servers that gave all their
+        // buckets away are drained from it, once they hold no shard either.)
+        for r in gave_all {
+            if !self.map.shards.iter().any(|x| x.owner == r)
+                && let Some(s) = self.servers.get_mut(r as usize)
+            {
+                s.drained_at = self.map.epoch + 1;
+            }
+        }
+        self.bucket_move = (!pending.is_empty()).then_some(BucketMove { at, pending });
+    }
+
+    /// `RowsOut`: the rows server `rank` gives server `to` wait for it.
+    pub(super) fn rows_out(&mut self, rank: u32, to: u32, addr: u64, rkey: u32, len: u64) -> Result<ControlMsg, String> {
+        let Some(m) = self.bucket_move.as_ref().filter(|m| m.pending.contains(&(rank, to))) else {
+            return Err(format!("no bucket move from server {rank} to server {to} is under way"));
+        };
+        let at = m.at;
+        let from_addr = self.servers.get(rank as usize).map(|s| s.addr.clone()).unwrap_or_default();
+        self.order(to, Order::FetchRows { from: rank, from_addr, addr, rkey, len });
+        eps_proto::say!("eps control: the rows server {rank} gives server {to} at iteration {at} wait ({len} bytes)");
+        Ok(ControlMsg::Ok)
+    }
+
+    /// `RowsTaken`: server `rank` took the rows server `from` gave it.
+    pub(super) fn rows_taken(&mut self, rank: u32, from: u32) -> Result<ControlMsg, String> {
+        let Some(m) = self.bucket_move.as_mut().filter(|m| m.pending.contains(&(from, rank))) else {
+            return Err(format!("no bucket move from server {from} to server {rank} is under way"));
+        };
+        m.pending.retain(|&p| p != (from, rank));
+        if m.pending.is_empty() {
+            self.bucket_move = None;
+            self.bucket_moves += 1;
+        }
+        self.order(from, Order::FreeRows { to: rank });
+        self.retire_drained();
+        Ok(ControlMsg::Ok)
+    }
+
+    /// The buckets' lines of `eps status`.
+    pub(super) fn buckets_status(&self, t: &mut String) {
+        let Some((at, owners)) = self.buckets.last().filter(|_| self.table_count > 0) else { return };
+        let mut held: Vec<(u32, usize)> = Vec::new();
+        for &o in owners {
+            match held.iter_mut().find(|(r, _)| *r == o) {
+                Some(h) => h.1 += 1,
+                None => held.push((o, 1)),
+            }
+        }
+        held.sort_unstable();
+        let list: Vec<String> = held.iter().map(|(r, n)| format!("server {r}: {n}")).collect();
+        let _ = writeln!(
+            t,
+            "sparse buckets ({BUCKETS}) from iteration {at}: {}; {} moves done",
+            list.join(", "),
+            self.bucket_moves
+        );
+        if let Some(m) = &self.bucket_move {
+            let _ = writeln!(t, "  moving at iteration {}: rows not taken yet {:?} (source, target)", m.at, m.pending);
+        }
+    }
+}
