@@ -379,8 +379,13 @@ fn train(a: TrainArgs) -> Result<(), String> {
         }
         Some(_) => {}
     }
-    if !plan.is_empty() && !spec.model.tables.is_empty() {
-        return Err("--scale-plan: this job has sparse tables, whose buckets do not move between servers yet, nor follow workers joining or leaving".into());
+    if !spec.model.tables.is_empty() {
+        if plan.iter().any(|e| matches!(e.target, eps::train::scale::Target::Workers(_))) {
+            return Err("--scale-plan: this job has sparse tables, whose pushes do not follow workers joining or leaving yet (servers= works)".into());
+        }
+        if !plan.is_empty() && spec.job.consistency != eps_proto::Consistency::Bsp {
+            return Err("--scale-plan: this job has sparse tables, whose buckets move between servers under BSP only".into());
+        }
     }
     let workers_change = plan.iter().any(|e| matches!(e.target, eps::train::scale::Target::Workers(_)));
     if workers_change && spec.job.consistency != eps_proto::Consistency::Bsp {
@@ -463,6 +468,7 @@ fn train(a: TrainArgs) -> Result<(), String> {
             .int("scale_events", r.scale_events)
             .int("migrations", r.migrations)
             .int("splits", r.splits)
+            .int("bucket_moves", r.bucket_moves)
             .int("membership_changes", r.membership_changes)
             .str("membership", &r.membership)
             .int("resumed_at", spec.resume.as_ref().map_or(0, |r| r.iteration))

@@ -151,11 +151,13 @@ pub fn server(
         kind.name(),
         if s.sparse_rss_start_bytes > 0 {
             format!(
-                "; sparse tables: {} rows ({} with optimizer state), {} evicted, {} refused (table full)",
+                "; sparse tables: {} rows ({} with optimizer state), {} evicted, {} refused (table full), {} taken in and {} given away with their buckets",
                 s.sparse_rows,
                 crate::units::format_size(s.sparse_row_state_bytes),
                 s.sparse_evicted,
-                s.sparse_refused
+                s.sparse_refused,
+                s.sparse_rows_in,
+                s.sparse_rows_out
             )
         } else {
             String::new()

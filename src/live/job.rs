@@ -208,7 +208,7 @@ fn scale_thread(
                 if t.servers > cur.servers {
                     let _ = spawn.send(Spawn::Servers(t.servers - cur.servers));
                 }
-                let done = outcome.lock().unwrap_or_else(|e| e.into_inner()).migrations + 1;
+                let done = outcome.lock().unwrap_or_else(|e| e.into_inner()).moves() + 1;
                 wait_settled(c, &outcome, done);
                 cur.servers = t.servers;
                 let mut g = lock(p);
@@ -222,7 +222,7 @@ fn scale_thread(
                     ranks -= w - cur.workers;
                     let _ = spawn.send(Spawn::Workers(w - cur.workers));
                 }
-                let done = outcome.lock().unwrap_or_else(|e| e.into_inner()).migrations;
+                let done = outcome.lock().unwrap_or_else(|e| e.into_inner()).moves();
                 wait_settled(c, &outcome, done);
                 cur.workers = w;
                 let mut g = lock(p);

@@ -279,6 +279,8 @@ pub struct TrainReport {
     pub migrations: u64,
     /// Shard splits they caused.
     pub splits: u64,
+    /// Bucket moves of sparse tables done.
+    pub bucket_moves: u64,
     /// Worker membership changes committed (joins, leaves, expiries).
     pub membership_changes: u64,
     /// Contributor sets by iteration (`FIRST:R,R,...;...`, see `worker::membership_text`).
@@ -423,7 +425,7 @@ fn run_once(
                 plan.len()
             )));
         }
-        (rep.scale_events, rep.migrations, rep.splits) = (o.events, o.migrations, o.splits);
+        (rep.scale_events, rep.migrations, rep.splits, rep.bucket_moves) = (o.events, o.migrations, o.splits, o.bucket_moves);
     }
     Ok(rep)
 }

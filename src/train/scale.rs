@@ -96,6 +96,8 @@ pub struct ScaleOutcome {
     pub migrations: u64,
     /// Shard splits done (from the control plane's status).
     pub splits: u64,
+    /// Bucket moves of sparse tables done (from the control plane's status).
+    pub bucket_moves: u64,
     /// The first error, if any.
     pub error: Option<String>,
 }
@@ -143,7 +145,7 @@ fn run_plan(
         let deadline = Instant::now() + Duration::from_secs(120);
         ctl.call_when_possible(&msg, deadline).map_err(|e| format!("scale event at step {} ({:?}): {e}", ev.step, ev.target))?;
         let now = step.load(Ordering::Acquire);
-        let mut min_done = out.lock().unwrap_or_else(|p| p.into_inner()).migrations;
+        let mut min_done = out.lock().unwrap_or_else(|p| p.into_inner()).moves();
         match ev.target {
             Target::Servers(n) => {
                 eps_proto::say!("eps train: step {now}: scaling servers {servers} -> {n}");
@@ -167,9 +169,10 @@ fn run_plan(
     Ok(())
 }
 
-/// Follows `eps status` until no migration or split is in flight, no server is joining, no
-/// worker change is being voted on or waits for its workers to register, and at
-/// least `min_done` migrations are done (or the job ended), recording the number done.
+/// Follows `eps status` until no migration, split or bucket move is in flight, no server
+/// is joining, no worker change or bucket move is being voted on or waits for its workers
+/// to register, and at least `min_done` moves (migrations and bucket moves) are done (or
+/// the job ended), recording the numbers done.
 pub(crate) fn wait_settled(ctl: &mut ControlClient, out: &Mutex<ScaleOutcome>, min_done: u64) {
     let deadline = Instant::now() + Duration::from_secs(300);
     while Instant::now() < deadline {
@@ -183,11 +186,21 @@ pub(crate) fn wait_settled(ctl: &mut ControlClient, out: &Mutex<ScaleOutcome>, m
             let splitting = text.lines().any(|l| l.starts_with("splits:") && l.contains("splitting"));
             let joining = splitting || text.lines().any(|l| l.contains(": joining,"));
             let workers_busy = text.lines().any(|l| l.contains("being voted on") || l.contains("waiting to register"));
-            if in_flight == 0 && !joining && !workers_busy && done >= min_done {
+            let buckets = text.lines().find_map(|l| l.strip_prefix("sparse buckets")?.split("; ").nth(1)?.split(' ').next()?.parse().ok());
+            let buckets_busy = text.lines().any(|l| l.starts_with("  moving at iteration"));
+            out.lock().unwrap_or_else(|p| p.into_inner()).bucket_moves = buckets.unwrap_or(0);
+            if in_flight == 0 && !joining && !workers_busy && !buckets_busy && done + buckets.unwrap_or(0) >= min_done {
                 return;
             }
         }
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+impl ScaleOutcome {
+    /// Moves done: shard migrations and bucket moves.
+    pub fn moves(&self) -> u64 {
+        self.migrations + self.bucket_moves
     }
 }
 

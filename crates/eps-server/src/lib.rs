@@ -22,6 +22,7 @@ mod migrate;
 mod relay;
 mod replica;
 mod serve;
+mod buckets;
 mod sparse;
 mod split;
 
@@ -89,6 +90,10 @@ pub struct ServerSummary {
     pub splits: u64,
     /// Rows of sparse tables held at the end.
     pub sparse_rows: u64,
+    /// Rows taken in from, and given to, other servers when buckets moved.
+    pub sparse_rows_in: u64,
+    /// See `sparse_rows_in`.
+    pub sparse_rows_out: u64,
     /// Their bytes with optimizer state.
     pub sparse_row_state_bytes: u64,
     /// Keys answered to sparse pulls, and distinct keys stepped.

@@ -17,7 +17,8 @@ impl<P: Fabric> Server<P> {
     /// `Order::Propose`: holds from the first iteration none of our shards has
     /// aggregated, and votes it.
     pub(crate) fn on_propose(&mut self, id: u64) -> Result<(), ServerError> {
-        let top = self.shards.iter().flatten().map(|h| h.sync.version()).max().unwrap_or(0);
+        let dense = self.shards.iter().flatten().map(|h| h.sync.version());
+        let top = dense.chain(self.sparse.tables.iter().map(|t| t.part.sync.version())).max().unwrap_or(0);
         let hold = top + 1;
         self.hold = Some(hold);
         self.ctl.call(&ControlMsg::Vote { role: Role::Server, rank: self.rank, id, hold })?;

@@ -95,6 +95,12 @@ impl<P: Fabric> Server<P> {
             Order::Unreplicate { shard } => self.on_unreplicate(shard),
             Order::DropBackup { shard } => self.on_drop_backup(shard),
             Order::NoBackup { shard } => self.on_no_backup(shard),
+            Order::Buckets { at, runs } => self.on_buckets(at, &runs),
+            Order::FetchRows { from, from_addr, addr, rkey, len } => self.on_fetch_rows(from, &from_addr, addr, rkey, len),
+            Order::FreeRows { to } => {
+                self.on_free_rows(to);
+                Ok(())
+            }
             Order::FreeLanding { shard } => {
                 // The oldest move away: orders come in order, and a later
                 // move of the shard away from here comes after this one.

@@ -175,6 +175,9 @@ impl<P: Fabric> Server<P> {
 
     fn on_completion(&mut self, c: &Completion) -> Result<(), ServerError> {
         let Some(&ci) = self.by_qp.get(&c.qp_num) else { return Ok(()) };
+        if c.wr_id & crate::buckets::WR_ROWS == crate::buckets::WR_ROWS {
+            return self.on_rows_read(c.wr_id, c.status.is_ok());
+        }
         if !c.status.is_ok() {
             // A flush or transport error: the peer is gone (or was cut off).
             if c.opcode == WcOpcode::Write {

@@ -28,7 +28,7 @@ use crate::{Server, ServerError, WR_OTHER};
 
 /// One table's part here and its regions.
 pub(crate) struct Table<P: Fabric> {
-    part: TablePart,
+    pub(crate) part: TablePart,
     /// By worker rank: its requests land here (push region, then pull region).
     landing: Vec<P::Mr>,
     /// By worker rank: its pulls' rows are gathered here and WRITTEN from.
@@ -40,9 +40,14 @@ pub(crate) struct Table<P: Fabric> {
 
 /// The job's sparse tables on this server.
 pub(crate) struct Sparse<P: Fabric> {
-    tables: Vec<Table<P>>,
-    /// Server rank of each bucket.
-    owner: Vec<u32>,
+    pub(crate) tables: Vec<Table<P>>,
+    /// The bucket maps by first iteration: a server rank per bucket.
+    pub(crate) owners: Vec<(u64, Vec<u32>)>,
+    /// Requests held until a bucket vote or move ends: connection, hello,
+    /// table, immediate and length, in arrival order.
+    pub(crate) deferred: Vec<(usize, Hello, u16, Imm, u32)>,
+    /// Buckets moving (see `buckets.rs`).
+    pub(crate) moving: crate::buckets::Moving<P>,
     /// This process's resident memory once the regions were set up (all
     /// their pages touched), before any row: what rows add is measured from
     /// here.
@@ -50,13 +55,15 @@ pub(crate) struct Sparse<P: Fabric> {
 }
 
 impl<P: Fabric> Sparse<P> {
-    /// The parts of `spec`'s tables that server `rank` holds (every table has
-    /// a part on each of the job's first servers), with regions for `ranks`
+    /// The parts of `spec`'s tables that server `rank` holds (every server
+    /// has a part of each table: the first ones own the buckets at the start,
+    /// added ones get theirs when buckets move), with regions for `ranks`
     /// worker ranks.
     pub(crate) fn new(pd: &P, spec: &JobSpec, rank: u32, ranks: u32) -> Result<Self, ServerError> {
-        let owner = eps_sparse::bucket::initial_owners(spec.job.servers);
-        if spec.model.tables.is_empty() || rank >= spec.job.servers {
-            return Ok(Self { tables: Vec::new(), owner, rss_start: 0 });
+        let owners = vec![(0, eps_sparse::bucket::initial_owners(spec.job.servers))];
+        let (deferred, moving) = (Vec::new(), Default::default());
+        if spec.model.tables.is_empty() {
+            return Ok(Self { tables: Vec::new(), owners, deferred, moving, rss_start: 0 });
         }
         let mut tables = Vec::new();
         for t in eps_sparse::decl::tables(spec) {
@@ -72,7 +79,8 @@ impl<P: Fabric> Sparse<P> {
             let n = ranks as usize;
             tables.push(Table { part, landing, reply, pushed: vec![0; n], pulled: vec![0; n] });
         }
-        Ok(Self { tables, owner, rss_start: rss_bytes(None).unwrap_or(0) })
+        let _ = rank;
+        Ok(Self { tables, owners, deferred, moving, rss_start: rss_bytes(None).unwrap_or(0) })
     }
 
     /// Whether this server holds no table.
@@ -168,17 +176,29 @@ impl<P: Fabric> Server<P> {
         // (push) or has no pull of this table outstanding (pull); the request
         // just landed, so neither holds until this server answers it.
         let bytes = unsafe { t.landing[w].as_slice() };
+        let gate = self.sparse.moving.gate();
+        let hold = self.hold;
         let checked = wire::parse(&bytes[at..], len as usize, op, decl).map_err(|e| e.to_string()).and_then(|q| {
-            if let Some(k) = TablePart::foreign(q.keys, &self.sparse.owner, self.rank) {
-                return Err(format!("key {k} of table {:?} belongs to another server", decl.name));
-            }
             if q.header.seq as u16 != m.seq {
                 return Err(format!("a request for {} under the immediate's {}", q.header.seq, m.seq));
             }
-            Ok(q.header.seq)
+            // Held while a bucket map is voted on or rows are on their way
+            // (their owners are checked once it is known).
+            if hold.is_some_and(|h| q.header.seq >= h) || gate.is_some_and(|g| q.header.seq >= g) {
+                return Ok(None);
+            }
+            let owners = eps_proto::buckets::owners_at(&self.sparse.owners, q.header.seq).map_or(&[][..], |o| &o[..]);
+            if let Some(k) = TablePart::foreign(q.keys, owners, self.rank) {
+                return Err(format!("key {k} of table {:?} belongs to another server", decl.name));
+            }
+            Ok(Some(q.header.seq))
         });
         let seq = match checked {
-            Ok(seq) => seq,
+            Ok(Some(seq)) => seq,
+            Ok(None) => {
+                self.sparse.deferred.push((ci, h, table, m, len));
+                return Ok(());
+            }
             Err(e) => {
                 self.violation(ci, &e);
                 return Ok(());
@@ -231,8 +251,11 @@ impl<P: Fabric> Server<P> {
             (_, &[w]) => t.part.apply_one(w, views[0].0, views[0].1),
             _ => return Err(ServerError::Sparse("an SSP/ASP update of more than one worker's push".into())),
         };
-        applied.map_err(|e| ServerError::Sparse(e.to_string()))?;
+        let version = applied.map_err(|e| ServerError::Sparse(e.to_string()))?;
         self.summary.updates += 1;
+        // Buckets leaving at this version go now, before anything of the next
+        // iteration is applied.
+        self.take_out_rows(table, version)?;
         let id = sparse_id(table);
         for &w in contributors {
             self.send_credit(w, id)?;

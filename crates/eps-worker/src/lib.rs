@@ -508,7 +508,10 @@ impl<P: Fabric> Worker<P> {
     /// migration source relaying for this worker knows none will come.
     fn report_routing(&mut self) -> Result<(), WorkerError> {
         let t = self.iteration;
-        if self.map.routes.iter().all(|r| r.previous.as_ref().is_none_or(|(_, at)| t >= *at)) {
+        // (A bucket map's cutover counts as a route's: until it, the servers
+        // giving buckets away are still needed.)
+        let buckets_cut = self.map.buckets.last().is_none_or(|(at, _)| t >= *at);
+        if buckets_cut && self.map.routes.iter().all(|r| r.previous.as_ref().is_none_or(|(_, at)| t >= *at)) {
             if self.watch.adopted.load(Ordering::Acquire) >= self.map.epoch {
                 return Ok(());
             }

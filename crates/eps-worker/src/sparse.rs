@@ -48,9 +48,14 @@ pub(crate) struct Table<P: Fabric> {
 /// The job's tables, and which server owns each bucket.
 pub(crate) struct Tables<P: Fabric> {
     tables: Vec<Table<P>>,
-    owner: Vec<u32>,
-    servers: u32,
+    /// The bucket maps by first iteration (a server rank per bucket), as
+    /// the job map gave them.
+    owners: Vec<(u64, Vec<u32>)>,
 }
+
+/// The most servers one table's push or pull may go to (its staging
+/// buffers have room for their headers).
+const MAX_TABLE_SERVERS: usize = 1024;
 
 impl<P: Fabric> Tables<P> {
     /// Registers each table's buffers.
@@ -59,7 +64,7 @@ impl<P: Fabric> Tables<P> {
         let mut tables = Vec::new();
         for decl in eps_sparse::decl::tables(spec) {
             // Every server's request, each 8-byte aligned.
-            let slack = servers as usize * (HEADER + 8);
+            let slack = MAX_TABLE_SERVERS * (HEADER + 8);
             let push = wire::request_bytes(Op::Push, decl.max_keys, decl.spec.dim) + slack;
             let pull = wire::request_bytes(Op::Pull, decl.max_keys, 0) + slack;
             tables.push(Table {
@@ -73,8 +78,26 @@ impl<P: Fabric> Tables<P> {
                 decl,
             });
         }
-        Ok(Self { tables, owner: eps_sparse::bucket::initial_owners(servers), servers })
+        Ok(Self { tables, owners: vec![(0, eps_sparse::bucket::initial_owners(servers))] })
     }
+
+    /// Takes in the bucket maps of `map` this worker does not have yet.
+    pub(crate) fn follow(&mut self, map: &JobMap) -> Result<(), WorkerError> {
+        for (at, runs) in map.buckets.iter().skip(self.owners.len()) {
+            let owners = eps_proto::buckets::expand(runs).ok_or(WorkerError::Unexpected)?;
+            if self.owners.last().is_some_and(|(last, _)| at <= last) {
+                return Err(WorkerError::Unexpected);
+            }
+            self.owners.push((*at, owners));
+        }
+        Ok(())
+    }
+
+    /// Each bucket's server at iteration `t`.
+    fn owners_at(&self, t: u64) -> &[u32] {
+        eps_proto::buckets::owners_at(&self.owners, t).map_or(&[][..], |o| &o[..])
+    }
+
 
     /// How many tables.
     pub(crate) fn len(&self) -> usize {
@@ -197,7 +220,7 @@ impl<P: Fabric> Worker<P> {
         let dim = self.decl(table)?.spec.dim;
         let d = dedup(keys);
         self.check_keys(table, keys, d.keys.len())?;
-        let reqs = split_by_owner(&d.keys, &self.sparse.owner).map_err(|e| self.sparse_err(table, e.to_string()))?;
+        self.follow_buckets()?;
         // The version asked: BSP every earlier iteration applied; SSP the
         // slowest worker within the staleness bound; ASP whatever is there.
         let v = match self.mode {
@@ -205,6 +228,10 @@ impl<P: Fabric> Worker<P> {
             eps_proto::Consistency::Ssp => self.iteration.saturating_sub(self.spec.job.staleness.into()),
             eps_proto::Consistency::Asp => 0,
         };
+        // (Buckets move under BSP only: the map of the iteration is the map
+        // of the version.)
+        let owners = self.sparse.owners_at(self.iteration);
+        let reqs = split_by_owner(&d.keys, owners).map_err(|e| self.sparse_err(table, e.to_string()))?;
         // Row `slot[i]` of the row buffer is distinct key `i`'s.
         let mut slot = vec![0u32; d.keys.len()];
         let (mut at, mut row) = (0usize, 0usize);
@@ -267,10 +294,23 @@ impl<P: Fabric> Worker<P> {
         let d = dedup(keys);
         self.check_keys(table, keys, d.keys.len())?;
         self.sparse_flush(table)?;
-        let servers = self.sparse.servers as usize;
-        // Each distinct key's server, and its place in that server's request.
-        let owner = &self.sparse.owner;
-        let server: Vec<u32> = d.keys.iter().map(|k| owner[bucket_of(*k) as usize]).collect();
+        self.follow_buckets()?;
+        // The servers that own buckets in this iteration (each gets a push),
+        // and each distinct key's (an index into them) and its place in that
+        // server's request.
+        let owner = self.sparse.owners_at(v);
+        let mut ranks: Vec<u32> = owner.to_vec();
+        ranks.sort_unstable();
+        ranks.dedup();
+        if ranks.len() > MAX_TABLE_SERVERS {
+            return Err(self.sparse_err(table, format!("its buckets are on {} servers; a worker pushes to {MAX_TABLE_SERVERS} at most", ranks.len())));
+        }
+        let mut index = vec![0u32; ranks.last().map_or(0, |&r| r as usize + 1)];
+        for (i, &r) in ranks.iter().enumerate() {
+            index[r as usize] = i as u32;
+        }
+        let servers = ranks.len();
+        let server: Vec<u32> = d.keys.iter().map(|k| index[owner[bucket_of(*k) as usize] as usize]).collect();
         let mut count = vec![0usize; servers];
         let place: Vec<usize> = server
             .iter()
@@ -314,12 +354,15 @@ impl<P: Fabric> Worker<P> {
             }
         }
         let posts: Vec<(u32, usize, usize)> =
-            (0..servers).map(|s| (s as u32, base[s], wire::request_bytes(Op::Push, count[s], dim))).collect();
+            (0..servers).map(|s| (ranks[s], base[s], wire::request_bytes(Op::Push, count[s], dim))).collect();
         t.pushed_at = Some(v);
         let imm = Imm { kind: ImmKind::Push, shard: sparse_id(table), seq: v as u16 }.encode();
         for (server, at, n) in posts {
             let (addr, rkey) = landing(&self.map, self.rank, server, table).ok_or(WorkerError::NoAddress(server))?;
             let t = &mut self.sparse.tables[table as usize];
+            if t.credit.len() <= server as usize {
+                t.credit.resize(server as usize + 1, true);
+            }
             t.credit[server as usize] = false;
             t.sending += 1;
             self.post_sparse(server, table, true, RemoteAddr { addr, rkey }, imm, at, n)?;
@@ -340,6 +383,19 @@ impl<P: Fabric> Worker<P> {
             },
             "the servers to apply this worker's last sparse push",
         )
+    }
+
+    /// Begins the iteration, then takes in the newest map the watcher
+    /// fetched, and its bucket maps: a
+    /// bucket move is committed before any worker begins its cutover
+    /// iteration, and the watcher stores the map before it lets the
+    /// iteration begin.
+    fn follow_buckets(&mut self) -> Result<(), WorkerError> {
+        // (The iteration begins here if the caller has not begun it: a
+        // bucket vote may hold it.)
+        self.begin()?;
+        self.adopt_newest()?;
+        self.sparse.follow(&self.map)
     }
 
     /// Pushes every table not pushed in the current iteration, empty.

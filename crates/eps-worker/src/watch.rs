@@ -111,10 +111,13 @@ pub(crate) fn spawn(cfg: &WorkerConfig, rank: u32, watch: Arc<MapWatch>, map: &J
             let iteration = watch.members.lock().unwrap_or_else(|p| p.into_inner()).next;
             match ctl.call(&ControlMsg::GetMap { worker: rank, adopted, min_epoch: have + 1, iteration }) {
                 Ok(ControlMsg::Map(m)) if m.epoch > have => {
+                    // The map is stored before a commit lets an iteration
+                    // begin: the training thread then routes that iteration
+                    // by it (sparse tables need the new bucket map).
                     let e = m.epoch;
-                    let vote = watch.observe(&m);
-                    *watch.latest.lock().unwrap_or_else(|p| p.into_inner()) = Some(m);
+                    *watch.latest.lock().unwrap_or_else(|p| p.into_inner()) = Some(m.clone());
                     watch.newest.store(e, Ordering::Release);
+                    let vote = watch.observe(&m);
                     if let Some((id, hold)) = vote
                         && ctl.call(&ControlMsg::Vote { role: Role::Worker, rank, id, hold }).is_err()
                     {

@@ -1,0 +1,270 @@
+//! Buckets of sparse tables moving between servers (the control plane's
+//! side is `eps-control`'s `job/buckets.rs`).
+//!
+//! On `Order::Buckets { at: T }`, the server keeps the new map and:
+//! - as a source, takes each table's rows of the buckets it gives away out
+//!   the moment the table reaches version `T` (iteration `T - 1` applied,
+//!   nothing of `T` yet: no worker pushed `T` by the old map), one blob per
+//!   target in registered memory, and reports it (`RowsOut`); it frees the
+//!   blob on `FreeRows`;
+//! - as a target, holds every request of `T` and later until each source's
+//!   rows are in: on `FetchRows` it dials the source and READs the blob,
+//!   takes the rows in with their optimizer state and bookkeeping, reports
+//!   `RowsTaken`, and once the last source's are in, serves what it held.
+//!   A server that owned no bucket before starts its parts at version `T`.
+
+use std::time::Instant;
+
+use eps_fabric::{Access, Fabric, HostRegion, MemoryRegion, RemoteAddr, SendOp, SendWr, Sge};
+use eps_proto::buckets::{self, BUCKETS};
+use eps_proto::control::ControlMsg;
+use eps_sparse::moves;
+
+use crate::{Server, ServerError, WR_OTHER};
+
+/// Work-request ids of row READs: these bits, and the source's rank.
+pub(crate) const WR_ROWS: u64 = WR_OTHER | (1 << 43);
+
+/// What moves, on a server.
+pub(crate) struct Moving<P: Fabric> {
+    /// Receiving at `at`: the sources whose rows are not in yet.
+    incoming: Option<(u64, Vec<u32>)>,
+    /// Giving away at `at`: the targets, each bucket's target (an index
+    /// into them), which tables were taken out, and each target's blob.
+    outgoing: Option<Outgoing>,
+    /// Blobs waiting to be READ, by target.
+    blobs: Vec<(u32, P::Mr)>,
+    /// READs of rows, by source.
+    fetching: Vec<Fetch<P>>,
+}
+
+/// The READs of one source's rows: in pieces of at most the fabric's
+/// largest message, a few in flight at a time.
+struct Fetch<P: Fabric> {
+    from: u32,
+    ci: usize,
+    remote: RemoteAddr,
+    mr: P::Mr,
+    /// Bytes asked for so far, and READs not completed.
+    asked: usize,
+    in_flight: u32,
+    started: Instant,
+}
+
+/// READs of one source's rows in flight at once.
+const FETCH_WINDOW: u32 = 4;
+
+struct Outgoing {
+    at: u64,
+    targets: Vec<u32>,
+    dest: Vec<Option<usize>>,
+    taken: Vec<bool>,
+    blobs: Vec<Vec<u8>>,
+    rows: Vec<u64>,
+}
+
+impl<P: Fabric> Default for Moving<P> {
+    fn default() -> Self {
+        Self { incoming: None, outgoing: None, blobs: Vec::new(), fetching: Vec::new() }
+    }
+}
+
+impl<P: Fabric> Moving<P> {
+    /// Requests of this iteration and later wait for rows on their way.
+    pub(crate) fn gate(&self) -> Option<u64> {
+        self.incoming.as_ref().map(|(at, _)| *at)
+    }
+}
+
+impl<P: Fabric> Server<P> {
+    /// `Order::Buckets`: from iteration `at` on, the buckets are owned as
+    /// `runs` say.
+    pub(crate) fn on_buckets(&mut self, at: u64, runs: &[(u32, u32)]) -> Result<(), ServerError> {
+        let bad = |why: &str| ServerError::Sparse(format!("bucket map at iteration {at}: {why}"));
+        let new = buckets::expand(runs).ok_or_else(|| bad("its runs do not cover the buckets"))?;
+        let Some((last, old)) = self.sparse.owners.last() else { return Err(bad("no map before it")) };
+        if at <= *last {
+            return Err(bad(&format!("it does not come after the map of iteration {last}")));
+        }
+        let me = self.rank;
+        let old = old.clone();
+        self.sparse.owners.push((at, new.clone()));
+        self.hold = None;
+        let sources: Vec<u32> = buckets::transfers(&old, &new).into_iter().filter(|&(_, to)| to == me).map(|(f, _)| f).collect();
+        let targets: Vec<u32> = buckets::transfers(&old, &new).into_iter().filter(|&(f, _)| f == me).map(|(_, t)| t).collect();
+        if !self.sparse.tables.is_empty() {
+            if !sources.is_empty() {
+                if !old.contains(&me) {
+                    // Nothing here before: the parts start at the cutover.
+                    for t in &mut self.sparse.tables {
+                        t.part.restart_at(at);
+                    }
+                }
+                eps_proto::say!("eps server {me}: from iteration {at} on, buckets come here from servers {sources:?}");
+                self.sparse.moving.incoming = Some((at, sources));
+            }
+            if !targets.is_empty() {
+                let dest =
+                    (0..BUCKETS as usize).map(|b| (old[b] == me).then(|| targets.iter().position(|&t| t == new[b])).flatten()).collect();
+                let n = targets.len();
+                self.sparse.moving.outgoing = Some(Outgoing {
+                    at,
+                    targets,
+                    dest,
+                    taken: vec![false; self.sparse.tables.len()],
+                    blobs: (0..n).map(|_| moves::start()).collect(),
+                    rows: vec![0; n],
+                });
+                for t in 0..self.sparse.tables.len() {
+                    let v = self.sparse.tables[t].part.sync.version();
+                    self.take_out_rows(t as u16, v)?;
+                }
+            }
+        }
+        // Dense shards held by the vote go on too.
+        for id in 0..self.shards.len() as u32 {
+            self.try_complete(id)?;
+        }
+        self.replay_sparse()
+    }
+
+    /// Table `table` reached version `v`: if its buckets leave at `v`, their
+    /// rows are taken out; once every table's are, they are put where their
+    /// targets READ them, and reported.
+    pub(crate) fn take_out_rows(&mut self, table: u16, v: u64) -> Result<(), ServerError> {
+        let Some(o) = self.sparse.moving.outgoing.as_mut() else { return Ok(()) };
+        let t = table as usize;
+        if o.taken[t] || v < o.at {
+            return Ok(());
+        }
+        if v > o.at {
+            return Err(ServerError::Sparse(format!("table {t} passed iteration {} before its buckets left", o.at)));
+        }
+        let part = &mut self.sparse.tables[t].part;
+        let mut outs = vec![Vec::new(); o.targets.len()];
+        let dest = &o.dest;
+        let counts = part.take_rows(|b| dest[b as usize], &mut outs);
+        let stride = part.rows().stride();
+        for (i, recs) in outs.iter().enumerate() {
+            moves::section(&mut o.blobs[i], t as u32, stride, counts[i], recs);
+            o.rows[i] += counts[i];
+        }
+        o.taken[t] = true;
+        if !o.taken.iter().all(|&x| x) {
+            return Ok(());
+        }
+        let Some(o) = self.sparse.moving.outgoing.take() else { return Ok(()) };
+        for (i, &to) in o.targets.iter().enumerate() {
+            let blob = &o.blobs[i];
+            let mut mr = self.pd.alloc_mr(blob.len(), Access::LOCAL_WRITE | Access::REMOTE_READ)?;
+            mr.write_at(0, blob);
+            let (addr, rkey, len) = (mr.addr(), mr.rkey(), blob.len() as u64);
+            self.sparse.moving.blobs.push((to, mr));
+            eps_proto::say!(
+                "eps server {}: {} rows ({len} bytes) go to server {to} at iteration {}",
+                self.rank,
+                o.rows[i],
+                o.at
+            );
+            self.summary.sparse_rows_out += o.rows[i];
+            if let Err(why) = self.report(&ControlMsg::RowsOut { rank: self.rank, to, addr, rkey, len })? {
+                return Err(ServerError::Sparse(format!("the control plane refused the rows for server {to}: {why}")));
+            }
+        }
+        Ok(())
+    }
+
+    /// `Order::FetchRows`: READs the rows server `from` gives this one.
+    pub(crate) fn on_fetch_rows(&mut self, from: u32, from_addr: &str, addr: u64, rkey: u32, len: u64) -> Result<(), ServerError> {
+        let ci = self.target_conn(from, from_addr)?;
+        let mr = self.pd.alloc_mr(len as usize, Access::LOCAL_WRITE)?;
+        let remote = RemoteAddr { addr, rkey };
+        let f = Fetch { from, ci, remote, mr, asked: 0, in_flight: 0, started: Instant::now() };
+        self.sparse.moving.fetching.push(f);
+        let k = self.sparse.moving.fetching.len() - 1;
+        for _ in 0..FETCH_WINDOW {
+            self.fetch_more(k)?;
+        }
+        Ok(())
+    }
+
+    /// Posts the next piece of fetch `k`'s READs, if any is left.
+    fn fetch_more(&mut self, k: usize) -> Result<(), ServerError> {
+        let piece = (self.opts.max_msg_bytes as usize).clamp(4096, 1 << 30);
+        let f = &mut self.sparse.moving.fetching[k];
+        let n = piece.min(f.mr.len() - f.asked);
+        if n == 0 {
+            return Ok(());
+        }
+        let at = f.asked;
+        let sg = [Sge::new(&f.mr, at as u64, n as u32)];
+        let remote = RemoteAddr { addr: f.remote.addr + at as u64, rkey: f.remote.rkey };
+        let wr = SendWr { wr_id: WR_ROWS | u64::from(f.from), op: SendOp::Read(remote), sg: &sg, signaled: true };
+        self.conns[f.ci].post(&wr)?;
+        f.asked += n;
+        f.in_flight += 1;
+        Ok(())
+    }
+
+    /// A row READ completed (`ok`) or failed.
+    pub(crate) fn on_rows_read(&mut self, wr_id: u64, ok: bool) -> Result<(), ServerError> {
+        let from = (wr_id & 0xFFFF_FFFF) as u32;
+        let Some(k) = self.sparse.moving.fetching.iter().position(|f| f.from == from) else { return Ok(()) };
+        if !ok {
+            return Err(ServerError::Sparse(format!("the rows server {from} gives this one could not be READ")));
+        }
+        let f = &mut self.sparse.moving.fetching[k];
+        f.in_flight -= 1;
+        if f.asked < f.mr.len() {
+            return self.fetch_more(k);
+        }
+        if f.in_flight > 0 {
+            return Ok(());
+        }
+        let Fetch { mr, started, .. } = self.sparse.moving.fetching.remove(k);
+        let strides: Vec<usize> = self.sparse.tables.iter().map(|t| t.part.rows().stride()).collect();
+        // SAFETY: the READ into this buffer completed and nothing else writes it.
+        let blob = unsafe { mr.as_slice() };
+        let sections = moves::sections(blob, &strides).map_err(|e| ServerError::Sparse(format!("from server {from}: {e}")))?;
+        let mut rows = 0;
+        for s in sections {
+            self.sparse.tables[s.table as usize]
+                .part
+                .put_rows(s.records, s.rows)
+                .map_err(|e| ServerError::Sparse(format!("from server {from}: {e}")))?;
+            rows += s.rows;
+        }
+        self.summary.sparse_rows_in += rows;
+        eps_proto::say!(
+            "eps server {}: {rows} rows ({} bytes) came from server {from} in {:.1} ms",
+            self.rank,
+            blob.len(),
+            started.elapsed().as_secs_f64() * 1e3
+        );
+        if let Err(why) = self.report(&ControlMsg::RowsTaken { rank: self.rank, from })? {
+            return Err(ServerError::Sparse(format!("the control plane refused the rows of server {from}: {why}")));
+        }
+        if let Some((_, pending)) = self.sparse.moving.incoming.as_mut() {
+            pending.retain(|&f| f != from);
+            if pending.is_empty() {
+                self.sparse.moving.incoming = None;
+                return self.replay_sparse();
+            }
+        }
+        Ok(())
+    }
+
+    /// `Order::FreeRows`: the blob for server `to` was taken.
+    pub(crate) fn on_free_rows(&mut self, to: u32) {
+        self.sparse.moving.blobs.retain(|(t, _)| *t != to);
+    }
+
+    /// Handles the sparse requests held back, in arrival order (each is held
+    /// again if it still must wait).
+    fn replay_sparse(&mut self) -> Result<(), ServerError> {
+        for (ci, h, table, m, len) in std::mem::take(&mut self.sparse.deferred) {
+            self.on_sparse_imm(ci, h, table, m, len)?;
+        }
+        Ok(())
+    }
+}
