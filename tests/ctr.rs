@@ -20,7 +20,8 @@ fn ok(o: &std::process::Output) -> String {
 
 /// The built-in click-through job reaches the teacher's AUC (within 0.01),
 /// and BSP gives the same dense parameters and the same table rows, bit for
-/// bit, on one server as on two.
+/// bit, on one server as on two, and when servers are added and removed
+/// while it trains (the buckets and their rows move: three moves).
 #[test]
 fn ctr_reaches_the_teachers_auc_and_bsp_does_not_depend_on_the_servers() {
     let two = ok(&train(&["--servers", "2"]));
@@ -28,8 +29,27 @@ fn ctr_reaches_the_teachers_auc_and_bsp_does_not_depend_on_the_servers() {
         (json_field(&two, "final_auc").parse().unwrap(), json_field(&two, "teacher_auc").parse().unwrap());
     assert!(teacher > 0.75 && teacher - auc < 0.01, "held-out AUC {auc} against the teacher's {teacher}");
     let one = ok(&train(&["--servers", "1"]));
+    let scaled = ok(&train(&["--servers", "2", "--scale-plan", "300:servers=3,700:servers=1,1100:servers=2"]));
+    assert_eq!(json_field(&scaled, "bucket_moves"), "3", "{scaled}");
     for k in ["params_checksum", "sparse_checksum", "final_auc"] {
         assert_eq!(json_field(&one, k), json_field(&two, k), "{k}: one server against two");
+        assert_eq!(json_field(&scaled, k), json_field(&two, k), "{k}: scaled against two servers");
+    }
+}
+
+/// Lazy Adam's per-row step counts move with their rows: a small job with
+/// an Adam table ends the same, bit for bit, scaled 2 -> 3 -> 1 servers as
+/// on 2.
+#[test]
+fn adam_rows_keep_their_step_counts_across_bucket_moves() {
+    let spec = common::cli::tmp("ctr", "adam").with_extension("toml");
+    std::fs::write(&spec, SMALL_CTR.replace("steps = 40", "steps = 120")).unwrap();
+    let path = spec.to_str().unwrap();
+    let plain = ok(&train(&["--spec", path]));
+    let scaled = ok(&train(&["--spec", path, "--scale-plan", "30:servers=3,70:servers=1"]));
+    assert_eq!(json_field(&scaled, "bucket_moves"), "2", "{scaled}");
+    for k in ["params_checksum", "sparse_checksum"] {
+        assert_eq!(json_field(&scaled, k), json_field(&plain, k), "{k}: scaled against not");
     }
 }
 
@@ -39,10 +59,11 @@ fn ctr_refusals_are_clear() {
     let bad_dim = common::cli::tmp("ctr", "dim").with_extension("toml");
     let spec = SMALL_CTR.replace("\"ctr.ids\"\ndim = 8", "\"ctr.ids\"\ndim = 4");
     std::fs::write(&bad_dim, spec).unwrap();
-    let cases: [(Vec<&str>, &str); 3] = [
+    let cases: [(Vec<&str>, &str); 4] = [
         (vec!["--spec", bad_dim.to_str().unwrap()], "table \"ctr.ids\" has dim 4; model.embed_dim is 8"),
         (vec!["--replicas", "2"], "sparse tables have no replicas"),
-        (vec!["--steps", "40", "--scale-plan", "10:servers=3"], "sparse tables"),
+        (vec!["--steps", "40", "--scale-plan", "10:workers=3"], "do not follow workers joining or leaving"),
+        (vec!["--steps", "40", "--consistency", "ssp", "--scale-plan", "10:servers=3"], "under BSP only"),
     ];
     for (args, want) in cases {
         let o = train(&args);

@@ -186,7 +186,8 @@ pub(crate) fn wait_settled(ctl: &mut ControlClient, out: &Mutex<ScaleOutcome>, m
             let splitting = text.lines().any(|l| l.starts_with("splits:") && l.contains("splitting"));
             let joining = splitting || text.lines().any(|l| l.contains(": joining,"));
             let workers_busy = text.lines().any(|l| l.contains("being voted on") || l.contains("waiting to register"));
-            let buckets = text.lines().find_map(|l| l.strip_prefix("sparse buckets")?.split("; ").nth(1)?.split(' ').next()?.parse().ok());
+            let buckets =
+                text.lines().find_map(|l| l.strip_prefix("sparse buckets")?.split("; ").nth(1)?.split(' ').next()?.parse().ok());
             let buckets_busy = text.lines().any(|l| l.starts_with("  moving at iteration"));
             out.lock().unwrap_or_else(|p| p.into_inner()).bucket_moves = buckets.unwrap_or(0);
             if in_flight == 0 && !joining && !workers_busy && !buckets_busy && done + buckets.unwrap_or(0) >= min_done {

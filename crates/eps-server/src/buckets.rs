@@ -104,8 +104,9 @@ impl<P: Fabric> Server<P> {
                 self.sparse.moving.incoming = Some((at, sources));
             }
             if !targets.is_empty() {
-                let dest =
-                    (0..BUCKETS as usize).map(|b| (old[b] == me).then(|| targets.iter().position(|&t| t == new[b])).flatten()).collect();
+                let dest = (0..BUCKETS as usize)
+                    .map(|b| (old[b] == me).then(|| targets.iter().position(|&t| t == new[b])).flatten())
+                    .collect();
                 let n = targets.len();
                 self.sparse.moving.outgoing = Some(Outgoing {
                     at,
@@ -160,12 +161,7 @@ impl<P: Fabric> Server<P> {
             mr.write_at(0, blob);
             let (addr, rkey, len) = (mr.addr(), mr.rkey(), blob.len() as u64);
             self.sparse.moving.blobs.push((to, mr));
-            eps_proto::say!(
-                "eps server {}: {} rows ({len} bytes) go to server {to} at iteration {}",
-                self.rank,
-                o.rows[i],
-                o.at
-            );
+            eps_proto::say!("eps server {}: {} rows ({len} bytes) go to server {to} at iteration {}", self.rank, o.rows[i], o.at);
             self.summary.sparse_rows_out += o.rows[i];
             if let Err(why) = self.report(&ControlMsg::RowsOut { rank: self.rank, to, addr, rkey, len })? {
                 return Err(ServerError::Sparse(format!("the control plane refused the rows for server {to}: {why}")));
@@ -175,7 +171,14 @@ impl<P: Fabric> Server<P> {
     }
 
     /// `Order::FetchRows`: READs the rows server `from` gives this one.
-    pub(crate) fn on_fetch_rows(&mut self, from: u32, from_addr: &str, addr: u64, rkey: u32, len: u64) -> Result<(), ServerError> {
+    pub(crate) fn on_fetch_rows(
+        &mut self,
+        from: u32,
+        from_addr: &str,
+        addr: u64,
+        rkey: u32,
+        len: u64,
+    ) -> Result<(), ServerError> {
         let ci = self.target_conn(from, from_addr)?;
         let mr = self.pd.alloc_mr(len as usize, Access::LOCAL_WRITE)?;
         let remote = RemoteAddr { addr, rkey };

@@ -14,6 +14,7 @@
 //! (see `ShardSync`); the two `unsafe` views into registered memory rely on it and
 //! say so at each use.
 
+mod buckets;
 mod checkpoint;
 mod cut;
 mod members;
@@ -22,7 +23,6 @@ mod migrate;
 mod relay;
 mod replica;
 mod serve;
-mod buckets;
 mod sparse;
 mod split;
 

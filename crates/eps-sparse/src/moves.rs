@@ -106,7 +106,10 @@ mod tests {
         assert_eq!((s.len(), s[0].table, s[0].rows), (1, 1, 50));
         let mut b = RowTable::new(spec()).unwrap();
         b.put_rows(s[0].records, s[0].rows).unwrap();
-        assert_eq!(b.put_rows(s[0].records, s[0].rows), Err(SparseError::Rows("key 1 arrived twice, or is already held here".into())));
+        assert_eq!(
+            b.put_rows(s[0].records, s[0].rows),
+            Err(SparseError::Rows("key 1 arrived twice, or is already held here".into()))
+        );
         // Both halves step on as the table that never split does.
         for now in 3..5 {
             a.push(&keys[..50].iter().copied().filter(|k| k % 2 == 0).collect::<Vec<_>>(), &[0.5; 100], 0.1, now).unwrap();
@@ -117,7 +120,11 @@ mod tests {
         }
         for k in keys {
             let row = if k % 2 == 1 { b.row(k) } else { a.row(k) };
-            assert_eq!(row.map(|r| r.iter().map(|v| v.to_bits()).collect::<Vec<_>>()), reference.row(k).map(|r| r.iter().map(|v| v.to_bits()).collect()), "key {k}");
+            assert_eq!(
+                row.map(|r| r.iter().map(|v| v.to_bits()).collect::<Vec<_>>()),
+                reference.row(k).map(|r| r.iter().map(|v| v.to_bits()).collect()),
+                "key {k}"
+            );
         }
     }
 

@@ -98,7 +98,6 @@ impl<P: Fabric> Tables<P> {
         eps_proto::buckets::owners_at(&self.owners, t).map_or(&[][..], |o| &o[..])
     }
 
-
     /// How many tables.
     pub(crate) fn len(&self) -> usize {
         self.tables.len()
@@ -303,7 +302,10 @@ impl<P: Fabric> Worker<P> {
         ranks.sort_unstable();
         ranks.dedup();
         if ranks.len() > MAX_TABLE_SERVERS {
-            return Err(self.sparse_err(table, format!("its buckets are on {} servers; a worker pushes to {MAX_TABLE_SERVERS} at most", ranks.len())));
+            return Err(self.sparse_err(
+                table,
+                format!("its buckets are on {} servers; a worker pushes to {MAX_TABLE_SERVERS} at most", ranks.len()),
+            ));
         }
         let mut index = vec![0u32; ranks.last().map_or(0, |&r| r as usize + 1)];
         for (i, &r) in ranks.iter().enumerate() {

@@ -67,8 +67,7 @@ impl Job {
             return;
         }
         let has_tables = |r: u32| self.tables.iter().filter(|e| e.owner == r).count() == self.table_count;
-        let eligible: Vec<u32> =
-            self.live_servers().into_iter().filter(|&r| has_tables(r) && !self.lost.contains(&r)).collect();
+        let eligible: Vec<u32> = self.live_servers().into_iter().filter(|&r| has_tables(r) && !self.lost.contains(&r)).collect();
         let Some((_, now)) = self.buckets.last() else { return };
         let want = buckets::rebalance(now, &eligible);
         if want != *now {
@@ -140,12 +139,8 @@ impl Job {
         }
         held.sort_unstable();
         let list: Vec<String> = held.iter().map(|(r, n)| format!("server {r}: {n}")).collect();
-        let _ = writeln!(
-            t,
-            "sparse buckets ({BUCKETS}) from iteration {at}: {}; {} moves done",
-            list.join(", "),
-            self.bucket_moves
-        );
+        let _ =
+            writeln!(t, "sparse buckets ({BUCKETS}) from iteration {at}: {}; {} moves done", list.join(", "), self.bucket_moves);
         if let Some(m) = &self.bucket_move {
             let _ = writeln!(t, "  moving at iteration {}: rows not taken yet {:?} (source, target)", m.at, m.pending);
         }
