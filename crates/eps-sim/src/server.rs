@@ -662,6 +662,10 @@ impl SimServer {
             Order::Release { shard } => w.fail(format!("server {rank}: SSP/ASP release of shard {shard} in a BSP job")),
             // The simulation takes no checkpoints (nothing orders one).
             Order::Checkpoint { version, .. } => w.fail(format!("server {rank}: ordered a checkpoint at {version}")),
+            // (Simulated jobs have no sparse tables.)
+            Order::Buckets { at, .. } => w.fail(format!("server {rank}: ordered a bucket map at {at} in a job without tables")),
+            Order::FetchRows { from, .. } => w.fail(format!("server {rank}: ordered to fetch rows of server {from}")),
+            Order::FreeRows { to } => w.fail(format!("server {rank}: ordered to free rows for server {to}")),
             Order::Replicate { shard, to, snapshot, .. } => self.on_replicate(w, shard, to, snapshot),
             Order::AddBackup { shard, from, start, len } => self.on_add_backup(w, shard, from, start, len),
             Order::Promote { shard } => self.on_promote(w, shard),
