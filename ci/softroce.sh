@@ -150,6 +150,16 @@ ctr_same() {
 check eps_train_ctr_soft ctr soft
 check eps_train_ctr_rdma ctr rdma
 check eps_train_ctr_rdma_equals_soft ctr_same
+# Buckets moving over rdma (the target READs the source's rows): servers
+# scaled 2 -> 3 -> 1 while it trains, and it ends as the soft run did.
+ctr_scaled() {
+    timeout 300 "$dir/eps" train --model ctr --steps 60 --batch 64 --progress-every 30 --json --transport rdma \
+        --scale-plan 15:servers=3,35:servers=1 >/tmp/ctr_scaled.out &&
+        tail -n 1 /tmp/ctr_scaled.out | grep -q '"bucket_moves":2' &&
+        tail -n 1 /tmp/ctr_scaled.out | grep -o '"params_checksum":"[0-9a-f]*"\|"sparse_checksum":"[0-9a-f]*"' >/tmp/ctr_c &&
+        cmp -s /tmp/ctr_a /tmp/ctr_c && echo "rdma ctr scaled 2 -> 3 -> 1 equals soft: $(tr '\n' ' ' </tmp/ctr_c)"
+}
+check eps_train_ctr_rdma_scaled_equals_soft ctr_scaled
 # libeps over rdma: the C example, two processes against `eps up`, both on rxe.
 libeps_c() {
     # Bounded: a hang fails this check with every process's log instead of
