@@ -380,9 +380,6 @@ fn train(a: TrainArgs) -> Result<(), String> {
         Some(_) => {}
     }
     if !spec.model.tables.is_empty() {
-        if plan.iter().any(|e| matches!(e.target, eps::train::scale::Target::Workers(_))) {
-            return Err("--scale-plan: this job has sparse tables, whose pushes do not follow workers joining or leaving yet (servers= works)".into());
-        }
         if !plan.is_empty() && spec.job.consistency != eps_proto::Consistency::Bsp {
             return Err("--scale-plan: this job has sparse tables, whose buckets move between servers under BSP only".into());
         }

@@ -130,8 +130,9 @@ fn run(text: &str) -> (Vec<Vec<u8>>, Vec<Rows>, u64) {
     (dense, sparse, rows_held)
 }
 
-/// One process: each table's rows, stepped as BSP defines it.
-fn sparse_reference(text: &str) -> Rows {
+/// One process: each table's rows, stepped as BSP defines it, with the
+/// contributors of each iteration `m` gives.
+fn sparse_reference(text: &str, m: &Membership) -> Rows {
     let spec = JobSpec::from_toml(text).unwrap();
     let mut out = Vec::new();
     for (id, d) in eps_sparse::decl::tables(&spec).into_iter().enumerate() {
@@ -139,7 +140,8 @@ fn sparse_reference(text: &str) -> Rows {
         let mut table = RowTable::new(d.spec).unwrap();
         for t in 0..spec.job.steps {
             let mut own = Vec::new();
-            for rank in 0..spec.job.workers {
+            let set = m.contributors(t);
+            for &rank in set {
                 let keys = batch(rank, t, 40 + id * 17);
                 let mut rows = vec![0f32; keys.len() * dim];
                 table.pull(&keys, t, &mut rows).unwrap();
@@ -147,7 +149,7 @@ fn sparse_reference(text: &str) -> Rows {
             }
             let all: Vec<(&[u64], &[f32])> = own.iter().map(|(k, g)| (&k[..], &g[..])).collect();
             let (k, mut g) = merge(&all, dim).unwrap();
-            g.iter_mut().for_each(|x| *x *= 1.0 / spec.job.workers as f32);
+            g.iter_mut().for_each(|x| *x *= 1.0 / set.len() as f32);
             table.push(&k, &g, d.lr, t).unwrap();
         }
         let all: Vec<u64> = (0..KEYS).collect();
@@ -163,8 +165,9 @@ fn bsp_with_sparse_and_dense_equals_one_process() {
     for (workers, servers) in [(1, 1), (3, 2)] {
         let text = spec(workers, servers);
         let (dense, sparse, held) = run(&text);
-        let want_dense = reference(&text, &Membership::new((0..workers).collect()).unwrap());
-        let want_sparse = sparse_reference(&text);
+        let m = Membership::new((0..workers).collect()).unwrap();
+        let want_dense = reference(&text, &m);
+        let want_sparse = sparse_reference(&text, &m);
         for r in 0..workers as usize {
             assert!(dense[r] == want_dense, "worker {r}: dense parameters differ ({workers} workers, {servers} servers)");
             for (i, (got, want)) in sparse[r].iter().zip(&want_sparse).enumerate() {
@@ -309,4 +312,91 @@ fn idle_rows_are_evicted_and_come_back_fresh() {
     let timeout = std::time::Duration::from_secs(60);
     let evicted: u64 = (0..2).map(|_| servers.recv_timeout(timeout).expect("a server's summary").sparse_evicted).sum();
     assert_eq!(evicted, 8, "keys 0..8 were idle for more than 3 steps");
+}
+
+/// Asks the control plane for `workers` workers (again while another change
+/// is in progress).
+fn scale_workers(control: std::net::SocketAddr, workers: u32) {
+    use eps_control::{ControlClient, ControlError};
+    use eps_proto::control::ControlMsg;
+    let mut c = ControlClient::connect(control, &common::secret(), std::time::Duration::from_secs(10)).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        match c.call(&ControlMsg::ScaleWorkers { workers }) {
+            Ok(_) => return,
+            Err(ControlError::Rejected(m)) if m.contains("in progress") && std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(5))
+            }
+            Err(e) => panic!("scale to {workers} workers: {e}"),
+        }
+    }
+}
+
+/// A worker joins and later leaves while the job trains: the tables and the
+/// dense tensor end as one process computes them with the contributor sets
+/// the run reports (each iteration averaged over its own contributors).
+#[test]
+fn workers_joining_and_leaving_equal_the_reference_with_the_same_contributor_sets() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let text = spec(2, 2).replace("steps = 8", "steps = 40").replace("[job]", "[job]\nmax_workers = 3");
+    let (spec, control) = start_control(&text);
+    let _servers = start_servers(spec.job.servers, control);
+    let progress = AtomicU64::new(0);
+    let wait_for = |i: u64| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while progress.load(Ordering::Acquire) < i {
+            assert!(std::time::Instant::now() < deadline, "training stalled before iteration {i}");
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    };
+    let train = || {
+        let mut w = Worker::join(&worker_config(control)).unwrap();
+        let tables: Vec<(u16, usize)> =
+            ["ids", "cats"].iter().map(|n| w.table(n).unwrap()).map(|i| (i, w.table_dim(i).unwrap())).collect();
+        let n = w.layout().total as usize;
+        let (mut p, mut g) = (vec![0f32; n], vec![0f32; n]);
+        while w.iteration() < w.spec().job.steps {
+            if !w.begin().unwrap() {
+                w.finish().unwrap();
+                return None; // it left
+            }
+            sparse_step(&mut w, &tables);
+            step(&mut w, &mut p, &mut g);
+            if w.rank() == 0 {
+                progress.fetch_max(w.iteration(), Ordering::AcqRel);
+            }
+        }
+        let all: Vec<u64> = (0..KEYS).collect();
+        let end: Rows = tables
+            .iter()
+            .map(|&(id, dim)| {
+                let mut rows = vec![0f32; all.len() * dim];
+                w.sparse_pull(id, &all, &mut rows).unwrap();
+                rows
+            })
+            .collect();
+        let out = (w.membership().clone(), w.params_bytes().to_vec(), end);
+        w.finish().unwrap();
+        Some(out)
+    };
+    let got = std::thread::scope(|s| {
+        let first: Vec<_> = (0..2).map(|_| s.spawn(train)).collect();
+        wait_for(5);
+        scale_workers(control, 3);
+        let joiner = s.spawn(train);
+        wait_for(20);
+        scale_workers(control, 2);
+        assert!(joiner.join().unwrap().is_none(), "the joiner (the highest rank) leaves");
+        first.into_iter().map(|h| h.join().unwrap().expect("ranks 0 and 1 train to the end")).collect::<Vec<_>>()
+    });
+    let m = got[0].0.clone();
+    let sets: Vec<&[u32]> = m.epochs().iter().map(|(_, s)| &s[..]).collect();
+    assert_eq!(sets, [&[0, 1][..], &[0, 1, 2], &[0, 1]], "{:?}", m.epochs());
+    let (want_dense, want_sparse) = (reference(&text, &m), sparse_reference(&text, &m));
+    for (r, (_, dense, sparse)) in got.iter().enumerate() {
+        assert!(*dense == want_dense, "worker {r}: dense parameters differ ({:?})", m.epochs());
+        for (i, (got, want)) in sparse.iter().zip(&want_sparse).enumerate() {
+            assert!(got == want, "worker {r}: table {i} differs ({:?})", m.epochs());
+        }
+    }
 }

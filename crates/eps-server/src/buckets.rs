@@ -264,7 +264,7 @@ impl<P: Fabric> Server<P> {
 
     /// Handles the sparse requests held back, in arrival order (each is held
     /// again if it still must wait).
-    fn replay_sparse(&mut self) -> Result<(), ServerError> {
+    pub(crate) fn replay_sparse(&mut self) -> Result<(), ServerError> {
         for (ci, h, table, m, len) in std::mem::take(&mut self.sparse.deferred) {
             self.on_sparse_imm(ci, h, table, m, len)?;
         }

@@ -48,7 +48,8 @@ impl<P: Fabric> Server<P> {
         for id in 0..self.shards.len() as u32 {
             self.try_complete(id)?;
         }
-        Ok(())
+        // And the sparse requests the vote held.
+        self.replay_sparse()
     }
 
     /// Aggregates shard `id`'s current iteration if every contribution it

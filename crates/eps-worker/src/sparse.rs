@@ -395,7 +395,9 @@ impl<P: Fabric> Worker<P> {
     fn follow_buckets(&mut self) -> Result<(), WorkerError> {
         // (The iteration begins here if the caller has not begun it: a
         // bucket vote may hold it.)
-        self.begin()?;
+        if !self.begin()? {
+            return Err(WorkerError::Unsupported("this worker left the job at this iteration (see `Worker::begin`)"));
+        }
         self.adopt_newest()?;
         self.sparse.follow(&self.map)
     }

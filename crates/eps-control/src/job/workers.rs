@@ -156,12 +156,6 @@ impl Job {
         if n == 0 {
             return Err("a job needs at least one worker".into());
         }
-        if self.table_count > 0 {
-            return Err(
-                "this job has sparse tables, whose pushes do not follow membership changes yet: its workers cannot be scaled"
-                    .into(),
-            );
-        }
         self.can_change_workers()?;
         let now = self.w.members.latest().to_vec();
         let want: Vec<u32> = if n as usize > now.len() {
