@@ -379,10 +379,8 @@ fn train(a: TrainArgs) -> Result<(), String> {
         }
         Some(_) => {}
     }
-    if !spec.model.tables.is_empty() {
-        if !plan.is_empty() && spec.job.consistency != eps_proto::Consistency::Bsp {
-            return Err("--scale-plan: this job has sparse tables, whose buckets move between servers under BSP only".into());
-        }
+    if !spec.model.tables.is_empty() && !plan.is_empty() && spec.job.consistency != eps_proto::Consistency::Bsp {
+        return Err("--scale-plan: this job has sparse tables, whose buckets move between servers under BSP only".into());
     }
     let workers_change = plan.iter().any(|e| matches!(e.target, eps::train::scale::Target::Workers(_)));
     if workers_change && spec.job.consistency != eps_proto::Consistency::Bsp {

@@ -130,8 +130,17 @@ fn run(text: &str) -> (Vec<Vec<u8>>, Vec<Rows>, u64) {
     (dense, sparse, rows_held)
 }
 
+/// `v` as it arrives after travelling in `dtype` (rounded to it).
+fn travelled(dtype: eps_agg::DType, v: &mut [f32]) {
+    let mut bytes = vec![0u8; v.len() * dtype.size_bytes()];
+    eps_agg::reduce::narrow(dtype, v, &mut bytes);
+    v.fill(0.0);
+    eps_agg::reduce::sum_serial(dtype, &[&bytes], v);
+}
+
 /// One process: each table's rows, stepped as BSP defines it, with the
-/// contributors of each iteration `m` gives.
+/// contributors of each iteration `m` gives (rows and gradients rounded to
+/// the table's dtype where they travel).
 fn sparse_reference(text: &str, m: &Membership) -> Rows {
     let spec = JobSpec::from_toml(text).unwrap();
     let mut out = Vec::new();
@@ -145,7 +154,10 @@ fn sparse_reference(text: &str, m: &Membership) -> Rows {
                 let keys = batch(rank, t, 40 + id * 17);
                 let mut rows = vec![0f32; keys.len() * dim];
                 table.pull(&keys, t, &mut rows).unwrap();
-                own.push(sum_duplicates(&keys, &grads(&rows, rank, t), dim).unwrap());
+                travelled(d.dtype, &mut rows);
+                let (k, mut g) = sum_duplicates(&keys, &grads(&rows, rank, t), dim).unwrap();
+                travelled(d.dtype, &mut g);
+                own.push((k, g));
             }
             let all: Vec<(&[u64], &[f32])> = own.iter().map(|(k, g)| (&k[..], &g[..])).collect();
             let (k, mut g) = merge(&all, dim).unwrap();
@@ -155,6 +167,7 @@ fn sparse_reference(text: &str, m: &Membership) -> Rows {
         let all: Vec<u64> = (0..KEYS).collect();
         let mut rows = vec![0f32; all.len() * dim];
         table.pull(&all, spec.job.steps, &mut rows).unwrap();
+        travelled(d.dtype, &mut rows);
         out.push(rows);
     }
     out
@@ -175,6 +188,27 @@ fn bsp_with_sparse_and_dense_equals_one_process() {
             }
         }
         assert_eq!(held, 2 * KEYS, "every key of both tables is held once, after the last pull");
+    }
+}
+
+/// Rows that travel as bf16 and f16: the servers keep f32 rows and state,
+/// and BSP equals one process that rounds what travels (pulled rows, each
+/// worker's summed gradient rows) to the table's dtype, bit for bit.
+#[test]
+fn rows_travelling_as_bf16_and_f16_equal_one_process_rounding_them_the_same() {
+    let text = spec(3, 2)
+        .replace("name = \"ids\"\n", "name = \"ids\"\ndtype = \"bf16\"\n")
+        .replace("name = \"cats\"\n", "name = \"cats\"\ndtype = \"f16\"\n");
+    let (_, sparse, _) = run(&text);
+    let m = Membership::new(vec![0, 1, 2]).unwrap();
+    let want = sparse_reference(&text, &m);
+    let f32_text = spec(3, 2);
+    let plain = sparse_reference(&f32_text, &m);
+    assert!(want[0] != plain[0] && want[1] != plain[1], "rounding changes the rows (the test would see a missing one)");
+    for (r, rows) in sparse.iter().enumerate() {
+        for (i, (got, want)) in rows.iter().zip(&want).enumerate() {
+            assert!(got == want, "worker {r}: table {i} differs from the rounded reference");
+        }
     }
 }
 

@@ -36,6 +36,10 @@ pub(crate) struct Table<P: Fabric> {
     /// By worker rank: bytes of the push and of the pull request that landed.
     pushed: Vec<usize>,
     pulled: Vec<usize>,
+    /// Rows travelling as bf16 or f16: by worker rank its pushed rows
+    /// widened, and the rows of a pull answer before they are narrowed.
+    wide: Vec<Vec<f32>>,
+    gathered: Vec<f32>,
 }
 
 /// The job's sparse tables on this server.
@@ -77,7 +81,8 @@ impl<P: Fabric> Sparse<P> {
             }
             let part = TablePart::new(t, spec.job.consistency, ranks).map_err(|e| ServerError::Sparse(e.to_string()))?;
             let n = ranks as usize;
-            tables.push(Table { part, landing, reply, pushed: vec![0; n], pulled: vec![0; n] });
+            let (wide, gathered) = (vec![Vec::new(); n], Vec::new());
+            tables.push(Table { part, landing, reply, pushed: vec![0; n], pulled: vec![0; n], wide, gathered });
         }
         let _ = rank;
         Ok(Self { tables, owners, deferred, moving, rss_start: rss_bytes(None).unwrap_or(0) })
@@ -236,19 +241,32 @@ impl<P: Fabric> Server<P> {
     /// that waited for the new version. SSP/ASP: the one worker in
     /// `contributors` pushed; its rows are applied on their own.
     fn sparse_update(&mut self, table: u16, contributors: &[u32]) -> Result<(), ServerError> {
-        let t = &mut self.sparse.tables[table as usize];
-        let mut views = Vec::with_capacity(contributors.len());
-        for &w in contributors {
+        let Table { part, landing, pushed, wide, .. } = &mut self.sparse.tables[table as usize];
+        let dtype = part.table().dtype;
+        let parse = |w: u32| {
             // SAFETY: a worker writes its push region again only after the
             // credit sent below; its push of this iteration has landed.
-            let bytes = unsafe { t.landing[w as usize].as_slice() };
-            let q = wire::parse(bytes, t.pushed[w as usize], Op::Push, t.part.table())
-                .map_err(|e| ServerError::Sparse(format!("a push checked on arrival: {e}")))?;
-            views.push((q.keys, q.rows));
+            let bytes = unsafe { landing[w as usize].as_slice() };
+            wire::parse(bytes, pushed[w as usize], Op::Push, part.table())
+                .map_err(|e| ServerError::Sparse(format!("a push checked on arrival: {e}")))
+        };
+        if dtype != eps_agg::DType::F32 {
+            for &w in contributors {
+                wire::widen(dtype, parse(w)?.rows, &mut wide[w as usize]);
+            }
+        }
+        let mut views = Vec::with_capacity(contributors.len());
+        for &w in contributors {
+            let q = parse(w)?;
+            let rows: &[f32] = match bytemuck::try_cast_slice(q.rows) {
+                Ok(r) if dtype == eps_agg::DType::F32 => r,
+                _ => &wide[w as usize],
+            };
+            views.push((q.keys, rows));
         }
         let applied = match (self.mode, contributors) {
-            (Consistency::Bsp, _) => t.part.apply_all(&views),
-            (_, &[w]) => t.part.apply_one(w, views[0].0, views[0].1),
+            (Consistency::Bsp, _) => part.apply_all(&views),
+            (_, &[w]) => part.apply_one(w, views[0].0, views[0].1),
             _ => return Err(ServerError::Sparse("an SSP/ASP update of more than one worker's push".into())),
         };
         let version = applied.map_err(|e| ServerError::Sparse(e.to_string()))?;
@@ -271,8 +289,8 @@ impl<P: Fabric> Server<P> {
     /// Answers worker `w`'s pull of `table` with version `v`: its rows
     /// gathered into its reply region, WRITTEN where the request said.
     fn sparse_answer(&mut self, table: u16, w: u32, v: u64) -> Result<(), ServerError> {
-        let Table { part, landing, reply, pulled, .. } = &mut self.sparse.tables[table as usize];
-        let (at, dim) = (pull_offset(part.table()), part.table().spec.dim);
+        let Table { part, landing, reply, pulled, gathered, .. } = &mut self.sparse.tables[table as usize];
+        let (at, dim, dtype) = (pull_offset(part.table()), part.table().spec.dim, part.table().dtype);
         // SAFETY: the worker sends no other pull of this table before this
         // one is answered, so nothing lands in its pull region meanwhile.
         let bytes = unsafe { landing[w as usize].as_slice() };
@@ -283,11 +301,18 @@ impl<P: Fabric> Server<P> {
         // SAFETY: the previous answer's WRITE from this region was delivered
         // (the worker asks again only after it), and no other one is posted.
         let out = unsafe { reply[w as usize].as_mut_slice() };
-        let rows: &mut [f32] = bytemuck::cast_slice_mut(&mut out[..n * 4]);
-        part.answer(v, q.keys, rows).map_err(|e| ServerError::Sparse(e.to_string()))?;
+        let bytes = n * dtype.size_bytes();
+        if dtype == eps_agg::DType::F32 {
+            let rows: &mut [f32] = bytemuck::cast_slice_mut(&mut out[..bytes]);
+            part.answer(v, q.keys, rows).map_err(|e| ServerError::Sparse(e.to_string()))?;
+        } else {
+            gathered.resize(n, 0.0);
+            part.answer(v, q.keys, gathered).map_err(|e| ServerError::Sparse(e.to_string()))?;
+            eps_agg::reduce::narrow(dtype, gathered, &mut out[..bytes]);
+        }
         let Some((conn, _)) = self.worker_conn(w) else { return Ok(()) };
         let t = &self.sparse.tables[table as usize];
-        let sg = [Sge::new(&t.reply[w as usize], 0, (n * 4) as u32)];
+        let sg = [Sge::new(&t.reply[w as usize], 0, bytes as u32)];
         let imm = Imm { kind: ImmKind::PullDone, shard: sparse_id(table), seq: v as u16 }.encode();
         let sg: &[Sge<'_, P::Mr>] = if n == 0 { &[] } else { &sg };
         conn.post(&SendWr { wr_id: WR_OTHER, op: SendOp::WriteImm(remote, imm), sg, signaled: false })?;

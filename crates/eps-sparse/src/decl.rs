@@ -33,12 +33,19 @@ pub struct Declared {
     pub evict: Option<Evict>,
     /// Most keys of one request to one server.
     pub max_keys: usize,
+    /// How rows travel (servers keep them as f32).
+    pub dtype: eps_agg::DType,
 }
 
 impl Declared {
     /// Whether `key` may be used with the table.
     pub fn admits(&self, key: u64) -> bool {
         self.key_limit.is_none_or(|l| key < l)
+    }
+
+    /// Bytes of one value on the wire.
+    pub fn elem(&self) -> usize {
+        self.dtype.size_bytes()
     }
 
     /// Bytes of one row and its optimizer state.
@@ -82,6 +89,8 @@ fn declared(spec: &JobSpec, index: u16, d: &TableDecl) -> Declared {
         key_limit: d.key_limit,
         evict: d.evict_idle_steps.map(|idle_steps| Evict { idle_steps, min_touches: d.evict_min_touches }),
         max_keys: d.max_keys as usize,
+        // (Validated with the spec.)
+        dtype: eps_agg::DType::parse(&d.dtype).unwrap_or(eps_agg::DType::F32),
     }
 }
 

@@ -2,7 +2,8 @@
 //! server reads it without trusting it.
 //!
 //! A request is a 40-byte header, the keys (u64), then for a push the
-//! gradient rows (f32, `dim` each, in the keys' order): little-endian, as
+//! gradient rows (`dim` values each, in the keys' order, in the table's
+//! dtype: f32, bf16 or f16): little-endian, as
 //! the fabric's registered memory holds them. A pull names the address and
 //! rkey in the worker's row buffer the answer goes to; the server WRITEs the rows there in
 //! the order asked, which its rkey lets it reach alone. Every field is checked against the table and the region
@@ -142,20 +143,36 @@ impl Header {
         })
     }
 
-    /// Bytes of the whole request.
-    pub fn bytes(&self) -> usize {
-        request_bytes(self.op, self.count as usize, self.dim as usize)
+    /// Bytes of the whole request, for values of `elem` bytes.
+    pub fn bytes(&self, elem: usize) -> usize {
+        request_bytes(self.op, self.count as usize, self.dim as usize, elem)
     }
 }
 
-/// Bytes of a request of `count` keys of dimension `dim`.
-pub fn request_bytes(op: Op, count: usize, dim: usize) -> usize {
-    HEADER + count * 8 + if op == Op::Push { count * dim * 4 } else { 0 }
+/// Bytes of a request of `count` keys of dimension `dim`, values of `elem`
+/// bytes.
+pub fn request_bytes(op: Op, count: usize, dim: usize, elem: usize) -> usize {
+    HEADER + count * 8 + if op == Op::Push { count * dim * elem } else { 0 }
 }
 
 /// Bytes of the landing region of one worker's `op` requests for table `t`.
 pub fn region_bytes(op: Op, t: &Declared) -> usize {
-    request_bytes(op, t.max_keys, t.spec.dim)
+    request_bytes(op, t.max_keys, t.spec.dim, t.elem())
+}
+
+/// `rows` (values in `dtype`) as f32: in place for f32, else widened into
+/// `scratch`.
+pub fn widen<'a>(dtype: eps_agg::DType, rows: &'a [u8], scratch: &'a mut Vec<f32>) -> &'a [f32] {
+    if dtype == eps_agg::DType::F32 {
+        // (Rows follow the 8-byte keys in an 8-byte aligned region.)
+        if let Ok(v) = bytemuck::try_cast_slice(rows) {
+            return v;
+        }
+    }
+    scratch.clear();
+    scratch.resize(rows.len() / dtype.size_bytes(), 0.0);
+    eps_agg::reduce::sum_serial(dtype, &[rows], scratch);
+    scratch
 }
 
 /// The largest request or answer of `spec`'s tables (what the fabric's
@@ -172,8 +189,9 @@ pub struct Request<'a> {
     pub header: Header,
     /// The keys.
     pub keys: &'a [u64],
-    /// Push: the gradient rows (`keys.len() * dim`); pull: empty.
-    pub rows: &'a [f32],
+    /// Push: the gradient rows (`keys.len() * dim` values in the table's
+    /// dtype; see [`widen`]); pull: empty.
+    pub rows: &'a [u8],
 }
 
 /// Reads the request of `len` bytes that landed in `region` (the landing
@@ -191,11 +209,12 @@ pub fn parse<'a>(region: &'a [u8], len: usize, want: Op, t: &Declared) -> Result
         return Err(WireError::TooManyKeys { table: t.name.clone(), count: h.count, max: t.max_keys });
     }
     let n = h.count as usize;
-    if len != h.bytes() || region.len() < len {
-        return Err(WireError::Length { got: len, want: h.bytes() });
+    let want_len = h.bytes(t.elem());
+    if len != want_len || region.len() < len {
+        return Err(WireError::Length { got: len, want: want_len });
     }
     let keys: &[u64] = bytemuck::try_cast_slice(&region[HEADER..HEADER + n * 8]).map_err(|_| WireError::Header)?;
-    let rows: &[f32] = bytemuck::try_cast_slice(&region[HEADER + n * 8..len]).map_err(|_| WireError::Header)?;
+    let rows = &region[HEADER + n * 8..len];
     if let (Some(limit), Some(&key)) = (t.key_limit, keys.iter().find(|k| !t.admits(**k))) {
         return Err(WireError::KeyRange { table: t.name.clone(), key, limit });
     }
@@ -203,7 +222,8 @@ pub fn parse<'a>(region: &'a [u8], len: usize, want: Op, t: &Declared) -> Result
 }
 
 /// Writes a request into `out` (at least [`request_bytes`] long): the
-/// header, the keys, and for a push the rows. Returns its length.
+/// header, the keys, and for a push the rows (an f32 table's). Returns its
+/// length.
 pub fn write(out: &mut [u8], h: &Header, keys: &[u64], rows: &[f32]) -> usize {
     let n = keys.len();
     debug_assert_eq!(h.count as usize, n);
@@ -234,6 +254,7 @@ mod tests {
             key_limit: Some(1000),
             evict: None,
             max_keys: 4,
+            dtype: eps_agg::DType::F32,
         }
     }
 
@@ -249,9 +270,10 @@ mod tests {
         let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut r);
         let h = Header { table: 3, op: Op::Push, count: 2, dim: 2, seq: 1 << 40, reply_addr: 0, reply_rkey: 0 };
         let n = write(bytes, &h, &[7, 999], &[1.0, 2.0, 3.0, 4.0]);
-        assert_eq!(n, request_bytes(Op::Push, 2, 2));
+        assert_eq!(n, request_bytes(Op::Push, 2, 2, 4));
         let q = parse(bytes, n, Op::Push, &t).unwrap();
-        assert_eq!((q.header, q.keys, q.rows), (h, &[7u64, 999][..], &[1.0f32, 2.0, 3.0, 4.0][..]));
+        let rows: &[f32] = bytemuck::cast_slice(q.rows);
+        assert_eq!((q.header, q.keys, rows), (h, &[7u64, 999][..], &[1.0f32, 2.0, 3.0, 4.0][..]));
         let mut p = region(&t, Op::Pull);
         let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut p);
         let h = Header { op: Op::Pull, count: 1, reply_addr: 64, reply_rkey: 9, ..h };

@@ -29,8 +29,10 @@ pub(crate) const WR_SPARSE: u64 = 1 << 60;
 /// One table, as this worker uses it.
 pub(crate) struct Table<P: Fabric> {
     decl: Declared,
-    /// The servers WRITE pulled rows here.
+    /// The servers WRITE pulled rows here (in the table's dtype).
     rows: P::Mr,
+    /// Pulled rows widened to f32 (tables whose rows travel as bf16 or f16).
+    wide: Vec<f32>,
     /// Requests are written here and WRITTEN from.
     push_out: P::Mr,
     pull_out: P::Mr,
@@ -65,10 +67,11 @@ impl<P: Fabric> Tables<P> {
         for decl in eps_sparse::decl::tables(spec) {
             // Every server's request, each 8-byte aligned.
             let slack = MAX_TABLE_SERVERS * (HEADER + 8);
-            let push = wire::request_bytes(Op::Push, decl.max_keys, decl.spec.dim) + slack;
-            let pull = wire::request_bytes(Op::Pull, decl.max_keys, 0) + slack;
+            let push = wire::region_bytes(Op::Push, &decl) + slack;
+            let pull = wire::region_bytes(Op::Pull, &decl) + slack;
             tables.push(Table {
-                rows: pd.alloc_mr(decl.max_keys * decl.spec.dim * 4, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?,
+                rows: pd.alloc_mr(decl.max_keys * decl.spec.dim * decl.elem(), Access::LOCAL_WRITE | Access::REMOTE_WRITE)?,
+                wide: Vec::new(),
                 push_out: pd.alloc_mr(push, Access::LOCAL_WRITE)?,
                 pull_out: pd.alloc_mr(pull, Access::LOCAL_WRITE)?,
                 credit: vec![true; servers as usize],
@@ -216,7 +219,7 @@ impl<P: Fabric> Worker<P> {
     /// servers WRITE them there), and returns a view of them: no copy on
     /// this side. Valid until the table's next pull.
     pub fn sparse_pull_rows(&mut self, table: u16, keys: &[u64]) -> Result<PulledRows<'_>, WorkerError> {
-        let dim = self.decl(table)?.spec.dim;
+        let (dim, elem) = (self.decl(table)?.spec.dim, self.decl(table)?.elem());
         let d = dedup(keys);
         self.check_keys(table, keys, d.keys.len())?;
         self.follow_buckets()?;
@@ -250,7 +253,7 @@ impl<P: Fabric> Worker<P> {
                 count: r.keys.len() as u32,
                 dim: dim as u32,
                 seq: v,
-                reply_addr: t.rows.addr() + (row * dim * 4) as u64,
+                reply_addr: t.rows.addr() + (row * dim * elem) as u64,
                 reply_rkey: t.rows.rkey(),
             };
             let n = wire::write(&mut out[at..], &h, &r.keys, &[]);
@@ -266,14 +269,16 @@ impl<P: Fabric> Worker<P> {
             self.post_sparse(server, table, false, RemoteAddr { addr: addr + off, rkey }, imm, at, n)?;
         }
         self.wait_until(|w| w.sparse.tables[table as usize].awaiting == 0, "sparse pull answers")?;
-        self.stats.pulled_bytes += (row * dim * 4) as u64;
+        self.stats.pulled_bytes += (row * dim * elem) as u64;
         let index = d.of.iter().map(|&u| slot[u as usize]).collect();
-        let t = &self.sparse.tables[table as usize];
+        let t = &mut self.sparse.tables[table as usize];
         // SAFETY: every pull of this table was answered (above), and servers
         // WRITE into the row buffer only to answer one; the view borrows the
         // worker, so no other pull starts while it lives.
         let bytes = unsafe { t.rows.as_slice() };
-        Ok(PulledRows { rows: bytemuck::cast_slice(&bytes[..row * dim * 4]), index, dim })
+        // (f32 rows are viewed in place; bf16 and f16 ones widened once.)
+        let rows = wire::widen(t.decl.dtype, &bytes[..row * dim * elem], &mut t.wide);
+        Ok(PulledRows { rows, index, dim })
     }
 
     /// Pushes the current iteration's gradient rows of table `table`: one
@@ -282,7 +287,8 @@ impl<P: Fabric> Worker<P> {
     /// pushed is pushed empty when the worker waits for the iteration's
     /// parameters.
     pub fn sparse_push(&mut self, table: u16, keys: &[u64], grads: &[f32]) -> Result<(), WorkerError> {
-        let dim = self.decl(table)?.spec.dim;
+        let d = self.decl(table)?;
+        let (dim, elem, dtype) = (d.spec.dim, d.elem(), d.dtype);
         if grads.len() != keys.len() * dim {
             return Err(WorkerError::Length { what: "sparse push gradients", expected: keys.len() * dim, got: grads.len() });
         }
@@ -325,7 +331,7 @@ impl<P: Fabric> Worker<P> {
         let mut at = 0usize;
         for &n in &count {
             base.push(at);
-            at = (at + wire::request_bytes(Op::Push, n, dim)).next_multiple_of(8);
+            at = (at + wire::request_bytes(Op::Push, n, dim, elem)).next_multiple_of(8);
         }
         let t = &mut self.sparse.tables[table as usize];
         // SAFETY: no WRITE from the push buffer is in flight (`sparse_flush`
@@ -341,13 +347,23 @@ impl<P: Fabric> Worker<P> {
             out[o..o + 8].copy_from_slice(&k.to_le_bytes());
         }
         // Each distinct key's row: the first of its rows, then the others
-        // added in batch order (the bits BSP defines).
+        // added in batch order (the bits BSP defines), in f32: straight into
+        // the staging buffer for an f32 table, else apart and then narrowed
+        // into it.
+        let at = |u: usize| {
+            let s = server[u] as usize;
+            base[s] + HEADER + 8 * count[s] + place[u] * dim * elem
+        };
+        let mut wide = if dtype == eps_agg::DType::F32 { Vec::new() } else { vec![0f32; d.keys.len() * dim] };
         let mut seen = vec![false; d.keys.len()];
         for (g, &u) in grads.chunks_exact(dim).zip(&d.of) {
             let u = u as usize;
-            let s = server[u] as usize;
-            let o = base[s] + HEADER + 8 * count[s] + place[u] * dim * 4;
-            let row: &mut [f32] = bytemuck::cast_slice_mut(&mut out[o..o + dim * 4]);
+            let row: &mut [f32] = if wide.is_empty() {
+                let o = at(u);
+                bytemuck::cast_slice_mut(&mut out[o..o + dim * 4])
+            } else {
+                &mut wide[u * dim..(u + 1) * dim]
+            };
             if seen[u] {
                 row.iter_mut().zip(g).for_each(|(a, b)| *a += *b);
             } else {
@@ -355,8 +371,12 @@ impl<P: Fabric> Worker<P> {
                 seen[u] = true;
             }
         }
+        for (u, row) in wide.chunks_exact(dim).enumerate() {
+            let o = at(u);
+            eps_agg::reduce::narrow(dtype, row, &mut out[o..o + dim * elem]);
+        }
         let posts: Vec<(u32, usize, usize)> =
-            (0..servers).map(|s| (ranks[s], base[s], wire::request_bytes(Op::Push, count[s], dim))).collect();
+            (0..servers).map(|s| (ranks[s], base[s], wire::request_bytes(Op::Push, count[s], dim, elem))).collect();
         t.pushed_at = Some(v);
         let imm = Imm { kind: ImmKind::Push, shard: sparse_id(table), seq: v as u16 }.encode();
         for (server, at, n) in posts {

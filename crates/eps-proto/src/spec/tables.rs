@@ -26,6 +26,10 @@ pub struct TableDecl {
     pub name: String,
     /// Values per row.
     pub dim: u32,
+    /// How rows travel between workers and servers: `f32`, `bf16` or `f16`
+    /// (servers keep f32 rows and state, as they keep dense shards' masters).
+    #[serde(default = "default_dtype")]
+    pub dtype: String,
     /// The row-wise optimizer (one of [`TABLE_OPTIMIZERS`]); by default the
     /// job's `optimizer.kind` (which must then be one of them).
     #[serde(default)]
@@ -69,6 +73,10 @@ fn default_max_keys() -> u32 {
     65536
 }
 
+fn default_dtype() -> String {
+    "f32".into()
+}
+
 fn default_accumulator() -> f32 {
     0.1
 }
@@ -98,6 +106,9 @@ impl TableDecl {
         }
         if self.dim == 0 || self.dim > MAX_TABLE_DIM {
             return Err(bad("model.tables.dim", format!("table {who:?}: must be between 1 and {MAX_TABLE_DIM}")));
+        }
+        if eps_agg::DType::parse(&self.dtype).is_none() {
+            return Err(bad("model.tables.dtype", format!("table {who:?}: {:?} is not f32, bf16 or f16", self.dtype)));
         }
         let kind = self.optimizer_kind(job_kind);
         if !TABLE_OPTIMIZERS.contains(&kind) {
@@ -215,6 +226,7 @@ mod tests {
             ("name = \"t\"\ndim = 0", "model.tables.dim"),
             ("name = \"t\"\ndim = 70000", "model.tables.dim"),
             ("name = \"t\"\ndim = 4\noptimizer = \"lamb\"", "model.tables.optimizer"),
+            ("name = \"t\"\ndim = 4\ndtype = \"f64\"", "model.tables.dtype"),
             ("name = \"t\"\ndim = 4\nlr = 0.0", "model.tables.lr"),
             ("name = \"t\"\ndim = 4\ninit = \"normal\"", "model.tables.init"),
             ("name = \"t\"\ndim = 4\ninit_scale = -1.0", "model.tables.init_scale"),

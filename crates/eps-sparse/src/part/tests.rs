@@ -18,6 +18,7 @@ fn table(opt: RowOptimizer) -> Declared {
         key_limit: None,
         evict: None,
         max_keys: 1 << 16,
+        dtype: eps_agg::DType::F32,
     }
 }
 
