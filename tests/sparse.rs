@@ -76,6 +76,17 @@ fn sparse_step(w: &mut Worker, tables: &[(u16, usize)]) {
 /// Every key's row at the end, per table.
 type Rows = Vec<Vec<f32>>;
 
+/// Every key's row of each of `tables`, pulled.
+fn all_rows(w: &mut Worker, tables: &[(u16, usize)]) -> Rows {
+    let all: Vec<u64> = (0..KEYS).collect();
+    let pull = |&(id, dim): &(u16, usize)| {
+        let mut rows = vec![0f32; all.len() * dim];
+        w.sparse_pull(id, &all, &mut rows).unwrap();
+        rows
+    };
+    tables.iter().map(pull).collect()
+}
+
 /// Servers on detached threads (a worker that fails then fails the test at
 /// once instead of leaving it waiting on servers that wait for it); their
 /// summaries come back on the channel.
@@ -107,15 +118,7 @@ fn run(text: &str) -> (Vec<Vec<u8>>, Vec<Rows>, u64) {
                         sparse_step(&mut w, &tables);
                         step(&mut w, &mut p, &mut g);
                     }
-                    let all: Vec<u64> = (0..KEYS).collect();
-                    let end: Rows = tables
-                        .iter()
-                        .map(|&(id, dim)| {
-                            let mut rows = vec![0f32; all.len() * dim];
-                            w.sparse_pull(id, &all, &mut rows).unwrap();
-                            rows
-                        })
-                        .collect();
+                    let end = all_rows(&mut w, &tables);
                     let out = w.params_bytes().to_vec();
                     w.finish().unwrap();
                     (out, end)
@@ -400,16 +403,7 @@ fn workers_joining_and_leaving_equal_the_reference_with_the_same_contributor_set
                 progress.fetch_max(w.iteration(), Ordering::AcqRel);
             }
         }
-        let all: Vec<u64> = (0..KEYS).collect();
-        let end: Rows = tables
-            .iter()
-            .map(|&(id, dim)| {
-                let mut rows = vec![0f32; all.len() * dim];
-                w.sparse_pull(id, &all, &mut rows).unwrap();
-                rows
-            })
-            .collect();
-        let out = (w.membership().clone(), w.params_bytes().to_vec(), end);
+        let out = (w.membership().clone(), w.params_bytes().to_vec(), all_rows(&mut w, &tables));
         w.finish().unwrap();
         Some(out)
     };
