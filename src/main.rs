@@ -379,9 +379,6 @@ fn train(a: TrainArgs) -> Result<(), String> {
         }
         Some(_) => {}
     }
-    if !spec.model.tables.is_empty() && !plan.is_empty() && spec.job.consistency != eps_proto::Consistency::Bsp {
-        return Err("--scale-plan: this job has sparse tables, whose buckets move between servers under BSP only".into());
-    }
     let workers_change = plan.iter().any(|e| matches!(e.target, eps::train::scale::Target::Workers(_)));
     if workers_change && spec.job.consistency != eps_proto::Consistency::Bsp {
         return Err("--scale-plan with workers= needs a BSP job (SSP and ASP jobs keep their workers; servers= works)".into());

@@ -59,10 +59,9 @@ fn ctr_refusals_are_clear() {
     let bad_dim = common::cli::tmp("ctr", "dim").with_extension("toml");
     let spec = SMALL_CTR.replace("\"ctr.ids\"\ndim = 8", "\"ctr.ids\"\ndim = 4");
     std::fs::write(&bad_dim, spec).unwrap();
-    let cases: [(Vec<&str>, &str); 3] = [
+    let cases: [(Vec<&str>, &str); 2] = [
         (vec!["--spec", bad_dim.to_str().unwrap()], "table \"ctr.ids\" has dim 4; model.embed_dim is 8"),
         (vec!["--replicas", "2"], "sparse tables have no replicas"),
-        (vec!["--steps", "40", "--consistency", "ssp", "--scale-plan", "10:servers=3"], "under BSP only"),
     ];
     for (args, want) in cases {
         let o = train(&args);

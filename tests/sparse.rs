@@ -354,17 +354,21 @@ fn idle_rows_are_evicted_and_come_back_fresh() {
 /// Asks the control plane for `workers` workers (again while another change
 /// is in progress).
 fn scale_workers(control: std::net::SocketAddr, workers: u32) {
+    scale(control, eps_proto::control::ControlMsg::ScaleWorkers { workers });
+}
+
+/// Sends a scale request, again while another change is in progress.
+fn scale(control: std::net::SocketAddr, msg: eps_proto::control::ControlMsg) {
     use eps_control::{ControlClient, ControlError};
-    use eps_proto::control::ControlMsg;
     let mut c = ControlClient::connect(control, &common::secret(), std::time::Duration::from_secs(10)).unwrap();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     loop {
-        match c.call(&ControlMsg::ScaleWorkers { workers }) {
+        match c.call(&msg) {
             Ok(_) => return,
             Err(ControlError::Rejected(m)) if m.contains("in progress") && std::time::Instant::now() < deadline => {
                 std::thread::sleep(std::time::Duration::from_millis(5))
             }
-            Err(e) => panic!("scale to {workers} workers: {e}"),
+            Err(e) => panic!("{msg:?}: {e}"),
         }
     }
 }
@@ -425,6 +429,89 @@ fn workers_joining_and_leaving_equal_the_reference_with_the_same_contributor_set
         assert!(*dense == want_dense, "worker {r}: dense parameters differ ({:?})", m.epochs());
         for (i, (got, want)) in sparse.iter().zip(&want_sparse).enumerate() {
             assert!(got == want, "worker {r}: table {i} differs ({:?})", m.epochs());
+        }
+    }
+}
+
+/// SSP and ASP: servers added and removed while the job trains move buckets
+/// (a source takes its rows out once every worker's pushes before the
+/// cutover are applied; the target holds pushes of the cutover and pulls of
+/// incoming keys until they are in). Every push is applied exactly once:
+/// each key ends at what every worker's pushes add up to, exactly.
+#[test]
+fn ssp_and_asp_bucket_moves_apply_every_push_exactly_once() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    const STEPS: u64 = 60;
+    const N: u64 = 64;
+    for consistency in ["ssp", "asp"] {
+        let text = format!(
+            "[job]\nworkers = 2\nservers = 2\nsteps = {STEPS}\nconsistency = \"{consistency}\"\nstaleness = 2\nseed = 3\n\
+             [model]\ntensors = [{{ name = \"w\", elements = 4096 }}]\n\
+             [[model.tables]]\nname = \"t\"\ndim = 2\noptimizer = \"sgd\"\nlr = 0.25\ninit = \"zeros\"\n\
+             [optimizer]\nkind = \"sgd\"\nlr = 0.01\n"
+        );
+        let (spec, control) = start_control(&text);
+        let servers = start_servers(2, control);
+        let progress = AtomicU64::new(0);
+        let both = std::sync::Barrier::new(2);
+        let keys: Vec<u64> = (0..N).map(|k| k * 7919).collect();
+        let rows: Vec<Vec<f32>> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..2)
+                .map(|_| {
+                    s.spawn(|| {
+                        let mut w = Worker::join(&worker_config(control)).unwrap();
+                        let n = w.layout().total as usize;
+                        let (mut p, mut g) = (vec![0f32; n], vec![0f32; n]);
+                        let mut pulled = vec![0f32; 2 * keys.len()];
+                        for _ in 0..spec.job.steps {
+                            let r = w.rank() as f32;
+                            w.sparse_pull(0, &keys, &mut pulled).unwrap();
+                            let grads: Vec<f32> = keys.iter().enumerate().flat_map(|(i, _)| [(i % 4) as f32, 1.0 + r]).collect();
+                            w.sparse_push(0, &keys, &grads).unwrap();
+                            step(&mut w, &mut p, &mut g);
+                            progress.fetch_max(w.iteration(), Ordering::AcqRel);
+                            // (Slow enough that the moves happen while it trains.)
+                            std::thread::sleep(std::time::Duration::from_millis(3));
+                        }
+                        w.sparse_flush(0).unwrap();
+                        both.wait();
+                        let mut end = vec![0f32; 2 * keys.len()];
+                        w.sparse_pull(0, &keys, &mut end).unwrap();
+                        w.finish().unwrap();
+                        end
+                    })
+                })
+                .collect();
+            let wait_for = |i: u64| {
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+                while progress.load(Ordering::Acquire) < i {
+                    assert!(std::time::Instant::now() < deadline, "{consistency}: training stalled before iteration {i}");
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+            };
+            use eps_proto::control::ControlMsg;
+            wait_for(10);
+            scale(control, ControlMsg::Scale { servers: 3 });
+            let added = s.spawn(move || run_server(control));
+            wait_for(30);
+            scale(control, ControlMsg::Scale { servers: 1 });
+            let rows = hs.into_iter().map(|h| h.join().unwrap()).collect();
+            let added = added.join().unwrap();
+            assert!(added.sparse_rows_in > 0, "{consistency}: the added server took rows in");
+            rows
+        });
+        let summaries: Vec<eps_server::ServerSummary> =
+            (0..2).map(|_| servers.recv_timeout(std::time::Duration::from_secs(60)).expect("a server's summary")).collect();
+        assert!(summaries.iter().map(|s| s.sparse_rows_out).sum::<u64>() > 0, "{consistency}: rows moved");
+        // Each worker pushed every key once a step, each push scaled by 1/2,
+        // at lr 0.25: key i's first value got i % 4 from both, its second
+        // 1 + rank.
+        let steps = STEPS as f32;
+        for i in 0..N as usize {
+            let want = [-0.25 * 0.5 * (2.0 * steps * (i % 4) as f32), -0.25 * 0.5 * steps * (1.0 + 2.0)];
+            for got in &rows {
+                assert_eq!(&got[2 * i..2 * i + 2], &want[..], "{consistency}: key {}", keys[i]);
+            }
         }
     }
 }

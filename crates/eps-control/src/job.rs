@@ -794,9 +794,6 @@ impl Job {
         if want == 0 {
             return Err("a job needs at least one server".into());
         }
-        if self.table_count > 0 && self.consistency != Consistency::Bsp {
-            return Err("this job has sparse tables, whose buckets move between servers under BSP only (its consistency is not BSP): its servers cannot be scaled".into());
-        }
         if !self.initial_ready() {
             return Err(crate::STILL_STARTING.into());
         }

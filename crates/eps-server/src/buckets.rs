@@ -3,15 +3,16 @@
 //!
 //! On `Order::Buckets { at: T }`, the server keeps the new map and:
 //! - as a source, takes each table's rows of the buckets it gives away out
-//!   the moment the table reaches version `T` (iteration `T - 1` applied,
-//!   nothing of `T` yet: no worker pushed `T` by the old map), one blob per
-//!   target in registered memory, and reports it (`RowsOut`); it frees the
-//!   blob on `FreeRows`;
-//! - as a target, holds every request of `T` and later until each source's
-//!   rows are in: on `FetchRows` it dials the source and READs the blob,
-//!   takes the rows in with their optimizer state and bookkeeping, reports
-//!   `RowsTaken`, and once the last source's are in, serves what it held.
-//!   A server that owned no bucket before starts its parts at version `T`.
+//!   the moment the table holds every push before `T` (BSP: version `T`;
+//!   SSP/ASP: every worker's clock at `T`; no worker pushes `T` by the old
+//!   map), one blob per target in registered memory, and reports it
+//!   (`RowsOut`); it frees the blob on `FreeRows`;
+//! - as a target, holds pushes of `T` and later, and pulls of keys whose
+//!   rows are on their way, until each source's rows are in: on
+//!   `FetchRows` it dials the source and READs the blob, takes the rows in
+//!   with their optimizer state and bookkeeping, reports `RowsTaken`, and
+//!   once the last source's are in, serves what it held. A server that
+//!   owned no bucket before starts its parts at `T`.
 
 use std::time::Instant;
 
@@ -27,8 +28,8 @@ pub(crate) const WR_ROWS: u64 = WR_OTHER | (1 << 43);
 
 /// What moves, on a server.
 pub(crate) struct Moving<P: Fabric> {
-    /// Receiving at `at`: the sources whose rows are not in yet.
-    incoming: Option<(u64, Vec<u32>)>,
+    /// Receiving: what is on its way.
+    incoming: Option<Incoming>,
     /// Giving away at `at`: the targets, each bucket's target (an index
     /// into them), which tables were taken out, and each target's blob.
     outgoing: Option<Outgoing>,
@@ -54,6 +55,24 @@ struct Fetch<P: Fabric> {
 /// READs of one source's rows in flight at once.
 const FETCH_WINDOW: u32 = 4;
 
+/// Buckets coming here at `at`.
+pub(crate) struct Incoming {
+    /// The cutover iteration: pushes of it and later wait for the rows.
+    pub(crate) at: u64,
+    /// The sources whose rows are not in yet.
+    from: Vec<u32>,
+    /// By bucket: whether it is one of those coming (pulls of its keys wait).
+    buckets: Vec<bool>,
+}
+
+impl Incoming {
+    /// Whether a request must wait for the rows: a push of the cutover
+    /// iteration or later, or a pull of a key whose rows are on their way.
+    pub(crate) fn holds(&self, push: bool, seq: u64, keys: &[u64]) -> bool {
+        if push { seq >= self.at } else { keys.iter().any(|&k| self.buckets[eps_sparse::bucket::bucket_of(k) as usize]) }
+    }
+}
+
 struct Outgoing {
     at: u64,
     targets: Vec<u32>,
@@ -70,9 +89,15 @@ impl<P: Fabric> Default for Moving<P> {
 }
 
 impl<P: Fabric> Moving<P> {
-    /// Requests of this iteration and later wait for rows on their way.
-    pub(crate) fn gate(&self) -> Option<u64> {
-        self.incoming.as_ref().map(|(at, _)| *at)
+    /// What is on its way here, if anything.
+    pub(crate) fn gate(&self) -> Option<&Incoming> {
+        self.incoming.as_ref()
+    }
+
+    /// Whether table `table` still holds rows it gives away (the buckets it
+    /// owned before the newest map, whose rows are not taken out yet).
+    pub(crate) fn giving(&self, table: usize) -> bool {
+        self.outgoing.as_ref().is_some_and(|o| !o.taken[table])
     }
 }
 
@@ -101,7 +126,8 @@ impl<P: Fabric> Server<P> {
                     }
                 }
                 eps_proto::say!("eps server {me}: from iteration {at} on, buckets come here from servers {sources:?}");
-                self.sparse.moving.incoming = Some((at, sources));
+                let buckets = (0..BUCKETS as usize).map(|b| old[b] != me && new[b] == me).collect();
+                self.sparse.moving.incoming = Some(Incoming { at, from: sources, buckets });
             }
             if !targets.is_empty() {
                 let dest = (0..BUCKETS as usize)
@@ -117,8 +143,7 @@ impl<P: Fabric> Server<P> {
                     rows: vec![0; n],
                 });
                 for t in 0..self.sparse.tables.len() {
-                    let v = self.sparse.tables[t].part.sync.version();
-                    self.take_out_rows(t as u16, v)?;
+                    self.take_out_rows(t as u16)?;
                 }
             }
         }
@@ -129,17 +154,20 @@ impl<P: Fabric> Server<P> {
         self.replay_sparse()
     }
 
-    /// Table `table` reached version `v`: if its buckets leave at `v`, their
-    /// rows are taken out; once every table's are, they are put where their
-    /// targets READ them, and reported.
-    pub(crate) fn take_out_rows(&mut self, table: u16, v: u64) -> Result<(), ServerError> {
+    /// Table `table` applied an update: if it now holds every push before
+    /// the cutover of its leaving buckets (and none after), their rows are
+    /// taken out; once every table's are, they are put where their targets
+    /// READ them, and reported.
+    pub(crate) fn take_out_rows(&mut self, table: u16) -> Result<(), ServerError> {
         let Some(o) = self.sparse.moving.outgoing.as_mut() else { return Ok(()) };
         let t = table as usize;
-        if o.taken[t] || v < o.at {
+        if o.taken[t] {
             return Ok(());
         }
-        if v > o.at {
-            return Err(ServerError::Sparse(format!("table {t} passed iteration {} before its buckets left", o.at)));
+        match self.sparse.tables[t].part.reached(o.at, self.membership.latest()) {
+            Some(true) => {}
+            Some(false) => return Ok(()),
+            None => return Err(ServerError::Sparse(format!("table {t} passed iteration {} before its buckets left", o.at))),
         }
         let part = &mut self.sparse.tables[t].part;
         let mut outs = vec![Vec::new(); o.targets.len()];
@@ -247,14 +275,27 @@ impl<P: Fabric> Server<P> {
         if let Err(why) = self.report(&ControlMsg::RowsTaken { rank: self.rank, from })? {
             return Err(ServerError::Sparse(format!("the control plane refused the rows of server {from}: {why}")));
         }
-        if let Some((_, pending)) = self.sparse.moving.incoming.as_mut() {
-            pending.retain(|&f| f != from);
-            if pending.is_empty() {
+        if let Some(inc) = self.sparse.moving.incoming.as_mut() {
+            inc.from.retain(|&f| f != from);
+            if inc.from.is_empty() {
                 self.sparse.moving.incoming = None;
                 return self.replay_sparse();
             }
         }
         Ok(())
+    }
+
+    /// What the sparse tables wait for, if anything (for a stall report).
+    pub(crate) fn sparse_stall(&self) -> Option<String> {
+        let m = &self.sparse.moving;
+        let held = self.sparse.deferred.len();
+        if self.sparse.tables.is_empty() || (held == 0 && m.incoming.is_none() && m.outgoing.is_none()) {
+            return None;
+        }
+        let tables: Vec<String> = self.sparse.tables.iter().map(|t| t.part.sync.describe()).collect();
+        let incoming = m.incoming.as_ref().map_or(String::new(), |i| format!("; rows due at {} from {:?}", i.at, i.from));
+        let outgoing = m.outgoing.as_ref().map_or(String::new(), |o| format!("; rows leaving at {} for {:?}", o.at, o.targets));
+        Some(format!("sparse tables [{}]; {held} requests held (hold {:?}){incoming}{outgoing}", tables.join(", "), self.hold))
     }
 
     /// `Order::FreeRows`: the blob for server `to` was taken.

@@ -17,8 +17,14 @@ impl<P: Fabric> Server<P> {
     /// `Order::Propose`: holds from the first iteration none of our shards has
     /// aggregated, and votes it.
     pub(crate) fn on_propose(&mut self, id: u64) -> Result<(), ServerError> {
-        let dense = self.shards.iter().flatten().map(|h| h.sync.version());
-        let top = dense.chain(self.sparse.tables.iter().map(|t| t.part.sync.version())).max().unwrap_or(0);
+        // (SSP/ASP count pushes as they come: there, the furthest iteration
+        // any worker pushed.)
+        let reach = |s: &eps_proto::sync::ShardSync| match self.mode {
+            eps_proto::Consistency::Bsp => s.version(),
+            _ => s.clocks().iter().copied().max().unwrap_or(0),
+        };
+        let dense = self.shards.iter().flatten().map(|h| reach(&h.sync));
+        let top = dense.chain(self.sparse.tables.iter().map(|t| reach(&t.part.sync))).max().unwrap_or(0);
         let hold = top + 1;
         self.hold = Some(hold);
         self.ctl.call(&ControlMsg::Vote { role: Role::Server, rank: self.rank, id, hold })?;

@@ -142,6 +142,9 @@ impl<P: Fabric> Server<P> {
                 }
             );
         }
+        if let Some(what) = self.sparse_stall() {
+            eps_proto::say!("eps server {}: nothing came for {STALL_REPORT:?}: {what}", self.rank);
+        }
     }
 
     /// Takes the connections the acceptor handed over, then the early completions

@@ -88,6 +88,19 @@ impl<P: Fabric> Sparse<P> {
         Ok(Self { tables, owners, deferred, moving, rss_start: rss_bytes(None).unwrap_or(0) })
     }
 
+    /// The first of `keys` that is not this server's (`rank`) by the newest
+    /// bucket map nor, while `giving` (its rows not taken out yet), by the
+    /// one before.
+    fn foreign_pull(&self, keys: &[u64], rank: u32, giving: bool) -> Option<u64> {
+        let n = self.owners.len();
+        let newest = &self.owners[n - 1].1;
+        let before = giving.then(|| n.checked_sub(2).map(|i| &self.owners[i].1)).flatten();
+        keys.iter().copied().find(|&k| {
+            let b = eps_sparse::bucket::bucket_of(k) as usize;
+            newest[b] != rank && before.is_none_or(|o| o[b] != rank)
+        })
+    }
+
     /// Whether this server holds no table.
     pub(crate) fn is_empty(&self) -> bool {
         self.tables.is_empty()
@@ -163,7 +176,7 @@ impl<P: Fabric> Server<P> {
     /// A worker's sparse request for `table` landed (`len` bytes).
     pub(crate) fn on_sparse_imm(&mut self, ci: usize, h: Hello, table: u16, m: Imm, len: u32) -> Result<(), ServerError> {
         let w = h.rank as usize;
-        let Some(t) = self.sparse.tables.get_mut(table as usize) else {
+        let Some(t) = self.sparse.tables.get(table as usize) else {
             self.violation(ci, &format!("a request for sparse table {table}, which this server does not hold"));
             return Ok(());
         };
@@ -183,17 +196,29 @@ impl<P: Fabric> Server<P> {
         let bytes = unsafe { t.landing[w].as_slice() };
         let gate = self.sparse.moving.gate();
         let hold = self.hold;
+        let (mode, giving) = (self.mode, self.sparse.moving.giving(table as usize));
         let checked = wire::parse(&bytes[at..], len as usize, op, decl).map_err(|e| e.to_string()).and_then(|q| {
             if q.header.seq as u16 != m.seq {
                 return Err(format!("a request for {} under the immediate's {}", q.header.seq, m.seq));
             }
             // Held while a bucket map is voted on or rows are on their way
             // (their owners are checked once it is known).
-            if hold.is_some_and(|h| q.header.seq >= h) || gate.is_some_and(|g| q.header.seq >= g) {
+            let push = op == Op::Push;
+            if (push && hold.is_some_and(|h| q.header.seq >= h)) || gate.is_some_and(|g| g.holds(push, q.header.seq, q.keys)) {
                 return Ok(None);
             }
-            let owners = eps_proto::buckets::owners_at(&self.sparse.owners, q.header.seq).map_or(&[][..], |o| &o[..]);
-            if let Some(k) = TablePart::foreign(q.keys, owners, self.rank) {
+            let foreign = if push || mode == Consistency::Bsp {
+                // The request's iteration (a BSP pull's version is its
+                // iteration) names the map it was routed by.
+                let owners = eps_proto::buckets::owners_at(&self.sparse.owners, q.header.seq).map_or(&[][..], |o| &o[..]);
+                TablePart::foreign(q.keys, owners, self.rank)
+            } else {
+                // An SSP/ASP pull names a version, not its iteration: its keys
+                // are this server's by the newest map, or by the one before
+                // while their rows are still here.
+                self.sparse.foreign_pull(q.keys, self.rank, giving)
+            };
+            if let Some(k) = foreign {
                 return Err(format!("key {k} of table {:?} belongs to another server", decl.name));
             }
             Ok(Some(q.header.seq))
@@ -269,11 +294,11 @@ impl<P: Fabric> Server<P> {
             (_, &[w]) => part.apply_one(w, views[0].0, views[0].1),
             _ => return Err(ServerError::Sparse("an SSP/ASP update of more than one worker's push".into())),
         };
-        let version = applied.map_err(|e| ServerError::Sparse(e.to_string()))?;
+        applied.map_err(|e| ServerError::Sparse(e.to_string()))?;
         self.summary.updates += 1;
-        // Buckets leaving at this version go now, before anything of the next
-        // iteration is applied.
-        self.take_out_rows(table, version)?;
+        // Buckets whose cutover this update reached leave now, before anything
+        // of the next iteration is applied.
+        self.take_out_rows(table)?;
         let id = sparse_id(table);
         for &w in contributors {
             self.send_credit(w, id)?;

@@ -69,10 +69,28 @@ impl TablePart {
     }
 
     /// The rows held here from now on are those of the buckets it receives
-    /// at iteration `at`, when it held none before: its pushes and pulls
-    /// start at version `at`.
+    /// at iteration `at`, when it held none before: BSP pushes and pulls
+    /// start at version `at`; SSP/ASP every worker's next push is of `at`.
     pub fn restart_at(&mut self, at: u64) {
-        self.sync = ShardSync::at_version(self.mode, self.workers, at);
+        self.sync = match self.mode {
+            Consistency::Bsp => ShardSync::at_version(self.mode, self.workers, at),
+            _ => ShardSync::new(self.mode, self.workers).resumed_at(at),
+        };
+    }
+
+    /// Whether every push of the iterations before `at` was applied here
+    /// (BSP: the version is `at`; SSP/ASP: every one of `workers` pushed
+    /// `at - 1`), and nothing after: `Some(true)` if so, `Some(false)` if
+    /// not yet, `None` if an iteration of `at` or later was applied already.
+    pub fn reached(&self, at: u64, workers: &[u32]) -> Option<bool> {
+        match self.mode {
+            Consistency::Bsp if self.sync.version() > at => None,
+            Consistency::Bsp => Some(self.sync.version() == at),
+            _ => {
+                let clocks = self.sync.clocks();
+                Some(workers.iter().all(|&w| clocks.get(w as usize).is_some_and(|&c| c >= at)))
+            }
+        }
     }
 
     /// Takes out the rows of the buckets `dest` sends away (see

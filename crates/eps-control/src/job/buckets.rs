@@ -7,11 +7,11 @@
 //! vote, `T`. No worker has then pushed `T` by the old map, so none of a
 //! sparse push's many buckets is ever answered "moved". Every server is
 //! ordered `Buckets { at: T }`; a source takes the rows of the buckets it
-//! gives away out at version `T` (all of iteration `T - 1` applied) and
-//! reports where they wait (`RowsOut`); the control plane orders the target
-//! to READ them (`FetchRows`), and the target, which held requests of `T`
-//! and later meanwhile, reports them taken (`RowsTaken`), after which the
-//! source frees them (`FreeRows`).
+//! gives away out once every push before `T` is applied (any consistency)
+//! and reports where they wait (`RowsOut`); the control plane orders the
+//! target to READ them (`FetchRows`), and the target, which held the
+//! requests that need them meanwhile, reports them taken (`RowsTaken`),
+//! after which the source frees them (`FreeRows`).
 //!
 //! Moves are planned one at a time, once no shard migration, split or vote
 //! is in flight and every server has joined: after a scale-up, the added
