@@ -4,8 +4,6 @@
 //! [`ControlMsg`] record, so replaying the store's records rebuilds the same state
 //! (orders included, with the same sequence numbers).
 
-use std::fmt::Write as _;
-
 use eps_proto::JobSpec;
 use eps_proto::control::{ControlMsg, JobMap, MigrationKeys, Order, Role, Route, ShardEndpoint};
 use eps_proto::declare::TensorDecl;
@@ -17,6 +15,7 @@ mod buckets;
 mod moves;
 mod replicas;
 mod split;
+mod status;
 mod workers;
 
 #[cfg(test)]
@@ -873,84 +872,6 @@ impl Job {
                 self.server_retired(r as u32);
             }
         }
-    }
-
-    /// Human-readable state for `eps status`.
-    pub fn status(&self) -> String {
-        let mut t = String::new();
-        let _ = writeln!(t, "epoch: {}", self.map.epoch);
-        if self.awaiting {
-            let _ = writeln!(t, "tensors: awaiting the first worker's declaration");
-        }
-        let training: Vec<u64> =
-            (0..self.progress.len() as u32).filter(|&r| self.w.routes(r)).map(|r| self.progress[r as usize]).collect();
-        if let (Some(lo), Some(hi)) = (training.iter().min(), training.iter().max()) {
-            let _ = writeln!(t, "iteration: {hi} (slowest worker at {lo})");
-        }
-        self.w.status(&mut t);
-        let ready = self.servers.iter().filter(|s| s.ready).count();
-        let fs = self.servers.iter().filter(|s| s.finished).count();
-        let _ = writeln!(t, "servers: {}/{} registered, {ready} ready, {fs} finished", self.servers.len(), self.server_slots);
-        if self.replicated() {
-            self.backups_status(&mut t);
-        }
-        self.buckets_status(&mut t);
-        let load = self.map.bytes_per_server();
-        for (r, s) in self.servers.iter().enumerate() {
-            let shards = self.map.shards.iter().filter(|x| x.owner == r as u32).count()
-                + self.lost_moving.iter().filter(|&&(s, _)| s == r as u32).count();
-            let state = if self.lost.contains(&(r as u32)) {
-                "lost"
-            } else if s.retired {
-                "retired"
-            } else if s.leaving {
-                "leaving"
-            } else if s.ready {
-                "serving"
-            } else {
-                "joining"
-            };
-            let bytes = load.get(&(r as u32)).copied().unwrap_or(0);
-            let mut ids: Vec<u32> = self.map.shards.iter().filter(|x| x.owner == r as u32).map(|x| x.id).collect();
-            ids.sort_unstable();
-            let mut list: Vec<String> = ids.iter().take(32).map(u32::to_string).collect();
-            if ids.len() > 32 {
-                list.push("...".into());
-            }
-            let _ = writeln!(
-                t,
-                "  server {r}: {state}, {shards} shards, {bytes} bytes, {} [shards {}]",
-                if s.addr.is_empty() { "-" } else { &s.addr },
-                list.join(",")
-            );
-        }
-        let done = self.migrations.iter().filter(|m| m.phase == Phase::Done).count() as u64 + self.moves_done;
-        let cancelled = self.migrations.iter().filter(|m| m.phase == Phase::Cancelled).count() as u64 + self.moves_cancelled;
-        let _ = write!(t, "migrations: {} in flight, {done} done", self.migrations_in_flight());
-        let _ = if cancelled > 0 { writeln!(t, ", {cancelled} cancelled (a server at one end was lost)") } else { writeln!(t) };
-        let _ = match &self.splitting {
-            Some(o) => writeln!(t, "splits: {} done, shard {} splitting on server {}", self.splits, o.shard, o.owner),
-            None => writeln!(t, "splits: {} done", self.splits),
-        };
-        // The most recent finished ones with their figures, then those in flight.
-        let finished: Vec<&Migration> =
-            self.recent_moves.iter().chain(self.migrations.iter().filter(|m| m.phase == Phase::Done)).collect();
-        for m in &finished[finished.len().saturating_sub(8)..] {
-            let _ = writeln!(t, "  shard {}: server {} -> {}: done, {} bytes in {} ms", m.shard, m.from, m.to, m.bytes, m.millis);
-        }
-        for m in self.migrations.iter().filter(|m| m.in_flight()) {
-            let phase = match m.phase {
-                Phase::Unreplicating => "dropping its backup".to_string(),
-                Phase::Cancelled => "cancelled".to_string(),
-                Phase::Preparing => "preparing".to_string(),
-                Phase::Copying => "copying".to_string(),
-                Phase::CuttingOver { at } => format!("cutover at iteration {at}"),
-                Phase::Done => "done".to_string(),
-            };
-            let _ = writeln!(t, "  shard {}: server {} -> {}: {phase}", m.shard, m.from, m.to);
-        }
-        t.truncate(t.trim_end().len());
-        t
     }
 }
 
