@@ -477,7 +477,8 @@ fn differing_chunks(soaked: &str, reference: &str) -> (u64, u64) {
 /// Per role: the median summed RSS of the samples after `quiet_from` (no
 /// more faults) from step `end_from` on, over the median of those between
 /// 60% of the warm-up (`warm` steps) and its end; only samples with
-/// `servers` servers count.
+/// `servers` servers count. When faults ran into the last samples (a short
+/// soak), the samples from step `end_from` on stand for the end.
 fn rss_growth(ticks: &[Tick], warm: u64, end_from: u64, quiet_from: f64, servers: u32) -> [f64; 3] {
     let median = |mut v: Vec<u64>| {
         v.sort_unstable();
@@ -485,7 +486,10 @@ fn rss_growth(ticks: &[Tick], warm: u64, end_from: u64, quiet_from: f64, servers
     };
     let ok = |t: &&Tick| t.procs[1] == servers;
     let before: Vec<&Tick> = ticks.iter().filter(ok).filter(|t| t.step >= warm * 6 / 10 && t.step < warm).collect();
-    let after: Vec<&Tick> = ticks.iter().filter(ok).filter(|t| t.t >= quiet_from && t.step >= end_from).collect();
+    let mut after: Vec<&Tick> = ticks.iter().filter(ok).filter(|t| t.t >= quiet_from && t.step >= end_from).collect();
+    if after.is_empty() {
+        after = ticks.iter().filter(ok).filter(|t| t.step >= end_from).collect();
+    }
     let mut g = [f64::NAN; 3];
     for (r, x) in g.iter_mut().enumerate() {
         if let (Some(b), Some(e)) =
@@ -522,7 +526,9 @@ mod tests {
         ];
         let g = rss_growth(&ticks, 15, 90, 3.5, 4);
         assert_eq!(g, [1.0, 1.1, 1.0]);
-        let none = rss_growth(&ticks, 15, 90, 10.0, 4);
-        assert!(none.iter().all(|x| x.is_nan()), "no sample after the faults: {none:?}");
+        // Faults until the end: the samples from step 90 on stand for it.
+        assert_eq!(rss_growth(&ticks, 15, 90, 10.0, 4), [1.0, 1.1, 1.0]);
+        let none = rss_growth(&ticks, 15, 100, 3.5, 4);
+        assert!(none.iter().all(|x| x.is_nan()), "no sample at the end: {none:?}");
     }
 }
