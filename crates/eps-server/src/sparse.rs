@@ -218,10 +218,15 @@ impl<P: Fabric> Server<P> {
                 // while their rows are still here.
                 self.sparse.foreign_pull(q.keys, self.rank, giving)
             };
-            if let Some(k) = foreign {
-                return Err(format!("key {k} of table {:?} belongs to another server", decl.name));
+            match foreign {
+                // While a bucket map is voted on, a worker may route by the
+                // committed one before this server is told it: held until
+                // then (and refused only if the new map does not give the
+                // key here either).
+                Some(_) if hold.is_some() => Ok(None),
+                Some(k) => Err(format!("key {k} of table {:?} belongs to another server", decl.name)),
+                None => Ok(Some(q.header.seq)),
             }
-            Ok(Some(q.header.seq))
         });
         let seq = match checked {
             Ok(Some(seq)) => seq,
