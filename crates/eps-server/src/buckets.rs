@@ -115,8 +115,9 @@ impl<P: Fabric> Server<P> {
         let old = old.clone();
         self.sparse.owners.push((at, new.clone()));
         self.hold = None;
-        let sources: Vec<u32> = buckets::transfers(&old, &new).into_iter().filter(|&(_, to)| to == me).map(|(f, _)| f).collect();
-        let targets: Vec<u32> = buckets::transfers(&old, &new).into_iter().filter(|&(f, _)| f == me).map(|(_, t)| t).collect();
+        let moves = buckets::transfers(&old, &new);
+        let sources: Vec<u32> = moves.iter().filter(|&&(_, to)| to == me).map(|&(f, _)| f).collect();
+        let targets: Vec<u32> = moves.iter().filter(|&&(f, _)| f == me).map(|&(_, t)| t).collect();
         if !self.sparse.tables.is_empty() {
             if !sources.is_empty() {
                 if !old.contains(&me) {

@@ -467,7 +467,7 @@ pub fn run_direct<P: Fabric>(
     }
     let es = layout.dtype.size_bytes() as u64;
     let max_len = layout.shards.iter().map(|s| s.len).max().unwrap_or(0);
-    let sparse = sparse::Sparse::new(&pd, &spec, rank, ranks)?;
+    let sparse = sparse::Sparse::new(&pd, &spec, ranks)?;
     let mut opts = QpOptions::new(cfg.secret.clone());
     // Per peer: at most one pull answer and two credits per shard in flight, for
     // as many shards as splits may make; per table a push, a pull, their answers.

@@ -59,11 +59,10 @@ pub(crate) struct Sparse<P: Fabric> {
 }
 
 impl<P: Fabric> Sparse<P> {
-    /// The parts of `spec`'s tables that server `rank` holds (every server
-    /// has a part of each table: the first ones own the buckets at the start,
-    /// added ones get theirs when buckets move), with regions for `ranks`
-    /// worker ranks.
-    pub(crate) fn new(pd: &P, spec: &JobSpec, rank: u32, ranks: u32) -> Result<Self, ServerError> {
+    /// This server's parts of `spec`'s tables (every server has a part of
+    /// each table: the first ones own the buckets at the start, added ones
+    /// get theirs when buckets move), with regions for `ranks` worker ranks.
+    pub(crate) fn new(pd: &P, spec: &JobSpec, ranks: u32) -> Result<Self, ServerError> {
         let owners = vec![(0, eps_sparse::bucket::initial_owners(spec.job.servers))];
         let (deferred, moving) = (Vec::new(), Default::default());
         if spec.model.tables.is_empty() {
@@ -84,7 +83,6 @@ impl<P: Fabric> Sparse<P> {
             let (wide, gathered) = (vec![Vec::new(); n], Vec::new());
             tables.push(Table { part, landing, reply, pushed: vec![0; n], pulled: vec![0; n], wide, gathered });
         }
-        let _ = rank;
         Ok(Self { tables, owners, deferred, moving, rss_start: rss_bytes(None).unwrap_or(0) })
     }
 
@@ -273,21 +271,23 @@ impl<P: Fabric> Server<P> {
     fn sparse_update(&mut self, table: u16, contributors: &[u32]) -> Result<(), ServerError> {
         let Table { part, landing, pushed, wide, .. } = &mut self.sparse.tables[table as usize];
         let dtype = part.table().dtype;
-        let parse = |w: u32| {
+        let mut requests = Vec::with_capacity(contributors.len());
+        for &w in contributors {
             // SAFETY: a worker writes its push region again only after the
             // credit sent below; its push of this iteration has landed.
             let bytes = unsafe { landing[w as usize].as_slice() };
-            wire::parse(bytes, pushed[w as usize], Op::Push, part.table())
-                .map_err(|e| ServerError::Sparse(format!("a push checked on arrival: {e}")))
-        };
+            let q = wire::parse(bytes, pushed[w as usize], Op::Push, part.table())
+                .map_err(|e| ServerError::Sparse(format!("a push checked on arrival: {e}")))?;
+            requests.push(q);
+        }
+        // f32 rows are read in place; bf16 and f16 ones widened first.
         if dtype != eps_agg::DType::F32 {
-            for &w in contributors {
-                wire::widen(dtype, parse(w)?.rows, &mut wide[w as usize]);
+            for (q, &w) in requests.iter().zip(contributors) {
+                wire::widen(dtype, q.rows, &mut wide[w as usize]);
             }
         }
         let mut views = Vec::with_capacity(contributors.len());
-        for &w in contributors {
-            let q = parse(w)?;
+        for (q, &w) in requests.iter().zip(contributors) {
             let rows: &[f32] = match bytemuck::try_cast_slice(q.rows) {
                 Ok(r) if dtype == eps_agg::DType::F32 => r,
                 _ => &wide[w as usize],

@@ -50,9 +50,31 @@ pub(crate) struct Table<P: Fabric> {
 /// The job's tables, and which server owns each bucket.
 pub(crate) struct Tables<P: Fabric> {
     tables: Vec<Table<P>>,
-    /// The bucket maps by first iteration (a server rank per bucket), as
-    /// the job map gave them.
-    owners: Vec<(u64, Vec<u32>)>,
+    /// The bucket maps by first iteration, as the job map gave them.
+    maps: Vec<(u64, BucketMap)>,
+}
+
+/// One bucket map, and what a push needs of it.
+struct BucketMap {
+    /// A server rank per bucket.
+    owner: Vec<u32>,
+    /// The servers that own buckets (each gets a push), sorted.
+    servers: Vec<u32>,
+    /// By server rank: its place in `servers`.
+    index: Vec<u32>,
+}
+
+impl BucketMap {
+    fn new(owner: Vec<u32>) -> Self {
+        let mut servers = owner.clone();
+        servers.sort_unstable();
+        servers.dedup();
+        let mut index = vec![0u32; servers.last().map_or(0, |&r| r as usize + 1)];
+        for (i, &r) in servers.iter().enumerate() {
+            index[r as usize] = i as u32;
+        }
+        Self { owner, servers, index }
+    }
 }
 
 /// The most servers one table's push or pull may go to (its staging
@@ -81,24 +103,25 @@ impl<P: Fabric> Tables<P> {
                 decl,
             });
         }
-        Ok(Self { tables, owners: vec![(0, eps_sparse::bucket::initial_owners(servers))] })
+        Ok(Self { tables, maps: vec![(0, BucketMap::new(eps_sparse::bucket::initial_owners(servers)))] })
     }
 
     /// Takes in the bucket maps of `map` this worker does not have yet.
     pub(crate) fn follow(&mut self, map: &JobMap) -> Result<(), WorkerError> {
-        for (at, runs) in map.buckets.iter().skip(self.owners.len()) {
+        for (at, runs) in map.buckets.iter().skip(self.maps.len()) {
             let owners = eps_proto::buckets::expand(runs).ok_or(WorkerError::Unexpected)?;
-            if self.owners.last().is_some_and(|(last, _)| at <= last) {
+            if self.maps.last().is_some_and(|(last, _)| at <= last) {
                 return Err(WorkerError::Unexpected);
             }
-            self.owners.push((*at, owners));
+            self.maps.push((*at, BucketMap::new(owners)));
         }
         Ok(())
     }
 
-    /// Each bucket's server at iteration `t`.
-    fn owners_at(&self, t: u64) -> &[u32] {
-        eps_proto::buckets::owners_at(&self.owners, t).map_or(&[][..], |o| &o[..])
+    /// The bucket map of iteration `t`.
+    fn map_at(&self, t: u64) -> &BucketMap {
+        // (The history starts with the map of iteration 0.)
+        eps_proto::buckets::owners_at(&self.maps, t).unwrap_or(&self.maps[0].1)
     }
 
     /// How many tables.
@@ -232,7 +255,7 @@ impl<P: Fabric> Worker<P> {
         };
         // (Buckets move under BSP only: the map of the iteration is the map
         // of the version.)
-        let owners = self.sparse.owners_at(self.iteration);
+        let owners = &self.sparse.map_at(self.iteration).owner;
         let reqs = split_by_owner(&d.keys, owners).map_err(|e| self.sparse_err(table, e.to_string()))?;
         // Row `slot[i]` of the row buffer is distinct key `i`'s.
         let mut slot = vec![0u32; d.keys.len()];
@@ -303,22 +326,16 @@ impl<P: Fabric> Worker<P> {
         // The servers that own buckets in this iteration (each gets a push),
         // and each distinct key's (an index into them) and its place in that
         // server's request.
-        let owner = self.sparse.owners_at(v);
-        let mut ranks: Vec<u32> = owner.to_vec();
-        ranks.sort_unstable();
-        ranks.dedup();
+        let bm = self.sparse.map_at(v);
+        let ranks = bm.servers.clone();
         if ranks.len() > MAX_TABLE_SERVERS {
             return Err(self.sparse_err(
                 table,
                 format!("its buckets are on {} servers; a worker pushes to {MAX_TABLE_SERVERS} at most", ranks.len()),
             ));
         }
-        let mut index = vec![0u32; ranks.last().map_or(0, |&r| r as usize + 1)];
-        for (i, &r) in ranks.iter().enumerate() {
-            index[r as usize] = i as u32;
-        }
         let servers = ranks.len();
-        let server: Vec<u32> = d.keys.iter().map(|k| index[owner[bucket_of(*k) as usize] as usize]).collect();
+        let server: Vec<u32> = d.keys.iter().map(|k| bm.index[bm.owner[bucket_of(*k) as usize] as usize]).collect();
         let mut count = vec![0usize; servers];
         let place: Vec<usize> = server
             .iter()
