@@ -23,6 +23,7 @@ pub mod rdma;
 pub mod roles;
 pub mod sim;
 pub(crate) mod sim_plot;
+pub mod slurm;
 pub mod soak;
 pub mod train;
 pub mod transport;

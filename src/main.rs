@@ -1,6 +1,6 @@
 //! The `eps` command line.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -126,7 +126,7 @@ enum Cmd {
         /// Address to listen on.
         #[arg(long, default_value = "127.0.0.1:7100")]
         listen: SocketAddr,
-        /// The job spec (TOML).
+        /// The job spec (TOML; `-`: read it from stdin).
         #[arg(long, required_unless_present = "resume", conflicts_with = "resume")]
         spec: Option<PathBuf>,
         /// Resume from the newest complete checkpoint in this directory (or this
@@ -156,10 +156,12 @@ enum Cmd {
         /// Control-plane address.
         #[arg(long)]
         control: SocketAddr,
-        /// IP to accept workers on (the port is picked by the OS) [default:
-        /// 127.0.0.1 on the soft transport, the RDMA device's GID address on rdma].
-        #[arg(long)]
-        listen_ip: Option<IpAddr>,
+        /// IP to accept workers on (the port is picked by the OS), or `route`:
+        /// the address this host reaches the control plane from (what the
+        /// Slurm launcher gives) [default: 127.0.0.1 on the soft transport;
+        /// on rdma, unless an IP is given, the RDMA device's GID address].
+        #[arg(long, value_name = "IP|route")]
+        listen_ip: Option<eps::roles::ListenIp>,
         #[command(flatten)]
         fabric: eps::transport::TransportFlags,
         #[command(flatten)]
@@ -275,6 +277,22 @@ enum Cmd {
     /// RDMA devices for the `rdma` transport (built with the `rdma` feature).
     #[command(subcommand)]
     Rdma(RdmaCmd),
+    /// Running through Slurm (`eps train --launcher slurm` inside an allocation).
+    #[command(subcommand)]
+    Slurm(SlurmCmd),
+}
+
+/// `eps slurm ...`.
+#[derive(Subcommand, Debug)]
+enum SlurmCmd {
+    /// Print an sbatch script that runs a job: the allocation its roles
+    /// need (from the spec's [job] and [slurm]), a fresh job secret, and
+    /// `eps train --launcher slurm` on the spec, which the script carries.
+    ///
+    /// `eps slurm script --spec job.toml --time 2:00:00 > job.sbatch && sbatch
+    /// job.sbatch`. Flags after `--` go to `eps train` (e.g. `--
+    /// --scale-plan 200:servers=4`).
+    Script(eps::slurm::ScriptArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -348,6 +366,12 @@ struct TrainArgs {
     fabric: eps::transport::TransportFlags,
     #[command(flatten)]
     agg: eps::aggregator::AggregatorFlag,
+    /// How the processes start: `local` (child processes on 127.0.0.1) or
+    /// `slurm` (each a job step of the Slurm allocation this runs in, with
+    /// the CPUs and GPUs of the spec's [slurm]; the transport and aggregator
+    /// are then chosen by each process on its node).
+    #[arg(long, default_value = "local", value_parser = clap::builder::PossibleValuesParser::new(["local", "slurm"]))]
+    launcher: String,
 }
 
 fn train(a: TrainArgs) -> Result<(), String> {
@@ -415,13 +439,22 @@ fn train(a: TrainArgs) -> Result<(), String> {
         format_size(layout.bytes()),
         layout.shards.len()
     );
-    let chosen = eps::transport::choose(&a.fabric, Some(&spec.fabric))?;
-    eps_proto::say!("eps train: {} transport for every server and worker", chosen.name());
-    let agg = eps::aggregator::choose(&a.agg, spec.job.aggregator.as_deref())?;
-    eps_proto::say!("eps train: {} aggregator on every server", agg.name());
-    let children = eps::train::cluster::ChildArgs {
-        both: a.fabric.child_args(&chosen),
-        servers: vec!["--aggregator".into(), agg.name().into()],
+    let (children, transport, aggregator) = if a.launcher == "slurm" {
+        let steps = eps::slurm::Steps::in_allocation(&spec.job.name, &spec.slurm)?;
+        let (c, t, g) = eps::train::cluster::slurm_args(&a.fabric, &a.agg, &spec, steps);
+        eps_proto::say!("eps train: transport {t} and aggregator {g}, chosen by each process on its node");
+        (c, t, g)
+    } else {
+        let chosen = eps::transport::choose(&a.fabric, Some(&spec.fabric))?;
+        eps_proto::say!("eps train: {} transport for every server and worker", chosen.name());
+        let agg = eps::aggregator::choose(&a.agg, spec.job.aggregator.as_deref())?;
+        eps_proto::say!("eps train: {} aggregator on every server", agg.name());
+        let children = eps::train::cluster::ChildArgs {
+            both: a.fabric.child_args(&chosen),
+            servers: vec!["--aggregator".into(), agg.name().into()],
+            slurm: None,
+        };
+        (children, chosen.name().to_string(), agg.name().to_string())
     };
     let r = eps::train::run(&spec, &text, a.progress_every.max(1), &plan, &children, |l| eps_proto::say!("{l}"))
         .map_err(|e| error_chain(&e))?;
@@ -446,8 +479,9 @@ fn train(a: TrainArgs) -> Result<(), String> {
             .num("final_accuracy", r.final_accuracy)
             .num("teacher_accuracy", r.teacher_accuracy)
             .str("params_checksum", &r.params_checksum)
-            .str("transport", chosen.name())
-            .str("aggregator", agg.name())
+            .str("transport", &transport)
+            .str("aggregator", &aggregator)
+            .str("launcher", &a.launcher)
             .num("samples_per_s", r.samples_per_s)
             .num("push_gbytes_per_s", r.push_gbytes_per_s)
             .num("pull_gbytes_per_s", r.pull_gbytes_per_s)
@@ -574,6 +608,7 @@ fn main() -> ExitCode {
         Cmd::Bench(c) => eps::bench::cli::run(c),
         Cmd::Status { control } => eps::roles::status(control),
         Cmd::Rdma(RdmaCmd::Devices { rdma, json }) => eps::rdma::devices(&rdma, json),
+        Cmd::Slurm(SlurmCmd::Script(a)) => eps::slurm::script(&a),
         Cmd::Scale { control, servers, workers } => eps::roles::scale(control, servers, workers),
     };
     match res {

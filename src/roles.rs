@@ -44,9 +44,13 @@ pub fn exit_with_parent() {
     });
 }
 
-/// `eps control`.
+/// `eps control` (`-` for the spec: read it from stdin).
 pub fn control(listen: SocketAddr, spec_path: &Path, state_dir: &Path) -> Result<(), String> {
-    let text = std::fs::read_to_string(spec_path).map_err(|e| format!("cannot read job spec {}: {e}", spec_path.display()))?;
+    let text = if spec_path == Path::new("-") {
+        std::io::read_to_string(std::io::stdin()).map_err(|e| format!("cannot read the job spec from stdin: {e}"))?
+    } else {
+        std::fs::read_to_string(spec_path).map_err(|e| format!("cannot read job spec {}: {e}", spec_path.display()))?
+    };
     let spec = JobSpec::from_toml(&text).map_err(|e| format!("{}: {e}", spec_path.display()))?;
     control_spec(listen, &spec, &text, state_dir)
 }
@@ -56,12 +60,20 @@ pub fn control_spec(listen: SocketAddr, spec: &JobSpec, text: &str, state_dir: &
     let secret = secret_from_env(Some(spec))?;
     let store =
         FileStore::open(state_dir).map_err(|e| format!("cannot open the state directory {}: {e}", state_dir.display()))?;
+    crate::slurm::log_step("control");
     let svc = ControlService::bind(listen, spec, text, secret, Box::new(store)).map_err(|e| crate_error(&e))?;
-    println!("EPS_CONTROL_READY addr={}", svc.local_addr());
+    let addr = advertised(svc.local_addr());
+    match std::env::var("SLURMD_NODENAME") {
+        // For a Slurm launcher: the node its state is on.
+        Ok(node) if !node.is_empty() && !node.contains(char::is_whitespace) => {
+            println!("EPS_CONTROL_READY addr={addr} node={node}")
+        }
+        _ => println!("EPS_CONTROL_READY addr={addr}"),
+    }
     eps_proto::say!(
         "eps control: job {:?} on {}: waiting for {} servers and {} workers (state in {})",
         spec.job.name,
-        svc.local_addr(),
+        addr,
         spec.job.servers,
         spec.job.workers,
         state_dir.display()
@@ -69,20 +81,70 @@ pub fn control_spec(listen: SocketAddr, spec: &JobSpec, text: &str, state_dir: &
     svc.run().map_err(|e| crate_error(&e))
 }
 
+/// Where others reach a service bound to `addr`: itself, unless bound to
+/// every interface; then this host's address (its name resolved), else
+/// loopback.
+fn advertised(addr: SocketAddr) -> SocketAddr {
+    if !addr.ip().is_unspecified() {
+        return addr;
+    }
+    let host = crate::slurm::node_name().and_then(|h| {
+        let found = std::net::ToSocketAddrs::to_socket_addrs(&(h.as_str(), addr.port())).ok()?;
+        found.into_iter().find(|a| a.is_ipv4() && !a.ip().is_unspecified())
+    });
+    host.unwrap_or_else(|| {
+        eps_proto::say!("eps control: this host's name does not resolve; telling others 127.0.0.1");
+        SocketAddr::from(([127, 0, 0, 1], addr.port()))
+    })
+}
+
+/// `--listen-ip` of `eps server`: an address, or `route`, the address this
+/// host reaches the control plane from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ListenIp {
+    /// This address.
+    At(IpAddr),
+    /// The local address of the route to the control plane.
+    Route,
+}
+
+impl std::str::FromStr for ListenIp {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "route" => Ok(ListenIp::Route),
+            ip => ip.parse().map(ListenIp::At).map_err(|_| format!("{ip:?}: an IP address, or `route`")),
+        }
+    }
+}
+
+/// The local address of the route to `to` (no packet is sent).
+fn route_to(to: SocketAddr) -> Result<IpAddr, String> {
+    let any: SocketAddr = if to.is_ipv4() { ([0, 0, 0, 0], 0).into() } else { (std::net::Ipv6Addr::UNSPECIFIED, 0).into() };
+    let s = std::net::UdpSocket::bind(any).map_err(|e| format!("--listen-ip route: {e}"))?;
+    s.connect(to).map_err(|e| format!("--listen-ip route: no route to the control plane {to}: {e}"))?;
+    s.local_addr().map(|a| a.ip()).map_err(|e| format!("--listen-ip route: {e}"))
+}
+
 /// `eps server`: registers, takes the transport from the flags, the environment
 /// or the job spec, and serves until the control plane retires it.
 pub fn server(
     control: SocketAddr,
-    listen_ip: Option<IpAddr>,
+    listen_ip: Option<ListenIp>,
     threads: usize,
     timeout: Duration,
     fabric: &TransportFlags,
     agg: &crate::aggregator::AggregatorFlag,
 ) -> Result<(), String> {
+    crate::slurm::log_step("server");
     let mut cfg = eps_server::ServerConfig {
         control,
         secret: secret_from_env(None)?,
-        listen_ip: listen_ip.unwrap_or(IpAddr::from([127, 0, 0, 1])),
+        listen_ip: match listen_ip {
+            Some(ListenIp::At(ip)) => ip,
+            Some(ListenIp::Route) => route_to(control)?,
+            None => IpAddr::from([127, 0, 0, 1]),
+        },
         aggregator: Arc::new(eps_agg::CpuAggregator::new(1)),
         device: None,
         accept_timeout: timeout,
@@ -97,7 +159,7 @@ pub fn server(
     let built = crate::aggregator::build(kind, 1)?;
     (cfg.aggregator, cfg.device) = (built.agg.clone(), built.device.clone());
     // An explicit --listen-ip wins; else the provider's own address (rdma).
-    if listen_ip.is_none()
+    if !matches!(listen_ip, Some(ListenIp::At(_)))
         && let Some(ip) = chosen.listen_ip()?
     {
         cfg.listen_ip = ip;
@@ -176,6 +238,7 @@ pub fn worker(
     timeout: Duration,
     fabric: &TransportFlags,
 ) -> Result<(), String> {
+    crate::slurm::log_step("worker");
     let cfg = eps_worker::WorkerConfig { control, secret: secret_from_env(None)?, timeout };
     let reg = eps_worker::register(&cfg).map_err(|e| crate_error(&e))?;
     let chosen = transport::choose(fabric, Some(&reg.spec().fabric))?;

@@ -97,7 +97,7 @@ pub fn choose(flags: &TransportFlags, spec: Option<&FabricSection>) -> Result<Ch
     if let Some(s) = spec {
         let env_set = |k: &str| std::env::var(k).is_ok_and(|v| !v.is_empty());
         if named.device.is_none() && !env_set("EPS_RDMA_DEVICE") {
-            named.device = s.rdma_device.clone();
+            named.device = s.device_for(crate::slurm::node_name().as_deref());
         }
         if named.port.is_none() && !env_set("EPS_RDMA_PORT") {
             named.port = s.rdma_port;

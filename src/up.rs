@@ -98,7 +98,8 @@ pub fn run(a: UpArgs) -> Result<(), String> {
             .map(|b| format!("{b:02x}"))
             .collect(),
     };
-    let children = ChildArgs { both: a.fabric.child_args(&chosen), servers: vec!["--aggregator".into(), agg.name().into()] };
+    let children =
+        ChildArgs { both: a.fabric.child_args(&chosen), servers: vec!["--aggregator".into(), agg.name().into()], slurm: None };
     let how = Launch { listen: a.listen.clone(), secret: Some(secret.clone()), workers: false };
     let cluster = LocalCluster::launch(&spec, &text, &[], &children, &how).map_err(|e| crate_error(&e))?;
     println!("EPS_CONTROL={}", cluster.control_addr());

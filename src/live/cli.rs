@@ -33,8 +33,10 @@ pub struct RunArgs {
     /// The cluster model (TOML; default: the built-in figures, measured here).
     #[arg(long)]
     pub cluster: Option<PathBuf>,
-    /// How jobs' processes are started.
-    #[arg(long, default_value = "local", value_parser = clap::builder::PossibleValuesParser::new(["local"]))]
+    /// How jobs' processes are started: `local` (child processes of this one)
+    /// or `slurm` (job steps of the allocation this runs in, whose nodes and
+    /// CPUs are then the scheduler's slots: one per CPU).
+    #[arg(long, default_value = "local", value_parser = clap::builder::PossibleValuesParser::new(["local", "slurm"]))]
     pub launcher: String,
     /// After each run, train every job that ran to completion on the same
     /// workers again, statically, and compare the final parameters' checksums
@@ -137,7 +139,7 @@ pub fn run(a: RunArgs) -> Result<(), String> {
         j.compute_ms_per_sample *= a.time_scale;
     }
     jobs.sort_by(|x, y| x.submit_s.total_cmp(&y.submit_s));
-    let (slots, nodes) = a.cluster_of.resolve(8)?;
+    let (slots, nodes) = super::cluster(&a.launcher, &a.cluster_of, 8)?;
     check_fits(&jobs, slots)?;
     let model = load_model(a.cluster.as_deref())?;
     let timing = Timing::default().scaled(a.time_scale);

@@ -1,7 +1,7 @@
 //! The launcher seam of the scheduler's live mode: what starts a job's
 //! processes (control plane, servers, workers) and more of them when the job
-//! grows. `local` runs them as child processes of this one; cluster launchers
-//! (Slurm) implement the same trait.
+//! grows. `local` runs them as child processes of this one; `slurm` as job
+//! steps of the allocation this process runs in.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -28,7 +28,7 @@ pub struct JobLaunch {
 
 /// Starts jobs.
 pub trait Launcher: Send + Sync {
-    /// Its name (`local`).
+    /// Its name (`local`, `slurm`).
     fn name(&self) -> &'static str;
     /// Starts the control plane, the servers and the workers of `job`.
     fn start(&self, job: &JobLaunch) -> Result<Box<dyn Processes>, String>;
@@ -65,6 +65,11 @@ pub enum Stop {
 #[derive(Debug, Default)]
 pub struct Local;
 
+/// Slurm job steps of the allocation this process runs in (one per
+/// process, placed by Slurm), on the `soft` transport and the CPU aggregator.
+#[derive(Debug, Default)]
+pub struct Slurm;
+
 struct LocalJob {
     cluster: LocalCluster,
     control: SocketAddr,
@@ -76,17 +81,32 @@ impl Launcher for Local {
     }
 
     fn start(&self, job: &JobLaunch) -> Result<Box<dyn Processes>, String> {
-        let how = Launch { listen: "127.0.0.1:0".into(), secret: None, workers: true };
-        let args: Vec<&str> = job.worker_args.iter().map(String::as_str).collect();
-        let children: ChildArgs = crate::train::cluster::soft_args();
-        let cluster =
-            LocalCluster::launch(&job.spec, &job.text, &args, &children, &how).map_err(|e| crate::roles::crate_error(&e))?;
-        let control = cluster
-            .control_addr()
-            .parse()
-            .map_err(|_| format!("the control plane reported an unusable address {:?}", cluster.control_addr()))?;
-        Ok(Box::new(LocalJob { cluster, control }))
+        start_with(job, crate::train::cluster::soft_args())
     }
+}
+
+impl Launcher for Slurm {
+    fn name(&self) -> &'static str {
+        "slurm"
+    }
+
+    fn start(&self, job: &JobLaunch) -> Result<Box<dyn Processes>, String> {
+        let steps = crate::slurm::Steps::in_allocation(&job.spec.job.name, &job.spec.slurm)?;
+        start_with(job, ChildArgs { slurm: Some(steps), ..crate::train::cluster::soft_args() })
+    }
+}
+
+/// Starts `job`'s processes as `children` says.
+fn start_with(job: &JobLaunch, children: ChildArgs) -> Result<Box<dyn Processes>, String> {
+    let how = Launch { listen: "127.0.0.1:0".into(), secret: None, workers: true };
+    let args: Vec<&str> = job.worker_args.iter().map(String::as_str).collect();
+    let cluster =
+        LocalCluster::launch(&job.spec, &job.text, &args, &children, &how).map_err(|e| crate::roles::crate_error(&e))?;
+    let control = cluster
+        .control_addr()
+        .parse()
+        .map_err(|_| format!("the control plane reported an unusable address {:?}", cluster.control_addr()))?;
+    Ok(Box::new(LocalJob { cluster, control }))
 }
 
 impl Processes for LocalJob {
@@ -116,6 +136,7 @@ impl Processes for LocalJob {
 pub fn by_name(name: &str) -> Option<Arc<dyn Launcher>> {
     match name {
         "local" => Some(Arc::new(Local)),
+        "slurm" => Some(Arc::new(Slurm)),
         _ => None,
     }
 }

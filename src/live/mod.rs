@@ -26,6 +26,27 @@ use eps_sched::{Alloc, ClusterModel, JobSpec, Policy, Timing};
 use job::Running;
 use launcher::{JobLaunch, Launcher, job_launch};
 
+/// The scheduler's slots and nodes: with the `slurm` launcher, the
+/// allocation's nodes with a slot per CPU (read from Slurm; --slots and
+/// --nodes are refused), else as `cluster` says.
+pub fn cluster(launcher: &str, cluster: &crate::sim::Cluster, default_slots: u32) -> Result<(u32, Vec<Node>), String> {
+    if launcher != "slurm" {
+        return cluster.resolve(default_slots);
+    }
+    if cluster.slots.is_some() || cluster.nodes.is_some() {
+        return Err("--launcher slurm takes its nodes and slots from the Slurm allocation: drop --slots/--nodes".into());
+    }
+    let a = crate::slurm::Allocation::current("gpu")?;
+    let nodes: Vec<Node> = a.nodes.iter().map(|n| Node { name: n.name.clone(), slots: n.cpus }).collect();
+    let described: Vec<String> = a
+        .nodes
+        .iter()
+        .map(|n| if n.gpus > 0 { format!("{}:{} ({} GPUs)", n.name, n.cpus, n.gpus) } else { format!("{}:{}", n.name, n.cpus) })
+        .collect();
+    eps_proto::say!("eps sched: Slurm job {}: nodes {} (a slot per CPU)", a.job, described.join(","));
+    Ok((nodes.iter().map(|n| n.slots).sum(), nodes))
+}
+
 /// How a live run goes.
 #[derive(Clone)]
 pub struct Config {

@@ -52,6 +52,10 @@ pub struct ServeArgs {
     /// between two growths are 30 s at 1).
     #[arg(long, default_value_t = 1.0)]
     pub time_scale: f64,
+    /// How jobs' processes are started: `local` or `slurm` (job steps of the
+    /// allocation this runs in; its nodes and CPUs are the slots).
+    #[arg(long, default_value = "local", value_parser = clap::builder::PossibleValuesParser::new(["local", "slurm"]))]
+    pub launcher: String,
 }
 
 /// A job as `eps submit` reads it (TOML; the trace's columns as keys).
@@ -210,7 +214,7 @@ fn handle(mut c: UnixStream, inbox: &Mutex<Inbox>, slots: u32) {
 
 /// Runs `eps sched serve` until Ctrl-C (which stops every job).
 pub fn serve(a: ServeArgs) -> Result<(), String> {
-    let (slots, nodes) = a.cluster_of.resolve(8)?;
+    let (slots, nodes) = super::cluster(&a.launcher, &a.cluster_of, 8)?;
     if !(a.time_scale.is_finite() && a.time_scale > 0.0) {
         return Err("--time-scale must be a positive number".into());
     }
@@ -241,7 +245,7 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
         a.policy,
         path.display()
     );
-    let launcher = launcher::by_name("local").expect("local");
+    let launcher = launcher::by_name(&a.launcher).ok_or_else(|| format!("unknown launcher {}", a.launcher))?;
     let cfg = Config { slots, nodes, model, timing, launcher, verbose: true };
     let r = super::run(&mut Service(shared), &cfg, policy.as_mut(), 0.0);
     let _ = std::fs::remove_file(&path);

@@ -15,20 +15,45 @@ use eps_proto::JobSpec;
 
 use super::scale::Spawn;
 use super::{TrainError, field};
+use crate::slurm::Steps;
+use crate::slurm::steps::Role;
 
-/// Flags for the processes of a local cluster.
+/// Flags for the processes of a cluster, and how they are started.
 #[derive(Clone, Debug, Default)]
 pub struct ChildArgs {
     /// For servers and workers (the transport).
     pub both: Vec<String>,
     /// For servers only (the aggregator).
     pub servers: Vec<String>,
+    /// Each process a Slurm job step of this allocation (else a child
+    /// process of this one).
+    pub slurm: Option<Steps>,
 }
 
 /// A local cluster on the `soft` transport and the CPU aggregator (the benchmarks
 /// measure those).
 pub fn soft_args() -> ChildArgs {
-    ChildArgs { both: vec!["--transport".into(), "soft".into()], servers: vec!["--aggregator".into(), "cpu".into()] }
+    ChildArgs { both: vec!["--transport".into(), "soft".into()], servers: vec!["--aggregator".into(), "cpu".into()], slurm: None }
+}
+
+/// The flags of a cluster whose processes are Slurm job steps: the
+/// transport and aggregator asked (flags, else the environment, which steps
+/// inherit, else the spec, which the roles read), not probed here: each
+/// process chooses on its own node. Returns them with the names asked.
+pub fn slurm_args(
+    fabric: &crate::transport::TransportFlags,
+    agg: &crate::aggregator::AggregatorFlag,
+    spec: &JobSpec,
+    steps: Steps,
+) -> (ChildArgs, String, String) {
+    let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    let transport = fabric.transport.clone().or_else(|| env("EPS_TRANSPORT")).or_else(|| spec.fabric.transport.clone());
+    let aggregator = agg.aggregator.clone().or_else(|| env("EPS_AGGREGATOR")).or_else(|| spec.job.aggregator.clone());
+    let mut both: Vec<String> = fabric.transport.iter().flat_map(|t| ["--transport".to_string(), t.clone()]).collect();
+    both.extend(fabric.rdma.args());
+    let servers = agg.aggregator.iter().flat_map(|g| ["--aggregator".to_string(), g.clone()]).collect();
+    let name = |v: Option<String>| v.unwrap_or_else(|| "auto".into());
+    (ChildArgs { both, servers, slurm: Some(steps) }, name(transport), name(aggregator))
 }
 
 /// How [`LocalCluster::launch`] starts a cluster.
@@ -73,6 +98,13 @@ pub struct LocalCluster {
     replicated: bool,
     /// The processes running now, for whoever watches or injects faults.
     procs: Processes,
+    /// Processes are Slurm job steps (each child is its `srun`).
+    slurm: Option<Steps>,
+    /// Under Slurm: the spec's text (the control plane reads it on stdin, on
+    /// whichever node it runs) and the node its state is on (a restart goes
+    /// there).
+    spec_text: String,
+    control_node: Option<String>,
 }
 
 /// One running process of a local cluster.
@@ -124,6 +156,19 @@ impl std::fmt::Debug for LocalCluster {
 
 impl Drop for LocalCluster {
     fn drop(&mut self) {
+        if self.slurm.is_some() {
+            // `srun` passes SIGTERM on to its step and exits once the step
+            // ended; a SIGKILL would leave the step running in the allocation.
+            for (_, c) in &mut self.children {
+                if let (Ok(None), Ok(pid)) = (c.try_wait(), i32::try_from(c.id())) {
+                    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGTERM);
+                }
+            }
+            let until = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < until && self.children.iter_mut().any(|(_, c)| matches!(c.try_wait(), Ok(None))) {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
         for (_, c) in &mut self.children {
             if let Ok(None) = c.try_wait() {
                 let _ = c.kill();
@@ -207,19 +252,43 @@ impl LocalCluster {
             server_ranks: Vec::new(),
             replicated: false,
             procs: Processes::default(),
+            slurm: children.slurm.clone(),
+            spec_text: spec_text.to_string(),
+            control_node: None,
         };
         let state = dir.join("state");
-        let ctl_args = [
-            "control",
-            "--listen",
-            &how.listen,
-            "--spec",
-            path_str(&spec_path),
-            "--state-dir",
-            path_str(&state),
-            "--exit-with-parent",
-        ];
-        cl.control_args = ctl_args.iter().map(|a| a.to_string()).collect();
+        let ctl_args = match &children.slurm {
+            None => vec![
+                "control",
+                "--listen",
+                &how.listen,
+                "--spec",
+                path_str(&spec_path),
+                "--state-dir",
+                path_str(&state),
+                "--exit-with-parent",
+            ]
+            .into_iter()
+            .map(str::to_string)
+            .collect(),
+            Some(s) => {
+                vec![
+                    "control".into(),
+                    "--listen".into(),
+                    s.control_listen(),
+                    "--spec".into(),
+                    "-".into(),
+                    "--state-dir".into(),
+                    s.state_dir(&tag),
+                ]
+            }
+        };
+        if let Some(s) = &cl.slurm {
+            eps_proto::say!("eps: Slurm job {}: every process runs as a job step", s.job());
+            // Servers listen on the address their node reaches the control plane from.
+            cl.server_args.extend(["--listen-ip".into(), "route".into()]);
+        }
+        cl.control_args = ctl_args;
         let addr = cl.start_control()?;
         // A restart listens where the first one did.
         cl.control_args[2] = addr.clone();
@@ -279,19 +348,32 @@ impl LocalCluster {
 
     /// Starts the control plane; returns the address it listens on.
     fn start_control(&mut self) -> Result<String, TrainError> {
-        let mut control = Command::new(&self.exe)
+        let mut cmd = match &self.slurm {
+            None => Command::new(&self.exe),
+            Some(s) => s.command(&self.exe, Role::Control, self.control_restarts, self.control_node.as_deref(), &[]),
+        };
+        let stdin = if self.slurm.is_some() { Stdio::piped() } else { Stdio::null() };
+        let mut control = cmd
             .args(&self.control_args)
             .env("EPS_JOB_SECRET", &self.secret)
-            .stdin(Stdio::null())
+            .stdin(stdin)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
             .map_err(|source| TrainError::Spawn { what: "the control plane".into(), source })?;
+        if let Some(mut w) = control.stdin.take() {
+            // `--spec -`: the spec travels with the step, wherever it runs.
+            std::io::Write::write_all(&mut w, self.spec_text.as_bytes())
+                .map_err(|e| TrainError::Child(format!("control plane: cannot hand it the spec: {e}")))?;
+        }
         let out = control.stdout.take().expect("piped");
         self.procs.add(CONTROL, control.id(), None);
         self.children.push((CONTROL.into(), control));
         let mut line = String::new();
         BufReader::new(out).read_line(&mut line).map_err(|e| TrainError::Child(format!("control plane: {e}")))?;
+        if let Some(n) = field(&line, "node") {
+            self.control_node = Some(n.to_string());
+        }
         field(&line, "addr")
             .map(str::to_string)
             .ok_or_else(|| TrainError::Child("the control plane did not start (see its message above)".into()))
@@ -302,7 +384,7 @@ impl LocalCluster {
     /// scale`.)
     pub fn spawn_worker(&mut self) -> Result<(), TrainError> {
         let name = format!("worker process {}", self.workers_started);
-        let mut c = self.role("worker", &self.worker_args, Stdio::piped(), &name)?;
+        let mut c = self.role(Role::Worker, self.workers_started, &self.worker_args, &name)?;
         let out = c.stdout.take().expect("piped");
         let tx = self.tx.clone();
         self.readers.push(std::thread::spawn(move || {
@@ -316,14 +398,24 @@ impl LocalCluster {
         Ok(())
     }
 
-    /// Starts `eps ROLE --control ADDR` with the job secret in its environment.
-    fn role(&self, role: &str, extra: &[String], stdout: Stdio, name: &str) -> Result<Child, TrainError> {
-        Command::new(&self.exe)
-            .args([role, "--control", &self.addr, "--exit-with-parent"])
+    /// Starts the `n`th `eps ROLE --control ADDR` (a child, or a Slurm step)
+    /// with the job secret in its environment and its stdout piped.
+    fn role(&self, role: Role, n: u32, extra: &[String], name: &str) -> Result<Child, TrainError> {
+        let verb = if role == Role::Server { "server" } else { "worker" };
+        let mut args: Vec<String> = vec![verb.into(), "--control".into(), self.addr.clone()];
+        let mut cmd = match &self.slurm {
+            None => {
+                args.push("--exit-with-parent".into());
+                Command::new(&self.exe)
+            }
+            // A step's parent is Slurm's, which ends the step when its srun goes.
+            Some(s) => s.command(&self.exe, role, n, None, &[]),
+        };
+        cmd.args(args)
             .args(extra)
             .env("EPS_JOB_SECRET", &self.secret)
             .stdin(Stdio::null())
-            .stdout(stdout)
+            .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
             .map_err(|source| TrainError::Spawn { what: name.to_string(), source })
@@ -360,7 +452,7 @@ impl LocalCluster {
     /// must have room for it: see `eps scale`).
     pub fn spawn_server(&mut self) -> Result<(), TrainError> {
         let name = format!("server process {}", self.servers_started);
-        let mut c = self.role("server", &self.server_args, Stdio::piped(), &name)?;
+        let mut c = self.role(Role::Server, self.servers_started, &self.server_args, &name)?;
         let out = c.stdout.take().expect("piped");
         let rank = Arc::new(std::sync::OnceLock::new());
         let r = rank.clone();

@@ -4,7 +4,10 @@
 use eps_agg::{DType, Decay, LrSchedule, Optimizer};
 use serde::Deserialize;
 
+mod slurm;
 mod tables;
+
+pub use slurm::SlurmSection;
 pub use tables::{MAX_KEYS, MAX_TABLE_DIM, MAX_TABLES, TABLE_OPTIMIZERS, TableDecl};
 
 /// Consistency model of a job.
@@ -76,6 +79,9 @@ pub struct JobSpec {
     /// environment override these).
     #[serde(default)]
     pub fabric: FabricSection,
+    /// What each role's Slurm job step asks for (`--launcher slurm`).
+    #[serde(default)]
+    pub slurm: SlurmSection,
     /// Where the job starts from a checkpoint (written by `eps control --resume`
     /// and `eps train --resume`, not by hand).
     #[serde(default)]
@@ -109,6 +115,19 @@ pub struct FabricSection {
     pub rdma_port: Option<u8>,
     /// GID index on that port.
     pub gid_index: Option<u32>,
+    /// RDMA device by node name (Slurm's `SLURMD_NODENAME`, else the host
+    /// name), for clusters whose nodes name their devices differently; the
+    /// node's entry is taken before `rdma_device`.
+    #[serde(default)]
+    pub rdma_devices: std::collections::BTreeMap<String, String>,
+}
+
+impl FabricSection {
+    /// The RDMA device for the node named `node`: its entry in
+    /// `rdma_devices`, else `rdma_device`.
+    pub fn device_for(&self, node: Option<&str>) -> Option<String> {
+        node.and_then(|n| self.rdma_devices.get(n)).or(self.rdma_device.as_ref()).cloned()
+    }
 }
 
 /// The aggregators `job.aggregator` and `--aggregator` name.
@@ -487,6 +506,10 @@ impl JobSpec {
         if self.fabric.rdma_port == Some(0) {
             return Err(bad("fabric.rdma_port", "ports are numbered from 1"));
         }
+        if let Some((n, _)) = self.fabric.rdma_devices.iter().find(|(n, d)| n.is_empty() || d.is_empty()) {
+            return Err(bad("fabric.rdma_devices", format!("node {n:?}: node and device names must not be empty")));
+        }
+        self.slurm.validate()?;
         self.dtype()?;
         if j.shard_bytes < 4096 || j.shard_bytes > 1 << 30 {
             return Err(bad("job.shard_bytes", "must be between 4096 and 1 GiB"));
