@@ -7,8 +7,9 @@
 #
 #   bash ci/slurm-up.sh [--down] [DIR]     (DIR default: /tmp/eps-slurm)
 #
-# Prints `export SLURM_CONF=DIR/slurm.conf` on stdout (eval it) and writes it
-# to DIR/env. Two node names on this host (n1, n2: one slurmd each) when the
+# Prints `export SLURM_CONF=DIR/slurm.conf` on stdout (eval it; with
+# `export EPS_SLURM_STARTED=1` when this call started it) and writes it to
+# DIR/env. Concurrent calls wait for each other (a lock beside DIR). Two node names on this host (n1, n2: one slurmd each) when the
 # build allows several slurmd per host, else one (n1) with oversubscription.
 # Exits 3, saying why on stderr, where Slurm cannot start here (not root, no
 # packages); tests then skip.
@@ -19,6 +20,9 @@ if [ "${1:-}" = "--down" ]; then down=1; shift; fi
 DIR="${1:-/tmp/eps-slurm}"
 CONF="$DIR/slurm.conf"
 log() { printf 'slurm-up: %s\n' "$*" >&2; }
+# One call at a time (tests call it from parallel processes).
+exec 9>"$DIR.lock"
+flock 9
 cannot() { log "cannot start Slurm here: $*"; exit 3; }
 
 # Only processes this script started, by the pids it recorded.
@@ -140,4 +144,6 @@ else
     nodes="n1"
 fi
 log "Slurm up: nodes $nodes ($cpus CPUs each), SLURM_CONF=$CONF"
-echo "export SLURM_CONF=$CONF" | tee "$DIR/env"
+echo "export SLURM_CONF=$CONF" > "$DIR/env"
+echo "export SLURM_CONF=$CONF"
+echo "export EPS_SLURM_STARTED=1"

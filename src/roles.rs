@@ -78,7 +78,13 @@ pub fn control_spec(listen: SocketAddr, spec: &JobSpec, text: &str, state_dir: &
         spec.job.workers,
         state_dir.display()
     );
-    svc.run().map_err(|e| crate_error(&e))
+    svc.run().map_err(|e| crate_error(&e))?;
+    if std::env::var_os("EPS_DISCARD_STATE").is_some_and(|v| v == "1") {
+        // A launcher that runs it on a node it cannot clean up itself
+        // (Slurm): the job ended, nothing will restart from this state.
+        let _ = std::fs::remove_dir_all(state_dir);
+    }
+    Ok(())
 }
 
 /// Where others reach a service bound to `addr`: itself, unless bound to
@@ -88,7 +94,9 @@ fn advertised(addr: SocketAddr) -> SocketAddr {
     if !addr.ip().is_unspecified() {
         return addr;
     }
-    let host = crate::slurm::node_name().and_then(|h| {
+    // Slurm's name for the node, else the host name.
+    let names = [crate::slurm::node_name(), nix::unistd::gethostname().ok().and_then(|h| h.into_string().ok())];
+    let host = names.iter().flatten().find_map(|h| {
         let found = std::net::ToSocketAddrs::to_socket_addrs(&(h.as_str(), addr.port())).ok()?;
         found.into_iter().find(|a| a.is_ipv4() && !a.ip().is_unspecified())
     });

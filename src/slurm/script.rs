@@ -5,6 +5,7 @@
 
 use std::path::PathBuf;
 
+use crate::train::scale::Target;
 use crate::train::{Overrides, build_model_spec, default_spec};
 
 /// `eps slurm script`'s arguments.
@@ -16,7 +17,8 @@ pub struct ScriptArgs {
     /// The built-in job (`synthetic`, `ctr`); with --spec, its preset.
     #[arg(long, default_value = "synthetic")]
     pub model: String,
-    /// Servers the job may grow to while it runs (tasks are asked for them).
+    /// Servers the job may grow to while it runs (tasks are asked for them)
+    /// [default: the most a --scale-plan after `--` asks for].
     #[arg(long, value_name = "N")]
     pub max_servers: Option<u32>,
     /// Wall time (`#SBATCH --time`).
@@ -40,6 +42,19 @@ pub struct ScriptArgs {
     /// Flags for `eps train` (after `--`).
     #[arg(last = true)]
     pub train_args: Vec<String>,
+}
+
+/// The `--scale-plan` among `eps train`'s flags.
+fn scale_plan(args: &[String]) -> Result<Vec<crate::train::scale::ScaleEvent>, String> {
+    let mut text = None;
+    for (i, x) in args.iter().enumerate() {
+        if x == "--scale-plan" {
+            text = Some(args.get(i + 1).ok_or("--scale-plan after `--` needs a value")?.clone());
+        } else if let Some(v) = x.strip_prefix("--scale-plan=") {
+            text = Some(v.to_string());
+        }
+    }
+    crate::train::scale::parse_plan(text.as_deref().unwrap_or(""))
 }
 
 /// Quotes `s` for a POSIX shell.
@@ -75,8 +90,13 @@ pub fn script_text(a: &ScriptArgs) -> Result<String, String> {
         return Err(format!("the spec has a line {END:?}, which ends the script's copy of it"));
     }
     let sl = &spec.slurm;
-    let servers = a.max_servers.unwrap_or(spec.job.servers).max(spec.job.servers);
-    let workers = spec.job.max_workers.unwrap_or(spec.job.workers).max(spec.job.workers);
+    // Steps wait for free CPUs: ask for the most roles that run at once.
+    let plan = scale_plan(&a.train_args)?;
+    let most = |f: fn(&Target) -> Option<u32>| plan.iter().filter_map(|e| f(&e.target)).max().unwrap_or(0);
+    let planned_servers = most(|t| if let Target::Servers(n) = t { Some(*n) } else { None });
+    let planned_workers = most(|t| if let Target::Workers(n) = t { Some(*n) } else { None });
+    let servers = a.max_servers.unwrap_or(0).max(planned_servers).max(spec.job.servers);
+    let workers = spec.job.workers.max(planned_workers);
     let gpus = servers * sl.server_gpus + workers * sl.worker_gpus;
     let exe = match &a.eps {
         Some(p) => p.clone(),
@@ -86,7 +106,7 @@ pub fn script_text(a: &ScriptArgs) -> Result<String, String> {
     let mut s = String::from("#!/bin/bash\n");
     s.push_str(&format!(
         "# EPS job {:?} through Slurm (written by `eps slurm script`): the control plane,\n\
-         # {} servers (up to {servers}) and {} workers (up to {workers}) each run as a job step.\n",
+         # {} servers (up to {servers}) and {} workers (up to {workers} at once) each run as a job step.\n",
         spec.job.name, spec.job.servers, spec.job.workers
     ));
     let clean: String =
@@ -161,9 +181,12 @@ mod tests {
             + "\n[slurm]\nserver_cpus = 2\nworker_cpus = 4\nserver_gpus = 1\n";
         std::fs::write(&p, &spec).unwrap();
         let t = script_text(&args(Some(p.clone()), &["--scale-plan", "100:servers=3", "it's"])).unwrap();
-        assert!(t.contains("#SBATCH --ntasks=7\n"), "{t}");
+        assert!(t.contains("#SBATCH --ntasks=5\n"), "{t}");
         assert!(t.contains("#SBATCH --cpus-per-task=4\n"));
         assert!(t.contains("#SBATCH --gpus=3\n"));
+        // Room for what the plan grows to.
+        let t = script_text(&args(Some(p.clone()), &["--scale-plan=9:servers=5,20:workers=6"])).unwrap();
+        assert!(t.contains("#SBATCH --ntasks=11\n") && t.contains("#SBATCH --gpus=5\n"), "{t}");
         assert!(t.contains("#SBATCH --nodes=2\n#SBATCH --partition='gpu a'\n"));
         assert!(t.contains("[slurm]") && t.contains("server_cpus = 2"));
         assert!(t.ends_with(

@@ -117,7 +117,6 @@ mod tests {
                 "--nodes=1",
                 "--ntasks=1",
                 "--exact",
-                "--quiet",
                 "--kill-on-bad-exit=1",
                 "--cpus-per-task=1",
                 "--gres=gpu:1",

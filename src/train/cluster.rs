@@ -356,6 +356,8 @@ impl LocalCluster {
         let mut control = cmd
             .args(&self.control_args)
             .env("EPS_JOB_SECRET", &self.secret)
+            // Its state directory is on its node: gone once the job ends.
+            .env("EPS_DISCARD_STATE", if self.slurm.is_some() { "1" } else { "0" })
             .stdin(stdin)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -564,6 +566,12 @@ impl LocalCluster {
                     }
                     Ok(Some(st)) if !st.success() && name.starts_with("server") => {
                         let name = name.clone();
+                        if !self.server_ranks.iter().any(|(n, r)| *n == name && r.get().is_some()) {
+                            // It held nothing: say so rather than name lost shards.
+                            return Err(TrainError::Child(format!(
+                                "{name} exited with {st} before it registered with the control plane (see its messages above); stopped the cluster"
+                            )));
+                        }
                         return Err(self.server_lost(name, st.to_string()));
                     }
                     Ok(Some(st)) if !st.success() => {
