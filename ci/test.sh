@@ -83,6 +83,19 @@ rm -rf "$fresh"
 step "Python tests (pytest)"
 EPS_BIN="$PWD/target/release/eps" "$VENV/bin/python" -m pytest -q -p no:cacheprovider --import-mode=importlib python/tests
 
+# A Slurm cluster on this machine for tests/slurm.rs (two node names, one
+# slurmd each), stopped at the end if this run started it. Where Slurm cannot
+# start here (not root), those tests say so and skip.
+step "Slurm (slurmctld, slurmd, munge) for the Slurm launcher's tests"
+if up="$(bash ci/slurm-up.sh)"; then
+    eval "$up"
+    if [ "${EPS_SLURM_STARTED:-}" = 1 ]; then
+        trap 'bash ci/slurm-up.sh --down' EXIT
+    fi
+else
+    echo "Slurm did not start (see above): tests/slurm.rs skips"
+fi
+
 # Last, so that its summary closes the run. The scheduler's live runs
 # (tests/sched_live.rs) time real jobs with the release build.
 step "tests"

@@ -185,13 +185,15 @@ mod tests {
         assert!(t.contains("#SBATCH --cpus-per-task=4\n"));
         assert!(t.contains("#SBATCH --gpus=3\n"));
         // Room for what the plan grows to.
-        let t = script_text(&args(Some(p.clone()), &["--scale-plan=9:servers=5,20:workers=6"])).unwrap();
-        assert!(t.contains("#SBATCH --ntasks=11\n") && t.contains("#SBATCH --gpus=5\n"), "{t}");
+        let grown = script_text(&args(Some(p.clone()), &["--scale-plan=9:servers=5,20:workers=6"])).unwrap();
+        assert!(grown.contains("#SBATCH --ntasks=11\n") && grown.contains("#SBATCH --gpus=5\n"), "{grown}");
         assert!(t.contains("#SBATCH --nodes=2\n#SBATCH --partition='gpu a'\n"));
         assert!(t.contains("[slurm]") && t.contains("server_cpus = 2"));
-        assert!(t.ends_with(
-            "/opt/eps/bin/eps train --launcher slurm --model synthetic --spec \"$spec\" --json --scale-plan 100:servers=3 'it'\\''s'\n"
-        ));
+        let last = t.lines().last().unwrap();
+        assert_eq!(
+            last,
+            "/opt/eps/bin/eps train --launcher slurm --model synthetic --spec \"$spec\" --json --scale-plan 100:servers=3 'it'\\''s'"
+        );
         // The spec it carries is the one given.
         let body = t.split(&format!("<<'{END}'\n")).nth(1).unwrap().split(&format!("\n{END}\n")).next().unwrap();
         let back = eps_proto::JobSpec::from_toml(body).unwrap();

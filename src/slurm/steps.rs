@@ -75,7 +75,6 @@ impl Steps {
             "--nodes=1",
             "--ntasks=1",
             "--exact",
-            "--quiet",
             "--kill-on-bad-exit=1",
         ]);
         match role {
