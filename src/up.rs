@@ -100,7 +100,7 @@ pub fn run(a: UpArgs) -> Result<(), String> {
     };
     let children =
         ChildArgs { both: a.fabric.child_args(&chosen), servers: vec!["--aggregator".into(), agg.name().into()], slurm: None };
-    let how = Launch { listen: a.listen.clone(), secret: Some(secret.clone()), workers: false };
+    let how = Launch { listen: a.listen.clone(), secret: Some(secret.clone()), workers: false, nodes: Vec::new() };
     let cluster = LocalCluster::launch(&spec, &text, &[], &children, &how).map_err(|e| crate_error(&e))?;
     println!("EPS_CONTROL={}", cluster.control_addr());
     if from_env.is_none() {

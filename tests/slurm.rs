@@ -169,6 +169,11 @@ fn the_schedulers_live_mode_runs_a_trace_through_slurm() {
     assert_eq!(json_field(l, "fidelity_jobs"), "3", "every job ended: {l}");
     assert_eq!(json_field(l, "verify_mismatched"), "0", "{l}");
     assert!(stderr.contains("eps worker: Slurm job "), "the jobs' processes ran as steps: {stderr}");
+    // The trace needs more slots than either node has: steps ran on both,
+    // where the scheduler placed them.
+    for n in ["n1", "n2"] {
+        assert!(stderr.contains(&format!("on node {n}:")), "{n}: {stderr}");
+    }
     let _ = std::fs::remove_file(path);
 }
 

@@ -66,7 +66,9 @@ pub enum Stop {
 pub struct Local;
 
 /// Slurm job steps of the allocation this process runs in (one per
-/// process, placed by Slurm), on the `soft` transport and the CPU aggregator.
+/// process; a job's first ones on the nodes the scheduler placed them on,
+/// later ones where Slurm finds free CPUs), on the `soft` transport and the
+/// CPU aggregator.
 #[derive(Debug, Default)]
 pub struct Slurm;
 
@@ -98,7 +100,10 @@ impl Launcher for Slurm {
 
 /// Starts `job`'s processes as `children` says.
 fn start_with(job: &JobLaunch, children: ChildArgs) -> Result<Box<dyn Processes>, String> {
-    let how = Launch { listen: "127.0.0.1:0".into(), secret: None, workers: true };
+    // The scheduler's placement of the first processes (growth goes where
+    // the launcher finds room).
+    let nodes = job.nodes.iter().map(|(n, a)| (n.clone(), a.servers, a.workers)).collect();
+    let how = Launch { listen: "127.0.0.1:0".into(), secret: None, workers: true, nodes };
     let args: Vec<&str> = job.worker_args.iter().map(String::as_str).collect();
     let cluster =
         LocalCluster::launch(&job.spec, &job.text, &args, &children, &how).map_err(|e| crate::roles::crate_error(&e))?;

@@ -66,6 +66,10 @@ pub struct Launch {
     /// Start `job.workers` `eps worker` processes (else the workers come from
     /// elsewhere: a framework's processes).
     pub workers: bool,
+    /// Where the first servers and workers go, as (node, servers, workers)
+    /// (Slurm steps: `--nodelist`; child processes run here anyway); the
+    /// rest go where the launcher puts them.
+    pub nodes: Vec<(String, u32, u32)>,
 }
 
 /// The running processes of one job.
@@ -105,6 +109,9 @@ pub struct LocalCluster {
     /// there).
     spec_text: String,
     control_node: Option<String>,
+    /// The nodes of the next servers and workers to start (see [`Launch::nodes`]).
+    server_nodes: std::collections::VecDeque<String>,
+    worker_nodes: std::collections::VecDeque<String>,
 }
 
 /// One running process of a local cluster.
@@ -206,7 +213,7 @@ impl LocalCluster {
     /// `children.both` (the transport flags), servers with `children.servers` too.
     /// Worker stdout lines are collected.
     pub fn start(spec: &JobSpec, spec_text: &str, worker_args: &[&str], children: &ChildArgs) -> Result<Self, TrainError> {
-        let how = Launch { listen: "127.0.0.1:0".into(), secret: None, workers: true };
+        let how = Launch { listen: "127.0.0.1:0".into(), secret: None, workers: true, nodes: Vec::new() };
         Self::launch(spec, spec_text, worker_args, children, &how)
     }
 
@@ -255,6 +262,8 @@ impl LocalCluster {
             slurm: children.slurm.clone(),
             spec_text: spec_text.to_string(),
             control_node: None,
+            server_nodes: how.nodes.iter().flat_map(|(n, s, _)| std::iter::repeat_n(n.clone(), *s as usize)).collect(),
+            worker_nodes: how.nodes.iter().flat_map(|(n, _, w)| std::iter::repeat_n(n.clone(), *w as usize)).collect(),
         };
         let state = dir.join("state");
         let ctl_args = match &children.slurm {
@@ -287,6 +296,10 @@ impl LocalCluster {
             eps_proto::say!("eps: Slurm job {}: every process runs as a job step", s.job());
             // Servers listen on the address their node reaches the control plane from.
             cl.server_args.extend(["--listen-ip".into(), "route".into()]);
+            // A server's step with CPUs to spare splits large updates over two threads.
+            if spec.slurm.server_cpus > 1 {
+                cl.server_args.extend(["--threads".into(), "2".into()]);
+            }
         }
         cl.control_args = ctl_args;
         let addr = cl.start_control()?;
@@ -386,7 +399,8 @@ impl LocalCluster {
     /// scale`.)
     pub fn spawn_worker(&mut self) -> Result<(), TrainError> {
         let name = format!("worker process {}", self.workers_started);
-        let mut c = self.role(Role::Worker, self.workers_started, &self.worker_args, &name)?;
+        let node = self.worker_nodes.pop_front();
+        let mut c = self.role(Role::Worker, self.workers_started, node.as_deref(), &self.worker_args, &name)?;
         let out = c.stdout.take().expect("piped");
         let tx = self.tx.clone();
         self.readers.push(std::thread::spawn(move || {
@@ -400,9 +414,10 @@ impl LocalCluster {
         Ok(())
     }
 
-    /// Starts the `n`th `eps ROLE --control ADDR` (a child, or a Slurm step)
-    /// with the job secret in its environment and its stdout piped.
-    fn role(&self, role: Role, n: u32, extra: &[String], name: &str) -> Result<Child, TrainError> {
+    /// Starts the `n`th `eps ROLE --control ADDR` (a child, or a Slurm step
+    /// on `node` if given) with the job secret in its environment and its
+    /// stdout piped.
+    fn role(&self, role: Role, n: u32, node: Option<&str>, extra: &[String], name: &str) -> Result<Child, TrainError> {
         let verb = if role == Role::Server { "server" } else { "worker" };
         let mut args: Vec<String> = vec![verb.into(), "--control".into(), self.addr.clone()];
         let mut cmd = match &self.slurm {
@@ -411,7 +426,7 @@ impl LocalCluster {
                 Command::new(&self.exe)
             }
             // A step's parent is Slurm's, which ends the step when its srun goes.
-            Some(s) => s.command(&self.exe, role, n, None, &[]),
+            Some(s) => s.command(&self.exe, role, n, node, &[]),
         };
         cmd.args(args)
             .args(extra)
@@ -454,7 +469,8 @@ impl LocalCluster {
     /// must have room for it: see `eps scale`).
     pub fn spawn_server(&mut self) -> Result<(), TrainError> {
         let name = format!("server process {}", self.servers_started);
-        let mut c = self.role(Role::Server, self.servers_started, &self.server_args, &name)?;
+        let node = self.server_nodes.pop_front();
+        let mut c = self.role(Role::Server, self.servers_started, node.as_deref(), &self.server_args, &name)?;
         let out = c.stdout.take().expect("piped");
         let rank = Arc::new(std::sync::OnceLock::new());
         let r = rank.clone();

@@ -734,6 +734,24 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_nodes_rdma_device_comes_from_its_entry_else_the_default() {
+        let s = JobSpec::from_toml(
+            "[job]\n[model]\ndeclare = true\n[fabric]\nrdma_device = \"mlx5_0\"\nrdma_devices = { gpu02 = \"mlx5_2\" }\n[slurm]\nserver_gpus = 1\n",
+        )
+        .unwrap();
+        assert_eq!(s.fabric.device_for(Some("gpu02")).as_deref(), Some("mlx5_2"));
+        assert_eq!(s.fabric.device_for(Some("gpu01")).as_deref(), Some("mlx5_0"));
+        assert_eq!(s.fabric.device_for(None).as_deref(), Some("mlx5_0"));
+        assert_eq!(s.slurm.server_gpus, 1);
+        let e = JobSpec::from_toml("[job]\n[model]\ndeclare = true\n[fabric]\nrdma_devices = { gpu02 = \"\" }\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("fabric.rdma_devices"), "{e}");
+        let e = JobSpec::from_toml("[job]\n[model]\ndeclare = true\n[slurm]\nworker_cpus = 0\n").unwrap_err().to_string();
+        assert!(e.contains("slurm.worker_cpus"), "{e}");
+    }
+
+    #[test]
     fn full_spec_parses() {
         let s = JobSpec::from_toml(
             r#"
