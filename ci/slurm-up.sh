@@ -74,7 +74,7 @@ if ! (munge -n 2>/dev/null | unmunge >/dev/null 2>&1); then
     [ -e /etc/munge/munge.key ] || { mungekey -c >&2 2>/dev/null || cannot "no munge key"; chown munge:munge /etc/munge/munge.key; }
     install -d -o munge -g munge -m 0755 /run/munge /var/log/munge /var/lib/munge
     # It forks into the background; its pid file is our record of it.
-    runuser -u munge -- munged >&2 || cannot "munged did not start"
+    runuser -u munge -- munged >>"$DIR/munged.out" 2>&1 < /dev/null 9>&- || cannot "munged did not start (see $DIR/munged.out)"
     for _ in $(seq 50); do (munge -n 2>/dev/null | unmunge >/dev/null 2>&1) && break; sleep 0.1; done
     cp /run/munge/munged.pid "$DIR/munged.pid" 2>/dev/null || true
     (munge -n | unmunge >/dev/null 2>&1) || cannot "munged does not answer"
@@ -115,11 +115,11 @@ CONF
 }
 
 start_daemons() { # node names...
-    setsid slurmctld -D -f "$CONF" >>"$DIR/slurmctld.out" 2>&1 < /dev/null &
+    setsid slurmctld -D -f "$CONF" >>"$DIR/slurmctld.out" 2>&1 < /dev/null 9>&- &
     echo $! > "$DIR/slurmctld.pid"
     for n in "$@"; do
         mkdir -p "$DIR/spool/$n"
-        setsid slurmd -D -f "$CONF" -N "$n" >>"$DIR/slurmd-$n.out" 2>&1 < /dev/null &
+        setsid slurmd -D -f "$CONF" -N "$n" >>"$DIR/slurmd-$n.out" 2>&1 < /dev/null 9>&- &
         echo $! > "$DIR/slurmd-$n.pid"
     done
     for _ in $(seq 100); do
