@@ -145,6 +145,10 @@ enum Cmd {
         /// Directory of the fsync'd state log.
         #[arg(long, default_value = "eps-state")]
         state_dir: PathBuf,
+        /// Serve Prometheus metrics (`/metrics`) and a health check
+        /// (`/healthz`) over HTTP on this address (port 0: any; it says which).
+        #[arg(long, value_name = "ADDR")]
+        metrics: Option<SocketAddr>,
         /// Exit when the parent process exits.
         #[arg(long, hide = true)]
         exit_with_parent: bool,
@@ -169,6 +173,10 @@ enum Cmd {
         /// Threads an update of a large shard is split over, at most 2 (0: one per core).
         #[arg(long, default_value_t = 1)]
         threads: usize,
+        /// Serve Prometheus metrics (`/metrics`) and a health check
+        /// (`/healthz`) over HTTP on this address (port 0: any; it says which).
+        #[arg(long, value_name = "ADDR")]
+        metrics: Option<SocketAddr>,
         /// Seconds to wait for the control plane and for every worker to connect.
         #[arg(long, default_value_t = 120)]
         timeout: u64,
@@ -187,6 +195,10 @@ enum Cmd {
         /// Print progress every this many steps (rank 0).
         #[arg(long, default_value_t = 50)]
         progress_every: u64,
+        /// Serve Prometheus metrics (`/metrics`) and a health check
+        /// (`/healthz`) over HTTP on this address (port 0: any; it says which).
+        #[arg(long, value_name = "ADDR")]
+        metrics: Option<SocketAddr>,
         #[command(flatten)]
         fabric: eps::transport::TransportFlags,
         /// Seconds to wait for the control plane, the plan and each transfer.
@@ -372,6 +384,10 @@ struct TrainArgs {
     /// are then chosen by each process on its node).
     #[arg(long, default_value = "local", value_parser = clap::builder::PossibleValuesParser::new(["local", "slurm"]))]
     launcher: String,
+    /// Every process serves Prometheus metrics (`/metrics`) and a health
+    /// check (`/healthz`) on a port of its own; each says where on stderr.
+    #[arg(long)]
+    metrics: bool,
 }
 
 fn train(a: TrainArgs) -> Result<(), String> {
@@ -439,7 +455,7 @@ fn train(a: TrainArgs) -> Result<(), String> {
         format_size(layout.bytes()),
         layout.shards.len()
     );
-    let (children, transport, aggregator) = if a.launcher == "slurm" {
+    let (mut children, transport, aggregator) = if a.launcher == "slurm" {
         let steps = eps::slurm::Steps::in_allocation(&spec.job.name, &spec.slurm)?;
         let (c, t, g) = eps::train::cluster::slurm_args(&a.fabric, &a.agg, &spec, steps);
         eps_proto::say!("eps train: transport {t} and aggregator {g}, chosen by each process on its node");
@@ -452,10 +468,11 @@ fn train(a: TrainArgs) -> Result<(), String> {
         let children = eps::train::cluster::ChildArgs {
             both: a.fabric.child_args(&chosen),
             servers: vec!["--aggregator".into(), agg.name().into()],
-            slurm: None,
+            ..Default::default()
         };
         (children, chosen.name().to_string(), agg.name().to_string())
     };
+    children.metrics = a.metrics;
     let r = eps::train::run(&spec, &text, a.progress_every.max(1), &plan, &children, |l| eps_proto::say!("{l}"))
         .map_err(|e| error_chain(&e))?;
     match (r.final_auc, r.teacher_auc) {
@@ -546,11 +563,11 @@ fn main() -> ExitCode {
         },
         Cmd::Jobs { socket } => eps::live::serve::request(socket, "jobs", ""),
         Cmd::Kill { job, socket } => eps::live::serve::request(socket, &format!("kill {job}"), ""),
-        Cmd::Control { listen, spec, resume, servers, workers, steps, state_dir, exit_with_parent } => {
+        Cmd::Control { listen, spec, resume, servers, workers, steps, state_dir, metrics, exit_with_parent } => {
             if exit_with_parent {
                 eps::roles::exit_with_parent();
             }
-            match (spec, resume) {
+            eps::roles::serve_metrics("control", metrics).and_then(|()| match (spec, resume) {
                 (_, Some(dir)) => {
                     let o = eps::train::Overrides { servers, workers, steps, ..Default::default() };
                     eps::checkpoint::resume_spec(&dir, &o)
@@ -558,16 +575,18 @@ fn main() -> ExitCode {
                 }
                 (Some(spec), None) => eps::roles::control(listen, &spec, &state_dir),
                 (None, None) => Err("give --spec FILE or --resume DIR".into()),
-            }
+            })
         }
         Cmd::Checkpoint { control, dir, timeout } => {
             eps::checkpoint::take(control, dir.as_deref(), Duration::from_secs(timeout.max(1)))
         }
-        Cmd::Server { control, listen_ip, fabric, agg, threads, timeout, exit_with_parent } => {
+        Cmd::Server { control, listen_ip, fabric, agg, threads, metrics, timeout, exit_with_parent } => {
             if exit_with_parent {
                 eps::roles::exit_with_parent();
             }
-            eps::roles::server(control, listen_ip, threads, Duration::from_secs(timeout.max(1)), &fabric, &agg)
+            eps::roles::serve_metrics("server", metrics).and_then(|()| {
+                eps::roles::server(control, listen_ip, threads, Duration::from_secs(timeout.max(1)), &fabric, &agg)
+            })
         }
         Cmd::Worker {
             control,
@@ -581,10 +600,15 @@ fn main() -> ExitCode {
             bench_iters,
             bench_migrate,
             bench_sparse,
+            metrics,
             exit_with_parent,
         } => {
             if exit_with_parent {
                 eps::roles::exit_with_parent();
+            }
+            if let Err(e) = eps::roles::serve_metrics("worker", metrics) {
+                eps_proto::say!("eps: error: {e}");
+                return ExitCode::FAILURE;
             }
             let bench = match (bench_iters, bench_migrate, bench_sparse) {
                 (Some(iters), _, _) => WorkerBench::PushPull { iters },

@@ -29,6 +29,18 @@ pub fn secret_from_env(spec: Option<&JobSpec>) -> Result<Secret, String> {
     Secret::new(s).map_err(|e| e.to_string())
 }
 
+/// `--metrics ADDR` of a role: serves the process's metrics and a health
+/// check there (nothing without it), and says where.
+pub fn serve_metrics(role: &str, addr: Option<SocketAddr>) -> Result<(), String> {
+    let Some(addr) = addr else { return Ok(()) };
+    let what = format!("eps {role}");
+    let health: eps_metrics::Health = Arc::new(move || Ok(format!("{what} (pid {})", std::process::id())));
+    let e = eps_metrics::serve(addr, health).map_err(|e| format!("--metrics {addr}: {e}"))?;
+    let shown = if e.addr().ip().is_unspecified() { advertised(e.addr()) } else { e.addr() };
+    eps_proto::say!("eps {role}: metrics on http://{shown}/metrics (health: /healthz)");
+    Ok(())
+}
+
 /// Exits this process when its parent goes away (used for the processes `eps train`
 /// starts, so a killed driver never leaves a cluster behind).
 pub fn exit_with_parent() {

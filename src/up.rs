@@ -98,8 +98,11 @@ pub fn run(a: UpArgs) -> Result<(), String> {
             .map(|b| format!("{b:02x}"))
             .collect(),
     };
-    let children =
-        ChildArgs { both: a.fabric.child_args(&chosen), servers: vec!["--aggregator".into(), agg.name().into()], slurm: None };
+    let children = ChildArgs {
+        both: a.fabric.child_args(&chosen),
+        servers: vec!["--aggregator".into(), agg.name().into()],
+        ..Default::default()
+    };
     let how = Launch { listen: a.listen.clone(), secret: Some(secret.clone()), workers: false, nodes: Vec::new() };
     let cluster = LocalCluster::launch(&spec, &text, &[], &children, &how).map_err(|e| crate_error(&e))?;
     println!("EPS_CONTROL={}", cluster.control_addr());

@@ -28,12 +28,19 @@ pub struct ChildArgs {
     /// Each process a Slurm job step of this allocation (else a child
     /// process of this one).
     pub slurm: Option<Steps>,
+    /// Every process serves `/metrics` and `/healthz` on a port of its own
+    /// (`--metrics IP:0`; each says where).
+    pub metrics: bool,
 }
 
 /// A local cluster on the `soft` transport and the CPU aggregator (the benchmarks
 /// measure those).
 pub fn soft_args() -> ChildArgs {
-    ChildArgs { both: vec!["--transport".into(), "soft".into()], servers: vec!["--aggregator".into(), "cpu".into()], slurm: None }
+    ChildArgs {
+        both: vec!["--transport".into(), "soft".into()],
+        servers: vec!["--aggregator".into(), "cpu".into()],
+        ..ChildArgs::default()
+    }
 }
 
 /// The flags of a cluster whose processes are Slurm job steps: the
@@ -53,7 +60,7 @@ pub fn slurm_args(
     both.extend(fabric.rdma.args());
     let servers = agg.aggregator.iter().flat_map(|g| ["--aggregator".to_string(), g.clone()]).collect();
     let name = |v: Option<String>| v.unwrap_or_else(|| "auto".into());
-    (ChildArgs { both, servers, slurm: Some(steps) }, name(transport), name(aggregator))
+    (ChildArgs { both, servers, slurm: Some(steps), metrics: false }, name(transport), name(aggregator))
 }
 
 /// How [`LocalCluster::launch`] starts a cluster.
@@ -302,6 +309,13 @@ impl LocalCluster {
             }
         }
         cl.control_args = ctl_args;
+        if children.metrics {
+            // Any port; reachable from other nodes when they are Slurm steps.
+            let at = if cl.slurm.is_some() { "0.0.0.0:0" } else { "127.0.0.1:0" };
+            for v in [&mut cl.control_args, &mut cl.server_args, &mut cl.worker_args] {
+                v.extend(["--metrics".to_string(), at.to_string()]);
+            }
+        }
         let addr = cl.start_control()?;
         // A restart listens where the first one did.
         cl.control_args[2] = addr.clone();

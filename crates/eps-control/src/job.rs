@@ -16,6 +16,7 @@ mod moves;
 mod replicas;
 mod split;
 mod status;
+pub use status::{Figures, SERVER_STATES};
 mod workers;
 
 #[cfg(test)]

@@ -22,6 +22,7 @@ use crate::job::Job;
 use crate::store::Store;
 
 mod event;
+mod metrics;
 mod requests;
 
 use event::Conn;
@@ -31,6 +32,9 @@ const TICK: Duration = Duration::from_millis(20);
 
 /// Marks the spec record in the store.
 const SPEC_RECORD_RANK: u32 = u32::MAX;
+
+/// How often the job's figures go to the metrics.
+const PUBLISH: Duration = Duration::from_millis(250);
 
 /// How long a server's dropped order poll may stay away before it is lost.
 const SERVER_GRACE: Duration = Duration::from_millis(1500);
@@ -62,6 +66,8 @@ struct State {
     /// who reported each, and when first.
     unreachable: HashMap<u32, (Vec<(Role, u32)>, Instant)>,
     server_lease: Duration,
+    /// Its series of the process's metrics.
+    metrics: metrics::Metrics,
 }
 
 impl State {
@@ -205,6 +211,7 @@ impl ControlService {
             polled: HashMap::new(),
             unreachable: HashMap::new(),
             server_lease: Duration::from_millis(spec.job.server_lease_ms),
+            metrics: metrics::Metrics::new(&spec.job.name),
         };
         // The store's records replayed one by one: the spec's first.
         let (mut first, mut why) = (true, None);
@@ -246,6 +253,7 @@ impl ControlService {
         self.listener.set_nonblocking(true).map_err(ControlError::Io)?;
         let mut conns: Vec<Conn> = Vec::new();
         let mut tick = Instant::now();
+        let mut published = tick - PUBLISH;
         loop {
             if stop.load(Ordering::Acquire) || self.st.done_replied {
                 return Ok(());
@@ -258,6 +266,10 @@ impl ControlService {
                 tick = now + TICK;
                 self.st.expire_leases()?;
                 self.st.lose_servers()?;
+                if now.duration_since(published) >= PUBLISH {
+                    published = now;
+                    self.st.metrics.publish(&self.st.job.figures());
+                }
                 changed = true;
             }
             let next = conns.iter().filter_map(Conn::deadline).fold(tick, Instant::min);

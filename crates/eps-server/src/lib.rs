@@ -19,6 +19,7 @@ mod checkpoint;
 mod cut;
 mod members;
 mod memory;
+mod metrics;
 mod migrate;
 mod relay;
 mod replica;
@@ -291,6 +292,8 @@ pub(crate) struct Server<P: Fabric> {
     acks: P::Mr,
     ctl: ControlClient,
     summary: ServerSummary,
+    /// Its series of the process's metrics.
+    metrics: metrics::Metrics,
     ready: Vec<(u32, u64)>,
     threads: usize,
     /// Contributor sets by iteration (committed changes, see `members.rs`).
@@ -504,6 +507,7 @@ pub fn run_direct<P: Fabric>(
         opts,
         acks,
         ctl,
+        metrics: metrics::Metrics::new(&spec.job.name, rank),
         summary: ServerSummary {
             rank,
             shards: layout.shards_of(rank).count(),

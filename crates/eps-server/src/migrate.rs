@@ -147,6 +147,7 @@ impl<P: Fabric> Server<P> {
             return self.on_drop_backup(id);
         }
         self.summary.migrated_in += 1;
+        self.metrics.migrated_in.inc();
         Ok(())
     }
 
@@ -640,6 +641,7 @@ impl<P: Fabric> Server<P> {
             (secs - setup - snap) * 1e3,
         );
         self.summary.migrated_out += 1;
+        self.metrics.migrated_out.inc();
         self.ctl.call(&ControlMsg::Released { shard: id, bytes: out.bytes, millis: (secs * 1e3) as u64 })?;
         Ok(())
     }

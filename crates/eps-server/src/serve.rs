@@ -85,7 +85,12 @@ impl<P: Fabric> Server<P> {
         // Completions of accepted connections not handed over yet (their receives
         // are posted before the peer can send, on the acceptor's thread).
         let mut early: Vec<(Completion, Instant)> = Vec::new();
+        let mut gauged = Instant::now() - Duration::from_secs(1);
         while !self.retired {
+            if gauged.elapsed() > Duration::from_millis(100) {
+                gauged = Instant::now();
+                self.publish_gauges();
+            }
             self.admit(accepted, &mut early)?;
             while let Ok(o) = orders.try_recv() {
                 match o? {
@@ -120,6 +125,14 @@ impl<P: Fabric> Server<P> {
             }
         }
         Ok(())
+    }
+
+    /// What it holds, for the metrics.
+    fn publish_gauges(&self) {
+        let held = (0..self.shards.len()).filter(|&i| self.shards[i].is_some());
+        let (n, elements) = held.fold((0u64, 0u64), |(n, e), i| (n + 1, e + self.spans[i].1));
+        self.metrics.shards.set(n as f64);
+        self.metrics.bytes.set((elements * 4) as f64);
     }
 
     /// Nothing came for a while: says what each shard that waits waits for
@@ -229,6 +242,7 @@ impl<P: Fabric> Server<P> {
 
     pub(crate) fn violation(&mut self, ci: usize, what: &str) {
         self.summary.violations += 1;
+        self.metrics.violations.inc();
         let who = match self.conns[ci].peer {
             Peer::Worker(h) => format!("worker {}", h.rank),
             Peer::Server(h) => format!("server {}", h.rank & !eps_proto::hello::PEER_BIT),
@@ -483,6 +497,7 @@ impl<P: Fabric> Server<P> {
         }
         h.sync.set_publish_waiting(!h.waiting.is_empty());
         self.summary.updates += 1;
+        self.metrics.updates.inc();
         if let Some(w) = one {
             self.send_credit(w, id)?;
         }
@@ -552,6 +567,7 @@ impl<P: Fabric> Server<P> {
         conn.post(&SendWr { wr_id: pull_wr(id, w, v), op: SendOp::WriteImm(remote, imm), sg: &sg, signaled: true })?;
         *self.pulls_out.entry(pull_wr(id, w, v)).or_insert(0) += 1;
         self.summary.pulls += 1;
+        self.metrics.pulls.inc();
         Ok(())
     }
 
@@ -569,12 +585,14 @@ impl<P: Fabric> Server<P> {
 
     pub(crate) fn send_moved(&mut self, w: u32, id: u32, seq: u16) -> Result<(), ServerError> {
         self.summary.moved += 1;
+        self.metrics.moved.inc();
         self.moved_pushes.insert((w, id));
         self.notify(w, Imm { kind: ImmKind::Moved, shard: id, seq })
     }
 
     pub(crate) fn send_pull_moved(&mut self, w: u32, id: u32, seq: u16) -> Result<(), ServerError> {
         self.summary.moved += 1;
+        self.metrics.moved.inc();
         self.notify(w, Imm { kind: ImmKind::PullMoved, shard: id, seq })
     }
 }

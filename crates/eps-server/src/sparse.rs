@@ -301,6 +301,7 @@ impl<P: Fabric> Server<P> {
         };
         applied.map_err(|e| ServerError::Sparse(e.to_string()))?;
         self.summary.updates += 1;
+        self.metrics.updates.inc();
         // Buckets whose cutover this update reached leave now, before anything
         // of the next iteration is applied.
         self.take_out_rows(table)?;
@@ -347,6 +348,7 @@ impl<P: Fabric> Server<P> {
         let sg: &[Sge<'_, P::Mr>] = if n == 0 { &[] } else { &sg };
         conn.post(&SendWr { wr_id: WR_OTHER, op: SendOp::WriteImm(remote, imm), sg, signaled: false })?;
         self.summary.pulls += 1;
+        self.metrics.pulls.inc();
         Ok(())
     }
 }

@@ -108,6 +108,7 @@ impl<P: Fabric> Server<P> {
             began.elapsed().as_secs_f64() * 1e3
         );
         self.summary.splits += 1;
+        self.metrics.splits.inc();
         self.ctl.call(&ControlMsg::Split { shard: id, at: v, lo, hi })?;
         // An iteration whose every contributor is gone is complete at once.
         self.try_complete(o.lo)?;

@@ -56,6 +56,7 @@ use eps_proto::membership::Membership;
 use eps_proto::{Consistency, JobSpec, SpecError};
 
 mod loss;
+mod metrics;
 mod pull;
 mod reap;
 mod register;
@@ -260,6 +261,8 @@ pub struct Worker<P: Fabric = SoftPd> {
     hellos_sent: usize,
     hellos_acked: usize,
     stats: WorkerStats,
+    /// Its series of the process's metrics.
+    metrics: metrics::Metrics,
     ctl: ControlClient,
     timeout: Duration,
     hello: P::Mr,
@@ -360,6 +363,7 @@ impl<P: Fabric> Worker<P> {
         let watch = Arc::new(MapWatch::new(&map, membership.clone(), start));
         watch::spawn(cfg, rank, watch.clone(), &map)?;
         let ids = map.routes.len();
+        let metrics = metrics::Metrics::new(&spec.job.name, rank);
         let mut w = Self {
             rank,
             mode: spec.job.consistency,
@@ -394,6 +398,7 @@ impl<P: Fabric> Worker<P> {
             hellos_sent: 0,
             hellos_acked: 0,
             stats: WorkerStats::default(),
+            metrics,
             ctl,
             timeout: cfg.timeout,
             hello,
@@ -813,6 +818,7 @@ impl<P: Fabric> Worker<P> {
         self.sending[sid] += 1;
         self.pushed_to[sid] = owner;
         self.stats.pushed_bytes += len * es;
+        self.metrics.pushed.add(len * es);
         Ok(())
     }
 

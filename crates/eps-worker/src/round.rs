@@ -257,6 +257,7 @@ impl<P: Fabric> Worker<P> {
         if done && let Some(o) = self.open.take() {
             self.iteration += 1;
             self.stats.comm += o.started.elapsed();
+            self.metrics.round(o.started.elapsed(), self.iteration, self.map.epoch);
         }
     }
 
@@ -270,6 +271,7 @@ impl<P: Fabric> Worker<P> {
         if let Some(o) = self.open.take() {
             self.iteration += 1;
             self.stats.comm += o.started.elapsed();
+            self.metrics.round(o.started.elapsed(), self.iteration, self.map.epoch);
         }
         Ok(())
     }

@@ -293,6 +293,7 @@ impl<P: Fabric> Worker<P> {
         }
         self.wait_until(|w| w.sparse.tables[table as usize].awaiting == 0, "sparse pull answers")?;
         self.stats.pulled_bytes += (row * dim * elem) as u64;
+        self.metrics.pulled.add((row * dim * elem) as u64);
         let index = d.of.iter().map(|&u| slot[u as usize]).collect();
         let t = &mut self.sparse.tables[table as usize];
         // SAFETY: every pull of this table was answered (above), and servers
@@ -406,6 +407,7 @@ impl<P: Fabric> Worker<P> {
             t.sending += 1;
             self.post_sparse(server, table, true, RemoteAddr { addr, rkey }, imm, at, n)?;
             self.stats.pushed_bytes += n as u64;
+            self.metrics.pushed.add(n as u64);
         }
         Ok(())
     }

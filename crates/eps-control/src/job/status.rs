@@ -4,7 +4,69 @@ use std::fmt::Write as _;
 
 use super::{Job, Migration, Phase};
 
+/// The states a server is counted in by [`Figures::servers`].
+pub const SERVER_STATES: [&str; 5] = ["serving", "joining", "leaving", "retired", "lost"];
+
+/// The job's figures, for the metrics.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Figures {
+    /// The shard map's epoch.
+    pub epoch: u64,
+    /// The furthest and the slowest training worker's iteration.
+    pub iteration: u64,
+    /// See `iteration`.
+    pub slowest: u64,
+    /// Workers contributing now.
+    pub workers: u64,
+    /// Worker membership changes committed.
+    pub membership_changes: u64,
+    /// Servers by state, in the order of [`SERVER_STATES`].
+    pub servers: [u64; 5],
+    /// Shard migrations in flight, and done (moves included).
+    pub migrations_in_flight: u64,
+    /// See `migrations_in_flight`.
+    pub migrations_done: u64,
+    /// Shard splits done.
+    pub splits: u64,
+    /// Parameter bytes placed on servers.
+    pub bytes: u64,
+}
+
 impl Job {
+    /// Its figures now.
+    pub fn figures(&self) -> Figures {
+        let training: Vec<u64> =
+            (0..self.progress.len() as u32).filter(|&r| self.w.routes(r)).map(|r| self.progress[r as usize]).collect();
+        let mut servers = [0; 5];
+        for (r, s) in self.servers.iter().enumerate() {
+            let i = if self.lost.contains(&(r as u32)) {
+                4
+            } else if s.retired {
+                3
+            } else if s.leaving {
+                2
+            } else if s.ready {
+                0
+            } else {
+                1
+            };
+            servers[i] += 1;
+        }
+        let done = self.migrations.iter().filter(|m| m.phase == Phase::Done).count() as u64 + self.moves_done;
+        Figures {
+            epoch: self.map.epoch,
+            iteration: training.iter().copied().max().unwrap_or(0),
+            slowest: training.iter().copied().min().unwrap_or(0),
+            workers: self.w.members.latest().len() as u64,
+            membership_changes: self.w.changes,
+            servers,
+            migrations_in_flight: self.migrations_in_flight() as u64,
+            migrations_done: done,
+            splits: self.splits,
+            bytes: self.map.bytes_per_server().values().sum(),
+        }
+    }
+
     /// Human-readable state for `eps status`.
     pub fn status(&self) -> String {
         let mut t = String::new();

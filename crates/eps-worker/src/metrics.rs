@@ -1,0 +1,45 @@
+//! What a worker reports to the process's metrics (`eps_metrics::global()`),
+//! labelled with its job and rank.
+
+use std::time::Duration;
+
+use eps_metrics::{Counter, Gauge, Histogram};
+
+/// A worker's series.
+#[derive(Clone, Debug)]
+pub(crate) struct Metrics {
+    pub pushed: Counter,
+    pub pulled: Counter,
+    rounds: Histogram,
+    iterations: Counter,
+    iteration: Gauge,
+    epoch: Gauge,
+}
+
+impl Metrics {
+    pub fn new(job: &str, rank: u32) -> Self {
+        let r = eps_metrics::global();
+        let rank = rank.to_string();
+        let l: &[(&str, &str)] = &[("job", job), ("rank", &rank)];
+        Metrics {
+            pushed: r.counter("eps_worker_pushed_bytes_total", "Gradient bytes pushed (dense and sparse).", l),
+            pulled: r.counter("eps_worker_pulled_bytes_total", "Parameter bytes pulled (dense and sparse).", l),
+            rounds: r.histogram(
+                "eps_worker_push_pull_seconds",
+                "An iteration's round: from its first push to every shard's new parameters in.",
+                l,
+            ),
+            iterations: r.counter("eps_worker_iterations_total", "Iterations whose round ended.", l),
+            iteration: r.gauge("eps_worker_iteration", "The next iteration.", l),
+            epoch: r.gauge("eps_worker_map_epoch", "The epoch of the shard map the worker routes by.", l),
+        }
+    }
+
+    /// A round ended after `took`; the worker is at `iteration`, `epoch`.
+    pub fn round(&self, took: Duration, iteration: u64, epoch: u64) {
+        self.rounds.observe(took);
+        self.iterations.inc();
+        self.iteration.set(iteration as f64);
+        self.epoch.set(epoch as f64);
+    }
+}

@@ -1,0 +1,113 @@
+//! Every role of `eps train --metrics` serves Prometheus metrics and a
+//! health check: scraped twice while the job trains, the series move.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::Stdio;
+use std::time::Duration;
+
+use common::cli::{Lines, eps, tmp};
+
+/// GET `path` of `host:port`: (status line, body).
+fn get(addr: &str, path: &str) -> (String, String) {
+    let mut c = TcpStream::connect(addr).unwrap_or_else(|e| panic!("{addr}: {e}"));
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(c, "GET {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut s = String::new();
+    c.read_to_string(&mut s).unwrap();
+    let (head, body) = s.split_once("\r\n\r\n").unwrap_or_else(|| panic!("{s}"));
+    (head.lines().next().unwrap().to_string(), body.to_string())
+}
+
+/// The value of the series `name{labels}` (labels as written), summed over
+/// series whose name and labels start so.
+fn value(text: &str, series: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(series))
+        .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse::<f64>().ok()))
+        .sum()
+}
+
+#[test]
+fn every_role_serves_metrics_that_move_while_the_job_trains() {
+    let spec = tmp("metrics", "job").with_extension("toml");
+    std::fs::write(
+        &spec,
+        "[job]\nname = \"m\"\nworkers = 2\nservers = 2\nsteps = 6000\nbatch = 64\nshard_bytes = 65536\n\
+         [model]\npreset = \"synthetic\"\nbuckets = 60000\n[optimizer]\nkind = \"adam\"\nlr = 0.01\n",
+    )
+    .unwrap();
+    let mut child = eps()
+        .args(["train", "--metrics", "--spec", spec.to_str().unwrap(), "--progress-every", "100", "--json"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = Lines::default();
+    lines.collect(child.stdout.take().unwrap(), "");
+    lines.collect(child.stderr.take().unwrap(), "");
+    // Where each role serves (control, 2 servers, 2 workers).
+    let mut at: Vec<(String, String)> = Vec::new();
+    while at.len() < 5 {
+        let l = lines.line("metrics on http://");
+        let role = l.split_whitespace().nth(1).unwrap().trim_end_matches(':').to_string();
+        let url = l.split("http://").nth(1).unwrap().split('/').next().unwrap().to_string();
+        at.push((role, url));
+    }
+    lines.until("training under way", |l| l.trim_start().starts_with("step ") && l.contains("/6000"));
+    let scrape = || -> Vec<String> {
+        at.iter()
+            .map(|(role, a)| {
+                let (status, body) = get(a, "/metrics");
+                assert_eq!(status, "HTTP/1.1 200 OK", "{role} {a}");
+                body
+            })
+            .collect()
+    };
+    let first = scrape();
+    std::thread::sleep(Duration::from_millis(1500));
+    let second = scrape();
+    for (i, (role, a)) in at.iter().enumerate() {
+        let (a0, a1) = (&first[i], &second[i]);
+        assert!(value(a1, "eps_process_resident_memory_bytes") > 1e6, "{role}: {a1}");
+        match role.as_str() {
+            "worker" => {
+                for s in ["eps_worker_pushed_bytes_total{", "eps_worker_pulled_bytes_total{", "eps_worker_iterations_total{"] {
+                    assert!(value(a1, s) > value(a0, s) && value(a0, s) > 0.0, "{role} {s}: {a0}\n---\n{a1}");
+                }
+                // The latency histogram has counts, in its buckets too.
+                let n = value(a1, "eps_worker_push_pull_seconds_count{");
+                assert!(n > value(a0, "eps_worker_push_pull_seconds_count{"), "{a1}");
+                let inf = a1.lines().find(|l| l.starts_with("eps_worker_push_pull_seconds_bucket{") && l.contains("le=\"+Inf\""));
+                assert_eq!(inf.and_then(|l| l.rsplit_once(' ')).map(|(_, v)| v.parse::<f64>().unwrap()), Some(n), "{a1}");
+                assert!(value(a1, "eps_worker_push_pull_seconds_sum{") > 0.0);
+            }
+            "server" => {
+                for s in ["eps_server_updates_total{", "eps_server_pulls_total{"] {
+                    assert!(value(a1, s) > value(a0, s), "{role} {s}: {a0}\n---\n{a1}");
+                }
+                assert!(value(a1, "eps_server_shards{") >= 1.0, "{a1}");
+                assert!(value(a1, "eps_server_parameter_bytes{") > 0.0, "{a1}");
+            }
+            "control" => {
+                let s = "eps_control_iteration{job=\"m\"}";
+                assert!(value(a1, s) > value(a0, s), "{a0}\n---\n{a1}");
+                assert_eq!(value(a1, "eps_control_servers{job=\"m\",state=\"serving\"}"), 2.0, "{a1}");
+                assert_eq!(value(a1, "eps_control_workers{job=\"m\"}"), 2.0, "{a1}");
+            }
+            r => panic!("unexpected role {r} at {a}"),
+        }
+        let (status, body) = get(a, "/healthz");
+        assert_eq!(status, "HTTP/1.1 200 OK", "{role}");
+        assert!(body.starts_with(&format!("ok eps {role}")), "{body}");
+        assert!(get(a, "/nothing").0.starts_with("HTTP/1.1 404"));
+    }
+    assert_eq!(at.iter().filter(|(r, _)| r == "worker").count(), 2);
+    assert_eq!(at.iter().filter(|(r, _)| r == "server").count(), 2);
+    let status = child.wait().unwrap();
+    lines.rest(Duration::from_millis(300));
+    assert!(status.success(), "{}", lines.text());
+    let _ = std::fs::remove_file(spec);
+}
