@@ -10,7 +10,7 @@ if "$VENV/bin/python" -c "import torch, sklearn, numpy, pytest" 2>/dev/null; the
 fi
 if ! python3 -m venv --help >/dev/null 2>&1; then
     echo "installing python3-venv" >&2
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >&2
+    apt-get update -qq -o DPkg::Lock::Timeout=300 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=300 python3-venv >&2
 fi
 echo "creating $VENV (torch, scikit-learn, numpy, pytest; several GB the first time)" >&2
 mkdir -p "$(dirname "$VENV")"

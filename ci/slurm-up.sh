@@ -60,8 +60,8 @@ done
 if [ ${#missing[@]} -gt 0 ]; then
     command -v apt-get >/dev/null || cannot "no apt-get to install ${missing[*]}"
     log "installing ${missing[*]}"
-    apt-get update -qq -o DPkg::Lock::Timeout=120 >&2 || cannot "apt-get update failed"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=120 \
+    apt-get update -qq -o DPkg::Lock::Timeout=300 >&2 || cannot "apt-get update failed"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=300 \
         --no-install-recommends "${missing[@]}" >&2 || cannot "apt-get install ${missing[*]} failed"
 fi
 

@@ -31,7 +31,7 @@ CHECKS=(-p eps-rdma --test rxe)
 
 apt_install() {
     command -v apt-get >/dev/null || die "apt-get not found: install $* by hand"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=300 --no-install-recommends "$@" >/dev/null
 }
 
 need_build_deps() {
@@ -41,7 +41,7 @@ need_build_deps() {
     done
     if [ ${#missing[@]} -gt 0 ]; then
         step "installing ${missing[*]}"
-        apt-get update -qq
+        apt-get update -qq -o DPkg::Lock::Timeout=300
         apt_install "${missing[@]}"
     fi
 }
@@ -237,11 +237,11 @@ if ! command -v qemu-system-x86_64 >/dev/null; then
         printf 'Types: deb\nURIs: %s\nSuites: bookworm-backports\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
             "$uris" >/etc/apt/sources.list.d/eps-backports.sources
     fi
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -t bookworm-backports --no-install-recommends qemu-system-x86 >/dev/null
+    apt-get update -qq -o DPkg::Lock::Timeout=300
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=300 -t bookworm-backports --no-install-recommends qemu-system-x86 >/dev/null
 fi
 for t in debootstrap mkfs.ext4; do
-    command -v "$t" >/dev/null || { step "installing $t"; apt-get update -qq; apt_install debootstrap e2fsprogs; }
+    command -v "$t" >/dev/null || { step "installing $t"; apt-get update -qq -o DPkg::Lock::Timeout=300; apt_install debootstrap e2fsprogs; }
 done
 
 mkdir -p "$CACHE"

@@ -26,7 +26,7 @@ fi
 # `eps bench migrate --plot` (tested) draws its text with a TrueType font.
 if [ ! -e /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] && command -v apt-get >/dev/null; then
     step "installing fonts-dejavu-core"
-    apt-get update -qq && apt-get install -y -qq fonts-dejavu-core
+    apt-get update -qq -o DPkg::Lock::Timeout=300 && apt-get install -y -qq -o DPkg::Lock::Timeout=300 fonts-dejavu-core
 fi
 
 # The rdma provider (crates/eps-rdma) builds against libibverbs and librdmacm
@@ -38,7 +38,7 @@ for p in libibverbs-dev librdmacm-dev libclang-dev pkg-config g++; do
 done
 if [ ${#missing[@]} -gt 0 ]; then
     step "installing ${missing[*]}"
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+    apt-get update -qq -o DPkg::Lock::Timeout=300 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=300 --no-install-recommends "${missing[@]}"
 fi
 
 # The CUDA kernels are compiled (NVRTC) and assembled (ptxas) for sm_80 and sm_90

@@ -41,6 +41,7 @@ fn every_role_serves_metrics_that_move_while_the_job_trains() {
     .unwrap();
     let mut child = eps()
         .args(["train", "--metrics", "--spec", spec.to_str().unwrap(), "--progress-every", "100", "--json"])
+        .args(["--scale-plan", "400:servers=3"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -94,7 +95,9 @@ fn every_role_serves_metrics_that_move_while_the_job_trains() {
             "control" => {
                 let s = "eps_control_iteration{job=\"m\"}";
                 assert!(value(a1, s) > value(a0, s), "{a0}\n---\n{a1}");
-                assert_eq!(value(a1, "eps_control_servers{job=\"m\",state=\"serving\"}"), 2.0, "{a1}");
+                // Two, or three once the scale event came.
+                let serving = value(a1, "eps_control_servers{job=\"m\",state=\"serving\"}");
+                assert!((2.0..=3.0).contains(&serving), "{a1}");
                 assert_eq!(value(a1, "eps_control_workers{job=\"m\"}"), 2.0, "{a1}");
             }
             r => panic!("unexpected role {r} at {a}"),
@@ -106,6 +109,40 @@ fn every_role_serves_metrics_that_move_while_the_job_trains() {
     }
     assert_eq!(at.iter().filter(|(r, _)| r == "worker").count(), 2);
     assert_eq!(at.iter().filter(|(r, _)| r == "server").count(), 2);
+    // The third server takes shards: the sources count and time migrations,
+    // the control plane counts them done.
+    if !lines.text().contains("migrated shard") {
+        lines.line("migrated shard");
+    }
+    let eventually = |addr: &str, what: &dyn Fn(&str) -> bool| {
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            let body = get(addr, "/metrics").1;
+            if what(&body) {
+                return;
+            }
+            assert!(std::time::Instant::now() < deadline, "{addr}: {body}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    let servers: Vec<&str> = at.iter().filter(|(r, _)| r == "server").map(|(_, a)| a.as_str()).collect();
+    let control = &at.iter().find(|(r, _)| r == "control").unwrap().1;
+    eventually(control, &|b| value(b, "eps_control_migrations_done{job=\"m\"}") >= 1.0);
+    // Per server: every migration away counted is timed.
+    let sum = |b: &str, name: &str, tag: &str| -> f64 {
+        b.lines()
+            .filter(|l| l.starts_with(name) && l.contains(tag))
+            .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse::<f64>().ok()))
+            .sum()
+    };
+    let mut out = 0.0;
+    for a in &servers {
+        let b = get(a, "/metrics").1;
+        let n = sum(&b, "eps_server_migrations_total{", "direction=\"out\"");
+        assert_eq!(sum(&b, "eps_server_migration_seconds_count{", "phase=\"total\""), n, "{b}");
+        out += n;
+    }
+    assert!(out >= 1.0, "no migration timed on the first servers");
     let status = child.wait().unwrap();
     lines.rest(Duration::from_millis(300));
     assert!(status.success(), "{}", lines.text());

@@ -2,7 +2,7 @@
 //! labelled with its job and rank: counters as its summary counts them, and
 //! what it holds, refreshed by the event loop every 100 ms.
 
-use eps_metrics::{Counter, Gauge};
+use eps_metrics::{Counter, Gauge, Histogram};
 
 /// A server's series.
 #[derive(Clone, Debug)]
@@ -14,6 +14,11 @@ pub(crate) struct Metrics {
     pub migrated_in: Counter,
     pub migrated_out: Counter,
     pub splits: Counter,
+    /// Bytes (parameters and state) of the shards migrated away.
+    pub migrated_bytes: Counter,
+    /// A migration away, whole and by phase: total, setup, snapshot, and
+    /// forwarding or relaying to the cutover.
+    pub migration_phases: [Histogram; 4],
     pub shards: Gauge,
     pub bytes: Gauge,
 }
@@ -46,6 +51,18 @@ impl Metrics {
             migrated_in: dir("in"),
             migrated_out: dir("out"),
             splits: r.counter("eps_server_splits_total", "Shards split here.", l),
+            migrated_bytes: r.counter(
+                "eps_server_migrated_bytes_total",
+                "Bytes of parameters and optimizer state of the shards migrated away.",
+                l,
+            ),
+            migration_phases: ["total", "setup", "snapshot", "cutover"].map(|p| {
+                r.histogram(
+                    "eps_server_migration_seconds",
+                    "Shard migrations away from this server: whole, and by phase (setup, snapshot, forwarding or relaying to the cutover).",
+                    &[("job", job), ("rank", &rank), ("phase", p)],
+                )
+            }),
             shards: r.gauge("eps_server_shards", "Dense shards held.", l),
             bytes: r.gauge("eps_server_parameter_bytes", "Bytes of the dense parameters held (f32 master copies).", l),
         }

@@ -642,6 +642,11 @@ impl<P: Fabric> Server<P> {
         );
         self.summary.migrated_out += 1;
         self.metrics.migrated_out.inc();
+        self.metrics.migrated_bytes.add(out.bytes);
+        let d = std::time::Duration::from_secs_f64;
+        for (h, s) in [(0, secs), (1, setup), (2, snap), (3, (secs - setup - snap).max(0.0))] {
+            self.metrics.migration_phases[h].observe(d(s));
+        }
         self.ctl.call(&ControlMsg::Released { shard: id, bytes: out.bytes, millis: (secs * 1e3) as u64 })?;
         Ok(())
     }
