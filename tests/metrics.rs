@@ -68,6 +68,7 @@ fn every_role_serves_metrics_that_move_while_the_job_trains() {
             .collect()
     };
     let first = scrape();
+    dashboard_names_only_existing_metrics(&first);
     std::thread::sleep(Duration::from_millis(1500));
     let second = scrape();
     for (i, (role, a)) in at.iter().enumerate() {
@@ -147,4 +148,39 @@ fn every_role_serves_metrics_that_move_while_the_job_trains() {
     lines.rest(Duration::from_millis(300));
     assert!(status.success(), "{}", lines.text());
     let _ = std::fs::remove_file(spec);
+}
+
+/// The Grafana dashboard (examples/grafana/eps.json) parses, and every
+/// metric its queries name is one the roles export (`scraped`).
+fn dashboard_names_only_existing_metrics(scraped: &[String]) {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/grafana/eps.json");
+    let d: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).expect("the dashboard parses");
+    let exported: std::collections::HashSet<&str> =
+        scraped.iter().flat_map(|t| t.lines()).filter_map(|l| l.strip_prefix("# TYPE ")?.split(' ').next()).collect();
+    let mut queries = Vec::new();
+    fn walk<'a>(v: &'a serde_json::Value, out: &mut Vec<&'a str>) {
+        match v {
+            serde_json::Value::Object(m) => {
+                for (k, x) in m {
+                    match (k.as_str(), x) {
+                        ("expr" | "query", serde_json::Value::String(s)) => out.push(s),
+                        _ => walk(x, out),
+                    }
+                }
+            }
+            serde_json::Value::Array(a) => a.iter().for_each(|x| walk(x, out)),
+            _ => {}
+        }
+    }
+    walk(&d, &mut queries);
+    assert!(queries.len() >= 8, "{queries:?}");
+    let mut named = 0;
+    for q in &queries {
+        for word in q.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).filter(|w| w.starts_with("eps_")) {
+            let base = ["_bucket", "_sum", "_count"].iter().find_map(|s| word.strip_suffix(s)).unwrap_or(word);
+            assert!(exported.contains(word) || exported.contains(base), "the dashboard names {word}, which no role exports");
+            named += 1;
+        }
+    }
+    assert!(named >= 15, "{named}");
 }
