@@ -240,6 +240,14 @@ enum Cmd {
         /// Control-plane address.
         #[arg(long)]
         control: SocketAddr,
+        /// One JSON object: health (`healthy`, `problems`), the leader
+        /// (`leader`: address and pid), epoch, iteration and rate, every
+        /// worker and server with its state, health and lease age.
+        #[arg(long)]
+        json: bool,
+        /// Show it again every SECS seconds until Ctrl-C.
+        #[arg(long, value_name = "SECS", num_args = 0..=1, default_missing_value = "2")]
+        watch: Option<f64>,
     },
     /// Take a checkpoint of a running job and wait until it is complete.
     ///
@@ -630,7 +638,7 @@ fn main() -> ExitCode {
             }
         }
         Cmd::Bench(c) => eps::bench::cli::run(c),
-        Cmd::Status { control } => eps::roles::status(control),
+        Cmd::Status { control, json, watch } => eps::roles::status(control, json, watch),
         Cmd::Rdma(RdmaCmd::Devices { rdma, json }) => eps::rdma::devices(&rdma, json),
         Cmd::Slurm(SlurmCmd::Script(a)) => eps::slurm::script(&a),
         Cmd::Scale { control, servers, workers } => eps::roles::scale(control, servers, workers),

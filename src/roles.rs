@@ -309,16 +309,52 @@ pub enum WorkerBench {
     },
 }
 
-/// `eps status`: asks the control plane for the job's state and prints it.
-pub fn status(control: SocketAddr) -> Result<(), String> {
+/// `eps status`: asks the control plane for the job's state and prints it
+/// (one JSON object with `json`); with `watch`, again every that many
+/// seconds until Ctrl-C (the screen cleared first on a terminal).
+pub fn status(control: SocketAddr, json: bool, watch: Option<f64>) -> Result<(), String> {
+    use eps_proto::control::ControlMsg;
     let secret = secret_from_env(None)?;
-    let mut c = eps_control::ControlClient::connect(control, &secret, Duration::from_secs(10)).map_err(|e| crate_error(&e))?;
-    match c.call(&eps_proto::control::ControlMsg::Status).map_err(|e| crate_error(&e))? {
-        eps_proto::control::ControlMsg::StatusReport { text } => {
-            println!("{text}");
-            Ok(())
+    let ask = if json { ControlMsg::StatusJson } else { ControlMsg::Status };
+    let connect = || eps_control::ControlClient::connect(control, &secret, Duration::from_secs(10)).map_err(|e| crate_error(&e));
+    let mut c = connect()?;
+    let every = match watch {
+        Some(s) if s.is_finite() && s >= 0.1 => Some(Duration::from_secs_f64(s)),
+        Some(_) => return Err("--watch takes seconds, at least 0.1".into()),
+        None => None,
+    };
+    let tty = std::io::IsTerminal::is_terminal(&std::io::stdout());
+    loop {
+        let answer = match c.call(&ask) {
+            Ok(ControlMsg::StatusReport { text }) => Ok(text),
+            Ok(_) => Err("unexpected answer from the control plane".to_string()),
+            Err(e) => Err(crate_error(&e)),
+        };
+        match (answer, every) {
+            (Ok(text), None) => {
+                println!("{text}");
+                return Ok(());
+            }
+            (Err(e), None) => return Err(e),
+            (Ok(text), Some(_)) => {
+                if tty && !json {
+                    print!("\x1b[H\x1b[2J");
+                }
+                println!("{text}");
+                if !tty && !json {
+                    println!();
+                }
+            }
+            // Watching: a control plane restarting is waited for.
+            (Err(e), Some(_)) => {
+                eps_proto::say!("eps status: {e}; trying again");
+                if let Ok(n) = connect() {
+                    c = n;
+                }
+            }
         }
-        _ => Err("unexpected answer from the control plane".into()),
+        let _ = std::io::Write::flush(&mut std::io::stdout());
+        std::thread::sleep(every.expect("watching"));
     }
 }
 

@@ -16,7 +16,7 @@ mod moves;
 mod replicas;
 mod split;
 mod status;
-pub use status::{Figures, SERVER_STATES};
+pub use status::{Figures, SERVER_STATES, ServerRow, WorkerRow};
 mod workers;
 
 #[cfg(test)]

@@ -22,6 +22,7 @@ use crate::job::Job;
 use crate::store::Store;
 
 mod event;
+mod health;
 mod metrics;
 mod requests;
 
@@ -68,6 +69,11 @@ struct State {
     server_lease: Duration,
     /// Its series of the process's metrics.
     metrics: metrics::Metrics,
+    /// The job's name, this control plane's address, and the furthest
+    /// iteration over the last seconds (for `eps status`).
+    name: String,
+    addr: SocketAddr,
+    rate: health::Rate,
 }
 
 impl State {
@@ -212,6 +218,9 @@ impl ControlService {
             unreachable: HashMap::new(),
             server_lease: Duration::from_millis(spec.job.server_lease_ms),
             metrics: metrics::Metrics::new(&spec.job.name),
+            name: spec.job.name.clone(),
+            addr: listener.local_addr().map_err(|e| ControlError::Bind { addr, source: e })?,
+            rate: health::Rate::default(),
         };
         // The store's records replayed one by one: the spec's first.
         let (mut first, mut why) = (true, None);
@@ -268,7 +277,9 @@ impl ControlService {
                 self.st.lose_servers()?;
                 if now.duration_since(published) >= PUBLISH {
                     published = now;
-                    self.st.metrics.publish(&self.st.job.figures());
+                    let f = self.st.job.figures();
+                    self.st.metrics.publish(&f);
+                    self.st.rate.sample(now, f.iteration);
                 }
                 changed = true;
             }

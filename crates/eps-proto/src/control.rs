@@ -289,6 +289,9 @@ pub enum ControlMsg {
     },
     /// Anyone -> control: report job state.
     Status,
+    /// Anyone -> control: report job state as one JSON object (answered by a
+    /// `StatusReport` whose text is the JSON).
+    StatusJson,
     /// Control -> anyone: job state, human-readable.
     StatusReport {
         /// The text.
@@ -687,6 +690,7 @@ impl ControlMsg {
                 w.u32(*rank);
             }
             ControlMsg::Status => w.u8(7),
+            ControlMsg::StatusJson => w.u8(36),
             ControlMsg::StatusReport { text } => {
                 w.u8(8);
                 w.str(text);
@@ -901,6 +905,7 @@ impl ControlMsg {
             33 => ControlMsg::TablesReady { rank: r.u32()?, tables: r.endpoints()? },
             34 => ControlMsg::RowsOut { rank: r.u32()?, to: r.u32()?, addr: r.u64()?, rkey: r.u32()?, len: r.u64()? },
             35 => ControlMsg::RowsTaken { rank: r.u32()?, from: r.u32()? },
+            36 => ControlMsg::StatusJson,
             t => return Err(DecodeError::Tag(t)),
         };
         if !r.0.is_empty() {

@@ -32,25 +32,81 @@ pub struct Figures {
     pub bytes: u64,
 }
 
+/// One worker rank as `eps status` shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WorkerRow {
+    /// Its rank.
+    pub rank: u32,
+    /// contributing, admitted, finished, expired or left.
+    pub state: &'static str,
+    /// The first iteration it has not begun, as last reported.
+    pub iteration: u64,
+}
+
+/// One server rank as `eps status` shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServerRow {
+    /// Its rank.
+    pub rank: u32,
+    /// One of [`SERVER_STATES`].
+    pub state: &'static str,
+    /// Its data-plane address.
+    pub addr: String,
+    /// Dense shards it owns, and their bytes.
+    pub shards: u64,
+    /// See `shards`.
+    pub bytes: u64,
+}
+
 impl Job {
+    /// Every worker rank admitted so far.
+    pub fn worker_rows(&self) -> Vec<WorkerRow> {
+        (0..self.w.admitted())
+            .map(|r| WorkerRow {
+                rank: r,
+                state: self.w.state(r),
+                iteration: self.progress.get(r as usize).copied().unwrap_or(0),
+            })
+            .collect()
+    }
+
+    /// Every server rank registered so far.
+    pub fn server_rows(&self) -> Vec<ServerRow> {
+        let load = self.map.bytes_per_server();
+        self.servers
+            .iter()
+            .enumerate()
+            .map(|(r, s)| {
+                let rank = r as u32;
+                let i = if self.lost.contains(&rank) {
+                    4
+                } else if s.retired {
+                    3
+                } else if s.leaving {
+                    2
+                } else if s.ready {
+                    0
+                } else {
+                    1
+                };
+                ServerRow {
+                    rank,
+                    state: SERVER_STATES[i],
+                    addr: s.addr.clone(),
+                    shards: self.map.shards.iter().filter(|x| x.owner == rank).count() as u64,
+                    bytes: load.get(&rank).copied().unwrap_or(0),
+                }
+            })
+            .collect()
+    }
+
     /// Its figures now.
     pub fn figures(&self) -> Figures {
         let training: Vec<u64> =
             (0..self.progress.len() as u32).filter(|&r| self.w.routes(r)).map(|r| self.progress[r as usize]).collect();
         let mut servers = [0; 5];
-        for (r, s) in self.servers.iter().enumerate() {
-            let i = if self.lost.contains(&(r as u32)) {
-                4
-            } else if s.retired {
-                3
-            } else if s.leaving {
-                2
-            } else if s.ready {
-                0
-            } else {
-                1
-            };
-            servers[i] += 1;
+        for row in self.server_rows() {
+            servers[SERVER_STATES.iter().position(|s| *s == row.state).expect("a known state")] += 1;
         }
         let done = self.migrations.iter().filter(|m| m.phase == Phase::Done).count() as u64 + self.moves_done;
         Figures {

@@ -100,6 +100,28 @@ impl Workers {
     }
 
     /// Whether worker `rank` may still route pushes (registered, not finished).
+    /// What worker `rank` is doing: contributing, admitted (not registered
+    /// yet), finished, expired (removed by its lease) or left.
+    pub(crate) fn state(&self, rank: u32) -> &'static str {
+        let r = rank as usize;
+        if r < self.finished.len() && self.finished[r] {
+            "finished"
+        } else if self.expired.contains(&rank) {
+            "expired"
+        } else if self.members.latest().contains(&rank) && r < self.registered.len() && self.registered[r] {
+            "contributing"
+        } else if rank < self.admitted && !self.registered[r] {
+            "admitted"
+        } else {
+            "left"
+        }
+    }
+
+    /// Ranks admitted so far.
+    pub(crate) fn admitted(&self) -> u32 {
+        self.admitted
+    }
+
     pub(crate) fn routes(&self, rank: u32) -> bool {
         let r = rank as usize;
         r < self.admitted as usize && self.registered[r] && !self.finished[r]

@@ -133,8 +133,9 @@ impl State {
                 self.polled.insert(rank, deadline);
                 return Ok(self.first_try(Wait::Orders { rank, after, deadline }, who));
             }
+            ControlMsg::StatusJson => ControlMsg::StatusReport { text: self.status_json().to_string() },
             ControlMsg::Status => {
-                let mut text = self.job.status();
+                let mut text = self.health_text() + "\n" + &self.job.status();
                 if let Some((v, p)) = &self.last_checkpoint {
                     text += &format!("\ncheckpoint: iteration {v} in {}", p.display());
                 }

@@ -25,6 +25,7 @@ fn roundtrip_and_garbage() {
         ControlMsg::Map(map),
         ControlMsg::Finished { role: Role::Worker, rank: 2 },
         ControlMsg::Status,
+        ControlMsg::StatusJson,
         ControlMsg::StatusReport { text: "x".into() },
         ControlMsg::Ok,
         ControlMsg::Error { message: "no".into() },
