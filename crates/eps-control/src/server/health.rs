@@ -144,8 +144,8 @@ mod tests {
         assert_eq!(r.per_second(), None);
         r.sample(t + Duration::from_secs(2), 30);
         assert_eq!(r.per_second(), Some(10.0));
-        r.sample(t + Duration::from_secs(8), 90);
-        // The first sample fell out of the window.
-        assert_eq!(r.per_second(), Some(10.0));
+        r.sample(t + Duration::from_secs(6), 90);
+        // The first sample fell out of the window: (90 - 30) over 4 s.
+        assert_eq!(r.per_second(), Some(15.0));
     }
 }
