@@ -70,6 +70,12 @@ impl<P: Fabric> Worker<P> {
         for c in &wc[..k] {
             let server = self.qp_rank.get(&c.qp_num).copied().unwrap_or(u32::MAX);
             if !c.status.is_ok() {
+                if c.wr_id == WR_HELLO {
+                    // Answered by its failure: `connect` stops waiting for it
+                    // (the server is handled as lost below, or the error
+                    // ends the worker).
+                    self.hellos_acked += 1;
+                }
                 if self.lost.contains(&server) {
                     continue;
                 }
