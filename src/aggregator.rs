@@ -79,11 +79,16 @@ fn gpu() -> Result<String, String> {
     Err("this eps was built without CUDA support: rebuild it with `cargo build --release --features cuda`".into())
 }
 
+/// The aggregator asked for: the flag, else `EPS_AGGREGATOR`, else the
+/// spec's, else `auto` (not probed).
+pub fn requested(flag: &AggregatorFlag, spec: Option<&str>) -> String {
+    let env = std::env::var("EPS_AGGREGATOR").ok().filter(|v| !v.is_empty());
+    flag.aggregator.clone().or(env).or_else(|| spec.map(str::to_string)).unwrap_or_else(|| "auto".into())
+}
+
 /// Resolves the flag, `EPS_AGGREGATOR` and the spec's value (flag first).
 pub fn choose(flag: &AggregatorFlag, spec: Option<&str>) -> Result<AggKind, String> {
-    let env = std::env::var("EPS_AGGREGATOR").ok().filter(|v| !v.is_empty());
-    let requested = flag.aggregator.clone().or(env).or_else(|| spec.map(str::to_string)).unwrap_or_else(|| "auto".into());
-    match requested.as_str() {
+    match requested(flag, spec).as_str() {
         "cpu" => Ok(AggKind::Cpu),
         "host-device" => Ok(AggKind::HostDevice),
         "host-direct" => Ok(AggKind::HostDirect),

@@ -84,13 +84,19 @@ impl Chosen {
     }
 }
 
+/// The transport asked for: the flag, else `EPS_TRANSPORT`, else the spec's,
+/// else `auto` (not probed).
+pub fn requested(flags: &TransportFlags, spec: Option<&FabricSection>) -> String {
+    let env = std::env::var("EPS_TRANSPORT").ok().filter(|v| !v.is_empty());
+    let requested = flags.transport.clone().or(env).or_else(|| spec.and_then(|s| s.transport.clone()));
+    requested.unwrap_or_else(|| "auto".to_string())
+}
+
 /// Resolves the flags, the environment and the spec's `[fabric]` section (flags
 /// first) to a provider. `rdma` without a usable device is an error that says what
 /// was found and points to `--transport soft`; `auto` says which it took and why.
 pub fn choose(flags: &TransportFlags, spec: Option<&FabricSection>) -> Result<Chosen, String> {
-    let env = std::env::var("EPS_TRANSPORT").ok().filter(|v| !v.is_empty());
-    let requested = flags.transport.clone().or(env).or_else(|| spec.and_then(|s| s.transport.clone()));
-    let requested = requested.unwrap_or_else(|| "auto".to_string());
+    let requested = requested(flags, spec);
     let mut named = flags.rdma.clone();
     // The environment fills what the flags leave open (in `rdma_selection`), the
     // spec only what both leave open.

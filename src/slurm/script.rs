@@ -71,13 +71,8 @@ const END: &str = "EPS_SPEC_END";
 /// The script for `a`.
 pub fn script_text(a: &ScriptArgs) -> Result<String, String> {
     let default = default_spec(&a.model)?;
-    let (spec, text) = build_model_spec(a.spec.as_deref(), default, &Overrides::default()).map_err(|e| {
-        let mut s = e.to_string();
-        if let Some(c) = std::error::Error::source(&e) {
-            s.push_str(&format!(": {c}"));
-        }
-        s
-    })?;
+    let (spec, text) =
+        build_model_spec(a.spec.as_deref(), default, &Overrides::default()).map_err(|e| crate::roles::crate_error(&e))?;
     if spec.model.preset.as_deref() != Some(a.model.as_str()) {
         return Err(format!(
             "the spec's model.preset is {:?} but --model is {:?}: give --model {}",

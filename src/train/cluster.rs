@@ -53,14 +53,12 @@ pub fn slurm_args(
     spec: &JobSpec,
     steps: Steps,
 ) -> (ChildArgs, String, String) {
-    let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
-    let transport = fabric.transport.clone().or_else(|| env("EPS_TRANSPORT")).or_else(|| spec.fabric.transport.clone());
-    let aggregator = agg.aggregator.clone().or_else(|| env("EPS_AGGREGATOR")).or_else(|| spec.job.aggregator.clone());
+    let transport = crate::transport::requested(fabric, Some(&spec.fabric));
+    let aggregator = crate::aggregator::requested(agg, spec.job.aggregator.as_deref());
     let mut both: Vec<String> = fabric.transport.iter().flat_map(|t| ["--transport".to_string(), t.clone()]).collect();
     both.extend(fabric.rdma.args());
     let servers = agg.aggregator.iter().flat_map(|g| ["--aggregator".to_string(), g.clone()]).collect();
-    let name = |v: Option<String>| v.unwrap_or_else(|| "auto".into());
-    (ChildArgs { both, servers, slurm: Some(steps), metrics: false }, name(transport), name(aggregator))
+    (ChildArgs { both, servers, slurm: Some(steps), metrics: false }, transport, aggregator)
 }
 
 /// How [`LocalCluster::launch`] starts a cluster.

@@ -817,8 +817,7 @@ impl<P: Fabric> Worker<P> {
         self.credit[sid] = false;
         self.sending[sid] += 1;
         self.pushed_to[sid] = owner;
-        self.stats.pushed_bytes += len * es;
-        self.metrics.pushed.add(len * es);
+        self.count_pushed(len * es);
         Ok(())
     }
 

@@ -3,13 +3,16 @@
 
 use std::time::Duration;
 
+use eps_fabric::Fabric;
 use eps_metrics::{Counter, Gauge, Histogram};
+
+use crate::Worker;
 
 /// A worker's series.
 #[derive(Clone, Debug)]
 pub(crate) struct Metrics {
-    pub pushed: Counter,
-    pub pulled: Counter,
+    pushed: Counter,
+    pulled: Counter,
     rounds: Histogram,
     iterations: Counter,
     iteration: Gauge,
@@ -41,5 +44,19 @@ impl Metrics {
         self.iterations.inc();
         self.iteration.set(iteration as f64);
         self.epoch.set(epoch as f64);
+    }
+}
+
+impl<P: Fabric> Worker<P> {
+    /// `n` gradient bytes pushed: its stats and its metrics.
+    pub(crate) fn count_pushed(&mut self, n: u64) {
+        self.stats.pushed_bytes += n;
+        self.metrics.pushed.add(n);
+    }
+
+    /// `n` parameter bytes pulled: its stats and its metrics.
+    pub(crate) fn count_pulled(&mut self, n: u64) {
+        self.stats.pulled_bytes += n;
+        self.metrics.pulled.add(n);
     }
 }

@@ -116,8 +116,7 @@ impl<P: Fabric> Worker<P> {
                 let from = RemoteAddr { addr: ep.published_addr + off, rkey: ep.published_rkey };
                 let sg = [Sge::new(&self.params, start * es, (len * es) as u32)];
                 self.post_read(ep.owner, from, &sg)?;
-                self.stats.pulled_bytes += len * es;
-                self.metrics.pulled.add(len * es);
+                self.count_pulled(len * es);
             }
             let k = ready.len();
             self.wait_until(|w| w.reads_done >= k, "RDMA READs of the published parameters")?;

@@ -124,8 +124,7 @@ impl<P: Fabric> Worker<P> {
                             self.pulled += 1;
                             self.round_pulled[sid] = true;
                             self.outstanding[sid] = self.outstanding[sid].saturating_sub(1);
-                            self.stats.pulled_bytes += c.byte_len as u64;
-                            self.metrics.pulled.add(c.byte_len as u64);
+                            self.count_pulled(c.byte_len as u64);
                             if self.mode == Consistency::Bsp {
                                 self.credit[sid] = true;
                             }

@@ -292,8 +292,7 @@ impl<P: Fabric> Worker<P> {
             self.post_sparse(server, table, false, RemoteAddr { addr: addr + off, rkey }, imm, at, n)?;
         }
         self.wait_until(|w| w.sparse.tables[table as usize].awaiting == 0, "sparse pull answers")?;
-        self.stats.pulled_bytes += (row * dim * elem) as u64;
-        self.metrics.pulled.add((row * dim * elem) as u64);
+        self.count_pulled((row * dim * elem) as u64);
         let index = d.of.iter().map(|&u| slot[u as usize]).collect();
         let t = &mut self.sparse.tables[table as usize];
         // SAFETY: every pull of this table was answered (above), and servers
@@ -406,8 +405,7 @@ impl<P: Fabric> Worker<P> {
             t.credit[server as usize] = false;
             t.sending += 1;
             self.post_sparse(server, table, true, RemoteAddr { addr, rkey }, imm, at, n)?;
-            self.stats.pushed_bytes += n as u64;
-            self.metrics.pushed.add(n as u64);
+            self.count_pushed(n as u64);
         }
         Ok(())
     }

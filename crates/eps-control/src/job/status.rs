@@ -100,10 +100,14 @@ impl Job {
             .collect()
     }
 
+    /// The iterations of the workers training now.
+    fn training_iterations(&self) -> Vec<u64> {
+        (0..self.progress.len() as u32).filter(|&r| self.w.routes(r)).map(|r| self.progress[r as usize]).collect()
+    }
+
     /// Its figures now.
     pub fn figures(&self) -> Figures {
-        let training: Vec<u64> =
-            (0..self.progress.len() as u32).filter(|&r| self.w.routes(r)).map(|r| self.progress[r as usize]).collect();
+        let training = self.training_iterations();
         let mut servers = [0; 5];
         for row in self.server_rows() {
             servers[SERVER_STATES.iter().position(|s| *s == row.state).expect("a known state")] += 1;
@@ -130,8 +134,7 @@ impl Job {
         if self.awaiting {
             let _ = writeln!(t, "tensors: awaiting the first worker's declaration");
         }
-        let training: Vec<u64> =
-            (0..self.progress.len() as u32).filter(|&r| self.w.routes(r)).map(|r| self.progress[r as usize]).collect();
+        let training = self.training_iterations();
         if let (Some(lo), Some(hi)) = (training.iter().min(), training.iter().max()) {
             let _ = writeln!(t, "iteration: {hi} (slowest worker at {lo})");
         }
@@ -143,23 +146,11 @@ impl Job {
             self.backups_status(&mut t);
         }
         self.buckets_status(&mut t);
-        let load = self.map.bytes_per_server();
-        for (r, s) in self.servers.iter().enumerate() {
-            let shards = self.map.shards.iter().filter(|x| x.owner == r as u32).count()
-                + self.lost_moving.iter().filter(|&&(s, _)| s == r as u32).count();
-            let state = if self.lost.contains(&(r as u32)) {
-                "lost"
-            } else if s.retired {
-                "retired"
-            } else if s.leaving {
-                "leaving"
-            } else if s.ready {
-                "serving"
-            } else {
-                "joining"
-            };
-            let bytes = load.get(&(r as u32)).copied().unwrap_or(0);
-            let mut ids: Vec<u32> = self.map.shards.iter().filter(|x| x.owner == r as u32).map(|x| x.id).collect();
+        for row in self.server_rows() {
+            let r = row.rank;
+            // A lost server also counts the shards that were moving off it.
+            let shards = row.shards as usize + self.lost_moving.iter().filter(|&&(s, _)| s == r).count();
+            let mut ids: Vec<u32> = self.map.shards.iter().filter(|x| x.owner == r).map(|x| x.id).collect();
             ids.sort_unstable();
             let mut list: Vec<String> = ids.iter().take(32).map(u32::to_string).collect();
             if ids.len() > 32 {
@@ -167,8 +158,10 @@ impl Job {
             }
             let _ = writeln!(
                 t,
-                "  server {r}: {state}, {shards} shards, {bytes} bytes, {} [shards {}]",
-                if s.addr.is_empty() { "-" } else { &s.addr },
+                "  server {r}: {}, {shards} shards, {} bytes, {} [shards {}]",
+                row.state,
+                row.bytes,
+                if row.addr.is_empty() { "-" } else { &row.addr },
                 list.join(",")
             );
         }

@@ -44,6 +44,15 @@ fn by_age(age: Duration, lease: Duration) -> &'static str {
     }
 }
 
+/// A role that lags or is missing goes into `problems`: `who health:
+/// what N s ago`.
+fn note(problems: &mut Vec<String>, who: &str, health: &str, age: Option<Duration>, what: &str) {
+    if matches!(health, "lagging" | "missing") {
+        let a = age.unwrap_or_default().as_secs_f64();
+        problems.push(format!("{who} {health}: {what} {a:.1} s ago"));
+    }
+}
+
 impl State {
     /// The job's state and health as one JSON object.
     pub(super) fn status_json(&self) -> Value {
@@ -61,10 +70,7 @@ impl State {
                     ("contributing", None) => "up",
                     _ => "-",
                 };
-                if matches!(health, "lagging" | "missing") {
-                    let a = age.unwrap_or_default().as_secs_f64();
-                    problems.push(format!("worker {} {health}: last heard of {a:.1} s ago", w.rank));
-                }
+                note(&mut problems, &format!("worker {}", w.rank), health, age, "last heard of");
                 json!({"rank": w.rank, "state": w.state, "health": health, "iteration": w.iteration,
                        "lease_age_ms": age.map(|a| a.as_millis() as u64)})
             })
@@ -81,10 +87,7 @@ impl State {
                     ("serving" | "leaving" | "joining", _) => "up",
                     _ => "-",
                 };
-                if matches!(health, "lagging" | "missing") {
-                    let a = age.unwrap_or_default().as_secs_f64();
-                    problems.push(format!("server {} {health}: last order poll {a:.1} s ago", s.rank));
-                }
+                note(&mut problems, &format!("server {}", s.rank), health, age, "last order poll");
                 if s.state == "lost" && s.shards > 0 {
                     problems.push(format!("server {} lost, {} shards with it", s.rank, s.shards));
                 }
