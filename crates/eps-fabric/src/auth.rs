@@ -24,6 +24,16 @@ fn proof(secret: &Secret, label: &[u8], nonce_c: &[u8; 16], nonce_s: &[u8; 16], 
     mac.finalize().into_bytes().into()
 }
 
+/// A fingerprint of the secret for `label` (HMAC-SHA256 of the label): tells
+/// whether two parties hold the same secret without revealing it (the owner
+/// of a job's state in a shared store).
+pub fn fingerprint(secret: &Secret, label: &[u8]) -> [u8; 32] {
+    let mut mac = <HmacSha256 as KeyInit>::new_from_slice(secret.expose()).expect("HMAC takes any key length");
+    mac.update(b"eps fingerprint: ");
+    mac.update(label);
+    mac.finalize().into_bytes().into()
+}
+
 /// The listener's proof.
 pub fn listener_proof(secret: &Secret, nonce_c: &[u8; 16], nonce_s: &[u8; 16], token: u64, channel: u8) -> [u8; 32] {
     proof(secret, SERVER_LABEL, nonce_c, nonce_s, token, channel)
