@@ -2,7 +2,6 @@
 //! control plane), the `--checkpoint-*` flags of `eps train`, and the spec a
 //! job resumes with (`eps train --resume`, `eps control --resume`).
 
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -61,10 +60,10 @@ pub fn train_overrides(every: Option<u64>, dir: Option<&Path>, keep: Option<u32>
 
 /// `eps checkpoint`: asks the control plane for a checkpoint now and waits
 /// until it is complete.
-pub fn take(control: SocketAddr, dir: Option<&Path>, timeout: Duration) -> Result<(), String> {
+pub fn take(control: eps_control::ControlAddrs, dir: Option<&Path>, timeout: Duration) -> Result<(), String> {
     let secret = secret_from_env(None)?;
     let dir = dir.map(absolute).transpose()?.map(|p| p.display().to_string()).unwrap_or_default();
-    let mut c = eps_control::ControlClient::connect(control, &secret, timeout).map_err(|e| crate_error(&e))?;
+    let mut c = eps_control::ControlClient::connect(&control, &secret, timeout).map_err(|e| crate_error(&e))?;
     eps_proto::say!("eps checkpoint: asking the job at {control} for a checkpoint");
     // A job still starting takes the request once its servers are ready.
     let deadline = std::time::Instant::now() + timeout;

@@ -18,6 +18,7 @@ pub mod aggregator;
 pub mod bench;
 pub mod calibrate;
 pub mod checkpoint;
+pub mod ha;
 pub mod live;
 pub mod rdma;
 pub mod roles;

@@ -142,9 +142,16 @@ enum Cmd {
         /// With --resume: the iteration the job ends at [default: the checkpoint's spec's].
         #[arg(long, requires = "resume")]
         steps: Option<u64>,
-        /// Directory of the fsync'd state log.
+        /// Directory of the fsync'd state log (the embedded store).
         #[arg(long, default_value = "eps-state")]
         state_dir: PathBuf,
+        /// Keep the job's state in etcd instead:
+        /// etcd://HOST:PORT[,HOST:PORT...][/PREFIX] (default prefix /eps).
+        /// Several `eps control` of one job (same spec and secret) against
+        /// one etcd: one leads, the others stand by and take over within
+        /// seconds when it dies.
+        #[arg(long, value_name = "URL", conflicts_with = "state_dir")]
+        store: Option<eps_control::store::etcd::EtcdTarget>,
         /// Serve Prometheus metrics (`/metrics`) and a health check
         /// (`/healthz`) over HTTP on this address (port 0: any; it says which).
         #[arg(long, value_name = "ADDR")]
@@ -157,9 +164,10 @@ enum Cmd {
     ///
     /// The job secret comes from the EPS_JOB_SECRET environment variable.
     Server {
-        /// Control-plane address.
-        #[arg(long)]
-        control: SocketAddr,
+        /// The control plane's address, or its addresses (leader and
+        /// standbys, any order): HOST:PORT[,HOST:PORT...].
+        #[arg(long, value_name = "ADDRS")]
+        control: eps_control::ControlAddrs,
         /// IP to accept workers on (the port is picked by the OS), or `route`:
         /// the address this host reaches the control plane from (what the
         /// Slurm launcher gives) [default: 127.0.0.1 on the soft transport;
@@ -189,9 +197,10 @@ enum Cmd {
     /// The job secret comes from the EPS_JOB_SECRET environment variable. Models
     /// other than the built-in one use the eps-worker library (or libeps) instead.
     Worker {
-        /// Control-plane address.
-        #[arg(long)]
-        control: SocketAddr,
+        /// The control plane's address, or its addresses (leader and
+        /// standbys, any order): HOST:PORT[,HOST:PORT...].
+        #[arg(long, value_name = "ADDRS")]
+        control: eps_control::ControlAddrs,
         /// Print progress every this many steps (rank 0).
         #[arg(long, default_value_t = 50)]
         progress_every: u64,
@@ -237,9 +246,10 @@ enum Cmd {
     ///
     /// The job secret comes from the EPS_JOB_SECRET environment variable.
     Status {
-        /// Control-plane address.
-        #[arg(long)]
-        control: SocketAddr,
+        /// The control plane's address, or its addresses (leader and
+        /// standbys, any order): HOST:PORT[,HOST:PORT...].
+        #[arg(long, value_name = "ADDRS")]
+        control: eps_control::ControlAddrs,
         /// One JSON object: health (`healthy`, `problems`), the leader
         /// (`leader`: address and pid), epoch, iteration and rate, every
         /// worker and server with its state, health and lease age.
@@ -257,9 +267,10 @@ enum Cmd {
     /// never taken for a good one. Resume with `eps train --resume DIR` or `eps
     /// control --resume DIR`. The job secret comes from EPS_JOB_SECRET.
     Checkpoint {
-        /// Control-plane address.
-        #[arg(long)]
-        control: SocketAddr,
+        /// The control plane's address, or its addresses (leader and
+        /// standbys, any order): HOST:PORT[,HOST:PORT...].
+        #[arg(long, value_name = "ADDRS")]
+        control: eps_control::ControlAddrs,
         /// Directory of the job's checkpoints [default: the spec's job.checkpoint_dir].
         #[arg(long)]
         dir: Option<PathBuf>,
@@ -281,9 +292,10 @@ enum Cmd {
     /// `eps status` shows both. The job secret comes from EPS_JOB_SECRET.
     #[command(arg_required_else_help = true)]
     Scale {
-        /// Control-plane address.
-        #[arg(long)]
-        control: SocketAddr,
+        /// The control plane's address, or its addresses (leader and
+        /// standbys, any order): HOST:PORT[,HOST:PORT...].
+        #[arg(long, value_name = "ADDRS")]
+        control: eps_control::ControlAddrs,
         /// Wanted number of servers.
         #[arg(long)]
         servers: Option<u32>,
@@ -571,7 +583,7 @@ fn main() -> ExitCode {
         },
         Cmd::Jobs { socket } => eps::live::serve::request(socket, "jobs", ""),
         Cmd::Kill { job, socket } => eps::live::serve::request(socket, &format!("kill {job}"), ""),
-        Cmd::Control { listen, spec, resume, servers, workers, steps, state_dir, metrics, exit_with_parent } => {
+        Cmd::Control { listen, spec, resume, servers, workers, steps, state_dir, store, metrics, exit_with_parent } => {
             if exit_with_parent {
                 eps::roles::exit_with_parent();
             }
@@ -579,9 +591,9 @@ fn main() -> ExitCode {
                 (_, Some(dir)) => {
                     let o = eps::train::Overrides { servers, workers, steps, ..Default::default() };
                     eps::checkpoint::resume_spec(&dir, &o)
-                        .and_then(|(spec, text)| eps::roles::control_spec(listen, &spec, &text, &state_dir))
+                        .and_then(|(spec, text)| eps::roles::control_spec(listen, &spec, &text, &state_dir, store.as_ref()))
                 }
-                (Some(spec), None) => eps::roles::control(listen, &spec, &state_dir),
+                (Some(spec), None) => eps::roles::control(listen, &spec, &state_dir, store.as_ref()),
                 (None, None) => Err("give --spec FILE or --resume DIR".into()),
             })
         }

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use eps_control::ControlService;
 use eps_control::store::FileStore;
+use eps_control::store::etcd::EtcdTarget;
 use eps_fabric::Secret;
 use eps_proto::JobSpec;
 
@@ -57,31 +58,34 @@ pub fn exit_with_parent() {
 }
 
 /// `eps control` (`-` for the spec: read it from stdin).
-pub fn control(listen: SocketAddr, spec_path: &Path, state_dir: &Path) -> Result<(), String> {
+pub fn control(listen: SocketAddr, spec_path: &Path, state_dir: &Path, etcd: Option<&EtcdTarget>) -> Result<(), String> {
     let text = if spec_path == Path::new("-") {
         std::io::read_to_string(std::io::stdin()).map_err(|e| format!("cannot read the job spec from stdin: {e}"))?
     } else {
         std::fs::read_to_string(spec_path).map_err(|e| format!("cannot read job spec {}: {e}", spec_path.display()))?
     };
     let spec = JobSpec::from_toml(&text).map_err(|e| format!("{}: {e}", spec_path.display()))?;
-    control_spec(listen, &spec, &text, state_dir)
+    control_spec(listen, &spec, &text, state_dir, etcd)
 }
 
 /// `eps control` for a spec already read (a resumed job's).
-pub fn control_spec(listen: SocketAddr, spec: &JobSpec, text: &str, state_dir: &Path) -> Result<(), String> {
+pub fn control_spec(
+    listen: SocketAddr,
+    spec: &JobSpec,
+    text: &str,
+    state_dir: &Path,
+    etcd: Option<&EtcdTarget>,
+) -> Result<(), String> {
+    if let Some(target) = etcd {
+        crate::slurm::log_step("control");
+        return crate::ha::control(listen, spec, text, target);
+    }
     let secret = secret_from_env(Some(spec))?;
     let store =
         FileStore::open(state_dir).map_err(|e| format!("cannot open the state directory {}: {e}", state_dir.display()))?;
     crate::slurm::log_step("control");
     let svc = ControlService::bind(listen, spec, text, secret, Box::new(store)).map_err(|e| crate_error(&e))?;
-    let addr = advertised(svc.local_addr());
-    match std::env::var("SLURMD_NODENAME") {
-        // For a Slurm launcher: the node its state is on.
-        Ok(node) if !node.is_empty() && !node.contains(char::is_whitespace) => {
-            println!("EPS_CONTROL_READY addr={addr} node={node}")
-        }
-        _ => println!("EPS_CONTROL_READY addr={addr}"),
-    }
+    let addr = ready_line(svc.local_addr());
     eps_proto::say!(
         "eps control: job {:?} on {}: waiting for {} servers and {} workers (state in {})",
         spec.job.name,
@@ -97,6 +101,20 @@ pub fn control_spec(listen: SocketAddr, spec: &JobSpec, text: &str, state_dir: &
         let _ = std::fs::remove_dir_all(state_dir);
     }
     Ok(())
+}
+
+/// Prints the line a launcher reads (the address others reach the control
+/// plane at, and the Slurm node its state is on); returns that address.
+pub fn ready_line(bound: SocketAddr) -> SocketAddr {
+    let addr = advertised(bound);
+    match std::env::var("SLURMD_NODENAME") {
+        // For a Slurm launcher: the node its state is on.
+        Ok(node) if !node.is_empty() && !node.contains(char::is_whitespace) => {
+            println!("EPS_CONTROL_READY addr={addr} node={node}")
+        }
+        _ => println!("EPS_CONTROL_READY addr={addr}"),
+    }
+    addr
 }
 
 /// Where others reach a service bound to `addr`: itself, unless bound to
@@ -149,7 +167,7 @@ fn route_to(to: SocketAddr) -> Result<IpAddr, String> {
 /// `eps server`: registers, takes the transport from the flags, the environment
 /// or the job spec, and serves until the control plane retires it.
 pub fn server(
-    control: SocketAddr,
+    control: eps_control::ControlAddrs,
     listen_ip: Option<ListenIp>,
     threads: usize,
     timeout: Duration,
@@ -157,14 +175,15 @@ pub fn server(
     agg: &crate::aggregator::AggregatorFlag,
 ) -> Result<(), String> {
     crate::slurm::log_step("server");
+    let ip = match listen_ip {
+        Some(ListenIp::At(ip)) => ip,
+        Some(ListenIp::Route) => route_to(control.first())?,
+        None => IpAddr::from([127, 0, 0, 1]),
+    };
     let mut cfg = eps_server::ServerConfig {
         control,
         secret: secret_from_env(None)?,
-        listen_ip: match listen_ip {
-            Some(ListenIp::At(ip)) => ip,
-            Some(ListenIp::Route) => route_to(control)?,
-            None => IpAddr::from([127, 0, 0, 1]),
-        },
+        listen_ip: ip,
         aggregator: Arc::new(eps_agg::CpuAggregator::new(1)),
         device: None,
         accept_timeout: timeout,
@@ -252,7 +271,7 @@ pub fn server(
 /// `eps worker`: the built-in task, or the worker side of a benchmark, on the
 /// transport the flags, the environment or the job spec name.
 pub fn worker(
-    control: SocketAddr,
+    control: eps_control::ControlAddrs,
     pace: crate::train::worker::Pace,
     bench: WorkerBench,
     timeout: Duration,
@@ -312,11 +331,11 @@ pub enum WorkerBench {
 /// `eps status`: asks the control plane for the job's state and prints it
 /// (one JSON object with `json`); with `watch`, again every that many
 /// seconds until Ctrl-C (the screen cleared first on a terminal).
-pub fn status(control: SocketAddr, json: bool, watch: Option<f64>) -> Result<(), String> {
+pub fn status(control: eps_control::ControlAddrs, json: bool, watch: Option<f64>) -> Result<(), String> {
     use eps_proto::control::ControlMsg;
     let secret = secret_from_env(None)?;
     let ask = if json { ControlMsg::StatusJson } else { ControlMsg::Status };
-    let connect = || eps_control::ControlClient::connect(control, &secret, Duration::from_secs(10)).map_err(|e| crate_error(&e));
+    let connect = || eps_control::ControlClient::connect(&control, &secret, Duration::from_secs(10)).map_err(|e| crate_error(&e));
     let mut c = connect()?;
     let every = match watch {
         Some(s) if s.is_finite() && s >= 0.1 => Some(Duration::from_secs_f64(s)),
@@ -360,13 +379,13 @@ pub fn status(control: SocketAddr, json: bool, watch: Option<f64>) -> Result<(),
 
 /// `eps scale`: asks the control plane for `servers` servers and/or `workers`
 /// workers.
-pub fn scale(control: SocketAddr, servers: Option<u32>, workers: Option<u32>) -> Result<(), String> {
+pub fn scale(control: eps_control::ControlAddrs, servers: Option<u32>, workers: Option<u32>) -> Result<(), String> {
     use eps_proto::control::ControlMsg;
     if servers.is_none() && workers.is_none() {
         return Err("say what to scale: --servers N and/or --workers N".into());
     }
     let secret = secret_from_env(None)?;
-    let mut c = eps_control::ControlClient::connect(control, &secret, Duration::from_secs(10)).map_err(|e| crate_error(&e))?;
+    let mut c = eps_control::ControlClient::connect(&control, &secret, Duration::from_secs(10)).map_err(|e| crate_error(&e))?;
     if let Some(servers) = servers {
         c.call(&ControlMsg::Scale { servers }).map_err(|e| crate_error(&e))?;
         println!("scaling to {servers} servers; start any new ones with `eps server --control {control}`");

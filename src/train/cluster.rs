@@ -342,7 +342,7 @@ impl LocalCluster {
 
     /// The control plane's status report, if it answers.
     fn status_text(&self) -> Option<String> {
-        let addr = self.addr.parse().ok()?;
+        let addr: eps_control::ControlAddrs = self.addr.parse().ok()?;
         let secret = eps_fabric::Secret::new(self.secret.as_str()).ok()?;
         let mut c = eps_control::ControlClient::connect(addr, &secret, Duration::from_secs(2)).ok()?;
         match c.call(&eps_proto::control::ControlMsg::Status).ok()? {

@@ -23,7 +23,7 @@ pub fn secret() -> Secret {
 }
 
 pub fn worker_config(control: SocketAddr) -> WorkerConfig {
-    WorkerConfig { control, secret: secret(), timeout: Duration::from_secs(30) }
+    WorkerConfig { control: control.into(), secret: secret(), timeout: Duration::from_secs(30) }
 }
 
 /// The gradient a worker computes: a deterministic function of what it pulled.
@@ -70,7 +70,7 @@ pub fn start_control(text: &str) -> (JobSpec, SocketAddr) {
 /// Runs one server until the job ends; returns its summary.
 pub fn run_server(control: SocketAddr) -> eps_server::ServerSummary {
     let cfg = eps_server::ServerConfig {
-        control,
+        control: control.into(),
         secret: secret(),
         listen_ip: "127.0.0.1".parse().unwrap(),
         aggregator: Arc::new(CpuAggregator::new(1)),

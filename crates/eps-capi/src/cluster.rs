@@ -93,7 +93,7 @@ pub unsafe extern "C" fn eps_cluster_start(
         }
         for i in 0..spec.job.servers {
             let cfg = eps_server::ServerConfig {
-                control: addr,
+                control: addr.into(),
                 secret: secret.clone(),
                 listen_ip: addr.ip(),
                 aggregator: Arc::new(eps_agg::CpuAggregator::new(1)),

@@ -116,21 +116,22 @@ pub(crate) unsafe fn c_str<'a>(p: *const c_char, what: &str) -> Res<&'a str> {
     s.to_str().map_err(|_| fail(EPS_ERR_INVALID_ARGUMENT, format!("{what} is not UTF-8")))
 }
 
-/// The control plane's address: `control` (`"IP:PORT"`), or the
+/// The control plane's address: `control` (`"IP:PORT"`, or the addresses
+/// of a job's control planes `"IP:PORT,IP:PORT,..."`), or the
 /// `EPS_CONTROL` environment variable when it is NULL.
 ///
 /// # Safety
 /// `control` is NULL or a NUL-terminated string.
-pub(crate) unsafe fn control_arg(control: *const c_char) -> Res<std::net::SocketAddr> {
+pub(crate) unsafe fn control_arg(control: *const c_char) -> Res<eps_control::ControlAddrs> {
     let text = if control.is_null() {
         std::env::var("EPS_CONTROL").map_err(|_| fail(EPS_ERR_INVALID_ARGUMENT, "control is NULL and EPS_CONTROL is not set"))?
     } else {
         // SAFETY: the caller's contract.
         unsafe { c_str(control, "control") }?.to_string()
     };
-    text.trim()
-        .parse()
-        .map_err(|_| fail(EPS_ERR_INVALID_ARGUMENT, format!("control address {text:?} is not IP:PORT (as eps up prints it)")))
+    text.trim().parse().map_err(|_| {
+        fail(EPS_ERR_INVALID_ARGUMENT, format!("control address {text:?} is not IP:PORT[,IP:PORT...] (as eps up prints it)"))
+    })
 }
 
 /// The status a worker-library error maps to.

@@ -9,13 +9,66 @@ use eps_proto::control::{ControlMsg, Role};
 use crate::ControlError;
 use crate::conn::{auth_client, read_msg, write_msg};
 
+/// The addresses of a job's control planes: one, or the leader and its
+/// standbys in any order (`HOST:PORT[,HOST:PORT...]`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ControlAddrs(Vec<SocketAddr>);
+
+impl ControlAddrs {
+    /// The addresses, in the order given.
+    pub fn all(&self) -> &[SocketAddr] {
+        &self.0
+    }
+    /// The first address.
+    pub fn first(&self) -> SocketAddr {
+        self.0[0]
+    }
+}
+
+impl From<SocketAddr> for ControlAddrs {
+    fn from(a: SocketAddr) -> Self {
+        Self(vec![a])
+    }
+}
+
+impl From<&ControlAddrs> for ControlAddrs {
+    fn from(a: &ControlAddrs) -> Self {
+        a.clone()
+    }
+}
+
+impl std::str::FromStr for ControlAddrs {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let v: Vec<SocketAddr> = s
+            .split(',')
+            .map(|a| a.trim().parse().map_err(|e| format!("{a:?} is not a control plane's IP:PORT ({e})")))
+            .collect::<Result<_, _>>()?;
+        if v.is_empty() {
+            return Err("no control plane address".into());
+        }
+        Ok(Self(v))
+    }
+}
+
+impl std::fmt::Display for ControlAddrs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let all: Vec<String> = self.0.iter().map(SocketAddr::to_string).collect();
+        f.write_str(&all.join(","))
+    }
+}
+
 /// An authenticated connection to the control plane. A connection the control
-/// plane drops (it died; a restart replays its store) is made again, for up to
-/// the connect wait, and the request sent again.
+/// plane drops (it died; a restart replays its store, or a standby takes
+/// over) is made again, to any of its addresses, for up to the connect wait,
+/// and the request sent again. A standby's answer that it does not lead
+/// sends the request on to the next address.
 #[derive(Debug)]
 pub struct ControlClient {
     s: TcpStream,
-    addr: SocketAddr,
+    addrs: ControlAddrs,
+    /// The address `s` is connected to.
+    at: usize,
     secret: Secret,
     wait: Duration,
 }
@@ -56,50 +109,87 @@ fn applied_if_refused(m: &ControlMsg) -> bool {
 impl ControlClient {
     /// Connects (retrying for up to `wait` while the control plane starts) and
     /// authenticates with the job secret.
-    pub fn connect(addr: SocketAddr, secret: &Secret, wait: Duration) -> Result<Self, ControlError> {
-        Ok(Self { s: Self::dial(addr, secret, wait)?, addr, secret: secret.clone(), wait })
+    pub fn connect(addrs: impl Into<ControlAddrs>, secret: &Secret, wait: Duration) -> Result<Self, ControlError> {
+        let addrs = addrs.into();
+        let (s, at) = Self::dial(&addrs, 0, secret, wait)?;
+        Ok(Self { s, addrs, at, secret: secret.clone(), wait })
     }
 
-    fn dial(addr: SocketAddr, secret: &Secret, wait: Duration) -> Result<TcpStream, ControlError> {
+    /// The address of the control plane this client is connected to.
+    pub fn peer(&self) -> SocketAddr {
+        self.addrs.all()[self.at]
+    }
+
+    /// Connects to the first of `addrs`, from `start` on and around, that
+    /// accepts and proves the secret; for up to `wait`.
+    fn dial(addrs: &ControlAddrs, start: usize, secret: &Secret, wait: Duration) -> Result<(TcpStream, usize), ControlError> {
         let deadline = Instant::now() + wait;
-        let mut s = loop {
-            match TcpStream::connect_timeout(&addr, Duration::from_secs(2)) {
-                Ok(s) => break s,
-                Err(e) if Instant::now() >= deadline => return Err(ControlError::Connect { addr, source: e }),
-                Err(_) => std::thread::sleep(Duration::from_millis(50)),
+        let all = addrs.all();
+        // With standbys, a stopped peer must not hold up trying the next.
+        let step = if all.len() > 1 { Duration::from_secs(2) } else { wait.max(Duration::from_secs(1)) };
+        let mut i = start % all.len();
+        loop {
+            let addr = all[i];
+            let tried = TcpStream::connect_timeout(&addr, Duration::from_secs(2))
+                .map_err(|e| ControlError::Connect { addr, source: e })
+                .and_then(|mut s| {
+                    s.set_nodelay(true).map_err(ControlError::Io)?;
+                    s.set_read_timeout(Some(step)).map_err(ControlError::Io)?;
+                    auth_client(&mut s, secret)?;
+                    // Every answer, including the plan (which waits for all servers), must come
+                    // within `wait`: a job whose members never show up fails instead of hanging.
+                    s.set_read_timeout(Some(wait.max(Duration::from_secs(1)))).map_err(ControlError::Io)?;
+                    Ok(s)
+                });
+            match tried {
+                Ok(s) => return Ok((s, i)),
+                Err(e @ ControlError::Auth(_)) => return Err(e),
+                Err(e) if Instant::now() >= deadline => return Err(e),
+                Err(_) => {
+                    i = (i + 1) % all.len();
+                    if i == start % all.len() {
+                        std::thread::sleep(Duration::from_millis(50));
+                    }
+                }
             }
-        };
-        s.set_nodelay(true).map_err(ControlError::Io)?;
-        // Every answer, including the plan (which waits for all servers), must come
-        // within `wait`: a job whose members never show up fails instead of hanging.
-        s.set_read_timeout(Some(wait.max(Duration::from_secs(1)))).map_err(ControlError::Io)?;
-        auth_client(&mut s, secret)?;
-        Ok(s)
+        }
+    }
+
+    /// Connects again, to this address first, for up to `wait`.
+    fn redial(&mut self, from: usize, wait: Duration) -> Result<(), ControlError> {
+        let (s, at) = Self::dial(&self.addrs, from, &self.secret, wait)?;
+        (self.s, self.at) = (s, at);
+        Ok(())
     }
 
     /// Sends a request and returns the reply; an `Error` reply becomes `Rejected`.
-    /// If the control plane drops the connection, waits for it to come back
-    /// (up to the connect wait) and asks again.
+    /// If the control plane drops the connection, waits for it (or a standby)
+    /// to come back (up to the connect wait) and asks again.
     pub fn call(&mut self, m: &ControlMsg) -> Result<ControlMsg, ControlError> {
         let mut again = false;
+        let mut standby_since: Option<Instant> = None;
         loop {
             let r = write_msg(&mut self.s, m).and_then(|()| read_msg(&mut self.s));
             match r {
                 Err(e) if lost(&e) => {
                     // Quietly at first: at the end of a job the control plane exits
                     // and nobody needs it any more.
-                    self.s = match Self::dial(self.addr, &self.secret, QUIET.min(self.wait)) {
-                        Ok(s) => s,
-                        Err(_) => {
-                            eps_proto::say!("eps: the control plane at {} dropped the connection; reconnecting", self.addr);
-                            let s = Self::dial(self.addr, &self.secret, self.wait)?;
-                            eps_proto::say!("eps: reconnected to the control plane at {}", self.addr);
-                            s
-                        }
-                    };
-                    // Answers may take as long as on the first connection.
-                    self.s.set_read_timeout(Some(self.wait.max(Duration::from_secs(1)))).map_err(ControlError::Io)?;
+                    if self.redial(self.at, QUIET.min(self.wait)).is_err() {
+                        eps_proto::say!("eps: the control plane at {} dropped the connection; reconnecting", self.peer());
+                        self.redial(self.at + 1, self.wait)?;
+                        eps_proto::say!("eps: reconnected to the control plane at {}", self.peer());
+                    }
                     again = true;
+                }
+                Ok(ControlMsg::Error { message }) if message.starts_with(crate::NOT_LEADER) => {
+                    // A standby: the request was not applied; the leader is elsewhere
+                    // (or being elected).
+                    let since = *standby_since.get_or_insert_with(Instant::now);
+                    if since.elapsed() >= self.wait {
+                        return Err(ControlError::Rejected(message));
+                    }
+                    std::thread::sleep(Duration::from_millis(if self.addrs.all().len() == 1 { 100 } else { 20 }));
+                    self.redial(self.at + 1, self.wait)?;
                 }
                 Ok(ControlMsg::Error { message }) if again && applied_if_refused(m) => {
                     eps_proto::say!("eps: a request sent again after a reconnect was refused ({message}): the first was applied");

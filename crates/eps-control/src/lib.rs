@@ -11,11 +11,13 @@
 pub mod checkpoint;
 pub mod client;
 mod conn;
+pub mod election;
 pub mod job;
 pub mod server;
+pub mod standby;
 pub mod store;
 
-pub use client::ControlClient;
+pub use client::{ControlAddrs, ControlClient};
 pub use server::ControlService;
 
 /// Errors of the control plane and its clients.
@@ -62,6 +64,9 @@ pub enum ControlError {
 
 /// The refusal of a request that needs the job's initial servers.
 pub const STILL_STARTING: &str = "the job is still starting: its initial servers are not all ready";
+/// How a standby control plane's answer to every request begins (the
+/// client asks the next address).
+pub const NOT_LEADER: &str = "not the leader";
 /// How the refusal of a change begins while another is under way.
 pub const CHANGE_IN_PROGRESS: &str = "a scale event is in progress";
 /// How the refusal of a change begins while a worker change is voted on.

@@ -74,11 +74,18 @@ struct State {
     name: String,
     addr: SocketAddr,
     rate: health::Rate,
+    /// Why the store refused a record, if it did: the state in memory is
+    /// ahead of the store's, so the service stops (a restart or a standby
+    /// replays the store).
+    broken: Option<String>,
 }
 
 impl State {
     fn persist(&mut self, m: &ControlMsg) -> Result<(), ControlError> {
-        self.store.append(&m.encode()[4..]).map_err(ControlError::Store)
+        self.store.append(&m.encode()[4..]).map_err(|e| {
+            self.broken.get_or_insert_with(|| e.to_string());
+            ControlError::Store(e)
+        })
     }
 
     /// Declares lost the servers whose order poll dropped and did not come
@@ -201,6 +208,19 @@ impl ControlService {
         store: Box<dyn Store>,
     ) -> Result<Self, ControlError> {
         let listener = TcpListener::bind(addr).map_err(|e| ControlError::Bind { addr, source: e })?;
+        Self::on(listener, spec, spec_text, secret, store)
+    }
+
+    /// As [`ControlService::bind`], on a listener already bound (a standby's
+    /// that takes over).
+    pub fn on(
+        listener: TcpListener,
+        spec: &JobSpec,
+        spec_text: &str,
+        secret: Secret,
+        store: Box<dyn Store>,
+    ) -> Result<Self, ControlError> {
+        let addr = listener.local_addr().map_err(ControlError::Io)?;
         let spec_record = ControlMsg::Registered { rank: SPEC_RECORD_RANK, spec_toml: spec_text.to_string() };
         let job = Job::new(spec, spec_text).map_err(|_| ControlError::Protocol("the job spec has no valid layout"))?;
         let lease = Duration::from_millis(spec.job.worker_lease_ms);
@@ -221,6 +241,7 @@ impl ControlService {
             name: spec.job.name.clone(),
             addr: listener.local_addr().map_err(|e| ControlError::Bind { addr, source: e })?,
             rate: health::Rate::default(),
+            broken: None,
         };
         // The store's records replayed one by one: the spec's first.
         let (mut first, mut why) = (true, None);
@@ -266,6 +287,9 @@ impl ControlService {
         loop {
             if stop.load(Ordering::Acquire) || self.st.done_replied {
                 return Ok(());
+            }
+            if let Some(why) = self.st.broken.take() {
+                return Err(ControlError::Store(std::io::Error::other(why)));
             }
             let now = Instant::now();
             // The job changes with requests and with leases: waiting answers

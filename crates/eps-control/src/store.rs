@@ -1,9 +1,13 @@
-//! The embedded store: an append-only log of encoded records in one file, each
-//! append fsync'd before it is acknowledged. Reopening replays the log.
+//! Where the control plane keeps its state: an append-only log of encoded
+//! records. The embedded store keeps it in one file, each append fsync'd
+//! before it is acknowledged; [`etcd::EtcdStore`] in etcd, each append fenced
+//! by the writer's leadership. Reopening replays the log.
 
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
+
+pub mod etcd;
 
 /// Where the control plane keeps its metadata.
 pub trait Store: Send {

@@ -283,7 +283,9 @@ fn kvs(path: &str, v: &Value) -> Result<Vec<Kv>, EtcdError> {
     let bytes = |kv: &Value, f: &str| -> Result<Vec<u8>, EtcdError> {
         match kv.get(f).and_then(Value::as_str) {
             None => Ok(Vec::new()),
-            Some(s) => b64::decode(s).ok_or_else(|| EtcdError::Malformed { path: path.into(), what: format!("{f} is not base64") }),
+            Some(s) => {
+                b64::decode(s).ok_or_else(|| EtcdError::Malformed { path: path.into(), what: format!("{f} is not base64") })
+            }
         }
     };
     v.get("kvs")

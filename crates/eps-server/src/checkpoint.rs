@@ -61,7 +61,7 @@ impl Saver {
             (n, Some(d)) if n > 0 => Some((n, PathBuf::from(d))),
             _ => None,
         };
-        let ctl = ControlClient::connect(cfg.control, &cfg.secret, cfg.accept_timeout)?;
+        let ctl = ControlClient::connect(cfg.control.clone(), &cfg.secret, cfg.accept_timeout)?;
         let (tx, rx) = sync_channel(QUEUE);
         let writer = std::thread::Builder::new()
             .name("eps-checkpoint".into())

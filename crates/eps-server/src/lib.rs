@@ -50,7 +50,7 @@ pub use sparse::rss_bytes;
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
     /// Control-plane address.
-    pub control: SocketAddr,
+    pub control: eps_control::ControlAddrs,
     /// Job secret.
     pub secret: Secret,
     /// IP to listen on for workers (the port is chosen by the OS).
@@ -360,7 +360,7 @@ impl Registration {
 /// declare its tensors (`model.declare`), waits (without a time limit) until
 /// the first one has.
 pub fn register(cfg: &ServerConfig) -> Result<Registration, ServerError> {
-    let mut ctl = ControlClient::connect(cfg.control, &cfg.secret, cfg.accept_timeout)?;
+    let mut ctl = ControlClient::connect(cfg.control.clone(), &cfg.secret, cfg.accept_timeout)?;
     let (rank, spec_text) = ctl.register(Role::Server)?;
     eps_proto::say!("eps server {rank}: registered (pid {})", std::process::id());
     let mut spec = JobSpec::from_toml(&spec_text)?;
@@ -603,7 +603,7 @@ fn spawn_acceptor<P: Fabric>(
 
 /// Long-polls the control plane for this server's orders on a thread of its own.
 fn spawn_order_poller(cfg: &ServerConfig, rank: u32) -> Result<Receiver<Result<Order, ControlError>>, ServerError> {
-    let mut ctl = ControlClient::connect(cfg.control, &cfg.secret, cfg.accept_timeout)?;
+    let mut ctl = ControlClient::connect(cfg.control.clone(), &cfg.secret, cfg.accept_timeout)?;
     let (tx, rx) = channel();
     std::thread::spawn(move || {
         let mut after = 0;

@@ -71,7 +71,7 @@ use watch::MapWatch;
 #[derive(Clone, Debug)]
 pub struct WorkerConfig {
     /// Control-plane address.
-    pub control: SocketAddr,
+    pub control: eps_control::ControlAddrs,
     /// Job secret.
     pub secret: Secret,
     /// How long to wait for the control plane and the servers.

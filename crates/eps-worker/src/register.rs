@@ -51,7 +51,7 @@ pub fn register(cfg: &WorkerConfig) -> Result<Registration, WorkerError> {
 /// its tensors) must be the same, or the control plane refuses it, naming
 /// the first difference ([`WorkerError::Control`]).
 pub fn register_declaring(cfg: &WorkerConfig, tensors: Option<&[TensorDecl]>) -> Result<Registration, WorkerError> {
-    let mut ctl = ControlClient::connect(cfg.control, &cfg.secret, cfg.timeout)?;
+    let mut ctl = ControlClient::connect(cfg.control.clone(), &cfg.secret, cfg.timeout)?;
     // Declared (or the spec checked) before registering: a refused worker
     // takes no rank.
     let req = match tensors {

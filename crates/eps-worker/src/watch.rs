@@ -95,7 +95,7 @@ impl MapWatch {
 
 /// Starts the watcher thread of worker `rank`, which registered with `map`.
 pub(crate) fn spawn(cfg: &WorkerConfig, rank: u32, watch: Arc<MapWatch>, map: &JobMap) -> Result<(), WorkerError> {
-    let mut ctl = ControlClient::connect(cfg.control, &cfg.secret, cfg.timeout)?;
+    let mut ctl = ControlClient::connect(cfg.control.clone(), &cfg.secret, cfg.timeout)?;
     // A change proposed before this worker began its first iteration is in the
     // map it registered with, and no newer map may come until it votes.
     let first = watch.observe(map);
