@@ -32,11 +32,10 @@ fn check_job_name(name: &str) -> Result<(), String> {
 }
 
 /// Connects to etcd and claims the job's keys for this job's secret.
-pub fn open(target: &EtcdTarget, spec: &JobSpec) -> Result<eps_etcd::Client, String> {
+pub fn open(target: &EtcdTarget, spec: &JobSpec, secret: &eps_fabric::Secret) -> Result<eps_etcd::Client, String> {
     check_job_name(&spec.job.name)?;
-    let secret = secret_from_env(Some(spec))?;
     let mut c = target.connect().map_err(|e| format!("--store {target}: {e}"))?;
-    let owner: String = eps_fabric::auth::fingerprint(&secret, b"etcd job owner").iter().map(|b| format!("{b:02x}")).collect();
+    let owner: String = eps_fabric::auth::fingerprint(secret, b"etcd job owner").iter().map(|b| format!("{b:02x}")).collect();
     etcd::claim(&mut c, target, &spec.job.name, owner.as_bytes())?;
     Ok(c)
 }
@@ -50,7 +49,7 @@ pub fn discard(target: &EtcdTarget, job: &str) -> Result<(), String> {
 /// `eps control --store etcd://...`.
 pub fn control(listen: SocketAddr, spec: &JobSpec, text: &str, target: &EtcdTarget) -> Result<(), String> {
     let secret = secret_from_env(Some(spec))?;
-    let mut c = open(target, spec)?;
+    let mut c = open(target, spec, &secret)?;
     let job = spec.job.name.clone();
     let base = target.job_prefix(&job);
     let listener = TcpListener::bind(listen).map_err(|e| format!("cannot listen on {listen}: {e}"))?;
@@ -92,7 +91,14 @@ pub fn control(listen: SocketAddr, spec: &JobSpec, text: &str, target: &EtcdTarg
             return Err(crate_error(&e));
         }
     };
-    eps_proto::say!("eps control: serving job {job:?} (state replayed in {} ms)", replay.elapsed().as_millis());
+    let f = svc.figures();
+    eps_proto::say!(
+        "eps control: serving job {job:?} (state replayed in {} ms: epoch {}, iteration {}, {} migrations in flight)",
+        replay.elapsed().as_millis(),
+        f.epoch,
+        f.iteration,
+        f.migrations_in_flight
+    );
     let served = svc.run_until(&stop);
     leader_gauge.set(0.0);
     if lead.lost() {

@@ -408,6 +408,17 @@ struct TrainArgs {
     /// check (`/healthz`) on a port of its own; each says where on stderr.
     #[arg(long)]
     metrics: bool,
+    /// Keep the job's state in etcd, etcd://HOST:PORT[,HOST:PORT...][/PREFIX],
+    /// instead of a file of the cluster's (removed from etcd when the job
+    /// ends). The first stdout line is then EPS_CONTROL=ADDR,... (every
+    /// control plane; clients find the leader).
+    #[arg(long, value_name = "URL")]
+    store: Option<eps_control::store::etcd::EtcdTarget>,
+    /// Control planes of the job (with --store etcd://...): one leads, the
+    /// others stand by; when the leader dies one of them takes over within
+    /// seconds and training goes on.
+    #[arg(long, value_name = "N", default_value_t = 1, requires = "store")]
+    control_planes: u32,
 }
 
 fn train(a: TrainArgs) -> Result<(), String> {
@@ -493,6 +504,20 @@ fn train(a: TrainArgs) -> Result<(), String> {
         (children, chosen.name().to_string(), agg.name().to_string())
     };
     children.metrics = a.metrics;
+    if !(1..=7).contains(&a.control_planes) {
+        return Err(format!("--control-planes {}: give 1 to 7 (one leads, the others stand by)", a.control_planes));
+    }
+    if a.store.is_some() && a.launcher == "slurm" {
+        return Err("--store with --launcher slurm is not supported yet: run etcd-backed control planes with `eps control --store` steps of your own, or drop --store".into());
+    }
+    if let Some(t) = &a.store {
+        eps_proto::say!(
+            "eps train: the job's state in {t}; {} control plane{}",
+            a.control_planes,
+            if a.control_planes == 1 { "" } else { "s (one leads, the others stand by)" }
+        );
+    }
+    (children.etcd, children.control_planes) = (a.store, a.control_planes);
     let r = eps::train::run(&spec, &text, a.progress_every.max(1), &plan, &children, |l| eps_proto::say!("{l}"))
         .map_err(|e| error_chain(&e))?;
     match (r.final_auc, r.teacher_auc) {

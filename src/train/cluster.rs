@@ -31,6 +31,11 @@ pub struct ChildArgs {
     /// Every process serves `/metrics` and `/healthz` on a port of its own
     /// (`--metrics IP:0`; each says where).
     pub metrics: bool,
+    /// The job's state in etcd (else the embedded store in the cluster's
+    /// directory), with this many control planes (one leads, the others
+    /// stand by).
+    pub etcd: Option<eps_control::store::etcd::EtcdTarget>,
+    pub control_planes: u32,
 }
 
 /// A local cluster on the `soft` transport and the CPU aggregator (the benchmarks
@@ -58,7 +63,7 @@ pub fn slurm_args(
     let mut both: Vec<String> = fabric.transport.iter().flat_map(|t| ["--transport".to_string(), t.clone()]).collect();
     both.extend(fabric.rdma.args());
     let servers = agg.aggregator.iter().flat_map(|g| ["--aggregator".to_string(), g.clone()]).collect();
-    (ChildArgs { both, servers, slurm: Some(steps), metrics: false }, transport, aggregator)
+    (ChildArgs { both, servers, slurm: Some(steps), ..ChildArgs::default() }, transport, aggregator)
 }
 
 /// How [`LocalCluster::launch`] starts a cluster.
@@ -66,7 +71,8 @@ pub fn slurm_args(
 pub struct Launch {
     /// The control plane's listen address (`IP:PORT`; port 0: any).
     pub listen: String,
-    /// The job secret (default: the spec's, else a new random one).
+    /// The job secret (default: `EPS_JOB_SECRET`, else the spec's, else a
+    /// new random one).
     pub secret: Option<String>,
     /// Start `job.workers` `eps worker` processes (else the workers come from
     /// elsewhere: a framework's processes).
@@ -87,8 +93,12 @@ pub struct LocalCluster {
     stop: Arc<AtomicBool>,
     exe: PathBuf,
     secret: String,
-    /// Control-plane address.
+    /// Control-plane addresses (`A[,B,C]`).
     addr: String,
+    /// Each control plane's address (a restart listens there again).
+    control_addrs: Vec<String>,
+    /// The job's state in etcd (removed once the job is over), and the job.
+    etcd: Option<(eps_control::store::etcd::EtcdTarget, String)>,
     servers_started: u32,
     workers_started: u32,
     /// Extra arguments of every `eps worker`.
@@ -235,7 +245,10 @@ impl LocalCluster {
         on_ctrl_c();
         let exe =
             std::env::current_exe().map_err(|source| TrainError::Spawn { what: "eps (current executable)".into(), source })?;
-        let secret = how.secret.clone().or_else(|| spec.job.secret.clone()).unwrap_or_else(|| {
+        // The job secret: given, else the environment's (so that `eps status`
+        // can ask), else the spec's, else a new one.
+        let from_env = std::env::var("EPS_JOB_SECRET").ok().filter(|s| !s.is_empty());
+        let secret = how.secret.clone().or(from_env).or_else(|| spec.job.secret.clone()).unwrap_or_else(|| {
             eps_fabric::auth::nonce().map(|n| n.iter().map(|b| format!("{b:02x}")).collect()).unwrap_or_else(|_| "eps".into())
         });
         let tag: String =
@@ -254,6 +267,8 @@ impl LocalCluster {
             exe: exe.clone(),
             secret: secret.clone(),
             addr: String::new(),
+            control_addrs: Vec::new(),
+            etcd: None,
             servers_started: 0,
             workers_started: 0,
             worker_args: worker_args.iter().map(|a| a.to_string()).chain(children.both.iter().cloned()).collect(),
@@ -271,20 +286,23 @@ impl LocalCluster {
             worker_nodes: how.nodes.iter().flat_map(|(n, _, w)| std::iter::repeat_n(n.clone(), *w as usize)).collect(),
         };
         let state = dir.join("state");
+        let store = match &children.etcd {
+            Some(t) => {
+                // Unreachable, or another run's job: said now, before any process starts.
+                let secret = eps_fabric::Secret::new(secret.as_str()).map_err(|e| TrainError::Child(e.to_string()))?;
+                crate::ha::open(t, spec, &secret).map_err(TrainError::Child)?;
+                cl.etcd = Some((t.clone(), spec.job.name.clone()));
+                ["--store".to_string(), t.to_string()]
+            }
+            None => ["--state-dir".to_string(), path_str(&state).to_string()],
+        };
         let ctl_args = match &children.slurm {
-            None => vec![
-                "control",
-                "--listen",
-                &how.listen,
-                "--spec",
-                path_str(&spec_path),
-                "--state-dir",
-                path_str(&state),
-                "--exit-with-parent",
-            ]
-            .into_iter()
-            .map(str::to_string)
-            .collect(),
+            None => ["control", "--listen", &how.listen, "--spec", path_str(&spec_path)]
+                .into_iter()
+                .map(str::to_string)
+                .chain(store)
+                .chain(["--exit-with-parent".to_string()])
+                .collect(),
             Some(s) => {
                 vec![
                     "control".into(),
@@ -314,10 +332,12 @@ impl LocalCluster {
                 v.extend(["--metrics".to_string(), at.to_string()]);
             }
         }
-        let addr = cl.start_control()?;
-        // A restart listens where the first one did.
-        cl.control_args[2] = addr.clone();
-        cl.addr = addr;
+        for k in 0..children.control_planes.max(1) {
+            // A restart listens where the first one did.
+            let addr = cl.start_control(k)?;
+            cl.control_addrs.push(addr);
+        }
+        cl.addr = cl.control_addrs.join(",");
         for _ in 0..spec.job.servers {
             cl.spawn_server()?;
         }
@@ -371,8 +391,13 @@ impl LocalCluster {
         })
     }
 
-    /// Starts the control plane; returns the address it listens on.
-    fn start_control(&mut self) -> Result<String, TrainError> {
+    /// Starts control plane `k` (on its address, if it had one); returns
+    /// the address it listens on.
+    fn start_control(&mut self, k: u32) -> Result<String, TrainError> {
+        if let Some(a) = self.control_addrs.get(k as usize) {
+            self.control_args[2] = a.clone();
+        }
+        let name = if k == 0 { CONTROL.to_string() } else { format!("{CONTROL} {}", k + 1) };
         let mut cmd = match &self.slurm {
             None => Command::new(&self.exe),
             Some(s) => s.command(&self.exe, Role::Control, self.control_restarts, self.control_node.as_deref(), &[]),
@@ -394,8 +419,8 @@ impl LocalCluster {
                 .map_err(|e| TrainError::Child(format!("control plane: cannot hand it the spec: {e}")))?;
         }
         let out = control.stdout.take().expect("piped");
-        self.procs.add(CONTROL, control.id(), None);
-        self.children.push((CONTROL.into(), control));
+        self.procs.add(&name, control.id(), None);
+        self.children.push((name, control));
         let mut line = String::new();
         BufReader::new(out).read_line(&mut line).map_err(|e| TrainError::Child(format!("control plane: {e}")))?;
         if let Some(n) = field(&line, "node") {
@@ -579,12 +604,11 @@ impl LocalCluster {
                         );
                         gone.push(i);
                     }
-                    Ok(Some(st)) if !st.success() && name == CONTROL && self.control_restarts < CONTROL_RESTARTS => {
-                        eps_proto::say!(
-                            "eps train: the control plane (pid {}) exited with {st}; restarting it from its store",
-                            c.id()
-                        );
-                        control_died = Some(i);
+                    Ok(Some(st)) if !st.success() && name.starts_with(CONTROL) && self.control_restarts < CONTROL_RESTARTS => {
+                        let how = if self.etcd.is_some() { "as a standby" } else { "from its store" };
+                        eps_proto::say!("eps train: {name} (pid {}) exited with {st}; restarting it {how}", c.id());
+                        let k = name.strip_prefix(CONTROL).and_then(|n| n.trim().parse::<u32>().ok()).map_or(0, |n| n - 1);
+                        control_died = Some((i, k));
                     }
                     Ok(Some(st)) if !st.success() && self.replicated && name.starts_with("server") => {
                         eps_proto::say!("eps train: {name} (pid {}) exited with {st}; its shards' backups take over", c.id());
@@ -621,16 +645,16 @@ impl LocalCluster {
                 }
                 return Err(TrainError::Child("every worker process died; stopped the cluster".into()));
             }
-            let mut remove: Vec<usize> = gone.into_iter().chain(control_died).collect();
+            let mut remove: Vec<usize> = gone.into_iter().chain(control_died.map(|(i, _)| i)).collect();
             remove.sort_unstable();
             for &i in remove.iter().rev() {
                 self.children.remove(i);
             }
-            if control_died.is_some() {
+            if let Some((_, k)) = control_died {
                 // Nothing on the data path waits for it: training goes on while
-                // it restarts; servers and workers reconnect.
+                // it restarts (or a standby takes over); servers and workers reconnect.
                 self.control_restarts += 1;
-                self.start_control()?;
+                self.start_control(k)?;
                 running += 1;
             }
             if running == 0 {
@@ -641,6 +665,11 @@ impl LocalCluster {
                 }
                 while let Ok(l) = self.lines.try_recv() {
                     on_line(&l);
+                }
+                if let Some((t, job)) = &self.etcd
+                    && let Err(e) = crate::ha::discard(t, job)
+                {
+                    eps_proto::say!("eps train: the job is over but its state in {t} could not be removed: {e}");
                 }
                 return Ok((self.workers_started, died));
             }

@@ -367,12 +367,18 @@ fn run_once(
     let report_every = if plan.is_empty() { every } else { 1 };
     let every_s = report_every.to_string();
     let cluster = LocalCluster::start(spec, spec_text, &["--progress-every", &every_s], children)?;
+    if children.etcd.is_some() {
+        // Every control plane, leader and standbys: `eps status --control`
+        // (and any client) finds the leader among them.
+        println!("EPS_CONTROL={}", cluster.control_addr());
+    }
     let step = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     let (tx, more) = std::sync::mpsc::channel();
     let outcome = if plan.is_empty() {
         None
     } else {
-        let addr = cluster.control_addr().parse().map_err(|_| TrainError::Child("bad control-plane address".into()))?;
+        let addr: eps_control::ControlAddrs =
+            cluster.control_addr().parse().map_err(|_| TrainError::Child("bad control-plane address".into()))?;
         let secret = eps_fabric::Secret::new(cluster.secret()).map_err(|_| TrainError::Child("bad job secret".into()))?;
         Some(scale::spawn_plan(plan.to_vec(), addr, secret, (spec.job.servers, spec.job.workers), step.clone(), tx))
     };

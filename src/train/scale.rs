@@ -3,7 +3,6 @@
 //! event (retrying while an earlier event is still under way), has the driver start
 //! the new server and worker processes, and counts the migrations the events caused.
 
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
@@ -106,7 +105,7 @@ pub struct ScaleOutcome {
 /// driver to start more processes; `initial` is (servers, workers) at the start.
 pub fn spawn_plan(
     plan: Vec<ScaleEvent>,
-    control: SocketAddr,
+    control: eps_control::ControlAddrs,
     secret: Secret,
     initial: (u32, u32),
     step: Arc<AtomicU64>,
@@ -125,7 +124,7 @@ pub fn spawn_plan(
 
 fn run_plan(
     plan: &[ScaleEvent],
-    control: SocketAddr,
+    control: eps_control::ControlAddrs,
     secret: &Secret,
     (mut servers, mut workers): (u32, u32),
     step: &AtomicU64,

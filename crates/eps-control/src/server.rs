@@ -265,6 +265,11 @@ impl ControlService {
         Ok(Self { listener, secret, st })
     }
 
+    /// The job's figures as replayed (or served so far).
+    pub fn figures(&self) -> crate::job::Figures {
+        self.st.job.figures()
+    }
+
     /// The bound address.
     pub fn local_addr(&self) -> SocketAddr {
         self.listener.local_addr().expect("bound")
