@@ -86,14 +86,27 @@ EPS_BIN="$PWD/target/release/eps" "$VENV/bin/python" -m pytest -q -p no:cachepro
 # A Slurm cluster on this machine for tests/slurm.rs (two node names, one
 # slurmd each), stopped at the end if this run started it. Where Slurm cannot
 # start here (not root), those tests say so and skip.
+cleanup=()
+on_exit() { for c in "${cleanup[@]}"; do eval "$c" || true; done; }
+trap on_exit EXIT
 step "Slurm (slurmctld, slurmd, munge) for the Slurm launcher's tests"
 if up="$(bash ci/slurm-up.sh)"; then
     eval "$up"
     if [ "${EPS_SLURM_STARTED:-}" = 1 ]; then
-        trap 'bash ci/slurm-up.sh --down' EXIT
+        cleanup+=("bash ci/slurm-up.sh --down")
     fi
 else
     echo "Slurm did not start (see above): tests/slurm.rs skips"
+fi
+
+# etcd on 127.0.0.1 for the standby control planes' tests (tests/ha.rs),
+# stopped at the end.
+step "etcd for the etcd store's and standby control planes' tests"
+if up="$(bash ci/etcd-up.sh)"; then
+    eval "$up"
+    cleanup+=("bash ci/etcd-up.sh --down $EPS_TEST_ETCD_PID $EPS_TEST_ETCD_DIR")
+else
+    echo "etcd did not start (see above): the etcd tests start their own or skip"
 fi
 
 # Last, so that its summary closes the run. The scheduler's live runs

@@ -187,6 +187,52 @@ impl Store for EtcdStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
+    use std::sync::atomic::AtomicBool;
+
+    /// Two control planes of one job: the first leads and writes; once its
+    /// lease is gone and the second leads, the first's writes are fenced,
+    /// the second replays every record and goes on; a second job with the
+    /// same id and another secret cannot claim the keys.
+    #[test]
+    fn a_deposed_leaders_writes_are_fenced_and_its_successor_replays_the_log() {
+        let etcd = match eps_etcd::testing::TestEtcd::get() {
+            Ok(e) => e,
+            Err(why) => return println!("SKIPPED: no etcd: {why}"),
+        };
+        let target: EtcdTarget = format!("etcd://{}/eps-store-test-{}", etcd.endpoint, std::process::id()).parse().unwrap();
+        let mut c = target.connect().unwrap();
+        c.delete_prefix(target.prefix.as_bytes()).unwrap();
+        claim(&mut c, &target, "j", b"owner-a").unwrap();
+        claim(&mut c, &target, "j", b"owner-a").unwrap();
+        let e = claim(&mut c, &target, "j", b"owner-b").unwrap_err();
+        assert!(e.contains("belongs to another run"), "{e}");
+        let base = target.job_prefix("j");
+        let never = AtomicBool::new(false);
+        let lost = Arc::new(AtomicBool::new(false));
+        let first = crate::election::campaign(&mut c, &base, "a", 2, &never, lost.clone(), &mut |_| {}).unwrap().unwrap();
+        let mut a = EtcdStore::new(target.connect().unwrap(), base.clone(), first.fence);
+        assert_eq!(a.replay(&mut |_| Ok(())).unwrap().unwrap(), 0);
+        for r in [&b"one"[..], b"", b"three"] {
+            a.append(r).unwrap();
+        }
+        // The leader resigns (as if its lease ran out); another is elected.
+        first.resign();
+        let mut c2 = target.connect().unwrap();
+        let second = crate::election::campaign(&mut c2, &base, "b", 2, &never, lost, &mut |_| {}).unwrap().unwrap();
+        assert_ne!(second.fence, 0);
+        let e = a.append(b"late").unwrap_err();
+        assert!(e.to_string().contains("fenced") && e.to_string().contains("the leader now: b"), "{e}");
+        let b = EtcdStore::new(target.connect().unwrap(), base.clone(), second.fence);
+        assert_eq!(b.records().unwrap(), vec![b"one".to_vec(), b"".to_vec(), b"three".to_vec()]);
+        let mut b = b;
+        b.append(b"four").unwrap();
+        assert_eq!(b.records().unwrap().len(), 4);
+        assert_eq!(crate::election::leader(&mut c2, &base).unwrap().as_deref(), Some("b"));
+        second.resign();
+        assert_eq!(crate::election::leader(&mut c2, &base).unwrap(), None, "resigning ends the lease");
+        c2.delete_prefix(target.prefix.as_bytes()).unwrap();
+    }
 
     #[test]
     fn targets_parse_and_bad_ones_say_why() {
