@@ -56,7 +56,7 @@ enum Cmd {
     /// Starts a control plane, --servers servers and --workers workers as separate
     /// processes on 127.0.0.1 with the embedded file-backed store, trains, and prints
     /// progress and a summary. Ctrl-C, or any process failing, stops them all.
-    Train(TrainArgs),
+    Train(Box<TrainArgs>),
     /// Start a job for a framework's workers: a control plane and its servers.
     ///
     /// Starts the control plane and --servers servers as child processes and
@@ -595,7 +595,7 @@ enum RdmaCmd {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let res = match cli.cmd {
-        Cmd::Train(a) => train(a),
+        Cmd::Train(a) => train(*a),
         Cmd::Up(a) => eps::up::run(a),
         Cmd::Sim(a) => eps::sim::run(a),
         Cmd::Soak(a) => eps::soak::run(a),

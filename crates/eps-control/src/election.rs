@@ -125,7 +125,7 @@ fn keep_alive(mut c: Client, lease: i64, period: Duration, lost: &AtomicBool, qu
         match c.keepalive(lease) {
             Ok(ttl) if ttl > 0 => renewed = Instant::now(),
             r => {
-                let expired = matches!(r, Ok(_)) || renewed.elapsed() >= period * 3;
+                let expired = r.is_ok() || renewed.elapsed() >= period * 3;
                 if expired {
                     lost.store(true, Ordering::Release);
                     on_lost.store(true, Ordering::Release);
