@@ -77,9 +77,11 @@ pub fn control(listen: SocketAddr, spec: &JobSpec, text: &str, target: &EtcdTarg
     standing.store(true, Ordering::Release);
     let _ = standby.join();
     let lead: Leadership = won.map_err(|e| format!("--store {target}: {e}"))?.ok_or("the campaign was called off")?;
-    eps_proto::say!(
-        "eps control: leading job {job:?} from {addr} (elected after {} ms; fence revision {}); replaying its state from etcd",
-        since.elapsed().as_millis(),
+    let waited_ms = since.elapsed().as_millis() as u64;
+    eps_proto::say_event!(
+        "leader_elected",
+        { job = job.as_str(), addr = addr.to_string().as_str(), pid = std::process::id(), fence = lead.fence, waited_ms = waited_ms },
+        "eps control: leading job {job:?} from {addr} (elected after {waited_ms} ms; fence revision {}); replaying its state from etcd",
         lead.fence
     );
     let store = EtcdStore::new(c, base, lead.fence);
@@ -102,6 +104,11 @@ pub fn control(listen: SocketAddr, spec: &JobSpec, text: &str, target: &EtcdTarg
     let served = svc.run_until(&stop);
     leader_gauge.set(0.0);
     if lead.lost() {
+        eps_proto::say_event!(
+            "leader_deposed",
+            { job = job.as_str(), addr = addr.to_string().as_str(), pid = std::process::id(), fence = lead.fence },
+            "eps control: deposed: the lease of job {job:?}'s leader key ran out"
+        );
         return Err(format!(
             "deposed: this control plane's lease in etcd ran out, so another may lead job {job:?} now; stepping down \
              (start it again to stand by)"

@@ -20,6 +20,13 @@ use eps::units::format_size;
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
+    /// How logs are written on stderr: `text` (lines) or `json` (one object
+    /// per line: ts, level, role, pid, msg, and for scale events,
+    /// migrations, failovers and peers cut off, `event` and its ids). A
+    /// local cluster's processes log the same way [default: the
+    /// EPS_LOG_FORMAT environment variable, else text].
+    #[arg(long, global = true, value_name = "FORMAT")]
+    log_format: Option<eps_metrics::log::LogFormat>,
 }
 
 /// `eps sched ...`.
@@ -593,7 +600,25 @@ enum RdmaCmd {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    use clap::{CommandFactory, FromArgMatches};
+    let matches = Cli::command().get_matches();
+    let role = matches.subcommand_name().unwrap_or("eps").to_string();
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(c) => c,
+        Err(e) => e.exit(),
+    };
+    let format = match cli.log_format {
+        Some(f) => f,
+        None => match std::env::var("EPS_LOG_FORMAT").ok().filter(|v| !v.is_empty()).map(|v| v.parse()) {
+            None => eps_metrics::log::LogFormat::Text,
+            Some(Ok(f)) => f,
+            Some(Err(e)) => {
+                eps_proto::say!("eps: error: EPS_LOG_FORMAT: {e}");
+                return ExitCode::FAILURE;
+            }
+        },
+    };
+    eps_metrics::log::init(format, &role);
     let res = match cli.cmd {
         Cmd::Train(a) => train(*a),
         Cmd::Up(a) => eps::up::run(a),
@@ -683,7 +708,11 @@ fn main() -> ExitCode {
     match res {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eps_proto::say!("eps: error: {e}");
+            if eps_metrics::log::format() == eps_metrics::log::LogFormat::Json {
+                tracing::error!(target: "eps", "eps: error: {e}");
+            } else {
+                eps_proto::say!("eps: error: {e}");
+            }
             ExitCode::FAILURE
         }
     }

@@ -238,10 +238,8 @@ pub fn server(
         );
         let _ = std::io::Write::flush(&mut std::io::stdout());
     }
-    // One write, so that other processes' lines on the same stderr cannot land
-    // inside it.
-    let line = format!(
-        "eps server {}: {} shards, {} parameters, {} updates applied, {} pulls served, {} protocol violations ({} transport, {} aggregator){}\n",
+    eps_proto::say!(
+        "eps server {}: {} shards, {} parameters, {} updates applied, {} pulls served, {} protocol violations ({} transport, {} aggregator){}",
         s.rank,
         s.shards,
         s.elements,
@@ -264,7 +262,6 @@ pub fn server(
             String::new()
         }
     );
-    let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
     Ok(())
 }
 

@@ -165,6 +165,14 @@ impl Processes {
     }
 }
 
+/// How the processes log: as this one does.
+fn log_format() -> &'static str {
+    match eps_metrics::log::format() {
+        eps_metrics::log::LogFormat::Json => "json",
+        eps_metrics::log::LogFormat::Text => "text",
+    }
+}
+
 /// The control plane's name among the children.
 const CONTROL: &str = "control plane";
 /// Restarts of a control plane that keeps dying before the cluster gives up.
@@ -406,6 +414,7 @@ impl LocalCluster {
         let mut control = cmd
             .args(&self.control_args)
             .env("EPS_JOB_SECRET", &self.secret)
+            .env("EPS_LOG_FORMAT", log_format())
             // Its state directory is on its node: gone once the job ends.
             .env("EPS_DISCARD_STATE", if self.slurm.is_some() { "1" } else { "0" })
             .stdin(stdin)
@@ -468,6 +477,7 @@ impl LocalCluster {
         cmd.args(args)
             .args(extra)
             .env("EPS_JOB_SECRET", &self.secret)
+            .env("EPS_LOG_FORMAT", log_format())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())

@@ -147,7 +147,11 @@ fn run_plan(
         let mut min_done = out.lock().unwrap_or_else(|p| p.into_inner()).moves();
         match ev.target {
             Target::Servers(n) => {
-                eps_proto::say!("eps train: step {now}: scaling servers {servers} -> {n}");
+                eps_proto::say_event!(
+                    "scale",
+                    { step = now, servers_from = servers, servers_to = n },
+                    "eps train: step {now}: scaling servers {servers} -> {n}"
+                );
                 if n > servers {
                     let _ = spawn.send(Spawn::Servers(n - servers));
                 }
@@ -155,7 +159,11 @@ fn run_plan(
                 servers = n;
             }
             Target::Workers(n) => {
-                eps_proto::say!("eps train: step {now}: scaling workers {workers} -> {n} at the next iteration boundary");
+                eps_proto::say_event!(
+                    "scale",
+                    { step = now, workers_from = workers, workers_to = n },
+                    "eps train: step {now}: scaling workers {workers} -> {n} at the next iteration boundary"
+                );
                 if n > workers {
                     let _ = spawn.send(Spawn::Workers(n - workers));
                 }

@@ -124,7 +124,11 @@ impl State {
             return Ok(());
         }
         self.forget_reports_of(rank);
-        eps_proto::say!("eps control: server {rank} is lost ({why}); its shards' backups take over");
+        eps_proto::say_event!(
+            "server_lost",
+            { job = self.name.as_str(), server = rank, why = why },
+            "eps control: server {rank} is lost ({why}); its shards' backups take over"
+        );
         self.persist(&m)
     }
 
@@ -173,9 +177,11 @@ impl State {
             if now.duration_since(seen) > self.lease {
                 let m = ControlMsg::Expire { rank: r };
                 if self.job.apply(&m).is_ok() {
-                    eps_proto::say!(
-                        "eps control: worker {r} has not renewed its lease for {} ms; removing it at the next iteration boundary",
-                        now.duration_since(seen).as_millis()
+                    let ms = now.duration_since(seen).as_millis() as u64;
+                    eps_proto::say_event!(
+                        "worker_expired",
+                        { job = self.name.as_str(), worker = r, silent_ms = ms },
+                        "eps control: worker {r} has not renewed its lease for {ms} ms; removing it at the next iteration boundary"
                     );
                     self.persist(&m)?;
                 }

@@ -9,6 +9,7 @@
 #![forbid(unsafe_code)]
 
 mod http;
+pub mod log;
 mod text;
 
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -623,7 +623,9 @@ impl<P: Fabric> Server<P> {
         let setup = out.snapshot_posted.duration_since(out.started).as_secs_f64();
         let snap = out.snapshot_secs;
         let snapshot_bytes = out.snapshot_bytes;
-        eps_proto::say!(
+        eps_proto::say_event!(
+            "migration",
+            { shard = id, from = self.rank, to = out.to, bytes = out.bytes, seconds = secs, setup_s = setup, snapshot_s = snap },
             "eps server {}: migrated shard {id} to server {}: {} bytes in {:.1} ms ({:.2} GB/s): setup {:.1} ms, \
              snapshot {:.1} ms ({:.2} GB/s), {} {:.1} ms",
             self.rank,

@@ -249,7 +249,12 @@ impl<P: Fabric> Server<P> {
             Peer::Target(r) => format!("server {r}"),
             Peer::Unknown => "unidentified peer".to_string(),
         };
-        eps_proto::say!("eps server {}: {who}: {what}; closing its connection", self.rank);
+        eps_proto::say_event!(
+            "peer_cut_off",
+            { server = self.rank, peer = who.as_str(), why = what },
+            "eps server {}: {who}: {what}; closing its connection",
+            self.rank
+        );
         self.drop_conn(ci);
     }
 

@@ -98,7 +98,9 @@ impl<P: Fabric> Server<P> {
         }
         let lo = self.endpoint(o.lo).ok_or_else(|| ServerError::Migration("split part vanished".into()))?;
         let hi = self.endpoint(o.hi).ok_or_else(|| ServerError::Migration("split part vanished".into()))?;
-        eps_proto::say!(
+        eps_proto::say_event!(
+            "split",
+            { server = self.rank, shard = id, iteration = v, lo = o.lo, hi = o.hi },
             "eps server {}: split shard {id} at iteration {v} into shard {} ({} elements) and shard {} ({} elements) in {:.1} ms",
             self.rank,
             o.lo,

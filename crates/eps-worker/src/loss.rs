@@ -66,7 +66,12 @@ impl<P: Fabric> Worker<P> {
     /// whose parameters have not come are pushed again to the new owners, and
     /// their pulls asked again (the backup applied every version anyone pulled).
     pub(crate) fn lose_server(&mut self, server: u32) {
-        eps_proto::say!("eps worker {}: server {server} failed; its shards' backups take over", self.rank);
+        eps_proto::say_event!(
+            "peer_cut_off",
+            { worker = self.rank, server = server },
+            "eps worker {}: server {server} failed; its shards' backups take over",
+            self.rank
+        );
         self.lost.insert(server);
         if let Some(q) = self.qps.get_mut(server as usize) {
             *q = None;

@@ -90,7 +90,9 @@ impl State {
                     Ok(r) => {
                         self.persist(&m)?;
                         if let ControlMsg::MoveStopped { shard, rank } = m {
-                            eps_proto::say!(
+                            eps_proto::say_event!(
+                                "migration_cancelled",
+                                { job = self.name.as_str(), shard = shard, from = rank },
                                 "eps control: server {rank} stopped moving shard {shard} (it cannot reach the target); the move is cancelled"
                             );
                         }
