@@ -34,12 +34,30 @@ pub fn secret_from_env(spec: Option<&JobSpec>) -> Result<Secret, String> {
 /// check there (nothing without it), and says where.
 pub fn serve_metrics(role: &str, addr: Option<SocketAddr>) -> Result<(), String> {
     let Some(addr) = addr else { return Ok(()) };
+    transport_probes();
     let what = format!("eps {role}");
     let health: eps_metrics::Health = Arc::new(move || Ok(format!("{what} (pid {})", std::process::id())));
     let e = eps_metrics::serve(addr, health).map_err(|e| format!("--metrics {addr}: {e}"))?;
     let shown = if e.addr().ip().is_unspecified() { advertised(e.addr()) } else { e.addr() };
     eps_proto::say!("eps {role}: metrics on http://{shown}/metrics (health: /healthz)");
     Ok(())
+}
+
+/// The transport's figures, whichever provider runs: memory registered,
+/// and completions in error by kind.
+fn transport_probes() {
+    let r = eps_metrics::global();
+    r.probe("eps_fabric_registered_bytes", "Bytes of memory in live registered regions.", &[], || {
+        eps_fabric::stats::registered_bytes() as f64
+    });
+    for (status, kind) in eps_fabric::stats::ERROR_KINDS {
+        r.probe_counter(
+            "eps_fabric_completion_errors_total",
+            "Work completions that ended in error, by kind (flushed: a connection that failed or closed).",
+            &[("kind", kind)],
+            move || eps_fabric::stats::errors(status) as f64,
+        );
+    }
 }
 
 /// Exits this process when its parent goes away (used for the processes `eps train`

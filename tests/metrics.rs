@@ -74,6 +74,12 @@ fn every_role_serves_metrics_that_move_while_the_job_trains() {
     for (i, (role, a)) in at.iter().enumerate() {
         let (a0, a1) = (&first[i], &second[i]);
         assert!(value(a1, "eps_process_resident_memory_bytes") > 1e6, "{role}: {a1}");
+        // Transport figures: memory registered (a worker's buffers, a server's
+        // shards), and error completions by kind (none of these in a healthy run).
+        if role != "control" {
+            assert!(value(a1, "eps_fabric_registered_bytes") > 0.0, "{role}: {a1}");
+            assert!(a1.lines().any(|l| l == "eps_fabric_completion_errors_total{kind=\"remote_access\"} 0"), "{role}: {a1}");
+        }
         match role.as_str() {
             "worker" => {
                 for s in ["eps_worker_pushed_bytes_total{", "eps_worker_pulled_bytes_total{", "eps_worker_iterations_total{"] {

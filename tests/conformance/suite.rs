@@ -218,9 +218,11 @@ fn expect_fatal<P: ProtectionDomain>(p: &Pair<P>, wr: &SendWr<'_, P::Mr>, status
     let dummy = p.b_pd.alloc_mr(64, RW).unwrap();
     let rsg = [Sge::new(&dummy, 0, 64)];
     p.b.post_recv(&RecvWr { wr_id: 500, sg: &rsg }).unwrap();
+    let before = eps_fabric::stats::errors(status);
     p.a.post_send(wr).unwrap();
     let c = wait(&p.a_cq, 1);
     assert_eq!((c[0].wr_id, c[0].status), (wr.wr_id, status), "{c:?}");
+    assert!(eps_fabric::stats::errors(status) > before, "the error completion is counted for the metrics");
     assert_eq!(p.a.state(), QpState::Error);
     let sg = [Sge::new(src, 0, 1)];
     p.a.post_send(&SendWr { wr_id: 999, op: SendOp::Send, sg: &sg, signaled: false }).unwrap();

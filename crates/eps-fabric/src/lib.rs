@@ -27,6 +27,7 @@ pub mod auth;
 pub mod error;
 pub mod mem;
 pub mod soft;
+pub mod stats;
 pub mod wire;
 
 pub use api::*;

@@ -121,6 +121,7 @@ struct Family {
 struct Probe {
     name: String,
     help: String,
+    kind: &'static str,
     labels: Vec<(String, String)>,
     read: Box<dyn Fn() -> f64 + Send + Sync>,
 }
@@ -201,8 +202,24 @@ impl Registry {
 
     /// A gauge whose value `f` gives when scraped.
     pub fn probe(&self, name: &str, help: &str, labels: Labels<'_>, f: impl Fn() -> f64 + Send + Sync + 'static) {
+        self.add_probe(name, help, "gauge", labels, Box::new(f));
+    }
+
+    /// A counter kept elsewhere (a count that only grows), read by `f` when scraped.
+    pub fn probe_counter(&self, name: &str, help: &str, labels: Labels<'_>, f: impl Fn() -> f64 + Send + Sync + 'static) {
+        self.add_probe(name, help, "counter", labels, Box::new(f));
+    }
+
+    fn add_probe(
+        &self,
+        name: &str,
+        help: &str,
+        kind: &'static str,
+        labels: Labels<'_>,
+        read: Box<dyn Fn() -> f64 + Send + Sync>,
+    ) {
         let labels = labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-        let p = Probe { name: name.into(), help: help.into(), labels, read: Box::new(f) };
+        let p = Probe { name: name.into(), help: help.into(), kind, labels, read };
         self.probes.lock().unwrap_or_else(|p| p.into_inner()).push(p);
     }
 
@@ -224,7 +241,7 @@ impl Registry {
         let mut named: Vec<&str> = Vec::new();
         for p in probes.iter() {
             if !named.contains(&p.name.as_str()) {
-                text::header(&mut out, &p.name, &p.help, "gauge");
+                text::header(&mut out, &p.name, &p.help, p.kind);
                 named.push(&p.name);
             }
             text::sample(&mut out, &p.name, &p.labels, None, (p.read)());

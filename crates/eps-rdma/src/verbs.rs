@@ -239,6 +239,7 @@ impl CompletionQueue for RdmaCq {
     fn poll(&self, out: &mut [Completion]) -> Result<usize> {
         self.0.watch_disconnects();
         let made = self.0.side.drain(out);
+        eps_fabric::stats::completions(&out[..made]);
         let out = &mut out[made..];
         const BATCH: usize = 32;
         // SAFETY: ibv_wc is plain data; zero is a valid value.
@@ -266,6 +267,7 @@ impl CompletionQueue for RdmaCq {
                 kept += 1;
             }
         }
+        eps_fabric::stats::completions(&out[..kept]);
         Ok(made + kept)
     }
 

@@ -124,6 +124,7 @@ impl CompletionQueue for SoftCq {
         for (slot, c) in out.iter_mut().zip(q.drain(..n)) {
             *slot = c;
         }
+        crate::stats::completions(&out[..n]);
         Ok(n)
     }
 }

@@ -80,6 +80,7 @@ impl ProtectionDomain for SoftPd {
     type Listener = SoftListener;
 
     fn register(&self, buf: RegionBuf, access: Access) -> Result<SoftMr> {
+        crate::stats::registered(buf.len() as i64);
         let inner = self.dev.mrs.insert(buf, self.pd, access);
         Ok(SoftMr { inner, table: self.dev.mrs.clone() })
     }
@@ -180,6 +181,7 @@ impl MemoryRegion for SoftMr {
 
 impl Drop for SoftMr {
     fn drop(&mut self) {
+        crate::stats::registered(-(self.inner.buf.len() as i64));
         self.table.remove(self.inner.key);
     }
 }

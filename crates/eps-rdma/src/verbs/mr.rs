@@ -57,8 +57,15 @@ unsafe impl Send for RdmaMr {}
 // SAFETY: as above.
 unsafe impl Sync for RdmaMr {}
 
+/// A new region, counted in the process's registered memory until dropped.
+fn counted(mr: RdmaMr) -> RdmaMr {
+    eps_fabric::stats::registered(mr.len() as i64);
+    mr
+}
+
 impl Drop for RdmaMr {
     fn drop(&mut self) {
+        eps_fabric::stats::registered(-(self.len() as i64));
         match &mut self.backing {
             Backing::Host(buf) => {
                 // SAFETY: `buf` is taken once, here, and not used after.
@@ -173,14 +180,16 @@ pub(super) fn register_host(pd: &Arc<PdInner>, mut buf: RegionBuf, access: Acces
     if mr.is_null() {
         return Err(FabricError::Alloc { bytes: buf.len() as u64, source: io::Error::last_os_error() });
     }
-    Ok(RdmaMr { mr, backing: Backing::Host(std::mem::ManuallyDrop::new(buf)), access, pd: pd.clone() })
+    Ok(counted(RdmaMr { mr, backing: Backing::Host(std::mem::ManuallyDrop::new(buf)), access, pd: pd.clone() }))
 }
 
 /// `len` zeroed bytes of host memory: from the registration cache when it holds a
 /// region of that length and access, else freshly mapped and registered.
 pub(super) fn alloc_host(pd: &Arc<PdInner>, len: usize, access: Access) -> Result<RdmaMr> {
     match pd.cache.take(pd.pd, len, access, access_flags(access)) {
-        Some((mr, buf)) => Ok(RdmaMr { mr, backing: Backing::Host(std::mem::ManuallyDrop::new(buf)), access, pd: pd.clone() }),
+        Some((mr, buf)) => {
+            Ok(counted(RdmaMr { mr, backing: Backing::Host(std::mem::ManuallyDrop::new(buf)), access, pd: pd.clone() }))
+        }
         None => register_host(pd, RegionBuf::new(len)?, access),
     }
 }
@@ -205,6 +214,6 @@ impl RdmaPd {
         if mr.is_null() {
             return Err(FabricError::Alloc { bytes: len as u64, source: io::Error::last_os_error() });
         }
-        Ok(RdmaMr { mr, backing: Backing::Device(mem), access, pd: self.0.clone() })
+        Ok(counted(RdmaMr { mr, backing: Backing::Device(mem), access, pd: self.0.clone() }))
     }
 }
