@@ -21,6 +21,7 @@ pub mod checkpoint;
 pub mod ha;
 pub mod live;
 pub mod rdma;
+pub mod report;
 pub mod roles;
 pub mod sim;
 pub(crate) mod sim_plot;

@@ -209,8 +209,7 @@ pub fn server(
     };
     let reg = eps_server::register(&cfg).map_err(|e| crate_error(&e))?;
     // For a supervisor (`eps train`): which rank this process serves.
-    println!("EPS_SERVER rank={}", reg.rank());
-    let _ = std::io::Write::flush(&mut std::io::stdout());
+    crate::report::Report::Server { rank: reg.rank() }.print();
     let chosen = transport::choose(fabric, Some(&reg.spec().fabric))?;
     let kind = crate::aggregator::choose(agg, reg.spec().job.aggregator.as_deref())?;
     let built = crate::aggregator::build(kind, 1)?;
@@ -241,20 +240,19 @@ pub fn server(
     let s = transport::run_on(&chosen, Serve { cfg, reg, built })?.map_err(|e| crate_error(&e))?;
     if s.sparse_rss_start_bytes > 0 {
         // For a supervisor (`eps bench sparse`): what the sparse tables hold.
-        println!(
-            "EPS_SERVER_SPARSE rank={} rows={} row_state_bytes={} heap_bytes={} rss_start_bytes={} rss_end_bytes={} pulled_keys={} stepped_keys={} evicted={} refused={}",
-            s.rank,
-            s.sparse_rows,
-            s.sparse_row_state_bytes,
-            s.sparse_heap_bytes,
-            s.sparse_rss_start_bytes,
-            s.sparse_rss_end_bytes,
-            s.sparse_pulled_keys,
-            s.sparse_stepped_keys,
-            s.sparse_evicted,
-            s.sparse_refused
-        );
-        let _ = std::io::Write::flush(&mut std::io::stdout());
+        crate::report::Report::ServerSparse(crate::report::ServerSparse {
+            rank: s.rank,
+            rows: s.sparse_rows,
+            row_state_bytes: s.sparse_row_state_bytes,
+            heap_bytes: s.sparse_heap_bytes,
+            rss_start_bytes: s.sparse_rss_start_bytes,
+            rss_end_bytes: s.sparse_rss_end_bytes,
+            pulled_keys: s.sparse_pulled_keys,
+            stepped_keys: s.sparse_stepped_keys,
+            evicted: s.sparse_evicted,
+            refused: s.sparse_refused,
+        })
+        .print();
     }
     eps_proto::say!(
         "eps server {}: {} shards, {} parameters, {} updates applied, {} pulls served, {} protocol violations ({} transport, {} aggregator){}",

@@ -8,6 +8,7 @@
 //! the job: it ends with the same parameters. Needs root and `ip` (iproute2);
 //! without them the tests say they skipped.
 
+use eps::report::Report;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -117,7 +118,8 @@ impl Job {
 
     /// Waits for a worker's progress line at `step` or later.
     fn wait_step(&mut self, step: u64) {
-        self.lines.until(&format!("progress at step {step}"), |l| l.contains("EPS_PROGRESS") && json_step(l) >= step);
+        self.lines
+            .until(&format!("progress at step {step}"), |l| matches!(report(l), Some(Report::Progress(p)) if p.step >= step));
     }
 
     /// Waits for every process to exit; returns the exit status by process.
@@ -144,9 +146,11 @@ impl Job {
 
     /// The final parameters' checksum, from the worker that evaluated them.
     fn checksum(&self) -> String {
-        let l =
-            self.lines.seen.iter().find(|l| l.contains("EPS_DONE") && l.contains("params_checksum=")).expect("an EPS_DONE line");
-        l.split("params_checksum=").nth(1).unwrap().split_whitespace().next().unwrap().to_string()
+        let done = self.lines.seen.iter().find_map(|l| match report(l) {
+            Some(Report::Done(d)) => d.result,
+            _ => None,
+        });
+        done.expect("a worker's evaluation").params_checksum
     }
 }
 
@@ -159,8 +163,9 @@ impl Drop for Job {
     }
 }
 
-fn json_step(l: &str) -> u64 {
-    l.split("step=").nth(1).and_then(|r| r.split_whitespace().next()).and_then(|s| s.parse().ok()).unwrap_or(0)
+/// The report on a line tagged with its process's name.
+fn report(l: &str) -> Option<Report> {
+    Report::parse(&l[l.find(eps::report::PREFIX)?..])
 }
 
 /// The spec of the job (3 servers, `steps`), and the checksum an

@@ -76,10 +76,12 @@ def rust_round(eps_bin, spec_path, iters):
         out = subprocess.run(cmd, env=job.env, capture_output=True, text=True, timeout=900)
         if out.returncode != 0:
             sys.exit(f"eps.bench: the Rust worker failed:\n{out.stderr[-2000:]}")
-        m = re.search(r"EPS_BENCH rank=0 p50_ms=([\d.]+)", out.stdout)
-        if not m:
-            sys.exit(f"eps.bench: the Rust worker did not report:\n{out.stdout[-2000:]}")
-        return float(m.group(1))
+        for line in out.stdout.splitlines():
+            if line.startswith("EPS_REPORT "):
+                r = json.loads(line[len("EPS_REPORT "):])
+                if r.get("report") == "bench" and r.get("rank") == 0 and "p50_ms" in r:
+                    return float(r["p50_ms"])
+        sys.exit(f"eps.bench: the Rust worker did not report:\n{out.stdout[-2000:]}")
     finally:
         job.close()
 

@@ -1,12 +1,11 @@
-//! A minimal writer for the flat JSON objects the benchmarks print.
+//! The flat JSON objects the benchmarks print, built field by field in
+//! order, written by serde_json.
 
-use std::fmt::Write;
+use serde_json::{Map, Value};
 
-/// A flat JSON object built field by field, in order.
+/// A JSON object built field by field, in order.
 #[derive(Debug, Default)]
-pub struct Json {
-    out: String,
-}
+pub struct Json(Map<String, Value>);
 
 impl Json {
     /// An empty object.
@@ -14,70 +13,46 @@ impl Json {
         Self::default()
     }
 
-    fn key(&mut self, k: &str) {
-        self.out.push(if self.out.is_empty() { '{' } else { ',' });
-        let _ = write!(self.out, "\"{k}\":");
-    }
-
     /// Adds a string field.
     pub fn str(mut self, k: &str, v: &str) -> Self {
-        self.key(k);
-        self.out.push('"');
-        for c in v.chars() {
-            match c {
-                '"' => self.out.push_str("\\\""),
-                '\\' => self.out.push_str("\\\\"),
-                c if (c as u32) < 0x20 => {
-                    let _ = write!(self.out, "\\u{:04x}", c as u32);
-                }
-                c => self.out.push(c),
-            }
-        }
-        self.out.push('"');
+        self.0.insert(k.into(), Value::String(v.into()));
         self
     }
 
-    /// Adds a field whose value is JSON already (an array or object).
+    /// Adds a field whose value is JSON already (an array or object; text
+    /// that does not parse is kept as a string).
     pub fn raw(mut self, k: &str, json: &str) -> Self {
-        self.key(k);
-        self.out.push_str(json);
+        let v = serde_json::from_str(json).unwrap_or_else(|_| Value::String(json.into()));
+        self.0.insert(k.into(), v);
         self
     }
 
     /// Adds an integer field.
     pub fn int(mut self, k: &str, v: u64) -> Self {
-        self.key(k);
-        let _ = write!(self.out, "{v}");
+        self.0.insert(k.into(), v.into());
         self
     }
 
-    /// Adds a float field (non-finite values become null).
+    /// Adds a float field, to 4 decimals (non-finite values become null).
     pub fn num(mut self, k: &str, v: f64) -> Self {
-        self.key(k);
-        if v.is_finite() {
-            let _ = write!(self.out, "{v:.4}");
-        } else {
-            self.out.push_str("null");
-        }
+        let v = serde_json::Number::from_f64((v * 1e4).round() / 1e4).map_or(Value::Null, Value::Number);
+        self.0.insert(k.into(), v);
         self
     }
 
-    /// The finished object.
-    pub fn finish(mut self) -> String {
-        if self.out.is_empty() {
-            self.out.push('{');
-        }
-        self.out.push('}');
-        self.out
+    /// The finished object, on one line.
+    pub fn finish(self) -> String {
+        Value::Object(self.0).to_string()
     }
 }
 
 #[cfg(test)]
 mod tests {
     #[test]
-    fn writes_flat_objects() {
-        let j = super::Json::new().str("op", "wr\"ite").int("n", 3).num("x", 1.5).num("y", f64::NAN).finish();
-        assert_eq!(j, r#"{"op":"wr\"ite","n":3,"x":1.5000,"y":null}"#);
+    fn writes_objects_in_order() {
+        let j = super::Json::new().str("op", "wr\"ite").int("n", 3).num("x", 1.23456).num("y", f64::NAN);
+        let j = j.raw("a", "[1,{\"b\":2}]").finish();
+        assert_eq!(j, r#"{"op":"wr\"ite","n":3,"x":1.2346,"y":null,"a":[1,{"b":2}]}"#);
         assert_eq!(super::Json::new().finish(), "{}");
     }
 }

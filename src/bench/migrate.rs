@@ -26,8 +26,9 @@ use eps_worker::{Worker, WorkerError};
 use crate::train::scale::Spawn;
 
 use crate::bench::fabric::{self, FabricBench, Op};
+use crate::report::{self, Report};
 use crate::train::cluster::soft_args;
-use crate::train::{LocalCluster, TrainError, field, num};
+use crate::train::{LocalCluster, TrainError};
 
 /// Parameters of one run.
 #[derive(Clone, Debug)]
@@ -171,11 +172,11 @@ fn unix_us() -> u64 {
 }
 
 /// The worker side: train `spec.job.steps` steps, timing `pulls` pulls of shard 0
-/// after each; prints `EPS_PROGRESS step=N` per step and at the end
-/// `EPS_PULLS failed=F error=.. samples=T:L,T:L,...`.
+/// after each; prints a `Progress` report per step and at the end a `Pulls`
+/// report (each pull's start and latency, the failure if one failed).
 pub fn run_worker<P: eps_fabric::Fabric>(mut w: Worker<P>, pulls: u32) -> Result<(), WorkerError> {
     let steps = w.spec().job.steps;
-    let mut samples = String::new();
+    let mut samples = Vec::new();
     let mut failure: Option<String> = None;
     'steps: for step in 0..steps {
         w.push_pull()?;
@@ -186,17 +187,15 @@ pub fn run_worker<P: eps_fabric::Fabric>(mut w: Worker<P>, pulls: u32) -> Result
                 break 'steps;
             }
             let lat = t.elapsed().as_micros() as u64;
-            samples.push_str(&format!("{at}:{lat},"));
+            samples.push((at, lat));
         }
-        println!("EPS_PROGRESS step={}", step + 1);
+        Report::Progress(report::Progress { step: step + 1, ..report::Progress::default() }).print();
     }
-    let failed = u64::from(failure.is_some());
-    let why = failure.as_deref().unwrap_or("-").replace(' ', "_");
-    println!("EPS_PULLS failed={failed} error={why} samples={}", samples.trim_end_matches(','));
+    Report::Pulls(report::Pulls { samples, failed: failure.clone() }).print();
     match failure {
         None => w.finish().map(|_| ()),
         // Exit non-zero so the cluster stops; the driver still reads the line.
-        Some(_) => Err(WorkerError::Timeout("a pull during the benchmark (see the EPS_PULLS line)")),
+        Some(_) => Err(WorkerError::Timeout("a pull during the benchmark (see the Pulls report)")),
     }
 }
 
@@ -256,32 +255,25 @@ pub fn run(cfg: &MigrateBench) -> Result<MigrateReport, MigrateError> {
         });
     }
     let mut line = None;
-    let ran = cluster.supervise(Some(&more_servers), |l| {
-        if l.starts_with("EPS_PROGRESS") {
-            step.store(num(l, "step") as u64, Ordering::Release);
-        } else if l.starts_with("EPS_PULLS") {
-            line = Some(l.to_string());
-        }
+    let ran = cluster.supervise(Some(&more_servers), |l| match Report::parse(l) {
+        Some(Report::Progress(p)) => step.store(p.step, Ordering::Release),
+        Some(Report::Pulls(p)) => line = Some(p),
+        _ => {}
     });
     let line = match (ran, line) {
         (Ok(_), Some(l)) => l,
         // A failed pull stops the worker (and so the cluster): report it.
-        (Err(_), Some(l)) if num(&l, "failed") > 0.0 => l,
+        (Err(_), Some(l)) if l.failed.is_some() => l,
         (Err(e), _) => return Err(e.into()),
         (Ok(_), None) => return Err(MigrateError::NoReport),
     };
     let fabric_after = fabric::run(&FabricBench { op: Op::Write, size: 4 << 20, iters: 300, depth: 8 })?;
-    let failed = num(&line, "failed") as u64;
+    let failed = u64::from(line.failed.is_some());
     let (migrations, why) = followed.lock().unwrap_or_else(|p| p.into_inner()).clone();
     if let Some(why) = why.filter(|_| failed == 0) {
         return Err(MigrateError::Migration(why));
     }
-    let samples: Vec<(u64, u64)> = field(&line, "samples")
-        .unwrap_or("")
-        .split(',')
-        .filter_map(|x| x.split_once(':'))
-        .filter_map(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?)))
-        .collect();
+    let samples = line.samples;
     // Steady: before the first scale event (and so before its server process started).
     let first = migrations.first().map_or(u64::MAX, |m| m.requested_us);
     let mut steady: Vec<u64> = samples.iter().filter(|s| s.0 < first).map(|s| s.1).collect();
@@ -293,7 +285,7 @@ pub fn run(cfg: &MigrateBench) -> Result<MigrateReport, MigrateError> {
     Ok(MigrateReport {
         pulls: samples.len() as u64 + failed,
         pulls_failed: failed,
-        failure: field(&line, "error").filter(|e| *e != "-").map(|e| e.replace('_', " ")),
+        failure: line.failed,
         steady_pulls: steady.len() as u64,
         pull_lat_us_p50_steady: percentile(&steady, 0.50),
         pull_lat_us_p99_steady: percentile(&steady, 0.99),

@@ -7,8 +7,9 @@ use std::time::Instant;
 use eps_worker::{Worker, WorkerError};
 
 use crate::bench::fabric::{self, FabricBench, Op};
+use crate::report::{self, Report};
 use crate::train::cluster::soft_args;
-use crate::train::{LocalCluster, TrainError, field, num};
+use crate::train::{LocalCluster, TrainError};
 
 /// Warm-up iterations before measuring.
 const WARMUP: u64 = 3;
@@ -59,7 +60,7 @@ pub enum PushPullError {
 }
 
 /// The worker side: join, warm up, then time `iters` push_pull calls; prints
-/// `EPS_BENCH rank=R p50_ms=..`.
+/// a `Bench` report (p50, min and max in milliseconds).
 pub fn run_worker<P: eps_fabric::Fabric>(mut w: Worker<P>, iters: u64) -> Result<(), WorkerError> {
     for _ in 0..WARMUP {
         w.push_pull()?;
@@ -71,7 +72,14 @@ pub fn run_worker<P: eps_fabric::Fabric>(mut w: Worker<P>, iters: u64) -> Result
         ms.push(t.elapsed().as_secs_f64() * 1e3);
     }
     ms.sort_by(|a, b| a.total_cmp(b));
-    println!("EPS_BENCH rank={} p50_ms={:.4} min_ms={:.4} max_ms={:.4}", w.rank(), ms[ms.len() / 2], ms[0], ms[ms.len() - 1]);
+    Report::Bench(report::Bench {
+        rank: w.rank(),
+        p50_ms: Some(ms[ms.len() / 2]),
+        min_ms: Some(ms[0]),
+        max_ms: Some(ms[ms.len() - 1]),
+        ..report::Bench::default()
+    })
+    .print();
     w.finish()?;
     Ok(())
 }
@@ -102,8 +110,10 @@ pub fn run(cfg: &PushPullBench) -> Result<PushPullReport, PushPullError> {
     let cluster = LocalCluster::start(&spec, &text, &["--bench-iters", &iters], &soft_args())?;
     let mut p50 = None;
     cluster.supervise(None, |l| {
-        if l.starts_with("EPS_BENCH") && field(l, "rank") == Some("0") {
-            p50 = Some(num(l, "p50_ms"));
+        if let Some(Report::Bench(b)) = Report::parse(l)
+            && b.rank == 0
+        {
+            p50 = b.p50_ms;
         }
     })?;
     let fabric_after = fabric::run(&FabricBench { op: Op::Write, size: 4 << 20, iters: 300, depth: 8 })?;

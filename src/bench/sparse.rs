@@ -11,8 +11,9 @@ use eps_sparse::zipf::Zipf;
 use eps_worker::{Worker, WorkerError};
 
 use crate::bench::fabric::{self, FabricBench, Op};
+use crate::report::{self, Report};
 use crate::train::cluster::soft_args;
-use crate::train::{LocalCluster, TrainError, field, num};
+use crate::train::{LocalCluster, TrainError};
 
 /// Warm-up iterations before measuring.
 const WARMUP: u64 = 2;
@@ -91,8 +92,8 @@ pub enum SparseBenchError {
 
 /// The worker side of `--bench-sparse ITERS,KEYS,ROWS,ZIPF`: warm up, then
 /// time `iters` pulls and pushes of a batch of zipf ids (and a small dense
-/// push_pull each step); prints `EPS_BENCH rank=R pull_ms=.. push_ms=..
-/// distinct=..` (medians).
+/// push_pull each step); prints a `Bench` report (pull_ms, push_ms,
+/// distinct: medians).
 pub fn run_worker<P: eps_fabric::Fabric>(mut w: Worker<P>, args: &str) -> Result<(), WorkerError> {
     let bad = || WorkerError::Unsupported("--bench-sparse takes ITERS,KEYS,ROWS,ZIPF");
     let v: Vec<&str> = args.split(',').collect();
@@ -126,13 +127,14 @@ pub fn run_worker<P: eps_fabric::Fabric>(mut w: Worker<P>, args: &str) -> Result
         v.sort_by(|a, b| a.total_cmp(b));
         v[v.len() / 2]
     };
-    println!(
-        "EPS_BENCH rank={} pull_ms={:.4} push_ms={:.4} distinct={}",
-        w.rank(),
-        med(&mut pull),
-        med(&mut push),
-        med(&mut distinct)
-    );
+    Report::Bench(report::Bench {
+        rank: w.rank(),
+        pull_ms: Some(med(&mut pull)),
+        push_ms: Some(med(&mut push)),
+        distinct: Some(med(&mut distinct)),
+        ..report::Bench::default()
+    })
+    .print();
     w.finish()?;
     Ok(())
 }
@@ -162,20 +164,18 @@ pub fn run(cfg: &SparseBench) -> Result<SparseReport, SparseBenchError> {
     let arg = format!("{},{},{},{}", cfg.iters, cfg.keys, cfg.rows, cfg.zipf);
     let cluster = LocalCluster::start(&spec, &text, &["--bench-sparse", &arg], &soft_args())?;
     let (mut worker0, mut servers) = (None, Vec::new());
-    cluster.supervise(None, |l| {
-        if l.starts_with("EPS_BENCH ") && field(l, "rank") == Some("0") {
-            worker0 = Some(l.to_string());
-        } else if l.starts_with("EPS_SERVER_SPARSE") {
-            servers.push(l.to_string());
-        }
+    cluster.supervise(None, |l| match Report::parse(l) {
+        Some(Report::Bench(b)) if b.rank == 0 => worker0 = Some(b),
+        Some(Report::ServerSparse(s)) => servers.push(s),
+        _ => {}
     })?;
     let fabric_after = fabric::run(&reference)?;
     let w = worker0.ok_or(SparseBenchError::NoReport("worker 0"))?;
     if servers.len() != cfg.servers as usize {
         return Err(SparseBenchError::NoReport("every server"));
     }
-    let sum = |k: &str| servers.iter().map(|l| num(l, k) as u64).sum::<u64>();
-    let (pull_ms, push_ms, distinct) = (num(&w, "pull_ms"), num(&w, "push_ms"), num(&w, "distinct"));
+    let sum = |k: fn(&report::ServerSparse) -> u64| servers.iter().map(k).sum::<u64>();
+    let (pull_ms, push_ms, distinct) = (w.pull_ms.unwrap_or(0.0), w.push_ms.unwrap_or(0.0), w.distinct.unwrap_or(0.0));
     let row_bytes = distinct * f64::from(cfg.dim) * 4.0;
     Ok(SparseReport {
         pull_ms_p50: pull_ms,
@@ -186,10 +186,10 @@ pub fn run(cfg: &SparseBench) -> Result<SparseReport, SparseBenchError> {
         push_keys_per_s: f64::from(cfg.keys) / (push_ms / 1e3),
         push_gbytes_per_s: row_bytes / (push_ms / 1e3) / 1e9,
         fabric_write_gbytes_per_s: 0.5 * (fabric_before.bw_gbytes_per_s + fabric_after.bw_gbytes_per_s),
-        rows_held: sum("rows"),
-        row_state_bytes: sum("row_state_bytes"),
-        server_rss_bytes: sum("rss_end_bytes"),
-        server_rss_growth_bytes: sum("rss_end_bytes").saturating_sub(sum("rss_start_bytes")),
-        table_heap_bytes: sum("heap_bytes"),
+        rows_held: sum(|s| s.rows),
+        row_state_bytes: sum(|s| s.row_state_bytes),
+        server_rss_bytes: sum(|s| s.rss_end_bytes),
+        server_rss_growth_bytes: sum(|s| s.rss_end_bytes).saturating_sub(sum(|s| s.rss_start_bytes)),
+        table_heap_bytes: sum(|s| s.heap_bytes),
     })
 }

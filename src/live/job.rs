@@ -3,6 +3,7 @@
 //! policy's allocations through the job's control plane (the scale API of
 //! `eps scale`), starting the servers and workers a growth needs.
 
+use crate::report::Report;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
@@ -15,7 +16,6 @@ use eps_proto::control::ControlMsg;
 use eps_sched::Alloc;
 
 use super::launcher::{JobLaunch, Launcher, Stop, progress_samples};
-use crate::train::field;
 use crate::train::scale::{ScaleOutcome, Spawn, wait_settled};
 
 /// What the driver learns of a running job, written by the job's threads.
@@ -130,11 +130,13 @@ impl Running {
                 if let Some(s) = progress_samples(l) {
                     g.samples = s;
                     g.points.push((now, s));
-                } else if l.starts_with("EPS_DONE") && field(l, "params_checksum").is_some() {
+                } else if let Some(Report::Done(d)) = Report::parse(l)
+                    && let Some(r) = d.result
+                {
                     // The lowest-ranked contributor of the last iteration evaluates the result.
                     g.done_s = Some(now);
-                    g.checksum = field(l, "params_checksum").map(str::to_string);
-                    g.membership = field(l, "membership").map(str::to_string);
+                    g.checksum = Some(r.params_checksum);
+                    g.membership = Some(r.membership);
                 }
             };
             let r = procs.supervise(&spawn_rx, &mut on_line);

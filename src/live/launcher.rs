@@ -3,14 +3,15 @@
 //! grows. `local` runs them as child processes of this one; `slurm` as job
 //! steps of the allocation this process runs in.
 
+use crate::report::Report;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::sync::mpsc::Receiver;
 
+use crate::train::TrainError;
 use crate::train::cluster::{ChildArgs, Launch, LocalCluster};
 use crate::train::scale::Spawn;
-use crate::train::{TrainError, field};
 
 /// One job to start: its spec and the flags of its worker processes.
 #[derive(Clone, Debug)]
@@ -185,9 +186,12 @@ pub fn job_launch(j: &eps_sched::JobSpec, alloc: eps_sched::Alloc, seed: u64) ->
     Ok(JobLaunch { spec, text, worker_args, nodes: Vec::new() })
 }
 
-/// The job's samples trained so far in an `EPS_PROGRESS` line.
+/// The job's samples trained so far, if `line` is a `Progress` report.
 pub fn progress_samples(line: &str) -> Option<u64> {
-    line.strip_prefix("EPS_PROGRESS").and_then(|l| field(l, "samples")?.parse().ok())
+    match Report::parse(line)? {
+        Report::Progress(p) => Some(p.samples),
+        _ => None,
+    }
 }
 
 #[cfg(test)]
@@ -204,7 +208,8 @@ mod tests {
         assert!((bytes / f64::from(4u32 << 20) - 1.0).abs() < 0.01, "{bytes}");
         assert!(l.spec.layout().unwrap().shards.len() >= 2);
         assert!(l.worker_args.contains(&"10000".to_string()));
-        assert_eq!(progress_samples("EPS_PROGRESS step=3 samples=192 loss=1"), Some(192));
-        assert_eq!(progress_samples("EPS_DONE rank=0 samples=192"), None);
+        let p = Report::Progress(crate::report::Progress { step: 3, samples: 192, ..Default::default() });
+        assert_eq!(progress_samples(&p.line()), Some(192));
+        assert_eq!(progress_samples("step 3 samples=192"), None);
     }
 }

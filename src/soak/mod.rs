@@ -17,6 +17,7 @@
 pub mod faults;
 mod plot;
 
+use crate::report::Report as ChildReport;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -26,7 +27,7 @@ use eps_proto::JobSpec;
 
 use crate::bench::json::Json;
 use crate::train::cluster::{Processes, soft_args};
-use crate::train::{LocalCluster, Overrides, build_spec_or, field, num};
+use crate::train::{LocalCluster, Overrides, build_spec_or};
 
 /// The job the soak trains (workers, servers and steps are set per run).
 pub const SOAK_SPEC: &str = r#"
@@ -248,17 +249,19 @@ fn soak(a: &SoakArgs, steps: u64, kinds: Vec<faults::Kind>) -> Result<Soaked, St
     let mut out = Soaked::default();
     let res = cluster.supervise_tolerant(Some(&more), true, |l| {
         let t = t0.elapsed().as_secs_f64();
-        if l.starts_with("EPS_PROGRESS") {
-            step.store(num(l, "step") as u64, Ordering::Release);
-        } else if l.starts_with("EPS_LAT") {
-            out.lat.push(Lat { t, p50_us: num(l, "p50_us"), p99_us: num(l, "p99_us") });
-        } else if l.starts_with("EPS_DONE") {
-            out.worker_lat.push((num(l, "lat_p50_us"), num(l, "lat_p99_us")));
-            out.samples_per_s += num(l, "samples") / num(l, "elapsed_s").max(1e-9);
-            if let Some(c) = field(l, "params_checksum") {
-                out.checksum = c.to_string();
-                out.digests = field(l, "chunk_digests").unwrap_or_default().to_string();
+        match ChildReport::parse(l) {
+            Some(ChildReport::Progress(p)) => step.store(p.step, Ordering::Release),
+            Some(ChildReport::Latency(x)) => out.lat.push(Lat { t, p50_us: x.p50_us as f64, p99_us: x.p99_us as f64 }),
+            Some(ChildReport::Done(d)) => {
+                let q = d.latency_us.clone().unwrap_or_default();
+                out.worker_lat.push((q.p50 as f64, q.p99 as f64));
+                out.samples_per_s += d.samples as f64 / d.elapsed_s.max(1e-9);
+                if let Some(r) = d.result {
+                    out.checksum = r.params_checksum;
+                    out.digests = r.chunk_digests.unwrap_or_default();
+                }
             }
+            _ => {}
         }
     });
     out.seconds = t0.elapsed().as_secs_f64();
@@ -343,9 +346,11 @@ fn reference(a: &SoakArgs, steps: u64) -> Result<(String, String), String> {
     let (mut checksum, mut digests) = (String::new(), String::new());
     cluster
         .supervise(None, |l| {
-            if let (true, Some(c)) = (l.starts_with("EPS_DONE"), field(l, "params_checksum")) {
-                checksum = c.to_string();
-                digests = field(l, "chunk_digests").unwrap_or_default().to_string();
+            if let Some(ChildReport::Done(d)) = ChildReport::parse(l)
+                && let Some(r) = d.result
+            {
+                checksum = r.params_checksum;
+                digests = r.chunk_digests.unwrap_or_default();
             }
         })
         .map_err(|e| format!("the reference run: {e}"))?;

@@ -3,6 +3,7 @@
 //! it stops every process still running; Ctrl-C or a failing process ends
 //! [`LocalCluster::supervise`] with an error.
 
+use crate::report::Report;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -524,11 +525,15 @@ impl LocalCluster {
         let tx = self.tx.clone();
         self.readers.push(std::thread::spawn(move || {
             for l in BufReader::new(out).lines().map_while(Result::ok) {
-                if let Some(n) = l.strip_prefix("EPS_SERVER rank=").and_then(|n| n.parse().ok()) {
-                    let _ = r.set(n);
-                } else if l.starts_with("EPS_SERVER_SPARSE") {
+                match Report::parse(&l) {
+                    Some(Report::Server { rank }) => {
+                        let _ = r.set(rank);
+                    }
                     // What a server's sparse tables held, for whoever supervises.
-                    let _ = tx.send(l);
+                    Some(Report::ServerSparse(_)) => {
+                        let _ = tx.send(l);
+                    }
+                    _ => {}
                 }
             }
         }));

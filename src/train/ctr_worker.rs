@@ -11,7 +11,8 @@ use eps_proto::spec::CTR_TABLE;
 use eps_worker::Worker;
 
 use super::ctr::{Click, Ctr, auc, key, log_loss};
-use super::worker::{HELD_OUT, HELD_OUT_FIRST, Pace, TrainWorkerError, checksum, done_line, membership_text, report_progress};
+use super::worker::{HELD_OUT, HELD_OUT_FIRST, Pace, TrainWorkerError, checksum, done, membership_text, report_progress};
+use crate::report::{self, Report};
 
 /// Held-out samples evaluated per pull.
 const EVAL_CHUNK: u64 = 1024;
@@ -65,8 +66,8 @@ impl Batch {
     }
 }
 
-/// Trains the ctr task; prints `EPS_PROGRESS` and `EPS_DONE` lines as the
-/// built-in task does, `EPS_DONE` of the evaluating rank adding
+/// Trains the ctr task; prints `Progress` and `Done` reports as the
+/// built-in task does, the evaluating rank's `Done` adding
 /// `final_auc`, `teacher_auc` and `sparse_checksum`.
 pub fn run<P: eps_fabric::Fabric>(mut w: Worker<P>, pace: Pace) -> Result<(), TrainWorkerError> {
     let spec = w.spec().clone();
@@ -118,19 +119,18 @@ pub fn run<P: eps_fabric::Fabric>(mut w: Worker<P>, pace: Pace) -> Result<(), Tr
             (loss_sum, correct, seen) = (0.0, 0, 0);
         }
     }
-    let mut line = done_line(&w, first_step, left, trained, start.elapsed().as_secs_f64());
+    let mut d = done(&w, first_step, left, trained, start.elapsed().as_secs_f64());
     let last = w.iteration().saturating_sub(1);
     if !left && w.membership().contributors(last).first() == Some(&rank) {
-        line += &format!(" membership={}", membership_text(w.membership()));
-        line += &evaluate(&mut w, table, &task)?;
+        d.result = Some(evaluate(&mut w, table, &task)?);
     }
-    println!("{line}");
+    Report::Done(Box::new(d)).print();
     w.finish()?;
     Ok(())
 }
 
-/// The held-out figures and checksums, as `key=value` pairs.
-fn evaluate<P: eps_fabric::Fabric>(w: &mut Worker<P>, table: u16, task: &Ctr) -> Result<String, TrainWorkerError> {
+/// The held-out figures and checksums.
+fn evaluate<P: eps_fabric::Fabric>(w: &mut Worker<P>, table: u16, task: &Ctr) -> Result<report::Evaluation, TrainWorkerError> {
     let mut p = vec![0f32; w.layout().total as usize];
     w.read_params(&mut p)?;
     let (mut student, mut teacher) = (Vec::new(), Vec::new());
@@ -154,14 +154,15 @@ fn evaluate<P: eps_fabric::Fabric>(w: &mut Worker<P>, table: u16, task: &Ctr) ->
     let keys: Vec<u64> = (0..task.fields).flat_map(|f| (0..CHECKED_IDS.min(task.vocab)).map(move |id| key(f, id))).collect();
     let mut rows = vec![0f32; keys.len() * task.embed];
     w.sparse_pull(table, &keys, &mut rows)?;
-    Ok(format!(
-        " final_loss={:.5} final_accuracy={:.4} teacher_accuracy={:.4} final_auc={:.5} teacher_auc={:.5} params_checksum={} sparse_checksum={}",
-        loss / n,
-        correct as f64 / n,
-        teacher_correct as f64 / n,
-        auc(&mut student),
-        auc(&mut teacher),
-        checksum(w.params_bytes()),
-        checksum(bytemuck::cast_slice(&rows))
-    ))
+    Ok(report::Evaluation {
+        membership: membership_text(w.membership()),
+        final_loss: loss / n,
+        final_accuracy: correct as f64 / n,
+        teacher_accuracy: teacher_correct as f64 / n,
+        final_auc: Some(auc(&mut student)),
+        teacher_auc: Some(auc(&mut teacher)),
+        params_checksum: checksum(w.params_bytes()),
+        sparse_checksum: Some(checksum(bytemuck::cast_slice(&rows))),
+        chunk_digests: None,
+    })
 }

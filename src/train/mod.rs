@@ -9,6 +9,7 @@ pub mod scale;
 pub mod task;
 pub mod worker;
 
+use crate::report::{self, Report};
 use std::path::{Path, PathBuf};
 
 pub use cluster::{Launch, LocalCluster};
@@ -385,30 +386,29 @@ fn run_once(
     let (steps, batch) = (spec.job.steps, spec.job.batch as f64);
     let mut rep = TrainReport { steps, ..TrainReport::default() };
     let mut totals = Totals::default();
-    let started = cluster.supervise_tolerant(Some(&more), spec.job.replicas > 1, |l| {
-        if l.starts_with("EPS_PROGRESS") {
-            let (step_now, secs) = (num(l, "step"), num(l, "elapsed_s").max(1e-9));
-            step.store(step_now as u64, std::sync::atomic::Ordering::Release);
-            reached.store(step_now as u64, std::sync::atomic::Ordering::Release);
-            if (step_now as u64) % every != 0 {
+    let started = cluster.supervise_tolerant(Some(&more), spec.job.replicas > 1, |l| match Report::parse(l) {
+        Some(Report::Progress(p)) => {
+            let secs = p.elapsed_s.max(1e-9);
+            step.store(p.step, std::sync::atomic::Ordering::Release);
+            reached.store(p.step, std::sync::atomic::Ordering::Release);
+            if p.step % every != 0 {
                 return;
             }
-            let step = step_now;
             // Rates over the current contributor count.
-            let w = num(l, "workers").max(1.0);
+            let w = p.workers.max(1) as f64;
             progress(&format!(
                 "step {:>6}/{steps}  loss {:.4}  acc {:.3}  {:>8.0} samples/s  push {:.2} GB/s  pull {:.2} GB/s",
-                step as u64,
-                num(l, "loss"),
-                num(l, "acc"),
+                p.step,
+                p.loss,
+                p.acc,
                 batch * w * every as f64 / (secs - totals.last_s).max(1e-9),
-                num(l, "pushed") * w / secs / 1e9,
-                num(l, "pulled") * w / secs / 1e9,
+                p.pushed as f64 * w / secs / 1e9,
+                p.pulled as f64 * w / secs / 1e9,
             ));
             totals.last_s = secs;
-        } else if l.starts_with("EPS_DONE") {
-            absorb_done(l, &mut rep, &mut totals);
         }
+        Some(Report::Done(d)) => absorb_done(&d, &mut rep, &mut totals),
+        _ => {}
     })?;
     let (started, died) = started;
     if totals.done + died != started || rep.params_checksum.is_empty() {
@@ -436,7 +436,7 @@ fn run_once(
     Ok(rep)
 }
 
-/// What the workers' `EPS_DONE` lines add up to.
+/// What the workers' `Done` reports add up to.
 #[derive(Default)]
 struct Totals {
     /// Workers that reported.
@@ -448,32 +448,27 @@ struct Totals {
     last_s: f64,
 }
 
-/// Folds a worker's `EPS_DONE` line into the report.
-fn absorb_done(l: &str, rep: &mut TrainReport, totals: &mut Totals) {
+/// Folds a worker's `Done` report into the run's.
+fn absorb_done(d: &report::Done, rep: &mut TrainReport, totals: &mut Totals) {
     totals.done += 1;
-    totals.samples += num(l, "samples");
-    totals.pushed += num(l, "pushed");
-    totals.pulled += num(l, "pulled");
-    rep.elapsed_s = rep.elapsed_s.max(num(l, "elapsed_s"));
+    totals.samples += d.samples as f64;
+    totals.pushed += d.pushed as f64;
+    totals.pulled += d.pulled as f64;
+    rep.elapsed_s = rep.elapsed_s.max(d.elapsed_s);
     // The lowest-ranked contributor of the last iteration reports the result.
-    if field(l, "params_checksum").is_some() {
-        rep.membership = field(l, "membership").unwrap_or_default().to_string();
-        rep.final_loss = num(l, "final_loss");
-        rep.final_accuracy = num(l, "final_accuracy");
-        rep.teacher_accuracy = num(l, "teacher_accuracy");
-        rep.params_checksum = field(l, "params_checksum").unwrap_or_default().to_string();
-        rep.final_auc = field(l, "final_auc").and_then(|v| v.parse().ok());
-        rep.teacher_auc = field(l, "teacher_auc").and_then(|v| v.parse().ok());
-        rep.sparse_checksum = field(l, "sparse_checksum").map(str::to_string);
+    if let Some(r) = &d.result {
+        rep.membership = r.membership.clone();
+        rep.final_loss = r.final_loss;
+        rep.final_accuracy = r.final_accuracy;
+        rep.teacher_accuracy = r.teacher_accuracy;
+        rep.params_checksum = r.params_checksum.clone();
+        rep.final_auc = r.final_auc;
+        rep.teacher_auc = r.teacher_auc;
+        rep.sparse_checksum = r.sparse_checksum.clone();
     }
 }
 
 /// The value of `key=value` in a line of space-separated pairs.
 pub fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
     line.split_whitespace().find_map(|kv| kv.strip_prefix(key).and_then(|r| r.strip_prefix('=')))
-}
-
-/// [`field`] as a number (0 when absent or malformed).
-pub fn num(line: &str, key: &str) -> f64 {
-    field(line, key).and_then(|v| v.parse().ok()).unwrap_or(0.0)
 }

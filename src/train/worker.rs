@@ -1,5 +1,5 @@
 //! The training loop each `eps worker` process runs on the built-in task, and the
-//! lines it prints for the `eps train` driver.
+//! reports it prints for the `eps train` driver (`crate::report`).
 
 use std::time::Instant;
 
@@ -7,6 +7,7 @@ use eps_worker::{Worker, WorkerError};
 use sha2::{Digest, Sha256};
 
 use super::task::{Sample, Task};
+use crate::report::{self, Report};
 
 /// First sample index of the held-out set (far beyond any training index).
 pub const HELD_OUT_FIRST: u64 = 1 << 50;
@@ -57,10 +58,10 @@ pub struct Pace {
     /// of the worker's batch (the rest of the time slept): an accelerator's
     /// compute time, for the scheduler's live runs.
     pub compute_ms_per_sample: f64,
-    /// Every this many milliseconds (0: never), an `EPS_LAT` line with the
+    /// Every this many milliseconds (0: never), a `Latency` report with the
     /// push_pull latencies of the interval (`eps soak` plots them).
     pub latency_every_ms: u64,
-    /// The evaluating rank's `EPS_DONE` adds a digest per `shard_bytes` of
+    /// The evaluating rank's `Done` report adds a digest per `shard_bytes` of
     /// parameters (`eps soak` compares them with a fault-free run's).
     pub chunk_digests: bool,
 }
@@ -73,7 +74,7 @@ impl Pace {
 }
 
 /// Push_pull latencies in microseconds: the whole run's, and those since the
-/// last `EPS_LAT` line.
+/// last `Latency` report.
 struct Latency {
     all: hdrhistogram::Histogram<u64>,
     recent: hdrhistogram::Histogram<u64>,
@@ -96,13 +97,15 @@ impl Latency {
         self.recent.saturating_record(us);
         if self.last.elapsed() >= every {
             let r = &self.recent;
-            println!(
-                "EPS_LAT rank={rank} t_s={since_start:.3} n={} p50_us={} p99_us={} max_us={}",
-                r.len(),
-                r.value_at_quantile(0.5),
-                r.value_at_quantile(0.99),
-                r.max()
-            );
+            Report::Latency(report::Latency {
+                rank,
+                t_s: since_start,
+                n: r.len(),
+                p50_us: r.value_at_quantile(0.5),
+                p99_us: r.value_at_quantile(0.99),
+                max_us: r.max(),
+            })
+            .print();
             self.recent.reset();
             self.last = Instant::now();
         }
@@ -117,22 +120,26 @@ pub fn chunk_digests(bytes: &[u8], chunk: usize) -> String {
     d.join(",")
 }
 
-/// The start of a worker's `EPS_DONE` line: what it trained and moved.
-pub fn done_line<P: eps_fabric::Fabric>(w: &Worker<P>, first_step: u64, left: bool, trained: u64, elapsed: f64) -> String {
+/// A worker's `Done` report: what it trained and moved.
+pub fn done<P: eps_fabric::Fabric>(w: &Worker<P>, first_step: u64, left: bool, trained: u64, elapsed: f64) -> report::Done {
     let st = w.stats();
-    format!(
-        "EPS_DONE rank={} steps={} first_step={first_step} left={} samples={trained} elapsed_s={elapsed:.4} pushed={} pulled={} comm_s={:.4}",
-        w.rank(),
-        w.iteration() - first_step,
-        u8::from(left),
-        st.pushed_bytes,
-        st.pulled_bytes,
-        st.comm.as_secs_f64()
-    )
+    report::Done {
+        rank: w.rank(),
+        steps: w.iteration() - first_step,
+        first_step,
+        left,
+        samples: trained,
+        elapsed_s: elapsed,
+        pushed: st.pushed_bytes,
+        pulled: st.pulled_bytes,
+        comm_s: st.comm.as_secs_f64(),
+        latency_us: None,
+        result: None,
+    }
 }
 
 /// Rank 0 (the lowest-ranked contributor of `step`: rank 0 unless it left or
-/// died) prints an `EPS_PROGRESS` line after every `every` steps: the loss
+/// died) prints a `Progress` report after every `every` steps: the loss
 /// and accuracy over the samples since the last one (`(loss sum, correct,
 /// seen)`). Returns whether it did.
 pub fn report_progress<P: eps_fabric::Fabric>(
@@ -147,23 +154,23 @@ pub fn report_progress<P: eps_fabric::Fabric>(
         return false;
     }
     let st = w.stats();
-    println!(
-        "EPS_PROGRESS step={} samples={} loss={:.5} acc={:.4} elapsed_s={:.3} pushed={} pulled={} workers={}",
-        step + 1,
-        w.membership().samples_before(step + 1, batch),
-        loss_sum / seen.max(1) as f64,
-        correct as f64 / seen.max(1) as f64,
-        start.elapsed().as_secs_f64(),
-        st.pushed_bytes,
-        st.pulled_bytes,
-        w.membership().contributors(step).len()
-    );
+    Report::Progress(report::Progress {
+        step: step + 1,
+        samples: w.membership().samples_before(step + 1, batch),
+        loss: loss_sum / seen.max(1) as f64,
+        acc: correct as f64 / seen.max(1) as f64,
+        elapsed_s: start.elapsed().as_secs_f64(),
+        pushed: st.pushed_bytes,
+        pulled: st.pulled_bytes,
+        workers: w.membership().contributors(step).len() as u64,
+    })
+    .print();
     true
 }
 
-/// Joins the job and trains; prints `EPS_PROGRESS` lines every `pace.every`
+/// Joins the job and trains; prints `Progress` reports every `pace.every`
 /// steps (rank 0; `samples=` is the job's samples trained so far) and
-/// `EPS_DONE` at the end (every rank; rank 0 adds the evaluation).
+/// `Done` at the end (every rank; rank 0 adds the evaluation).
 pub fn run<P: eps_fabric::Fabric>(mut w: Worker<P>, pace: Pace) -> Result<(), TrainWorkerError> {
     let every = pace.every.max(1);
     let spec = w.spec().clone();
@@ -234,20 +241,15 @@ pub fn run<P: eps_fabric::Fabric>(mut w: Worker<P>, pace: Pace) -> Result<(), Tr
         }
     }
     let elapsed = start.elapsed().as_secs_f64();
-    let mut line = format!(
-        "{} lat_p50_us={} lat_p99_us={} lat_max_us={}",
-        done_line(&w, first_step, left, trained, elapsed),
-        lat.all.value_at_quantile(0.5),
-        lat.all.value_at_quantile(0.99),
-        lat.all.max()
-    );
+    let mut d = done(&w, first_step, left, trained, elapsed);
+    d.latency_us =
+        Some(report::Quantiles { p50: lat.all.value_at_quantile(0.5), p99: lat.all.value_at_quantile(0.99), max: lat.all.max() });
     if left {
         eps_proto::say!("eps worker {rank}: left the job at iteration {} (scaled away)", w.iteration());
     }
     // The lowest-ranked contributor of the last iteration evaluates the result.
     let last = w.iteration().saturating_sub(1);
     if !left && w.membership().contributors(last).first() == Some(&rank) {
-        line += &format!(" membership={}", membership_text(w.membership()));
         let mut p = vec![0f32; n];
         w.read_params(&mut p)?;
         let (acc, teacher) = task.evaluate(&p, HELD_OUT_FIRST, HELD_OUT);
@@ -257,16 +259,17 @@ pub fn run<P: eps_fabric::Fabric>(mut w: Worker<P>, pace: Pace) -> Result<(), Tr
             task.sample(i, &mut sample);
             loss += task.loss(&p, &sample, &mut z) as f64;
         }
-        line += &format!(
-            " final_loss={:.5} final_accuracy={acc:.4} teacher_accuracy={teacher:.4} params_checksum={}",
-            loss / 2_000.0,
-            checksum(w.params_bytes())
-        );
-        if pace.chunk_digests {
-            line += &format!(" chunk_digests={}", chunk_digests(w.params_bytes(), spec.job.shard_bytes as usize));
-        }
+        d.result = Some(report::Evaluation {
+            membership: membership_text(w.membership()),
+            final_loss: loss / 2_000.0,
+            final_accuracy: acc,
+            teacher_accuracy: teacher,
+            params_checksum: checksum(w.params_bytes()),
+            chunk_digests: pace.chunk_digests.then(|| chunk_digests(w.params_bytes(), spec.job.shard_bytes as usize)),
+            ..report::Evaluation::default()
+        });
     }
-    println!("{line}");
+    Report::Done(Box::new(d)).print();
     w.finish()?;
     Ok(())
 }
