@@ -71,7 +71,14 @@ pub struct ControlClient {
     at: usize,
     secret: Secret,
     wait: Duration,
+    /// For clients whose requests are answered within a bound (long polls):
+    /// no answer within it means a dead connection (a cut link), made again.
+    silence: Option<Duration>,
 }
+
+/// How long a client of long polls waits for an answer before it takes the
+/// connection for dead ([`ControlClient::answer_within`]): ten long polls.
+pub const ANSWER_WITHIN: Duration = Duration::from_secs(5);
 
 /// How long a lost connection is made again before it is reported.
 const QUIET: Duration = Duration::from_secs(1);
@@ -112,7 +119,17 @@ impl ControlClient {
     pub fn connect(addrs: impl Into<ControlAddrs>, secret: &Secret, wait: Duration) -> Result<Self, ControlError> {
         let addrs = addrs.into();
         let (s, at) = Self::dial(&addrs, 0, secret, wait)?;
-        Ok(Self { s, addrs, at, secret: secret.clone(), wait })
+        Ok(Self { s, addrs, at, secret: secret.clone(), wait, silence: None })
+    }
+
+    /// Takes a connection that answers nothing for `d` as dead: it is made
+    /// again and the request sent again (for the connect wait in all). For
+    /// requests answered within `d` by design (long polls, votes), so that a
+    /// link cut and restored is noticed in seconds, not after TCP's backoff.
+    pub fn answer_within(mut self, d: Duration) -> Result<Self, ControlError> {
+        self.silence = Some(d);
+        self.s.set_read_timeout(Some(d)).map_err(ControlError::Io)?;
+        Ok(self)
     }
 
     /// The address of the control plane this client is connected to.
@@ -158,6 +175,9 @@ impl ControlClient {
     /// Connects again, to this address first, for up to `wait`.
     fn redial(&mut self, from: usize, wait: Duration) -> Result<(), ControlError> {
         let (s, at) = Self::dial(&self.addrs, from, &self.secret, wait)?;
+        if let Some(d) = self.silence {
+            s.set_read_timeout(Some(d)).map_err(ControlError::Io)?;
+        }
         (self.s, self.at) = (s, at);
         Ok(())
     }
@@ -168,9 +188,24 @@ impl ControlClient {
     pub fn call(&mut self, m: &ControlMsg) -> Result<ControlMsg, ControlError> {
         let mut again = false;
         let mut standby_since: Option<Instant> = None;
+        let started = Instant::now();
         loop {
             let r = write_msg(&mut self.s, m).and_then(|()| read_msg(&mut self.s));
             match r {
+                Err(ControlError::Io(e))
+                    if self.silence.is_some()
+                        && matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut)
+                        && started.elapsed() < self.wait =>
+                {
+                    // Silent past the bound: a dead connection (a cut link).
+                    eps_proto::say!(
+                        "eps: no answer from the control plane at {} in {:?}; connecting again",
+                        self.peer(),
+                        self.silence.unwrap_or_default()
+                    );
+                    self.redial(self.at, self.wait.saturating_sub(started.elapsed()))?;
+                    again = true;
+                }
                 Err(e) if lost(&e) => {
                     // Quietly at first: at the end of a job the control plane exits
                     // and nobody needs it any more.

@@ -35,6 +35,7 @@ use std::sync::mpsc::{Receiver, channel};
 use std::time::Duration;
 
 use eps_agg::{Aggregator, LrSchedule, Optimizer};
+use eps_control::client::ANSWER_WITHIN;
 use eps_control::{ControlClient, ControlError};
 use eps_fabric::prelude::*;
 use eps_proto::control::{ControlMsg, Order, Role, ShardEndpoint};
@@ -603,7 +604,8 @@ fn spawn_acceptor<P: Fabric>(
 
 /// Long-polls the control plane for this server's orders on a thread of its own.
 fn spawn_order_poller(cfg: &ServerConfig, rank: u32) -> Result<Receiver<Result<Order, ControlError>>, ServerError> {
-    let mut ctl = ControlClient::connect(cfg.control.clone(), &cfg.secret, cfg.accept_timeout)?;
+    // Order polls are answered within a long poll: silence means a dead link.
+    let mut ctl = ControlClient::connect(cfg.control.clone(), &cfg.secret, cfg.accept_timeout)?.answer_within(ANSWER_WITHIN)?;
     let (tx, rx) = channel();
     std::thread::spawn(move || {
         let mut after = 0;

@@ -95,7 +95,9 @@ impl MapWatch {
 
 /// Starts the watcher thread of worker `rank`, which registered with `map`.
 pub(crate) fn spawn(cfg: &WorkerConfig, rank: u32, watch: Arc<MapWatch>, map: &JobMap) -> Result<(), WorkerError> {
-    let mut ctl = ControlClient::connect(cfg.control.clone(), &cfg.secret, cfg.timeout)?;
+    // Map polls and votes are answered within a long poll: silence means a dead link.
+    let mut ctl = ControlClient::connect(cfg.control.clone(), &cfg.secret, cfg.timeout)?
+        .answer_within(eps_control::client::ANSWER_WITHIN)?;
     // A change proposed before this worker began its first iteration is in the
     // map it registered with, and no newer map may come until it votes.
     let first = watch.observe(map);
