@@ -20,6 +20,7 @@ pub mod calibrate;
 pub mod checkpoint;
 pub mod ha;
 pub mod live;
+pub mod progress;
 pub mod rdma;
 pub mod report;
 pub mod roles;

@@ -525,8 +525,10 @@ fn train(a: TrainArgs) -> Result<(), String> {
         );
     }
     (children.etcd, children.control_planes) = (a.store, a.control_planes);
-    let r = eps::train::run(&spec, &text, a.progress_every.max(1), &plan, &children, |l| eps_proto::say!("{l}"))
+    let bar = eps::progress::Progress::new(spec.job.steps, "eps train");
+    let r = eps::train::run(&spec, &text, a.progress_every.max(1), &plan, &children, |step, l| bar.update(step, l))
         .map_err(|e| error_chain(&e))?;
+    drop(bar);
     match (r.final_auc, r.teacher_auc) {
         (Some(auc), Some(teacher)) => println!(
             "trained {} steps in {:.1} s: held-out AUC {auc:.4} (teacher {teacher:.4}), accuracy {:.4}, log loss {:.4}",

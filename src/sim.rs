@@ -144,7 +144,9 @@ pub fn run(a: SimArgs) -> Result<(), String> {
         print_header();
     }
     let mut runs = Vec::new();
-    for name in policies {
+    let bar = crate::progress::Progress::new(policies.len() as u64, "eps sim");
+    for (i, name) in policies.into_iter().enumerate() {
+        bar.tick(i as u64, &format!("simulating {name}"));
         let mut p = by_name(name).ok_or_else(|| format!("unknown policy {name}"))?;
         let started = std::time::Instant::now();
         let (s, rec) = sim::run_with(&jobs, slots, &model, p.as_mut(), &opts).map_err(|e| e.to_string())?;
@@ -159,6 +161,7 @@ pub fn run(a: SimArgs) -> Result<(), String> {
         }
         runs.push((s, rec));
     }
+    drop(bar);
     if let Some(p) = &a.out.plot {
         crate::sim_plot::draw(p, slots, &runs)?;
         eps_proto::say!("eps sim: plot in {}", p.display());

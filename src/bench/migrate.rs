@@ -255,11 +255,16 @@ pub fn run(cfg: &MigrateBench) -> Result<MigrateReport, MigrateError> {
         });
     }
     let mut line = None;
+    let bar = crate::progress::Progress::new(spec.job.steps, "eps bench migrate");
     let ran = cluster.supervise(Some(&more_servers), |l| match Report::parse(l) {
-        Some(Report::Progress(p)) => step.store(p.step, Ordering::Release),
+        Some(Report::Progress(p)) => {
+            step.store(p.step, Ordering::Release);
+            bar.tick(p.step, "steps, shards migrating at the scale events");
+        }
         Some(Report::Pulls(p)) => line = Some(p),
         _ => {}
     });
+    drop(bar);
     let line = match (ran, line) {
         (Ok(_), Some(l)) => l,
         // A failed pull stops the worker (and so the cluster): report it.

@@ -88,7 +88,7 @@ pub fn run(a: ReplicasArgs) -> Result<(), String> {
             };
             let (spec, text) = build_spec_or(a.spec.as_deref(), DEFAULT_SPEC, &o).map_err(|e| e.to_string())?;
             let ((u0, s0), t0) = (children_cpu_s()?, std::time::Instant::now());
-            let rep = crate::train::run(&spec, &text, a.steps, &[], &soft_args(), |_| {}).map_err(|e| e.to_string())?;
+            let rep = crate::train::run(&spec, &text, a.steps, &[], &soft_args(), |_, _| {}).map_err(|e| e.to_string())?;
             let ((u1, s1), wall_s) = (children_cpu_s()?, t0.elapsed().as_secs_f64());
             let (cpu_s, sys_s) = (u1 - u0 + s1 - s0, s1 - s0);
             let samples = rep.steps as f64 * f64::from(spec.job.batch) * f64::from(a.workers);

@@ -106,7 +106,7 @@ pub fn verify(jobs: &[LiveJob], specs: &[JobSpec], verbose: bool) -> Result<Veri
             .map(|x| if x.starts_with("steps = ") { format!("steps = {steps}\n") } else { format!("{x}\n") })
             .collect();
         let static_spec = eps_proto::JobSpec::from_toml(&text).map_err(|e| e.to_string())?;
-        let r = crate::train::run(&static_spec, &text, steps.max(1), &[], &crate::train::cluster::soft_args(), |_| {})
+        let r = crate::train::run(&static_spec, &text, steps.max(1), &[], &crate::train::cluster::soft_args(), |_, _| {})
             .map_err(|e| format!("static run of {}: {}", j.record.name, crate::roles::crate_error(&e)))?;
         if verbose {
             eps_proto::say!(

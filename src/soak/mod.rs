@@ -159,7 +159,8 @@ pub fn run(a: SoakArgs) -> Result<(), String> {
         None => {
             let (spec, text) = spec(&a, CALIBRATION_STEPS, 2)?;
             eps_proto::say!("eps soak: calibrating: {CALIBRATION_STEPS} steps without faults");
-            let r = crate::train::run(&spec, &text, CALIBRATION_STEPS, &[], &soft_args(), |_| {}).map_err(|e| e.to_string())?;
+            let r =
+                crate::train::run(&spec, &text, CALIBRATION_STEPS, &[], &soft_args(), |_, _| {}).map_err(|e| e.to_string())?;
             let rate = r.steps as f64 / r.elapsed_s.max(1e-3);
             let s = (rate * a.minutes * 60.0 * FAULTED_SPEED).round().max(50.0) as u64;
             eps_proto::say!("eps soak: {rate:.1} steps/s without faults; the soak trains {s} steps");
@@ -247,10 +248,14 @@ fn soak(a: &SoakArgs, steps: u64, kinds: Vec<faults::Kind>) -> Result<Soaked, St
     let injector = faults::spawn(plan, log.clone());
     let sampler = sample(cluster.processes(), step.clone(), done.clone(), cluster.stop_handle(), log.clone(), t0);
     let mut out = Soaked::default();
+    let bar = crate::progress::Progress::new(steps, "eps soak");
     let res = cluster.supervise_tolerant(Some(&more), true, |l| {
         let t = t0.elapsed().as_secs_f64();
         match ChildReport::parse(l) {
-            Some(ChildReport::Progress(p)) => step.store(p.step, Ordering::Release),
+            Some(ChildReport::Progress(p)) => {
+                step.store(p.step, Ordering::Release);
+                bar.tick(p.step, "under faults");
+            }
             Some(ChildReport::Latency(x)) => out.lat.push(Lat { t, p50_us: x.p50_us as f64, p99_us: x.p99_us as f64 }),
             Some(ChildReport::Done(d)) => {
                 let q = d.latency_us.clone().unwrap_or_default();

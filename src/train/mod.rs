@@ -306,7 +306,7 @@ pub fn run(
     every: u64,
     plan: &[scale::ScaleEvent],
     children: &cluster::ChildArgs,
-    mut progress: impl FnMut(&str),
+    mut progress: impl FnMut(u64, &str),
 ) -> Result<TrainReport, TrainError> {
     let (mut spec, mut text) = (spec.clone(), spec_text.to_string());
     let (mut rollbacks, mut lost) = (0, 0);
@@ -362,7 +362,7 @@ fn run_once(
     plan: &[scale::ScaleEvent],
     children: &cluster::ChildArgs,
     reached: &std::sync::atomic::AtomicU64,
-    progress: &mut impl FnMut(&str),
+    progress: &mut impl FnMut(u64, &str),
 ) -> Result<TrainReport, TrainError> {
     // With a plan, rank 0 reports every step so that events happen on time.
     let report_every = if plan.is_empty() { every } else { 1 };
@@ -396,15 +396,18 @@ fn run_once(
             }
             // Rates over the current contributor count.
             let w = p.workers.max(1) as f64;
-            progress(&format!(
-                "step {:>6}/{steps}  loss {:.4}  acc {:.3}  {:>8.0} samples/s  push {:.2} GB/s  pull {:.2} GB/s",
+            progress(
                 p.step,
-                p.loss,
-                p.acc,
-                batch * w * every as f64 / (secs - totals.last_s).max(1e-9),
-                p.pushed as f64 * w / secs / 1e9,
-                p.pulled as f64 * w / secs / 1e9,
-            ));
+                &format!(
+                    "step {:>6}/{steps}  loss {:.4}  acc {:.3}  {:>8.0} samples/s  push {:.2} GB/s  pull {:.2} GB/s",
+                    p.step,
+                    p.loss,
+                    p.acc,
+                    batch * w * every as f64 / (secs - totals.last_s).max(1e-9),
+                    p.pushed as f64 * w / secs / 1e9,
+                    p.pulled as f64 * w / secs / 1e9,
+                ),
+            );
             totals.last_s = secs;
         }
         Some(Report::Done(d)) => absorb_done(&d, &mut rep, &mut totals),
