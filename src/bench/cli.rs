@@ -352,6 +352,11 @@ fn bench_pushpull(a: PushPullArgs) -> Result<(), String> {
         r.fabric_write_gbytes_per_s,
         ratio
     );
+    let metrics_share = r.metrics_ns_per_round / (r.iter_ms_p50 * 1e6);
+    println!(
+        "metrics: {:.0} ns of recording per round ({:.5} of the round; counters, the latency histogram, gauges)",
+        r.metrics_ns_per_round, metrics_share
+    );
     if a.json {
         let j = Json::new()
             .int("size_bytes", a.size)
@@ -362,6 +367,8 @@ fn bench_pushpull(a: PushPullArgs) -> Result<(), String> {
             .num("gbytes_per_s", r.gbytes_per_s)
             .num("fabric_write_gbytes_per_s", r.fabric_write_gbytes_per_s)
             .num("ratio", ratio)
+            .num("metrics_ns_per_round", r.metrics_ns_per_round)
+            .num("metrics_share_of_round", metrics_share)
             .finish();
         println!("{j}");
     }
