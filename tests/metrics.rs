@@ -82,7 +82,13 @@ fn every_role_serves_metrics_that_move_while_the_job_trains() {
         }
         match role.as_str() {
             "worker" => {
-                for s in ["eps_worker_pushed_bytes_total{", "eps_worker_pulled_bytes_total{", "eps_worker_iterations_total{"] {
+                for s in [
+                    "eps_worker_pushed_bytes_total{",
+                    "eps_worker_pulled_bytes_total{",
+                    "eps_worker_pushes_total{",
+                    "eps_worker_pulls_total{",
+                    "eps_worker_iterations_total{",
+                ] {
                     assert!(value(a1, s) > value(a0, s) && value(a0, s) > 0.0, "{role} {s}: {a0}\n---\n{a1}");
                 }
                 // The latency histogram has counts, in its buckets too.
@@ -154,6 +160,39 @@ fn every_role_serves_metrics_that_move_while_the_job_trains() {
     lines.rest(Duration::from_millis(300));
     assert!(status.success(), "{}", lines.text());
     let _ = std::fs::remove_file(spec);
+}
+
+/// An ASP worker reads parameters with pulls of its own (RDMA READs):
+/// `eps_worker_pull_seconds` counts them, in its buckets too.
+#[test]
+fn an_asp_workers_pulls_are_timed() {
+    let mut child = eps()
+        .args(["train", "--metrics", "--consistency", "asp", "--steps", "100000", "--workers", "1", "--servers", "1"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = Lines::default();
+    lines.collect(child.stdout.take().unwrap(), "");
+    lines.collect(child.stderr.take().unwrap(), "");
+    let l = lines.line("eps worker: metrics on http://");
+    let url = l.split("http://").nth(1).unwrap().split('/').next().unwrap().to_string();
+    let count = |b: &str| value(b, "eps_worker_pull_seconds_count{");
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let (first, second) = loop {
+        let a = get(&url, "/metrics").1;
+        std::thread::sleep(Duration::from_millis(500));
+        let b = get(&url, "/metrics").1;
+        if count(&a) > 0.0 && count(&b) > count(&a) {
+            break (a, b);
+        }
+        assert!(std::time::Instant::now() < deadline, "no timed pulls:\n{b}\n{}", lines.text());
+    };
+    let inf = second.lines().find(|l| l.starts_with("eps_worker_pull_seconds_bucket{") && l.contains("le=\"+Inf\""));
+    assert_eq!(inf.and_then(|l| l.rsplit_once(' ')).map(|(_, v)| v.parse::<f64>().unwrap()), Some(count(&second)));
+    assert!(value(&second, "eps_worker_pulls_total{") > value(&first, "eps_worker_pulls_total{"));
+    let _ = child.kill();
+    let _ = child.wait();
 }
 
 /// The Grafana dashboard (examples/grafana/eps.json) parses, and every

@@ -13,7 +13,10 @@ use crate::Worker;
 pub(crate) struct Metrics {
     pushed: Counter,
     pulled: Counter,
+    pushes: Counter,
+    pulls: Counter,
     rounds: Histogram,
+    pull_latency: Histogram,
     iterations: Counter,
     iteration: Gauge,
     epoch: Gauge,
@@ -27,6 +30,13 @@ impl Metrics {
         Metrics {
             pushed: r.counter("eps_worker_pushed_bytes_total", "Gradient bytes pushed (dense and sparse).", l),
             pulled: r.counter("eps_worker_pulled_bytes_total", "Parameter bytes pulled (dense and sparse).", l),
+            pushes: r.counter("eps_worker_pushes_total", "Gradient pushes to shards (dense and sparse).", l),
+            pulls: r.counter("eps_worker_pulls_total", "Parameter pulls of shards answered (dense and sparse).", l),
+            pull_latency: r.histogram(
+                "eps_worker_pull_seconds",
+                "A pull on its own (pull_shard, the pulls of a round, an ASP read): from asking to every answer in.",
+                l,
+            ),
             rounds: r.histogram(
                 "eps_worker_push_pull_seconds",
                 "An iteration's round: from its first push to every shard's new parameters in.",
@@ -36,6 +46,11 @@ impl Metrics {
             iteration: r.gauge("eps_worker_iteration", "The next iteration.", l),
             epoch: r.gauge("eps_worker_map_epoch", "The epoch of the shard map the worker routes by.", l),
         }
+    }
+
+    /// A pull on its own ended after `took`.
+    pub fn pulled_in(&self, took: Duration) {
+        self.pull_latency.observe(took);
     }
 
     /// A round ended after `took`; the worker is at `iteration`, `epoch`.
@@ -52,11 +67,13 @@ impl<P: Fabric> Worker<P> {
     pub(crate) fn count_pushed(&mut self, n: u64) {
         self.stats.pushed_bytes += n;
         self.metrics.pushed.add(n);
+        self.metrics.pushes.inc();
     }
 
     /// `n` parameter bytes pulled: its stats and its metrics.
     pub(crate) fn count_pulled(&mut self, n: u64) {
         self.stats.pulled_bytes += n;
         self.metrics.pulled.add(n);
+        self.metrics.pulls.inc();
     }
 }

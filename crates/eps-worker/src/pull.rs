@@ -52,6 +52,7 @@ impl<P: Fabric> Worker<P> {
             self.wait_until(|w| w.pulled >= 1 || w.pull_moved >= 1, "a pull answer from the server")?;
             if self.pulled >= 1 {
                 self.stats.comm += start.elapsed();
+                self.metrics.pulled_in(start.elapsed());
                 return Ok(());
             }
             if from_old {
@@ -78,6 +79,7 @@ impl<P: Fabric> Worker<P> {
             self.wait_until(|w| w.round_done() || !w.pulls_moved.is_empty(), "pull answers from the servers")?;
             if self.round_done() {
                 self.stats.comm += start.elapsed();
+                self.metrics.pulled_in(start.elapsed());
                 return Ok(());
             }
             self.ask_again(need)?;
@@ -129,6 +131,7 @@ impl<P: Fabric> Worker<P> {
             });
             if todo.is_empty() {
                 self.stats.comm += start.elapsed();
+                self.metrics.pulled_in(start.elapsed());
                 return Ok(());
             }
         }
