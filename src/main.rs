@@ -710,11 +710,7 @@ fn main() -> ExitCode {
     match res {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            if eps_metrics::log::format() == eps_metrics::log::LogFormat::Json {
-                tracing::error!(target: "eps", "eps: error: {e}");
-            } else {
-                eps_proto::say!("eps: error: {e}");
-            }
+            tracing::error!(target: "eps", "eps: error: {e}");
             ExitCode::FAILURE
         }
     }

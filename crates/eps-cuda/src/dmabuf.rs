@@ -80,7 +80,7 @@ impl DeviceMemory for GpuBuffer {
         if let Err(e) = r {
             // The trait has no error path: a failed copy leaves `out` poisoned.
             out.fill(0xFF);
-            eprintln!("eps-cuda: reading GPU memory failed: {e}");
+            eps_fabric::stats::warn(&format!("eps-cuda: reading GPU memory failed: {e}"));
         }
     }
     fn write(&self, offset: usize, data: &[u8]) {
@@ -89,7 +89,7 @@ impl DeviceMemory for GpuBuffer {
         let r = self.gpu.stream().memcpy_htod(data, &mut dst);
         let r = r.and_then(|()| self.gpu.stream().synchronize());
         if let Err(e) = r {
-            eprintln!("eps-cuda: writing GPU memory failed: {e}");
+            eps_fabric::stats::warn(&format!("eps-cuda: writing GPU memory failed: {e}"));
         }
     }
 }

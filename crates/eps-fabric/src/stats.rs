@@ -1,6 +1,7 @@
 //! Process-wide figures of the transport, whatever the provider, for the
 //! metrics: bytes of memory registered (live regions), and completions that
-//! ended in error, by status. Each is one relaxed atomic add.
+//! ended in error, by status. Each is one relaxed atomic add. And the
+//! providers' warnings, into the process's log.
 
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 
@@ -41,6 +42,17 @@ pub fn completions(cs: &[Completion]) {
         if c.status != WcStatus::Success {
             ERRORS[c.status as usize % ERRORS.len()].fetch_add(1, Ordering::Relaxed);
         }
+    }
+}
+
+/// A provider's warning: a `tracing` event where the process installed a
+/// log subscriber (the `eps` binary always does), else a line on stderr.
+pub fn warn(line: &str) {
+    if tracing::dispatcher::has_been_set() {
+        tracing::warn!(target: "eps", "{line}");
+    } else {
+        use std::io::Write;
+        let _ = std::io::stderr().lock().write_all(format!("{line}\n").as_bytes());
     }
 }
 

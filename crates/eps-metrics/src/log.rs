@@ -1,8 +1,10 @@
-//! Logs as JSON lines (`eps --log-format json`): a `tracing` subscriber that
-//! writes each event as one object on stderr, in one write:
+//! The process's log: a `tracing` subscriber that writes each event on
+//! stderr in one write, as its message alone (`--log-format text`, the
+//! default) or as one JSON object (`--log-format json`):
 //! `{"ts":"2026-12-05T07:37:16.123Z","level":"info","role":"server","pid":42,"msg":"...",...}`
 //! with the event's fields (`event`, and its ids: `shard`, `from`, `to`, ...).
-//! Without it, the roles' lines go to stderr as plain text (`eps_proto::say!`).
+//! A process that installs none (a library's host) gets `eps_proto::say!`'s
+//! plain lines.
 
 use std::io::Write;
 use std::sync::OnceLock;
@@ -42,10 +44,11 @@ pub fn format() -> LogFormat {
 
 /// Sets how this process logs, once; `role` names it in every JSON line.
 pub fn init(format: LogFormat, role: &str) {
-    if FORMAT.set(format).is_err() || format == LogFormat::Text {
+    if FORMAT.set(format).is_err() {
         return;
     }
-    let sub = JsonLines {
+    let sub = Lines {
+        format,
         role: role.to_string(),
         pid: std::process::id(),
         clock: SystemTime::now,
@@ -57,8 +60,9 @@ pub fn init(format: LogFormat, role: &str) {
     let _ = tracing::subscriber::set_global_default(sub);
 }
 
-/// The subscriber of [`LogFormat::Json`].
-struct JsonLines {
+/// The subscriber.
+struct Lines {
+    format: LogFormat,
     role: String,
     pid: u32,
     clock: fn() -> SystemTime,
@@ -97,10 +101,19 @@ impl Fields {
     }
 }
 
-impl JsonLines {
+impl Lines {
     /// The line of one event: `ts`, `level`, `role`, `pid`, `msg`, `event`
     /// first, in that order, then the event's other fields.
     fn line(&self, level: &tracing::Level, mut fields: Map<String, Value>, now: SystemTime) -> String {
+        if self.format == LogFormat::Text {
+            let mut msg = match fields.remove("msg") {
+                Some(Value::String(m)) => m,
+                Some(v) => v.to_string(),
+                None => String::new(),
+            };
+            msg.push('\n');
+            return msg;
+        }
         let head = [
             ("ts", Value::String(rfc3339(now))),
             ("level", Value::String(level.as_str().to_ascii_lowercase())),
@@ -119,7 +132,7 @@ impl JsonLines {
     }
 }
 
-impl Subscriber for JsonLines {
+impl Subscriber for Lines {
     fn enabled(&self, _: &Metadata<'_>) -> bool {
         true
     }
@@ -174,7 +187,7 @@ mod tests {
         let lines = Arc::new(Mutex::new(Vec::new()));
         let into = lines.clone();
         let out = Box::new(move |l: String| into.lock().unwrap().push(l));
-        let sub = JsonLines { role: "server".into(), pid: 7, clock: || UNIX_EPOCH, out };
+        let sub = Lines { format: LogFormat::Json, role: "server".into(), pid: 7, clock: || UNIX_EPOCH, out };
         tracing::subscriber::with_default(sub, || {
             tracing::info!(target: "eps", event = "migration", shard = 3u32, to = 2u32, secs = 0.5, "eps server 0: moved \"it\"");
             tracing::warn!("plain");
@@ -194,5 +207,11 @@ mod tests {
         assert_eq!((v["ts"].as_str(), v["secs"].as_f64()), (Some("1970-01-01T00:00:00.000Z"), Some(0.5)));
         let v: Value = serde_json::from_str(&lines[1]).unwrap();
         assert_eq!((v["level"].as_str(), v["msg"].as_str()), (Some("warn"), Some("plain")));
+        // As text: the message alone.
+        let text = Lines { format: LogFormat::Text, role: "server".into(), pid: 7, clock: || UNIX_EPOCH, out: Box::new(|_| {}) };
+        let mut f = Map::new();
+        f.insert("msg".into(), Value::String("eps server 0: moved".into()));
+        f.insert("shard".into(), 3.into());
+        assert_eq!(text.line(&tracing::Level::INFO, f, UNIX_EPOCH), "eps server 0: moved\n");
     }
 }

@@ -375,7 +375,7 @@ pub(super) fn connect(pd: &RdmaPd, addr: SocketAddr, send_cq: &RdmaCq, recv_cq: 
         match connect_once(pd, addr, send_cq, recv_cq, opts, deadline) {
             Err((e, true)) if Instant::now() + pause < deadline => {
                 let why = std::error::Error::source(&e).map_or_else(String::new, |s| format!(": {s}"));
-                eprintln!("eps: rdma: {e}{why}; dialing {addr} again in {} ms", pause.as_millis());
+                eps_fabric::stats::warn(&format!("eps: rdma: {e}{why}; dialing {addr} again in {} ms", pause.as_millis()));
                 std::thread::sleep(pause);
                 pause = (pause * 2).min(Duration::from_secs(1));
             }
