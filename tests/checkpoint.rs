@@ -235,10 +235,16 @@ fn an_operators_checkpoint_resumes_to_the_same_parameters() {
         assert!(s.wait_with_output().unwrap().status.success());
     }
     assert!(control.wait().unwrap().success());
-    let sum = done.split_whitespace().find_map(|kv| kv.strip_prefix("params_checksum=")).unwrap_or_else(|| panic!("{done}"));
+    let reports: Vec<eps::report::Done> = done
+        .lines()
+        .filter_map(|l| match eps::report::Report::parse(l) {
+            Some(eps::report::Report::Done(d)) => Some(*d),
+            _ => None,
+        })
+        .collect();
+    let sum = reports.iter().find_map(|d| d.result.as_ref()).unwrap_or_else(|| panic!("{done}")).params_checksum.clone();
     assert_eq!(sum, expected, "eps control --resume at {at}");
-    let first_step = done.split_whitespace().find_map(|kv| kv.strip_prefix("first_step=")).unwrap();
-    assert_eq!(first_step, at.to_string());
+    assert!(!reports.is_empty() && reports.iter().all(|d| d.first_step == at), "{done}");
     std::fs::remove_dir_all(&state).ok();
     std::fs::remove_dir_all(&dir).ok();
     std::fs::remove_file(&spec).ok();
