@@ -121,7 +121,7 @@ fn the_leader_killed_while_training_while_shards_migrate_and_while_a_worker_join
     assert_eq!(text.matches("restarting it as a standby").count(), 3, "{text}");
     // The third worker joined: it contributes from some iteration on.
     let membership = json_field(&out, "membership");
-    assert!(membership.split(';').last().is_some_and(|m| m.ends_with("0,1,2")), "{membership}");
+    assert!(membership.split(';').next_back().is_some_and(|m| m.ends_with("0,1,2")), "{membership}");
     // The migration was in flight when the second leader died: its successor
     // replayed it (its snapshot or cutover was reported to the new leader).
     let served: Vec<&str> = text.lines().filter(|l| l.contains("eps control: serving job")).collect();
