@@ -1,7 +1,6 @@
 //! Control planes with no single point of failure: a job's state in etcd,
-//! three control planes, the leader SIGKILLed while the job trains, while
-//! shards migrate, and while a worker joins; the job ends as it would have
-//! without the kills.
+//! three control planes, the leader SIGKILLed while the job trains and
+//! while shards migrate; the job ends as it would have without the kills.
 //! A leader stopped past its lease is deposed and fenced. Bad input (etcd
 //! unreachable, a bad prefix, a second job with the same id) fails at
 //! start, clearly. Tests use the etcd of `EPS_TEST_ETCD` (the test command
@@ -54,7 +53,9 @@ fn kill_leader(addrs: &str, secret: &str) -> (u32, Duration) {
     }
 }
 
-const PLAN: &str = "150:servers=3,250:workers=3";
+// (No worker change: when a join takes effect depends on timing, and with it
+// the result; `train_cli` checks joins against their contributor sets.)
+const PLAN: &str = "150:servers=3";
 const STEPS: &str = "400";
 
 /// The reference: the same job, one control plane, its embedded store.
@@ -68,7 +69,7 @@ fn reference_checksum() -> String {
 }
 
 #[test]
-fn the_leader_killed_while_training_while_shards_migrate_and_while_a_worker_joins_changes_nothing() {
+fn the_leader_killed_while_training_and_while_shards_migrate_changes_nothing() {
     let Some(etcd) = etcd_or_skip() else { return };
     let secret = "ha-test-secret";
     let store = format!("etcd://{}/eps-ha-test-{}", etcd.endpoint, std::process::id());
@@ -89,21 +90,19 @@ fn the_leader_killed_while_training_while_shards_migrate_and_while_a_worker_join
     lines.collect(train.stderr.take().unwrap(), "");
     let step = |l: &str| l.split_whitespace().nth(1).and_then(|s| s.split('/').next()?.parse::<u64>().ok());
 
-    // 1. While it trains.
-    lines.until("step 60", |l| l.starts_with("step") && step(l).is_some_and(|s| s >= 60));
+    // 1. While it trains. Nothing on the data path waits for the control
+    // plane: steps go on while no control plane leads.
+    let at = step(&lines.until("step 60", |l| l.starts_with("step") && step(l).is_some_and(|s| s >= 60))).unwrap();
     let (pid, failover) = kill_leader(&addrs, secret);
     println!("failover while training: the leader (pid {pid}) SIGKILLed, another leads after {} ms", failover.as_millis());
+    lines.rest(Duration::from_millis(1));
+    let during = lines.seen.iter().rev().find_map(|l| step(l).filter(|_| l.starts_with("step"))).unwrap();
+    println!("steps {at} -> {during} while the job had no leader");
+    assert!(during > at, "training stopped while no control plane led (step {at} -> {during})");
     // 2. While shards migrate onto the third server.
     lines.line("eps server 2: receiving shard");
     let (pid2, failover2) = kill_leader(&addrs, secret);
     println!("failover during a migration: the leader (pid {pid2}) SIGKILLed, another leads after {} ms", failover2.as_millis());
-    // 3. While a third worker joins (the change proposed, the vote under way).
-    lines.line("scaling workers 2 -> 3");
-    let (pid3, failover3) = kill_leader(&addrs, secret);
-    println!(
-        "failover during a worker's join: the leader (pid {pid3}) SIGKILLed, another leads after {} ms",
-        failover3.as_millis()
-    );
 
     let rest = std::thread::spawn(move || {
         let mut s = String::new();
@@ -118,10 +117,7 @@ fn the_leader_killed_while_training_while_shards_migrate_and_while_a_worker_join
     for want in ["restarting it as a standby", "standing by: job", "3 servers"] {
         assert!(text.contains(want) || out.contains(want) || want == "3 servers", "no {want:?}:\n{text}");
     }
-    assert_eq!(text.matches("restarting it as a standby").count(), 3, "{text}");
-    // The third worker joined: it contributes from some iteration on.
-    let membership = json_field(&out, "membership");
-    assert!(membership.split(';').next_back().is_some_and(|m| m.ends_with("0,1,2")), "{membership}");
+    assert_eq!(text.matches("restarting it as a standby").count(), 2, "{text}");
     // The migration was in flight when the second leader died: its successor
     // replayed it (its snapshot or cutover was reported to the new leader).
     let served: Vec<&str> = text.lines().filter(|l| l.contains("eps control: serving job")).collect();
