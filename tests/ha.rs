@@ -12,7 +12,7 @@ use std::io::{BufRead, BufReader};
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use common::cli::{Lines, eps, json_field, spec_file, tmp};
+use common::cli::{Lines, control_ready, eps, json_field, spec_file, tmp};
 use eps_etcd::testing::TestEtcd;
 
 fn etcd_or_skip() -> Option<TestEtcd> {
@@ -140,9 +140,7 @@ fn control(spec: &std::path::Path, store: &str, secret: &str) -> (Child, String)
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut line = String::new();
-    BufReader::new(c.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    let addr = line.trim().strip_prefix("EPS_CONTROL_READY addr=").unwrap_or_else(|| panic!("{line:?}")).to_string();
+    let addr = control_ready(&mut c);
     (c, addr)
 }
 

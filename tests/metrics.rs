@@ -5,10 +5,9 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::Stdio;
 use std::time::Duration;
 
-use common::cli::{Lines, eps, tmp};
+use common::cli::{eps, spawn_collected, tmp};
 
 /// GET `path` of `host:port`: (status line, body).
 fn get(addr: &str, path: &str) -> (String, String) {
@@ -39,16 +38,11 @@ fn every_role_serves_metrics_that_move_while_the_job_trains() {
          [model]\npreset = \"synthetic\"\nbuckets = 60000\n[optimizer]\nkind = \"adam\"\nlr = 0.01\n",
     )
     .unwrap();
-    let mut child = eps()
-        .args(["train", "--metrics", "--spec", spec.to_str().unwrap(), "--progress-every", "100", "--json"])
-        .args(["--scale-plan", "400:servers=3"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = Lines::default();
-    lines.collect(child.stdout.take().unwrap(), "");
-    lines.collect(child.stderr.take().unwrap(), "");
+    let (mut child, mut lines) = spawn_collected(
+        eps()
+            .args(["train", "--metrics", "--spec", spec.to_str().unwrap(), "--progress-every", "100", "--json"])
+            .args(["--scale-plan", "400:servers=3"]),
+    );
     // Where each role serves (control, 2 servers, 2 workers).
     let mut at: Vec<(String, String)> = Vec::new();
     while at.len() < 5 {
@@ -166,15 +160,18 @@ fn every_role_serves_metrics_that_move_while_the_job_trains() {
 /// `eps_worker_pull_seconds` counts them, in its buckets too.
 #[test]
 fn an_asp_workers_pulls_are_timed() {
-    let mut child = eps()
-        .args(["train", "--metrics", "--consistency", "asp", "--steps", "100000", "--workers", "1", "--servers", "1"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = Lines::default();
-    lines.collect(child.stdout.take().unwrap(), "");
-    lines.collect(child.stderr.take().unwrap(), "");
+    let (mut child, mut lines) = spawn_collected(eps().args([
+        "train",
+        "--metrics",
+        "--consistency",
+        "asp",
+        "--steps",
+        "100000",
+        "--workers",
+        "1",
+        "--servers",
+        "1",
+    ]));
     let l = lines.line("eps worker: metrics on http://");
     let url = l.split("http://").nth(1).unwrap().split('/').next().unwrap().to_string();
     let count = |b: &str| value(b, "eps_worker_pull_seconds_count{");

@@ -5,11 +5,10 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::cli::{eps, tmp};
+use common::cli::{control_ready, eps, tmp};
 
 /// The processes of the test's job, killed when dropped.
 struct Procs(Vec<Child>);
@@ -51,9 +50,7 @@ fn status_shows_health_the_leader_and_a_stopped_worker_lagging() {
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut line = String::new();
-    BufReader::new(control.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    let addr = line.trim().strip_prefix("EPS_CONTROL_READY addr=").unwrap_or_else(|| panic!("{line}")).to_string();
+    let addr = control_ready(&mut control);
     let control_pid = control.id();
     procs.0.push(control);
     for role in ["server", "server", "worker", "worker"] {

@@ -166,14 +166,6 @@ impl Processes {
     }
 }
 
-/// How the processes log: as this one does.
-fn log_format() -> &'static str {
-    match eps_metrics::log::format() {
-        eps_metrics::log::LogFormat::Json => "json",
-        eps_metrics::log::LogFormat::Text => "text",
-    }
-}
-
 /// The control plane's name among the children.
 const CONTROL: &str = "control plane";
 /// Restarts of a control plane that keeps dying before the cluster gives up.
@@ -415,7 +407,7 @@ impl LocalCluster {
         let mut control = cmd
             .args(&self.control_args)
             .env("EPS_JOB_SECRET", &self.secret)
-            .env("EPS_LOG_FORMAT", log_format())
+            .env("EPS_LOG_FORMAT", eps_metrics::log::format().name())
             // Its state directory is on its node: gone once the job ends.
             .env("EPS_DISCARD_STATE", if self.slurm.is_some() { "1" } else { "0" })
             .stdin(stdin)
@@ -478,7 +470,7 @@ impl LocalCluster {
         cmd.args(args)
             .args(extra)
             .env("EPS_JOB_SECRET", &self.secret)
-            .env("EPS_LOG_FORMAT", log_format())
+            .env("EPS_LOG_FORMAT", eps_metrics::log::format().name())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())

@@ -3,7 +3,7 @@
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::PathBuf;
-use std::process::Command;
+use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -46,6 +46,23 @@ pub fn spec_file(tag: &str, name: &str) -> PathBuf {
 /// one built with the tests.
 pub fn eps() -> Command {
     Command::new(std::env::var("EPS_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_eps").to_string()))
+}
+
+/// Starts `cmd` with its stdout and stderr collected as [`Lines`].
+pub fn spawn_collected(cmd: &mut Command) -> (Child, Lines) {
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let lines = Lines::default();
+    lines.collect(child.stdout.take().unwrap(), "");
+    lines.collect(child.stderr.take().unwrap(), "");
+    (child, lines)
+}
+
+/// The address an `eps control` started with its stdout piped says it
+/// listens on (its first line, `EPS_CONTROL_READY addr=...`).
+pub fn control_ready(control: &mut Child) -> String {
+    let mut line = String::new();
+    BufReader::new(control.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    line.trim().strip_prefix("EPS_CONTROL_READY addr=").unwrap_or_else(|| panic!("{line:?}")).to_string()
 }
 
 /// Field `key` of the JSON object on the last line of `stdout`.

@@ -170,12 +170,10 @@ impl Client {
     fn answer(path: &str, code: u16, body: &[u8]) -> Result<Value, EtcdError> {
         let v: Value = serde_json::from_slice(body)
             .map_err(|e| EtcdError::Malformed { path: path.into(), what: format!("HTTP {code}, not JSON ({e})") })?;
-        let err = v.get("error").or_else(|| v.get("message")).filter(|_| code != 200 || v.get("error").is_some());
-        if let Some(e) = err {
-            return Err(EtcdError::Refused { path: path.into(), message: e.as_str().unwrap_or("?").to_string() });
-        }
-        if code != 200 {
-            return Err(EtcdError::Refused { path: path.into(), message: format!("HTTP {code}") });
+        if code != 200 || v.get("error").is_some() {
+            let said = v.get("error").or_else(|| v.get("message")).and_then(Value::as_str);
+            let message = said.map_or_else(|| format!("HTTP {code}"), str::to_string);
+            return Err(EtcdError::Refused { path: path.into(), message });
         }
         // A streamed RPC's answer (lease keepalive) comes wrapped in `result`.
         Ok(match v {

@@ -24,6 +24,16 @@ pub enum LogFormat {
     Json,
 }
 
+impl LogFormat {
+    /// Its name, as `--log-format` and `EPS_LOG_FORMAT` take it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Text => "text",
+            Self::Json => "json",
+        }
+    }
+}
+
 impl std::str::FromStr for LogFormat {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {

@@ -8,7 +8,7 @@
 //! plane's address and pid, on its lease), `log/NNNNNNNNNNNNNNNNNNNN` (the
 //! records, in order).
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::time::Duration;
 
 use eps_etcd::{Client, Compare, EtcdError, Op};
@@ -107,7 +107,8 @@ pub fn claim(c: &mut Client, target: &EtcdTarget, job: &str, owner: &[u8]) -> Re
 /// The log of one job in etcd, written while its writer leads.
 #[derive(Debug)]
 pub struct EtcdStore {
-    c: Client,
+    /// (Borrowed by one call at a time: a replay, or an append.)
+    c: RefCell<Client>,
     /// The job's key prefix.
     base: Vec<u8>,
     /// The creation revision of the leader key this writer holds.
@@ -120,7 +121,7 @@ impl EtcdStore {
     /// The store of the job under `base` (see [`EtcdTarget::job_prefix`]),
     /// written while the leader key created at revision `fence` stands.
     pub fn new(c: Client, base: Vec<u8>, fence: i64) -> Self {
-        Self { c, base, fence, next: Cell::new(0) }
+        Self { c: RefCell::new(c), base, fence, next: Cell::new(0) }
     }
 
     fn record_key(&self, n: u64) -> Vec<u8> {
@@ -138,11 +139,11 @@ impl Store for EtcdStore {
         let (key, leader) = (self.record_key(n), [self.base.as_slice(), b"leader"].concat());
         let put = Op::Put { key: key.clone(), value: record.to_vec(), lease: 0 };
         let cmp = [Compare::Created(leader.clone(), self.fence), Compare::Created(key.clone(), 0)];
-        let t = self.c.txn(&cmp, &[put], &[Op::Get(leader), Op::Get(key)]).map_err(io)?;
-        let applied = match (t.gets.first().cloned().flatten(), t.gets.get(1).cloned().flatten()) {
-            _ if t.succeeded => true,
+        let t = self.c.get_mut().txn(&cmp, &[put], &[Op::Get(leader), Op::Get(key)]).map_err(io)?;
+        match (t.gets.first().cloned().flatten(), t.gets.get(1).cloned().flatten()) {
+            _ if t.succeeded => {}
             // Sent twice after a dropped connection: the first went through.
-            (Some(l), Some(r)) if l.create_revision == self.fence && r.value == record => true,
+            (Some(l), Some(r)) if l.create_revision == self.fence && r.value == record => {}
             (l, _) if l.as_ref().is_none_or(|l| l.create_revision != self.fence) => {
                 return Err(std::io::Error::other(format!(
                     "fenced: this control plane no longer leads the job (the leader now: {})",
@@ -150,16 +151,13 @@ impl Store for EtcdStore {
                 )));
             }
             _ => return Err(std::io::Error::other(format!("record {n} of the job's log was written by another writer"))),
-        };
-        if applied {
-            self.next.set(n + 1);
         }
+        self.next.set(n + 1);
         Ok(())
     }
 
     fn replay(&self, f: &mut dyn FnMut(&[u8]) -> Result<(), String>) -> std::io::Result<Result<u64, String>> {
-        // The client is only borrowed mutably here: replays come before appends.
-        let mut c = self.c.fresh().map_err(io)?;
+        let mut c = self.c.borrow_mut();
         let first = self.record_key(0);
         let end = eps_etcd::prefix_end(&[self.base.as_slice(), b"log/"].concat());
         let (mut from, mut n) = (first, 0u64);
