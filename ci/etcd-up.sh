@@ -50,4 +50,5 @@ done
 echo "etcd did not start:" >&2
 tail -5 "$dir/etcd.log" >&2 || true
 kill "$pid" 2>/dev/null || true
+rm -rf "$dir"
 exit 3
