@@ -1,6 +1,6 @@
 //! The fabric conformance suite, run against every provider available here.
 //!
-//! The `soft` provider always runs. The `rdma` provider runs the same cases when the
+//! The `soft` and `shm` providers always run. The `rdma` provider runs the same cases when the
 //! crate is built with its feature (`ci/softroce.sh` does, on soft-RoCE).
 
 mod conformance {
@@ -80,6 +80,10 @@ macro_rules! conformance_for {
 }
 
 conformance_for!(soft, || eps_fabric::soft::SoftDevice::open().expect("open soft device").alloc_pd());
+
+// Peers on one host through shared memory (both ends of each pair are in this
+// process, which the provider treats like any other process of the same user).
+conformance_for!(shm, || eps_fabric::shm::ShmDevice::open().expect("open shm device").alloc_pd());
 
 // With the `rdma` feature (ci/softroce.sh builds it and runs it on soft-RoCE, with
 // EPS_CONFORMANCE_ADDR set to the device's address): the selected device.

@@ -4,6 +4,7 @@
 //! owned. Registering it hands ownership to the memory region, which keeps it alive
 //! for as long as any operation in flight still refers to it.
 
+use std::os::fd::{AsFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
 
 use crate::error::FabricError;
@@ -23,6 +24,8 @@ pub struct RegionBuf {
     ptr: NonNull<u8>,
     len: usize,
     map_len: usize,
+    /// The sealed memfd behind a shared mapping ([`RegionBuf::shared`]).
+    fd: Option<OwnedFd>,
 }
 
 // SAFETY: RegionBuf owns its mapping exclusively; the pointer is not shared with
@@ -68,7 +71,56 @@ impl RegionBuf {
             // SAFETY: advice on the mapping created just above, which nothing else uses.
             let _ = unsafe { libc::madvise(ptr.as_ptr().cast(), map_len, libc::MADV_HUGEPAGE) };
         }
-        Ok(Self { ptr, len, map_len })
+        Ok(Self { ptr, len, map_len, fd: None })
+    }
+
+    /// Maps `len` bytes (at least 1) of zeroed, page-aligned memory backed by a
+    /// memfd whose size is sealed, so that a process on the same host that is
+    /// handed the descriptor ([`RegionBuf::shared_fd`]) can map the same pages
+    /// (the `shm` provider) and can never make them shrink under this one.
+    pub fn shared(len: usize) -> Result<Self, FabricError> {
+        if len == 0 {
+            return Err(FabricError::InvalidArgument("a memory region cannot be empty"));
+        }
+        let page = page_size();
+        let map_len =
+            len.checked_add(page - 1).ok_or(FabricError::InvalidArgument("memory region length overflows"))? / page * page;
+        let alloc_err = |source| FabricError::Alloc { bytes: len as u64, source };
+        // SAFETY: the name is a NUL-terminated literal; the result is checked.
+        let raw = unsafe { libc::memfd_create(c"eps-region".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+        if raw < 0 {
+            return Err(alloc_err(std::io::Error::last_os_error()));
+        }
+        // SAFETY: memfd_create returned a fresh descriptor that nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        // SAFETY: plain calls on the descriptor just created; results are checked.
+        let sized = unsafe {
+            libc::ftruncate(raw, map_len as libc::off_t) == 0
+                && libc::fcntl(raw, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL) == 0
+        };
+        if !sized {
+            return Err(alloc_err(std::io::Error::last_os_error()));
+        }
+        // SAFETY: a shared mapping of the whole memfd (sealed at `map_len`, so it
+        // cannot shrink under the mapping), with no address hint; checked below.
+        let ptr = unsafe {
+            libc::mmap(std::ptr::null_mut(), map_len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, raw, 0)
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(alloc_err(std::io::Error::last_os_error()));
+        }
+        let ptr = NonNull::new(ptr.cast::<u8>()).ok_or(FabricError::InvalidArgument("mmap returned null"))?;
+        Ok(Self { ptr, len, map_len, fd: Some(fd) })
+    }
+
+    /// The sealed memfd behind a [`RegionBuf::shared`] buffer (`None` otherwise).
+    pub fn shared_fd(&self) -> Option<BorrowedFd<'_>> {
+        self.fd.as_ref().map(|f| f.as_fd())
+    }
+
+    /// Length of the mapping (whole pages; 0 for borrowed memory).
+    pub fn map_len(&self) -> usize {
+        self.map_len
     }
 
     /// Memory its owner keeps, to be registered in place (a framework's own
@@ -85,7 +137,7 @@ impl RegionBuf {
             return Err(FabricError::InvalidArgument("a memory region cannot be empty"));
         }
         let ptr = NonNull::new(ptr).ok_or(FabricError::InvalidArgument("a memory region cannot start at NULL"))?;
-        Ok(Self { ptr, len, map_len: 0 })
+        Ok(Self { ptr, len, map_len: 0, fd: None })
     }
 
     /// Whether the memory is its owner's ([`RegionBuf::borrowed`]).
@@ -150,6 +202,8 @@ impl std::fmt::Debug for RegionBuf {
 
 #[cfg(test)]
 mod tests {
+    use std::os::fd::AsRawFd;
+
     use super::*;
 
     #[test]
@@ -163,6 +217,27 @@ mod tests {
         assert!(RegionBuf::new(0).is_err());
         let c = RegionBuf::from_slice(b"abc").unwrap();
         assert_eq!(c.as_slice(), b"abc");
+    }
+
+    #[test]
+    fn shared_memory_is_sealed_and_maps_the_same_pages_twice() {
+        let mut b = RegionBuf::shared(10_000).unwrap();
+        assert_eq!(b.as_ptr() as usize % page_size(), 0);
+        b.as_mut_slice()[9_999] = 7;
+        let fd = b.shared_fd().unwrap().as_raw_fd();
+        // SAFETY: fcntl on a descriptor owned by `b`.
+        let seals = unsafe { libc::fcntl(fd, libc::F_GET_SEALS) };
+        assert_eq!(seals & libc::F_SEAL_SHRINK, libc::F_SEAL_SHRINK);
+        // SAFETY: a second shared mapping of the same memfd, unmapped below.
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), b.map_len(), libc::PROT_READ, libc::MAP_SHARED, fd, 0) };
+        assert_ne!(p, libc::MAP_FAILED);
+        // SAFETY: the mapping is map_len >= 10_000 bytes long.
+        assert_eq!(unsafe { *p.cast::<u8>().add(9_999) }, 7);
+        // SAFETY: unmapping the mapping made above.
+        unsafe { libc::munmap(p, b.map_len()) };
+        // SAFETY: ftruncate on the descriptor: the seal must refuse it.
+        assert_ne!(unsafe { libc::ftruncate(fd, 0) }, 0, "the size is sealed");
+        assert!(RegionBuf::new(1).unwrap().shared_fd().is_none());
     }
 
     #[test]

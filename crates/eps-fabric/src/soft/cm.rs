@@ -76,7 +76,7 @@ fn build_qp(
         opts.max_msg_bytes,
         opts.ack_timeout,
     )));
-    send_cq.inner.requesters.lock().unwrap_or_else(|p| p.into_inner()).push(r.clone());
+    send_cq.inner.attach(r.clone());
     pd.dev.engine.shared.adopt(shared.clone());
     Ok(SoftQp { shared, req: r, send_cq: send_cq.inner.clone(), peer, max_sge: opts.max_sge as usize })
 }

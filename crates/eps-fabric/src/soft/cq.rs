@@ -1,7 +1,7 @@
 //! Completion queues of the soft provider.
 
 use std::collections::VecDeque;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -10,6 +10,44 @@ use crate::api::{Completion, CompletionQueue};
 use crate::error::{FabricError, Result};
 
 use super::qp::Requester;
+
+/// What a sleeping poller should wait for on one requester.
+pub(crate) enum WaitOn {
+    /// Nothing of its own (its wake-ups come through the CQ's eventfd).
+    Nothing,
+    /// This descriptor, for these `poll(2)` events.
+    Fd(RawFd, i16),
+    /// Work is ready now: do not sleep.
+    Ready,
+}
+
+/// The requester half of a QP as its send CQ drives it: from the poller's
+/// thread (`progress`), and around a sleep (`wait_on`, then `waited`). Every
+/// provider that reaps on the caller's thread implements it (`soft`, `shm`).
+pub(crate) trait Drive: Send + Sync + std::fmt::Debug {
+    /// Transmits and reaps what it can without blocking.
+    fn progress(&self);
+    /// Prepares to sleep; says what to wait for.
+    fn wait_on(&self) -> WaitOn;
+    /// The sleep is over.
+    fn waited(&self) {}
+}
+
+impl Drive for Mutex<Requester> {
+    fn progress(&self) {
+        // Another thread driving this QP right now is as good as us doing it.
+        if let Ok(mut r) = self.try_lock() {
+            r.progress();
+        }
+    }
+
+    fn wait_on(&self) -> WaitOn {
+        match self.try_lock().ok().and_then(|r| r.wait_interest()) {
+            Some((fd, events)) => WaitOn::Fd(fd, events),
+            None => WaitOn::Nothing,
+        }
+    }
+}
 
 /// Most file descriptors one `wait` watches.
 const WAIT_FDS: usize = 64;
@@ -31,7 +69,7 @@ pub(crate) struct CqInner {
     /// eventfd signalled by `push` while someone waits.
     notify: OwnedFd,
     /// Requesters whose send completions land here.
-    pub(crate) requesters: Mutex<Vec<Arc<Mutex<Requester>>>>,
+    pub(crate) requesters: Mutex<Vec<Arc<dyn Drive>>>,
 }
 
 impl CqInner {
@@ -50,9 +88,27 @@ impl CqInner {
         }
     }
 
-    pub(crate) fn detach(&self, r: &Arc<Mutex<Requester>>) {
+    /// Stops driving `r` (its QP is being destroyed).
+    pub(crate) fn detach<D: Drive + 'static>(&self, r: &Arc<D>) {
         let mut list = self.requesters.lock().unwrap_or_else(|p| p.into_inner());
-        list.retain(|x| !Arc::ptr_eq(x, r));
+        list.retain(|x| !std::ptr::addr_eq(Arc::as_ptr(x), Arc::as_ptr(r)));
+    }
+
+    /// Starts driving `r` from this CQ's polls.
+    pub(crate) fn attach(&self, r: Arc<dyn Drive>) {
+        self.requesters.lock().unwrap_or_else(|p| p.into_inner()).push(r);
+    }
+
+    /// The eventfd a sleeping poller waits on (a peer on the same host is handed a
+    /// copy to wake it).
+    pub(crate) fn notify_fd(&self) -> BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.notify.as_fd()
+    }
+
+    /// Wakes a sleeping poller.
+    pub(crate) fn wake(&self) {
+        super::sys::eventfd_signal(&self.notify);
     }
 }
 
@@ -84,23 +140,27 @@ impl CompletionQueue for SoftCq {
         if empty {
             let mut fds = [libc::pollfd { fd: self.inner.notify.as_raw_fd(), events: libc::POLLIN, revents: 0 }; WAIT_FDS];
             let mut n = 1;
-            let mut crowded = false;
-            for r in self.inner.requesters.lock().unwrap_or_else(|p| p.into_inner()).iter() {
-                let Ok(r) = r.try_lock() else { continue };
-                if let Some((fd, events)) = r.wait_interest() {
-                    if n == WAIT_FDS {
-                        crowded = true;
-                        break;
+            let mut busy = false;
+            let list = self.inner.requesters.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            for r in &list {
+                match r.wait_on() {
+                    WaitOn::Nothing => {}
+                    WaitOn::Ready => busy = true,
+                    // Too many sockets to watch: nap briefly instead of missing one.
+                    WaitOn::Fd(..) if n == WAIT_FDS => busy = true,
+                    WaitOn::Fd(fd, events) => {
+                        fds[n] = libc::pollfd { fd, events, revents: 0 };
+                        n += 1;
                     }
-                    fds[n] = libc::pollfd { fd, events, revents: 0 };
-                    n += 1;
                 }
             }
-            // Too many sockets to watch: nap briefly instead of missing one.
-            let ms = if crowded { 0 } else { timeout.as_millis().clamp(1, i32::MAX as u128) as i32 };
+            let ms = if busy { 0 } else { timeout.as_millis().clamp(1, i32::MAX as u128) as i32 };
             super::sys::poll_fds(&mut fds[..n], ms);
             if fds[0].revents != 0 {
                 super::sys::eventfd_drain(&self.inner.notify);
+            }
+            for r in &list {
+                r.waited();
             }
         }
         self.inner.waiters.fetch_sub(1, Ordering::AcqRel);
@@ -110,10 +170,7 @@ impl CompletionQueue for SoftCq {
         {
             let list = self.inner.requesters.lock().unwrap_or_else(|p| p.into_inner());
             for r in list.iter() {
-                // Another thread driving this QP right now is as good as us doing it.
-                if let Ok(mut r) = r.try_lock() {
-                    r.progress();
-                }
+                r.progress();
             }
         }
         if self.inner.overrun.swap(false, Ordering::AcqRel) {

@@ -183,7 +183,7 @@ struct Engine {
 
 /// How long the progress thread spins after activity before it sleeps
 /// (`EPS_FABRIC_SPIN_US`, default 50 microseconds; 0 disables spinning).
-fn spin_budget() -> std::time::Duration {
+pub(crate) fn spin_budget() -> std::time::Duration {
     let us = std::env::var("EPS_FABRIC_SPIN_US").ok().and_then(|v| v.parse().ok()).unwrap_or(50u64);
     std::time::Duration::from_micros(us)
 }

@@ -12,10 +12,10 @@
 //! serialised by the QP's lock; polling a CQ from several threads is allowed.
 
 mod cm;
-mod cq;
+pub(crate) mod cq;
 mod engine;
-mod qp;
-mod sys;
+pub(crate) mod qp;
+pub(crate) mod sys;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -25,6 +25,7 @@ use crate::api::{Access, Fabric, HostRegion, MemoryRegion, ProtectionDomain, QpO
 use crate::error::Result;
 use crate::mem::RegionBuf;
 
+pub(crate) use engine::spin_budget;
 pub use cm::SoftListener;
 pub use cq::SoftCq;
 pub use qp::SoftQp;
@@ -80,9 +81,7 @@ impl ProtectionDomain for SoftPd {
     type Listener = SoftListener;
 
     fn register(&self, buf: RegionBuf, access: Access) -> Result<SoftMr> {
-        crate::stats::registered(buf.len() as i64);
-        let inner = self.dev.mrs.insert(buf, self.pd, access);
-        Ok(SoftMr { inner, table: self.dev.mrs.clone() })
+        Ok(SoftMr::register_in(&self.dev.mrs, buf, self.pd, access))
     }
 
     fn create_cq(&self, depth: u32) -> Result<SoftCq> {
@@ -105,6 +104,9 @@ pub(crate) struct MrInner {
     pub(crate) key: u32,
     pub(crate) pd: u32,
     pub(crate) access: Access,
+    /// Never reused in this process (keys are, after 256 registrations of a
+    /// slot): how the `shm` provider names the region to a peer that maps it.
+    pub(crate) uid: u64,
 }
 
 impl MrInner {
@@ -147,6 +149,13 @@ impl HostRegion for SoftMr {
 impl SoftMr {
     pub(crate) fn inner(&self) -> &Arc<MrInner> {
         &self.inner
+    }
+
+    /// Registers `buf` in `table` (the `shm` provider shares this region type).
+    pub(crate) fn register_in(table: &Arc<MrTable>, buf: RegionBuf, pd: u32, access: Access) -> SoftMr {
+        crate::stats::registered(buf.len() as i64);
+        let inner = table.insert(buf, pd, access);
+        SoftMr { inner, table: table.clone() }
     }
 }
 
@@ -212,7 +221,9 @@ impl MrTable {
         let slot = &mut s.entries[idx as usize];
         slot.0 = slot.0.wrapping_add(1);
         let key = ((idx + 1) << 8) | slot.0 as u32;
-        let inner = Arc::new(MrInner { buf, key, pd, access });
+        static NEXT_UID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        let uid = NEXT_UID.fetch_add(1, Ordering::Relaxed);
+        let inner = Arc::new(MrInner { buf, key, pd, access, uid });
         slot.1 = Some(inner.clone());
         inner
     }

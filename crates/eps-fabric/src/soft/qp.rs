@@ -19,8 +19,8 @@ use super::{MAX_SGE, MrInner, SoftMr};
 /// One local scatter/gather entry, holding its region alive.
 #[derive(Debug, Default, Clone)]
 pub(crate) struct SgEnt {
-    /// Held only to keep the region mapped while the request is outstanding.
-    #[expect(dead_code, reason = "ownership guard; the bytes are reached through ptr")]
+    /// Keeps the region mapped while the request is outstanding (the soft
+    /// provider reaches the bytes through `ptr`; shm names the region to its peer).
     pub(crate) mr: Option<Arc<MrInner>>,
     pub(crate) ptr: usize,
     pub(crate) len: u32,
@@ -131,7 +131,7 @@ impl QpShared {
 }
 
 /// Validates SGEs against the QP's domain; fills `out`. Returns the total length.
-fn load_sges(pd: u32, sg: &[Sge<'_, SoftMr>], need: Access, out: &mut [SgEnt; MAX_SGE]) -> Result<u64, WcStatus> {
+pub(crate) fn load_sges(pd: u32, sg: &[Sge<'_, SoftMr>], need: Access, out: &mut [SgEnt; MAX_SGE]) -> Result<u64, WcStatus> {
     if sg.len() > MAX_SGE {
         return Err(WcStatus::LocalQpOperation);
     }
