@@ -499,7 +499,7 @@ fn train(a: TrainArgs) -> Result<(), String> {
         eps_proto::say!("eps train: transport {t} and aggregator {g}, chosen by each process on its node");
         (c, t, g)
     } else {
-        let chosen = eps::transport::choose(&a.fabric, Some(&spec.fabric))?;
+        let chosen = eps::transport::choose_local(&a.fabric, Some(&spec.fabric))?;
         eps_proto::say!("eps train: {} transport for every server and worker", chosen.name());
         let agg = eps::aggregator::choose(&a.agg, spec.job.aggregator.as_deref())?;
         eps_proto::say!("eps train: {} aggregator on every server", agg.name());

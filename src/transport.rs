@@ -1,10 +1,12 @@
-//! `--transport auto|soft|rdma` for the roles: which provider a server or worker
-//! runs its data plane on, and on which RDMA device.
+//! `--transport auto|soft|shm|rdma` for the roles: which provider a server or
+//! worker runs its data plane on, and on which RDMA device.
 //!
 //! Each choice is taken from the command line first, then the environment
 //! (`EPS_TRANSPORT`, `EPS_RDMA_DEVICE`, `EPS_RDMA_PORT`, `EPS_RDMA_GID_INDEX`),
 //! then the job spec's `[fabric]` section, and defaults to `auto`: rdma when a
-//! usable device exists, else soft, saying which and why.
+//! usable device exists, else soft, saying which and why. A cluster whose every
+//! process runs on this machine (`eps train`'s local launcher) takes `shm` for
+//! `auto` ([`choose_local`]): every peer is on the same host.
 
 use std::net::IpAddr;
 
@@ -17,8 +19,10 @@ use crate::rdma::Named;
 #[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args)]
 pub struct TransportFlags {
     /// Data-plane transport: `soft` (userspace verbs over TCP with io_uring),
-    /// `rdma` (an RDMA device; fails, saying what it found, when none can be used)
-    /// or `auto` (rdma when a device is usable, else soft; it says which).
+    /// `shm` (shared memory; every peer on this host, as this user), `rdma` (an
+    /// RDMA device; fails, saying what it found, when none can be used) or `auto`
+    /// (rdma when a device is usable, else soft; `eps train` on one machine: shm;
+    /// it says which).
     /// Default: EPS_TRANSPORT, else the spec's fabric.transport, else auto.
     #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(TRANSPORTS))]
     pub transport: Option<String>,
@@ -57,6 +61,8 @@ pub type RdmaSelection = std::convert::Infallible;
 pub enum Chosen {
     /// Userspace verbs over TCP.
     Soft,
+    /// Shared memory between processes of this host.
+    Shm,
     /// This RDMA device, port and GID.
     Rdma(RdmaSelection),
 }
@@ -66,16 +72,17 @@ impl Chosen {
     pub fn name(&self) -> &'static str {
         match self {
             Chosen::Soft => "soft",
+            Chosen::Shm => "shm",
             Chosen::Rdma(_) => "rdma",
         }
     }
 
-    /// Where a server listens on this provider: `None` on soft (any address the
-    /// caller likes); on rdma the port's IPv4 address (its GID's, or its IPoIB
+    /// Where a server listens on this provider: `None` on soft and shm (any
+    /// address the caller likes); on rdma the port's IPv4 address (its GID's, or its IPoIB
     /// interface's), or an error saying what to do.
     pub fn listen_ip(&self) -> Result<Option<IpAddr>, String> {
         match self {
-            Chosen::Soft => Ok(None),
+            Chosen::Soft | Chosen::Shm => Ok(None),
             #[cfg(feature = "rdma")]
             Chosen::Rdma(sel) => crate::rdma::ip_of(sel).map(Some),
             #[cfg(not(feature = "rdma"))]
@@ -114,6 +121,7 @@ pub fn choose(flags: &TransportFlags, spec: Option<&FabricSection>) -> Result<Ch
     }
     match requested.as_str() {
         "soft" => Ok(Chosen::Soft),
+        "shm" => Ok(Chosen::Shm),
         "rdma" => match crate::rdma::selection(&named) {
             Ok(s) => Ok(Chosen::Rdma(s)),
             Err(e) if e.contains("--transport soft") => Err(format!("--transport rdma: {e}")),
@@ -129,8 +137,21 @@ pub fn choose(flags: &TransportFlags, spec: Option<&FabricSection>) -> Result<Ch
                 Ok(Chosen::Soft)
             }
         },
-        other => Err(format!("unknown transport {other:?} (from EPS_TRANSPORT or fabric.transport): use auto, soft or rdma")),
+        other => {
+            Err(format!("unknown transport {other:?} (from EPS_TRANSPORT or fabric.transport): use auto, soft, shm or rdma"))
+        }
     }
+}
+
+/// As [`choose`], for a cluster whose every process runs on this machine:
+/// `auto` takes `shm` there (each payload crosses once, through shared memory,
+/// instead of four times through loopback TCP or once more through a NIC).
+pub fn choose_local(flags: &TransportFlags, spec: Option<&FabricSection>) -> Result<Chosen, String> {
+    if requested(flags, spec) == "auto" {
+        eps_proto::say!("eps: --transport auto: using shm (every process of this cluster runs on this machine)");
+        return Ok(Chosen::Shm);
+    }
+    choose(flags, spec)
 }
 
 /// Work that runs on whichever provider was chosen.
@@ -156,6 +177,10 @@ pub fn run_on<W: OnFabric>(chosen: &Chosen, work: W) -> Result<W::Out, String> {
     match chosen {
         Chosen::Soft => {
             let pd = eps_fabric::soft::SoftDevice::open().map_err(|e| format!("the soft transport: {e}"))?.alloc_pd();
+            Ok(work.run(pd))
+        }
+        Chosen::Shm => {
+            let pd = eps_fabric::shm::ShmDevice::open().map_err(|e| format!("the shm transport: {e}"))?.alloc_pd();
             Ok(work.run(pd))
         }
         #[cfg(feature = "rdma")]

@@ -133,9 +133,10 @@ pub struct FabricArgs {
     /// Operations kept in flight: 1 measures latency, more measures bandwidth.
     #[arg(long, default_value_t = 1)]
     depth: u32,
-    /// Transport provider: `soft` (userspace verbs over TCP with io_uring), `rdma`
-    /// (an RDMA device; fails, saying what it found, when none can be used), or
-    /// `auto` (rdma when usable, else soft; it says which).
+    /// Transport provider: `soft` (userspace verbs over TCP with io_uring), `shm`
+    /// (shared memory; also measures one thread's memcpy of --size in the same run
+    /// and reports the ratio), `rdma` (an RDMA device; fails, saying what it found,
+    /// when none can be used), or `auto` (rdma when usable, else soft; it says which).
     #[arg(long, default_value = "soft")]
     transport: String,
     /// The RDMA device for `--transport rdma|auto`.
@@ -202,6 +203,10 @@ pub struct PushPullArgs {
     /// Target shard size (the unit of pipelining).
     #[arg(long, value_parser = parse_size, default_value = "4MiB")]
     shard_bytes: u64,
+    /// Transport of the servers and workers, and of the fabric WRITE reference
+    /// measured in the same run: `soft` (TCP) or `shm` (shared memory).
+    #[arg(long, default_value = "soft", value_parser = ["soft", "shm"])]
+    transport: String,
     /// Also print one JSON object with the results as the last line of stdout.
     #[arg(long)]
     json: bool,
@@ -328,15 +333,22 @@ fn bench_sparse(a: SparseArgs) -> Result<(), String> {
 fn bench_pushpull(a: PushPullArgs) -> Result<(), String> {
     use crate::bench::pushpull::{PushPullBench, run};
     eps_proto::say!(
-        "eps bench pushpull: size={} workers={} servers={} iters={}",
+        "eps bench pushpull: size={} workers={} servers={} iters={} transport={}",
         format_size(a.size),
         a.workers,
         a.servers,
-        a.iters
+        a.iters,
+        a.transport
     );
-    let r =
-        run(&PushPullBench { size: a.size, workers: a.workers, servers: a.servers, iters: a.iters, shard_bytes: a.shard_bytes })
-            .map_err(|e| error_chain(&e))?;
+    let cfg = PushPullBench {
+        size: a.size,
+        workers: a.workers,
+        servers: a.servers,
+        iters: a.iters,
+        shard_bytes: a.shard_bytes,
+        shm: a.transport == "shm",
+    };
+    let r = run(&cfg).map_err(|e| error_chain(&e))?;
     let ratio = r.gbytes_per_s / r.fabric_write_gbytes_per_s;
     println!(
         "{:>10} {:>8} {:>8} {:>12} {:>10} {:>16} {:>8}",
@@ -363,6 +375,7 @@ fn bench_pushpull(a: PushPullArgs) -> Result<(), String> {
             .int("workers", a.workers as u64)
             .int("servers", a.servers as u64)
             .int("iters", a.iters)
+            .str("transport", &a.transport)
             .num("iter_ms_p50", r.iter_ms_p50)
             .num("gbytes_per_s", r.gbytes_per_s)
             .num("fabric_write_gbytes_per_s", r.fabric_write_gbytes_per_s)
@@ -536,7 +549,20 @@ fn bench_fabric(a: FabricArgs) -> Result<(), String> {
         a.iters,
         a.depth
     );
-    let r = if transport == "rdma" { fabric::run_rdma(&cfg, &named) } else { fabric::run(&cfg) }.map_err(|e| error_chain(&e))?;
+    // On shm the limit is one thread's memcpy of the same size, measured before
+    // and after (the machine is shared and noisy).
+    let memcpy = |()| fabric::memcpy_gbytes_per_s(a.size, 21).map_err(|e| error_chain(&e));
+    let before = if transport == "shm" { Some(memcpy(())?) } else { None };
+    let r = match transport {
+        "rdma" => fabric::run_rdma(&cfg, &named),
+        "shm" => fabric::run_shm(&cfg),
+        _ => fabric::run(&cfg),
+    }
+    .map_err(|e| error_chain(&e))?;
+    let memcpy_gbs = match before {
+        Some(b) => Some(0.5 * (b + memcpy(())?)),
+        None => None,
+    };
     println!(
         "{:<10} {:>10} {:>8} {:>6} {:>10} {:>10} {:>10} {:>10}",
         "op", "size", "iters", "depth", "GB/s", "p50 us", "p99 us", "max us"
@@ -552,8 +578,15 @@ fn bench_fabric(a: FabricArgs) -> Result<(), String> {
         r.lat_us_p99,
         r.lat_us_max
     );
+    if let Some(m) = memcpy_gbs {
+        println!(
+            "single-thread memcpy of {}: {m:.3} GB/s; shm {op} / memcpy = {:.2}",
+            format_size(a.size),
+            r.bw_gbytes_per_s / m
+        );
+    }
     if a.json {
-        let j = Json::new()
+        let mut j = Json::new()
             .str("op", &op)
             .int("size_bytes", a.size)
             .int("iters", a.iters)
@@ -563,9 +596,11 @@ fn bench_fabric(a: FabricArgs) -> Result<(), String> {
             .num("lat_us_p50", r.lat_us_p50)
             .num("lat_us_p99", r.lat_us_p99)
             .num("lat_us_max", r.lat_us_max)
-            .num("elapsed_s", r.elapsed.as_secs_f64())
-            .finish();
-        println!("{j}");
+            .num("elapsed_s", r.elapsed.as_secs_f64());
+        if let Some(m) = memcpy_gbs {
+            j = j.num("memcpy_gbytes_per_s", m).num("ratio_to_memcpy", r.bw_gbytes_per_s / m);
+        }
+        println!("{}", j.finish());
     }
     Ok(())
 }

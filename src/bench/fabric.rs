@@ -1,7 +1,9 @@
 //! `eps bench fabric`: perftest-style bandwidth and latency of one fabric operation
 //! between this process and a peer process it starts on this machine: over the
-//! `soft` provider on 127.0.0.1, or over the `rdma` provider at the selected RDMA
-//! device's address (the code is generic over the provider).
+//! `soft` provider on 127.0.0.1, the `shm` provider (named by 127.0.0.1), or the
+//! `rdma` provider at the selected RDMA device's address (the code is generic over
+//! the provider). On shm the limit is a single thread's memcpy, which
+//! [`memcpy_gbytes_per_s`] measures.
 //!
 //! Latency is the full operation latency: from posting one signaled operation to its
 //! completion at the initiator. For a WRITE that includes the target's
@@ -198,7 +200,11 @@ pub fn run_peer(op: Op, size: u64, depth: u32, transport: &str, named: &crate::r
         let (pd, ip) = crate::rdma::bench_pd(named).map_err(BenchError::Transport)?;
         return peer_on(pd, ip, op, size, depth);
     }
-    peer_on(SoftDevice::open()?.alloc_pd(), IpAddr::from([127, 0, 0, 1]), op, size, depth)
+    let lo = IpAddr::from([127, 0, 0, 1]);
+    if transport == "shm" {
+        return peer_on(eps_fabric::shm::ShmDevice::open()?.alloc_pd(), lo, op, size, depth);
+    }
+    peer_on(SoftDevice::open()?.alloc_pd(), lo, op, size, depth)
 }
 
 fn peer_on<P: ProtectionDomain>(pd: P, ip: IpAddr, op: Op, size: u64, depth: u32) -> Result<(), BenchError> {
@@ -240,6 +246,30 @@ fn peer_on<P: ProtectionDomain>(pd: P, ip: IpAddr, op: Op, size: u64, depth: u32
 /// Runs the benchmark over the `soft` provider against a fresh peer process.
 pub fn run(cfg: &FabricBench) -> Result<FabricReport, BenchError> {
     run_on(SoftDevice::open()?.alloc_pd(), cfg, "soft", &crate::rdma::Named::default())
+}
+
+/// Runs the benchmark over the `shm` provider against a fresh peer process.
+pub fn run_shm(cfg: &FabricBench) -> Result<FabricReport, BenchError> {
+    run_on(eps_fabric::shm::ShmDevice::open()?.alloc_pd(), cfg, "shm", &crate::rdma::Named::default())
+}
+
+/// One thread copying `size` bytes from one buffer to another, the median of
+/// `reps` timed copies after a warm-up (both buffers touched first): the limit
+/// of a transport that moves each payload once with the CPU.
+pub fn memcpy_gbytes_per_s(size: u64, reps: usize) -> Result<f64, BenchError> {
+    let src = eps_fabric::RegionBuf::from_slice(&vec![7u8; size as usize])?;
+    let mut dst = eps_fabric::RegionBuf::from_slice(&vec![1u8; size as usize])?;
+    let mut times: Vec<f64> = (0..reps.max(1) + 2)
+        .map(|_| {
+            let t = Instant::now();
+            dst.as_mut_slice().copy_from_slice(std::hint::black_box(src.as_slice()));
+            std::hint::black_box(dst.as_slice());
+            t.elapsed().as_secs_f64()
+        })
+        .skip(2)
+        .collect();
+    times.sort_by(|a, b| a.total_cmp(b));
+    Ok(size as f64 / times[times.len() / 2] / 1e9)
 }
 
 /// Runs the benchmark over the `rdma` provider (the selected device) against a

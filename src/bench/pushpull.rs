@@ -1,6 +1,6 @@
 //! `eps bench pushpull`: iterations of push + pull of a model of SIZE bytes through
 //! real processes (control plane, servers, workers on 127.0.0.1), against the
-//! fabric's WRITE bandwidth measured in the same run.
+//! fabric's WRITE bandwidth (on the same transport) measured in the same run.
 
 use std::time::Instant;
 
@@ -27,6 +27,8 @@ pub struct PushPullBench {
     pub iters: u64,
     /// Target shard size.
     pub shard_bytes: u64,
+    /// On the shm transport (else soft).
+    pub shm: bool,
 }
 
 /// What one run measured.
@@ -37,7 +39,7 @@ pub struct PushPullReport {
     /// Gradient bytes pushed plus parameter bytes pulled, per worker per second, at
     /// the median iteration time (1e9 B/s).
     pub gbytes_per_s: f64,
-    /// `eps bench fabric --op write --size 4MiB --depth 8` in the same run.
+    /// `eps bench fabric --op write --size 4MiB --depth 8` (same transport) in the same run.
     pub fabric_write_gbytes_per_s: f64,
     /// What the metrics cost a worker per round, nanoseconds: the recording
     /// its rounds do (bytes counted per shard pushed and pulled, the round's
@@ -139,9 +141,17 @@ pub fn run(cfg: &PushPullBench) -> Result<PushPullReport, PushPullError> {
         cfg.size / 4
     );
     let spec = eps_proto::JobSpec::from_toml(&text).map_err(TrainError::from)?;
-    let fabric_before = fabric::run(&FabricBench { op: Op::Write, size: 4 << 20, iters: 300, depth: 8 })?;
+    let reference = || {
+        let f = FabricBench { op: Op::Write, size: 4 << 20, iters: 300, depth: 8 };
+        if cfg.shm { fabric::run_shm(&f) } else { fabric::run(&f) }
+    };
+    let fabric_before = reference()?;
     let iters = cfg.iters.to_string();
-    let cluster = LocalCluster::start(&spec, &text, &["--bench-iters", &iters], &soft_args())?;
+    let mut children = soft_args();
+    if cfg.shm {
+        children.both = vec!["--transport".into(), "shm".into()];
+    }
+    let cluster = LocalCluster::start(&spec, &text, &["--bench-iters", &iters], &children)?;
     let mut p50 = None;
     cluster.supervise(None, |l| {
         if let Some(Report::Bench(b)) = Report::parse(l)
@@ -150,7 +160,7 @@ pub fn run(cfg: &PushPullBench) -> Result<PushPullReport, PushPullError> {
             p50 = b.p50_ms;
         }
     })?;
-    let fabric_after = fabric::run(&FabricBench { op: Op::Write, size: 4 << 20, iters: 300, depth: 8 })?;
+    let fabric_after = reference()?;
     let iter_ms_p50 = p50.ok_or(PushPullError::NoReport)?;
     let shards = spec.layout().map_or(1, |l| l.shards.len());
     Ok(PushPullReport {

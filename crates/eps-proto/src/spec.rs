@@ -107,7 +107,8 @@ pub struct ResumeSection {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FabricSection {
-    /// `auto` (rdma when a usable device exists, else soft), `soft` or `rdma`.
+    /// `auto` (rdma when a usable device exists, else soft; `eps train` on one
+    /// machine: shm), `soft`, `shm` or `rdma`.
     pub transport: Option<String>,
     /// RDMA device name (e.g. `mlx5_0`, `rxe0`).
     pub rdma_device: Option<String>,
@@ -134,7 +135,7 @@ impl FabricSection {
 pub const AGGREGATORS: [&str; 3] = ["auto", "cpu", "cuda"];
 
 /// The transports `fabric.transport` and `--transport` name.
-pub const TRANSPORTS: [&str; 3] = ["auto", "soft", "rdma"];
+pub const TRANSPORTS: [&str; 4] = ["auto", "soft", "shm", "rdma"];
 
 /// `[job]`.
 #[derive(Clone, Debug, PartialEq, Deserialize)]
@@ -501,7 +502,7 @@ impl JobSpec {
         if let Some(t) = &self.fabric.transport
             && !TRANSPORTS.contains(&t.as_str())
         {
-            return Err(bad("fabric.transport", format!("{t:?}: use auto, soft or rdma")));
+            return Err(bad("fabric.transport", format!("{t:?}: use auto, soft, shm or rdma")));
         }
         if self.fabric.rdma_port == Some(0) {
             return Err(bad("fabric.rdma_port", "ports are numbered from 1"));
