@@ -30,6 +30,8 @@ mod msg;
 mod qp;
 pub(crate) mod ring;
 mod sys;
+#[cfg(test)]
+mod tests;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

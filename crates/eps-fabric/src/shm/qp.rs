@@ -152,6 +152,12 @@ impl Requester {
         self.qp.side
     }
 
+    /// The next position to publish (for tests that play a hostile requester).
+    #[cfg(test)]
+    pub(crate) fn published_at(&self) -> u64 {
+        self.published
+    }
+
     fn at(&self, p: u64) -> &Wqe {
         &self.ring[(p % self.ring.len() as u64) as usize]
     }
