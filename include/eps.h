@@ -177,8 +177,9 @@ typedef struct eps_worker_options {
    */
   const char *secret;
   /**
-   * `"soft"` (verbs semantics over TCP), `"rdma"` (an RDMA device; a
-   * library built without the `rdma` feature refuses it with
+   * `"soft"` (verbs semantics over TCP), `"shm"` (shared memory with servers
+   * on this host, run as this user, which must be on shm too), `"rdma"` (an
+   * RDMA device; a library built without the `rdma` feature refuses it with
    * `EPS_ERR_UNSUPPORTED`) or `"auto"` (rdma when a device is usable, else
    * soft). NULL: `EPS_TRANSPORT`, else auto. `eps_worker_info` says which.
    */
@@ -278,7 +279,7 @@ typedef struct eps_worker_info {
    */
   uint64_t seed;
   /**
-   * The transport this worker runs on: `"soft"` or `"rdma"` (static).
+   * The transport this worker runs on: `"soft"`, `"shm"` or `"rdma"` (static).
    */
   const char *transport;
 } eps_worker_info;

@@ -43,7 +43,7 @@ fn bad_input_is_a_clear_error() {
     assert!(text(&o).contains("--transport soft"), "{}", text(&o));
     let o = eps(&["bench", "fabric", "--transport", "carrier-pigeon"]);
     assert!(!o.status.success());
-    assert!(text(&o).contains("auto, soft or rdma"), "{}", text(&o));
+    assert!(text(&o).contains("auto, soft, shm or rdma"), "{}", text(&o));
     // The roles: an explicit rdma transport without a device (or, as here,
     // without the feature) fails before any process starts, naming the way out;
     // a bad EPS_TRANSPORT or spec value is named.
@@ -57,10 +57,10 @@ fn bad_input_is_a_clear_error() {
         .output()
         .expect("run eps");
     assert!(!o.status.success());
-    assert!(text(&o).contains("EPS_TRANSPORT") && text(&o).contains("auto, soft or rdma"), "{}", text(&o));
+    assert!(text(&o).contains("EPS_TRANSPORT") && text(&o).contains("auto, soft, shm or rdma"), "{}", text(&o));
     let o = eps(&["server", "--control", "127.0.0.1:1", "--transport", "tcp"]);
     assert!(!o.status.success());
-    assert!(text(&o).contains("possible values: auto, soft, rdma"), "{}", text(&o));
+    assert!(text(&o).contains("possible values: auto, soft, shm, rdma"), "{}", text(&o));
     // The aggregator: cuda without a GPU (here: without the feature) fails before
     // any process starts, naming the way out; so does the GPU benchmark.
     let o = eps(&["train", "--aggregator", "cuda", "--steps", "1"]);

@@ -296,7 +296,8 @@ fn a_live_server_whose_connections_are_cut_is_declared_lost_and_nothing_is_lost(
     }
     let spec = spec_file("faults", "cut");
     let s = spec.to_str().unwrap();
-    let args = ["--spec", s, "--servers", "3", "--steps", "400"];
+    // TCP connections to cut: the soft transport (on one machine `auto` is shm).
+    let args = ["--spec", s, "--servers", "3", "--steps", "400", "--transport", "soft"];
     let expected = uninterrupted(&args);
     let mut run = Run::start(&[&args[..], &["--replicas", "2"]].concat());
     run.wait_step(60);
@@ -333,7 +334,8 @@ fn a_move_whose_link_alone_is_cut_is_cancelled_and_nothing_is_lost() {
     }
     let spec = moving_spec("movecut");
     let s = spec.to_str().unwrap();
-    let args = ["--spec", s, "--servers", "3", "--steps", "120"];
+    // TCP connections to cut: the soft transport (on one machine `auto` is shm).
+    let args = ["--spec", s, "--servers", "3", "--steps", "120", "--transport", "soft"];
     let expected = uninterrupted(&args);
     // A move is cut in only if one was still copying when its target was
     // held (its snapshot WRITE in flight): when every move of a run was

@@ -125,7 +125,7 @@ class Worker:
     ``control`` is the control plane's ``HOST:PORT`` (default: ``EPS_CONTROL``),
     ``secret`` the job secret (default: ``EPS_JOB_SECRET``, else the file
     named by ``EPS_JOB_SECRET_FILE``, as ``eps up`` prints them),
-    ``transport`` ``"soft"``, ``"rdma"`` or ``"auto"`` (default:
+    ``transport`` ``"soft"``, ``"shm"`` (servers on this host, on shm), ``"rdma"`` or ``"auto"`` (default:
     ``EPS_TRANSPORT``, else auto; ``info.transport`` says which). Not
     thread-safe beyond what libeps guarantees: calls are serialized.
     """

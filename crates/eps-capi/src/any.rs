@@ -1,5 +1,5 @@
-//! A worker on whichever transport was chosen: `soft` always, `rdma` when
-//! this library is built with the `rdma` feature and a device is usable.
+//! A worker on whichever transport was chosen: `soft` and `shm` always, `rdma`
+//! when this library is built with the `rdma` feature and a device is usable.
 
 use std::ops::Range;
 
@@ -16,7 +16,7 @@ use crate::status::{Res, eps_status::*, fail};
 /// The transport a worker asked for (`eps_worker_options`).
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Transport {
-    /// `soft`, `rdma` or `auto`.
+    /// `soft`, `shm`, `rdma` or `auto`.
     pub kind: String,
     /// RDMA device, port and GID index (None: the fixed rule, after `EPS_RDMA_*`).
     pub device: Option<String>,
@@ -27,6 +27,7 @@ pub(crate) struct Transport {
 /// A worker on one of the providers.
 pub(crate) enum AnyWorker {
     Soft(Worker<SoftPd>),
+    Shm(Worker<eps_fabric::shm::ShmPd>),
     #[cfg(feature = "rdma")]
     Rdma(Worker<eps_rdma::RdmaPd>),
 }
@@ -35,6 +36,7 @@ macro_rules! on {
     ($self:expr, $w:ident => $body:expr) => {
         match $self {
             AnyWorker::Soft($w) => $body,
+            AnyWorker::Shm($w) => $body,
             #[cfg(feature = "rdma")]
             AnyWorker::Rdma($w) => $body,
         }
@@ -64,6 +66,12 @@ fn soft(cfg: &WorkerConfig, reg: Registration, borrowed: Option<(*mut u8, *mut u
     Ok(AnyWorker::Soft(unsafe { join_on(cfg, reg, pd, borrowed) }?))
 }
 
+fn shm(cfg: &WorkerConfig, reg: Registration, borrowed: Option<(*mut u8, *mut u8, usize)>) -> Res<AnyWorker> {
+    let pd = eps_fabric::shm::ShmDevice::open().map_err(WorkerError::from)?.alloc_pd();
+    // SAFETY: the caller's contract (see `AnyWorker::join`).
+    Ok(AnyWorker::Shm(unsafe { join_on(cfg, reg, pd, borrowed) }?))
+}
+
 #[cfg(feature = "rdma")]
 fn rdma_selection(t: &Transport) -> Result<eps_rdma::Selection, String> {
     let choice = eps_rdma::DeviceChoice { device: t.device.clone(), port: t.port, gid_index: t.gid_index };
@@ -86,6 +94,8 @@ impl AnyWorker {
         match t.kind.as_str() {
             // SAFETY: the caller's contract, passed on.
             "soft" => soft(cfg, reg, borrowed),
+            // SAFETY: the caller's contract, passed on.
+            "shm" => shm(cfg, reg, borrowed),
             #[cfg(feature = "rdma")]
             "rdma" | "auto" => match rdma_selection(t) {
                 Ok(sel) => {
@@ -105,14 +115,15 @@ impl AnyWorker {
             // SAFETY: the caller's contract, passed on.
             _ => soft(cfg, reg, borrowed),
             #[cfg(feature = "rdma")]
-            other => Err(fail(EPS_ERR_INVALID_ARGUMENT, format!("transport {other:?}: use soft, rdma or auto"))),
+            other => Err(fail(EPS_ERR_INVALID_ARGUMENT, format!("transport {other:?}: use soft, shm, rdma or auto"))),
         }
     }
 
-    /// `"soft"` or `"rdma"`.
+    /// `"soft"`, `"shm"` or `"rdma"`.
     pub(crate) fn transport(&self) -> &'static std::ffi::CStr {
         match self {
             AnyWorker::Soft(_) => c"soft",
+            AnyWorker::Shm(_) => c"shm",
             #[cfg(feature = "rdma")]
             AnyWorker::Rdma(_) => c"rdma",
         }

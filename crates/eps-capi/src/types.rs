@@ -42,8 +42,9 @@ pub struct eps_worker_options {
     /// The job secret; NULL: `EPS_JOB_SECRET`, else the file named by
     /// `EPS_JOB_SECRET_FILE` (as `eps up` prints it). Copied by create.
     pub secret: *const c_char,
-    /// `"soft"` (verbs semantics over TCP), `"rdma"` (an RDMA device; a
-    /// library built without the `rdma` feature refuses it with
+    /// `"soft"` (verbs semantics over TCP), `"shm"` (shared memory with servers
+    /// on this host, run as this user, which must be on shm too), `"rdma"` (an
+    /// RDMA device; a library built without the `rdma` feature refuses it with
     /// `EPS_ERR_UNSUPPORTED`) or `"auto"` (rdma when a device is usable, else
     /// soft). NULL: `EPS_TRANSPORT`, else auto. `eps_worker_info` says which.
     pub transport: *const c_char,
@@ -103,7 +104,7 @@ pub struct eps_worker_info {
     /// `job.seed`: the servers' initial parameters are
     /// `eps_initial_params(seed, ...)`.
     pub seed: u64,
-    /// The transport this worker runs on: `"soft"` or `"rdma"` (static).
+    /// The transport this worker runs on: `"soft"`, `"shm"` or `"rdma"` (static).
     pub transport: *const c_char,
 }
 

@@ -254,10 +254,10 @@ unsafe fn read_options(opts: *const eps_worker_options) -> Res<Options> {
         // SAFETY: the caller's contract.
         out.transport.kind = unsafe { c_str(o.transport, "opts.transport") }?.to_string();
     }
-    if !["soft", "rdma", "auto"].contains(&out.transport.kind.as_str()) {
+    if !["soft", "shm", "rdma", "auto"].contains(&out.transport.kind.as_str()) {
         return Err(fail(
             EPS_ERR_INVALID_ARGUMENT,
-            format!("transport {:?}: use \"soft\", \"rdma\" or \"auto\"", out.transport.kind),
+            format!("transport {:?}: use \"soft\", \"shm\", \"rdma\" or \"auto\"", out.transport.kind),
         ));
     }
     if out.transport.kind == "rdma" && !cfg!(feature = "rdma") {

@@ -281,6 +281,10 @@ impl Engine {
         let mut ran = 0;
         while self.conns[i].head < tail && ran < BATCH {
             let c = &self.conns[i];
+            if c.qp.is_error() {
+                // Destroyed or failed meanwhile: nothing more is executed.
+                break;
+            }
             let head = c.head;
             let Some(slot) = Slot::decode(&c.qp.seg.read_slot(dir, head)) else {
                 c.qp.set_error();
@@ -289,6 +293,9 @@ impl Engine {
             let status = match self.execute(i, &slot) {
                 Outcome::Done => WcStatus::Success,
                 Outcome::Rnr => break,
+                // A QP destroyed during the checks (its regions with it) is not
+                // answered: its requester is gone or already flushed.
+                Outcome::Fail(_) if self.conns[i].qp.is_error() => break,
                 Outcome::Fail(st) => st,
                 Outcome::Kill => {
                     self.conns[i].qp.set_error();
