@@ -1,6 +1,6 @@
 //! The fabric conformance suite, run against every provider available here.
 //!
-//! The `soft` and `shm` providers always run. The `rdma` provider runs the same cases when the
+//! The `soft` and `shm` providers, and `auto` per connection over both, always run. The `rdma` provider runs the same cases when the
 //! crate is built with its feature (`ci/softroce.sh` does, on soft-RoCE).
 
 mod conformance {
@@ -84,6 +84,9 @@ conformance_for!(soft, || eps_fabric::soft::SoftDevice::open().expect("open soft
 // Peers on one host through shared memory (both ends of each pair are in this
 // process, which the provider treats like any other process of the same user).
 conformance_for!(shm, || eps_fabric::shm::ShmDevice::open().expect("open shm device").alloc_pd());
+
+// `auto` per connection (both ends on this host: its shm QPs).
+conformance_for!(mixed, || eps_fabric::mixed::MixedDevice::open().expect("open mixed device").alloc_pd());
 
 // With the `rdma` feature (ci/softroce.sh builds it and runs it on soft-RoCE, with
 // EPS_CONFORMANCE_ADDR set to the device's address): the selected device.

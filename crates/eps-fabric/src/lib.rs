@@ -26,6 +26,7 @@ pub mod api;
 pub mod auth;
 pub mod error;
 pub mod mem;
+pub mod mixed;
 pub mod shm;
 pub mod soft;
 pub mod stats;

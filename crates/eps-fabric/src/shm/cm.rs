@@ -145,11 +145,39 @@ fn build_qp(
     Ok(ShmQp { shared, req: r, peer, max_sge: opts.max_sge as usize })
 }
 
+/// Whether `ip` is an address of this host (in this network namespace).
+pub(crate) fn is_local(ip: std::net::IpAddr) -> bool {
+    ip.is_loopback() || ip.is_unspecified() || std::net::UdpSocket::bind((ip, 0)).is_ok()
+}
+
+/// Connects to the shm listener of `addr` on this host, if there is one.
+pub(crate) fn dial_socket(addr: SocketAddr) -> std::io::Result<OwnedFd> {
+    let [exact, wild] = names(addr);
+    match sys::connect(&exact) {
+        // A wildcard listener answers for every address of this host only.
+        Err(_) if is_local(addr.ip()) => sys::connect(&wild),
+        r => r,
+    }
+}
+
 pub(crate) fn dial(pd: &ShmPd, addr: SocketAddr, send_cq: &SoftCq, recv_cq: &SoftCq, opts: &QpOptions) -> Result<ShmQp> {
     check_opts(opts)?;
+    let sock = dial_socket(addr)
+        .map_err(err(&addr.to_string(), "shm connect (no shm listener of this host has that address)"))?;
+    dial_on(pd, sock, addr, send_cq, recv_cq, opts)
+}
+
+/// The dialer's half of the set-up, on a socket connected to the listener.
+pub(crate) fn dial_on(
+    pd: &ShmPd,
+    sock: OwnedFd,
+    addr: SocketAddr,
+    send_cq: &SoftCq,
+    recv_cq: &SoftCq,
+    opts: &QpOptions,
+) -> Result<ShmQp> {
+    check_opts(opts)?;
     let peer = addr.to_string();
-    let [exact, wild] = names(addr);
-    let sock = sys::connect(&exact).or_else(|_| sys::connect(&wild)).map_err(err(&peer, "shm connect (no shm listener of this host has that address)"))?;
     let fd = sock.as_raw_fd();
     sys::set_timeouts(fd, opts.connect_timeout.max(Duration::from_millis(1))).map_err(err(&peer, "shm connect"))?;
     let peer_pid = same_user(fd, &peer)?;
@@ -189,26 +217,33 @@ pub(crate) fn dial(pd: &ShmPd, addr: SocketAddr, send_cq: &SoftCq, recv_cq: &Sof
 /// Listens for shm QP connections.
 pub struct ShmListener {
     pd: ShmPd,
-    /// Holds the TCP port that names this listener (nothing is accepted on it).
-    tcp: TcpListener,
+    /// Holds the TCP port that names this listener (nothing is accepted on it),
+    /// unless the soft listener of the same address holds it (`auto`).
+    _tcp: Option<TcpListener>,
+    addr: SocketAddr,
     sock: OwnedFd,
     opts: QpOptions,
 }
 
 impl std::fmt::Debug for ShmListener {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ShmListener").field("addr", &self.tcp.local_addr().ok()).finish()
+        f.debug_struct("ShmListener").field("addr", &self.addr).finish()
     }
 }
 
 impl ShmListener {
     pub(crate) fn bind(pd: ShmPd, addr: SocketAddr, opts: QpOptions) -> Result<Self> {
-        check_opts(&opts)?;
         let tcp = TcpListener::bind(addr).map_err(|source| FabricError::Listen { addr, source })?;
         let local = tcp.local_addr().map_err(|source| FabricError::Listen { addr, source })?;
-        let name = if local.ip().is_unspecified() { names(local)[1].clone() } else { names(local)[0].clone() };
-        let sock = sys::listen(&name).map_err(|source| FabricError::Listen { addr: local, source })?;
-        Ok(Self { pd, tcp, sock, opts })
+        Self::named(pd, local, Some(tcp), opts)
+    }
+
+    /// A listener answering to `addr`, whose port the caller holds (or `tcp`).
+    pub(crate) fn named(pd: ShmPd, addr: SocketAddr, tcp: Option<TcpListener>, opts: QpOptions) -> Result<Self> {
+        check_opts(&opts)?;
+        let name = if addr.ip().is_unspecified() { names(addr)[1].clone() } else { names(addr)[0].clone() };
+        let sock = sys::listen(&name).map_err(|source| FabricError::Listen { addr, source })?;
+        Ok(Self { pd, _tcp: tcp, addr, sock, opts })
     }
 
     /// The listener's half of the handshake on a socket just accepted.
@@ -257,7 +292,7 @@ impl Listener for ShmListener {
     type Cq = SoftCq;
 
     fn local_addr(&self) -> SocketAddr {
-        self.tcp.local_addr().expect("bound listener has an address")
+        self.addr
     }
 
     fn accept(&self, send_cq: &SoftCq, recv_cq: &SoftCq, timeout: Duration) -> Result<ShmQp> {
@@ -271,6 +306,18 @@ impl Listener for ShmListener {
         timeout: Duration,
         prepare: &mut dyn FnMut(&ShmQp) -> Result<()>,
     ) -> Result<ShmQp> {
+        let qp = self.accept_unready(send_cq, recv_cq, timeout)?;
+        prepare(&qp)?;
+        self.ready(&qp)?;
+        Ok(qp)
+    }
+}
+
+impl ShmListener {
+    /// Waits for one authenticated dialer; its QP is not running yet: receives
+    /// posted on it now are in place for the dialer's first SEND, which cannot
+    /// come before [`ShmListener::ready`].
+    pub(crate) fn accept_unready(&self, send_cq: &SoftCq, recv_cq: &SoftCq, timeout: Duration) -> Result<ShmQp> {
         let deadline = Instant::now() + timeout;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -288,14 +335,16 @@ impl Listener for ShmListener {
                 continue;
             };
             // A failed handshake concerns that peer only.
-            let Ok(qp) = self.handshake(s, send_cq, recv_cq) else { continue };
-            // Receives are posted before the dialer hears that the QP is ready,
-            // so its first SEND finds them; the progress thread takes the QP after.
-            prepare(&qp)?;
-            sys::send_msg(qp.shared.sock.as_raw_fd(), &msg::ready(), &[])
-                .map_err(err("a local dialer", "shm handshake"))?;
-            self.pd.dev.engine.shared.adopt(qp.shared.clone());
-            return Ok(qp);
+            if let Ok(qp) = self.handshake(s, send_cq, recv_cq) {
+                return Ok(qp);
+            }
         }
+    }
+
+    /// Tells the dialer the QP is ready and hands it to the progress thread.
+    pub(crate) fn ready(&self, qp: &ShmQp) -> Result<()> {
+        sys::send_msg(qp.shared.sock.as_raw_fd(), &msg::ready(), &[]).map_err(err("a local dialer", "shm handshake"))?;
+        self.pd.dev.engine.shared.adopt(qp.shared.clone());
+        Ok(())
     }
 }

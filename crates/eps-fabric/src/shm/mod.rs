@@ -35,13 +35,14 @@ mod tests;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::AtomicU32;
 
 use crate::api::{Access, Fabric, ProtectionDomain, QpOptions};
 use crate::error::Result;
 use crate::mem::RegionBuf;
 use crate::soft::{MrTable, SoftCq, SoftMr};
 
+pub(crate) use cm::{dial_on, dial_socket};
 pub use cm::ShmListener;
 pub use qp::ShmQp;
 
@@ -61,15 +62,22 @@ pub(crate) struct DeviceInner {
 impl ShmDevice {
     /// Opens a device and starts its progress thread.
     pub fn open() -> Result<Self> {
-        let mrs = Arc::new(MrTable::default());
+        Self::open_with(Arc::new(MrTable::default()))
+    }
+
+    /// Opens a device whose regions live in `mrs` (shared with a soft device).
+    pub(crate) fn open_with(mrs: Arc<MrTable>) -> Result<Self> {
         let engine = engine::EngineHandle::start(mrs.clone())?;
         Ok(Self { inner: Arc::new(DeviceInner { mrs, engine, next_qp: AtomicU32::new(1) }) })
     }
 
     /// Allocates a protection domain.
     pub fn alloc_pd(&self) -> ShmPd {
-        static NEXT_PD: AtomicU32 = AtomicU32::new(1);
-        ShmPd { dev: self.inner.clone(), pd: NEXT_PD.fetch_add(1, Ordering::Relaxed) }
+        self.pd_numbered(crate::soft::next_pd())
+    }
+
+    pub(crate) fn pd_numbered(&self, pd: u32) -> ShmPd {
+        ShmPd { dev: self.inner.clone(), pd }
     }
 }
 

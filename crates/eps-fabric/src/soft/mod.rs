@@ -49,18 +49,30 @@ pub(crate) struct DeviceInner {
 impl SoftDevice {
     /// Opens a device and starts its progress thread.
     pub fn open() -> Result<Self> {
-        let mrs = Arc::new(MrTable::default());
+        Self::open_with(Arc::new(MrTable::default()))
+    }
+
+    /// Opens a device whose regions live in `mrs` (shared with an shm device).
+    pub(crate) fn open_with(mrs: Arc<MrTable>) -> Result<Self> {
         let engine = engine::EngineHandle::start(mrs.clone())?;
         Ok(Self { inner: Arc::new(DeviceInner { mrs, engine, next_qp: AtomicU32::new(1) }) })
     }
 
     /// Allocates a protection domain.
     pub fn alloc_pd(&self) -> SoftPd {
-        // Domain numbers are unique in the process, so memory of a domain of another
-        // device is told apart as well.
-        static NEXT_PD: AtomicU32 = AtomicU32::new(1);
-        SoftPd { dev: self.inner.clone(), pd: NEXT_PD.fetch_add(1, Ordering::Relaxed) }
+        self.pd_numbered(next_pd())
     }
+
+    pub(crate) fn pd_numbered(&self, pd: u32) -> SoftPd {
+        SoftPd { dev: self.inner.clone(), pd }
+    }
+}
+
+/// A new protection-domain number: unique in the process across every device
+/// and provider, so memory of a domain of another device is told apart as well.
+pub(crate) fn next_pd() -> u32 {
+    static NEXT_PD: AtomicU32 = AtomicU32::new(1);
+    NEXT_PD.fetch_add(1, Ordering::Relaxed)
 }
 
 /// A protection domain of the soft device.
