@@ -181,7 +181,8 @@ typedef struct eps_worker_options {
    * on this host, run as this user, which must be on shm too), `"rdma"` (an
    * RDMA device; a library built without the `rdma` feature refuses it with
    * `EPS_ERR_UNSUPPORTED`) or `"auto"` (rdma when a device is usable, else
-   * soft). NULL: `EPS_TRANSPORT`, else auto. `eps_worker_info` says which.
+   * shm to servers on this host and soft to the others, per connection).
+   * NULL: `EPS_TRANSPORT`, else auto. `eps_worker_info` says which.
    */
   const char *transport;
   /**
@@ -279,7 +280,8 @@ typedef struct eps_worker_info {
    */
   uint64_t seed;
   /**
-   * The transport this worker runs on: `"soft"`, `"shm"` or `"rdma"` (static).
+   * The transport this worker runs on: `"soft"`, `"shm"`, `"soft+shm"` (auto:
+   * shm to servers on this host, soft to the others) or `"rdma"` (static).
    */
   const char *transport;
 } eps_worker_info;

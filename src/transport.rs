@@ -4,9 +4,10 @@
 //! Each choice is taken from the command line first, then the environment
 //! (`EPS_TRANSPORT`, `EPS_RDMA_DEVICE`, `EPS_RDMA_PORT`, `EPS_RDMA_GID_INDEX`),
 //! then the job spec's `[fabric]` section, and defaults to `auto`: rdma when a
-//! usable device exists, else soft, saying which and why. A cluster whose every
-//! process runs on this machine (`eps train`'s local launcher) takes `shm` for
-//! `auto` ([`choose_local`]): every peer is on the same host.
+//! usable device exists, else shm to each peer on this host and soft to the
+//! others (per connection), saying which and why. A cluster whose every process
+//! runs on this machine (`eps train`'s local launcher) takes `shm` for `auto`
+//! ([`choose_local`]): every peer is on the same host.
 
 use std::net::IpAddr;
 
@@ -21,8 +22,8 @@ pub struct TransportFlags {
     /// Data-plane transport: `soft` (userspace verbs over TCP with io_uring),
     /// `shm` (shared memory; every peer on this host, as this user), `rdma` (an
     /// RDMA device; fails, saying what it found, when none can be used) or `auto`
-    /// (rdma when a device is usable, else soft; `eps train` on one machine: shm;
-    /// it says which).
+    /// (rdma when a device is usable, else shm to peers on this host and soft to
+    /// the others, per connection; `eps train` on one machine: shm; it says which).
     /// Default: EPS_TRANSPORT, else the spec's fabric.transport, else auto.
     #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(TRANSPORTS))]
     pub transport: Option<String>,
@@ -35,7 +36,8 @@ impl TransportFlags {
     /// The flags naming `chosen` (and the device flags given here), for a child
     /// process, so that every process of a local cluster runs on the same choice.
     pub fn child_args(&self, chosen: &Chosen) -> Vec<String> {
-        let mut v = vec!["--transport".to_string(), chosen.name().to_string()];
+        let name = if let Chosen::Mixed = chosen { "auto" } else { chosen.name() };
+        let mut v = vec!["--transport".to_string(), name.to_string()];
         match chosen {
             #[cfg(feature = "rdma")]
             Chosen::Rdma(sel) => {
@@ -63,6 +65,8 @@ pub enum Chosen {
     Soft,
     /// Shared memory between processes of this host.
     Shm,
+    /// Per connection: shm to a peer on this host, soft to any other.
+    Mixed,
     /// This RDMA device, port and GID.
     Rdma(RdmaSelection),
 }
@@ -73,6 +77,7 @@ impl Chosen {
         match self {
             Chosen::Soft => "soft",
             Chosen::Shm => "shm",
+            Chosen::Mixed => "soft+shm",
             Chosen::Rdma(_) => "rdma",
         }
     }
@@ -82,7 +87,7 @@ impl Chosen {
     /// interface's), or an error saying what to do.
     pub fn listen_ip(&self) -> Result<Option<IpAddr>, String> {
         match self {
-            Chosen::Soft | Chosen::Shm => Ok(None),
+            Chosen::Soft | Chosen::Shm | Chosen::Mixed => Ok(None),
             #[cfg(feature = "rdma")]
             Chosen::Rdma(sel) => crate::rdma::ip_of(sel).map(Some),
             #[cfg(not(feature = "rdma"))]
@@ -133,8 +138,8 @@ pub fn choose(flags: &TransportFlags, spec: Option<&FabricSection>) -> Result<Ch
                 Ok(Chosen::Rdma(s))
             }
             Err(e) => {
-                eps_proto::say!("eps: --transport auto: using soft ({e})");
-                Ok(Chosen::Soft)
+                eps_proto::say!("eps: --transport auto: using shm to peers on this host, soft to the others ({e})");
+                Ok(Chosen::Mixed)
             }
         },
         other => {
@@ -181,6 +186,10 @@ pub fn run_on<W: OnFabric>(chosen: &Chosen, work: W) -> Result<W::Out, String> {
         }
         Chosen::Shm => {
             let pd = eps_fabric::shm::ShmDevice::open().map_err(|e| format!("the shm transport: {e}"))?.alloc_pd();
+            Ok(work.run(pd))
+        }
+        Chosen::Mixed => {
+            let pd = eps_fabric::mixed::MixedDevice::open().map_err(|e| format!("the auto transport: {e}"))?.alloc_pd();
             Ok(work.run(pd))
         }
         #[cfg(feature = "rdma")]

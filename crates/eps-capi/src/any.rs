@@ -28,6 +28,7 @@ pub(crate) struct Transport {
 pub(crate) enum AnyWorker {
     Soft(Worker<SoftPd>),
     Shm(Worker<eps_fabric::shm::ShmPd>),
+    Mixed(Worker<eps_fabric::mixed::MixedPd>),
     #[cfg(feature = "rdma")]
     Rdma(Worker<eps_rdma::RdmaPd>),
 }
@@ -37,6 +38,7 @@ macro_rules! on {
         match $self {
             AnyWorker::Soft($w) => $body,
             AnyWorker::Shm($w) => $body,
+            AnyWorker::Mixed($w) => $body,
             #[cfg(feature = "rdma")]
             AnyWorker::Rdma($w) => $body,
         }
@@ -70,6 +72,13 @@ fn shm(cfg: &WorkerConfig, reg: Registration, borrowed: Option<(*mut u8, *mut u8
     let pd = eps_fabric::shm::ShmDevice::open().map_err(WorkerError::from)?.alloc_pd();
     // SAFETY: the caller's contract (see `AnyWorker::join`).
     Ok(AnyWorker::Shm(unsafe { join_on(cfg, reg, pd, borrowed) }?))
+}
+
+/// `auto` without an RDMA device: shm to servers on this host, soft to the others.
+fn mixed(cfg: &WorkerConfig, reg: Registration, borrowed: Option<(*mut u8, *mut u8, usize)>) -> Res<AnyWorker> {
+    let pd = eps_fabric::mixed::MixedDevice::open().map_err(WorkerError::from)?.alloc_pd();
+    // SAFETY: the caller's contract (see `AnyWorker::join`).
+    Ok(AnyWorker::Mixed(unsafe { join_on(cfg, reg, pd, borrowed) }?))
 }
 
 #[cfg(feature = "rdma")]
@@ -107,23 +116,24 @@ impl AnyWorker {
                 }
                 Err(e) if t.kind == "rdma" => Err(fail(EPS_ERR_FABRIC, format!("transport rdma: {e}"))),
                 // SAFETY: the caller's contract, passed on.
-                Err(_) => soft(cfg, reg, borrowed),
+                Err(_) => mixed(cfg, reg, borrowed),
             },
             #[cfg(not(feature = "rdma"))]
             "rdma" => Err(fail(EPS_ERR_UNSUPPORTED, "this libeps was built without the rdma transport (feature `rdma`)")),
             #[cfg(not(feature = "rdma"))]
             // SAFETY: the caller's contract, passed on.
-            _ => soft(cfg, reg, borrowed),
+            _ => mixed(cfg, reg, borrowed),
             #[cfg(feature = "rdma")]
             other => Err(fail(EPS_ERR_INVALID_ARGUMENT, format!("transport {other:?}: use soft, shm, rdma or auto"))),
         }
     }
 
-    /// `"soft"`, `"shm"` or `"rdma"`.
+    /// `"soft"`, `"shm"`, `"soft+shm"` (auto, per connection) or `"rdma"`.
     pub(crate) fn transport(&self) -> &'static std::ffi::CStr {
         match self {
             AnyWorker::Soft(_) => c"soft",
             AnyWorker::Shm(_) => c"shm",
+            AnyWorker::Mixed(_) => c"soft+shm",
             #[cfg(feature = "rdma")]
             AnyWorker::Rdma(_) => c"rdma",
         }

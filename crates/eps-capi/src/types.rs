@@ -46,7 +46,8 @@ pub struct eps_worker_options {
     /// on this host, run as this user, which must be on shm too), `"rdma"` (an
     /// RDMA device; a library built without the `rdma` feature refuses it with
     /// `EPS_ERR_UNSUPPORTED`) or `"auto"` (rdma when a device is usable, else
-    /// soft). NULL: `EPS_TRANSPORT`, else auto. `eps_worker_info` says which.
+    /// shm to servers on this host and soft to the others, per connection).
+    /// NULL: `EPS_TRANSPORT`, else auto. `eps_worker_info` says which.
     pub transport: *const c_char,
     /// Milliseconds to wait for the control plane, the servers and each
     /// transfer (0: 120000).
@@ -104,7 +105,8 @@ pub struct eps_worker_info {
     /// `job.seed`: the servers' initial parameters are
     /// `eps_initial_params(seed, ...)`.
     pub seed: u64,
-    /// The transport this worker runs on: `"soft"`, `"shm"` or `"rdma"` (static).
+    /// The transport this worker runs on: `"soft"`, `"shm"`, `"soft+shm"` (auto:
+    /// shm to servers on this host, soft to the others) or `"rdma"` (static).
     pub transport: *const c_char,
 }
 

@@ -153,7 +153,7 @@ impl Listener for MixedListener {
 }
 
 impl Fabric for MixedPd {
-    const NAME: &'static str = "auto (shm on this host, soft to others)";
+    const NAME: &'static str = "soft+shm";
 }
 
 impl ProtectionDomain for MixedPd {
