@@ -33,8 +33,9 @@ pub fn run(a: CalibrateArgs) -> Result<(), String> {
     let big = pushpull::run(&PushPullBench { size, workers: 1, servers: 1, iters, shard_bytes: 4 << 20, shm: false })
         .map_err(|e| crate_error(&e))?;
     step("push/pull of a 4 KiB model (the fixed cost of an iteration)");
-    let tiny = pushpull::run(&PushPullBench { size: 4096, workers: 1, servers: 1, iters: iters * 5, shard_bytes: 4096, shm: false })
-        .map_err(|e| crate_error(&e))?;
+    let tiny =
+        pushpull::run(&PushPullBench { size: 4096, workers: 1, servers: 1, iters: iters * 5, shard_bytes: 4096, shm: false })
+            .map_err(|e| crate_error(&e))?;
     step(&format!("sum of two {} MiB f32 contributions on one thread", size >> 20));
     let sum = agg::run(&AggBench { dtype: DType::F32, workers: 2, size, threads: 1, reps: 5 }).map_err(|e| crate_error(&e))?;
     step(&format!("migrations of a {} MiB shard between server processes", size >> 20));

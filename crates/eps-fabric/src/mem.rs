@@ -103,9 +103,8 @@ impl RegionBuf {
         }
         // SAFETY: a shared mapping of the whole memfd (sealed at `map_len`, so it
         // cannot shrink under the mapping), with no address hint; checked below.
-        let ptr = unsafe {
-            libc::mmap(std::ptr::null_mut(), map_len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, raw, 0)
-        };
+        let ptr =
+            unsafe { libc::mmap(std::ptr::null_mut(), map_len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, raw, 0) };
         if ptr == libc::MAP_FAILED {
             return Err(alloc_err(std::io::Error::last_os_error()));
         }

@@ -219,7 +219,8 @@ mod tests {
         });
         assert_eq!((a.provider(), b.provider()), ("shm", "shm"));
         let dst_other = other.alloc_mr(4096, Access::ALL).unwrap();
-        a.post_send(&SendWr { wr_id: 1, op: SendOp::Write(dst_other.remote(0)), sg: &[Sge::whole(&src)], signaled: true }).unwrap();
+        a.post_send(&SendWr { wr_id: 1, op: SendOp::Write(dst_other.remote(0)), sg: &[Sge::whole(&src)], signaled: true })
+            .unwrap();
         wait_ok(&cq);
         // A soft-only listener (no shm socket): the mixed dialer goes over TCP.
         let soft = SoftDevice::open().unwrap().alloc_pd();
@@ -240,7 +241,8 @@ mod tests {
             (soft.connect(ml.local_addr(), &soft_cq, &soft_cq, &o).unwrap(), h.join().unwrap())
         });
         assert_eq!(acc.provider(), "soft");
-        d.post_send(&SendWr { wr_id: 2, op: SendOp::Write(dst.remote(0)), sg: &[Sge::whole(&soft_src)], signaled: true }).unwrap();
+        d.post_send(&SendWr { wr_id: 2, op: SendOp::Write(dst.remote(0)), sg: &[Sge::whole(&soft_src)], signaled: true })
+            .unwrap();
         wait_ok(&soft_cq);
     }
 }

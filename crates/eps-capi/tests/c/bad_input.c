@@ -136,7 +136,8 @@ int main(void) {
     EXPECT(eps_worker_get_info(w, NULL), EPS_ERR_NULL_POINTER);
     EXPECT(eps_worker_get_info(w, &info), EPS_OK);
     CHECK(info.tensor_count == 2 && info.dtype == EPS_DTYPE_F32 && info.rank == 0);
-    CHECK(strcmp(info.transport, "soft") == 0);
+    /* auto without an RDMA device: shm to servers on this host, soft to others. */
+    CHECK(strcmp(info.transport, "soft+shm") == 0);
     eps_tensor_info ti;
     EXPECT(eps_worker_get_tensor(w, 2, &ti), EPS_ERR_NOT_FOUND);
     EXPECT(eps_worker_get_tensor(w, 0, NULL), EPS_ERR_NULL_POINTER);

@@ -162,8 +162,8 @@ pub(crate) fn dial_socket(addr: SocketAddr) -> std::io::Result<OwnedFd> {
 
 pub(crate) fn dial(pd: &ShmPd, addr: SocketAddr, send_cq: &SoftCq, recv_cq: &SoftCq, opts: &QpOptions) -> Result<ShmQp> {
     check_opts(opts)?;
-    let sock = dial_socket(addr)
-        .map_err(err(&addr.to_string(), "shm connect (no shm listener of this host has that address)"))?;
+    let sock =
+        dial_socket(addr).map_err(err(&addr.to_string(), "shm connect (no shm listener of this host has that address)"))?;
     dial_on(pd, sock, addr, send_cq, recv_cq, opts)
 }
 
@@ -330,7 +330,8 @@ impl ShmListener {
             if !ready {
                 continue;
             }
-            let Some(s) = sys::accept(self.sock.as_raw_fd()).map_err(|source| FabricError::Listen { addr: self.local_addr(), source })?
+            let Some(s) =
+                sys::accept(self.sock.as_raw_fd()).map_err(|source| FabricError::Listen { addr: self.local_addr(), source })?
             else {
                 continue;
             };

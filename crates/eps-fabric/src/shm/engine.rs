@@ -22,10 +22,10 @@ use crate::soft::qp::RecvWqe;
 use crate::soft::{MAX_SGE, MrTable};
 use crate::wire::{Response, WireOp};
 
+use super::msg;
 use super::qp::QpShared;
 use super::ring::Slot;
 use super::sys::{self, Got, PeerMap};
-use super::msg;
 
 /// Requests executed on one QP before the others get a turn.
 const BATCH: u64 = 32;
@@ -193,7 +193,8 @@ impl Engine {
         }
         // Pairs with the requester's fence between publishing and reading the flag.
         fence(Ordering::SeqCst);
-        let ready = self.conns.iter().any(Self::has_work) || !self.shared.new_conns.lock().unwrap_or_else(|p| p.into_inner()).is_empty();
+        let ready =
+            self.conns.iter().any(Self::has_work) || !self.shared.new_conns.lock().unwrap_or_else(|p| p.into_inner()).is_empty();
         if !ready && !self.shared.stop.load(Ordering::Acquire) {
             let rnr = self.conns.iter().any(|c| c.waiting_recv);
             self.check_sockets(if rnr { 2 } else { 1000 });
@@ -457,7 +458,9 @@ impl Engine {
                         true
                     }
                     // SAFETY: the local range is as above; a bad peer address only fails the call.
-                    PeerRegion::InPlace(addr, _) => unsafe { sys::vm_copy(c.qp.peer_pid, lptr, addr + soff, n, from_peer) }.is_ok(),
+                    PeerRegion::InPlace(addr, _) => {
+                        unsafe { sys::vm_copy(c.qp.peer_pid, lptr, addr + soff, n, from_peer) }.is_ok()
+                    }
                 };
                 if !ok {
                     return false;

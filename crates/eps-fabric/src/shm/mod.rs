@@ -42,8 +42,8 @@ use crate::error::Result;
 use crate::mem::RegionBuf;
 use crate::soft::{MrTable, SoftCq, SoftMr};
 
-pub(crate) use cm::{dial_on, dial_socket};
 pub use cm::ShmListener;
+pub(crate) use cm::{dial_on, dial_socket};
 pub use qp::ShmQp;
 
 /// An open `shm` device: owns the progress thread and the registration table.

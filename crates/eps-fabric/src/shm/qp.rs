@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use crate::api::{Access, Completion, QpState, QueuePair, RecvWr, SendOp, SendWr, WcOpcode};
 use crate::error::{FabricError, Result, WcStatus};
 use crate::soft::cq::{CqInner, Drive, WaitOn};
-use crate::soft::qp::{RecvWqe, SgEnt, load_sges};
+use crate::soft::qp::{RecvPost, RecvWqe, SgEnt, load_sges};
 use crate::soft::{MAX_SGE, MrInner, SoftMr};
 use crate::wire::{Request, Response, WireOp};
 
@@ -211,7 +211,11 @@ impl Requester {
             SendOp::Write(r) | SendOp::Read(r) => (r, 0),
             SendOp::WriteImm(r, imm) => (r, imm),
         };
-        let mut slot = Slot { req: Request { op: WireOp::Send, seq: 0, len: 0, rkey: remote.rkey, addr: remote.addr, imm }, nsg: 0, sg: [PeerSge::default(); MAX_SGE] };
+        let mut slot = Slot {
+            req: Request { op: WireOp::Send, seq: 0, len: 0, rkey: remote.rkey, addr: remote.addr, imm },
+            nsg: 0,
+            sg: [PeerSge::default(); MAX_SGE],
+        };
         let nsg = self.at(p).nsg;
         for i in 0..nsg {
             let Some(mr) = self.at(p).sg[i].mr.clone() else { continue };
@@ -409,30 +413,15 @@ impl QueuePair for ShmQp {
 
     fn post_recv(&self, wr: &RecvWr<'_, SoftMr>) -> Result<()> {
         let q = &self.shared;
-        if wr.sg.len() > self.max_sge {
-            return Err(FabricError::InvalidArgument("more SGEs than the QP's max_sge"));
-        }
-        let mut w = RecvWqe { wr_id: wr.wr_id, nsg: wr.sg.len(), ..RecvWqe::default() };
-        let loaded = load_sges(q.pd, wr.sg, Access::LOCAL_WRITE, &mut w.sg);
-        {
-            let mut rq = q.recv_q.lock().unwrap_or_else(|p| p.into_inner());
-            if rq.len() >= q.max_recv_wr as usize {
-                return Err(FabricError::QueueFull { queue: "receive", depth: q.max_recv_wr });
-            }
-            if q.is_error() {
-                drop(rq);
-                q.recv_cq.push(q.recv_completion(wr.wr_id, WcStatus::WrFlush, WcOpcode::Recv, 0, None));
-                return Ok(());
-            }
-            if let Err(st) = loaded {
-                drop(rq);
-                q.recv_cq.push(q.recv_completion(wr.wr_id, st, WcOpcode::Recv, 0, None));
-                q.set_error();
-                return Ok(());
-            }
-            rq.push_back(w);
-        }
-        if q.rnr_waiting.load(Ordering::Acquire) {
+        let recv = RecvPost {
+            queue: &q.recv_q,
+            depth: q.max_recv_wr,
+            pd: q.pd,
+            max_sge: self.max_sge,
+            cq: &q.recv_cq,
+            qp_num: q.qp_num,
+        };
+        if recv.post(wr, q.is_error(), || q.set_error())? && q.rnr_waiting.load(Ordering::Acquire) {
             q.engine.wake();
         }
         Ok(())

@@ -25,9 +25,9 @@ use crate::api::{Access, Fabric, HostRegion, MemoryRegion, ProtectionDomain, QpO
 use crate::error::Result;
 use crate::mem::RegionBuf;
 
-pub(crate) use engine::spin_budget;
 pub use cm::SoftListener;
 pub use cq::SoftCq;
+pub(crate) use engine::spin_budget;
 pub use qp::SoftQp;
 
 /// Most SGEs a soft work request may carry.

@@ -148,6 +148,47 @@ pub(crate) fn load_sges(pd: u32, sg: &[Sge<'_, SoftMr>], need: Access, out: &mut
     Ok(total)
 }
 
+/// What posting a RECV needs of a QP (the same on soft and shm).
+pub(crate) struct RecvPost<'a> {
+    pub(crate) queue: &'a Mutex<VecDeque<RecvWqe>>,
+    pub(crate) depth: u32,
+    pub(crate) pd: u32,
+    pub(crate) max_sge: usize,
+    pub(crate) cq: &'a CqInner,
+    pub(crate) qp_num: u32,
+}
+
+impl RecvPost<'_> {
+    /// Checks and queues `wr`: a full queue is backpressure; in the error state it
+    /// completes flushed; a bad SGE completes with its status and moves the QP to
+    /// the error state (`set_error`). Returns whether it was queued.
+    pub(crate) fn post(&self, wr: &RecvWr<'_, SoftMr>, in_error: bool, set_error: impl FnOnce()) -> Result<bool> {
+        if wr.sg.len() > self.max_sge {
+            return Err(FabricError::InvalidArgument("more SGEs than the QP's max_sge"));
+        }
+        let mut w = RecvWqe { wr_id: wr.wr_id, nsg: wr.sg.len(), ..RecvWqe::default() };
+        let loaded = load_sges(self.pd, wr.sg, Access::LOCAL_WRITE, &mut w.sg);
+        let mut rq = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        if rq.len() >= self.depth as usize {
+            return Err(FabricError::QueueFull { queue: "receive", depth: self.depth });
+        }
+        let status = match loaded {
+            _ if in_error => WcStatus::WrFlush,
+            Err(st) => st,
+            Ok(_) => {
+                rq.push_back(w);
+                return Ok(true);
+            }
+        };
+        drop(rq);
+        self.cq.push(Completion { wr_id: wr.wr_id, status, opcode: WcOpcode::Recv, byte_len: 0, imm: None, qp_num: self.qp_num });
+        if status != WcStatus::WrFlush {
+            set_error();
+        }
+        Ok(false)
+    }
+}
+
 /// A send work request in the requester's ring.
 #[derive(Debug, Default)]
 struct Wqe {
@@ -585,30 +626,15 @@ impl QueuePair for SoftQp {
 
     fn post_recv(&self, wr: &RecvWr<'_, SoftMr>) -> Result<()> {
         let q = &self.shared;
-        if wr.sg.len() > self.max_sge {
-            return Err(FabricError::InvalidArgument("more SGEs than the QP's max_sge"));
-        }
-        let mut w = RecvWqe { wr_id: wr.wr_id, nsg: wr.sg.len(), ..RecvWqe::default() };
-        let loaded = load_sges(q.pd, wr.sg, Access::LOCAL_WRITE, &mut w.sg);
-        {
-            let mut rq = q.recv_q.lock().unwrap_or_else(|p| p.into_inner());
-            if rq.len() >= q.max_recv_wr as usize {
-                return Err(FabricError::QueueFull { queue: "receive", depth: q.max_recv_wr });
-            }
-            if q.is_error() {
-                drop(rq);
-                q.recv_cq.push(q.recv_completion(wr.wr_id, WcStatus::WrFlush, WcOpcode::Recv, 0, None));
-                return Ok(());
-            }
-            if let Err(st) = loaded {
-                drop(rq);
-                q.recv_cq.push(q.recv_completion(wr.wr_id, st, WcOpcode::Recv, 0, None));
-                q.set_error(false);
-                return Ok(());
-            }
-            rq.push_back(w);
-        }
-        if q.rnr_waiting.load(Ordering::Acquire) {
+        let recv = RecvPost {
+            queue: &q.recv_q,
+            depth: q.max_recv_wr,
+            pd: q.pd,
+            max_sge: self.max_sge,
+            cq: &q.recv_cq,
+            qp_num: q.qp_num,
+        };
+        if recv.post(wr, q.is_error(), || q.set_error(false))? && q.rnr_waiting.load(Ordering::Acquire) {
             q.engine.wake();
         }
         Ok(())
