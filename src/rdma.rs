@@ -171,9 +171,13 @@ pub fn bench_pd(named: &Named) -> Result<(eps_fabric::soft::SoftPd, std::net::Ip
     selection(named).map(|never| match never {})
 }
 
-/// Resolves `--transport auto|soft|rdma` of `eps bench fabric` to the provider
-/// that runs (see [`crate::transport::choose`]).
+/// Resolves `--transport auto|soft|shm|rdma` of `eps bench fabric` to the
+/// provider that runs (see [`crate::transport::choose_local`]: its peer process
+/// is on this machine, so `auto` without a device is shm).
 pub fn transport(requested: &str, named: &Named) -> Result<&'static str, String> {
     let flags = crate::transport::TransportFlags { transport: Some(requested.to_string()), rdma: named.clone() };
-    crate::transport::choose(&flags, None).map(|c| c.name())
+    match crate::transport::choose(&flags, None)? {
+        crate::transport::Chosen::Mixed => Ok("shm"),
+        c => Ok(c.name()),
+    }
 }

@@ -457,9 +457,10 @@ impl Engine {
                         }
                         true
                     }
-                    // SAFETY: the local range is as above; a bad peer address only fails the call.
                     PeerRegion::InPlace(addr, _) => {
-                        unsafe { sys::vm_copy(c.qp.peer_pid, lptr, addr + soff, n, from_peer) }.is_ok()
+                        // SAFETY: the local range is as above; a bad peer address only fails the call.
+                        let moved = unsafe { sys::vm_copy(c.qp.peer_pid, lptr, addr + soff, n, from_peer) };
+                        moved.is_ok()
                     }
                 };
                 if !ok {
