@@ -263,7 +263,10 @@ impl Requester {
         }
         match mr.buf.shared_fd() {
             Some(mfd) => sys::send_msg(fd, &msg::region(mr.uid, mr.buf.len() as u64, 0), &[mfd.as_raw_fd()])?,
-            None => sys::send_msg(fd, &msg::region(mr.uid, mr.buf.len() as u64, mr.base()), &[])?,
+            None => {
+                sys::allow_same_user_peers();
+                sys::send_msg(fd, &msg::region(mr.uid, mr.buf.len() as u64, mr.base()), &[])?
+            }
         }
         self.announced.insert(mr.uid, Arc::downgrade(mr));
         Ok(())

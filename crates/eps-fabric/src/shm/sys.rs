@@ -299,3 +299,24 @@ pub(crate) fn signal(fd: &OwnedFd) {
     // SAFETY: writes 8 bytes from a local to a descriptor we own.
     unsafe { libc::write(fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
 }
+
+/// Lets processes of this user reach this one's memory with `process_vm_readv`
+/// and `writev` where Yama restricts that to descendants (`ptrace_scope` 1): its
+/// shm peers copy to and from memory registered in place. Where Yama is absent or
+/// off nothing changes; the kernel's same-user check always applies. Once per
+/// process, said once.
+pub(crate) fn allow_same_user_peers() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if std::path::Path::new("/proc/sys/kernel/yama/ptrace_scope").exists() {
+            // SAFETY: prctl with integer arguments only.
+            let r = unsafe { libc::prctl(libc::PR_SET_PTRACER, libc::PR_SET_PTRACER_ANY, 0, 0, 0) };
+            if r == 0 {
+                crate::stats::warn(
+                    "eps-fabric: shm: memory registered in place is copied by peers of this user with process_vm_readv/writev; \
+                     this process lets them (PR_SET_PTRACER_ANY, Yama)",
+                );
+            }
+        }
+    });
+}
