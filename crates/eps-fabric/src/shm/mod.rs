@@ -67,6 +67,7 @@ impl ShmDevice {
 
     /// Opens a device whose regions live in `mrs` (shared with a soft device).
     pub(crate) fn open_with(mrs: Arc<MrTable>) -> Result<Self> {
+        sys::raise_fd_limit();
         let engine = engine::EngineHandle::start(mrs.clone())?;
         Ok(Self { inner: Arc::new(DeviceInner { mrs, engine, next_qp: AtomicU32::new(1) }) })
     }

@@ -320,3 +320,21 @@ pub(crate) fn allow_same_user_peers() {
         }
     });
 }
+
+/// Raises this process's soft limit on open descriptors to its hard limit, once:
+/// every shm region holds its memfd open for as long as it is registered (to hand
+/// it to the peers that will copy from it), so a server with many shards needs
+/// more than the usual 1024.
+pub(crate) fn raise_fd_limit() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: rlimit is plain old data; getrlimit fills it.
+        let mut r: libc::rlimit = unsafe { std::mem::zeroed() };
+        // SAFETY: the out-parameter names `r`.
+        if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } == 0 && r.rlim_cur < r.rlim_max {
+            r.rlim_cur = r.rlim_max;
+            // SAFETY: sets the limit from a valid rlimit; a refusal changes nothing.
+            unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &r) };
+        }
+    });
+}
