@@ -450,9 +450,9 @@ impl Engine {
                         // Arc (target, or the RECV's SGEs) is held across the copy.
                         unsafe {
                             if from_peer {
-                                std::ptr::copy(pptr, lptr, n);
+                                super::copy::copy(lptr, pptr, n);
                             } else {
-                                std::ptr::copy(lptr, pptr, n);
+                                super::copy::copy(pptr, lptr, n);
                             }
                         }
                         true

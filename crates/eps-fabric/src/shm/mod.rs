@@ -25,6 +25,7 @@
 //! completion-queue types this provider shares.
 
 mod cm;
+mod copy;
 mod engine;
 mod msg;
 mod qp;
