@@ -39,11 +39,47 @@ pub struct UpdateArgs<'a> {
     pub threads: usize,
 }
 
+/// Where one thread's update steps the master values.
+enum Master<'a> {
+    /// In the master region.
+    InPlace(&'a mut [f32]),
+    /// Read from `input` (the master region, or the f32 published buffer the last
+    /// update wrote), stepped block by block in `scratch`, and written to the
+    /// published buffer only.
+    Beside { input: &'a [f32], scratch: &'a mut [f32] },
+}
+
+impl Master<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Master::InPlace(m) => m.len(),
+            Master::Beside { input, .. } => input.len(),
+        }
+    }
+
+    /// Splits at element `mid`; the second half gets `scratch`.
+    fn split_at<'b>(self, mid: usize, scratch: &'b mut [f32]) -> (Master<'b>, Master<'b>)
+    where
+        Self: 'b,
+    {
+        match self {
+            Master::InPlace(m) => {
+                let (a, b) = m.split_at_mut(mid);
+                (Master::InPlace(a), Master::InPlace(b))
+            }
+            Master::Beside { input, scratch: s0 } => {
+                let (a, b) = input.split_at(mid);
+                (Master::Beside { input: a, scratch: s0 }, Master::Beside { input: b, scratch })
+            }
+        }
+    }
+}
+
 /// One thread's share of an update: elements `[0, master.len())` of a range.
 struct Part<'a> {
     slots: [&'a [u8]; MAX_WORKERS],
     n_slots: usize,
-    master: &'a mut [f32],
+    master: Master<'a>,
     state: &'a mut [f32],
     dst: &'a mut [u8],
     grad: &'a mut [f32],
@@ -68,8 +104,20 @@ fn fused(u: &UpdateArgs<'_>, dtype: DType, k: usize, mut p: Part<'_>) -> Result<
         if let Some(f) = p.fwd.as_deref_mut() {
             f[start..end].copy_from_slice(grad);
         }
-        u.agg.step(u.opt, u.scalars, &mut p.master[start..end], grad, &mut p.state[start * k..end * k])?;
-        eps_agg::reduce::narrow(dtype, &p.master[start..end], &mut p.dst[start * es..end * es]);
+        let st = &mut p.state[start * k..end * k];
+        let out = &mut p.dst[start * es..end * es];
+        match &mut p.master {
+            Master::InPlace(m) => {
+                u.agg.step(u.opt, u.scalars, &mut m[start..end], grad, st)?;
+                eps_agg::reduce::narrow(dtype, &m[start..end], out);
+            }
+            Master::Beside { input, scratch } => {
+                let t = &mut scratch[..end - start];
+                t.copy_from_slice(&input[start..end]);
+                u.agg.step(u.opt, u.scalars, t, grad, st)?;
+                eps_agg::reduce::narrow(dtype, t, out);
+            }
+        }
         start = end;
     }
     Ok(())
@@ -131,6 +179,37 @@ pub struct ShardBlock<P: Fabric> {
     /// f32 gradient buffer of a migration (source: forwarded from; target: received
     /// into).
     pub grad: Option<P::Mr>,
+    /// `Some(parity)`: the current master values are the f32 published buffer
+    /// `parity` (an f32 update on the host writes its result there only, one
+    /// pass less over memory), and the master region is stale until
+    /// [`ShardMemory::to_host`] copies them back.
+    latest: Option<usize>,
+}
+
+impl<P: Fabric> ShardBlock<P> {
+    /// Copies the master values back from the published buffer that holds them,
+    /// if it is one (see `latest`).
+    fn materialize(&mut self) {
+        let Some(q) = self.latest.take() else { return };
+        let (len, bytes) = (self.len as usize, self.bytes);
+        let off = published_offset(bytes as u64, q) as usize;
+        // SAFETY: the callers exclude WRITEs into the master/state region and
+        // updates of this shard; the published buffer `q` is only read (peers
+        // READ it too; nothing writes it until the next update, which the callers
+        // exclude).
+        let (all, publ) = unsafe { (b_state(&mut self.state), self.published.as_slice()) };
+        let master: &mut [u8] = bytemuck::cast_slice_mut(&mut all[..len]);
+        master.copy_from_slice(&publ[off..off + bytes]);
+    }
+}
+
+/// The master/state region as f32 values.
+///
+/// # Safety
+/// No WRITE into or from the region is in flight and nothing else references it.
+unsafe fn b_state<M: HostRegion>(state: &mut M) -> &mut [f32] {
+    // SAFETY: the caller's contract.
+    bytemuck::cast_slice_mut(unsafe { state.as_mut_slice() })
 }
 
 /// All shards of one server.
@@ -147,6 +226,9 @@ pub struct ShardMemory<P: Fabric> {
     blocks: Vec<Option<ShardBlock<P>>>,
     /// Scratch for the averaged gradient of one block, per computing thread.
     grads: [Vec<f32>; 2],
+    /// Scratch for the master values of one block stepped beside the master
+    /// region, per computing thread.
+    scratch: [Vec<f32>; 2],
     /// Where master copies and optimizer state live between updates, if not here.
     device: Option<Arc<dyn ShardDevice>>,
     /// The device's own memory for landing slots and published copies, if used.
@@ -219,6 +301,7 @@ impl<P: Fabric> ShardMemory<P> {
             pd: pd.clone(),
             blocks: (0..total_shards).map(|_| None).collect(),
             grads: [vec![0f32; FUSE_BLOCK], vec![0f32; FUSE_BLOCK]],
+            scratch: [vec![0f32; FUSE_BLOCK], vec![0f32; FUSE_BLOCK]],
             device,
             direct: None,
         }
@@ -246,6 +329,7 @@ impl<P: Fabric> ShardMemory<P> {
     pub fn to_host(&mut self, id: u32) -> Result<(), MemoryError> {
         let k = self.state_k;
         let Some(b) = self.block_mut(id) else { return Ok(()) };
+        b.materialize();
         let Some((dev, owns)) = b.dev.as_mut().filter(|(_, owns)| *owns) else { return Ok(()) };
         // SAFETY: no WRITE uses the region (above); nothing else references it.
         let all: &mut [f32] = bytemuck::cast_slice_mut(unsafe { b.state.as_mut_slice() });
@@ -310,7 +394,7 @@ impl<P: Fabric> ShardMemory<P> {
             None => None,
         };
         let direct = self.direct.is_some() && dev.is_some();
-        let mut b = ShardBlock::<P> { dev, direct, id, start, len, bytes, published, landing, state, grad };
+        let mut b = ShardBlock::<P> { dev, direct, id, start, len, bytes, published, landing, state, grad, latest: None };
         if let (Some((d, _)), true) = (b.dev.as_mut(), direct) {
             let dev_err = |source| MemoryError::Device { shard: id, source };
             for (r, slot) in b.landing.iter().enumerate() {
@@ -418,6 +502,7 @@ impl<P: Fabric> ShardMemory<P> {
     pub fn restore<E>(&mut self, id: u32, fill: impl FnOnce(&mut [f32], &mut [f32]) -> Result<(), E>) -> Result<(), E> {
         let k = self.state_k;
         let Some(b) = self.block_mut(id) else { return Ok(()) };
+        b.latest = None;
         let len = b.len as usize;
         // SAFETY: the region's keys are not out yet (the caller): nothing else
         // references it.
@@ -550,6 +635,16 @@ impl<P: Fabric> ShardMemory<P> {
         let es = dtype.size_bytes();
         let Some(b) = self.blocks.get_mut(id as usize).and_then(Option::as_mut) else { return Ok(()) };
         let len = b.len as usize;
+        // f32 on the host, in a region no peer writes (snapshots land only in
+        // remotely writable ones): the step reads the master values where the last
+        // update left them and writes the published buffer only.
+        let out_of_place = dtype == DType::F32
+            && b.dev.is_none()
+            && !b.state.access().contains(Access::REMOTE_WRITE)
+            && b.latest != Some(parity);
+        if !out_of_place {
+            b.materialize();
+        }
         let mut slots: [&[u8]; MAX_WORKERS] = [&[]; MAX_WORKERS];
         if !b.direct {
             for (x, &r) in slots.iter_mut().zip(contributors) {
@@ -575,17 +670,32 @@ impl<P: Fabric> ShardMemory<P> {
             let out = unsafe { out_to(b.direct, &mut b.published, off, b.bytes) };
             return dev.update(&inputs[..n_slots], u.scale, u.opt, u.scalars, fwd, out);
         }
-        // SAFETY: the caller guarantees no pull uses this buffer; peers only READ the
-        // published region, and no other reference to it exists meanwhile.
-        let dst = unsafe { published_bytes(&mut b.published, off, b.bytes) };
         let (m, st) = all.split_at_mut(len);
         let st = &mut st[..len * k];
         let [g0, g1] = &mut self.grads;
+        let [s0, s1] = &mut self.scratch;
+        let (master, dst) = if out_of_place {
+            let from = b.latest.replace(parity);
+            let h = published_offset(b.bytes as u64, 0) as usize;
+            // SAFETY: the caller guarantees no pull uses buffer `parity`; the other
+            // buffer is only read here (peers READ it too), and no other reference
+            // to the region exists meanwhile.
+            let publ = unsafe { b.published.as_mut_slice() };
+            let (lo, hi) = publ.split_at_mut(h + b.bytes);
+            let (dst, prev) = if parity == 0 { (&mut lo[h..], &hi[..b.bytes]) } else { (&mut hi[..b.bytes], &lo[h..]) };
+            // The master values: where the last update left them, else the region.
+            let input: &[f32] = if from.is_some() { bytemuck::cast_slice(prev) } else { m };
+            (Master::Beside { input, scratch: s0 }, dst)
+        } else {
+            // SAFETY: the caller guarantees no pull uses this buffer; peers only READ
+            // the published region, and no other reference to it exists meanwhile.
+            (Master::InPlace(m), unsafe { published_bytes(&mut b.published, off, b.bytes) })
+        };
         if u.threads < 2 || len < 4 * FUSE_BLOCK {
-            return fused(u, dtype, k, Part { slots, n_slots, master: m, state: st, dst, grad: g0, fwd });
+            return fused(u, dtype, k, Part { slots, n_slots, master, state: st, dst, grad: g0, fwd });
         }
         let mid = (len / 2).div_ceil(FUSE_BLOCK) * FUSE_BLOCK;
-        let (m0, m1) = m.split_at_mut(mid);
+        let (m0, m1) = master.split_at(mid, s1);
         let (st0, st1) = st.split_at_mut(mid * k);
         let (d0, d1) = dst.split_at_mut(mid * es);
         let (f0, f1) = match fwd {
@@ -618,6 +728,7 @@ impl<P: Fabric> ShardMemory<P> {
         let (k, dtype) = (self.state_k, self.dtype);
         let es = dtype.size_bytes();
         let Some(b) = self.block_mut(id) else { return Ok(()) };
+        b.materialize();
         let Some(g) = b.grad.as_ref() else { return Ok(()) };
         let len = b.len as usize;
         // SAFETY: the source does not write the buffer (or, for a backup's two
@@ -701,6 +812,7 @@ impl<P: Fabric> ShardMemory<P> {
     pub fn publish(&mut self, id: u32, parity: usize) -> Result<(), AggError> {
         let (dtype, k) = (self.dtype, self.state_k);
         let Some(b) = self.block_mut(id) else { return Ok(()) };
+        b.materialize();
         let off = published_offset(b.bytes as u64, parity) as usize;
         let ShardBlock { published, state, len, bytes, dev, direct, .. } = b;
         if let Some((dev, owns)) = dev.as_mut() {
