@@ -425,6 +425,9 @@ impl<P: Fabric> Server<P> {
         let Some(h) = self.shards.get_mut(id as usize).and_then(Option::as_mut) else { return Ok(()) };
         if let Some(out) = h.out.as_mut()
             && let Some(SourceAction::Forward { version }) = out.src.on_applied(version)
+            // A target whose connection was lost gets nothing more: the move's end
+            // was settled when the connection failed (`moves_conn_lost`).
+            && self.conns[out.ci].alive
         {
             let b = self.mem.get(id).ok_or_else(|| ServerError::Migration("shard memory vanished".into()))?;
             let g = b.grad.as_ref().ok_or_else(|| ServerError::Migration("no gradient buffer".into()))?;
