@@ -551,8 +551,8 @@ fn bench_fabric(a: FabricArgs) -> Result<(), String> {
     );
     // On shm the limit is one thread's memcpy of the same size, measured before
     // and after (the machine is shared and noisy).
-    let memcpy = |()| fabric::memcpy_gbytes_per_s(a.size, 21).map_err(|e| error_chain(&e));
-    let before = if transport == "shm" { Some(memcpy(())?) } else { None };
+    let memcpy = || fabric::memcpy_gbytes_per_s(a.size, 21).map_err(|e| error_chain(&e));
+    let before = if transport == "shm" { Some(memcpy()?) } else { None };
     let r = match transport {
         "rdma" => fabric::run_rdma(&cfg, &named),
         "shm" => fabric::run_shm(&cfg),
@@ -560,7 +560,7 @@ fn bench_fabric(a: FabricArgs) -> Result<(), String> {
     }
     .map_err(|e| error_chain(&e))?;
     let memcpy_gbs = match before {
-        Some(b) => Some(0.5 * (b + memcpy(())?)),
+        Some(b) => Some(0.5 * (b + memcpy()?)),
         None => None,
     };
     println!(

@@ -71,7 +71,7 @@ impl EngineHandle {
         let spin = crate::soft::spin_budget();
         let thread = std::thread::Builder::new()
             .name("eps-shm-progress".into())
-            .spawn(move || Engine { shared: s, mrs, conns: Vec::new(), spin }.run())
+            .spawn(move || Engine { shared: s, mrs, conns: Vec::new(), spin, fds: Vec::new() }.run())
             .map_err(FabricError::Engine)?;
         Ok(Self { shared, thread: Some(thread) })
     }
@@ -131,6 +131,8 @@ struct Engine {
     mrs: Arc<MrTable>,
     conns: Vec<Conn>,
     spin: Duration,
+    /// The wake eventfd and every QP socket, for `poll(2)` (kept to reuse).
+    fds: Vec<libc::pollfd>,
 }
 
 impl Engine {
@@ -207,7 +209,8 @@ impl Engine {
     /// Polls the wake eventfd and every socket for `timeout_ms`; takes in region
     /// announcements and notices peers that went away.
     fn check_sockets(&mut self, timeout_ms: i32) {
-        let mut fds: Vec<libc::pollfd> = Vec::with_capacity(self.conns.len() + 1);
+        let mut fds = std::mem::take(&mut self.fds);
+        fds.clear();
         fds.push(libc::pollfd { fd: self.shared.wake_fd.as_raw_fd(), events: libc::POLLIN, revents: 0 });
         fds.extend(self.conns.iter().map(|c| libc::pollfd { fd: c.qp.sock.as_raw_fd(), events: libc::POLLIN, revents: 0 }));
         crate::soft::sys::poll_fds(&mut fds, timeout_ms);
@@ -219,6 +222,7 @@ impl Engine {
                 self.take_messages(i, None);
             }
         }
+        self.fds = fds;
     }
 
     /// Reads the control messages waiting on conn `i`'s socket, until `want`
