@@ -705,7 +705,8 @@ enum eps_status eps_request_test(const struct eps_request *req, int *done);
 
 /**
  * Waits until `req` is complete (releasing it), or `timeout_ms` passed
- * (`EPS_ERR_TIMEOUT`; the request stays in flight). 0: the worker's timeout.
+ * (`EPS_ERR_TIMEOUT`; the request stays in flight). 0: the worker's timeout
+ * (`eps_worker_options.timeout_ms`): the call never blocks longer than that.
  *
  * # Safety
  * `req` points to a request this library filled in.

@@ -154,6 +154,9 @@ impl AnyWorker {
     pub(crate) fn iteration(&self) -> u64 {
         on!(self, w => w.iteration())
     }
+    pub(crate) fn timeout(&self) -> std::time::Duration {
+        on!(self, w => w.timeout())
+    }
     pub(crate) fn dtype(&self) -> DType {
         on!(self, w => w.dtype())
     }

@@ -680,7 +680,8 @@ pub unsafe extern "C" fn eps_request_test(req: *const eps_request, done: *mut c_
 }
 
 /// Waits until `req` is complete (releasing it), or `timeout_ms` passed
-/// (`EPS_ERR_TIMEOUT`; the request stays in flight). 0: the worker's timeout.
+/// (`EPS_ERR_TIMEOUT`; the request stays in flight). 0: the worker's timeout
+/// (`eps_worker_options.timeout_ms`): the call never blocks longer than that.
 ///
 /// # Safety
 /// `req` points to a request this library filled in.
@@ -690,15 +691,22 @@ pub unsafe extern "C" fn eps_request_wait(req: *const eps_request, timeout_ms: u
         non_null(req, "req")?;
         // SAFETY: not NULL; readable by the caller's contract.
         let r = unsafe { *req };
-        let limit = if timeout_ms == 0 { None } else { Some(Duration::from_millis(timeout_ms.into())) };
+        // 0: the worker's own timeout (a stalled peer must not hold the caller for ever).
+        let limit = match timeout_ms {
+            0 => joined(r.worker, |j| Ok(j.w.timeout()))?,
+            ms => Duration::from_millis(ms.into()),
+        };
         let started = Instant::now();
         let mut spins = 0u32;
         loop {
             if joined(r.worker, |j| j.test(r.id))? {
                 return Ok(());
             }
-            if limit.is_some_and(|l| started.elapsed() > l) {
-                return Err(fail(EPS_ERR_TIMEOUT, format!("request {} not complete after {timeout_ms} ms", r.id)));
+            if started.elapsed() > limit {
+                return Err(fail(
+                    EPS_ERR_TIMEOUT,
+                    format!("request {} not complete after {} ms (a server or another worker is stalled?)", r.id, limit.as_millis()),
+                ));
             }
             // Spin while answers may be close, then yield the core.
             spins += 1;

@@ -1,6 +1,7 @@
 //! The C ABI from C: `tests/c/bad_input.c` is compiled with the system's C
 //! compiler against `include/eps.h` and this build's `libeps.so` (under
-//! AddressSanitizer when the compiler has it) and run.
+//! AddressSanitizer and UBSan when the compiler has them; under `CI=true` it
+//! must) and run.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -30,13 +31,23 @@ fn lib_dir() -> PathBuf {
         .clone()
 }
 
-/// Whether `cc` can build and run an AddressSanitizer program here.
-fn asan_works(dir: &Path) -> bool {
+/// The sanitizers every C test is built with: AddressSanitizer and
+/// UndefinedBehaviorSanitizer (any report ends the program with a failure).
+const SANITIZE: [&str; 2] = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"];
+
+/// Whether `cc` can build and run a program under [`SANITIZE`] here. Under
+/// `CI=true` it must: the C tests then never run without them.
+fn sanitizers_work(dir: &Path) -> bool {
     let src = dir.join("asan_probe.c");
     let exe = dir.join("asan_probe");
     std::fs::write(&src, "int main(void) { return 0; }\n").expect("write probe");
-    let built = Command::new("cc").args(["-fsanitize=address", "-o"]).arg(&exe).arg(&src).status().is_ok_and(|s| s.success());
-    built && Command::new(&exe).status().is_ok_and(|s| s.success())
+    let built = Command::new("cc").args(SANITIZE).arg("-o").arg(&exe).arg(&src).status().is_ok_and(|s| s.success());
+    let works = built && Command::new(&exe).status().is_ok_and(|s| s.success());
+    assert!(
+        works || std::env::var("CI").as_deref() != Ok("true"),
+        "CI=true: cc cannot build with AddressSanitizer and UBSan here (install gcc with libasan and libubsan)"
+    );
+    works
 }
 
 /// Compiles `src` against the header and library; returns the executable.
@@ -45,12 +56,12 @@ pub fn build_c(src: &Path, name: &str) -> (PathBuf, bool) {
     std::fs::create_dir_all(&out).expect("tmp dir");
     let lib = lib_dir();
     let include = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../include");
-    let asan = asan_works(&out);
+    let asan = sanitizers_work(&out);
     let exe = out.join(name);
     let mut cc = Command::new("cc");
     cc.args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-g"]);
     if asan {
-        cc.arg("-fsanitize=address");
+        cc.args(SANITIZE);
     }
     cc.arg("-I")
         .arg(&include)
@@ -73,7 +84,7 @@ pub fn build_c(src: &Path, name: &str) -> (PathBuf, bool) {
 fn bad_input_never_crashes_and_every_call_says_why() {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/bad_input.c");
     let (exe, asan) = build_c(&src, "bad_input");
-    println!("bad_input.c built {}", if asan { "with AddressSanitizer" } else { "without AddressSanitizer (cc lacks it)" });
+    println!("bad_input.c built {}", if asan { "with AddressSanitizer and UBSan" } else { "without sanitizers (cc lacks them)" });
     let out = Command::new(&exe)
         // Leaks are not what this test looks for (the library keeps closed
         // handles' small allocations on purpose, and hosted threads run on).
@@ -86,6 +97,23 @@ fn bad_input_never_crashes_and_every_call_says_why() {
     println!("{text}");
     assert!(out.status.success(), "bad_input failed:\n{text}");
     assert!(text.contains("every check passed"));
+}
+
+/// Counts from outside that add up past 2^64 are refused, and a wait with
+/// timeout 0 ends after the worker's timeout when a peer stalls.
+#[test]
+fn sums_are_checked_and_every_wait_ends() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/bounded.c");
+    let (exe, _) = build_c(&src, "bounded");
+    let out = Command::new(&exe)
+        .env("ASAN_OPTIONS", "detect_leaks=0")
+        .env_remove("EPS_CONTROL")
+        .env_remove("EPS_JOB_SECRET")
+        .output()
+        .expect("run bounded");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    println!("{text}");
+    assert!(out.status.success() && text.contains("every check passed"), "bounded failed:\n{text}");
 }
 
 #[test]

@@ -59,6 +59,13 @@ pub fn validate(decl: &[TensorDecl]) -> Result<(), String> {
             ));
         }
     }
+    if crate::layout::total_elements(decl.iter().map(|t| &t.elements)).is_none() {
+        return Err(format!(
+            "the {} tensors' elements add up past {} (2^40), the most a job may have",
+            decl.len(),
+            crate::layout::MAX_ELEMENTS
+        ));
+    }
     Ok(())
 }
 
@@ -191,6 +198,9 @@ mod tests {
             (vec![d("a", 1, f32), d("a", 2, f32)], "declared twice"),
             (vec![d("a", 1, f32), d("b", 2, DType::Bf16)], "share one dtype"),
             (vec![d("a\n", 1, f32)], "control characters"),
+            // 2^63 + 2^63 wraps to 0, and 2^64 - 8 + 16 to 8: refused, not wrapped.
+            (vec![d("a", 1 << 63, f32), d("b", 1 << 63, f32)], "add up past"),
+            (vec![d("a", u64::MAX - 7, f32), d("b", 16, f32)], "add up past"),
         ];
         for (decl, want) in cases {
             let e = validate(&decl).unwrap_err();

@@ -36,6 +36,17 @@ pub fn live_shard_cap(initial: usize) -> usize {
     (2 * initial + 16).min(MAX_SHARDS as usize)
 }
 
+/// Most elements a job's dense parameters may have in all (2^40: 4 TiB of
+/// f32, more than [`MAX_SHARDS`] shards of the largest shard size hold). Every
+/// byte size and offset derived from a layout then fits a `u64` with room.
+pub const MAX_ELEMENTS: u64 = 1 << 40;
+
+/// The tensors' elements added up, checked: `None` when a tensor or the sum
+/// passes [`MAX_ELEMENTS`] (the sum of counts from outside must not wrap).
+pub fn total_elements<'a>(elements: impl IntoIterator<Item = &'a u64>) -> Option<u64> {
+    elements.into_iter().try_fold(0u64, |sum, &n| sum.checked_add(n).filter(|&t| t <= MAX_ELEMENTS))
+}
+
 /// Stamp of a published buffer that is being rewritten (or holds no version yet).
 pub const STAMP_WRITING: u64 = u64::MAX;
 
@@ -103,16 +114,21 @@ pub enum LayoutError {
         /// Shards.
         shards: u64,
     },
+    /// The tensors' elements add up past [`MAX_ELEMENTS`].
+    #[error("the tensors' elements add up past {MAX_ELEMENTS} (2^40), the most a job may have")]
+    TooLarge,
 }
 
 impl Layout {
     /// Lays out `tensors` with shards of about `shard_bytes` on `servers` servers.
     pub fn new(tensors: &[TensorSpec], dtype: DType, shard_bytes: u64, servers: u32) -> Result<Self, LayoutError> {
+        let total = total_elements(tensors.iter().map(|t| &t.elements)).ok_or(LayoutError::TooLarge)?;
         let mut infos = Vec::with_capacity(tensors.len());
-        let mut total = 0u64;
+        let mut offset = 0u64;
         for t in tensors {
-            infos.push(TensorInfo { name: t.name.clone(), offset: total, elements: t.elements });
-            total += t.elements;
+            infos.push(TensorInfo { name: t.name.clone(), offset, elements: t.elements });
+            // Cannot wrap: the sum of every count is at most MAX_ELEMENTS.
+            offset += t.elements;
         }
         if total == 0 {
             return Err(LayoutError::Empty);
@@ -204,6 +220,18 @@ mod tests {
 
     fn l_err() -> LayoutError {
         Layout::new(&[], DType::F32, 4096, 1).unwrap_err()
+    }
+
+    #[test]
+    fn elements_that_add_up_past_the_limit_are_refused_not_wrapped() {
+        // 2^63 + 2^63 wraps to 0 in u64, and 2^64 - 8 + 16 to 8.
+        let wrap = |a: u64, b: u64| vec![TensorSpec { name: "a".into(), elements: a }, TensorSpec { name: "b".into(), elements: b }];
+        for (a, b) in [(1 << 63, 1 << 63), (u64::MAX - 7, 16), (MAX_ELEMENTS, 1), (MAX_ELEMENTS + 1, 0)] {
+            let e = Layout::new(&wrap(a, b), DType::F32, 1 << 30, 1).unwrap_err();
+            assert_eq!(e, LayoutError::TooLarge, "{a} + {b}");
+        }
+        assert_eq!(total_elements(&[MAX_ELEMENTS - 1, 1]), Some(MAX_ELEMENTS));
+        assert_eq!(total_elements(&[u64::MAX, u64::MAX]), None);
     }
 
     #[test]

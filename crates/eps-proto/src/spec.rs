@@ -562,7 +562,14 @@ impl JobSpec {
                 return Err(bad("model.tensors.name", format!("tensor {:?} appears twice", t.name)));
             }
         }
-        tables::validate(&self.model.tables, self.tensors().iter().map(|t| t.name.as_str()), self)?;
+        let tensors = self.tensors();
+        if !m.declare && crate::layout::total_elements(tensors.iter().map(|t| &t.elements)).is_none() {
+            return Err(bad(
+                "model.tensors.elements",
+                format!("the tensors' elements add up past {} (2^40), the most a job may have", crate::layout::MAX_ELEMENTS),
+            ));
+        }
+        tables::validate(&self.model.tables, tensors.iter().map(|t| t.name.as_str()), self)?;
         if j.checkpoint_every > 0 && j.checkpoint_dir.as_deref().is_none_or(str::is_empty) {
             return Err(bad("job.checkpoint_dir", "give the directory checkpoints are written to"));
         }
@@ -585,6 +592,10 @@ impl JobSpec {
         }
         self.optimizer()?;
         self.schedule()?;
+        if !m.declare {
+            // The shard count's limit too, before anything is started.
+            self.layout()?;
+        }
         Ok(())
     }
 
@@ -812,6 +823,12 @@ mod tests {
             ("[job]\n[model]\npreset = \"synthetic\"\n[fabric]\nrdma_port = 0", "fabric.rdma_port"),
             ("[job]\naggregator = \"tpu\"\n[model]\npreset = \"synthetic\"", "job.aggregator"),
             ("[job]\n[model]\npreset = \"synthetic\"\n[fabric]\ndevice = \"mlx5_0\"", "device"),
+            // 2^63 + 2^63 wraps to 0 in u64: refused, not wrapped.
+            (
+                "[job]\n[model]\ntensors = [{ name = \"a\", elements = 9223372036854775807 }, { name = \"b\", elements = 9223372036854775807 }, { name = \"c\", elements = 2 }]",
+                "model.tensors.elements",
+            ),
+            ("[job]\nshard_bytes = 4096\n[model]\ntensors = [{ name = \"a\", elements = 1099511627776 }]", "job.shard_bytes"),
         ];
         for (text, field) in cases {
             let e = JobSpec::from_toml(text).unwrap_err().to_string();

@@ -587,6 +587,12 @@ impl<P: Fabric> Worker<P> {
         self.layout.dtype
     }
 
+    /// How long this worker waits for the control plane, a server or a
+    /// transfer before it reports a timeout (its configuration's `timeout`).
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     /// The iteration the next push belongs to.
     pub fn iteration(&self) -> u64 {
         self.iteration
