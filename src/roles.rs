@@ -408,8 +408,8 @@ pub fn scale(control: eps_control::ControlAddrs, servers: Option<u32>, workers: 
         let deadline = std::time::Instant::now() + Duration::from_secs(120);
         loop {
             match c.call(&ControlMsg::ScaleWorkers { workers }) {
-                Err(eps_control::ControlError::Rejected(m))
-                    if servers.is_some() && m.contains("in progress") && std::time::Instant::now() < deadline =>
+                Err(eps_control::ControlError::Rejected(r))
+                    if servers.is_some() && r.code.is_temporary() && std::time::Instant::now() < deadline =>
                 {
                     std::thread::sleep(Duration::from_millis(50));
                 }

@@ -58,7 +58,7 @@ fn scale_workers(control: SocketAddr, workers: u32) {
     loop {
         match c.call(&ControlMsg::ScaleWorkers { workers }) {
             Ok(_) => return,
-            Err(ControlError::Rejected(m)) if m.contains("in progress") && Instant::now() < deadline => {
+            Err(e @ ControlError::Rejected(_)) if e.is_temporary() && Instant::now() < deadline => {
                 std::thread::sleep(Duration::from_millis(5))
             }
             Err(e) => panic!("scale to {workers} workers: {e}"),

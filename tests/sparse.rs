@@ -365,7 +365,7 @@ fn scale(control: std::net::SocketAddr, msg: eps_proto::control::ControlMsg) {
     loop {
         match c.call(&msg) {
             Ok(_) => return,
-            Err(ControlError::Rejected(m)) if m.contains("in progress") && std::time::Instant::now() < deadline => {
+            Err(e @ ControlError::Rejected(_)) if e.is_temporary() && std::time::Instant::now() < deadline => {
                 std::thread::sleep(std::time::Duration::from_millis(5))
             }
             Err(e) => panic!("{msg:?}: {e}"),

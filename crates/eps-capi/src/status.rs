@@ -7,6 +7,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use ::eps_worker::WorkerError;
 use eps_control::ControlError;
+use eps_proto::control::ErrorCode;
 
 /// The result of every call.
 #[repr(C)]
@@ -143,7 +144,7 @@ pub(crate) fn from_worker(e: &WorkerError) -> eps_status {
         WorkerError::UnknownTensor(_) | WorkerError::UnknownTable(_) => EPS_ERR_NOT_FOUND,
         WorkerError::Sparse { .. } => EPS_ERR_INVALID_ARGUMENT,
         WorkerError::Timeout(_) | WorkerError::PullTimeout { .. } => EPS_ERR_TIMEOUT,
-        WorkerError::Unsupported(m) if m.contains("left the job") => EPS_ERR_LEFT,
+        WorkerError::Left(_) => EPS_ERR_LEFT,
         WorkerError::Unsupported(_) => EPS_ERR_STATE,
         _ => EPS_ERR_CONTROL,
     }
@@ -152,8 +153,11 @@ pub(crate) fn from_worker(e: &WorkerError) -> eps_status {
 /// The status a control-plane error maps to.
 pub(crate) fn from_control(e: &ControlError) -> eps_status {
     match e {
-        ControlError::Rejected(m) if m.contains("differ from the job's") => EPS_ERR_MISMATCH,
-        ControlError::Rejected(m) if m.contains("declaration is refused") => EPS_ERR_INVALID_ARGUMENT,
+        ControlError::Rejected(r) => match r.code {
+            ErrorCode::Mismatch => EPS_ERR_MISMATCH,
+            ErrorCode::Invalid | ErrorCode::Limit => EPS_ERR_INVALID_ARGUMENT,
+            _ => EPS_ERR_CONTROL,
+        },
         ControlError::Timeout => EPS_ERR_TIMEOUT,
         _ => EPS_ERR_CONTROL,
     }

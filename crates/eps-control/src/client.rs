@@ -4,7 +4,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use eps_fabric::Secret;
-use eps_proto::control::{ControlMsg, Role};
+use eps_proto::control::{ControlMsg, ErrorCode, Refusal, Role};
 
 use crate::ControlError;
 use crate::conn::{auth_client, read_msg, write_msg};
@@ -74,6 +74,9 @@ pub struct ControlClient {
     /// For clients whose requests are answered within a bound (long polls):
     /// no answer within it means a dead connection (a cut link), made again.
     silence: Option<Duration>,
+    /// This client's random id, and its count of changes sent: the id of
+    /// each resendable change ([`ControlMsg::Once`]).
+    once: (u64, u64),
 }
 
 /// How long a client of long polls waits for an answer before it takes the
@@ -90,36 +93,15 @@ fn lost(e: &ControlError) -> bool {
         K::UnexpectedEof | K::ConnectionReset | K::ConnectionAborted | K::BrokenPipe | K::NotConnected))
 }
 
-/// Requests whose refusal, when sent again after a reconnect, means the first
-/// send was applied before the control plane died (its store has it).
-fn applied_if_refused(m: &ControlMsg) -> bool {
-    matches!(
-        m,
-        ControlMsg::ShardReady { .. }
-            | ControlMsg::BackupReady { .. }
-            | ControlMsg::BackupSynced { .. }
-            | ControlMsg::Unreplicated { .. }
-            | ControlMsg::MoveStopped { .. }
-            | ControlMsg::TablesReady { .. }
-            | ControlMsg::RowsOut { .. }
-            | ControlMsg::RowsTaken { .. }
-            | ControlMsg::Cutover { .. }
-            | ControlMsg::Split { .. }
-            | ControlMsg::Released { .. }
-            | ControlMsg::Vote { .. }
-            | ControlMsg::Leave { .. }
-            | ControlMsg::Finished { .. }
-            | ControlMsg::ServerReady { .. }
-    )
-}
-
 impl ControlClient {
     /// Connects (retrying for up to `wait` while the control plane starts) and
     /// authenticates with the job secret.
     pub fn connect(addrs: impl Into<ControlAddrs>, secret: &Secret, wait: Duration) -> Result<Self, ControlError> {
         let addrs = addrs.into();
         let (s, at) = Self::dial(&addrs, 0, secret, wait)?;
-        Ok(Self { s, addrs, at, secret: secret.clone(), wait, silence: None })
+        let nonce = eps_fabric::auth::nonce().map_err(ControlError::Io)?;
+        let id = u64::from_le_bytes(nonce[..8].try_into().expect("8 of 16 bytes"));
+        Ok(Self { s, addrs, at, secret: secret.clone(), wait, silence: None, once: (id, 0) })
     }
 
     /// Takes a connection that answers nothing for `d` as dead: it is made
@@ -186,6 +168,16 @@ impl ControlClient {
     /// If the control plane drops the connection, waits for it (or a standby)
     /// to come back (up to the connect wait) and asks again.
     pub fn call(&mut self, m: &ControlMsg) -> Result<ControlMsg, ControlError> {
+        // A change that may be sent twice goes with an id, so that a re-send
+        // is told from a new request.
+        let once;
+        let m = if m.is_resendable_change() {
+            self.once.1 += 1;
+            once = ControlMsg::Once { id: self.once, change: Box::new(m.clone()) };
+            &once
+        } else {
+            m
+        };
         let mut again = false;
         let mut standby_since: Option<Instant> = None;
         let started = Instant::now();
@@ -216,18 +208,20 @@ impl ControlClient {
                     }
                     again = true;
                 }
-                Ok(ControlMsg::Error { message }) if message.starts_with(crate::NOT_LEADER) => {
+                Ok(ControlMsg::Error { code: ErrorCode::NotLeader, message }) => {
                     // A standby: the request was not applied; the leader is elsewhere
                     // (or being elected).
                     let since = *standby_since.get_or_insert_with(Instant::now);
                     if since.elapsed() >= self.wait {
-                        return Err(ControlError::Rejected(message));
+                        return Err(ControlError::Rejected(Refusal::new(ErrorCode::NotLeader, message)));
                     }
                     std::thread::sleep(Duration::from_millis(if self.addrs.all().len() == 1 { 100 } else { 20 }));
                     self.redial(self.at + 1, self.wait)?;
                 }
-                Ok(ControlMsg::Error { message }) if again && applied_if_refused(m) => {
-                    eps_proto::say!("eps: a request sent again after a reconnect was refused ({message}): the first was applied");
+                // Only the control plane's word that this very request was
+                // applied makes a refused re-send a success.
+                Ok(ControlMsg::Error { code: ErrorCode::AlreadyApplied, message }) if again => {
+                    eps_proto::say!("eps: a request sent again after a reconnect was applied the first time ({message})");
                     return Ok(ControlMsg::Ok);
                 }
                 r => return Self::answer(r),
@@ -248,7 +242,7 @@ impl ControlClient {
 
     fn answer(r: Result<ControlMsg, ControlError>) -> Result<ControlMsg, ControlError> {
         match r {
-            Ok(ControlMsg::Error { message }) => Err(ControlError::Rejected(message)),
+            Ok(ControlMsg::Error { code, message }) => Err(ControlError::Rejected(Refusal::new(code, message))),
             Ok(r) => Ok(r),
             Err(ControlError::Io(e)) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
                 Err(ControlError::Timeout)
@@ -265,3 +259,6 @@ impl ControlClient {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -5,7 +5,7 @@
 //! (orders included, with the same sequence numbers).
 
 use eps_proto::JobSpec;
-use eps_proto::control::{ControlMsg, JobMap, MigrationKeys, Order, Role, Route, ShardEndpoint};
+use eps_proto::control::{ControlMsg, ErrorCode, JobMap, MigrationKeys, Order, Refusal, Role, Route, ShardEndpoint};
 use eps_proto::declare::TensorDecl;
 use eps_proto::layout::Layout;
 use eps_proto::shardmap::{Move, ShardMap};
@@ -91,6 +91,10 @@ struct ServerInfo {
 
 /// Finished migrations `eps status` shows.
 const RECENT_MOVES: usize = 8;
+/// Ids of resendable changes remembered to tell a re-send from a new request
+/// ([`ControlMsg::Once`]): more than a job's peers send between a dropped
+/// connection and their re-send.
+const RECENT_CHANGES: usize = 1024;
 
 /// The job state.
 #[derive(Debug)]
@@ -120,6 +124,9 @@ pub struct Job {
     moves_done: u64,
     moves_cancelled: u64,
     recent_moves: std::collections::VecDeque<Migration>,
+    /// The ids of the latest `Once` changes applied (replayed ones
+    /// included), to answer a re-send with `AlreadyApplied`.
+    recent_changes: std::collections::VecDeque<(u64, u64)>,
     /// By server rank: its orders it has not polled past yet, with their
     /// numbers (not persisted: a replay issues them all again, with the same
     /// numbers).
@@ -200,6 +207,7 @@ impl Job {
             moves_done: 0,
             moves_cancelled: 0,
             recent_moves: Default::default(),
+            recent_changes: Default::default(),
             orders: Vec::new(),
             issued: 0,
             to_balance: Vec::new(),
@@ -274,20 +282,20 @@ impl Job {
 
     /// A worker's declaration: the first fixes the layout of a job that awaits
     /// one; any other must equal the job's tensors.
-    fn declare(&mut self, decl: &[TensorDecl]) -> Result<ControlMsg, String> {
+    fn declare(&mut self, decl: &[TensorDecl]) -> Result<ControlMsg, Refusal> {
         if self.awaiting {
-            let text = eps_proto::declare::fix(&self.spec_text, decl).map_err(|e| format!("the declaration is refused: {e}"))?;
-            let spec = JobSpec::from_toml(&text).map_err(|e| e.to_string())?;
-            let layout = spec.layout().map_err(|e| e.to_string())?;
+            let text = eps_proto::declare::fix(&self.spec_text, decl).map_err(|e| Refusal::invalid(format!("the declaration is refused: {e}")))?;
+            let spec = JobSpec::from_toml(&text).map_err(|e| Refusal::invalid(e.to_string()))?;
+            let layout = spec.layout().map_err(|e| Refusal::invalid(e.to_string()))?;
             self.set_layout(&layout);
             self.spec_text = text;
             self.awaiting = false;
         } else {
-            eps_proto::declare::validate(decl).map_err(|e| format!("the declaration is refused: {e}"))?;
-            let spec = JobSpec::from_toml(&self.spec_text).map_err(|e| e.to_string())?;
-            let dtype = spec.dtype().map_err(|e| e.to_string())?;
+            eps_proto::declare::validate(decl).map_err(|e| Refusal::invalid(format!("the declaration is refused: {e}")))?;
+            let spec = JobSpec::from_toml(&self.spec_text).map_err(|e| Refusal::invalid(e.to_string()))?;
+            let dtype = spec.dtype().map_err(|e| Refusal::invalid(e.to_string()))?;
             if let Some(d) = eps_proto::declare::first_difference(&spec.tensors(), dtype, decl) {
-                return Err(format!("this worker's tensors differ from the job's: {d}"));
+                return Err(Refusal::new(ErrorCode::Mismatch, format!("this worker's tensors differ from the job's: {d}")));
             }
         }
         Ok(ControlMsg::Registered { rank: u32::MAX, spec_toml: self.spec_text.clone() })
@@ -504,8 +512,23 @@ impl Job {
     /// Applies one record (live or replayed) and returns the reply for a live
     /// request. Errors leave the state unchanged. Orders follow from records
     /// only, so a replay issues the same ones under the same sequence numbers.
-    pub fn apply(&mut self, m: &ControlMsg) -> Result<ControlMsg, String> {
-        let r = self.apply_record(m)?;
+    pub fn apply(&mut self, m: &ControlMsg) -> Result<ControlMsg, Refusal> {
+        let id = match m {
+            ControlMsg::Once { id, .. } => Some(*id),
+            _ => None,
+        };
+        if let Some(id) = id
+            && self.recent_changes.contains(&id)
+        {
+            return Err(Refusal::new(ErrorCode::AlreadyApplied, "this change was applied when it was first sent"));
+        }
+        let r = self.apply_record(m.change())?;
+        if let Some(id) = id {
+            if self.recent_changes.len() == RECENT_CHANGES {
+                self.recent_changes.pop_front();
+            }
+            self.recent_changes.push_back(id);
+        }
         // A record may let a source release or a drained server retire (a
         // worker that finished no longer holds it back).
         self.release_async();
@@ -541,13 +564,16 @@ impl Job {
         self.migrations.shrink_to(self.migrations.len().max(16));
     }
 
-    fn apply_record(&mut self, m: &ControlMsg) -> Result<ControlMsg, String> {
+    fn apply_record(&mut self, m: &ControlMsg) -> Result<ControlMsg, Refusal> {
         match m {
             ControlMsg::Register { role: Role::Server, .. } => {
                 if self.servers.len() as u32 >= self.server_slots {
-                    return Err(format!(
-                        "the job already has its {} servers (raise the count with `eps scale --servers N` first)",
-                        self.server_slots
+                    return Err(Refusal::new(
+                        ErrorCode::Full,
+                        format!(
+                            "the job already has its {} servers (raise the count with `eps scale --servers N` first)",
+                            self.server_slots
+                        ),
                     ));
                 }
                 self.servers.push(ServerInfo::default());
@@ -581,7 +607,7 @@ impl Job {
                 let Some(i) =
                     self.migration(endpoint.shard, Phase::Preparing).filter(|&i| self.migrations[i].to == endpoint.owner)
                 else {
-                    return Err(format!("no migration of shard {} to server {} is preparing", endpoint.shard, endpoint.owner));
+                    return Err(Refusal::stale(format!("no migration of shard {} to server {} is preparing", endpoint.shard, endpoint.owner)));
                 };
                 let mg = &mut self.migrations[i];
                 mg.target = Some((endpoint.clone(), *keys));
@@ -593,15 +619,15 @@ impl Job {
             }
             ControlMsg::Cutover { shard, at } => {
                 let Some(i) = self.migration(*shard, Phase::Copying) else {
-                    return Err(format!("shard {shard} is not being copied"));
+                    return Err(Refusal::stale(format!("shard {shard} is not being copied")));
                 };
                 let mg = &mut self.migrations[i];
                 mg.phase = Phase::CuttingOver { at: *at };
-                let (ep, _) = mg.target.clone().ok_or("the migration has no target endpoint")?;
+                let (ep, _) = mg.target.clone().ok_or_else(|| Refusal::stale("the migration has no target endpoint"))?;
                 let s = *shard as usize;
                 self.previous[s] = self.endpoints[s].take().map(|old| (old, *at));
                 self.endpoints[s] = Some(ep);
-                let k = self.map.index_of(*shard).ok_or_else(|| format!("shard {shard} is not in the map"))?;
+                let k = self.map.index_of(*shard).ok_or_else(|| Refusal::stale(format!("shard {shard} is not in the map")))?;
                 self.map.shards[k].owner = self.migrations[i].to;
                 self.map.epoch += 1;
                 self.migrations[i].cut_epoch = self.map.epoch;
@@ -614,7 +640,7 @@ impl Job {
             }
             ControlMsg::Released { shard, bytes, millis } => {
                 let Some(i) = self.migration(*shard, Phase::CuttingOver { at: 0 }) else {
-                    return Err(format!("shard {shard} is not cutting over"));
+                    return Err(Refusal::stale(format!("shard {shard} is not cutting over")));
                 };
                 let mg = &mut self.migrations[i];
                 (mg.phase, mg.bytes, mg.millis) = (Phase::Done, *bytes, *millis);
@@ -638,7 +664,7 @@ impl Job {
                 let sid = *shard as usize;
                 let keeps = self.backups.get(sid).and_then(Option::as_ref).is_some_and(|(r, _, _)| r == rank);
                 if sid >= self.unsynced.len() {
-                    return Err(format!("server {rank} reported a snapshot of shard {shard}, which does not exist"));
+                    return Err(Refusal::invalid(format!("server {rank} reported a snapshot of shard {shard}, which does not exist")));
                 }
                 // (A backup dropped while its snapshot landed reports it late.)
                 if keeps {
@@ -654,7 +680,7 @@ impl Job {
             ControlMsg::ServerLost { rank } => self.server_lost(*rank),
             ControlMsg::Checkpoint { version, dir } => {
                 if *version == 0 || dir.is_empty() {
-                    return Err("a checkpoint needs a version and a directory".into());
+                    return Err(Refusal::invalid("a checkpoint needs a version and a directory"));
                 }
                 for r in self.unretired_servers() {
                     self.order(r, Order::Checkpoint { version: *version, dir: dir.clone() });
@@ -666,7 +692,7 @@ impl Job {
                 match role {
                     Role::Server => {
                         let Some(s) = self.servers.get_mut(*rank as usize) else {
-                            return Err(format!("server rank {rank} is outside the job"));
+                            return Err(Refusal::invalid(format!("server rank {rank} is outside the job")));
                         };
                         s.finished = true;
                     }
@@ -683,7 +709,7 @@ impl Job {
                 }
                 Ok(ControlMsg::Ok)
             }
-            _ => Err("not a state change".into()),
+            _ => Err(Refusal::new(ErrorCode::Unexpected, "not a state change")),
         }
     }
 
@@ -699,14 +725,14 @@ impl Job {
         })
     }
 
-    fn server_ready(&mut self, rank: u32, addr: &str, shards: &[ShardEndpoint]) -> Result<ControlMsg, String> {
+    fn server_ready(&mut self, rank: u32, addr: &str, shards: &[ShardEndpoint]) -> Result<ControlMsg, Refusal> {
         let Some(info) = self.servers.get_mut(rank as usize) else {
-            return Err(format!("server rank {rank} has not registered"));
+            return Err(Refusal::stale(format!("server rank {rank} has not registered")));
         };
         for e in shards {
             let owner = self.map.index_of(e.shard).map(|i| self.map.shards[i].owner);
             if owner != Some(rank) || e.owner != rank || self.endpoints[e.shard as usize].is_some() {
-                return Err(format!("server {rank} reported shard {} it does not own", e.shard));
+                return Err(Refusal::stale(format!("server {rank} reported shard {} it does not own", e.shard)));
             }
         }
         info.addr = addr.to_string();
@@ -732,21 +758,21 @@ impl Job {
 
     /// Server `rank` reports its parts of the sparse tables (before it is
     /// ready): one endpoint per table, in the spec's order.
-    fn tables_ready(&mut self, rank: u32, tables: &[ShardEndpoint]) -> Result<ControlMsg, String> {
+    fn tables_ready(&mut self, rank: u32, tables: &[ShardEndpoint]) -> Result<ControlMsg, Refusal> {
         let Some(info) = self.servers.get(rank as usize) else {
-            return Err(format!("server rank {rank} has not registered"));
+            return Err(Refusal::stale(format!("server rank {rank} has not registered")));
         };
         if info.ready || self.tables.iter().any(|e| e.owner == rank) {
-            return Err(format!("server {rank} reported its sparse tables twice, or after it was ready"));
+            return Err(Refusal::stale(format!("server {rank} reported its sparse tables twice, or after it was ready")));
         }
         let ranks = self.adopted.len();
         let fits = |(i, e): (usize, &ShardEndpoint)| e.shard == i as u32 && e.owner == rank && e.landing.len() == ranks;
         if tables.len() != self.table_count || !tables.iter().enumerate().all(fits) {
-            return Err(format!(
+            return Err(Refusal::invalid(format!(
                 "server {rank} reported {} sparse table parts; the job has {} tables",
                 tables.len(),
                 self.table_count
-            ));
+            )));
         }
         self.tables.extend_from_slice(tables);
         Ok(ControlMsg::Ok)
@@ -790,35 +816,46 @@ impl Job {
         }
     }
 
-    fn scale(&mut self, want: u32) -> Result<ControlMsg, String> {
+    fn scale(&mut self, want: u32) -> Result<ControlMsg, Refusal> {
         if want == 0 {
-            return Err("a job needs at least one server".into());
+            return Err(Refusal::invalid("a job needs at least one server"));
+        }
+        let max = eps_proto::spec::MAX_SERVERS;
+        if want > max {
+            return Err(Refusal::new(ErrorCode::Limit, format!("{want} servers: a job has at most {max}")));
         }
         if !self.initial_ready() {
-            return Err(crate::STILL_STARTING.into());
+            return Err(Refusal::new(ErrorCode::Starting, crate::STILL_STARTING));
         }
         if self.w.proposal_id() != 0 {
-            return Err(format!("{}; try again in a moment", crate::VOTE_IN_PROGRESS));
+            return Err(Refusal::new(ErrorCode::VoteInProgress, format!("{}; try again in a moment", crate::VOTE_IN_PROGRESS)));
         }
         let busy = self.migrations_in_flight()
             + usize::from(self.splitting.is_some())
             + self.to_balance.len()
             + usize::from(self.buckets_busy());
-        let joining = self.servers.len() as u32 != self.server_slots || self.servers.iter().any(|s| !s.ready && !s.retired);
-        if busy > 0 || joining {
-            return Err(format!(
-                "{} ({busy} migrations, splits or servers to balance, {} servers still joining); try again when `eps status` shows none",
-                crate::CHANGE_IN_PROGRESS,
-                self.server_slots - self.servers.len() as u32
+        let starting = self.servers.iter().filter(|s| !s.ready && !s.retired).count();
+        if busy > 0 || starting > 0 {
+            return Err(Refusal::new(
+                ErrorCode::ChangeInProgress,
+                format!(
+                    "{} ({busy} migrations, splits or servers to balance, {starting} servers registered and starting); try again when `eps status` shows none",
+                    crate::CHANGE_IN_PROGRESS,
+                ),
             ));
         }
+        // Slots that no server took since an earlier scale are given up: the
+        // new count replaces the old (an operator who scaled up and started no
+        // server is not stuck with it).
+        let registered = self.servers.len() as u32;
         let live = self.live_servers();
         let now = live.len() as u32;
         if want > now {
-            self.server_slots += want - now;
+            self.server_slots = registered + (want - now);
         } else if want < now {
             let gone: Vec<u32> = live[want as usize..].to_vec();
-            let moves = self.map.plan_remove_many(&gone).map_err(|e| e.to_string())?;
+            let moves = self.map.plan_remove_many(&gone).map_err(|e| Refusal::invalid(e.to_string()))?;
+            self.server_slots = registered;
             for &g in &gone {
                 self.servers[g as usize].leaving = true;
                 self.map.servers.retain(|&s| s != g);
@@ -829,6 +866,8 @@ impl Job {
             self.start_moves(&moves);
             self.unreplicate_leaving(&gone);
             self.retire_drained();
+        } else {
+            self.server_slots = registered;
         }
         Ok(ControlMsg::Ok)
     }

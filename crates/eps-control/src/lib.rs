@@ -57,9 +57,9 @@ pub enum ControlError {
     /// No answer in time (for a plan: some servers never became ready).
     #[error("the control plane did not answer in time (are all servers and workers of the job started?)")]
     Timeout,
-    /// The control plane refused the request.
+    /// The control plane refused the request: decide by its code.
     #[error("control plane refused: {0}")]
-    Rejected(String),
+    Rejected(eps_proto::control::Refusal),
 }
 
 /// The refusal of a request that needs the job's initial servers.
@@ -76,8 +76,14 @@ impl ControlError {
     /// A refusal that the same request may not get later: the job still
     /// starting, or another change still under way.
     pub fn is_temporary(&self) -> bool {
-        matches!(self, Self::Rejected(m) if m == STILL_STARTING
-            || m.starts_with(CHANGE_IN_PROGRESS)
-            || m.starts_with(VOTE_IN_PROGRESS))
+        matches!(self, Self::Rejected(r) if r.code.is_temporary())
+    }
+
+    /// The refusal's code, when the control plane refused.
+    pub fn code(&self) -> Option<eps_proto::control::ErrorCode> {
+        match self {
+            Self::Rejected(r) => Some(r.code),
+            _ => None,
+        }
     }
 }

@@ -76,7 +76,7 @@ fn answer(mut s: TcpStream, secret: &Secret, job: &str, leader: &Mutex<String>, 
             std::process::id(),
             if now.is_empty() { "being elected" } else { &now }
         );
-        if write_msg(&mut s, &ControlMsg::Error { message }).is_err() {
+        if write_msg(&mut s, &ControlMsg::Error { code: eps_proto::control::ErrorCode::NotLeader, message }).is_err() {
             return;
         }
     }

@@ -21,6 +21,10 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
+/// gRPC's status code NOT_FOUND, which etcd's gateway gives a lease that is
+/// gone.
+pub const GRPC_NOT_FOUND: i64 = 5;
+
 /// Errors of the etcd client.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -39,6 +43,9 @@ pub enum EtcdError {
     Refused {
         /// The API path.
         path: String,
+        /// Its gRPC status code (`GRPC_NOT_FOUND`, ...; 0 when the answer
+        /// had none): decide by this, not by the message.
+        code: i64,
         /// etcd's message.
         message: String,
     },
@@ -173,7 +180,8 @@ impl Client {
         if code != 200 || v.get("error").is_some() {
             let said = v.get("error").or_else(|| v.get("message")).and_then(Value::as_str);
             let message = said.map_or_else(|| format!("HTTP {code}"), str::to_string);
-            return Err(EtcdError::Refused { path: path.into(), message });
+            let grpc = v.get("code").and_then(Value::as_i64).unwrap_or(0);
+            return Err(EtcdError::Refused { path: path.into(), code: grpc, message });
         }
         // A streamed RPC's answer (lease keepalive) comes wrapped in `result`.
         Ok(match v {
@@ -261,7 +269,7 @@ impl Client {
     pub fn revoke(&mut self, id: i64) -> Result<(), EtcdError> {
         match self.post("/v3/lease/revoke", &json!({ "ID": id.to_string() })) {
             // Already gone is as good.
-            Err(EtcdError::Refused { message, .. }) if message.contains("not found") => Ok(()),
+            Err(EtcdError::Refused { code: GRPC_NOT_FOUND, .. }) => Ok(()),
             r => r.map(drop),
         }
     }

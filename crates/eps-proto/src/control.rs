@@ -134,6 +134,7 @@ impl JobMap {
 }
 
 pub use order::Order;
+pub use refusal::{ErrorCode, Refusal};
 
 /// A control-plane message.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -419,9 +420,21 @@ pub enum ControlMsg {
     },
     /// Control -> role: acknowledged.
     Ok,
-    /// Control -> role: the request failed.
+    /// Role -> control: a resendable change ([`ControlMsg::is_resendable_change`])
+    /// with the id that makes it idempotent: the control plane applies each
+    /// id once and answers a re-send of it with [`ErrorCode::AlreadyApplied`].
+    Once {
+        /// The sender's random id (drawn when it connects) and its count of
+        /// changes sent.
+        id: (u64, u64),
+        /// The change (never itself a `Once`).
+        change: Box<ControlMsg>,
+    },
+    /// Control -> role: the request was refused.
     Error {
-        /// Why.
+        /// What kind of refusal (stable on the wire; decide by this).
+        code: ErrorCode,
+        /// Why, for people.
         message: String,
     },
 }
@@ -445,6 +458,9 @@ pub enum DecodeError {
     /// Bytes left over.
     #[error("trailing bytes in control message")]
     Trailing,
+    /// A refusal's code is not one this build knows.
+    #[error("unknown refusal code {0}")]
+    Code(u32),
 }
 
 struct W(Vec<u8>);
@@ -696,8 +712,15 @@ impl ControlMsg {
                 w.str(text);
             }
             ControlMsg::Ok => w.u8(9),
-            ControlMsg::Error { message } => {
+            ControlMsg::Once { id, change } => {
+                w.u8(37);
+                w.u64(id.0);
+                w.u64(id.1);
+                w.0.extend_from_slice(&change.encode()[4..]);
+            }
+            ControlMsg::Error { code, message } => {
                 w.u8(10);
+                w.u32(code.wire().into());
                 w.str(message);
             }
             ControlMsg::ShardReady { endpoint, keys } => {
@@ -862,7 +885,10 @@ impl ControlMsg {
             7 => ControlMsg::Status,
             8 => ControlMsg::StatusReport { text: r.str()? },
             9 => ControlMsg::Ok,
-            10 => ControlMsg::Error { message: r.str()? },
+            10 => {
+                let n = r.u32()?;
+                ControlMsg::Error { code: ErrorCode::from_wire(n).ok_or(DecodeError::Code(n))?, message: r.str()? }
+            }
             11 => ControlMsg::ShardReady { endpoint: r.endpoint()?, keys: r.keys()? },
             12 => ControlMsg::Cutover { shard: r.u32()?, at: r.u64()? },
             13 => ControlMsg::Released { shard: r.u32()?, bytes: r.u64()?, millis: r.u64()? },
@@ -906,6 +932,14 @@ impl ControlMsg {
             34 => ControlMsg::RowsOut { rank: r.u32()?, to: r.u32()?, addr: r.u64()?, rkey: r.u32()?, len: r.u64()? },
             35 => ControlMsg::RowsTaken { rank: r.u32()?, from: r.u32()? },
             36 => ControlMsg::StatusJson,
+            37 => {
+                let id = (r.u64()?, r.u64()?);
+                let change = ControlMsg::decode(std::mem::take(&mut r.0))?;
+                if !change.is_resendable_change() {
+                    return Err(DecodeError::Tag(37));
+                }
+                ControlMsg::Once { id, change: Box::new(change) }
+            }
             t => return Err(DecodeError::Tag(t)),
         };
         if !r.0.is_empty() {
@@ -916,6 +950,7 @@ impl ControlMsg {
 }
 
 mod order;
+mod refusal;
 
 #[cfg(test)]
 mod tests;

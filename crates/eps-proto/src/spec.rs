@@ -451,6 +451,14 @@ pub enum SpecError {
     },
 }
 
+/// Most servers a job may have (`job.servers`, `eps scale --servers`).
+pub const MAX_SERVERS: u32 = 1024;
+/// Most workers a job may start with (`job.workers`).
+pub const MAX_WORKERS: u32 = 4096;
+/// Most worker ranks a job whose workers change may admit in all
+/// (`job.max_workers`, `eps scale --workers`).
+pub const MAX_ELASTIC_WORKERS: u32 = 64;
+
 fn bad(field: &'static str, reason: impl Into<String>) -> SpecError {
     SpecError::Field { field, reason: reason.into() }
 }
@@ -471,12 +479,12 @@ impl JobSpec {
     /// Checks every value; returns the first problem, naming its field.
     pub fn validate(&self) -> Result<(), SpecError> {
         let j = &self.job;
-        if j.workers == 0 || j.workers > 4096 {
-            return Err(bad("job.workers", "must be between 1 and 4096"));
+        if j.workers == 0 || j.workers > MAX_WORKERS {
+            return Err(bad("job.workers", format!("must be between 1 and {MAX_WORKERS}")));
         }
         if let Some(m) = j.max_workers {
-            if m < j.workers || m > 64 {
-                return Err(bad("job.max_workers", "must be at least job.workers and at most 64"));
+            if m < j.workers || m > MAX_ELASTIC_WORKERS {
+                return Err(bad("job.max_workers", format!("must be at least job.workers and at most {MAX_ELASTIC_WORKERS}")));
             }
             if m > j.workers && j.consistency != Consistency::Bsp {
                 return Err(bad("job.max_workers", "workers can join a running job only under BSP consistency"));
@@ -488,8 +496,8 @@ impl JobSpec {
         if j.server_lease_ms < 1000 {
             return Err(bad("job.server_lease_ms", "must be at least 1000 (ms): servers poll every 500 ms"));
         }
-        if j.servers == 0 || j.servers > 1024 {
-            return Err(bad("job.servers", "must be between 1 and 1024"));
+        if j.servers == 0 || j.servers > MAX_SERVERS {
+            return Err(bad("job.servers", format!("must be between 1 and {MAX_SERVERS}")));
         }
         if j.steps == 0 {
             return Err(bad("job.steps", "must be at least 1"));

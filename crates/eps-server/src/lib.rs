@@ -536,7 +536,7 @@ pub fn run_direct<P: Fabric>(
     if !s.sparse.is_empty() {
         match s.ctl.call(&ControlMsg::TablesReady { rank, tables: s.sparse.endpoints(rank) })? {
             ControlMsg::Ok => {}
-            ControlMsg::Error { message } => return Err(ServerError::Sparse(message)),
+            ControlMsg::Error { message, .. } => return Err(ServerError::Sparse(message)),
             _ => return Err(ServerError::Unexpected),
         }
     }

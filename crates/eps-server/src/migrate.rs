@@ -381,7 +381,7 @@ impl<P: Fabric> Server<P> {
         // (Nothing else happens here meanwhile: this loop does one thing at a
         // time.)
         if let Err(why) = self.report(&ControlMsg::Cutover { shard: id, at })? {
-            return self.abandon_move(id, &why);
+            return self.abandon_move(id, &why.message);
         }
         let Some(h) = self.shards.get_mut(id as usize).and_then(Option::as_mut) else { return Ok(()) };
         // Pull requests waiting here for a version after the cutover go to the

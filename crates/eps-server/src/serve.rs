@@ -54,7 +54,7 @@ impl<P: Fabric> Server<P> {
     /// Tells the control plane `m`; its refusal (the job moved on meanwhile:
     /// a move cancelled, a shard gone) is an answer too, `Err(why)`, and
     /// only a failure to reach it an error.
-    pub(crate) fn report(&mut self, m: &ControlMsg) -> Result<Result<(), String>, ServerError> {
+    pub(crate) fn report(&mut self, m: &ControlMsg) -> Result<Result<(), eps_proto::control::Refusal>, ServerError> {
         match self.ctl.call(m) {
             Ok(_) => Ok(Ok(())),
             Err(eps_control::ControlError::Rejected(why)) => Ok(Err(why)),

@@ -181,7 +181,7 @@ impl World {
 
     /// A control-plane call (the roles' calls are synchronous): applies it and
     /// delivers the orders and maps it caused.
-    pub(crate) fn ctl(&mut self, m: &ControlMsg) -> Result<ControlMsg, String> {
+    pub(crate) fn ctl(&mut self, m: &ControlMsg) -> Result<ControlMsg, eps_proto::control::Refusal> {
         let r = self.job.apply(m);
         if r.is_ok() {
             self.note(format!("control: {m:?}"));

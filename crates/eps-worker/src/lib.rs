@@ -167,6 +167,10 @@ pub enum WorkerError {
     /// The call does not apply to this job.
     #[error("not supported: {0}")]
     Unsupported(&'static str),
+    /// This worker left the job at this iteration (see [`Worker::begin`]):
+    /// it pushes and pulls no more.
+    #[error("this worker left the job at iteration {0} (see `Worker::begin`)")]
+    Left(u64),
     /// The shard map names a server without an address.
     #[error("the shard map names server {0}, whose address is unknown")]
     NoAddress(u32),

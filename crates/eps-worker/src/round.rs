@@ -221,7 +221,7 @@ impl<P: Fabric> Worker<P> {
             return Ok(());
         }
         if !self.begin()? {
-            return Err(WorkerError::Unsupported("this worker left the job at this iteration (see `Worker::begin`)"));
+            return Err(WorkerError::Left(self.iteration));
         }
         let started = Instant::now();
         self.adopt_newest()?;

@@ -433,7 +433,7 @@ impl<P: Fabric> Worker<P> {
         // (The iteration begins here if the caller has not begun it: a
         // bucket vote may hold it.)
         if !self.begin()? {
-            return Err(WorkerError::Unsupported("this worker left the job at this iteration (see `Worker::begin`)"));
+            return Err(WorkerError::Left(self.iteration));
         }
         self.adopt_newest()?;
         self.sparse.follow(&self.map)

@@ -22,7 +22,7 @@
 use std::fmt::Write as _;
 
 use eps_proto::buckets::{self, BUCKETS};
-use eps_proto::control::{ControlMsg, Order};
+use eps_proto::control::{ControlMsg, Order, Refusal};
 
 use super::Job;
 
@@ -101,9 +101,9 @@ impl Job {
     }
 
     /// `RowsOut`: the rows server `rank` gives server `to` wait for it.
-    pub(super) fn rows_out(&mut self, rank: u32, to: u32, addr: u64, rkey: u32, len: u64) -> Result<ControlMsg, String> {
+    pub(super) fn rows_out(&mut self, rank: u32, to: u32, addr: u64, rkey: u32, len: u64) -> Result<ControlMsg, Refusal> {
         let Some(m) = self.bucket_move.as_ref().filter(|m| m.pending.contains(&(rank, to))) else {
-            return Err(format!("no bucket move from server {rank} to server {to} is under way"));
+            return Err(Refusal::stale(format!("no bucket move from server {rank} to server {to} is under way")));
         };
         let at = m.at;
         let from_addr = self.servers.get(rank as usize).map(|s| s.addr.clone()).unwrap_or_default();
@@ -113,9 +113,9 @@ impl Job {
     }
 
     /// `RowsTaken`: server `rank` took the rows server `from` gave it.
-    pub(super) fn rows_taken(&mut self, rank: u32, from: u32) -> Result<ControlMsg, String> {
+    pub(super) fn rows_taken(&mut self, rank: u32, from: u32) -> Result<ControlMsg, Refusal> {
         let Some(m) = self.bucket_move.as_mut().filter(|m| m.pending.contains(&(from, rank))) else {
-            return Err(format!("no bucket move from server {from} to server {rank} is under way"));
+            return Err(Refusal::stale(format!("no bucket move from server {from} to server {rank} is under way")));
         };
         m.pending.retain(|&p| p != (from, rank));
         if m.pending.is_empty() {

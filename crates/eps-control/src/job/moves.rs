@@ -1,7 +1,7 @@
 //! A move its source gave up on before the cutover: the link between source
 //! and target alone was cut (both still poll, so neither is lost).
 
-use eps_proto::control::{ControlMsg, Order};
+use eps_proto::control::{ControlMsg, Order, Refusal};
 
 use super::{Job, Phase};
 
@@ -11,12 +11,12 @@ impl Job {
     /// copy, and what still has to happen is planned again: a shard left on a
     /// leaving server moves elsewhere, an added server's balancing goes on,
     /// and the shard gets its backup back.
-    pub(super) fn move_stopped(&mut self, shard: u32, rank: u32) -> Result<ControlMsg, String> {
+    pub(super) fn move_stopped(&mut self, shard: u32, rank: u32) -> Result<ControlMsg, Refusal> {
         let i = self
             .migrations
             .iter()
             .rposition(|m| m.shard == shard && m.from == rank && m.in_flight())
-            .ok_or_else(|| format!("server {rank} is not moving shard {shard}"))?;
+            .ok_or_else(|| Refusal::stale(format!("server {rank} is not moving shard {shard}")))?;
         let (to, phase) = (self.migrations[i].to, self.migrations[i].phase);
         match phase {
             // (Its backup is kept: the move had not begun.)
@@ -26,7 +26,7 @@ impl Job {
                     self.order(to, Order::DropBackup { shard });
                 }
             }
-            _ => return Err(format!("the move of shard {shard} is past its cutover: it cannot stop")),
+            _ => return Err(Refusal::stale(format!("the move of shard {shard} is past its cutover: it cannot stop"))),
         }
         self.migrations[i].phase = Phase::Cancelled;
         self.move_leftovers();

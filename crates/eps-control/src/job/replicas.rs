@@ -19,7 +19,7 @@
 //! that window the shard has no backup: a loss then takes it with it (the job
 //! rolls back to its last checkpoint, or stops naming it).
 
-use eps_proto::control::{ControlMsg, MigrationKeys, Order, ShardEndpoint};
+use eps_proto::control::{ControlMsg, MigrationKeys, Order, Refusal, ShardEndpoint};
 use eps_proto::shardmap::Move;
 
 use super::{Job, Phase};
@@ -27,10 +27,10 @@ use super::{Job, Phase};
 impl Job {
     /// A server holds a backup of a shard: its primary forwards to it once both
     /// are ready.
-    pub(super) fn backup_ready(&mut self, e: &ShardEndpoint, keys: &MigrationKeys) -> Result<ControlMsg, String> {
+    pub(super) fn backup_ready(&mut self, e: &ShardEndpoint, keys: &MigrationKeys) -> Result<ControlMsg, Refusal> {
         let sid = e.shard as usize;
         if self.replicas < 2 || sid >= self.backups.len() || self.servers.get(e.owner as usize).is_none() {
-            return Err(format!("server {} reported a backup of shard {} the job does not keep", e.owner, e.shard));
+            return Err(Refusal::stale(format!("server {} reported a backup of shard {} the job does not keep", e.owner, e.shard)));
         }
         if self.moving(e.shard) {
             // A new backup ordered before the shard began to move: its drop was
@@ -96,11 +96,11 @@ impl Job {
     /// Shard `shard`'s owner stopped forwarding to its backup: the backup is
     /// dropped, a move waiting for it starts, and backups are rebuilt where
     /// they are missing.
-    pub(super) fn unreplicated(&mut self, shard: u32, rank: u32) -> Result<ControlMsg, String> {
+    pub(super) fn unreplicated(&mut self, shard: u32, rank: u32) -> Result<ControlMsg, Refusal> {
         let sid = shard as usize;
         let owner = self.map.index_of(shard).map(|i| self.map.shards[i].owner);
         if owner != Some(rank) {
-            return Err(format!("server {rank} stopped replicating shard {shard}, which it does not own"));
+            return Err(Refusal::stale(format!("server {rank} stopped replicating shard {shard}, which it does not own")));
         }
         self.unsynced[sid] = false;
         if let Some((b, _, _)) = self.backups[sid].take()
@@ -119,10 +119,10 @@ impl Job {
     /// A server is lost: its shards' backups become their owners (a new
     /// epoch); shards without one are lost with it, and so are the shards
     /// of its moves that the other side cannot finish alone.
-    pub(super) fn server_lost(&mut self, rank: u32) -> Result<ControlMsg, String> {
-        let Some(info) = self.servers.get_mut(rank as usize) else { return Err(format!("no server {rank}")) };
+    pub(super) fn server_lost(&mut self, rank: u32) -> Result<ControlMsg, Refusal> {
+        let Some(info) = self.servers.get_mut(rank as usize) else { return Err(Refusal::invalid(format!("no server {rank}"))) };
         if info.retired || info.finished {
-            return Err(format!("server {rank} is not serving"));
+            return Err(Refusal::stale(format!("server {rank} is not serving")));
         }
         info.retired = true;
         info.leaving = true;

@@ -7,7 +7,7 @@
 
 use std::collections::VecDeque;
 
-use eps_proto::control::{Order, ShardEndpoint};
+use eps_proto::control::{Order, Refusal, ShardEndpoint};
 use eps_proto::layout::MAX_SHARDS;
 use eps_proto::shardmap::{Move, Split};
 
@@ -57,7 +57,7 @@ impl Job {
     /// Balances the next added server waiting for its share, if no migration or
     /// split is in flight: plans once (splits, then moves), orders the plan's
     /// splits one at a time in order, then starts its moves.
-    pub(crate) fn balance_next(&mut self) -> Result<(), String> {
+    pub(crate) fn balance_next(&mut self) -> Result<(), Refusal> {
         if self.migrations_in_flight() > 0 || self.splitting.is_some() {
             return Ok(());
         }
@@ -67,22 +67,22 @@ impl Job {
             // Splits need BSP (an iteration boundary to cut at); a shard with
             // a backup moves whole (its backup is rebuilt after the move).
             let (splits, moves) = if self.consistency == eps_proto::Consistency::Bsp && self.replicas < 2 {
-                plan.plan_add_splits(rank).map_err(|e| e.to_string())?
+                plan.plan_add_splits(rank).map_err(|e| Refusal::stale(e.to_string()))?
             } else {
-                (Vec::new(), plan.plan_add_whole(rank).map_err(|e| e.to_string())?)
+                (Vec::new(), plan.plan_add_whole(rank).map_err(|e| Refusal::stale(e.to_string()))?)
             };
             // Past the shard cap (or the ids), move whole shards only.
             let within = splits.len() + self.map.shards.len() <= self.shard_cap && plan.next_id <= MAX_SHARDS;
             self.balancing = Some(if within {
                 Balancing { splits: splits.into(), moves }
             } else {
-                Balancing { splits: VecDeque::new(), moves: self.map.clone().plan_add_whole(rank).map_err(|e| e.to_string())? }
+                Balancing { splits: VecDeque::new(), moves: self.map.clone().plan_add_whole(rank).map_err(|e| Refusal::stale(e.to_string()))? }
             });
         }
         let Some(b) = self.balancing.as_mut() else { return Ok(()) };
         if let Some(sp) = b.splits.pop_front() {
             let owner = self.map.index_of(sp.shard).map(|i| self.map.shards[i].owner);
-            let Some(owner) = owner else { return Err(format!("the plan splits shard {}, which is not in the map", sp.shard)) };
+            let Some(owner) = owner else { return Err(Refusal::stale(format!("the plan splits shard {}, which is not in the map", sp.shard))) };
             self.map.next_id = self.map.next_id.max(sp.hi + 1);
             self.splitting = Some(Ordered { shard: sp.shard, owner, mid: sp.mid, lo: sp.lo, hi: sp.hi });
             self.order(owner, Order::Split { shard: sp.shard, mid: sp.mid, lo: sp.lo, hi: sp.hi });
@@ -106,21 +106,21 @@ impl Job {
         at: u64,
         lo: &ShardEndpoint,
         hi: &ShardEndpoint,
-    ) -> Result<eps_proto::control::ControlMsg, String> {
+    ) -> Result<eps_proto::control::ControlMsg, Refusal> {
         let Some(o) = self.splitting.filter(|o| o.shard == shard && o.lo == lo.shard && o.hi == hi.shard) else {
-            return Err(format!("no split of shard {shard} into {} and {} was ordered", lo.shard, hi.shard));
+            return Err(Refusal::stale(format!("no split of shard {shard} into {} and {} was ordered", lo.shard, hi.shard)));
         };
         if lo.owner != o.owner || hi.owner != o.owner {
-            return Err(format!("the parts of shard {shard} must stay on server {}", o.owner));
+            return Err(Refusal::invalid(format!("the parts of shard {shard} must stay on server {}", o.owner)));
         }
-        let parent = self.spans.get(shard as usize).copied().ok_or_else(|| format!("shard {shard} has no span"))?;
+        let parent = self.spans.get(shard as usize).copied().ok_or_else(|| Refusal::stale(format!("shard {shard} has no span")))?;
         if at < parent.from || parent.until != u64::MAX {
-            return Err(format!("shard {shard} cannot split at iteration {at}"));
+            return Err(Refusal::invalid(format!("shard {shard} cannot split at iteration {at}")));
         }
         if self.spans.len() != o.lo as usize || o.hi != o.lo + 1 {
-            return Err(format!("split ids {} and {} are out of order", o.lo, o.hi));
+            return Err(Refusal::invalid(format!("split ids {} and {} are out of order", o.lo, o.hi)));
         }
-        self.map.split_at(shard, o.mid, o.lo, o.hi).map_err(|e| e.to_string())?;
+        self.map.split_at(shard, o.mid, o.lo, o.hi).map_err(|e| Refusal::invalid(e.to_string()))?;
         self.spans[shard as usize].until = at;
         self.spans.push(Span { start: parent.start, len: o.mid - parent.start, from: at, until: u64::MAX });
         self.spans.push(Span { start: o.mid, len: parent.start + parent.len - o.mid, from: at, until: u64::MAX });

@@ -2,7 +2,7 @@
 //! as issued.
 
 use eps_proto::JobSpec;
-use eps_proto::control::{ControlMsg, Order, Role, ShardEndpoint};
+use eps_proto::control::{ControlMsg, ErrorCode, Order, Role, ShardEndpoint};
 
 use crate::job::Job;
 
@@ -80,7 +80,7 @@ fn a_move_its_source_stopped_is_cancelled_and_planned_again() {
 
     // Only the source may stop it.
     let e = job.apply(&ControlMsg::MoveStopped { shard, rank: 1 }).unwrap_err();
-    assert!(e.contains("not moving"), "{e}");
+    assert!(e.code == ErrorCode::Stale && e.message.contains("not moving"), "{e:?}");
     job.apply(&ControlMsg::MoveStopped { shard, rank: 2 }).unwrap();
     assert!(job.status().contains("cancelled"), "{}", job.status());
     // The target drops its copy; the shard, still on a leaving server, is
@@ -95,7 +95,7 @@ fn a_move_its_source_stopped_is_cancelled_and_planned_again() {
     job.apply(&ControlMsg::ShardReady { endpoint: ep(shard, t), keys }).unwrap();
     job.apply(&ControlMsg::Cutover { shard, at: 3 }).unwrap();
     let e = job.apply(&ControlMsg::MoveStopped { shard, rank: 2 }).unwrap_err();
-    assert!(e.contains("past its cutover"), "{e}");
+    assert!(e.code == ErrorCode::Stale && e.message.contains("past its cutover"), "{e:?}");
 }
 
 /// A job with sparse tables is ready once every initial server reported its
@@ -121,7 +121,7 @@ fn sparse_tables_are_reported_before_servers_are_ready() {
     let bad = [vec![ep(0, 0, 2)], vec![ep(1, 0, 2), ep(0, 0, 2)], vec![ep(0, 0, 1), ep(1, 0, 1)], vec![ep(0, 1, 2), ep(1, 1, 2)]];
     for tables in bad {
         let e = job.apply(&ControlMsg::TablesReady { rank: 0, tables: tables.clone() }).unwrap_err();
-        assert!(e.contains("sparse table"), "{tables:?}: {e}");
+        assert!(e.code == ErrorCode::Invalid && e.message.contains("sparse table"), "{tables:?}: {e:?}");
     }
     for r in 0..2u32 {
         job.apply(&ControlMsg::TablesReady { rank: r, tables: vec![ep(0, r, 2), ep(1, r, 2)] }).unwrap();
@@ -131,7 +131,7 @@ fn sparse_tables_are_reported_before_servers_are_ready() {
     }
     assert!(job.initial_ready());
     let again = job.apply(&ControlMsg::TablesReady { rank: 1, tables: vec![ep(0, 1, 2), ep(1, 1, 2)] }).unwrap_err();
-    assert!(again.contains("twice"), "{again}");
+    assert!(again.code == ErrorCode::Stale && again.message.contains("twice"), "{again:?}");
     let map = job.job_map();
     assert_eq!(map.tables.len(), 4);
     assert!(map.tables.iter().any(|e| e.owner == 1 && e.shard == 1 && e.landing[1] == (4096, 7)));
@@ -187,7 +187,7 @@ fn buckets_move_to_added_servers_and_off_leaving_ones() {
         assert!(orders(&job, r).contains(&Order::Buckets { at: 7, runs: vec![(0, 0), (2048, 1)] }), "server {r}");
     }
     let busy = job.apply(&ControlMsg::Scale { servers: 1 }).unwrap_err();
-    assert!(busy.contains("try again"), "{busy}");
+    assert!(busy.code == ErrorCode::ChangeInProgress && busy.code.is_temporary(), "{busy:?}");
     assert!(job.apply(&ControlMsg::RowsOut { rank: 1, to: 0, addr: 1, rkey: 2, len: 3 }).is_err(), "no such move");
     job.apply(&ControlMsg::RowsOut { rank: 0, to: 1, addr: 64, rkey: 9, len: 4000 }).unwrap();
     let fetch = Order::FetchRows { from: 0, from_addr: "127.0.0.1:7000".into(), addr: 64, rkey: 9, len: 4000 };
@@ -209,4 +209,87 @@ fn buckets_move_to_added_servers_and_off_leaving_ones() {
     job.apply(&ControlMsg::GetMap { worker: 0, adopted: epoch, min_epoch: 0, iteration: 20 }).unwrap();
     assert!(orders(&job, 1).contains(&Order::Retire));
     assert!(job.job_map().tables.iter().all(|e| e.owner == 0), "a retired server's regions leave the map");
+}
+
+fn ready_servers(job: &mut Job, spec: &JobSpec) {
+    let layout = spec.layout().unwrap();
+    for r in 0..spec.job.servers {
+        job.apply(&ControlMsg::Register { role: Role::Server, fabric_addr: String::new() }).unwrap();
+        let shards = layout
+            .shards_of(r)
+            .map(|s| ShardEndpoint { shard: s.id, owner: r, landing: vec![(0, 0)], published_addr: 0, published_rkey: 0 })
+            .collect();
+        job.apply(&ControlMsg::ServerReady { rank: r, fabric_addr: format!("127.0.0.1:{}", 7000 + r), shards }).unwrap();
+    }
+}
+
+/// Counts past their bounds are refused with `Limit` and change nothing (a
+/// worker count near 2^32 once overflowed the rank arithmetic); a scale-up
+/// whose servers never came is replaced by the next scale instead of
+/// blocking every later one.
+#[test]
+fn scale_refusals_leave_the_job_as_it_was() {
+    let spec = JobSpec::from_toml(SPEC).unwrap();
+    let mut job = Job::new(&spec, SPEC).unwrap();
+    ready_servers(&mut job, &spec);
+    job.apply(&ControlMsg::Register { role: Role::Worker, fabric_addr: String::new() }).unwrap();
+    let before = (job.status(), job.orders_issued(), job.epoch());
+    for servers in [eps_proto::spec::MAX_SERVERS + 1, u32::MAX] {
+        let e = job.apply(&ControlMsg::Scale { servers }).unwrap_err();
+        assert_eq!(e.code, ErrorCode::Limit, "{e:?}");
+    }
+    for workers in [2, u32::MAX] {
+        let e = job.apply(&ControlMsg::ScaleWorkers { workers }).unwrap_err();
+        assert_eq!(e.code, ErrorCode::Limit, "{e:?}");
+    }
+    assert_eq!((job.status(), job.orders_issued(), job.epoch()), before);
+
+    // Up to 5 servers, and none is started: worker changes wait for them...
+    job.apply(&ControlMsg::Scale { servers: 5 }).unwrap();
+    assert!(job.status().contains("servers: 3/5 registered"), "{}", job.status());
+    // ...until the operator scales again: the new count replaces the old.
+    job.apply(&ControlMsg::Scale { servers: 3 }).unwrap();
+    assert!(job.status().contains("servers: 3/3 registered"), "{}", job.status());
+    let e = job.apply(&ControlMsg::Register { role: Role::Server, fabric_addr: String::new() }).unwrap_err();
+    assert_eq!(e.code, ErrorCode::Full, "{e:?}");
+    job.apply(&ControlMsg::Scale { servers: 4 }).unwrap();
+    job.apply(&ControlMsg::Register { role: Role::Server, fabric_addr: String::new() }).unwrap();
+}
+
+/// A change applied once and sent again under its id (its answer was lost)
+/// is refused as `AlreadyApplied`; any other request that does not fit is
+/// `Stale`, even the same change under another id.
+#[test]
+fn a_resent_change_is_known_from_a_stale_one() {
+    use eps_proto::control::MigrationKeys;
+    let spec = JobSpec::from_toml(SPEC).unwrap();
+    let mut job = Job::new(&spec, SPEC).unwrap();
+    ready_servers(&mut job, &spec);
+    job.apply(&ControlMsg::Scale { servers: 2 }).unwrap();
+    let (shard, to) = (0..2)
+        .find_map(|t| {
+            job.orders_for(t, 0).1.iter().find_map(|o| match o {
+                Order::MigrateIn { shard, .. } => Some((*shard, t)),
+                _ => None,
+            })
+        })
+        .unwrap();
+    let keys = MigrationKeys { state_addr: 0, state_rkey: 0, grad_addr: 0, grad_rkey: 0 };
+    let ep = ShardEndpoint { shard, owner: to, landing: vec![(0, 0)], published_addr: 0, published_rkey: 0 };
+    let once = |seq: u64, m: ControlMsg| ControlMsg::Once { id: (77, seq), change: Box::new(m) };
+    job.apply(&once(1, ControlMsg::ShardReady { endpoint: ep.clone(), keys })).unwrap();
+    job.apply(&once(2, ControlMsg::Cutover { shard, at: 3 })).unwrap();
+    let epoch = job.epoch();
+    // Re-sends: the same ids.
+    for (seq, m) in [(2, ControlMsg::Cutover { shard, at: 3 }), (1, ControlMsg::ShardReady { endpoint: ep.clone(), keys })] {
+        let again = job.apply(&once(seq, m)).unwrap_err();
+        assert_eq!(again.code, ErrorCode::AlreadyApplied, "{again:?}");
+    }
+    // The same change under a new id is a new request, refused as stale;
+    // so is one that never had an id.
+    let same_new_id = job.apply(&once(3, ControlMsg::Cutover { shard, at: 3 })).unwrap_err();
+    assert_eq!(same_new_id.code, ErrorCode::Stale, "{same_new_id:?}");
+    let untagged = job.apply(&ControlMsg::Cutover { shard, at: 3 }).unwrap_err();
+    assert_eq!(untagged.code, ErrorCode::Stale, "{untagged:?}");
+    assert_eq!(job.epoch(), epoch, "refusals change nothing");
 }

@@ -15,7 +15,7 @@
 
 use std::fmt::Write as _;
 
-use eps_proto::control::{ControlMsg, Order, Role};
+use eps_proto::control::{ControlMsg, ErrorCode, Order, Refusal, Role};
 use eps_proto::membership::Membership;
 use eps_proto::spec::{Consistency, JobSection};
 
@@ -80,14 +80,17 @@ impl Workers {
 
     /// Gives the lowest admitted rank not registered yet, or one a proposed
     /// change admits (the worker then waits for the commit).
-    pub(crate) fn register(&mut self) -> Result<u32, String> {
+    pub(crate) fn register(&mut self) -> Result<u32, Refusal> {
         let proposed = self.proposal.as_ref().map_or(&[][..], |p| &p.want[..]);
         let free = |r: u32| !self.registered[r as usize] && !self.finished[r as usize];
         let found = (0..self.admitted).find(|&r| free(r)).or_else(|| proposed.iter().copied().find(|&r| free(r)));
         let Some(r) = found else {
-            return Err(format!(
-                "the job already has its {} workers (raise the count with `eps scale --workers N` first)",
-                self.members.latest().len()
+            return Err(Refusal::new(
+                ErrorCode::Full,
+                format!(
+                    "the job already has its {} workers (raise the count with `eps scale --workers N` first)",
+                    self.members.latest().len()
+                ),
             ));
         };
         self.registered[r as usize] = true;
@@ -174,18 +177,21 @@ impl Workers {
 
 impl Job {
     /// `eps scale --workers N`.
-    pub(super) fn scale_workers(&mut self, n: u32) -> Result<ControlMsg, String> {
+    pub(super) fn scale_workers(&mut self, n: u32) -> Result<ControlMsg, Refusal> {
         if n == 0 {
-            return Err("a job needs at least one worker".into());
+            return Err(Refusal::invalid("a job needs at least one worker"));
         }
         self.can_change_workers()?;
         let now = self.w.members.latest().to_vec();
         let want: Vec<u32> = if n as usize > now.len() {
             let more = n - now.len() as u32;
-            if self.w.admitted + more > self.w.limit {
-                return Err(format!(
-                    "the job may admit {} worker ranks in all (job.max_workers) and has used {}; {more} more do not fit",
-                    self.w.limit, self.w.admitted
+            if self.w.admitted.checked_add(more).is_none_or(|all| all > self.w.limit) {
+                return Err(Refusal::new(
+                    ErrorCode::Limit,
+                    format!(
+                        "the job may admit {} worker ranks in all (job.max_workers) and has used {}; {more} more do not fit",
+                        self.w.limit, self.w.admitted
+                    ),
                 ));
             }
             now.iter().copied().chain(self.w.admitted..self.w.admitted + more).collect()
@@ -202,36 +208,36 @@ impl Job {
     /// Worker `rank` asks to leave the running job: the vote of a scale-down
     /// that removes it (it trains until `begin` says it no longer contributes,
     /// then finishes).
-    pub(super) fn leave(&mut self, rank: u32) -> Result<ControlMsg, String> {
+    pub(super) fn leave(&mut self, rank: u32) -> Result<ControlMsg, Refusal> {
         self.can_change_workers()?;
         let now = self.w.members.latest().to_vec();
         if !now.contains(&rank) {
-            return Err(format!("worker {rank} does not contribute to the job"));
+            return Err(Refusal::stale(format!("worker {rank} does not contribute to the job")));
         }
         let want: Vec<u32> = now.iter().copied().filter(|&r| r != rank).collect();
         if want.is_empty() {
-            return Err("the job's last worker cannot leave it (it finishes instead)".into());
+            return Err(Refusal::new(ErrorCode::Unsupported, "the job's last worker cannot leave it (it finishes instead)"));
         }
         self.propose(want, Vec::new(), None);
         Ok(ControlMsg::Ok)
     }
 
     /// Whether the contributor set may change now.
-    fn can_change_workers(&self) -> Result<(), String> {
+    fn can_change_workers(&self) -> Result<(), Refusal> {
         if self.w.consistency != Consistency::Bsp {
-            return Err("changing the workers of a running job needs BSP consistency".into());
+            return Err(Refusal::new(ErrorCode::Unsupported, "changing the workers of a running job needs BSP consistency"));
         }
         if !self.initial_ready() {
-            return Err(crate::STILL_STARTING.into());
+            return Err(Refusal::new(ErrorCode::Starting, crate::STILL_STARTING));
         }
         let joining = (0..self.w.admitted as usize).any(|r| !self.w.registered[r] && !self.w.finished[r]);
         let servers_busy = self.migrations_in_flight() > 0
             || self.servers.len() as u32 != self.server_slots
             || self.servers.iter().any(|s| !s.ready && !s.retired);
         if self.w.proposal.is_some() || joining || servers_busy {
-            return Err(format!(
-                "{} (workers joining, a vote, or migrations); try again when `eps status` shows none",
-                crate::CHANGE_IN_PROGRESS
+            return Err(Refusal::new(
+                ErrorCode::ChangeInProgress,
+                format!("{} (workers joining, a vote, or migrations); try again when `eps status` shows none", crate::CHANGE_IN_PROGRESS),
             ));
         }
         Ok(())
@@ -253,7 +259,7 @@ impl Job {
         self.try_commit();
     }
 
-    pub(super) fn vote(&mut self, role: Role, rank: u32, id: u64, hold: u64) -> Result<ControlMsg, String> {
+    pub(super) fn vote(&mut self, role: Role, rank: u32, id: u64, hold: u64) -> Result<ControlMsg, Refusal> {
         let Some(p) = self.w.proposal.as_mut().filter(|p| p.id == id) else {
             // A vote that crossed the commit (or an expiry that removed the voter).
             return Ok(ControlMsg::Ok);
@@ -265,9 +271,9 @@ impl Job {
     }
 
     /// Worker `rank`'s lease expired: it is removed at the next boundary.
-    pub(super) fn expire(&mut self, rank: u32) -> Result<ControlMsg, String> {
+    pub(super) fn expire(&mut self, rank: u32) -> Result<ControlMsg, Refusal> {
         if !self.w.leased().contains(&rank) {
-            return Err(format!("worker {rank} holds no lease"));
+            return Err(Refusal::stale(format!("worker {rank} holds no lease")));
         }
         self.w.expired.push(rank);
         self.w.finished[rank as usize] = true;
@@ -296,10 +302,10 @@ impl Job {
         Ok(ControlMsg::Ok)
     }
 
-    pub(super) fn worker_finished(&mut self, rank: u32) -> Result<(), String> {
+    pub(super) fn worker_finished(&mut self, rank: u32) -> Result<(), Refusal> {
         let r = rank as usize;
         if r >= self.w.admitted as usize || !self.w.registered[r] {
-            return Err(format!("worker rank {rank} is outside the job"));
+            return Err(Refusal::invalid(format!("worker rank {rank} is outside the job")));
         }
         self.w.finished[r] = true;
         if let Some(p) = self.w.proposal.as_mut() {

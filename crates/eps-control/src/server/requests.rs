@@ -7,7 +7,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use eps_proto::JobSpec;
-use eps_proto::control::{ControlMsg, Role};
+use eps_proto::control::{ControlMsg, ErrorCode, Refusal, Role};
 
 use super::{LONG_POLL, State};
 use crate::ControlError;
@@ -82,14 +82,15 @@ impl State {
             | ControlMsg::Vote { .. }
             | ControlMsg::Declare { .. }
             | ControlMsg::Leave { .. }
-            | ControlMsg::Finished { .. } => {
-                if let ControlMsg::Vote { role: Role::Worker, rank, .. } = m {
+            | ControlMsg::Finished { .. }
+            | ControlMsg::Once { .. } => {
+                if let ControlMsg::Vote { role: Role::Worker, rank, .. } = *m.change() {
                     self.seen.insert(rank, Instant::now());
                 }
                 match self.job.apply(&m) {
                     Ok(r) => {
                         self.persist(&m)?;
-                        if let ControlMsg::MoveStopped { shard, rank } = m {
+                        if let ControlMsg::MoveStopped { shard, rank } = *m.change() {
                             eps_proto::say_event!(
                                 "migration_cancelled",
                                 { job = self.name.as_str(), shard = shard, from = rank },
@@ -99,7 +100,7 @@ impl State {
                         who.finishes_job = self.job.done();
                         r
                     }
-                    Err(message) => ControlMsg::Error { message },
+                    Err(refusal) => refusal.into_msg(),
                 }
             }
             ControlMsg::Unreachable { rank, by, by_rank } => {
@@ -149,9 +150,9 @@ impl State {
             }
             ControlMsg::Checkpoint { dir, .. } => match self.checkpoint(dir) {
                 Ok(w) => return Ok(self.first_try(w, who)),
-                Err(message) => ControlMsg::Error { message },
+                Err(refusal) => refusal.into_msg(),
             },
-            _ => ControlMsg::Error { message: "unexpected message for the control plane".into() },
+            _ => Refusal::new(ErrorCode::Unexpected, "unexpected message for the control plane").into_msg(),
         };
         Ok(Step::Reply(reply))
     }
@@ -189,6 +190,7 @@ impl State {
                     // Fenced off: its shards are served by their backups now.
                     who.poller = None;
                     return Some(ControlMsg::Error {
+                        code: ErrorCode::Lost,
                         message: format!("server {rank} was declared lost and its shards' backups serve them now; it must stop"),
                     });
                 }
@@ -209,13 +211,14 @@ impl State {
                     Outcome::Pending => {
                         let message =
                             format!("the servers did not save iteration {version} within {} s", CHECKPOINT_WAIT.as_secs());
-                        return Some(ControlMsg::Error { message });
+                        return Some(ControlMsg::Error { code: ErrorCode::Checkpoint, message });
                     }
                 }
                 // A server had passed it: further ahead.
                 *attempt += 1;
                 if *attempt == CHECKPOINT_TRIES {
-                    return Some(ControlMsg::Error { message: format!("no checkpoint after {CHECKPOINT_TRIES} tries{last}") });
+                    let message = format!("no checkpoint after {CHECKPOINT_TRIES} tries{last}");
+                    return Some(ControlMsg::Error { code: ErrorCode::Checkpoint, message });
                 }
                 let (d, s, a, l) = (std::mem::take(dir), *steps, *attempt, std::mem::take(last));
                 match self.checkpoint_try(d, s, a, l) {
@@ -223,7 +226,7 @@ impl State {
                         *w = next;
                         self.try_answer(w, who)
                     }
-                    Err(message) => Some(ControlMsg::Error { message }),
+                    Err(refusal) => Some(refusal.into_msg()),
                 }
             }
         }
@@ -251,30 +254,31 @@ impl State {
     /// An operator's checkpoint: orders every server to save at a version no
     /// worker has reached (as far as their last reports tell), waits for the
     /// pieces, and tries further ahead when a server had passed it.
-    fn checkpoint(&mut self, dir: String) -> Result<Wait, String> {
+    fn checkpoint(&mut self, dir: String) -> Result<Wait, Refusal> {
         let spec = JobSpec::from_toml(self.job.spec_text()).ok();
         let dir = if dir.is_empty() { spec.as_ref().and_then(|s| s.job.checkpoint_dir.clone()).unwrap_or_default() } else { dir };
         if dir.is_empty() {
-            return Err("give a directory: the job's spec names no checkpoint_dir".into());
+            return Err(Refusal::invalid("give a directory: the job's spec names no checkpoint_dir"));
         }
         if !Path::new(&dir).is_absolute() {
-            return Err(format!("{dir}: give an absolute directory (servers may run elsewhere)"));
+            return Err(Refusal::invalid(format!("{dir}: give an absolute directory (servers may run elsewhere)")));
         }
         if !self.job.initial_ready() {
-            return Err(crate::STILL_STARTING.into());
+            return Err(Refusal::new(ErrorCode::Starting, crate::STILL_STARTING));
         }
         let steps = spec.map_or(u64::MAX, |s| s.job.steps);
         self.checkpoint_try(dir, steps, 0, String::new())
     }
 
-    fn checkpoint_try(&mut self, dir: String, steps: u64, attempt: u32, last: String) -> Result<Wait, String> {
+    fn checkpoint_try(&mut self, dir: String, steps: u64, attempt: u32, last: String) -> Result<Wait, Refusal> {
         let version = self.job.furthest_iteration() + (8 << attempt);
         if version >= steps {
-            return Err(format!("the job ends (iteration {steps}) before a checkpoint could be taken{last}"));
+            let message = format!("the job ends (iteration {steps}) before a checkpoint could be taken{last}");
+            return Err(Refusal::new(ErrorCode::Checkpoint, message));
         }
         let rec = ControlMsg::Checkpoint { version, dir: dir.clone() };
         self.job.apply(&rec)?;
-        self.persist(&rec).map_err(|e| format!("cannot persist the checkpoint order: {e}"))?;
+        self.persist(&rec).map_err(|e| Refusal::new(ErrorCode::Checkpoint, format!("cannot persist the checkpoint order: {e}")))?;
         Ok(Wait::Checkpoint { dir, version, attempt, steps, deadline: Instant::now() + CHECKPOINT_WAIT, last })
     }
 }
