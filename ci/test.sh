@@ -112,4 +112,14 @@ fi
 # Last, so that its summary closes the run. The scheduler's live runs
 # (tests/sched_live.rs) time real jobs with the release build.
 step "tests"
-EPS_BIN="$PWD/target/release/eps" cargo nextest run --workspace --locked --no-fail-fast
+# Tests whose environment cannot be made here note it in this file (under
+# CI=true they fail instead); it is listed after the run.
+export EPS_SKIP_LOG="$PWD/target/skipped-tests.txt"
+rm -f "$EPS_SKIP_LOG"
+status=0
+EPS_BIN="$PWD/target/release/eps" cargo nextest run --workspace --locked --no-fail-fast || status=$?
+if [ -s "$EPS_SKIP_LOG" ]; then
+    printf '\n%s test(s) SKIPPED, their environment missing here (they are not passes):\n' "$(wc -l < "$EPS_SKIP_LOG")"
+    sed 's/^/  /' "$EPS_SKIP_LOG"
+fi
+exit "$status"

@@ -291,7 +291,7 @@ fn servers_killed_one_after_another_with_two_replicas_lose_nothing() {
 #[test]
 fn a_live_server_whose_connections_are_cut_is_declared_lost_and_nothing_is_lost() {
     if !eps::soak::faults::can_cut() {
-        eprintln!("skipped: cutting connections needs root and `ss` (iproute2)");
+        eps_etcd::testing::skip("tests/faults.rs", "cutting connections needs root and `ss` (iproute2)");
         return;
     }
     let spec = spec_file("faults", "cut");
@@ -329,7 +329,7 @@ fn listen_port(pid: u32) -> u16 {
 #[test]
 fn a_move_whose_link_alone_is_cut_is_cancelled_and_nothing_is_lost() {
     if !eps::soak::faults::can_cut() {
-        eprintln!("skipped: cutting connections needs root and `ss` (iproute2)");
+        eps_etcd::testing::skip("tests/faults.rs", "cutting connections needs root and `ss` (iproute2)");
         return;
     }
     let spec = moving_spec("movecut");

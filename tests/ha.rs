@@ -19,7 +19,7 @@ fn etcd_or_skip() -> Option<TestEtcd> {
     match TestEtcd::get() {
         Ok(e) => Some(e),
         Err(why) => {
-            println!("SKIPPED: no etcd to test against: {why}");
+            eps_etcd::testing::skip("tests/ha.rs", &format!("no etcd to test against: {why}"));
             None
         }
     }

@@ -46,7 +46,7 @@ impl Link {
             && ip(&["-n", &ns, "link", "set", &inner, "up"])
             && ip(&["-n", &ns, "link", "set", "lo", "up"]);
         if !ok {
-            eprintln!("skipped: cannot create a network namespace and a veth pair here (needs root and iproute2)");
+            eps_etcd::testing::skip("tests/netfaults.rs", "cannot create a network namespace and a veth pair here (needs root and iproute2)");
         }
         ok.then_some(link)
     }
@@ -214,7 +214,7 @@ fn a_slow_link_slows_the_job_and_changes_nothing() {
     // 40 Mbit/s to the namespace's server, queued up to 50 ms.
     let tbf = ["qdisc", "add", "dev", &link.host, "root", "tbf", "rate", "40mbit", "burst", "64kb", "latency", "50ms"];
     if !Command::new("tc").args(tbf).status().is_ok_and(|s| s.success()) {
-        eprintln!("skipped: tc cannot add a tbf rate limit here");
+        eps_etcd::testing::skip("a_slow_link_slows_the_job_and_changes_nothing", "tc cannot add a tbf rate limit here");
         return;
     }
     let started = Instant::now();

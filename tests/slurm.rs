@@ -20,7 +20,7 @@ fn slurm() -> Option<String> {
     match out.status.code() {
         Some(0) => {}
         Some(3) => {
-            eprintln!("SKIPPED: Slurm cannot start here: {}", stderr.trim());
+            eps_etcd::testing::skip("tests/slurm.rs", &format!("Slurm cannot start here: {}", stderr.trim()));
             return None;
         }
         _ => panic!("ci/slurm-up.sh failed ({}): {stderr}", out.status),

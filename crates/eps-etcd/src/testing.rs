@@ -1,6 +1,7 @@
-//! An etcd for tests: the one named by `EPS_TEST_ETCD` (`HOST:PORT`, as the
-//! test command starts it), else a private `etcd` on 127.0.0.1 if the binary
-//! is installed, stopped when dropped.
+//! What tests need of their environment: an etcd (the one named by
+//! `EPS_TEST_ETCD` (`HOST:PORT`, as the test command starts it), else a
+//! private `etcd` on 127.0.0.1 if the binary is installed, stopped when
+//! dropped), and [`skip`] for a test whose environment cannot be made.
 
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -15,6 +16,26 @@ pub struct TestEtcd {
 
 fn free_port() -> std::io::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// A test that cannot run because its environment (root, Slurm, etcd,
+/// network namespaces, a compiler) cannot be made here: under `CI=true` it
+/// fails (panics) instead of passing; elsewhere it prints `SKIPPED: {test}:
+/// {why}` and appends that line to the file `EPS_SKIP_LOG` names, which the
+/// test command lists in its summary. The caller returns after it.
+pub fn skip(test: &str, why: &str) {
+    if std::env::var("CI").as_deref() == Ok("true") {
+        panic!("{test}: CI=true and its environment cannot be made: {why}");
+    }
+    let line = format!("SKIPPED: {test}: {why}");
+    println!("{line}");
+    if let Some(path) = std::env::var_os("EPS_SKIP_LOG") {
+        use std::io::Write as _;
+        let appended = std::fs::OpenOptions::new().create(true).append(true).open(&path).and_then(|mut f| writeln!(f, "{line}"));
+        if let Err(e) = appended {
+            println!("(cannot note it in {}: {e})", std::path::Path::new(&path).display());
+        }
+    }
 }
 
 impl TestEtcd {

@@ -23,7 +23,7 @@ fn an_unreachable_endpoint_is_a_clear_error_and_no_hang() {
 fn keys_transactions_and_leases_against_a_real_etcd() {
     let etcd = match TestEtcd::get() {
         Ok(e) => e,
-        Err(why) => return println!("SKIPPED: no etcd: {why}"),
+        Err(why) => return crate::testing::skip("keys_transactions_and_leases_against_a_real_etcd", &format!("no etcd: {why}")),
     };
     let mut c = Client::connect(&["127.0.0.1:1".into(), etcd.endpoint.clone()], Duration::from_secs(2)).unwrap();
     let p = format!("/eps-etcd-test/{}/", std::process::id()).into_bytes();

@@ -196,7 +196,7 @@ mod tests {
     fn a_deposed_leaders_writes_are_fenced_and_its_successor_replays_the_log() {
         let etcd = match eps_etcd::testing::TestEtcd::get() {
             Ok(e) => e,
-            Err(why) => return println!("SKIPPED: no etcd: {why}"),
+            Err(why) => return eps_etcd::testing::skip("a_deposed_leaders_writes_are_fenced", &format!("no etcd: {why}")),
         };
         let target: EtcdTarget = format!("etcd://{}/eps-store-test-{}", etcd.endpoint, std::process::id()).parse().unwrap();
         let mut c = target.connect().unwrap();
