@@ -474,6 +474,10 @@ enum eps_status eps_cluster_close(struct eps_cluster *c);
  * are the wanted counts, negative to leave one as it is. Joining workers
  * take new ranks (up to `job.max_workers`) and start at the next iteration
  * boundary nobody has begun: create and join them after this call.
+ * Counts past the bounds of every job (1024 servers, 64 worker ranks) are
+ * refused (`EPS_ERR_INVALID_ARGUMENT`) before anything is asked. Blocks
+ * while the worker change waits for a scale event under way (up to 120 s;
+ * then `EPS_ERR_CONTROL`).
  *
  * # Safety
  * `control` is NULL or a NUL-terminated string; `secret` is NULL (the

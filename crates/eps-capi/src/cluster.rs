@@ -175,11 +175,19 @@ pub extern "C" fn eps_cluster_close(c: *mut eps_cluster) -> eps_status {
     })
 }
 
+/// How long `eps_scale` asks again while the worker change waits for another
+/// (as `eps scale` does).
+const SCALE_WAIT: Duration = Duration::from_secs(120);
+
 /// Asks the control plane at `control` (NULL: `EPS_CONTROL`) to grow or
 /// shrink a running BSP job, as `eps scale` does: `servers` and `workers`
 /// are the wanted counts, negative to leave one as it is. Joining workers
 /// take new ranks (up to `job.max_workers`) and start at the next iteration
 /// boundary nobody has begun: create and join them after this call.
+/// Counts past the bounds of every job (1024 servers, 64 worker ranks) are
+/// refused (`EPS_ERR_INVALID_ARGUMENT`) before anything is asked. Blocks
+/// while the worker change waits for a scale event under way (up to 120 s;
+/// then `EPS_ERR_CONTROL`).
 ///
 /// # Safety
 /// `control` is NULL or a NUL-terminated string; `secret` is NULL (the
@@ -198,15 +206,25 @@ pub unsafe extern "C" fn eps_scale(control: *const c_char, secret: *const c_char
         if servers == 0 || workers == 0 {
             return Err(fail(EPS_ERR_INVALID_ARGUMENT, "a job needs at least one server and one worker (negative: unchanged)"));
         }
+        // The bounds every job has, checked before anything is asked: a
+        // refusal of one count must not leave the other half done.
+        let (max_s, max_w) = (eps_proto::spec::MAX_SERVERS, eps_proto::spec::MAX_ELASTIC_WORKERS);
+        if u32::try_from(servers).is_ok_and(|s| s > max_s) {
+            return Err(fail(EPS_ERR_INVALID_ARGUMENT, format!("servers {servers}: a job has at most {max_s}")));
+        }
+        if u32::try_from(workers).is_ok_and(|w| w > max_w) {
+            return Err(fail(EPS_ERR_INVALID_ARGUMENT, format!("workers {workers}: a job admits at most {max_w} worker ranks")));
+        }
         let mut ctl =
             ControlClient::connect(addr, &secret, Duration::from_secs(10)).map_err(|e| fail(from_control(&e), chain(&e)))?;
-        let call =
-            |ctl: &mut ControlClient, m: &ControlMsg| ctl.call(m).map(|_| ()).map_err(|e| fail(from_control(&e), chain(&e)));
-        if servers > 0 {
-            call(&mut ctl, &ControlMsg::Scale { servers: servers as u32 })?;
+        let failed = |e: eps_control::ControlError| fail(from_control(&e), chain(&e));
+        if let Ok(servers) = u32::try_from(servers) {
+            ctl.call(&ControlMsg::Scale { servers }).map_err(failed)?;
         }
-        if workers > 0 {
-            call(&mut ctl, &ControlMsg::ScaleWorkers { workers: workers as u32 })?;
+        if let Ok(workers) = u32::try_from(workers) {
+            // After a server change, the worker change waits for its moves.
+            let deadline = Instant::now() + SCALE_WAIT;
+            ctl.call_when_possible(&ControlMsg::ScaleWorkers { workers }, deadline).map_err(failed)?;
         }
         Ok(())
     })

@@ -44,7 +44,7 @@ pub use types::*;
 pub use worker::*;
 
 use status::eps_status::*;
-use status::{guard, non_null};
+use status::{fail, guard, non_null};
 
 /// Major version: a change means an incompatible ABI.
 pub const EPS_VERSION_MAJOR: u32 = 0;
@@ -108,9 +108,14 @@ pub extern "C" fn eps_last_error() -> *const c_char {
 pub unsafe extern "C" fn eps_initial_params(seed: u64, first: u64, out: *mut f32, count: usize) -> eps_status {
     guard("eps_initial_params", || {
         non_null(out, "out")?;
-        for i in 0..count {
+        // The indices must not wrap, and the buffer's byte size must fit an isize.
+        let n = u64::try_from(count).ok().filter(|&n| first.checked_add(n).is_some());
+        if n.is_none() || count > isize::MAX as usize / size_of::<f32>() {
+            return Err(fail(EPS_ERR_INVALID_ARGUMENT, format!("first {first} + count {count} passes the last index (2^64 - 1)")));
+        }
+        for (i, index) in (first..).take(count).enumerate() {
             // SAFETY: `i < count` and `out` has room for `count` floats.
-            unsafe { out.add(i).write(eps_proto::init::param(seed, first + i as u64)) };
+            unsafe { out.add(i).write(eps_proto::init::param(seed, index)) };
         }
         Ok(())
     })

@@ -86,6 +86,19 @@ int main(void) {
     waited = now_s() - t0;
     CHECK(waited >= 0.19 && waited < 5.0);
 
+    /* Counts past their bounds are refused before anything is asked, and a
+     * refusal of the control plane (2 worker ranks in all) changes nothing. */
+    EXPECT(eps_scale(addr, secret, 5000, -1), EPS_ERR_INVALID_ARGUMENT);
+    CHECK(strstr(eps_last_error(), "at most 1024") != NULL);
+    EXPECT(eps_scale(addr, secret, -1, 1000), EPS_ERR_INVALID_ARGUMENT);
+    EXPECT(eps_scale(addr, secret, -1, 3), EPS_ERR_INVALID_ARGUMENT);
+    CHECK(strstr(eps_last_error(), "max_workers") != NULL);
+
+    /* Index arithmetic that would wrap. */
+    float init[8];
+    EXPECT(eps_initial_params(1, UINT64_MAX - 2, init, 8), EPS_ERR_INVALID_ARGUMENT);
+    EXPECT(eps_initial_params(1, UINT64_MAX - 8, init, 8), EPS_OK);
+
     /* The stalled worker pushes at last: the request completes. */
     EXPECT(eps_worker_begin(w1, 1, &it), EPS_OK);
     eps_request r1;
