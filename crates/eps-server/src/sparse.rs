@@ -36,6 +36,12 @@ pub(crate) struct Table<P: Fabric> {
     /// By worker rank: bytes of the push and of the pull request that landed.
     pushed: Vec<usize>,
     pulled: Vec<usize>,
+    /// By worker rank: its push and its pull request copied out of the
+    /// landing region when they landed (memory no peer can write, 8-byte
+    /// aligned): checked, then acted on, from the copy alone, so that a
+    /// worker rewriting its region after a check changes nothing.
+    push_copy: Vec<Vec<u64>>,
+    pull_copy: Vec<Vec<u64>>,
     /// Rows travelling as bf16 or f16: by worker rank its pushed rows
     /// widened, and the rows of a pull answer before they are narrowed.
     wide: Vec<Vec<f32>>,
@@ -81,7 +87,9 @@ impl<P: Fabric> Sparse<P> {
             let part = TablePart::new(t, spec.job.consistency, ranks).map_err(|e| ServerError::Sparse(e.to_string()))?;
             let n = ranks as usize;
             let (wide, gathered) = (vec![Vec::new(); n], Vec::new());
-            tables.push(Table { part, landing, reply, pushed: vec![0; n], pulled: vec![0; n], wide, gathered });
+            let (push_copy, pull_copy) = (vec![vec![0u64; push.div_ceil(8)]; n], vec![vec![0u64; pull.div_ceil(8)]; n]);
+            let (pushed, pulled) = (vec![0; n], vec![0; n]);
+            tables.push(Table { part, landing, reply, pushed, pulled, push_copy, pull_copy, wide, gathered });
         }
         Ok(Self { tables, owners, deferred, moving, rss_start: rss_bytes(None).unwrap_or(0) })
     }
@@ -170,6 +178,17 @@ fn pull_offset(t: &Declared) -> usize {
     wire::region_bytes(Op::Push, t).next_multiple_of(8)
 }
 
+/// Copies the request of `len` bytes at `at` of `landing` into `copy`; `false`
+/// (nothing copied) when it does not fit.
+fn copy_request<M: MemoryRegion>(landing: &M, at: usize, len: usize, copy: &mut [u64]) -> bool {
+    let bytes: &mut [u8] = bytemuck::cast_slice_mut(copy);
+    if len > bytes.len() || at.checked_add(len).is_none_or(|end| end > landing.len()) {
+        return false;
+    }
+    landing.read_at(at, &mut bytes[..len]);
+    true
+}
+
 impl<P: Fabric> Server<P> {
     /// A worker's sparse request for `table` landed (`len` bytes).
     pub(crate) fn on_sparse_imm(&mut self, ci: usize, h: Hello, table: u16, m: Imm, len: u32) -> Result<(), ServerError> {
@@ -186,16 +205,21 @@ impl<P: Fabric> Server<P> {
                 return Ok(());
             }
         };
+        let at = if op == Op::Push { 0 } else { pull_offset(t.part.table()) };
+        // Copied out first: everything below checks and uses the copy.
+        let t = &mut self.sparse.tables[table as usize];
+        let copy = if op == Op::Push { &mut t.push_copy[w] } else { &mut t.pull_copy[w] };
+        if !copy_request(&t.landing[w], at, len as usize, copy) {
+            self.violation(ci, &format!("a sparse request of {len} bytes, more than its region holds"));
+            return Ok(());
+        }
+        let t = &self.sparse.tables[table as usize];
         let decl = t.part.table();
-        let at = if op == Op::Push { 0 } else { pull_offset(decl) };
-        // SAFETY: the worker WRITEs this region only while it holds its credit
-        // (push) or has no pull of this table outstanding (pull); the request
-        // just landed, so neither holds until this server answers it.
-        let bytes = unsafe { t.landing[w].as_slice() };
+        let bytes: &[u8] = bytemuck::cast_slice(if op == Op::Push { &t.push_copy[w] } else { &t.pull_copy[w] });
         let gate = self.sparse.moving.gate();
         let hold = self.hold;
         let (mode, giving) = (self.mode, self.sparse.moving.giving(table as usize));
-        let checked = wire::parse(&bytes[at..], len as usize, op, decl).map_err(|e| e.to_string()).and_then(|q| {
+        let checked = wire::parse(bytes, len as usize, op, decl).map_err(|e| e.to_string()).and_then(|q| {
             if q.header.seq as u16 != m.seq {
                 return Err(format!("a request for {} under the immediate's {}", q.header.seq, m.seq));
             }
@@ -269,13 +293,12 @@ impl<P: Fabric> Server<P> {
     /// that waited for the new version. SSP/ASP: the one worker in
     /// `contributors` pushed; its rows are applied on their own.
     fn sparse_update(&mut self, table: u16, contributors: &[u32]) -> Result<(), ServerError> {
-        let Table { part, landing, pushed, wide, .. } = &mut self.sparse.tables[table as usize];
+        let Table { part, push_copy, pushed, wide, .. } = &mut self.sparse.tables[table as usize];
         let dtype = part.table().dtype;
         let mut requests = Vec::with_capacity(contributors.len());
         for &w in contributors {
-            // SAFETY: a worker writes its push region again only after the
-            // credit sent below; its push of this iteration has landed.
-            let bytes = unsafe { landing[w as usize].as_slice() };
+            // The copy made and checked when the push landed.
+            let bytes: &[u8] = bytemuck::cast_slice(&push_copy[w as usize]);
             let q = wire::parse(bytes, pushed[w as usize], Op::Push, part.table())
                 .map_err(|e| ServerError::Sparse(format!("a push checked on arrival: {e}")))?;
             requests.push(q);
@@ -320,12 +343,11 @@ impl<P: Fabric> Server<P> {
     /// Answers worker `w`'s pull of `table` with version `v`: its rows
     /// gathered into its reply region, WRITTEN where the request said.
     fn sparse_answer(&mut self, table: u16, w: u32, v: u64) -> Result<(), ServerError> {
-        let Table { part, landing, reply, pulled, gathered, .. } = &mut self.sparse.tables[table as usize];
-        let (at, dim, dtype) = (pull_offset(part.table()), part.table().spec.dim, part.table().dtype);
-        // SAFETY: the worker sends no other pull of this table before this
-        // one is answered, so nothing lands in its pull region meanwhile.
-        let bytes = unsafe { landing[w as usize].as_slice() };
-        let q = wire::parse(&bytes[at..], pulled[w as usize], Op::Pull, part.table())
+        let Table { part, pull_copy, reply, pulled, gathered, .. } = &mut self.sparse.tables[table as usize];
+        let (dim, dtype) = (part.table().spec.dim, part.table().dtype);
+        // The copy made and checked when the pull landed.
+        let bytes: &[u8] = bytemuck::cast_slice(&pull_copy[w as usize]);
+        let q = wire::parse(bytes, pulled[w as usize], Op::Pull, part.table())
             .map_err(|e| ServerError::Sparse(format!("a pull checked on arrival: {e}")))?;
         let n = q.keys.len() * dim;
         let remote = RemoteAddr { addr: q.header.reply_addr, rkey: q.header.reply_rkey };
