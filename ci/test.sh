@@ -57,6 +57,11 @@ cargo clippy --workspace --all-targets --locked --features rdma,cuda -- -D warni
 step "doc tests"
 cargo test --workspace --doc --locked
 
+# The C ABI under libFuzzer: generated calls of every exported function
+# against a job in the process (crates/eps-capi/tests/c/hostile.h).
+step "fuzzing the C ABI (60 s)"
+bash ci/fuzz-capi.sh 60 2>&1 | grep -v '^eps \|the control plane at .* dropped the connection\|reconnect' | tail -n 40
+
 # The rdma provider on soft-RoCE, for real: here in a QEMU VM (this kernel has no
 # RDMA support), directly on a kernel that has rdma_rxe.
 step "rdma checks on soft-RoCE"

@@ -46,7 +46,10 @@ impl Link {
             && ip(&["-n", &ns, "link", "set", &inner, "up"])
             && ip(&["-n", &ns, "link", "set", "lo", "up"]);
         if !ok {
-            eps_etcd::testing::skip("tests/netfaults.rs", "cannot create a network namespace and a veth pair here (needs root and iproute2)");
+            eps_etcd::testing::skip(
+                "tests/netfaults.rs",
+                "cannot create a network namespace and a veth pair here (needs root and iproute2)",
+            );
         }
         ok.then_some(link)
     }

@@ -515,3 +515,50 @@ fn ssp_and_asp_bucket_moves_apply_every_push_exactly_once() {
         }
     }
 }
+
+/// A round whose parameters all came in ends when the next iteration's
+/// first push opens a round, even if its pull was never asked for: the
+/// tables not pushed in it are pushed (empty) then, as a pull would have, so
+/// that no table misses an iteration. (They once did: the table's next
+/// push then waited on its server for ever, and a worker's request test, a
+/// call that must not wait, waited for its credit until the timeout.)
+#[test]
+fn rounds_ended_without_a_pull_still_push_every_table() {
+    let text = spec(1, 1);
+    let (_, control) = start_control(&text);
+    let _servers = start_servers(1, control);
+    let mut cfg = worker_config(control);
+    cfg.timeout = std::time::Duration::from_secs(5);
+    let mut w = Worker::join(&cfg).unwrap();
+    let (ids, cats) = (w.table("ids").unwrap(), w.table("cats").unwrap());
+    let all: Vec<usize> = (0..w.tensor_count()).collect();
+    for t in 0..3u64 {
+        assert_eq!(w.iteration(), t);
+        // Only `cats` is pushed; the pull is never asked for.
+        w.sparse_push(cats, &[1, 2], &[0.5; 6]).unwrap();
+        w.push_tensors(&all).unwrap();
+        // The next iteration's first push (of nothing) ends this round once
+        // its answers are in.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while w.iteration() == t {
+            assert!(std::time::Instant::now() < deadline, "iteration {t}'s answers did not come");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+            // (Testing the pushes takes in what arrived, answers included.)
+            w.pushes_sent(&all).unwrap();
+            w.push_tensors(&[]).unwrap();
+        }
+    }
+    // Every table still moves on: a pull of `ids` and a full round work.
+    let mut rows = vec![0f32; 8];
+    w.sparse_pull(ids, &[3], &mut rows).unwrap();
+    w.sparse_flush(cats).unwrap();
+    w.push_pull().unwrap();
+    w.sparse_flush(ids).unwrap();
+    let steps = w.spec().job.steps;
+    let n = w.layout().total as usize;
+    let (mut p, mut g) = (vec![0f32; n], vec![0f32; n]);
+    while w.iteration() < steps {
+        step(&mut w, &mut p, &mut g);
+    }
+    w.finish().unwrap();
+}

@@ -156,7 +156,7 @@ pub fn report_progress<P: eps_fabric::Fabric>(
     let st = w.stats();
     Report::Progress(report::Progress {
         step: step + 1,
-        samples: w.membership().samples_before(step + 1, batch),
+        samples: w.membership().samples_before(step + 1, batch).unwrap_or(u64::MAX),
         loss: loss_sum / seen.max(1) as f64,
         acc: correct as f64 / seen.max(1) as f64,
         elapsed_s: start.elapsed().as_secs_f64(),
@@ -198,7 +198,8 @@ pub fn run<P: eps_fabric::Fabric>(mut w: Worker<P>, pace: Pace) -> Result<(), Tr
     let mut lat = Latency::new(pace.latency_every_ms);
     let job_done = |w: &Worker<P>| {
         let it = w.iteration();
-        it >= spec.job.steps || pace.until_samples.is_some_and(|n| w.membership().samples_before(it, batch) >= n)
+        it >= spec.job.steps
+            || pace.until_samples.is_some_and(|n| w.membership().samples_before(it, batch).is_none_or(|s| s >= n))
     };
     while !job_done(&w) {
         // Membership changes take effect here: a worker scaled away leaves at this

@@ -111,7 +111,10 @@ pub unsafe extern "C" fn eps_initial_params(seed: u64, first: u64, out: *mut f32
         // The indices must not wrap, and the buffer's byte size must fit an isize.
         let n = u64::try_from(count).ok().filter(|&n| first.checked_add(n).is_some());
         if n.is_none() || count > isize::MAX as usize / size_of::<f32>() {
-            return Err(fail(EPS_ERR_INVALID_ARGUMENT, format!("first {first} + count {count} passes the last index (2^64 - 1)")));
+            return Err(fail(
+                EPS_ERR_INVALID_ARGUMENT,
+                format!("first {first} + count {count} passes the last index (2^64 - 1)"),
+            ));
         }
         for (i, index) in (first..).take(count).enumerate() {
             // SAFETY: `i < count` and `out` has room for `count` floats.

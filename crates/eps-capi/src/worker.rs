@@ -551,7 +551,16 @@ pub unsafe extern "C" fn eps_worker_begin(w: *mut eps_worker, batch: u64, out: *
             let m = j.w.membership();
             let set = m.contributors(t);
             let index = set.iter().position(|&r| r == j.w.rank());
-            let samples = j.w.samples(batch).unwrap_or(0..0);
+            let samples = match j.w.samples(batch) {
+                Some(s) => s,
+                None if contributes => {
+                    return Err(fail(
+                        EPS_ERR_INVALID_ARGUMENT,
+                        format!("batch {batch}: iteration {t}'s samples would pass index 2^64 - 1"),
+                    ));
+                }
+                None => 0..0,
+            };
             Ok(eps_iteration {
                 iteration: t,
                 contributes: c_int::from(contributes),
@@ -705,7 +714,11 @@ pub unsafe extern "C" fn eps_request_wait(req: *const eps_request, timeout_ms: u
             if started.elapsed() > limit {
                 return Err(fail(
                     EPS_ERR_TIMEOUT,
-                    format!("request {} not complete after {} ms (a server or another worker is stalled?)", r.id, limit.as_millis()),
+                    format!(
+                        "request {} not complete after {} ms (a server or another worker is stalled?)",
+                        r.id,
+                        limit.as_millis()
+                    ),
                 ));
             }
             // Spin while answers may be close, then yield the core.

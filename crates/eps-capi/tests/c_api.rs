@@ -73,7 +73,8 @@ pub fn build_c(src: &Path, name: &str) -> (PathBuf, bool) {
         .arg("-L")
         .arg(&lib)
         .arg("-leps")
-        .arg("-lm");
+        .arg("-lm")
+        .arg("-lpthread");
     cc.arg(format!("-Wl,-rpath,{}", lib.display()));
     let st = cc.status().expect("run cc (a C compiler is needed for the C ABI tests: apt-get install gcc)");
     assert!(st.success(), "compiling {} failed", src.display());
@@ -114,6 +115,25 @@ fn sums_are_checked_and_every_wait_ends() {
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     println!("{text}");
     assert!(out.status.success() && text.contains("every check passed"), "bounded failed:\n{text}");
+}
+
+/// Every exported call, made by a hostile caller with generated arguments
+/// (`tests/c/hostile.h`), answers with a status and a message, never
+/// crashes or hangs, while a well-behaved worker beside it stays exact.
+#[test]
+fn a_hostile_caller_gets_a_status_for_every_call_and_a_good_worker_stays_exact() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/hostile.c");
+    let (exe, _) = build_c(&src, "hostile");
+    let out = Command::new(&exe)
+        .env("ASAN_OPTIONS", "detect_leaks=0")
+        .env_remove("EPS_CONTROL")
+        .env_remove("EPS_JOB_SECRET")
+        .env_remove("EPS_JOB_SECRET_FILE")
+        .output()
+        .expect("run hostile");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    println!("{text}");
+    assert!(out.status.success() && text.contains("every check passed"), "hostile failed:\n{text}");
 }
 
 #[test]

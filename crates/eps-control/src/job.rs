@@ -284,7 +284,8 @@ impl Job {
     /// one; any other must equal the job's tensors.
     fn declare(&mut self, decl: &[TensorDecl]) -> Result<ControlMsg, Refusal> {
         if self.awaiting {
-            let text = eps_proto::declare::fix(&self.spec_text, decl).map_err(|e| Refusal::invalid(format!("the declaration is refused: {e}")))?;
+            let text = eps_proto::declare::fix(&self.spec_text, decl)
+                .map_err(|e| Refusal::invalid(format!("the declaration is refused: {e}")))?;
             let spec = JobSpec::from_toml(&text).map_err(|e| Refusal::invalid(e.to_string()))?;
             let layout = spec.layout().map_err(|e| Refusal::invalid(e.to_string()))?;
             self.set_layout(&layout);
@@ -607,7 +608,10 @@ impl Job {
                 let Some(i) =
                     self.migration(endpoint.shard, Phase::Preparing).filter(|&i| self.migrations[i].to == endpoint.owner)
                 else {
-                    return Err(Refusal::stale(format!("no migration of shard {} to server {} is preparing", endpoint.shard, endpoint.owner)));
+                    return Err(Refusal::stale(format!(
+                        "no migration of shard {} to server {} is preparing",
+                        endpoint.shard, endpoint.owner
+                    )));
                 };
                 let mg = &mut self.migrations[i];
                 mg.target = Some((endpoint.clone(), *keys));
@@ -664,7 +668,9 @@ impl Job {
                 let sid = *shard as usize;
                 let keeps = self.backups.get(sid).and_then(Option::as_ref).is_some_and(|(r, _, _)| r == rank);
                 if sid >= self.unsynced.len() {
-                    return Err(Refusal::invalid(format!("server {rank} reported a snapshot of shard {shard}, which does not exist")));
+                    return Err(Refusal::invalid(format!(
+                        "server {rank} reported a snapshot of shard {shard}, which does not exist"
+                    )));
                 }
                 // (A backup dropped while its snapshot landed reports it late.)
                 if keeps {

@@ -225,7 +225,8 @@ mod tests {
     #[test]
     fn elements_that_add_up_past_the_limit_are_refused_not_wrapped() {
         // 2^63 + 2^63 wraps to 0 in u64, and 2^64 - 8 + 16 to 8.
-        let wrap = |a: u64, b: u64| vec![TensorSpec { name: "a".into(), elements: a }, TensorSpec { name: "b".into(), elements: b }];
+        let wrap =
+            |a: u64, b: u64| vec![TensorSpec { name: "a".into(), elements: a }, TensorSpec { name: "b".into(), elements: b }];
         for (a, b) in [(1 << 63, 1 << 63), (u64::MAX - 7, 16), (MAX_ELEMENTS, 1), (MAX_ELEMENTS + 1, 0)] {
             let e = Layout::new(&wrap(a, b), DType::F32, 1 << 30, 1).unwrap_err();
             assert_eq!(e, LayoutError::TooLarge, "{a} + {b}");

@@ -101,17 +101,20 @@ impl Membership {
         &self.epochs[i.saturating_sub(1)].1
     }
 
-    /// Samples dealt out before `iteration` (each contributor takes `batch`).
-    pub fn samples_before(&self, iteration: u64, batch: u64) -> u64 {
-        let mut total = 0;
+    /// Samples dealt out before `iteration` (each contributor takes `batch`);
+    /// `None` when that passes 2^64 - 1 (a batch and an iteration from outside
+    /// must not wrap the sample index).
+    pub fn samples_before(&self, iteration: u64, batch: u64) -> Option<u64> {
+        let mut total = 0u64;
         for (k, (from, set)) in self.epochs.iter().enumerate() {
             if *from >= iteration {
                 break;
             }
             let until = self.epochs.get(k + 1).map_or(iteration, |(next, _)| (*next).min(iteration));
-            total += (until - from) * set.len() as u64 * batch;
+            let dealt = (until - from).checked_mul(set.len() as u64)?.checked_mul(batch)?;
+            total = total.checked_add(dealt)?;
         }
-        total
+        Some(total)
     }
 
     /// The schedule as `FIRST:R,R,...;FIRST:R,...` (no spaces, so it fits a
@@ -152,11 +155,11 @@ impl Membership {
     }
 
     /// The samples `worker` trains on in `iteration`, or `None` if it does not
-    /// contribute to it.
+    /// contribute to it, or if the last sample's index would pass 2^64 - 1.
     pub fn samples(&self, iteration: u64, worker: u32, batch: u64) -> Option<Range<u64>> {
         let pos = self.contributors(iteration).iter().position(|&w| w == worker)? as u64;
-        let first = self.samples_before(iteration, batch) + pos * batch;
-        Some(first..first + batch)
+        let first = self.samples_before(iteration, batch)?.checked_add(pos.checked_mul(batch)?)?;
+        Some(first..first.checked_add(batch)?)
     }
 }
 
@@ -178,6 +181,10 @@ mod tests {
         assert_eq!(m.samples(0, 1, 10), Some(10..20));
         assert_eq!(m.samples(5, 2, 10), Some(5 * 2 * 10 + 20..5 * 2 * 10 + 30));
         assert_eq!(m.samples(9, 0, 10), None);
+        // Past 2^64 samples: no range, never a wrapped one.
+        assert_eq!(m.samples(9, 2, u64::MAX / 4), None);
+        assert_eq!(m.samples_before(1 << 40, 1 << 30), None);
+        assert_eq!(m.samples(0, 1, u64::MAX), None);
     }
 
     #[test]
@@ -233,7 +240,7 @@ mod tests {
                 }
             }
             seen.sort_unstable();
-            let expected: Vec<u64> = (0..m.samples_before(iterations, batch)).collect();
+            let expected: Vec<u64> = (0..m.samples_before(iterations, batch).unwrap()).collect();
             assert_eq!(seen, expected, "seed {seed}");
         }
     }

@@ -136,7 +136,10 @@ impl<P: Fabric> Worker<P> {
         if !self.check_pushed(ids)? {
             return Ok(true);
         }
-        self.sparse_fill()?;
+        // (Not yet, rather than a wait for a sparse table's credit.)
+        if !self.sparse_fill_ready()? {
+            return Ok(false);
+        }
         if self.mode == Consistency::Asp {
             self.asp_pull()?;
             return Ok(true);
@@ -216,6 +219,12 @@ impl<P: Fabric> Worker<P> {
 
     /// Opens the iteration's round unless one is open (closing a finished one).
     fn open_round(&mut self) -> Result<(), WorkerError> {
+        // A round whose answers all came in ends here if its pull was never
+        // asked for: its sparse tables are pushed (empty) first, as a pull
+        // would have, so that no table misses an iteration.
+        if self.round_complete() {
+            self.sparse_fill()?;
+        }
         self.close_if_done();
         if self.open.is_some() {
             return Ok(());
@@ -248,13 +257,20 @@ impl<P: Fabric> Worker<P> {
         Ok(())
     }
 
-    /// Ends the round once every shard's parameters are in.
-    fn close_if_done(&mut self) {
-        let done = self.open.as_ref().is_some_and(|o| o.pushed.iter().all(|&p| p))
+    /// Whether a round is open with every tensor pushed and every shard's
+    /// parameters in.
+    fn round_complete(&self) -> bool {
+        self.open.as_ref().is_some_and(|o| o.pushed.iter().all(|&p| p))
             && self.round_done()
             && self.moved.is_empty()
-            && self.pulls_moved.is_empty();
-        if done && let Some(o) = self.open.take() {
+            && self.pulls_moved.is_empty()
+    }
+
+    /// Ends the round once every shard's parameters are in.
+    fn close_if_done(&mut self) {
+        if self.round_complete()
+            && let Some(o) = self.open.take()
+        {
             self.iteration += 1;
             self.stats.comm += o.started.elapsed();
             self.metrics.round(o.started.elapsed(), self.iteration, self.map.epoch);

@@ -439,6 +439,23 @@ impl<P: Fabric> Worker<P> {
         self.sparse.follow(&self.map)
     }
 
+    /// As [`Worker::sparse_fill`] without waiting: `false` (nothing sent)
+    /// while a table to push still waits for the credit of its last push.
+    pub(crate) fn sparse_fill_ready(&mut self) -> Result<bool, WorkerError> {
+        let v = self.iteration;
+        let due = |t: &Table<P>| t.pushed_at != Some(v);
+        if !self.sparse.tables.iter().any(due) {
+            return Ok(true);
+        }
+        self.reap()?;
+        let waiting = |t: &Table<P>| due(t) && !(t.sending == 0 && t.credit.iter().all(|&c| c));
+        if self.sparse.tables.iter().any(waiting) {
+            return Ok(false);
+        }
+        self.sparse_fill()?;
+        Ok(true)
+    }
+
     /// Pushes every table not pushed in the current iteration, empty.
     pub(crate) fn sparse_fill(&mut self) -> Result<(), WorkerError> {
         let v = self.iteration;

@@ -30,7 +30,10 @@ impl Job {
     pub(super) fn backup_ready(&mut self, e: &ShardEndpoint, keys: &MigrationKeys) -> Result<ControlMsg, Refusal> {
         let sid = e.shard as usize;
         if self.replicas < 2 || sid >= self.backups.len() || self.servers.get(e.owner as usize).is_none() {
-            return Err(Refusal::stale(format!("server {} reported a backup of shard {} the job does not keep", e.owner, e.shard)));
+            return Err(Refusal::stale(format!(
+                "server {} reported a backup of shard {} the job does not keep",
+                e.owner, e.shard
+            )));
         }
         if self.moving(e.shard) {
             // A new backup ordered before the shard began to move: its drop was

@@ -76,13 +76,18 @@ impl Job {
             self.balancing = Some(if within {
                 Balancing { splits: splits.into(), moves }
             } else {
-                Balancing { splits: VecDeque::new(), moves: self.map.clone().plan_add_whole(rank).map_err(|e| Refusal::stale(e.to_string()))? }
+                Balancing {
+                    splits: VecDeque::new(),
+                    moves: self.map.clone().plan_add_whole(rank).map_err(|e| Refusal::stale(e.to_string()))?,
+                }
             });
         }
         let Some(b) = self.balancing.as_mut() else { return Ok(()) };
         if let Some(sp) = b.splits.pop_front() {
             let owner = self.map.index_of(sp.shard).map(|i| self.map.shards[i].owner);
-            let Some(owner) = owner else { return Err(Refusal::stale(format!("the plan splits shard {}, which is not in the map", sp.shard))) };
+            let Some(owner) = owner else {
+                return Err(Refusal::stale(format!("the plan splits shard {}, which is not in the map", sp.shard)));
+            };
             self.map.next_id = self.map.next_id.max(sp.hi + 1);
             self.splitting = Some(Ordered { shard: sp.shard, owner, mid: sp.mid, lo: sp.lo, hi: sp.hi });
             self.order(owner, Order::Split { shard: sp.shard, mid: sp.mid, lo: sp.lo, hi: sp.hi });
@@ -113,7 +118,8 @@ impl Job {
         if lo.owner != o.owner || hi.owner != o.owner {
             return Err(Refusal::invalid(format!("the parts of shard {shard} must stay on server {}", o.owner)));
         }
-        let parent = self.spans.get(shard as usize).copied().ok_or_else(|| Refusal::stale(format!("shard {shard} has no span")))?;
+        let parent =
+            self.spans.get(shard as usize).copied().ok_or_else(|| Refusal::stale(format!("shard {shard} has no span")))?;
         if at < parent.from || parent.until != u64::MAX {
             return Err(Refusal::invalid(format!("shard {shard} cannot split at iteration {at}")));
         }

@@ -181,7 +181,8 @@ impl Job {
         if n == 0 {
             return Err(Refusal::invalid("a job needs at least one worker"));
         }
-        self.can_change_workers()?;
+        // What needs no change, and what no change could allow, are answered
+        // before whether a change may start now.
         let now = self.w.members.latest().to_vec();
         let want: Vec<u32> = if n as usize > now.len() {
             let more = n - now.len() as u32;
@@ -201,6 +202,7 @@ impl Job {
         if want == now {
             return Ok(ControlMsg::Ok);
         }
+        self.can_change_workers()?;
         self.propose(want, Vec::new(), None);
         Ok(ControlMsg::Ok)
     }
@@ -237,7 +239,10 @@ impl Job {
         if self.w.proposal.is_some() || joining || servers_busy {
             return Err(Refusal::new(
                 ErrorCode::ChangeInProgress,
-                format!("{} (workers joining, a vote, or migrations); try again when `eps status` shows none", crate::CHANGE_IN_PROGRESS),
+                format!(
+                    "{} (workers joining, a vote, or migrations); try again when `eps status` shows none",
+                    crate::CHANGE_IN_PROGRESS
+                ),
             ));
         }
         Ok(())

@@ -278,7 +278,8 @@ impl State {
         }
         let rec = ControlMsg::Checkpoint { version, dir: dir.clone() };
         self.job.apply(&rec)?;
-        self.persist(&rec).map_err(|e| Refusal::new(ErrorCode::Checkpoint, format!("cannot persist the checkpoint order: {e}")))?;
+        self.persist(&rec)
+            .map_err(|e| Refusal::new(ErrorCode::Checkpoint, format!("cannot persist the checkpoint order: {e}")))?;
         Ok(Wait::Checkpoint { dir, version, attempt, steps, deadline: Instant::now() + CHECKPOINT_WAIT, last })
     }
 }
