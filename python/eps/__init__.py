@@ -19,6 +19,8 @@ step. ``eps.torch`` builds PyTorch data-parallel training on it.
 """
 
 import ctypes
+import operator
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,7 +41,7 @@ from ._lib import (
     lib as _c,
 )
 
-__all__ = ["Cluster", "EpsError", "Iteration", "Request", "Worker", "initial_params", "scale", "version"]
+__all__ = ["Cluster", "EpsArgumentError", "EpsError", "Iteration", "Request", "Worker", "initial_params", "scale", "version"]
 
 
 class EpsError(RuntimeError):
@@ -51,13 +53,56 @@ class EpsError(RuntimeError):
         super().__init__(f"{self.status}: {message}")
 
 
+_INVALID = STATUS_NAMES.index("EPS_ERR_INVALID_ARGUMENT")
+_NOT_FOUND = STATUS_NAMES.index("EPS_ERR_NOT_FOUND")
+_INVALID_HANDLE = STATUS_NAMES.index("EPS_ERR_INVALID_HANDLE")
+
+
 def _check(status):
     if status != EPS_OK:
         raise EpsError(status, _c.eps_last_error().decode(errors="replace"))
 
 
-def _enc(s):
-    return None if s is None else str(s).encode()
+class EpsArgumentError(EpsError, ValueError):
+    """An argument refused before it reached libeps (``EPS_ERR_INVALID_ARGUMENT``):
+    an :class:`EpsError`, and a ``ValueError`` as Python code expects."""
+
+
+def _bad(what, why):
+    return EpsArgumentError(_INVALID, f"{what}: {why}")
+
+
+def _enc(s, what="a string argument"):
+    if s is None:
+        return None
+    b = str(s).encode()
+    if b"\0" in b:
+        # C would see the text up to the NUL only: another value than given.
+        raise _bad(what, "contains a NUL character")
+    return b
+
+
+def _uint(what, value, bits):
+    """``value`` as an unsigned integer of ``bits`` bits, or :class:`EpsError`
+    (ctypes would wrap a negative or too large one silently)."""
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise _bad(what, f"{value!r} is not an integer") from None
+    if not 0 <= v < 1 << bits:
+        raise _bad(what, f"{v} is not between 0 and 2^{bits} - 1")
+    return v
+
+
+def _cint(what, value):
+    """``value`` as a C int (32 bits, signed), or :class:`EpsError`."""
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise _bad(what, f"{value!r} is not an integer") from None
+    if not -(1 << 31) <= v < 1 << 31:
+        raise _bad(what, f"{v} does not fit a C int")
+    return v
 
 
 def version():
@@ -108,14 +153,17 @@ class Request:
     def wait(self, timeout_ms=0):
         """Waits until complete (``timeout_ms`` 0: the worker's timeout)."""
         if not self.done:
-            _check(_c.eps_request_wait(ctypes.byref(self._raw), timeout_ms))
+            _check(_c.eps_request_wait(ctypes.byref(self._raw), _uint("timeout_ms", timeout_ms, 32)))
             self.done = True
 
 
 def _ids(ids):
     if ids is None:
         return None, 0
-    ids = [int(i) for i in ids]
+    try:
+        ids = [_uint("tensor id", i, 32) for i in ids]
+    except TypeError:
+        raise _bad("ids", f"{ids!r} is not a list of tensor ids") from None
     return (ctypes.c_uint32 * len(ids))(*ids), len(ids)
 
 
@@ -134,14 +182,17 @@ class Worker:
         opts = _WorkerOptions()
         _check(_c.eps_worker_options_init(ctypes.byref(opts)))
         # Kept alive for the call.
-        self._strings = (_enc(secret), _enc(transport), _enc(rdma_device))
+        self._strings = (_enc(secret, "secret"), _enc(transport, "transport"), _enc(rdma_device, "rdma_device"))
         opts.secret, opts.transport, opts.rdma_device = self._strings
-        opts.timeout_ms = timeout_ms
+        opts.timeout_ms = _uint("timeout_ms", timeout_ms, 32)
         h = ctypes.c_void_p()
-        _check(_c.eps_worker_create(_enc(control), ctypes.byref(opts), ctypes.byref(h)))
+        _check(_c.eps_worker_create(_enc(control, "control"), ctypes.byref(opts), ctypes.byref(h)))
         self._h = h
         self._info = None
         self._tensors = []
+        # Weak references to the ctypes arrays over the worker's registered
+        # memory (every view holds one): the memory outlives them all.
+        self._views = []
 
     # -- joining ---------------------------------------------------------
 
@@ -152,13 +203,20 @@ class Worker:
         if tensors is None:
             _check(_c.eps_worker_join(self._h, None, 0))
         else:
+            try:
+                tensors = [tuple(t) for t in tensors]
+            except TypeError:
+                raise _bad("tensors", "give (name, elements, dtype) tuples") from None
             arr = (_TensorDecl * len(tensors))()
             names = []
-            for i, (name, elements, dtype) in enumerate(tensors):
-                if dtype not in DTYPES:
-                    raise ValueError(f"tensor {name!r}: dtype {dtype!r} is not one of {sorted(DTYPES)}")
-                names.append(str(name).encode())
-                arr[i] = _TensorDecl(names[-1], int(elements), DTYPES[dtype])
+            for i, t in enumerate(tensors):
+                if len(t) != 3:
+                    raise _bad(f"tensor {i}", f"{t!r} is not (name, elements, dtype)")
+                name, elements, dtype = t
+                if not isinstance(dtype, str) or dtype not in DTYPES:
+                    raise _bad(f"tensor {name!r}", f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+                names.append(_enc(name, f"tensor {i}'s name"))
+                arr[i] = _TensorDecl(names[-1], _uint(f"tensor {name!r}'s elements", elements, 64), DTYPES[dtype])
             _check(_c.eps_worker_join(self._h, arr, len(tensors)))
         info = _WorkerInfo()
         _check(_c.eps_worker_get_info(self._h, ctypes.byref(info)))
@@ -190,16 +248,24 @@ class Worker:
     def index(self, name):
         """The index of the tensor named ``name``."""
         i = ctypes.c_uint32()
-        _check(_c.eps_worker_find_tensor(self._h, _enc(name), ctypes.byref(i)))
+        _check(_c.eps_worker_find_tensor(self._h, _enc(name, "name"), ctypes.byref(i)))
         return i.value
 
     # -- zero-copy views ---------------------------------------------------
 
     def _where(self, which, index):
         """(address, elements, dtype) of a buffer, whole or of tensor ``index``."""
+        if self._h is None:
+            raise EpsError(_INVALID_HANDLE, "the worker is closed: its buffers are gone")
+        if which not in ("params", "grads"):
+            raise _bad("which", f"{which!r}: say \"params\" or \"grads\"")
         if index is None:
             return getattr(self.info, which), self.info.elements, DTYPE_NAMES[self.info.dtype]
-        t, p, g = self._tensors[index]
+        i = _uint("tensor index", index, 32)
+        if i >= len(self._tensors):
+            # (A negative or past-the-end index must not pick another tensor.)
+            raise EpsError(_NOT_FOUND, f"tensor index {i}: the job has {len(self._tensors)} tensors")
+        t, p, g = self._tensors[i]
         return (p if which == "params" else g), t.elements, t.dtype
 
     def buffer(self, which, index=None):
@@ -208,7 +274,12 @@ class Worker:
         ptr, n, dtype = self._where(which, index)
         buf = (ctypes.c_uint8 * (n * DTYPE_BYTES[DTYPES[dtype]])).from_address(ptr)
         buf._eps_owner = self  # a view over it keeps the worker (and its memory) alive
+        self._track(buf)
         return buf
+
+    def _track(self, buf):
+        self._views = [r for r in self._views if r() is not None]
+        self._views.append(weakref.ref(buf))
 
     def _view(self, which, index):
         _, n, dtype = self._where(which, index)
@@ -232,7 +303,7 @@ class Worker:
         """Begins the current iteration: None if this worker left the job at
         this boundary (then :meth:`finish`), else its :class:`Iteration`."""
         it = _Iteration()
-        _check(_c.eps_worker_begin(self._h, batch, ctypes.byref(it)))
+        _check(_c.eps_worker_begin(self._h, _uint("batch", batch, 64), ctypes.byref(it)))
         if not it.contributes:
             return None
         return Iteration(it.iteration, it.contributor_index, it.contributors, range(it.sample_begin, it.sample_end))
@@ -265,11 +336,11 @@ class Worker:
         """The index of the sparse table named ``name`` (the ``table`` the
         sparse calls take; they take the name too)."""
         t = ctypes.c_uint32()
-        _check(_c.eps_table_find(self._h, _enc(name), ctypes.byref(t)))
+        _check(_c.eps_table_find(self._h, _enc(name, "name"), ctypes.byref(t)))
         return t.value
 
     def _table(self, table):
-        return self.table(table) if isinstance(table, str) else int(table)
+        return self.table(table) if isinstance(table, str) else _uint("table", table, 32)
 
     def table_dim(self, table):
         """Values per row of sparse table ``table``."""
@@ -279,11 +350,14 @@ class Worker:
 
     @staticmethod
     def _keys(keys):
-        k = np.asarray(keys)
+        try:
+            k = np.asarray(keys)
+        except (TypeError, ValueError) as e:
+            raise _bad("keys", str(e)) from None
         if k.dtype.kind == "i" and k.size and k.min() < 0:
-            raise ValueError("sparse table keys must not be negative")
+            raise _bad("keys", "sparse table keys must not be negative")
         if k.dtype.kind not in "iu":
-            raise ValueError(f"sparse table keys must be integers, not {k.dtype}")
+            raise _bad("keys", f"sparse table keys must be integers, not {k.dtype}")
         k = np.ascontiguousarray(k.reshape(-1), dtype=np.uint64)
         return k, k.ctypes.data_as(ctypes.POINTER(ctypes.c_uint64))
 
@@ -313,6 +387,7 @@ class Worker:
             return np.empty((0, dim), dtype=np.float32), index
         buf = (ctypes.c_float * (n.value * dim)).from_address(ctypes.addressof(rows.contents))
         buf._eps_owner = self  # the view keeps the worker (and its memory) alive
+        self._track(buf)
         view = np.frombuffer(buf, dtype=np.float32).reshape(n.value, dim)
         view.flags.writeable = False
         return view, index
@@ -323,7 +398,10 @@ class Worker:
         per table and iteration, before :meth:`push_pull` returns."""
         t = self._table(table)
         k, kp = self._keys(keys)
-        g = np.ascontiguousarray(grads, dtype=np.float32)
+        try:
+            g = np.ascontiguousarray(grads, dtype=np.float32)
+        except (TypeError, ValueError) as e:
+            raise _bad("grads", str(e)) from None
         gp = g.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
         _check(_c.eps_sparse_push(self._h, t, kp, len(k), gp, g.size))
 
@@ -339,7 +417,7 @@ class Worker:
         while True:
             arr = (ctypes.c_uint32 * cap)()
             n = ctypes.c_size_t()
-            _check(_c.eps_worker_members(self._h, iteration, arr, cap, ctypes.byref(n)))
+            _check(_c.eps_worker_members(self._h, _uint("iteration", iteration, 64), arr, cap, ctypes.byref(n)))
             if n.value <= cap:
                 return list(arr[: n.value])
             cap = n.value
@@ -347,7 +425,7 @@ class Worker:
     def next_change(self, after):
         """The first iteration after ``after`` where the contributors change, or None."""
         at = ctypes.c_uint64()
-        status = _c.eps_worker_next_change(self._h, after, ctypes.byref(at))
+        status = _c.eps_worker_next_change(self._h, _uint("after", after, 64), ctypes.byref(at))
         if status == 5:  # EPS_ERR_NOT_FOUND
             return None
         _check(status)
@@ -368,10 +446,25 @@ class Worker:
         _check(_c.eps_worker_finish(self._h))
 
     def close(self):
-        """Releases the worker (idempotent here; views become invalid)."""
-        if self._h is not None:
-            _check(_c.eps_worker_close(self._h))
-            self._h = None
+        """Releases the worker (idempotent here). Views of its buffers stay
+        readable: the registered memory is released once the last is gone."""
+        if self._h is None:
+            return
+        h, self._h = self._h, None
+        alive = [b for b in (r() for r in self._views) if b is not None]
+        self._views = []
+        if not alive:
+            _check(_c.eps_worker_close(h))
+            return
+        left = [len(alive)]
+
+        def gone():
+            left[0] -= 1
+            if left[0] == 0:
+                _c.eps_worker_close(h)
+
+        for b in alive:
+            weakref.finalize(b, gone)
 
     def __enter__(self):
         return self
@@ -386,14 +479,14 @@ class Cluster:
 
     def __init__(self, spec_toml, secret, listen="127.0.0.1:0"):
         h = ctypes.c_void_p()
-        _check(_c.eps_cluster_start(_enc(spec_toml), _enc(listen), _enc(secret), ctypes.byref(h)))
+        _check(_c.eps_cluster_start(_enc(spec_toml, "spec_toml"), _enc(listen, "listen"), _enc(secret, "secret"), ctypes.byref(h)))
         self._h = h
         buf = ctypes.create_string_buffer(64)
         _check(_c.eps_cluster_get_address(h, buf, 64))
         self.address = buf.value.decode()
 
     def wait(self, timeout_ms=0):
-        _check(_c.eps_cluster_wait(self._h, timeout_ms))
+        _check(_c.eps_cluster_wait(self._h, _uint("timeout_ms", timeout_ms, 32)))
 
     def close(self):
         if self._h is not None:
@@ -403,12 +496,19 @@ class Cluster:
 
 def scale(control=None, secret=None, servers=-1, workers=-1):
     """Grows or shrinks a running BSP job, as ``eps scale`` does (-1: unchanged)."""
-    _check(_c.eps_scale(_enc(control), _enc(secret), servers, workers))
+    _check(_c.eps_scale(_enc(control, "control"), _enc(secret, "secret"), _cint("servers", servers), _cint("workers", workers)))
 
 
 def initial_params(seed, first, count):
     """The servers' initial values of elements ``first..first+count`` for a
     job with seed ``seed`` (float32 array)."""
-    out = np.empty(count, dtype=np.float32)
+    seed, first = _uint("seed", seed, 64), _uint("first", first, 64)
+    count = _uint("count", count, 64)
+    if count > 1 << 40:
+        raise _bad("count", f"{count}: a job has at most 2^40 elements")
+    try:
+        out = np.empty(count, dtype=np.float32)
+    except MemoryError:
+        raise _bad("count", f"{count} floats do not fit in memory") from None
     _check(_c.eps_initial_params(seed, first, out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), count))
     return out

@@ -109,14 +109,17 @@ pub unsafe extern "C" fn eps_initial_params(seed: u64, first: u64, out: *mut f32
     guard("eps_initial_params", || {
         non_null(out, "out")?;
         // The indices must not wrap, and the buffer's byte size must fit an isize.
-        let n = u64::try_from(count).ok().filter(|&n| first.checked_add(n).is_some());
+        // (The last index is first + count - 1.)
+        let n = u64::try_from(count).ok().filter(|&n| n == 0 || first.checked_add(n - 1).is_some());
         if n.is_none() || count > isize::MAX as usize / size_of::<f32>() {
             return Err(fail(
                 EPS_ERR_INVALID_ARGUMENT,
                 format!("first {first} + count {count} passes the last index (2^64 - 1)"),
             ));
         }
-        for (i, index) in (first..).take(count).enumerate() {
+        for i in 0..count {
+            // Cannot wrap: first + count - 1 fits, checked above.
+            let index = first + i as u64;
             // SAFETY: `i < count` and `out` has room for `count` floats.
             unsafe { out.add(i).write(eps_proto::init::param(seed, index)) };
         }

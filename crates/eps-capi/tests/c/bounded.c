@@ -97,7 +97,8 @@ int main(void) {
     /* Index arithmetic that would wrap. */
     float init[8];
     EXPECT(eps_initial_params(1, UINT64_MAX - 2, init, 8), EPS_ERR_INVALID_ARGUMENT);
-    EXPECT(eps_initial_params(1, UINT64_MAX - 8, init, 8), EPS_OK);
+    EXPECT(eps_initial_params(1, UINT64_MAX - 6, init, 8), EPS_ERR_INVALID_ARGUMENT);
+    EXPECT(eps_initial_params(1, UINT64_MAX - 7, init, 8), EPS_OK); /* the last index is 2^64 - 1 */
 
     /* The stalled worker pushes at last: the request completes. */
     EXPECT(eps_worker_begin(w1, 1, &it), EPS_OK);
