@@ -37,6 +37,18 @@
  *
  * Thread safety: every call may be made from any thread; calls on one handle
  * are serialized (a blocking call holds the handle until it returns).
+ *
+ * Blocking: getters, eps_request_test and the version and error calls never
+ * wait. A worker's waits (eps_worker_create, _join, _begin while a change of
+ * the workers is voted, _push_start for a landing slot's credit, _push_pull,
+ * the sparse calls, _leave, _finish, _close until nothing is in flight, and
+ * eps_request_wait with timeout 0) each end after at most the worker's
+ * timeout (eps_worker_options.timeout_ms, default 120000 ms) with
+ * EPS_ERR_TIMEOUT, or EPS_ERR_CONTROL / EPS_ERR_FABRIC when a peer is gone.
+ * eps_request_wait and eps_cluster_wait take their own timeout (for
+ * eps_cluster_wait, 0 waits for the job's end without a limit). eps_scale
+ * waits up to 10 s for the control plane and up to 120 s for a scale event
+ * under way. eps_cluster_start returns once the control plane listens.
  */
 
 #ifndef EPS_H
