@@ -190,12 +190,15 @@ fn a_worker_whose_servers_never_come_fails_with_a_message() {
             .unwrap()
     };
     let nothing = scale(&[]);
-    let early = scale(&["--workers", "2"]);
+    let early = scale(&["--servers", "2"]);
+    let too_many = scale(&["--workers", "2"]);
     let _ = control.kill();
     let _ = control.wait();
     // `eps scale` says what is missing, and what the control plane refuses.
     assert!(!nothing.status.success() && text(&nothing).contains("--servers N and/or --workers N"), "{}", text(&nothing));
     assert!(!early.status.success() && text(&early).contains("still starting"), "{}", text(&early));
+    // (A count no change could allow is refused first: it never will be.)
+    assert!(!too_many.status.success() && text(&too_many).contains("job.max_workers"), "{}", text(&too_many));
     assert!(!o.status.success());
     assert!(text(&o).contains("did not answer in time"), "{}", text(&o));
     assert!(st.status.success(), "{}", text(&st));

@@ -319,12 +319,17 @@ impl ControlService {
                 changed = true;
             }
             let next = conns.iter().filter_map(Conn::deadline).fold(tick, Instant::min);
-            let timeout = next.saturating_duration_since(Instant::now()).as_millis().min(TICK.as_millis()) as u16;
+            let mut timeout = next.saturating_duration_since(Instant::now()).as_millis().min(TICK.as_millis()) as u16;
+            if conns.iter().any(Conn::pending) {
+                // Requests left from a connection's last turn: no sleep.
+                timeout = 0;
+            }
             let mut fds: Vec<PollFd<'_>> = Vec::with_capacity(conns.len() + 1);
             fds.push(PollFd::new(self.listener.as_fd(), PollFlags::POLLIN));
             for c in &conns {
                 let out = if c.writing() { PollFlags::POLLOUT } else { PollFlags::empty() };
-                fds.push(PollFd::new(c.s.as_fd(), PollFlags::POLLIN | out));
+                let inp = if c.reading() { PollFlags::POLLIN } else { PollFlags::empty() };
+                fds.push(PollFd::new(c.s.as_fd(), inp | out));
             }
             match poll(&mut fds, PollTimeout::from(timeout)) {
                 Ok(_) | Err(nix::errno::Errno::EINTR) => {}
@@ -334,15 +339,19 @@ impl ControlService {
             drop(fds);
             for (c, r) in conns.iter_mut().zip(&ready[1..]) {
                 if r.intersects(PollFlags::POLLOUT) {
-                    c.flush(&mut self.st);
+                    c.writable(&mut self.st, &self.secret);
                 }
                 if r.intersects(PollFlags::POLLIN | PollFlags::POLLHUP | PollFlags::POLLERR) {
-                    c.readable(&mut self.st, &self.secret);
+                    c.readable(&mut self.st, &self.secret, r.intersects(PollFlags::POLLHUP | PollFlags::POLLERR));
                     changed = true;
                 }
             }
             if ready[0].intersects(PollFlags::POLLIN) {
                 self.accept(&mut conns)?;
+            }
+            for c in conns.iter_mut().filter(|c| c.pending()) {
+                c.advance(&mut self.st, &self.secret);
+                changed = true;
             }
             let now = Instant::now();
             for c in conns.iter_mut() {
@@ -479,6 +488,37 @@ mod tests {
         report(&mut c, 0, Role::Worker, 1);
         assert!(!lost(0), "{}", status(addr, &secret));
         std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// A peer that sends far ahead of its answers, and reads none of them, is
+    /// read and answered no further than a frame ahead (it waits, as TCP
+    /// makes it), and the others are served.
+    #[test]
+    fn a_peer_that_sends_ahead_is_held_back_not_buffered() {
+        use std::io::Write as _;
+        let spec = JobSpec::from_toml(SPEC).unwrap();
+        let secret = Secret::new("ahead").unwrap();
+        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let svc = ControlService::bind(any, &spec, SPEC, secret.clone(), Box::new(crate::store::MemStore::default())).unwrap();
+        let addr = svc.local_addr();
+        std::thread::spawn(move || svc.run());
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        crate::conn::auth_client(&mut s, &secret).unwrap();
+        // A long poll (its answer waits), then 256 MiB of status requests
+        // whose answers it never reads.
+        crate::conn::write_msg(&mut s, &ControlMsg::Poll { rank: 0, after: 0 }).unwrap();
+        s.set_write_timeout(Some(Duration::from_secs(2))).unwrap();
+        let one = ControlMsg::Status.encode();
+        let junk: Vec<u8> = one.iter().copied().cycle().take(one.len() * (200 << 10)).collect();
+        let mut sent = 0usize;
+        while sent < 256 << 20 {
+            match s.write(&junk) {
+                Ok(n) => sent += n,
+                Err(_) => break,
+            }
+        }
+        assert!(sent < 64 << 20, "the control plane took {} MiB ahead of its answers", sent >> 20);
+        assert!(status(addr, &secret).contains("servers: 0/2 registered"), "the others are served");
     }
 
     /// One thread serves every connection: 40 clients waiting in a long poll

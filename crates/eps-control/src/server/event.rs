@@ -16,6 +16,17 @@ use crate::conn::{auth_challenge, auth_proof_holds};
 
 /// How long a peer has to prove the job secret.
 const AUTH_TIME: Duration = Duration::from_secs(10);
+/// Bytes a connection may have read and not yet consumed: one frame of the
+/// largest size with its length. Past it the connection is not read (its
+/// peer waits: TCP backpressure) until its requests are answered; a peer
+/// that sends ahead cannot make the control plane's memory grow.
+const RBUF_CAP: usize = 4 + eps_proto::control::MAX_FRAME;
+/// Bytes of answers a connection may have waiting to be written: past it, its
+/// further requests are neither answered nor read until its peer reads.
+const WBUF_CAP: usize = 4 + eps_proto::control::MAX_FRAME;
+/// Requests of one connection answered in a turn of the service's loop: the
+/// rest wait for the next turn, after the other connections had theirs.
+const TURN: usize = 32;
 
 #[derive(Debug)]
 enum Auth {
@@ -72,6 +83,28 @@ impl Conn {
 
     /// When it must hear from us or go: the end of its wait, or of the time
     /// to prove the secret.
+    /// Whether there is room to read more (see [`RBUF_CAP`]).
+    /// Whether it holds a request it can answer now (one left over from its
+    /// last turn): the service's loop then does not sleep.
+    pub(super) fn pending(&self) -> bool {
+        matches!(self.auth, Auth::Done)
+            && !self.dead
+            && !self.closing
+            && self.wait.is_none()
+            && self.answering()
+            && self.rbuf.len() >= 4
+            && self.rbuf.len() >= 4 + u32::from_le_bytes(self.rbuf[..4].try_into().expect("4 bytes")) as usize
+    }
+
+    pub(super) fn reading(&self) -> bool {
+        self.rbuf.len() < RBUF_CAP && self.answering()
+    }
+
+    /// Whether its answers not yet written leave room for more.
+    fn answering(&self) -> bool {
+        self.wbuf.len() - self.woff < WBUF_CAP
+    }
+
     pub(super) fn deadline(&self) -> Option<Instant> {
         match self.auth {
             Auth::Done => self.wait.as_ref().map(Wait::deadline),
@@ -80,9 +113,13 @@ impl Conn {
     }
 
     /// Reads what arrived and answers the requests now complete.
-    pub(super) fn readable(&mut self, st: &mut State, secret: &Secret) {
+    pub(super) fn readable(&mut self, st: &mut State, secret: &Secret, hung_up: bool) {
+        if hung_up && !self.reading() {
+            // (Not read while full: its hang-up would be seen again and again.)
+            return self.close(st);
+        }
         let mut buf = [0u8; 16 << 10];
-        loop {
+        while self.reading() {
             match self.s.read(&mut buf) {
                 Ok(0) => return self.close(st),
                 Ok(n) => self.rbuf.extend_from_slice(&buf[..n]),
@@ -94,8 +131,11 @@ impl Conn {
         self.advance(st, secret);
     }
 
-    fn advance(&mut self, st: &mut State, secret: &Secret) {
-        while !self.dead && !self.closing && self.wait.is_none() {
+    pub(super) fn advance(&mut self, st: &mut State, secret: &Secret) {
+        for _ in 0..TURN {
+            if self.dead || self.closing || self.wait.is_some() || !self.answering() {
+                break;
+            }
             let done = match self.auth {
                 Auth::Done => self.next_request(st),
                 _ => self.authenticate(secret),
@@ -179,6 +219,16 @@ impl Conn {
 
     fn reply(&mut self, r: &ControlMsg) {
         self.wbuf.extend_from_slice(&r.encode());
+    }
+
+    /// The socket takes more: writes, then answers requests that waited for
+    /// room for their answers.
+    pub(super) fn writable(&mut self, st: &mut State, secret: &Secret) {
+        let held = !self.answering();
+        self.flush(st);
+        if held && self.answering() && !self.rbuf.is_empty() {
+            self.advance(st, secret);
+        }
     }
 
     /// Writes what the socket takes.
