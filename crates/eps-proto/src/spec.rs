@@ -1,9 +1,10 @@
 //! The job spec: a TOML file describing model, cluster shape, consistency and
 //! optimizer. Unknown or malformed fields are rejected with their name.
 
-use eps_agg::{DType, Decay, LrSchedule, Optimizer};
+use eps_agg::DType;
 use serde::Deserialize;
 
+mod optim;
 mod slurm;
 mod tables;
 
@@ -686,161 +687,7 @@ impl JobSpec {
         DType::parse(&self.job.dtype)
             .ok_or_else(|| bad("job.dtype", format!("unknown dtype {:?} (f32, bf16, f16)", self.job.dtype)))
     }
-
-    /// The optimizer.
-    pub fn optimizer(&self) -> Result<Optimizer, SpecError> {
-        let o = &self.optimizer;
-        if !(o.lr.is_finite() && o.lr > 0.0) {
-            return Err(bad("optimizer.lr", "must be a positive number"));
-        }
-        if !(0.0..1.0).contains(&o.momentum) {
-            return Err(bad("optimizer.momentum", "must be in [0, 1)"));
-        }
-        if !(0.0..1.0).contains(&o.beta1) || !(0.0..1.0).contains(&o.beta2) {
-            return Err(bad("optimizer.beta1", "beta1 and beta2 must be in [0, 1)"));
-        }
-        if o.eps.is_nan() || o.eps <= 0.0 {
-            return Err(bad("optimizer.eps", "must be positive"));
-        }
-        if !(o.weight_decay >= 0.0 && o.weight_decay.is_finite()) {
-            return Err(bad("optimizer.weight_decay", "must be a non-negative number"));
-        }
-        let wd = o.weight_decay;
-        Ok(match o.kind.as_str() {
-            "none" => Optimizer::Average,
-            "sgd" => Optimizer::Sgd { weight_decay: wd },
-            "momentum" => Optimizer::Momentum { momentum: o.momentum, nesterov: false, weight_decay: wd },
-            "nesterov" => Optimizer::Momentum { momentum: o.momentum, nesterov: true, weight_decay: wd },
-            "adam" | "adamw" => {
-                Optimizer::Adam { beta1: o.beta1, beta2: o.beta2, eps: o.eps, weight_decay: wd, decoupled: o.kind == "adamw" }
-            }
-            k => {
-                return Err(bad(
-                    "optimizer.kind",
-                    format!("unknown optimizer {k:?} (none, sgd, momentum, nesterov, adam, adamw)"),
-                ));
-            }
-        })
-    }
-
-    /// The learning-rate schedule.
-    pub fn schedule(&self) -> Result<LrSchedule, SpecError> {
-        let s = &self.lr_schedule;
-        let decay = match s.decay.as_str() {
-            "constant" => Decay::Constant,
-            "step" => {
-                if s.step_every == 0 {
-                    return Err(bad("lr_schedule.step_every", "must be at least 1"));
-                }
-                if !(s.gamma > 0.0 && s.gamma <= 1.0) {
-                    return Err(bad("lr_schedule.gamma", "must be in (0, 1]"));
-                }
-                Decay::Step { every: s.step_every, gamma: s.gamma }
-            }
-            "cosine" => {
-                if !(s.min_lr >= 0.0 && s.min_lr <= self.optimizer.lr) {
-                    return Err(bad("lr_schedule.min_lr", "must be between 0 and optimizer.lr"));
-                }
-                Decay::Cosine { total_steps: self.job.steps, min_lr: s.min_lr }
-            }
-            d => return Err(bad("lr_schedule.decay", format!("unknown decay {d:?} (constant, step, cosine)"))),
-        };
-        Ok(LrSchedule { base: self.optimizer.lr, warmup_steps: s.warmup_steps, decay })
-    }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_nodes_rdma_device_comes_from_its_entry_else_the_default() {
-        let s = JobSpec::from_toml(
-            "[job]\n[model]\ndeclare = true\n[fabric]\nrdma_device = \"mlx5_0\"\nrdma_devices = { gpu02 = \"mlx5_2\" }\n[slurm]\nserver_gpus = 1\n",
-        )
-        .unwrap();
-        assert_eq!(s.fabric.device_for(Some("gpu02")).as_deref(), Some("mlx5_2"));
-        assert_eq!(s.fabric.device_for(Some("gpu01")).as_deref(), Some("mlx5_0"));
-        assert_eq!(s.fabric.device_for(None).as_deref(), Some("mlx5_0"));
-        assert_eq!(s.slurm.server_gpus, 1);
-        let e = JobSpec::from_toml("[job]\n[model]\ndeclare = true\n[fabric]\nrdma_devices = { gpu02 = \"\" }\n")
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("fabric.rdma_devices"), "{e}");
-        let e = JobSpec::from_toml("[job]\n[model]\ndeclare = true\n[slurm]\nworker_cpus = 0\n").unwrap_err().to_string();
-        assert!(e.contains("slurm.worker_cpus"), "{e}");
-    }
-
-    #[test]
-    fn full_spec_parses() {
-        let s = JobSpec::from_toml(
-            r#"
-            [job]
-            workers = 4
-            servers = 2
-            steps = 50
-            consistency = "ssp"
-            staleness = 3
-            dtype = "bf16"
-            [model]
-            tensors = [{ name = "w", elements = 1000 }, { name = "b", elements = 10 }]
-            [optimizer]
-            kind = "adamw"
-            lr = 0.001
-            weight_decay = 0.01
-            [lr_schedule]
-            warmup_steps = 5
-            decay = "cosine"
-            "#,
-        )
-        .unwrap();
-        assert_eq!(s.job.workers, 4);
-        assert_eq!(s.dtype().unwrap(), DType::Bf16);
-        assert_eq!(s.optimizer().unwrap().name(), "adamw");
-        assert!(matches!(s.schedule().unwrap().decay, Decay::Cosine { total_steps: 50, .. }));
-    }
-
-    #[test]
-    fn the_fabric_section_is_optional_and_read() {
-        let s = JobSpec::from_toml("[job]\n[model]\npreset = \"synthetic\"").unwrap();
-        assert_eq!(s.fabric, FabricSection::default());
-        let s = JobSpec::from_toml(
-            "[job]\n[model]\npreset = \"synthetic\"\n[fabric]\ntransport = \"rdma\"\nrdma_device = \"rxe0\"\nrdma_port = 1\ngid_index = 3",
-        )
-        .unwrap();
-        assert_eq!(s.fabric.transport.as_deref(), Some("rdma"));
-        assert_eq!((s.fabric.rdma_device.as_deref(), s.fabric.rdma_port, s.fabric.gid_index), (Some("rxe0"), Some(1), Some(3)));
-    }
-
-    #[test]
-    fn errors_name_the_field() {
-        let cases = [
-            ("[job]\nworkerz = 2\n[model]\npreset = \"synthetic\"", "workerz"),
-            ("[job]\nworkers = 0\n[model]\npreset = \"synthetic\"", "job.workers"),
-            ("[job]\ndtype = \"f64\"\n[model]\npreset = \"synthetic\"", "job.dtype"),
-            ("[job]\n[model]\npreset = \"resnet\"", "model.preset"),
-            ("[job]\n[model]\npreset = \"synthetic\"\n[optimizer]\nkind = \"lamb\"", "optimizer.kind"),
-            ("[job]\n[model]\npreset = \"synthetic\"\n[optimizer]\nlr = -1.0", "optimizer.lr"),
-            ("[job]\n[model]\npreset = \"synthetic\"\n[lr_schedule]\ndecay = \"exp\"", "lr_schedule.decay"),
-            ("[job]\nworkers = \"two\"\n[model]\npreset = \"synthetic\"", "workers"),
-            ("[job]", "model.tensors"),
-            ("[job]\n[model]\npreset = \"synthetic\"\ndeclare = true", "model.declare"),
-            ("[job]\n[model]\ndeclare = true\ntensors = [{ name = \"w\", elements = 4 }]", "model.declare"),
-            ("[job]\nconsistency = \"ssp\"\nstaleness = 0\n[model]\npreset = \"synthetic\"", "job.staleness"),
-            ("[job]\n[model]\npreset = \"synthetic\"\n[fabric]\ntransport = \"tcp\"", "fabric.transport"),
-            ("[job]\n[model]\npreset = \"synthetic\"\n[fabric]\nrdma_port = 0", "fabric.rdma_port"),
-            ("[job]\naggregator = \"tpu\"\n[model]\npreset = \"synthetic\"", "job.aggregator"),
-            ("[job]\n[model]\npreset = \"synthetic\"\n[fabric]\ndevice = \"mlx5_0\"", "device"),
-            // 2^63 + 2^63 wraps to 0 in u64: refused, not wrapped.
-            (
-                "[job]\n[model]\ntensors = [{ name = \"a\", elements = 9223372036854775807 }, { name = \"b\", elements = 9223372036854775807 }, { name = \"c\", elements = 2 }]",
-                "model.tensors.elements",
-            ),
-            ("[job]\nshard_bytes = 4096\n[model]\ntensors = [{ name = \"a\", elements = 1099511627776 }]", "job.shard_bytes"),
-        ];
-        for (text, field) in cases {
-            let e = JobSpec::from_toml(text).unwrap_err().to_string();
-            assert!(e.contains(field), "{text:?}: {e}");
-        }
-    }
-}
+mod tests;

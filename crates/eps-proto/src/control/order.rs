@@ -1,6 +1,7 @@
 //! Orders: what the control plane asks of a server, and their encoding.
 
-use super::{DecodeError, MigrationKeys, R, W};
+use super::codec::{R, W};
+use super::{DecodeError, MigrationKeys};
 
 /// What the control plane asks of a server.
 #[derive(Clone, Debug, PartialEq, Eq)]
