@@ -1,6 +1,7 @@
 //! Specs parsed, checked, and their errors named.
 
 use super::*;
+use eps_agg::Decay;
 
 #[test]
 fn a_nodes_rdma_device_comes_from_its_entry_else_the_default() {
