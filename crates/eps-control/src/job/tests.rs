@@ -12,16 +12,8 @@ const SPEC: &str = "[job]\nworkers = 1\nservers = 3\nshard_bytes = 4096\n\
 #[test]
 fn orders_a_server_polled_past_are_dropped_and_the_others_kept() {
     let spec = JobSpec::from_toml(SPEC).unwrap();
-    let layout = spec.layout().unwrap();
     let mut job = Job::new(&spec, SPEC).unwrap();
-    for r in 0..3u32 {
-        job.apply(&ControlMsg::Register { role: Role::Server, fabric_addr: String::new() }).unwrap();
-        let shards = layout
-            .shards_of(r)
-            .map(|s| ShardEndpoint { shard: s.id, owner: r, landing: vec![(0, 0)], published_addr: 0, published_rkey: 0 })
-            .collect();
-        job.apply(&ControlMsg::ServerReady { rank: r, fabric_addr: format!("127.0.0.1:{}", 7000 + r), shards }).unwrap();
-    }
+    ready_servers(&mut job, &spec);
     // Scaling in to two servers: server 2's shards move to 0 and 1.
     job.apply(&ControlMsg::Scale { servers: 2 }).unwrap();
     let issued = job.orders_issued();
