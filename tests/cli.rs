@@ -35,6 +35,15 @@ fn bad_input_is_a_clear_error() {
     let o = eps(&["bench", "fabric", "--size", "0"]);
     assert!(!o.status.success());
     assert!(text(&o).contains("at least 1 byte"), "{}", text(&o));
+    // Counts past their bounds are refused, never wrapped or cut down.
+    for (args, want) in [
+        (&["bench", "pushpull", "--iters", "18446744073709551615"][..], "not in 1..=1000000000"),
+        (&["bench", "agg", "--threads", "5000"][..], "not in 0..=1024"),
+        (&["train", "--steps", "18446744073709551615"][..], "job.steps"),
+    ] {
+        let o = eps(args);
+        assert!(!o.status.success() && text(&o).contains(want) && !text(&o).contains("panicked"), "{args:?}: {}", text(&o));
+    }
     let o = eps(&["bench", "fabric", "--depth", "0"]);
     assert!(!o.status.success());
     assert!(text(&o).contains("--depth"), "{}", text(&o));

@@ -119,6 +119,10 @@ pub enum BenchCmd {
     },
 }
 
+/// Most measured iterations a benchmark takes (a count from the command line
+/// that the warm-up is added to must not wrap).
+const MAX_ITERS: u64 = 1_000_000_000;
+
 #[derive(clap::Args, Debug)]
 pub struct FabricArgs {
     /// Operation to measure.
@@ -128,7 +132,7 @@ pub struct FabricArgs {
     #[arg(long, value_parser = parse_size, default_value = "64KiB")]
     size: u64,
     /// Number of measured operations (a warm-up of a tenth, at most 1000, runs first).
-    #[arg(long, default_value_t = 10_000)]
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..=MAX_ITERS))]
     iters: u64,
     /// Operations kept in flight: 1 measures latency, more measures bandwidth.
     #[arg(long, default_value_t = 1)]
@@ -175,9 +179,9 @@ pub struct AggArgs {
     /// Bytes of each input (e.g. 64MiB).
     #[arg(long, value_parser = parse_size, default_value = "64MiB")]
     size: u64,
-    /// Threads (0: one per core).
-    #[arg(long, default_value_t = 0)]
-    threads: usize,
+    /// Threads (0: one per core; at most 1024).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u16).range(0..=1024))]
+    threads: u16,
     /// Timed repetitions; medians are reported.
     #[arg(long, default_value_t = 7)]
     reps: usize,
@@ -198,7 +202,7 @@ pub struct PushPullArgs {
     #[arg(long, default_value_t = 1)]
     servers: u32,
     /// Measured iterations (after 3 warm-up iterations).
-    #[arg(long, default_value_t = 30)]
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=MAX_ITERS))]
     iters: u64,
     /// Target shard size (the unit of pipelining).
     #[arg(long, value_parser = parse_size, default_value = "4MiB")]
@@ -227,7 +231,7 @@ pub struct SparseArgs {
     #[arg(long, default_value_t = 1.05)]
     zipf: f64,
     /// Measured steps (after 2 warm-up steps).
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..=MAX_ITERS))]
     iters: u64,
     /// Worker processes.
     #[arg(long, default_value_t = 1)]
@@ -505,7 +509,7 @@ fn parse_dtype(s: &str) -> Result<DType, String> {
 }
 
 fn bench_agg(a: AggArgs) -> Result<(), String> {
-    let cfg = AggBench { dtype: a.dtype, workers: a.workers, size: a.size, threads: a.threads, reps: a.reps };
+    let cfg = AggBench { dtype: a.dtype, workers: a.workers, size: a.size, threads: a.threads.into(), reps: a.reps };
     eps_proto::say!("eps bench agg: dtype={} workers={} size={} reps={}", a.dtype.name(), a.workers, format_size(a.size), a.reps);
     let r = crate::bench::agg::run(&cfg).map_err(|e| error_chain(&e))?;
     println!(

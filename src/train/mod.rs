@@ -209,8 +209,14 @@ pub fn build_spec_or(path: Option<&Path>, default: &str, o: &Overrides) -> Resul
     if let Some(v) = o.servers {
         set(&mut table, "job", "servers", V::Integer(v.into()));
     }
+    // (TOML integers are i64: a larger count is refused, never cut down.)
+    let int = |v: u64, field: &'static str| {
+        i64::try_from(v)
+            .map(V::Integer)
+            .map_err(|_| eps_proto::SpecError::Field { field, reason: format!("{v}: at most 2^63 - 1") })
+    };
     if let Some(v) = o.steps {
-        set(&mut table, "job", "steps", V::Integer(v.min(i64::MAX as u64) as i64));
+        set(&mut table, "job", "steps", int(v, "job.steps")?);
     }
     if let Some(v) = &o.consistency {
         set(&mut table, "job", "consistency", V::String(v.clone()));
@@ -228,7 +234,7 @@ pub fn build_spec_or(path: Option<&Path>, default: &str, o: &Overrides) -> Resul
         set(&mut table, "job", "replicas", V::Integer(v.into()));
     }
     if let Some(v) = o.checkpoint_every {
-        set(&mut table, "job", "checkpoint_every", V::Integer(v.min(i64::MAX as u64) as i64));
+        set(&mut table, "job", "checkpoint_every", int(v, "job.checkpoint_every")?);
     }
     if let Some(v) = &o.checkpoint_dir {
         set(&mut table, "job", "checkpoint_dir", V::String(v.clone()));
