@@ -24,4 +24,4 @@ clang-14 -std=c11 -g -O1 -Wall -Werror -fsanitize=fuzzer,address,undefined -fno-
     -L "$lib" -leps -lpthread -lm -Wl,-rpath,"$PWD/$lib" -o "$out/fuzz_capi"
 echo "==> fuzzing the C ABI for ${secs}s"
 cd "$out"
-ASAN_OPTIONS=detect_leaks=0 EPS_CONTROL= ./fuzz_capi -max_total_time="$secs" -max_len=2048 -timeout=120 -rss_limit_mb=8192 -print_final_stats=1 corpus
+ASAN_OPTIONS=detect_leaks=0 EPS_CONTROL= ./fuzz_capi -max_total_time="$secs" -max_len=2048 -len_control=0 -timeout=120 -rss_limit_mb=8192 -print_final_stats=1 corpus
