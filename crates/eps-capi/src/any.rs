@@ -48,7 +48,9 @@ macro_rules! on {
 /// Joins on `pd`, with the caller's buffers if given.
 ///
 /// # Safety
-/// As `Worker::join_borrowed` when `borrowed` is given.
+/// When `borrowed` is given: both buffers hold `len` bytes and stay valid,
+/// and are not freed, until the worker is closed (see
+/// `eps_fabric::RegionBuf::borrowed`).
 unsafe fn join_on<P: Fabric>(
     cfg: &WorkerConfig,
     reg: Registration,
@@ -56,8 +58,13 @@ unsafe fn join_on<P: Fabric>(
     borrowed: Option<(*mut u8, *mut u8, usize)>,
 ) -> Result<Worker<P>, WorkerError> {
     match borrowed {
-        // SAFETY: the caller's contract, passed on.
-        Some((p, g, len)) => unsafe { Worker::join_borrowed(cfg, reg, pd, p, g, len) },
+        Some((p, g, len)) => {
+            // SAFETY: the caller's contract, passed on: both buffers stay
+            // valid until the worker is closed (which waits until nothing
+            // is in flight).
+            let (p, g) = unsafe { (eps_fabric::RegionBuf::borrowed(p, len)?, eps_fabric::RegionBuf::borrowed(g, len)?) };
+            Worker::join_borrowed(cfg, reg, pd, p, g)
+        }
         None => Worker::join_on(cfg, reg, pd),
     }
 }
@@ -93,7 +100,7 @@ impl AnyWorker {
     /// usable, else soft).
     ///
     /// # Safety
-    /// When `borrowed` is given: as `Worker::join_borrowed`.
+    /// When `borrowed` is given: as `join_on`.
     pub(crate) unsafe fn join(
         t: &Transport,
         cfg: &WorkerConfig,

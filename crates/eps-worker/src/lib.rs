@@ -300,34 +300,24 @@ impl<P: Fabric> Worker<P> {
     }
 
     /// As [`Worker::join_on`], with parameter and gradient buffers the caller
-    /// owns (a framework's memory), registered in place: `params` and `grads`
-    /// each point to `len` bytes, which must be the layout's size
-    /// ([`eps_proto::layout::Layout::bytes`]: every tensor's elements, end to
-    /// end, in the wire dtype). The parameters pulled at join overwrite
-    /// `params`.
-    ///
-    /// # Safety
-    /// Both buffers stay valid, and are not freed, until the worker is dropped
-    /// with nothing in flight ([`Worker::quiesce`] says when); servers write
-    /// into `params` while a pull is in flight, and pushes read `grads` until
-    /// their WRITEs completed.
-    pub unsafe fn join_borrowed(
+    /// owns (a framework's memory, made a [`eps_fabric::RegionBuf::borrowed`]
+    /// under that call's contract), registered in place: each must be the
+    /// layout's size ([`eps_proto::layout::Layout::bytes`]: every tensor's
+    /// elements, end to end, in the wire dtype). The parameters pulled at join
+    /// overwrite `params`. The memory is the caller's again once the worker
+    /// is dropped with nothing in flight ([`Worker::quiesce`] says when).
+    pub fn join_borrowed(
         cfg: &WorkerConfig,
         reg: Registration,
         pd: P,
-        params: *mut u8,
-        grads: *mut u8,
-        len: usize,
+        params: eps_fabric::RegionBuf,
+        grads: eps_fabric::RegionBuf,
     ) -> Result<Self, WorkerError> {
         let bytes = reg.layout.bytes() as usize;
-        if len != bytes {
+        if let Some(len) = [params.len(), grads.len()].into_iter().find(|&l| l != bytes) {
             return Err(WorkerError::Length { what: "buffer bytes", expected: bytes, got: len });
         }
-        // SAFETY: the caller's contract, passed on.
-        let p = unsafe { eps_fabric::RegionBuf::borrowed(params, len) }?;
-        // SAFETY: as above.
-        let g = unsafe { eps_fabric::RegionBuf::borrowed(grads, len) }?;
-        Self::join_with(cfg, reg, pd, Some((p, g)))
+        Self::join_with(cfg, reg, pd, Some((params, grads)))
     }
 
     fn join_with(
