@@ -397,6 +397,15 @@ pub fn scale(control: eps_control::ControlAddrs, servers: Option<u32>, workers: 
     if servers.is_none() && workers.is_none() {
         return Err("say what to scale: --servers N and/or --workers N".into());
     }
+    // The bounds of every job, before anything is asked: a refusal of one
+    // count must not leave the other half done.
+    let (max_s, max_w) = (eps_proto::spec::MAX_SERVERS, eps_proto::spec::MAX_ELASTIC_WORKERS);
+    if let Some(s) = servers.filter(|&s| s == 0 || s > max_s) {
+        return Err(format!("--servers {s}: a job has between 1 and {max_s} servers"));
+    }
+    if let Some(w) = workers.filter(|&w| w == 0 || w > max_w) {
+        return Err(format!("--workers {w}: a job has between 1 and {max_w} worker ranks"));
+    }
     let secret = secret_from_env(None)?;
     let mut c = eps_control::ControlClient::connect(&control, &secret, Duration::from_secs(10)).map_err(|e| crate_error(&e))?;
     if let Some(servers) = servers {

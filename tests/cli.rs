@@ -40,6 +40,10 @@ fn bad_input_is_a_clear_error() {
         (&["bench", "pushpull", "--iters", "18446744073709551615"][..], "not in 1..=1000000000"),
         (&["bench", "agg", "--threads", "5000"][..], "not in 0..=1024"),
         (&["train", "--steps", "18446744073709551615"][..], "job.steps"),
+        (
+            &["scale", "--control", "127.0.0.1:1", "--servers", "2", "--workers", "100"][..],
+            "--workers 100: a job has between 1 and 64",
+        ),
     ] {
         let o = eps(args);
         assert!(!o.status.success() && text(&o).contains(want) && !text(&o).contains("panicked"), "{args:?}: {}", text(&o));
