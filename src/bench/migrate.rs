@@ -359,19 +359,14 @@ fn follow(
     Ok(())
 }
 
-/// The status text and the number of migrations done.
-fn status(ctl: &mut ControlClient) -> Result<(String, u64), String> {
-    let Ok(ControlMsg::StatusReport { text }) = ctl.call(&ControlMsg::Status) else {
+/// The job's status as `eps status --json` has it, and its migrations done.
+fn status(ctl: &mut ControlClient) -> Result<(serde_json::Value, u64), String> {
+    let Ok(ControlMsg::StatusReport { text }) = ctl.call(&ControlMsg::StatusJson) else {
         return Err("the control plane stopped answering".into());
     };
-    let done = text
-        .lines()
-        .find(|l| l.starts_with("migrations:"))
-        .and_then(|l| l.split(", ").nth(1))
-        .and_then(|x| x.split(' ').next())
-        .and_then(|x| x.parse().ok())
-        .unwrap_or(0);
-    Ok((text, done))
+    let st: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("the status is not JSON: {e}"))?;
+    let done = st.get("migrations_done").and_then(serde_json::Value::as_u64).unwrap_or(0);
+    Ok((st, done))
 }
 
 /// Polls until the number of migrations done exceeds `done_before`, recording when
@@ -379,35 +374,35 @@ fn status(ctl: &mut ControlClient) -> Result<(String, u64), String> {
 fn follow_one(ctl: &mut ControlClient, done_before: u64, deadline: Instant) -> Result<Phases, String> {
     let mut ph = Phases::default();
     while Instant::now() < deadline {
-        let (text, done) = status(ctl)?;
+        let (st, done) = status(ctl)?;
         let now = unix_us();
         let first = |t: &mut u64| {
             if *t == 0 {
                 *t = now;
             }
         };
+        let moves = st.get("moves").and_then(serde_json::Value::as_array).cloned().unwrap_or_default();
+        let of_shard_0 = |m: &&serde_json::Value| m.get("shard").and_then(serde_json::Value::as_u64) == Some(0);
+        let phase = |m: &serde_json::Value| m.get("phase").and_then(serde_json::Value::as_str).unwrap_or("").to_string();
         if done > done_before {
             first(&mut ph.preparing_us);
             first(&mut ph.copying_us);
             first(&mut ph.cutover_us);
             ph.done_us = now;
-            // The newest "done" line of shard 0 carries the source's byte count.
-            let line = text.lines().map(str::trim).rfind(|l| l.starts_with("shard 0:") && l.contains(": done, "));
-            ph.bytes = line
-                .and_then(|l| l.split_once(": done, "))
-                .and_then(|(_, r)| r.split(' ').next())
-                .and_then(|b| b.parse().ok())
-                .unwrap_or(0);
+            // The newest finished move of shard 0 carries the source's byte count.
+            let last = moves.iter().filter(of_shard_0).rfind(|m| phase(m) == "done");
+            ph.bytes = last.and_then(|m| m.get("bytes")?.as_u64()).unwrap_or(0);
             return Ok(ph);
         }
-        let live = text.lines().map(str::trim).find(|l| l.starts_with("shard 0:") && !l.contains(": done, "));
-        if let Some(phase) = live.and_then(|l| l.rsplit_once(": ")).map(|(_, p)| p) {
+        if let Some(m) = moves.iter().filter(of_shard_0).find(|m| phase(m) != "done") {
             first(&mut ph.preparing_us);
-            if phase.starts_with("copying") {
-                first(&mut ph.copying_us);
-            } else if phase.starts_with("cutover") {
-                first(&mut ph.copying_us);
-                first(&mut ph.cutover_us);
+            match phase(m).as_str() {
+                "copying" => first(&mut ph.copying_us),
+                "cutover" => {
+                    first(&mut ph.copying_us);
+                    first(&mut ph.cutover_us);
+                }
+                _ => {}
             }
         }
         std::thread::sleep(Duration::from_millis(2));

@@ -17,6 +17,7 @@ use eps_fabric::Secret;
 use eps_proto::control::ControlMsg;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
+use serde_json::Value;
 
 use crate::train::cluster::Processes;
 use crate::train::scale::Spawn;
@@ -135,10 +136,19 @@ pub fn can_cut() -> bool {
 
 /// The fabric port of server `rank`, from the status's server lines
 /// (`  server 2: serving, 4 shards, 1024 bytes, 127.0.0.1:40123 [shards ...]`).
-fn server_port(status: &str, rank: u32) -> Option<u16> {
-    let line = status.lines().find(|l| l.starts_with(&format!("  server {rank}: ")))?;
-    let addr = line.split(", ").nth(3)?.split_whitespace().next()?;
+fn server_port(status: &Value, rank: u32) -> Option<u16> {
+    let addr = server(status, rank)?.get("addr")?.as_str()?;
     addr.parse::<SocketAddr>().ok().map(|a| a.port())
+}
+
+/// Server `rank`'s row of a `StatusJson` answer.
+fn server(status: &Value, rank: u32) -> Option<&Value> {
+    status.get("servers")?.as_array()?.iter().find(|s| s.get("rank").and_then(Value::as_u64) == Some(rank.into()))
+}
+
+/// Whether server `rank` was declared lost.
+fn lost(status: &Value, rank: u32) -> bool {
+    server(status, rank).and_then(|s| s.get("state")?.as_str()) == Some("lost")
 }
 
 /// Cuts every established TCP connection to or from `port` on this host (both
@@ -304,8 +314,7 @@ impl Thread {
                 let rank = rank.unwrap_or(u32::MAX);
                 signal(pid, Signal::SIGKILL)?;
                 // Declared lost by the control plane, then replaced.
-                self.wait_status(LOST_WITHIN, |t| t.contains(&format!("  server {rank}: lost,")))
-                    .map_err(|e| format!("server {rank} killed: {e}"))?;
+                self.wait_status(LOST_WITHIN, |t| lost(t, rank)).map_err(|e| format!("server {rank} killed: {e}"))?;
                 self.live -= 1;
                 self.scale_to(self.live + 1)?;
                 Ok(format!("server {rank}, pid {pid}"))
@@ -333,8 +342,7 @@ impl Thread {
                 let cut = cut_port(port)?;
                 // Its peers report it; declared lost and fenced off (it
                 // exits at its next order poll), then replaced.
-                self.wait_status(LOST_WITHIN, |t| t.contains(&format!("  server {rank}: lost,")))
-                    .map_err(|e| format!("server {rank} cut off: {e}"))?;
+                self.wait_status(LOST_WITHIN, |t| lost(t, rank)).map_err(|e| format!("server {rank} cut off: {e}"))?;
                 self.live -= 1;
                 self.scale_to(self.live + 1)?;
                 Ok(format!("server {rank}, pid {pid}: {cut} connections to port {port} cut"))
@@ -387,10 +395,11 @@ impl Thread {
     }
 
     /// The control plane's status report (reconnecting after a restart).
-    fn status(&mut self) -> Option<String> {
-        let r = self.client().ok()?.call(&ControlMsg::Status);
+    /// The job's status as `eps status --json` has it (fields, not words).
+    fn status(&mut self) -> Option<Value> {
+        let r = self.client().ok()?.call(&ControlMsg::StatusJson);
         match r {
-            Ok(ControlMsg::StatusReport { text }) => Some(text),
+            Ok(ControlMsg::StatusReport { text }) => serde_json::from_str(&text).ok(),
             _ => {
                 self.ctl = None;
                 None
@@ -399,9 +408,9 @@ impl Thread {
     }
 
     /// Waits until the status satisfies `ok` (or training ended).
-    fn wait_status(&mut self, within: Duration, ok: impl Fn(&str) -> bool) -> Result<(), String> {
+    fn wait_status(&mut self, within: Duration, ok: impl Fn(&Value) -> bool) -> Result<(), String> {
         let until = Instant::now() + within;
-        let mut last = String::new();
+        let mut last = Value::Null;
         while !self.over() {
             if let Some(t) = self.status() {
                 if ok(&t) {
@@ -410,7 +419,7 @@ impl Thread {
                 last = t;
             }
             if Instant::now() > until {
-                return Err(format!("not within {} s; the job's status:\n{last}", within.as_secs()));
+                return Err(format!("not within {} s; the job's status:\n{last:#}", within.as_secs()));
             }
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -425,14 +434,14 @@ impl Thread {
 }
 
 /// No migration or split in flight, no server joining, every shard backed up.
-pub fn settled(t: &str) -> bool {
-    let protected = t.lines().find_map(|l| l.strip_prefix("backups: ")).is_some_and(|l| {
-        let n: Vec<u64> = l.split(|c: char| !c.is_ascii_digit()).filter_map(|x| x.parse().ok()).take(2).collect();
-        n.len() == 2 && n[0] == n[1]
-    });
-    protected
-        && t.lines().any(|l| l.starts_with("migrations: 0 in flight"))
-        && !t.lines().any(|l| l.contains(": joining,") || (l.starts_with("splits:") && l.contains("splitting")))
+pub fn settled(t: &Value) -> bool {
+    let n = |k: &str| t.get(k).and_then(Value::as_u64);
+    let shards = n("shards");
+    shards.is_some()
+        && n("shards_protected") == shards
+        && n("migrations_in_flight") == Some(0)
+        && n("servers_joining") == Some(0)
+        && t.get("splitting").and_then(Value::as_bool) == Some(false)
 }
 
 #[cfg(test)]
@@ -440,20 +449,31 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_server_port_comes_from_its_status_line() {
-        let t = "servers: 4/4 registered\n  server 1: serving, 4 shards, 2048 bytes, 127.0.0.1:40123 [shards 1,2]\n  server 2: lost, 0 shards, 0 bytes, 127.0.0.1:5 [shards ]\n";
-        assert_eq!(server_port(t, 1), Some(40123));
-        assert_eq!(server_port(t, 2), Some(5));
-        assert_eq!(server_port(t, 3), None);
+    fn a_server_port_and_loss_come_from_its_status_row() {
+        let t = serde_json::json!({"servers": [
+            {"rank": 1, "state": "serving", "addr": "127.0.0.1:40123"},
+            {"rank": 2, "state": "lost", "addr": "127.0.0.1:5"},
+        ]});
+        assert_eq!(server_port(&t, 1), Some(40123));
+        assert_eq!(server_port(&t, 2), Some(5));
+        assert_eq!(server_port(&t, 3), None);
+        assert!(lost(&t, 2) && !lost(&t, 1) && !lost(&t, 3));
     }
 
     #[test]
     fn settled_needs_every_shard_protected_and_nothing_moving() {
-        let base = "epoch: 3\nbackups: 17 of 17 shards protected, 0 receiving their snapshot, 0 ordered, 0 to follow a move, 0 none\n  server 0: serving, 4 shards\nmigrations: 0 in flight, 4 done\nsplits: 0 done\n";
-        assert!(settled(base));
-        assert!(!settled(&base.replace("17 of 17", "16 of 17")));
-        assert!(!settled(&base.replace("0 in flight", "1 in flight")));
-        assert!(!settled(&base.replace("serving,", "joining,")));
-        assert!(!settled(&base.replace("backups: ", "no backups: ")), "no backups line");
+        let base = serde_json::json!({"shards": 17, "shards_protected": 17, "migrations_in_flight": 0,
+            "servers_joining": 0, "splitting": false});
+        assert!(settled(&base));
+        let with = |k: &str, v: Value| {
+            let mut t = base.clone();
+            t[k] = v;
+            t
+        };
+        assert!(!settled(&with("shards_protected", 16.into())));
+        assert!(!settled(&with("migrations_in_flight", 1.into())));
+        assert!(!settled(&with("servers_joining", 1.into())));
+        assert!(!settled(&with("splitting", true.into())));
+        assert!(!settled(&serde_json::json!({})), "no figures");
     }
 }

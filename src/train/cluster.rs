@@ -376,17 +376,23 @@ impl LocalCluster {
     /// shards lost them for good (their backups died too, or were still being
     /// rebuilt). `died` names the dead server processes and how they exited.
     fn shards_lost_for_good(&self, died: &[(String, String)]) -> Option<TrainError> {
-        let text = self.status_text()?;
-        text.lines().find_map(|l| {
-            let rest = l.trim().strip_prefix("server ")?;
-            let (rank, state) = rest.split_once(": ")?;
-            let owned: u32 = state.strip_prefix("lost, ")?.split(' ').next()?.parse().ok()?;
-            let rank: u32 = rank.parse().ok()?;
-            (owned > 0).then(|| {
+        // Decided on the status's fields (`eps status --json`), not its words.
+        let addr: eps_control::ControlAddrs = self.addr.parse().ok()?;
+        let secret = eps_fabric::Secret::new(self.secret.as_str()).ok()?;
+        let mut c = eps_control::ControlClient::connect(addr, &secret, Duration::from_secs(2)).ok()?;
+        let eps_proto::control::ControlMsg::StatusReport { text } = c.call(&eps_proto::control::ControlMsg::StatusJson).ok()?
+        else {
+            return None;
+        };
+        let st: serde_json::Value = serde_json::from_str(&text).ok()?;
+        st.get("servers")?.as_array()?.iter().find_map(|s| {
+            let rank = u32::try_from(s.get("rank")?.as_u64()?).ok()?;
+            let owned = s.get("shards")?.as_u64()?;
+            (s.get("state")?.as_str()? == "lost" && owned > 0).then(|| {
                 let name = self.server_ranks.iter().find(|(_, r)| r.get() == Some(&rank)).map(|(n, _)| n.clone());
                 let name = name.unwrap_or_else(|| format!("server {rank}"));
                 let status = died.iter().find(|(n, _)| *n == name).map_or("a failure".to_string(), |(_, s)| s.clone());
-                let held = format!("{state}; their backups were lost too");
+                let held = format!("lost, {owned} shards; their backups were lost too");
                 TrainError::ServerLost { name, rank: Some(rank), status, held }
             })
         })

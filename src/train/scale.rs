@@ -183,23 +183,23 @@ fn run_plan(
 pub(crate) fn wait_settled(ctl: &mut ControlClient, out: &Mutex<ScaleOutcome>, min_done: u64) {
     let deadline = Instant::now() + Duration::from_secs(300);
     while Instant::now() < deadline {
-        let Ok(ControlMsg::StatusReport { text }) = ctl.call(&ControlMsg::Status) else { return };
-        let Some(line) = text.lines().find(|l| l.starts_with("migrations:")) else { return };
-        let nums: Vec<u64> = line.split(|c: char| !c.is_ascii_digit()).filter_map(|x| x.parse().ok()).collect();
-        if let [in_flight, done, ..] = nums[..] {
-            out.lock().unwrap_or_else(|p| p.into_inner()).migrations = done;
-            let splits = text.lines().find_map(|l| l.strip_prefix("splits: ")?.split(' ').next()?.parse().ok());
-            out.lock().unwrap_or_else(|p| p.into_inner()).splits = splits.unwrap_or(0);
-            let splitting = text.lines().any(|l| l.starts_with("splits:") && l.contains("splitting"));
-            let joining = splitting || text.lines().any(|l| l.contains(": joining,"));
-            let workers_busy = text.lines().any(|l| l.contains("being voted on") || l.contains("waiting to register"));
-            let buckets =
-                text.lines().find_map(|l| l.strip_prefix("sparse buckets")?.split("; ").nth(1)?.split(' ').next()?.parse().ok());
-            let buckets_busy = text.lines().any(|l| l.starts_with("  moving at iteration"));
-            out.lock().unwrap_or_else(|p| p.into_inner()).bucket_moves = buckets.unwrap_or(0);
-            if in_flight == 0 && !joining && !workers_busy && !buckets_busy && done + buckets.unwrap_or(0) >= min_done {
-                return;
-            }
+        // The status's fields (`eps status --json`), not its words.
+        let Ok(ControlMsg::StatusReport { text }) = ctl.call(&ControlMsg::StatusJson) else { return };
+        let Ok(st) = serde_json::from_str::<serde_json::Value>(&text) else { return };
+        let n = |k: &str| st.get(k).and_then(serde_json::Value::as_u64).unwrap_or(0);
+        let yes = |k: &str| st.get(k).and_then(serde_json::Value::as_bool).unwrap_or(false);
+        let (done, buckets) = (n("migrations_done"), n("bucket_moves_done"));
+        {
+            let mut o = out.lock().unwrap_or_else(|p| p.into_inner());
+            (o.migrations, o.splits, o.bucket_moves) = (done, n("splits"), buckets);
+        }
+        let busy = n("migrations_in_flight") > 0
+            || yes("splitting")
+            || n("servers_joining") > 0
+            || yes("worker_change")
+            || yes("buckets_moving");
+        if !busy && done + buckets >= min_done {
+            return;
         }
         std::thread::sleep(Duration::from_millis(20));
     }

@@ -30,6 +30,39 @@ pub struct Figures {
     pub splits: u64,
     /// Parameter bytes placed on servers.
     pub bytes: u64,
+    /// A shard is being split now.
+    pub splitting: bool,
+    /// A change of the workers is voted on, or admitted ranks have not
+    /// registered yet.
+    pub worker_change: bool,
+    /// Sparse bucket moves done, and whether one is under way.
+    pub bucket_moves: u64,
+    /// See `bucket_moves`.
+    pub buckets_moving: bool,
+    /// Shards with a synced backup (with two replicas), of `shards`.
+    pub protected: u64,
+    /// Shards in the map.
+    pub shards: u64,
+}
+
+/// A shard move as `eps status --json` shows it: the latest finished ones
+/// with their figures, then those in flight.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MoveRow {
+    /// The shard.
+    pub shard: u32,
+    /// Source and target servers.
+    pub from: u32,
+    /// See `from`.
+    pub to: u32,
+    /// `dropping-backup`, `preparing`, `copying`, `cutover`, `done` or `cancelled`.
+    pub phase: &'static str,
+    /// The cutover iteration, once announced.
+    pub at: Option<u64>,
+    /// Done: bytes sent and milliseconds taken.
+    pub bytes: u64,
+    /// See `bytes`.
+    pub millis: u64,
 }
 
 /// One worker rank as `eps status` shows it.
@@ -124,7 +157,41 @@ impl Job {
             migrations_done: done,
             splits: self.splits,
             bytes: self.map.bytes_per_server().values().sum(),
+            splitting: self.splitting.is_some(),
+            worker_change: self.w.changing(),
+            bucket_moves: self.bucket_moves,
+            buckets_moving: self.bucket_move.is_some(),
+            protected: self
+                .map
+                .shards
+                .iter()
+                .filter(|s| self.backups[s.id as usize].is_some() && !self.unsynced[s.id as usize])
+                .count() as u64,
+            shards: self.map.shards.len() as u64,
         }
+    }
+
+    /// The latest 8 finished moves, then those in flight, in order.
+    pub fn move_rows(&self) -> Vec<MoveRow> {
+        let finished: Vec<&Migration> =
+            self.recent_moves.iter().chain(self.migrations.iter().filter(|m| m.phase == Phase::Done)).collect();
+        let flying = self.migrations.iter().filter(|m| m.in_flight());
+        finished[finished.len().saturating_sub(8)..]
+            .iter()
+            .copied()
+            .chain(flying)
+            .map(|m| {
+                let (phase, at) = match m.phase {
+                    Phase::Unreplicating => ("dropping-backup", None),
+                    Phase::Cancelled => ("cancelled", None),
+                    Phase::Preparing => ("preparing", None),
+                    Phase::Copying => ("copying", None),
+                    Phase::CuttingOver { at } => ("cutover", Some(at)),
+                    Phase::Done => ("done", None),
+                };
+                MoveRow { shard: m.shard, from: m.from, to: m.to, phase, at, bytes: m.bytes, millis: m.millis }
+            })
+            .collect()
     }
 
     /// Human-readable state for `eps status`.

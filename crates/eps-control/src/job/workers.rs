@@ -97,6 +97,11 @@ impl Workers {
         Ok(r)
     }
 
+    /// A change is voted on, or admitted ranks have not registered yet.
+    pub(crate) fn changing(&self) -> bool {
+        self.proposal.is_some() || (0..self.admitted as usize).any(|r| !self.registered[r] && !self.finished[r])
+    }
+
     /// Every admitted worker finished (or was removed).
     pub(crate) fn all_finished(&self) -> bool {
         (0..self.admitted as usize).all(|r| self.finished[r])
