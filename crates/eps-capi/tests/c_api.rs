@@ -81,40 +81,39 @@ pub fn build_c(src: &Path, name: &str) -> (PathBuf, bool) {
     (exe, asan)
 }
 
-#[test]
-fn bad_input_never_crashes_and_every_call_says_why() {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/bad_input.c");
-    let (exe, asan) = build_c(&src, "bad_input");
-    println!("bad_input.c built {}", if asan { "with AddressSanitizer and UBSan" } else { "without sanitizers (cc lacks them)" });
+/// Builds `tests/c/NAME.c` and runs it alone (no job in the environment):
+/// it must exit 0 saying "every check passed".
+fn run_c_test(name: &str) {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/c/{name}.c"));
+    let (exe, sanitized) = build_c(&src, name);
+    println!(
+        "{name}.c built {}",
+        if sanitized { "with AddressSanitizer and UBSan" } else { "without sanitizers (cc lacks them)" }
+    );
     let out = Command::new(&exe)
-        // Leaks are not what this test looks for (the library keeps closed
+        // Leaks are not what these tests look for (the library keeps closed
         // handles' small allocations on purpose, and hosted threads run on).
         .env("ASAN_OPTIONS", "detect_leaks=0")
         .env_remove("EPS_CONTROL")
         .env_remove("EPS_JOB_SECRET")
+        .env_remove("EPS_JOB_SECRET_FILE")
         .output()
-        .expect("run bad_input");
+        .unwrap_or_else(|e| panic!("run {name}: {e}"));
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     println!("{text}");
-    assert!(out.status.success(), "bad_input failed:\n{text}");
-    assert!(text.contains("every check passed"));
+    assert!(out.status.success() && text.contains("every check passed"), "{name} failed:\n{text}");
+}
+
+#[test]
+fn bad_input_never_crashes_and_every_call_says_why() {
+    run_c_test("bad_input");
 }
 
 /// Counts from outside that add up past 2^64 are refused, and a wait with
 /// timeout 0 ends after the worker's timeout when a peer stalls.
 #[test]
 fn sums_are_checked_and_every_wait_ends() {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/bounded.c");
-    let (exe, _) = build_c(&src, "bounded");
-    let out = Command::new(&exe)
-        .env("ASAN_OPTIONS", "detect_leaks=0")
-        .env_remove("EPS_CONTROL")
-        .env_remove("EPS_JOB_SECRET")
-        .output()
-        .expect("run bounded");
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    println!("{text}");
-    assert!(out.status.success() && text.contains("every check passed"), "bounded failed:\n{text}");
+    run_c_test("bounded");
 }
 
 /// Every exported call, made by a hostile caller with generated arguments
@@ -122,28 +121,12 @@ fn sums_are_checked_and_every_wait_ends() {
 /// crashes or hangs, while a well-behaved worker beside it stays exact.
 #[test]
 fn a_hostile_caller_gets_a_status_for_every_call_and_a_good_worker_stays_exact() {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/hostile.c");
-    let (exe, _) = build_c(&src, "hostile");
-    let out = Command::new(&exe)
-        .env("ASAN_OPTIONS", "detect_leaks=0")
-        .env_remove("EPS_CONTROL")
-        .env_remove("EPS_JOB_SECRET")
-        .env_remove("EPS_JOB_SECRET_FILE")
-        .output()
-        .expect("run hostile");
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    println!("{text}");
-    assert!(out.status.success() && text.contains("every check passed"), "hostile failed:\n{text}");
+    run_c_test("hostile");
 }
 
 #[test]
 fn caller_owned_buffers_are_registered_in_place() {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/borrowed.c");
-    let (exe, _) = build_c(&src, "borrowed");
-    let out = Command::new(&exe).env("ASAN_OPTIONS", "detect_leaks=0").output().expect("run borrowed");
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    println!("{text}");
-    assert!(out.status.success() && text.contains("every check passed"), "borrowed failed:\n{text}");
+    run_c_test("borrowed");
 }
 
 /// `examples/c/train.c`, two processes against `eps up`, which stops by
