@@ -45,6 +45,9 @@ const UNREACHABLE_WINDOW: Duration = Duration::from_secs(30);
 
 /// How long a long poll (map or orders) waits for news before answering anyway.
 const LONG_POLL: Duration = Duration::from_millis(500);
+/// Connections that have not proved the job secret yet, at most (each has
+/// `event::AUTH_TIME` to do so): more than a job's peers ever open at once.
+const MAX_UNPROVEN: usize = 256;
 
 struct State {
     job: Job,
@@ -369,7 +372,16 @@ impl ControlService {
         loop {
             match self.listener.accept() {
                 // (A socket that cannot be set up is dropped: its peer retries.)
-                Ok((s, _)) => conns.extend(Conn::new(s).ok()),
+                Ok((s, _)) => {
+                    conns.extend(Conn::new(s).ok());
+                    // Past the bound, the oldest connection still to prove
+                    // the secret goes: what peers without it hold is bounded.
+                    if conns.iter().filter(|c| !c.proven() && !c.dead).count() > MAX_UNPROVEN
+                        && let Some(old) = conns.iter_mut().find(|c| !c.proven() && !c.dead)
+                    {
+                        old.drop_unproven();
+                    }
+                }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(()),
                 Err(e) if matches!(e.kind(), std::io::ErrorKind::Interrupted | std::io::ErrorKind::ConnectionAborted) => {}
                 // Out of descriptors, say: the peers wait and retry.
@@ -519,6 +531,29 @@ mod tests {
         }
         assert!(sent < 64 << 20, "the control plane took {} MiB ahead of its answers", sent >> 20);
         assert!(status(addr, &secret).contains("servers: 0/2 registered"), "the others are served");
+    }
+
+    /// Peers that connect and never prove the secret hold at most
+    /// `MAX_UNPROVEN` of the control plane's connections; the job's own
+    /// peers are served meanwhile.
+    #[test]
+    fn connections_that_prove_nothing_are_bounded() {
+        let spec = JobSpec::from_toml(SPEC).unwrap();
+        let secret = Secret::new("unproven").unwrap();
+        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let svc = ControlService::bind(any, &spec, SPEC, secret.clone(), Box::new(crate::store::MemStore::default())).unwrap();
+        let addr = svc.local_addr();
+        std::thread::spawn(move || svc.run());
+        let fds = || std::fs::read_dir("/proc/self/fd").unwrap().count();
+        let before = fds();
+        let n = 400;
+        let idle: Vec<std::net::TcpStream> = (0..n).map(|_| std::net::TcpStream::connect(addr).unwrap()).collect();
+        // Every one accepted (the service's end of each is a descriptor of
+        // this process too), then a real client served.
+        assert!(status(addr, &secret).contains("servers: 0/2 registered"));
+        let held = fds() - before - n;
+        assert!(held <= MAX_UNPROVEN + 8, "the control plane holds {held} connections that proved nothing");
+        drop(idle);
     }
 
     /// One thread serves every connection: 40 clients waiting in a long poll

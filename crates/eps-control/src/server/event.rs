@@ -96,6 +96,18 @@ impl Conn {
             && self.rbuf.len() >= 4 + u32::from_le_bytes(self.rbuf[..4].try_into().expect("4 bytes")) as usize
     }
 
+    /// Whether its peer proved the job secret.
+    pub(super) fn proven(&self) -> bool {
+        matches!(self.auth, Auth::Done)
+    }
+
+    /// Drops a connection whose peer has not proved the secret (nothing of
+    /// the job's is tied to it).
+    pub(super) fn drop_unproven(&mut self) {
+        debug_assert!(!self.proven());
+        self.dead = true;
+    }
+
     pub(super) fn reading(&self) -> bool {
         self.rbuf.len() < RBUF_CAP && self.answering()
     }
