@@ -401,6 +401,18 @@ mod tests {
 
     const SPEC: &str = "[job]\nworkers = 1\nservers = 2\n[model]\npreset = \"synthetic\"\nbuckets = 1024\n";
 
+    /// A control plane of `SPEC` on a thread, with its in-memory store and
+    /// the secret `name`.
+    fn serve(name: &str) -> (SocketAddr, Secret) {
+        let spec = JobSpec::from_toml(SPEC).unwrap();
+        let secret = Secret::new(name).unwrap();
+        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let svc = ControlService::bind(any, &spec, SPEC, secret.clone(), Box::new(crate::store::MemStore::default())).unwrap();
+        let addr = svc.local_addr();
+        std::thread::spawn(move || svc.run());
+        (addr, secret)
+    }
+
     fn status(addr: SocketAddr, secret: &Secret) -> String {
         let mut c = ControlClient::connect(addr, secret, Duration::from_secs(5)).unwrap();
         match c.call(&ControlMsg::Status).unwrap() {
@@ -508,12 +520,7 @@ mod tests {
     #[test]
     fn a_peer_that_sends_ahead_is_held_back_not_buffered() {
         use std::io::Write as _;
-        let spec = JobSpec::from_toml(SPEC).unwrap();
-        let secret = Secret::new("ahead").unwrap();
-        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let svc = ControlService::bind(any, &spec, SPEC, secret.clone(), Box::new(crate::store::MemStore::default())).unwrap();
-        let addr = svc.local_addr();
-        std::thread::spawn(move || svc.run());
+        let (addr, secret) = serve("ahead");
         let mut s = std::net::TcpStream::connect(addr).unwrap();
         crate::conn::auth_client(&mut s, &secret).unwrap();
         // A long poll (its answer waits), then 256 MiB of status requests
@@ -538,12 +545,7 @@ mod tests {
     /// peers are served meanwhile.
     #[test]
     fn connections_that_prove_nothing_are_bounded() {
-        let spec = JobSpec::from_toml(SPEC).unwrap();
-        let secret = Secret::new("unproven").unwrap();
-        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let svc = ControlService::bind(any, &spec, SPEC, secret.clone(), Box::new(crate::store::MemStore::default())).unwrap();
-        let addr = svc.local_addr();
-        std::thread::spawn(move || svc.run());
+        let (addr, secret) = serve("unproven");
         let fds = || std::fs::read_dir("/proc/self/fd").unwrap().count();
         let before = fds();
         let n = 400;
@@ -560,12 +562,7 @@ mod tests {
     /// at once are all answered, and the service has no thread for any.
     #[test]
     fn one_thread_serves_many_clients_waiting_at_once() {
-        let spec = JobSpec::from_toml(SPEC).unwrap();
-        let secret = Secret::new("many").unwrap();
-        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let svc = ControlService::bind(any, &spec, SPEC, secret.clone(), Box::new(crate::store::MemStore::default())).unwrap();
-        let addr = svc.local_addr();
-        std::thread::spawn(move || svc.run());
+        let (addr, secret) = serve("many");
         let threads = || std::fs::read_dir("/proc/self/task").unwrap().count();
         let before = threads();
         let mut socks: Vec<std::net::TcpStream> = (0..40)

@@ -78,26 +78,6 @@ impl ErrorCode {
     pub fn is_temporary(self) -> bool {
         matches!(self, Self::Starting | Self::ChangeInProgress | Self::VoteInProgress)
     }
-
-    /// A short name for logs and errors.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Invalid => "invalid",
-            Self::Limit => "limit",
-            Self::Mismatch => "mismatch",
-            Self::Starting => "starting",
-            Self::ChangeInProgress => "change-in-progress",
-            Self::VoteInProgress => "vote-in-progress",
-            Self::NotLeader => "not-leader",
-            Self::Full => "full",
-            Self::Stale => "stale",
-            Self::AlreadyApplied => "already-applied",
-            Self::Lost => "lost",
-            Self::Unsupported => "unsupported",
-            Self::Checkpoint => "checkpoint",
-            Self::Unexpected => "unexpected",
-        }
-    }
 }
 
 /// A refusal: its code, and a message for people.
