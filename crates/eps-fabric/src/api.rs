@@ -348,7 +348,23 @@ pub trait ProtectionDomain: Send + Sync {
 
 /// A memory region in host memory, which the CPU may read and write in place
 /// (aggregation, the optimizer, a worker's compute) between transfers.
-pub trait HostRegion: MemoryRegion {
+///
+/// The roles reach its bytes through safe calls only: copies
+/// ([`MemoryRegion::read_at`], [`MemoryRegion::write_at`]), and views
+/// ([`HostRegion::view`], [`HostRegion::view_mut`]) of regions that nothing but
+/// their owner can write: registered with neither [`Access::LOCAL_WRITE`] nor
+/// [`Access::REMOTE_WRITE`]. Memory a peer or an operation in flight may write
+/// (a landing slot, a receive buffer) is copied out, never viewed: a value that
+/// is checked and then used cannot change in between.
+///
+/// # Safety
+/// Implementors guarantee that `access()` is enforced: no operation of the
+/// provider writes a region registered with neither `LOCAL_WRITE` nor
+/// `REMOTE_WRITE` (a local RECV or READ into it, a peer's WRITE or SEND), so its
+/// only writer is its owner through `&mut self`; that `as_slice` covers the live
+/// mapping for as long as the borrow of `self`; and that `is_host` is false for
+/// memory the CPU cannot address (a device's).
+pub unsafe trait HostRegion: MemoryRegion {
     /// The region's bytes.
     ///
     /// # Safety
@@ -361,6 +377,52 @@ pub trait HostRegion: MemoryRegion {
     /// # Safety
     /// No operation that reads or writes this region may be in flight while the slice lives.
     unsafe fn as_mut_slice(&mut self) -> &mut [u8];
+
+    /// Whether the bytes are host memory the CPU addresses (false: a device's
+    /// memory, reached with `read_at`/`write_at` only).
+    fn is_host(&self) -> bool {
+        true
+    }
+
+    /// The bytes of a region that only its owner writes (see the trait's docs).
+    ///
+    /// Fails for a region registered with `LOCAL_WRITE` or `REMOTE_WRITE`, whose
+    /// bytes an operation or a peer may change under the view: copy them out with
+    /// `read_at` instead.
+    fn view(&self) -> Result<&[u8]> {
+        owner_only(self)?;
+        // SAFETY: nothing but the owner writes this region (the trait's contract
+        // for a region without LOCAL_WRITE or REMOTE_WRITE, checked above), and the
+        // owner writes only through `&mut self`, which this borrow excludes.
+        // Operations in flight and peers only read it, as a NIC's DMA reads.
+        Ok(unsafe { self.as_slice() })
+    }
+
+    /// The bytes of a region that only its owner writes, mutably (see
+    /// [`HostRegion::view`]).
+    ///
+    /// Operations in flight may still read the bytes (a WRITE from the region, a
+    /// peer's READ), as a NIC reads by DMA, outside any reference of this
+    /// process: a read that races the owner's writes sees torn bytes, which the
+    /// protocols built on it exclude for the bytes they rely on (version stamps).
+    fn view_mut(&mut self) -> Result<&mut [u8]> {
+        owner_only(self)?;
+        // SAFETY: as in `view`; `&mut self` excludes every other local reference.
+        Ok(unsafe { self.as_mut_slice() })
+    }
+}
+
+/// Refuses a view of a region that something but its owner may write.
+fn owner_only<M: HostRegion + ?Sized>(mr: &M) -> Result<()> {
+    if !mr.is_host() {
+        return Err(crate::FabricError::InvalidArgument("a device's memory has no host view: copy it with read_at"));
+    }
+    if mr.access().contains(Access::LOCAL_WRITE) || mr.access().contains(Access::REMOTE_WRITE) {
+        return Err(crate::FabricError::InvalidArgument(
+            "a region that operations or peers may write has no view: copy it out with read_at",
+        ));
+    }
+    Ok(())
 }
 
 /// Everything the server and worker roles need of a provider: a protection domain

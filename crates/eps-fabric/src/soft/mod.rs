@@ -146,7 +146,11 @@ pub struct SoftMr {
     table: Arc<MrTable>,
 }
 
-impl HostRegion for SoftMr {
+// SAFETY: the soft and shm providers check every local SGE that an operation
+// writes (RECV, the target of a READ) for LOCAL_WRITE when it is posted, and
+// every peer's WRITE or SEND target for REMOTE_WRITE in the engine, against the
+// region's registered access; the mapping lives as long as `inner`.
+unsafe impl HostRegion for SoftMr {
     unsafe fn as_slice(&self) -> &[u8] {
         // SAFETY: the caller excludes concurrent writers; the mapping lives as long as self.
         unsafe { std::slice::from_raw_parts(self.inner.buf.as_ptr(), self.inner.buf.len()) }

@@ -136,7 +136,14 @@ impl MemoryRegion for RdmaMr {
     }
 }
 
-impl HostRegion for RdmaMr {
+// SAFETY: the NIC enforces the access flags the region was registered with
+// (`access_flags`): without LOCAL_WRITE it never writes the region for a RECV
+// or READ, without REMOTE_WRITE it refuses peers' WRITEs; `is_host` is false
+// for device memory, whose `as_slice` panics instead of making a view.
+unsafe impl HostRegion for RdmaMr {
+    fn is_host(&self) -> bool {
+        RdmaMr::is_host(self)
+    }
     /// # Panics
     /// On device memory ([`RdmaMr::is_host`] is false), which has no host view.
     unsafe fn as_slice(&self) -> &[u8] {
