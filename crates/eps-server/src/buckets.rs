@@ -16,7 +16,7 @@
 
 use std::time::Instant;
 
-use eps_fabric::{Access, Fabric, HostRegion, MemoryRegion, RemoteAddr, SendOp, SendWr, Sge};
+use eps_fabric::{Access, Fabric, MemoryRegion, RemoteAddr, SendOp, SendWr, Sge};
 use eps_proto::buckets::{self, BUCKETS};
 use eps_proto::control::ControlMsg;
 use eps_sparse::moves;
@@ -186,7 +186,7 @@ impl<P: Fabric> Server<P> {
         let Some(o) = self.sparse.moving.outgoing.take() else { return Ok(()) };
         for (i, &to) in o.targets.iter().enumerate() {
             let blob = &o.blobs[i];
-            let mut mr = self.pd.alloc_mr(blob.len(), Access::LOCAL_WRITE | Access::REMOTE_READ)?;
+            let mut mr = self.pd.alloc_mr(blob.len(), Access::REMOTE_READ)?;
             mr.write_at(0, blob);
             let (addr, rkey, len) = (mr.addr(), mr.rkey(), blob.len() as u64);
             self.sparse.moving.blobs.push((to, mr));
@@ -255,9 +255,10 @@ impl<P: Fabric> Server<P> {
         }
         let Fetch { mr, started, .. } = self.sparse.moving.fetching.remove(k);
         let strides: Vec<usize> = self.sparse.tables.iter().map(|t| t.part.rows().stride()).collect();
-        // SAFETY: the READ into this buffer completed and nothing else writes it.
-        let blob = unsafe { mr.as_slice() };
-        let sections = moves::sections(blob, &strides).map_err(|e| ServerError::Sparse(format!("from server {from}: {e}")))?;
+        // Copied out before it is parsed (the READ into it completed).
+        let mut blob = vec![0u8; mr.len()];
+        mr.read_at(0, &mut blob);
+        let sections = moves::sections(&blob, &strides).map_err(|e| ServerError::Sparse(format!("from server {from}: {e}")))?;
         let mut rows = 0;
         for s in sections {
             self.sparse.tables[s.table as usize]

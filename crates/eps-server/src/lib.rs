@@ -8,11 +8,16 @@
 //! its registered memory into the worker's. Shards arrive and leave while the job
 //! runs (see `migrate.rs`): the control plane's orders say which.
 //!
-//! # Safety
-//! This crate reads landing slots and writes published buffers in place. Which
-//! bytes a peer may be writing or reading at any moment is decided by the protocol
-//! (see `ShardSync`); the two `unsafe` views into registered memory rely on it and
-//! say so at each use.
+//! # Memory peers reach
+//! This crate holds no `unsafe`: it reaches registered memory through
+//! eps-fabric's safe calls. Regions only this server writes (the published
+//! copies, the master values and optimizer state, reply and forward buffers)
+//! are registered without LOCAL_WRITE or REMOTE_WRITE, and the fabric gives
+//! views of them; what peers write (landing slots, forwarded gradients, a
+//! snapshot's inbox, sparse requests, moved buckets) is copied out before it is
+//! checked or used. Which bytes a peer may write at a moment is decided by the
+//! protocol (see `ShardSync`): a peer that breaks it changes only the values it
+//! sent, never what this server checked.
 
 mod buckets;
 mod checkpoint;

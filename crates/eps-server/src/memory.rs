@@ -6,6 +6,13 @@
 //! an f32 gradient buffer (the source forwards each averaged gradient from it; the
 //! target receives into it).
 //!
+//! The server reads and writes these bytes through eps-fabric's safe calls only:
+//! the master/state region, the published copies and a source's forward buffer
+//! are registered for their owner alone (no LOCAL_WRITE, no REMOTE_WRITE), so
+//! the fabric gives views of them; what peers write (landing slots, forwarded
+//! gradients, a snapshot's inbox) is copied out block by block before it is
+//! used, so a peer racing its own buffer changes only the values it sent.
+//!
 //! With a device, the master copy and optimizer state live in its memory between
 //! updates; with [`DirectRegions`] as well, so do the landing slots and the
 //! published copies (GPU memory the NIC reaches in place, GPUDirect RDMA): the
@@ -75,10 +82,14 @@ impl Master<'_> {
     }
 }
 
-/// One thread's share of an update: elements `[0, master.len())` of a range.
-struct Part<'a> {
-    slots: [&'a [u8]; MAX_WORKERS],
+/// One thread's share of an update: elements `[0, master.len())` of a range
+/// that starts at element `first` of the shard.
+struct Part<'a, M> {
+    slots: [Option<&'a M>; MAX_WORKERS],
     n_slots: usize,
+    first: usize,
+    /// Where each block of the contributions is copied out of the slots.
+    copies: &'a mut Vec<u8>,
     master: Master<'a>,
     state: &'a mut [f32],
     dst: &'a mut [u8],
@@ -89,15 +100,25 @@ struct Part<'a> {
 
 /// Sums, steps and publishes one part block by block: element-wise math, so blocks
 /// and parts give the same bits as whole-shard calls, with less memory traffic.
-fn fused(u: &UpdateArgs<'_>, dtype: DType, k: usize, mut p: Part<'_>) -> Result<(), AggError> {
+fn fused<M: HostRegion>(u: &UpdateArgs<'_>, dtype: DType, k: usize, mut p: Part<'_, M>) -> Result<(), AggError> {
     let es = dtype.size_bytes();
     let len = p.master.len();
+    let block = block_elems(p.n_slots, es);
     let mut start = 0;
     while start < len {
-        let end = (start + FUSE_BLOCK).min(len);
+        let end = (start + block).min(len);
+        let n = (end - start) * es;
+        // The contributions are copied out of the landing slots first: what a
+        // peer writes into its slot meanwhile cannot reach the sum half-way.
+        p.copies.resize(p.n_slots * n, 0);
+        for (c, s) in p.copies.chunks_exact_mut(n).zip(&p.slots[..p.n_slots]) {
+            if let Some(s) = s {
+                s.read_at((p.first + start) * es, c);
+            }
+        }
         let mut inputs: [&[u8]; MAX_WORKERS] = [&[]; MAX_WORKERS];
-        for (x, s) in inputs.iter_mut().zip(&p.slots[..p.n_slots]) {
-            *x = &s[start * es..end * es];
+        for (x, c) in inputs.iter_mut().zip(p.copies.chunks_exact(n)) {
+            *x = c;
         }
         let grad = &mut p.grad[..end - start];
         u.agg.reduce(dtype, &inputs[..p.n_slots], u.scale, grad)?;
@@ -121,6 +142,13 @@ fn fused(u: &UpdateArgs<'_>, dtype: DType, k: usize, mut p: Part<'_>) -> Result<
         start = end;
     }
     Ok(())
+}
+
+/// Elements per block of an update with `n_slots` contributions of `es` bytes:
+/// their copies stay within about 512 KiB (the L2 cache), at most
+/// [`FUSE_BLOCK`]. Blocks do not change the bits (element-wise math).
+fn block_elems(n_slots: usize, es: usize) -> usize {
+    (512 * 1024 / (n_slots.max(1) * es)).clamp(1024, FUSE_BLOCK)
 }
 
 /// Memory of a shard device's own, registered with the fabric, that the device
@@ -174,8 +202,13 @@ pub struct ShardBlock<P: Fabric> {
     pub published: P::Mr,
     /// Landing slots, one region per worker rank.
     pub landing: Vec<P::Mr>,
-    /// f32 master parameters (`len`), then the optimizer state (`len * state_k`).
+    /// f32 master parameters (`len`), then the optimizer state (`len * state_k`),
+    /// then the snapshot tail: registered for this server alone.
     pub state: P::Mr,
+    /// Where a peer's snapshot of the master/state region lands (a shard that
+    /// arrives by migration, a new backup), remotely writable, until
+    /// [`ShardMemory::take_snapshot`] copies it into `state`.
+    pub inbox: Option<P::Mr>,
     /// f32 gradient buffer of a migration (source: forwarded from; target: received
     /// into).
     pub grad: Option<P::Mr>,
@@ -193,23 +226,29 @@ impl<P: Fabric> ShardBlock<P> {
         let Some(q) = self.latest.take() else { return };
         let (len, bytes) = (self.len as usize, self.bytes);
         let off = published_offset(bytes as u64, q) as usize;
-        // SAFETY: the callers exclude WRITEs into the master/state region and
-        // updates of this shard; the published buffer `q` is only read (peers
-        // READ it too; nothing writes it until the next update, which the callers
-        // exclude).
-        let (all, publ) = unsafe { (b_state(&mut self.state), self.published.as_slice()) };
-        let master: &mut [u8] = bytemuck::cast_slice_mut(&mut all[..len]);
-        master.copy_from_slice(&publ[off..off + bytes]);
+        let master = &mut own_mut(&mut self.state)[..len * 4];
+        if self.direct {
+            self.published.read_at(off, master);
+        } else {
+            master.copy_from_slice(&own(&self.published)[off..off + bytes]);
+        }
     }
 }
 
+/// The bytes of a region the block registered for itself alone (see the module
+/// docs): an invariant of this file, so a refusal is a bug here.
+fn own<M: HostRegion>(mr: &M) -> &[u8] {
+    mr.view().expect("a shard's own region has a view")
+}
+
+/// As [`own`], mutably.
+fn own_mut<M: HostRegion>(mr: &mut M) -> &mut [u8] {
+    mr.view_mut().expect("a shard's own region has a view")
+}
+
 /// The master/state region as f32 values.
-///
-/// # Safety
-/// No WRITE into or from the region is in flight and nothing else references it.
-unsafe fn b_state<M: HostRegion>(state: &mut M) -> &mut [f32] {
-    // SAFETY: the caller's contract.
-    bytemuck::cast_slice_mut(unsafe { state.as_mut_slice() })
+fn own_f32<M: HostRegion>(mr: &mut M) -> &mut [f32] {
+    bytemuck::cast_slice_mut(own_mut(mr))
 }
 
 /// All shards of one server.
@@ -229,6 +268,9 @@ pub struct ShardMemory<P: Fabric> {
     /// Scratch for the master values of one block stepped beside the master
     /// region, per computing thread.
     scratch: [Vec<f32>; 2],
+    /// Scratch for one block of the contributions copied out of the landing
+    /// slots, per computing thread.
+    copies: [Vec<u8>; 2],
     /// Where master copies and optimizer state live between updates, if not here.
     device: Option<Arc<dyn ShardDevice>>,
     /// The device's own memory for landing slots and published copies, if used.
@@ -274,13 +316,17 @@ const SNAPSHOT_TAIL: usize = 8 + 8 * MAX_WORKERS + 56;
 pub enum Origin<'a> {
     /// Initial parameters from `init(global_index)`, zero optimizer state.
     Init(&'a dyn Fn(u64) -> f32),
-    /// Arrives by migration: the master/state region and the gradient buffer are
-    /// remotely writable (by the source that is given their keys).
+    /// Arrives by migration: the source writes the master values and state into
+    /// the inbox and its forwards into the gradient buffer (it is given their
+    /// keys).
     Incoming,
-    /// A backup: initial parameters from `init(global_index)` (or its owner's
-    /// snapshot, remotely written), and a gradient buffer of two halves (by
-    /// version parity) the owner writes its forwards into.
+    /// A backup: initial parameters from `init(global_index)`, and a gradient
+    /// buffer of two halves (by version parity) the owner writes its forwards
+    /// into.
     Backup(&'a dyn Fn(u64) -> f32),
+    /// A new backup that starts from its owner's snapshot, written into the
+    /// inbox; forwards as for [`Origin::Backup`].
+    BackupFromSnapshot,
 }
 
 impl<P: Fabric> ShardMemory<P> {
@@ -302,6 +348,7 @@ impl<P: Fabric> ShardMemory<P> {
             blocks: (0..total_shards).map(|_| None).collect(),
             grads: [vec![0f32; FUSE_BLOCK], vec![0f32; FUSE_BLOCK]],
             scratch: [vec![0f32; FUSE_BLOCK], vec![0f32; FUSE_BLOCK]],
+            copies: [Vec::new(), Vec::new()],
             device,
             direct: None,
         }
@@ -331,8 +378,7 @@ impl<P: Fabric> ShardMemory<P> {
         let Some(b) = self.block_mut(id) else { return Ok(()) };
         b.materialize();
         let Some((dev, owns)) = b.dev.as_mut().filter(|(_, owns)| *owns) else { return Ok(()) };
-        // SAFETY: no WRITE uses the region (above); nothing else references it.
-        let all: &mut [f32] = bytemuck::cast_slice_mut(unsafe { b.state.as_mut_slice() });
+        let all = own_f32(&mut b.state);
         dev.download(&mut all[..b.len as usize * (1 + k)]).map_err(|source| MemoryError::Device { shard: id, source })?;
         *owns = false;
         Ok(())
@@ -362,21 +408,24 @@ impl<P: Fabric> ShardMemory<P> {
     /// `start`).
     pub fn add(&mut self, id: u32, start: u64, len: u64, origin: Origin<'_>) -> Result<(), MemoryError> {
         let bytes = len as usize * self.dtype.size_bytes();
-        let published = self.alloc_shared(
-            id,
-            "published parameters",
-            PUBLISHED_HEADER as usize + 2 * bytes,
-            Access::LOCAL_WRITE | Access::REMOTE_READ,
-        )?;
+        // Peers only READ the published copies: registered so, the fabric gives
+        // this server views of them.
+        let published =
+            self.alloc_shared(id, "published parameters", PUBLISHED_HEADER as usize + 2 * bytes, Access::REMOTE_READ)?;
         let landing = (0..self.workers)
             .map(|_| self.alloc_shared(id, "gradient landing slots", bytes, Access::LOCAL_WRITE | Access::REMOTE_WRITE))
             .collect::<Result<Vec<_>, _>>()?;
         let state_bytes = len as usize * (1 + self.state_k) * 4 + SNAPSHOT_TAIL;
         let incoming = matches!(origin, Origin::Incoming);
-        // A backup's state is written by its owner's snapshot when it is new.
-        let backup = matches!(origin, Origin::Backup(_));
-        let access = if incoming || backup { Access::LOCAL_WRITE | Access::REMOTE_WRITE } else { Access::LOCAL_WRITE };
-        let state = self.alloc(id, "master parameters and optimizer state", state_bytes, access)?;
+        let backup = matches!(origin, Origin::Backup(_) | Origin::BackupFromSnapshot);
+        let state = self.alloc(id, "master parameters and optimizer state", state_bytes, Access::NONE)?;
+        // A snapshot lands beside the state and is copied in once it is whole.
+        let inbox = if matches!(origin, Origin::Incoming | Origin::BackupFromSnapshot) {
+            let rw = Access::LOCAL_WRITE | Access::REMOTE_WRITE;
+            Some(self.alloc(id, "snapshot inbox", state_bytes, rw)?)
+        } else {
+            None
+        };
         let grad_access = Access::LOCAL_WRITE | Access::REMOTE_WRITE;
         // A backup receives forwards into two halves by version parity: the next
         // may land while the last is applied (it is acknowledged on arrival).
@@ -394,7 +443,7 @@ impl<P: Fabric> ShardMemory<P> {
             None => None,
         };
         let direct = self.direct.is_some() && dev.is_some();
-        let mut b = ShardBlock::<P> { dev, direct, id, start, len, bytes, published, landing, state, grad, latest: None };
+        let mut b = ShardBlock::<P> { dev, direct, id, start, len, bytes, published, landing, state, inbox, grad, latest: None };
         if let (Some((d, _)), true) = (b.dev.as_mut(), direct) {
             let dev_err = |source| MemoryError::Device { shard: id, source };
             for (r, slot) in b.landing.iter().enumerate() {
@@ -417,9 +466,7 @@ impl<P: Fabric> ShardMemory<P> {
             }
         }
         if let Origin::Init(init) | Origin::Backup(init) = origin {
-            // SAFETY: the region was just registered and its keys not yet given out.
-            let all: &mut [f32] = bytemuck::cast_slice_mut(unsafe { b.state.as_mut_slice() });
-            for (i, m) in all[..len as usize].iter_mut().enumerate() {
+            for (i, m) in own_f32(&mut b.state)[..len as usize].iter_mut().enumerate() {
                 *m = init(start + i as u64);
             }
         }
@@ -463,11 +510,8 @@ impl<P: Fabric> ShardMemory<P> {
             let Some(mut child) = self.remove(pid) else { continue };
             let Some(p) = self.get(id) else { continue };
             let (off, n) = ((child.start - start) as usize, child.len as usize);
-            // SAFETY: no WRITE into or from the parent's region is in flight and no
-            // update runs (the caller); it is only read here.
-            let src: &[f32] = bytemuck::cast_slice(unsafe { p.state.as_slice() });
-            // SAFETY: the child's region was just registered; its keys are not out yet.
-            let dst: &mut [f32] = bytemuck::cast_slice_mut(unsafe { child.state.as_mut_slice() });
+            let src: &[f32] = bytemuck::cast_slice(own(&p.state));
+            let dst = own_f32(&mut child.state);
             dst[..n].copy_from_slice(&src[off..off + n]);
             dst[n..n + n * k].copy_from_slice(&src[len as usize + off * k..len as usize + (off + n) * k]);
             self.blocks[pid as usize] = Some(child);
@@ -488,9 +532,7 @@ impl<P: Fabric> ShardMemory<P> {
         self.to_host(id)?;
         let k = self.state_k;
         let Some(b) = self.get(id) else { return Ok(None) };
-        // SAFETY: no WRITE lands in the region and no update runs (the caller);
-        // it is only read here.
-        let all: &[f32] = bytemuck::cast_slice(unsafe { b.state.as_slice() });
+        let all: &[f32] = bytemuck::cast_slice(own(&b.state));
         Ok(Some(all[..b.len as usize * (1 + k)].to_vec()))
     }
 
@@ -504,10 +546,7 @@ impl<P: Fabric> ShardMemory<P> {
         let Some(b) = self.block_mut(id) else { return Ok(()) };
         b.latest = None;
         let len = b.len as usize;
-        // SAFETY: the region's keys are not out yet (the caller): nothing else
-        // references it.
-        let all: &mut [f32] = bytemuck::cast_slice_mut(unsafe { b.state.as_mut_slice() });
-        let (master, rest) = all.split_at_mut(len);
+        let (master, rest) = own_f32(&mut b.state).split_at_mut(len);
         fill(master, &mut rest[..len * k])
     }
 
@@ -536,8 +575,7 @@ impl<P: Fabric> ShardMemory<P> {
     /// The caller guarantees no WRITE from or into the region is in flight.
     pub fn set_snapshot_version(&mut self, id: u32, version: u64, clocks: &[u64]) {
         let Some(b) = self.block_mut(id) else { return };
-        // SAFETY: no WRITE uses the region (above); nothing else references it.
-        let all = unsafe { b.state.as_mut_slice() };
+        let all = own_mut(&mut b.state);
         let tail = all.len() - SNAPSHOT_TAIL;
         all[tail..tail + 8].copy_from_slice(&version.to_le_bytes());
         for (i, c) in clocks.iter().take(MAX_WORKERS).enumerate() {
@@ -550,10 +588,23 @@ impl<P: Fabric> ShardMemory<P> {
     pub fn snapshot_version(&self, id: u32) -> Option<(u64, Vec<u64>)> {
         let b = self.get(id)?;
         let mut t = vec![0u8; SNAPSHOT_TAIL];
-        b.state.read_at(b.state.len() - SNAPSHOT_TAIL, &mut t);
+        let from = b.inbox.as_ref().unwrap_or(&b.state);
+        from.read_at(from.len() - SNAPSHOT_TAIL, &mut t);
         let word = |i: usize| u64::from_le_bytes(t[8 * i..8 * i + 8].try_into().unwrap_or([0; 8]));
         let clocks = (0..(self.workers as usize).min(MAX_WORKERS)).map(|i| word(1 + i)).collect();
         Some((word(0), clocks))
+    }
+
+    /// The snapshot in shard `id`'s inbox has landed whole: copies it into the
+    /// master/state region and frees the inbox (its keys stop working). A no-op
+    /// without an inbox.
+    ///
+    /// The caller guarantees the snapshot WRITE completed (its notice came after
+    /// it on the same queue pair).
+    pub fn take_snapshot(&mut self, id: u32) {
+        let Some(b) = self.block_mut(id) else { return };
+        let Some(inbox) = b.inbox.take() else { return };
+        inbox.read_at(0, own_mut(&mut b.state));
     }
 
     /// SSP/ASP migration source: puts worker `worker`'s contribution in shard
@@ -568,22 +619,14 @@ impl<P: Fabric> ShardMemory<P> {
         let Some(b) = self.block_mut(id) else { return };
         let Some(slot) = b.landing.get(worker as usize) else { return };
         let Some(g) = b.grad.as_mut() else { return };
-        // In the device's memory, the contribution is copied out first.
-        let copied = b.direct.then(|| {
-            let mut c = vec![0u8; b.bytes];
-            slot.read_at(0, &mut c);
-            c
-        });
-        let src = match &copied {
-            Some(c) => c.as_slice(),
-            // SAFETY: the slot's contribution landed and its worker waits for a
-            // credit (above). (A direct slot has no host view: copied above.)
-            None => unsafe { slot.as_slice() },
-        };
-        // SAFETY: the gradient buffer is not being sent (above).
-        let dst: &mut [f32] = bytemuck::cast_slice_mut(unsafe { g.as_mut_slice() });
-        eps_agg::reduce::sum(dtype, &[src], dst, 1);
+        // The contribution is copied out of the slot first, and the forward is
+        // copied into the gradient buffer.
+        let mut src = vec![0u8; b.bytes];
+        slot.read_at(0, &mut src);
+        let mut dst = vec![0f32; b.len as usize];
+        eps_agg::reduce::sum(dtype, &[&src], &mut dst, 1);
         dst.iter_mut().for_each(|x| *x *= scale);
+        g.write_at(0, bytemuck::cast_slice(&dst));
     }
 
     /// With a device: starts copying worker `rank`'s contribution to shard `id` to
@@ -604,7 +647,7 @@ impl<P: Fabric> ShardMemory<P> {
     /// Gives shard `id` a gradient buffer to forward from (migration source).
     pub fn add_forward_buffer(&mut self, id: u32) -> Result<(), MemoryError> {
         let len = self.get(id).map_or(0, |b| b.len as usize);
-        let mr = self.alloc(id, "migration gradient buffer", len * 4, Access::LOCAL_WRITE)?;
+        let mr = self.alloc(id, "migration gradient buffer", len * 4, Access::NONE)?;
         if let Some(b) = self.block_mut(id) {
             b.grad = Some(mr);
         }
@@ -623,97 +666,107 @@ impl<P: Fabric> ShardMemory<P> {
     /// `parity`, split over `u.threads` threads by element range. When the shard has
     /// a gradient buffer, the averaged gradient is copied into it for forwarding.
     ///
-    /// # Safety
-    /// No WRITE into the contributors' slots of this shard may be in flight (their
-    /// pushes completed, and none may push the shard again before the server says
-    /// so: a pull answer in BSP, a credit otherwise); no pull may be reading or being
-    /// written from buffer `parity` (`ShardSync::can_publish`); and no WRITE from the
-    /// master/state region or the gradient buffer (a snapshot, a forward) may be in
-    /// flight.
-    pub unsafe fn update(&mut self, id: u32, parity: usize, contributors: &[u32], u: &UpdateArgs<'_>) -> Result<(), AggError> {
+    /// The caller guarantees, for the result to be right: the contributors'
+    /// pushes of this shard completed and none pushes it again before the server
+    /// says so (a pull answer in BSP, a credit otherwise); no pull is reading or
+    /// being written from buffer `parity` (`ShardSync::can_publish`); and no
+    /// WRITE from the gradient buffer (a forward) is in flight. The contributions
+    /// are copied out of the slots block by block, so a peer that breaks the rule
+    /// changes only the values it sent.
+    pub fn update(&mut self, id: u32, parity: usize, contributors: &[u32], u: &UpdateArgs<'_>) -> Result<(), AggError> {
         let (k, dtype) = (self.state_k, self.dtype);
         let es = dtype.size_bytes();
         let Some(b) = self.blocks.get_mut(id as usize).and_then(Option::as_mut) else { return Ok(()) };
         let len = b.len as usize;
-        // f32 on the host, in a region no peer writes (snapshots land only in
-        // remotely writable ones): the step reads the master values where the last
+        // f32 on the host: the step reads the master values where the last
         // update left them and writes the published buffer only.
-        let out_of_place = dtype == DType::F32
-            && b.dev.is_none()
-            && !b.state.access().contains(Access::REMOTE_WRITE)
-            && b.latest != Some(parity);
+        let out_of_place = dtype == DType::F32 && b.dev.is_none() && b.latest != Some(parity);
         if !out_of_place {
             b.materialize();
         }
-        let mut slots: [&[u8]; MAX_WORKERS] = [&[]; MAX_WORKERS];
-        if !b.direct {
-            for (x, &r) in slots.iter_mut().zip(contributors) {
-                // SAFETY: the caller excludes writers of these slots (see above).
-                *x = unsafe { b.landing[r as usize].as_slice() };
-            }
-        }
         let off = published_offset(b.bytes as u64, parity) as usize;
-        // SAFETY: the caller excludes WRITEs from the gradient buffer; nothing else
-        // references it.
-        let fwd: Option<&mut [f32]> = b.grad.as_mut().map(|g| bytemuck::cast_slice_mut(unsafe { g.as_mut_slice() }));
-        // SAFETY: the master/state region is only written remotely before the shard
-        // is live here (a snapshot), and the caller excludes WRITEs from it.
-        let all: &mut [f32] = bytemuck::cast_slice_mut(unsafe { b.state.as_mut_slice() });
         let n_slots = contributors.len().min(MAX_WORKERS);
         if let Some((dev, owns)) = b.dev.as_mut() {
-            on_device(dev.as_mut(), owns, &mut all[..len * (1 + k)])?;
+            on_device(dev.as_mut(), owns, &mut own_f32(&mut b.state)[..len * (1 + k)])?;
+            let mut fwd = b.grad.as_mut().map(|_| vec![0f32; len]);
             let mut inputs: [(usize, &[u8]); MAX_WORKERS] = [(0, &[]); MAX_WORKERS];
-            for ((x, &r), s) in inputs.iter_mut().zip(contributors).zip(slots) {
-                *x = (r as usize, s);
+            for (x, &r) in inputs.iter_mut().zip(contributors) {
+                let host: &[u8] = if b.direct {
+                    &[]
+                } else {
+                    // SAFETY: a device copies the contributions from the slots'
+                    // host memory itself (it has no fabric calls); the caller
+                    // keeps the workers off their slots until the update is done
+                    // (see above).
+                    unsafe { b.landing[r as usize].as_slice() }
+                };
+                *x = (r as usize, host);
             }
-            // SAFETY: as below.
-            let out = unsafe { out_to(b.direct, &mut b.published, off, b.bytes) };
-            return dev.update(&inputs[..n_slots], u.scale, u.opt, u.scalars, fwd, out);
+            let out = out_to(b.direct, &mut b.published, off, b.bytes);
+            dev.update(&inputs[..n_slots], u.scale, u.opt, u.scalars, fwd.as_deref_mut(), out)?;
+            if let (Some(f), Some(g)) = (fwd, b.grad.as_mut()) {
+                g.write_at(0, bytemuck::cast_slice(&f));
+            }
+            return Ok(());
         }
-        let (m, st) = all.split_at_mut(len);
+        let mut slots: [Option<&P::Mr>; MAX_WORKERS] = [None; MAX_WORKERS];
+        for (x, &r) in slots.iter_mut().zip(contributors) {
+            *x = b.landing.get(r as usize);
+        }
+        // The averaged gradient for forwarding: in place in a buffer of this
+        // server's own, else gathered here and copied in after.
+        let mut gathered = None;
+        let fwd: Option<&mut [f32]> = match b.grad.as_mut() {
+            Some(g) if g.view().is_ok() => Some(bytemuck::cast_slice_mut(own_mut(g))),
+            Some(_) => Some(gathered.insert(vec![0f32; len]).as_mut_slice()),
+            None => None,
+        };
+        let (m, st) = own_f32(&mut b.state).split_at_mut(len);
         let st = &mut st[..len * k];
         let [g0, g1] = &mut self.grads;
         let [s0, s1] = &mut self.scratch;
+        let [c0, c1] = &mut self.copies;
         let (master, dst) = if out_of_place {
             let from = b.latest.replace(parity);
             let h = published_offset(b.bytes as u64, 0) as usize;
-            // SAFETY: the caller guarantees no pull uses buffer `parity`; the other
-            // buffer is only read here (peers READ it too), and no other reference
-            // to the region exists meanwhile.
-            let publ = unsafe { b.published.as_mut_slice() };
+            let publ = own_mut(&mut b.published);
             let (lo, hi) = publ.split_at_mut(h + b.bytes);
             let (dst, prev) = if parity == 0 { (&mut lo[h..], &hi[..b.bytes]) } else { (&mut hi[..b.bytes], &lo[h..]) };
             // The master values: where the last update left them, else the region.
             let input: &[f32] = if from.is_some() { bytemuck::cast_slice(prev) } else { m };
             (Master::Beside { input, scratch: s0 }, dst)
         } else {
-            // SAFETY: the caller guarantees no pull uses this buffer; peers only READ
-            // the published region, and no other reference to it exists meanwhile.
-            (Master::InPlace(m), unsafe { published_bytes(&mut b.published, off, b.bytes) })
+            (Master::InPlace(m), &mut own_mut(&mut b.published)[off..off + b.bytes])
         };
-        if u.threads < 2 || len < 4 * FUSE_BLOCK {
-            return fused(u, dtype, k, Part { slots, n_slots, master, state: st, dst, grad: g0, fwd });
+        let r = if u.threads < 2 || len < 4 * FUSE_BLOCK {
+            fused(u, dtype, k, Part { slots, n_slots, first: 0, copies: c0, master, state: st, dst, grad: g0, fwd })
+        } else {
+            let mid = (len / 2).div_ceil(FUSE_BLOCK) * FUSE_BLOCK;
+            let (m0, m1) = master.split_at(mid, s1);
+            let (st0, st1) = st.split_at_mut(mid * k);
+            let (d0, d1) = dst.split_at_mut(mid * es);
+            let (f0, f1) = match fwd {
+                Some(f) => {
+                    let (a, b) = f.split_at_mut(mid);
+                    (Some(a), Some(b))
+                }
+                None => (None, None),
+            };
+            std::thread::scope(|s| {
+                let h = s.spawn(|| {
+                    let p1 = Part { slots, n_slots, first: mid, copies: c1, master: m1, state: st1, dst: d1, grad: g1, fwd: f1 };
+                    fused(u, dtype, k, p1)
+                });
+                let p0 = Part { slots, n_slots, first: 0, copies: c0, master: m0, state: st0, dst: d0, grad: g0, fwd: f0 };
+                let a = fused(u, dtype, k, p0);
+                let b = h.join().unwrap_or(Ok(()));
+                a.and(b)
+            })
+        };
+        if let (Some(f), Some(g)) = (gathered, b.grad.as_mut()) {
+            g.write_at(0, bytemuck::cast_slice(&f));
         }
-        let mid = (len / 2).div_ceil(FUSE_BLOCK) * FUSE_BLOCK;
-        let (m0, m1) = master.split_at(mid, s1);
-        let (st0, st1) = st.split_at_mut(mid * k);
-        let (d0, d1) = dst.split_at_mut(mid * es);
-        let (f0, f1) = match fwd {
-            Some(f) => {
-                let (a, b) = f.split_at_mut(mid);
-                (Some(a), Some(b))
-            }
-            None => (None, None),
-        };
-        let slots1: [&[u8]; MAX_WORKERS] = std::array::from_fn(|r| if r < n_slots { &slots[r][mid * es..] } else { &[][..] });
-        std::thread::scope(|s| {
-            let h = s.spawn(|| {
-                fused(u, dtype, k, Part { slots: slots1, n_slots, master: m1, state: st1, dst: d1, grad: g1, fwd: f1 })
-            });
-            let a = fused(u, dtype, k, Part { slots, n_slots, master: m0, state: st0, dst: d0, grad: g0, fwd: f0 });
-            let b = h.join().unwrap_or(Ok(()));
-            a.and(b)
-        })
+        r
     }
 
     /// Applies a forwarded update to shard `id` (a migration target): the optimizer
@@ -721,39 +774,38 @@ impl<P: Fabric> ShardMemory<P> {
     /// into buffer `parity`. The same element-wise code as [`ShardMemory::update`],
     /// so the result is bitwise the source's.
     ///
-    /// # Safety
-    /// The forward has landed and the source writes the gradient buffer again only
-    /// after our acknowledgement; no pull uses buffer `parity`.
-    pub unsafe fn apply_forwarded(&mut self, id: u32, parity: usize, u: &UpdateArgs<'_>) -> Result<(), AggError> {
+    /// The caller guarantees, for the result to be right: the forward has landed
+    /// and the source writes the gradient buffer (or, for a backup's two halves,
+    /// this version's half) again only after our acknowledgement; no pull uses
+    /// buffer `parity`. The gradient is copied out block by block.
+    pub fn apply_forwarded(&mut self, id: u32, parity: usize, u: &UpdateArgs<'_>) -> Result<(), AggError> {
         let (k, dtype) = (self.state_k, self.dtype);
         let es = dtype.size_bytes();
-        let Some(b) = self.block_mut(id) else { return Ok(()) };
+        let Some(b) = self.blocks.get_mut(id as usize).and_then(Option::as_mut) else { return Ok(()) };
         b.materialize();
         let Some(g) = b.grad.as_ref() else { return Ok(()) };
         let len = b.len as usize;
-        // SAFETY: the source does not write the buffer (or, for a backup's two
-        // halves, this version's half) until we acknowledge (above).
-        let grad: &[f32] = bytemuck::cast_slice(unsafe { g.as_slice() });
         // A backup's buffer has two halves: the one of this version's parity.
-        let grad = if grad.len() >= 2 * len { &grad[parity * len..(parity + 1) * len] } else { &grad[..len] };
+        let from = if g.len() >= 2 * len * 4 { parity * len * 4 } else { 0 };
         let off = published_offset(b.bytes as u64, parity) as usize;
-        // SAFETY: the snapshot WRITE into this region completed before any forward
-        // (RC ordering on the source's queue pair), and nothing else references it.
-        let all: &mut [f32] = bytemuck::cast_slice_mut(unsafe { b.state.as_mut_slice() });
+        let all = own_f32(&mut b.state);
         if let Some((dev, owns)) = b.dev.as_mut() {
             on_device(dev.as_mut(), owns, &mut all[..len * (1 + k)])?;
-            // SAFETY: as below.
-            let out = unsafe { out_to(b.direct, &mut b.published, off, b.bytes) };
-            return dev.apply(grad, u.opt, u.scalars, out);
+            let mut grad = vec![0f32; len];
+            g.read_at(from, bytemuck::cast_slice_mut(&mut grad));
+            let out = out_to(b.direct, &mut b.published, off, b.bytes);
+            return dev.apply(&grad, u.opt, u.scalars, out);
         }
-        // SAFETY: no pull uses this buffer (above); peers only READ the region.
-        let dst = unsafe { published_bytes(&mut b.published, off, b.bytes) };
+        let dst = &mut own_mut(&mut b.published)[off..off + b.bytes];
         let (m, st) = all.split_at_mut(len);
         let st = &mut st[..len * k];
+        let grad = &mut self.grads[0];
         let mut start = 0;
         while start < len {
             let end = (start + FUSE_BLOCK).min(len);
-            u.agg.step(u.opt, u.scalars, &mut m[start..end], &grad[start..end], &mut st[start * k..end * k])?;
+            let gb = &mut grad[..end - start];
+            g.read_at(from + start * 4, bytemuck::cast_slice_mut(gb));
+            u.agg.step(u.opt, u.scalars, &mut m[start..end], gb, &mut st[start * k..end * k])?;
             eps_agg::reduce::narrow(dtype, &m[start..end], &mut dst[start * es..end * es]);
             start = end;
         }
@@ -764,9 +816,9 @@ impl<P: Fabric> ShardMemory<P> {
     /// (the current version): an iteration without contributions, whose
     /// parameters carry over; the master copy and optimizer state stay.
     ///
-    /// # Safety
-    /// As for [`ShardMemory::update`]: no pull uses buffer `parity`.
-    pub unsafe fn carry(&mut self, id: u32, parity: usize) {
+    /// The caller guarantees no pull uses buffer `parity` (as for
+    /// [`ShardMemory::update`]).
+    pub fn carry(&mut self, id: u32, parity: usize) {
         let Some(b) = self.block_mut(id) else { return };
         let src = published_offset(b.bytes as u64, 1 - parity) as usize;
         let dst = published_offset(b.bytes as u64, parity) as usize;
@@ -781,31 +833,18 @@ impl<P: Fabric> ShardMemory<P> {
             b.published.write_at(dst, &v);
             return;
         }
-        // SAFETY: the caller guarantees no pull uses buffer `parity`; peers only
-        // READ the region, and no other reference to it exists meanwhile.
-        let all = unsafe { b.published.as_mut_slice() };
-        all.copy_within(src..src + b.bytes, dst);
+        own_mut(&mut b.published).copy_within(src..src + b.bytes, dst);
     }
 
     /// Sets the version stamp of buffer `parity` of shard `id` (readers that
     /// RDMA-READ the buffer check it before and after; see `STAMP_WRITING`).
     pub fn set_stamp(&mut self, id: u32, parity: usize, value: u64) {
         let Some(b) = self.block_mut(id) else { return };
+        // The fences keep the stamp after the buffer's bytes before it, and
+        // before the bytes an update writes after it, in the order peers' READs
+        // may see them.
         std::sync::atomic::fence(std::sync::atomic::Ordering::Release);
-        if b.direct {
-            // A copy into the device's memory, ordered after the update's writes
-            // (the update returned once they were done).
-            b.published.write_at(8 * parity, &value.to_le_bytes());
-            std::sync::atomic::fence(std::sync::atomic::Ordering::Release);
-            return;
-        }
-        // SAFETY: the stamp lies inside the header at the start of the published
-        // region; peers only read it. A volatile store keeps it in program order with
-        // the buffer writes around it.
-        unsafe {
-            let base = b.published.as_mut_slice().as_mut_ptr();
-            std::ptr::write_volatile(base.add(8 * parity).cast::<[u8; 8]>(), value.to_le_bytes());
-        }
+        b.published.write_at(8 * parity, &value.to_le_bytes());
         std::sync::atomic::fence(std::sync::atomic::Ordering::Release);
     }
 
@@ -821,45 +860,22 @@ impl<P: Fabric> ShardMemory<P> {
         let off = published_offset(b.bytes as u64, parity) as usize;
         let ShardBlock { published, state, len, bytes, dev, direct, .. } = b;
         if let Some((dev, owns)) = dev.as_mut() {
-            // SAFETY: no WRITE uses the region (above); nothing else references it.
-            let all: &mut [f32] = bytemuck::cast_slice_mut(unsafe { state.as_mut_slice() });
-            on_device(dev.as_mut(), owns, &mut all[..*len as usize * (1 + k)])?;
-            // SAFETY: as below.
-            let out = unsafe { out_to(*direct, published, off, *bytes) };
-            return dev.publish(out);
+            on_device(dev.as_mut(), owns, &mut own_f32(state)[..*len as usize * (1 + k)])?;
+            return dev.publish(out_to(*direct, published, off, *bytes));
         }
-        // SAFETY: no WRITE into or from the master/state region is in flight between
-        // updates; it is only read here.
-        let master: &[f32] = &bytemuck::cast_slice(unsafe { state.as_slice() })[..*len as usize];
-        // SAFETY: peers only READ this region, and the consistency state machine
-        // guarantees no pull (WRITE from here) is in flight on this buffer; no other
-        // reference to the region exists while the slice lives.
-        let dst = unsafe { &mut published.as_mut_slice()[off..off + *bytes] };
-        eps_agg::reduce::narrow(dtype, master, dst);
+        let master: &[f32] = &bytemuck::cast_slice(own(state))[..*len as usize];
+        eps_agg::reduce::narrow(dtype, master, &mut own_mut(published)[off..off + *bytes]);
         Ok(())
     }
 }
 
-/// Bytes `off..off + len` of a published region in host memory.
-///
-/// # Safety
-/// No pull is being written from those bytes and nothing else references them.
-unsafe fn published_bytes<M: HostRegion>(published: &mut M, off: usize, len: usize) -> &mut [u8] {
-    // SAFETY: the caller's contract.
-    unsafe { &mut published.as_mut_slice()[off..off + len] }
-}
-
 /// Where a device shard publishes bytes `off..off + len` of a published region:
 /// in place when it is the device's memory (`direct`), else through the host view.
-///
-/// # Safety
-/// As [`published_bytes`].
-unsafe fn out_to<M: HostRegion>(direct: bool, published: &mut M, off: usize, len: usize) -> Out<'_> {
+fn out_to<M: HostRegion>(direct: bool, published: &mut M, off: usize, len: usize) -> Out<'_> {
     if direct {
         return Out::Attached(off);
     }
-    // SAFETY: the caller's contract.
-    Out::Host(unsafe { published_bytes(published, off, len) })
+    Out::Host(&mut own_mut(published)[off..off + len])
 }
 
 /// Makes the device hold the current master copy and state (`host`'s, when the

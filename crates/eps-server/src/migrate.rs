@@ -156,9 +156,12 @@ impl<P: Fabric> Server<P> {
     pub(crate) fn writable_by_peer(&self, id: u32) -> Result<(eps_proto::control::ShardEndpoint, MigrationKeys), ServerError> {
         let b = self.mem.get(id).ok_or_else(|| ServerError::Migration("shard memory vanished".into()))?;
         let grad = b.grad.as_ref().ok_or_else(|| ServerError::Migration("no gradient buffer".into()))?;
+        // A snapshot lands in the inbox; a shard without one (a backup from the
+        // start, kept in step by forwards alone) takes none: no key writes it.
+        let (state_addr, state_rkey) = b.inbox.as_ref().map_or((0, 0), |i| (i.addr(), i.rkey()));
         let keys = MigrationKeys {
-            state_addr: b.state.addr(),
-            state_rkey: b.state.rkey(),
+            state_addr,
+            state_rkey,
             grad_addr: grad.addr(),
             grad_rkey: grad.rkey(),
         };
@@ -475,6 +478,11 @@ impl<P: Fabric> Server<P> {
         };
         let id = m.shard;
         let snapshot_version = self.mem.snapshot_version(id);
+        if self.shards.get(id as usize).and_then(Option::as_ref).is_some_and(|h| matches!(h.incoming, Some((_, None)))) {
+            // The snapshot's notice: the WRITE before it on this queue pair is
+            // whole, and goes from the inbox into the state.
+            self.mem.take_snapshot(id);
+        }
         let bsp = self.mode == eps_proto::Consistency::Bsp;
         let sender = match self.conns[ci].peer {
             Peer::Server(p) => p.rank & !PEER_BIT,

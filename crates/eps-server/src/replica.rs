@@ -239,7 +239,7 @@ impl<P: Fabric> Server<P> {
             self.spans.resize(id as usize + 1, (0, 0));
         }
         self.spans[id as usize] = (start, len);
-        self.mem.add(id, start, len, crate::Origin::Backup(&|_| 0.0))?;
+        self.mem.add(id, start, len, crate::Origin::BackupFromSnapshot)?;
         self.shards[id as usize] = Some(crate::Held {
             sync: eps_proto::sync::ShardSync::incoming(self.mode, self.ranks, 0),
             waiting: Default::default(),

@@ -455,20 +455,19 @@ impl<P: Fabric> Server<P> {
         }
         let u = UpdateArgs { agg: &*self.agg, opt: &self.opt, scalars, scale, threads: self.threads };
         self.mem.set_stamp(id, parity, eps_proto::layout::STAMP_WRITING);
+        // For the right values: `free` said no pull uses `parity`; a forward
+        // landed (its immediate arrived after the data) and its source writes the
+        // gradient buffer again only after our acknowledgement; `ShardSync` asks
+        // for an update only once every contribution in it has landed, each
+        // contributor waits for our pull answer or credit before pushing the
+        // shard again, and no snapshot or forward WRITE from it is in flight
+        // (`busy`).
         if carry {
-            // SAFETY: `free` said no pull uses `parity`.
-            unsafe { self.mem.carry(id, parity) };
+            self.mem.carry(id, parity);
         } else if let Pending::Forward { .. } = p {
-            // SAFETY: the forward landed (its immediate arrived after the data) and
-            // the source writes the gradient buffer again only after our
-            // acknowledgement; `free` said no pull uses `parity`.
-            unsafe { self.mem.apply_forwarded(id, parity, &u)? };
+            self.mem.apply_forwarded(id, parity, &u)?;
         } else {
-            // SAFETY: `ShardSync` only asks for an update once every contribution in
-            // it has landed, each contributor waits for our pull answer or credit
-            // before pushing this shard again, `free` said no pull uses `parity`, and
-            // no snapshot or forward WRITE from this shard is in flight (`busy`).
-            unsafe { self.mem.update(id, parity, &contributors, &u)? };
+            self.mem.update(id, parity, &contributors, &u)?;
         }
         self.mem.set_stamp(id, parity, next);
         let d = crate::replica::Deferred { p, version: next, carry, one };

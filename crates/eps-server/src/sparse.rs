@@ -82,7 +82,8 @@ impl<P: Fabric> Sparse<P> {
             let mut reply = Vec::with_capacity(ranks as usize);
             for _ in 0..ranks {
                 landing.push(touched(pd.alloc_mr(push.next_multiple_of(8) + pull, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?));
-                reply.push(touched(pd.alloc_mr(reply_bytes, Access::LOCAL_WRITE)?));
+                // Only this server writes a reply region (WRITEs go out of it).
+                reply.push(touched(pd.alloc_mr(reply_bytes, Access::NONE)?));
             }
             let part = TablePart::new(t, spec.job.consistency, ranks).map_err(|e| ServerError::Sparse(e.to_string()))?;
             let n = ranks as usize;
@@ -351,9 +352,9 @@ impl<P: Fabric> Server<P> {
             .map_err(|e| ServerError::Sparse(format!("a pull checked on arrival: {e}")))?;
         let n = q.keys.len() * dim;
         let remote = RemoteAddr { addr: q.header.reply_addr, rkey: q.header.reply_rkey };
-        // SAFETY: the previous answer's WRITE from this region was delivered
-        // (the worker asks again only after it), and no other one is posted.
-        let out = unsafe { reply[w as usize].as_mut_slice() };
+        // The previous answer's WRITE from this region was delivered (the worker
+        // asks again only after it), so no answer goes out torn.
+        let out = reply[w as usize].view_mut().map_err(|e| ServerError::Sparse(format!("the reply region: {e}")))?;
         let bytes = n * dtype.size_bytes();
         if dtype == eps_agg::DType::F32 {
             let rows: &mut [f32] = bytemuck::cast_slice_mut(&mut out[..bytes]);

@@ -25,8 +25,7 @@ fn a_split_copies_each_part_of_the_parent() {
         m.add(0, start, len, Origin::Init(&|i| (i as f32).sin() * 3.0)).unwrap();
         {
             let b = m.block_mut(0).unwrap();
-            // SAFETY: test-local memory, no peer.
-            let all: &mut [f32] = bytemuck::cast_slice_mut(unsafe { b.state.as_mut_slice() });
+            let all: &mut [f32] = bytemuck::cast_slice_mut(b.state.view_mut().unwrap());
             for (i, x) in all[len as usize..len as usize * 3].iter_mut().enumerate() {
                 *x = i as f32 * 0.5;
             }
@@ -36,15 +35,13 @@ fn a_split_copies_each_part_of_the_parent() {
         m.split(0, 1, 7, [(3, lo_len), (4, len - lo_len)]).unwrap();
         let es = dtype.size_bytes();
         let p = m.get(0).unwrap();
-        // SAFETY: test-local memory, no peer.
-        let (pst, ppub) = unsafe { (p.state.as_slice().to_vec(), p.published.as_slice().to_vec()) };
+        let (pst, ppub) = (p.state.view().unwrap().to_vec(), p.published.view().unwrap().to_vec());
         let pst: &[f32] = bytemuck::cast_slice(&pst);
         let poff = published_offset(p.bytes as u64, 1) as usize;
         for (id, off, n) in [(3u32, 0usize, lo_len as usize), (4, lo_len as usize, (len - lo_len) as usize)] {
             let c = m.get(id).unwrap();
             assert_eq!((c.start, c.len), (start + off as u64, n as u64));
-            // SAFETY: test-local memory, no peer.
-            let (cst, cpub) = unsafe { (c.state.as_slice(), c.published.as_slice()) };
+            let (cst, cpub) = (c.state.view().unwrap(), c.published.view().unwrap());
             let cst: &[f32] = bytemuck::cast_slice(cst);
             assert_eq!(&cst[..n], &pst[off..off + n], "master of {id}");
             assert_eq!(&cst[n..3 * n], &pst[len as usize + 2 * off..len as usize + 2 * (off + n)], "state of {id}");
@@ -93,24 +90,21 @@ fn the_device_path_equals_the_host_path() {
                     m.stage(0, 2).unwrap();
                 }
                 let u = UpdateArgs { agg: &agg, opt: &opt, scalars: opt.scalars(step, 0.01), scale: 1.0 / 3.0, threads: 1 };
-                // SAFETY: test-local memory, no peer.
-                unsafe { m.update(0, (step % 2) as usize, &[0, 1, 2], &u) }.unwrap();
+                m.update(0, (step % 2) as usize, &[0, 1, 2], &u).unwrap();
             }
             // A forwarded update: through the migration gradient buffer.
             m.add_forward_buffer(0).unwrap();
             let g: Vec<f32> = (0..len).map(|i| (i as f32 * 0.11).sin() * 1e-2).collect();
             m.block_mut(0).unwrap().grad.as_mut().unwrap().write_at(0, bytemuck::cast_slice(&g));
             let u = UpdateArgs { agg: &agg, opt: &opt, scalars: opt.scalars(3, 0.01), scale: 1.0, threads: 1 };
-            // SAFETY: test-local memory, no peer.
-            unsafe { m.apply_forwarded(0, 1, &u) }.unwrap();
+            m.apply_forwarded(0, 1, &u).unwrap();
             m.set_stamp(0, 1, 4);
             // A forward filled from slot 1, and version 4 carried over into
             // buffer 0.
             m.fill_forward(0, 1, 0.5);
             let mut fwd = vec![0u8; len as usize * 4];
             m.get(0).unwrap().grad.as_ref().unwrap().read_at(0, &mut fwd);
-            // SAFETY: test-local memory, no peer.
-            unsafe { m.carry(0, 0) };
+            m.carry(0, 0);
             m.set_stamp(0, 0, 5);
             m.split(0, 1, 4, [(1, lo), (2, len - lo)]).unwrap();
             let mut mine = Vec::new();
