@@ -26,7 +26,7 @@ fn run_cluster(text: &str) -> Vec<Vec<u8>> {
                     for _ in 0..w.spec().job.steps {
                         step(&mut w, &mut p, &mut g);
                     }
-                    let out = w.params_bytes().to_vec();
+                    let out = w.params_copy();
                     w.finish().unwrap();
                     out
                 })

@@ -46,7 +46,7 @@ fn train(control: SocketAddr, after: &dyn Fn(u32, u64)) -> Outcome {
         step(&mut w, &mut p, &mut g);
         after(w.rank(), w.iteration());
     }
-    let out = Outcome { rank: w.rank(), membership: w.membership().clone(), params: Some(w.params_bytes().to_vec()) };
+    let out = Outcome { rank: w.rank(), membership: w.membership().clone(), params: Some(w.params_copy()) };
     w.finish().unwrap();
     out
 }
@@ -210,7 +210,7 @@ fn a_vanished_worker_is_removed_when_its_lease_expires() {
                         assert!(w.begin().unwrap());
                         step(&mut w, &mut p, &mut g);
                     }
-                    let out = w.params_bytes().to_vec();
+                    let out = w.params_copy();
                     w.finish().unwrap();
                     Some(out)
                 })
@@ -263,7 +263,7 @@ fn a_worker_that_asks_to_leave_is_removed_at_a_boundary() {
                         }
                     }
                     let out =
-                        Outcome { rank: w.rank(), membership: w.membership().clone(), params: Some(w.params_bytes().to_vec()) };
+                        Outcome { rank: w.rank(), membership: w.membership().clone(), params: Some(w.params_copy()) };
                     w.finish().unwrap();
                     out
                 })

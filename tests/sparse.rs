@@ -119,7 +119,7 @@ fn run(text: &str) -> (Vec<Vec<u8>>, Vec<Rows>, u64) {
                         step(&mut w, &mut p, &mut g);
                     }
                     let end = all_rows(&mut w, &tables);
-                    let out = w.params_bytes().to_vec();
+                    let out = w.params_copy();
                     w.finish().unwrap();
                     (out, end)
                 })
@@ -407,7 +407,7 @@ fn workers_joining_and_leaving_equal_the_reference_with_the_same_contributor_set
                 progress.fetch_max(w.iteration(), Ordering::AcqRel);
             }
         }
-        let out = (w.membership().clone(), w.params_bytes().to_vec(), all_rows(&mut w, &tables));
+        let out = (w.membership().clone(), w.params_copy(), all_rows(&mut w, &tables));
         w.finish().unwrap();
         Some(out)
     };

@@ -161,7 +161,7 @@ fn evaluate<P: eps_fabric::Fabric>(w: &mut Worker<P>, table: u16, task: &Ctr) ->
         teacher_accuracy: teacher_correct as f64 / n,
         final_auc: Some(auc(&mut student)),
         teacher_auc: Some(auc(&mut teacher)),
-        params_checksum: checksum(w.params_bytes()),
+        params_checksum: checksum(&w.params_copy()),
         sparse_checksum: Some(checksum(bytemuck::cast_slice(&rows))),
         chunk_digests: None,
     })

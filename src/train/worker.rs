@@ -186,7 +186,8 @@ pub fn run<P: eps_fabric::Fabric>(mut w: Worker<P>, pace: Pace) -> Result<(), Tr
     let n = w.layout().total as usize;
     let f32_job = w.dtype() == eps_agg::DType::F32;
     // Staging only for 16-bit dtypes, where the wire format needs a conversion pass.
-    let (mut p_stage, mut g_stage) = if f32_job { (Vec::new(), Vec::new()) } else { (vec![0f32; n], vec![0f32; n]) };
+    let mut p_stage = vec![0f32; n];
+    let mut g_stage = if f32_job { Vec::new() } else { vec![0f32; n] };
     let mut sample = Sample::default();
     let mut z = vec![0f32; task.classes];
     let start = Instant::now();
@@ -223,8 +224,10 @@ pub fn run<P: eps_fabric::Fabric>(mut w: Worker<P>, pace: Pace) -> Result<(), Tr
             }
         };
         if f32_job {
-            let (p, g) = w.buffers_f32().expect("f32 job");
-            step_batch(p, g);
+            // The parameters are copied out of the buffer servers write; the
+            // gradients are computed in place in the worker's own buffer.
+            w.read_params(&mut p_stage)?;
+            step_batch(&p_stage, w.grads_f32_mut().expect("f32 job"));
         } else {
             w.read_params(&mut p_stage)?;
             step_batch(&p_stage, &mut g_stage);
@@ -265,8 +268,8 @@ pub fn run<P: eps_fabric::Fabric>(mut w: Worker<P>, pace: Pace) -> Result<(), Tr
             final_loss: loss / 2_000.0,
             final_accuracy: acc,
             teacher_accuracy: teacher,
-            params_checksum: checksum(w.params_bytes()),
-            chunk_digests: pace.chunk_digests.then(|| chunk_digests(w.params_bytes(), spec.job.shard_bytes as usize)),
+            params_checksum: checksum(&w.params_copy()),
+            chunk_digests: pace.chunk_digests.then(|| chunk_digests(&w.params_copy(), spec.job.shard_bytes as usize)),
             ..report::Evaluation::default()
         });
     }

@@ -167,8 +167,9 @@ impl AnyWorker {
     pub(crate) fn dtype(&self) -> DType {
         on!(self, w => w.dtype())
     }
-    pub(crate) fn params_bytes(&self) -> &[u8] {
-        on!(self, w => w.params_bytes())
+    /// The parameter buffer's address, handed to C in place.
+    pub(crate) fn params_ptr(&self) -> *mut u8 {
+        on!(self, w => w.params_ptr())
     }
     pub(crate) fn grads_bytes_mut(&mut self) -> &mut [u8] {
         on!(self, w => w.grads_bytes_mut())

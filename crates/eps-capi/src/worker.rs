@@ -451,7 +451,7 @@ pub unsafe extern "C" fn eps_worker_get_info(w: *mut eps_worker, out: *mut eps_w
         let info = with_joined(w, true, |j| {
             let l = j.w.layout();
             let (elements, bytes, dtype, tensor_count) = (l.total, l.bytes(), l.dtype, l.tensors.len() as u32);
-            let params = j.w.params_bytes().as_ptr() as *mut c_void;
+            let params = j.w.params_ptr().cast::<c_void>();
             let grads = j.w.grads_bytes_mut().as_mut_ptr().cast::<c_void>();
             let spec = j.w.spec();
             Ok(eps_worker_info {
@@ -494,8 +494,9 @@ pub unsafe extern "C" fn eps_worker_get_tensor(w: *mut eps_worker, index: u32, o
             let es = j.w.dtype().size_bytes() as u64;
             let dtype = eps_dtype::from_dtype(j.w.dtype());
             let off = (t.offset * es) as usize;
-            // In bounds: a tensor lies inside the flat buffers.
-            let params = j.w.params_bytes()[off..].as_ptr() as *mut c_void;
+            // In bounds: a tensor lies inside the flat buffers (the layout
+            // checked it), so the offset stays inside the parameter buffer.
+            let params = j.w.params_ptr().wrapping_add(off).cast::<c_void>();
             let grads = j.w.grads_bytes_mut()[off..].as_mut_ptr().cast::<c_void>();
             Ok(eps_tensor_info {
                 name: j.names[index as usize].as_ptr(),

@@ -378,6 +378,12 @@ pub unsafe trait HostRegion: MemoryRegion {
     /// No operation that reads or writes this region may be in flight while the slice lives.
     unsafe fn as_mut_slice(&mut self) -> &mut [u8];
 
+    /// The address of the first byte, for a foreign-function edge that hands
+    /// the memory to code outside Rust (a framework's tensors over the C ABI);
+    /// null for memory the CPU cannot address. Getting it is safe; what is
+    /// read or written through it is the edge's business.
+    fn as_mut_ptr(&self) -> *mut u8;
+
     /// Whether the bytes are host memory the CPU addresses (false: a device's
     /// memory, reached with `read_at`/`write_at` only).
     fn is_host(&self) -> bool {

@@ -22,7 +22,9 @@
 //! let weights = w.tensor("w")?; // element range of a tensor in the flat buffers
 //! for _ in 0..w.spec().job.steps {
 //!     // f32 jobs: compute straight from/into the registered buffers.
-//!     let (params, grads) = w.buffers_f32().expect("an f32 job");
+//!     let mut params = vec![0f32; w.layout().total as usize];
+//!     w.read_params(&mut params)?;
+//!     let grads = w.grads_f32_mut().expect("an f32 job");
 //!     for (g, p) in grads[weights.clone()].iter_mut().zip(&params[weights.clone()]) {
 //!         *g = 2.0 * p; // the gradient of sum(p^2)
 //!     }
@@ -32,11 +34,16 @@
 //! # Ok::<(), eps_worker::WorkerError>(())
 //! ```
 //!
-//! # Safety
-//! The buffers are registered memory that servers write into. They are only exposed
-//! between operations: every method that starts transfers waits for them to finish
-//! before returning, and the views borrow the worker, so no view can coexist with a
-//! transfer. That is the invariant the `unsafe` views here rely on.
+//! # Memory peers reach
+//! This crate holds no `unsafe`. The gradient buffer and the request buffers are
+//! registered for the worker alone (no LOCAL_WRITE, no REMOTE_WRITE), so
+//! eps-fabric gives views of them; the parameter buffer and a table's row
+//! buffer are written by servers, so Rust code reads them through copies
+//! ([`Worker::read_params`], [`Worker::params_copy`], the rows of
+//! [`Worker::sparse_pull_rows`]). A foreign-function edge that hands the
+//! parameter buffer to a framework in place takes its address
+//! ([`Worker::params_ptr`]); every method that starts transfers waits for them to
+//! finish before returning, so the framework reads it between transfers.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -331,8 +338,9 @@ impl<P: Fabric> Worker<P> {
         // Queues are sized for as many shards as splits may make.
         let n = eps_proto::layout::live_shard_cap(layout.shards.len());
         let (params, grads) = match borrowed {
-            Some((p, g)) => (pd.register(p, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?, pd.register(g, Access::LOCAL_WRITE)?),
-            None => (pd.alloc_mr(bytes, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?, pd.alloc_mr(bytes, Access::LOCAL_WRITE)?),
+            // Servers write the parameters; only the worker writes its gradients.
+            Some((p, g)) => (pd.register(p, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?, pd.register(g, Access::NONE)?),
+            None => (pd.alloc_mr(bytes, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?, pd.alloc_mr(bytes, Access::NONE)?),
         };
         let mut hello = pd.alloc_mr(HELLO_LEN, Access::LOCAL_WRITE)?;
         hello.write_at(0, &Hello { rank, pull_rkey: params.rkey(), pull_addr: params.addr() }.encode());
@@ -630,39 +638,30 @@ impl<P: Fabric> Worker<P> {
         Ok(t.offset as usize..(t.offset + t.elements) as usize)
     }
 
-    /// The parameter buffer as raw wire-dtype bytes.
-    pub fn params_bytes(&self) -> &[u8] {
-        // SAFETY: no transfer is in flight between calls (see the crate docs), and
-        // the shared borrow of self excludes starting one while the slice lives.
-        unsafe { self.params.as_slice() }
+    /// A copy of the parameter buffer's wire-dtype bytes.
+    pub fn params_copy(&self) -> Vec<u8> {
+        let mut out = vec![0u8; self.params.len()];
+        self.params.read_at(0, &mut out);
+        out
+    }
+
+    /// The address of the parameter buffer (`layout().bytes()` bytes of the
+    /// wire dtype), for a foreign-function edge that hands it to a framework in
+    /// place. Servers write it while a pull is in flight, so it is read only
+    /// between the worker's calls.
+    pub fn params_ptr(&self) -> *mut u8 {
+        self.params.as_mut_ptr()
     }
 
     /// The gradient buffer as raw wire-dtype bytes.
     pub fn grads_bytes_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as above; `&mut self` excludes pushes while the slice lives.
-        unsafe { self.grads.as_mut_slice() }
-    }
-
-    /// The parameters as f32, without a copy (f32 jobs only).
-    pub fn params_f32(&self) -> Option<&[f32]> {
-        (self.layout.dtype == DType::F32).then(|| bytemuck::cast_slice(self.params_bytes()))
+        // Registered for the worker alone (`join_with`): the fabric's view.
+        self.grads.view_mut().expect("the gradient buffer is the worker's own")
     }
 
     /// The gradient buffer as f32, without a copy (f32 jobs only).
     pub fn grads_f32_mut(&mut self) -> Option<&mut [f32]> {
         (self.layout.dtype == DType::F32).then(|| bytemuck::cast_slice_mut(self.grads_bytes_mut()))
-    }
-
-    /// Parameters and gradient buffer together, without copies (f32 jobs only).
-    pub fn buffers_f32(&mut self) -> Option<(&[f32], &mut [f32])> {
-        if self.layout.dtype != DType::F32 {
-            return None;
-        }
-        // SAFETY: no transfer is in flight between calls (crate docs); `&mut self`
-        // excludes starting one while the slices live, and the two regions are
-        // distinct registrations.
-        let (p, g) = unsafe { (self.params.as_slice(), self.grads.as_mut_slice()) };
-        Some((bytemuck::cast_slice(p), bytemuck::cast_slice_mut(g)))
     }
 
     /// Widens the parameters into `out` (any dtype).
@@ -671,12 +670,11 @@ impl<P: Fabric> Worker<P> {
         if out.len() != n {
             return Err(WorkerError::Length { what: "parameters", expected: n, got: out.len() });
         }
-        let b = self.params_bytes();
         let dtype = self.layout.dtype;
-        if let Some(p) = self.params_f32() {
-            out.copy_from_slice(p);
+        if dtype == DType::F32 {
+            self.params.read_at(0, bytemuck::cast_slice_mut(out));
         } else {
-            eps_agg::reduce::sum(dtype, &[b], out, 1);
+            eps_agg::reduce::sum(dtype, &[&self.params_copy()], out, 1);
         }
         Ok(())
     }

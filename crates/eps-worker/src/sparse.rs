@@ -31,8 +31,11 @@ pub(crate) struct Table<P: Fabric> {
     decl: Declared,
     /// The servers WRITE pulled rows here (in the table's dtype).
     rows: P::Mr,
-    /// Pulled rows widened to f32 (tables whose rows travel as bf16 or f16).
+    /// Pulled rows as f32, copied out of `rows` (and widened, for tables whose
+    /// rows travel as bf16 or f16).
     wide: Vec<f32>,
+    /// Pulled bf16 or f16 rows, copied out of `rows` before they are widened.
+    raw: Vec<u8>,
     /// Requests are written here and WRITTEN from.
     push_out: P::Mr,
     pull_out: P::Mr,
@@ -94,8 +97,10 @@ impl<P: Fabric> Tables<P> {
             tables.push(Table {
                 rows: pd.alloc_mr(decl.max_keys * decl.spec.dim * decl.elem(), Access::LOCAL_WRITE | Access::REMOTE_WRITE)?,
                 wide: Vec::new(),
-                push_out: pd.alloc_mr(push, Access::LOCAL_WRITE)?,
-                pull_out: pd.alloc_mr(pull, Access::LOCAL_WRITE)?,
+                raw: Vec::new(),
+                // Only the worker writes its requests (they go out by WRITE).
+                push_out: pd.alloc_mr(push, Access::NONE)?,
+                pull_out: pd.alloc_mr(pull, Access::NONE)?,
                 credit: vec![true; servers as usize],
                 sending: 0,
                 pushed_at: None,
@@ -157,7 +162,7 @@ impl<P: Fabric> Tables<P> {
     }
 }
 
-/// The rows of a pull, in the worker's registered row buffer (see
+/// The rows of a pull, copied out of the worker's registered row buffer (see
 /// [`Worker::sparse_pull_rows`]).
 #[derive(Debug)]
 pub struct PulledRows<'a> {
@@ -262,10 +267,9 @@ impl<P: Fabric> Worker<P> {
         let (mut at, mut row) = (0usize, 0usize);
         let mut posts = Vec::with_capacity(reqs.len());
         let t = &mut self.sparse.tables[table as usize];
-        // SAFETY: no pull of this table is in flight (they are answered
-        // before the call returns), so no WRITE reads this buffer; nothing
-        // is ever written into it remotely.
-        let out = unsafe { t.pull_out.as_mut_slice() };
+        // No pull of this table is in flight (they are answered before the
+        // call returns), so no WRITE reads this buffer half-written.
+        let out = t.pull_out.view_mut()?;
         for r in &reqs {
             for (j, &i) in r.at.iter().enumerate() {
                 slot[i as usize] = (row + j) as u32;
@@ -295,12 +299,19 @@ impl<P: Fabric> Worker<P> {
         self.count_pulled((row * dim * elem) as u64);
         let index = d.of.iter().map(|&u| slot[u as usize]).collect();
         let t = &mut self.sparse.tables[table as usize];
-        // SAFETY: every pull of this table was answered (above), and servers
-        // WRITE into the row buffer only to answer one; the view borrows the
-        // worker, so no other pull starts while it lives.
-        let bytes = unsafe { t.rows.as_slice() };
-        // (f32 rows are viewed in place; bf16 and f16 ones widened once.)
-        let rows = wire::widen(t.decl.dtype, &bytes[..row * dim * elem], &mut t.wide);
+        // Every pull of this table was answered (above): the rows are copied
+        // out of the buffer servers write (f32 ones as they are; bf16 and f16
+        // ones widened from the copy).
+        let n = row * dim;
+        let rows: &[f32] = if t.decl.dtype == eps_agg::DType::F32 {
+            t.wide.resize(n, 0.0);
+            t.rows.read_at(0, bytemuck::cast_slice_mut(&mut t.wide[..]));
+            &t.wide
+        } else {
+            t.raw.resize(n * elem, 0);
+            t.rows.read_at(0, &mut t.raw);
+            wire::widen(t.decl.dtype, &t.raw, &mut t.wide)
+        };
         Ok(PulledRows { rows, index, dim })
     }
 
@@ -351,9 +362,9 @@ impl<P: Fabric> Worker<P> {
             at = (at + wire::request_bytes(Op::Push, n, dim, elem)).next_multiple_of(8);
         }
         let t = &mut self.sparse.tables[table as usize];
-        // SAFETY: no WRITE from the push buffer is in flight (`sparse_flush`
-        // waited for every one), and nothing is ever written into it remotely.
-        let out = unsafe { t.push_out.as_mut_slice() };
+        // No WRITE from the push buffer is in flight (`sparse_flush` waited for
+        // every one), so none goes out half-written.
+        let out = t.push_out.view_mut()?;
         for (s, (&b, &n)) in base.iter().zip(&count).enumerate() {
             let h = Header { table, op: Op::Push, count: n as u32, dim: dim as u32, seq: v, reply_addr: 0, reply_rkey: 0 };
             out[b..b + HEADER].copy_from_slice(&h.encode());

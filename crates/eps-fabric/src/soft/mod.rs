@@ -156,6 +156,10 @@ unsafe impl HostRegion for SoftMr {
         unsafe { std::slice::from_raw_parts(self.inner.buf.as_ptr(), self.inner.buf.len()) }
     }
 
+    fn as_mut_ptr(&self) -> *mut u8 {
+        self.inner.buf.as_ptr()
+    }
+
     unsafe fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: as above, and `&mut self` excludes other local users.
         unsafe { std::slice::from_raw_parts_mut(self.inner.buf.as_ptr(), self.inner.buf.len()) }

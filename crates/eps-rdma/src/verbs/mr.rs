@@ -144,6 +144,12 @@ unsafe impl HostRegion for RdmaMr {
     fn is_host(&self) -> bool {
         RdmaMr::is_host(self)
     }
+    fn as_mut_ptr(&self) -> *mut u8 {
+        match &self.backing {
+            Backing::Host(b) => b.as_ptr(),
+            Backing::Device(_) => std::ptr::null_mut(),
+        }
+    }
     /// # Panics
     /// On device memory ([`RdmaMr::is_host`] is false), which has no host view.
     unsafe fn as_slice(&self) -> &[u8] {
