@@ -13,6 +13,8 @@
 //! crate's CPU code: the server's device path runs (and is tested) everywhere,
 //! with results bitwise those of the CPU path.
 
+use eps_fabric::Span;
+
 use crate::{AggError, CpuAggregator, DType, Optimizer, StepScalars, reduce};
 
 /// A device that holds shards.
@@ -34,44 +36,50 @@ pub enum Attached {
     Published,
 }
 
-/// The memory attached to a shard (`DeviceShard::attach`), by address in the
-/// device's memory: what a device keeps and checks, whatever its kind.
+/// The memory attached to a shard (`DeviceShard::attach`): what a device keeps
+/// (the spans, so the memory stays allocated while it may use it) and checks,
+/// whatever its kind.
 #[derive(Clone, Debug, Default)]
 pub struct Attachments {
-    slots: Vec<Option<u64>>,
-    published: Option<(u64, usize)>,
+    slots: Vec<Option<Span>>,
+    published: Option<Span>,
 }
 
 impl Attachments {
-    /// Records `len` bytes at `addr` as `what`; a landing slot must hold
-    /// `slot_bytes` (one contribution).
-    pub fn set(&mut self, what: Attached, addr: u64, len: usize, slot_bytes: usize) -> Result<(), AggError> {
+    /// Records `mem` as `what`; a landing slot must hold `slot_bytes` (one
+    /// contribution), and the memory must be of the kind the device uses in
+    /// place (`host`: host memory, else the device's own).
+    pub fn set(&mut self, what: Attached, mem: Span, slot_bytes: usize, host: bool) -> Result<(), AggError> {
+        if mem.is_host() != host {
+            let (is, wants) = if host { ("a device's", "host") } else { ("host", "its own") };
+            return Err(AggError::Device(format!("attached memory is {is} memory; this device uses {wants} memory in place")));
+        }
         match what {
             Attached::Slot(slot) => {
-                AggError::check_len("attached landing slot", slot_bytes, len)?;
+                AggError::check_len("attached landing slot", slot_bytes, mem.len())?;
                 if self.slots.len() <= slot {
                     self.slots.resize(slot + 1, None);
                 }
-                self.slots[slot] = Some(addr);
+                self.slots[slot] = Some(mem);
             }
-            Attached::Published => self.published = Some((addr, len)),
+            Attached::Published => self.published = Some(mem),
         }
         Ok(())
     }
 
     /// The address of slot `slot`'s attached memory (`slot_bytes` long), if any.
     pub fn slot(&self, slot: usize) -> Option<u64> {
-        self.slots.get(slot).copied().flatten()
+        self.slots.get(slot).and_then(Option::as_ref).map(Span::addr)
     }
 
     /// The address of published bytes `off..off + bytes`, checked against the
     /// attached published memory.
     pub fn published(&self, off: usize, bytes: usize) -> Result<u64, AggError> {
-        let (base, len) = self.published.ok_or_else(|| AggError::Device("no published memory is attached".into()))?;
-        if off.checked_add(bytes).is_none_or(|e| e > len) {
-            return Err(AggError::Device(format!("published bytes {off}+{bytes} lie outside the {len} attached")));
+        let p = self.published.as_ref().ok_or_else(|| AggError::Device("no published memory is attached".into()))?;
+        if off.checked_add(bytes).is_none_or(|e| e > p.len()) {
+            return Err(AggError::Device(format!("published bytes {off}+{bytes} lie outside the {} attached", p.len())));
         }
-        Ok(base + off as u64)
+        Ok(p.addr() + off as u64)
     }
 }
 
@@ -95,50 +103,43 @@ pub trait DeviceShard: Send + std::fmt::Debug {
     /// Copies the device's master parameters and state to the host.
     fn download(&mut self, master_state: &mut [f32]) -> Result<(), AggError>;
 
-    /// Lets the device copy from host buffer `host` (a landing slot) by DMA,
+    /// Lets the device copy from host memory `host` (a landing slot) by DMA,
     /// without bouncing through a buffer of its own (page-locks it), for this
-    /// shard's life. An error leaves copies from it working, only slower.
-    ///
-    /// # Safety
-    /// `host` stays mapped, at its address, until this shard is dropped.
-    unsafe fn pin(&mut self, host: &[u8]) -> Result<(), AggError> {
+    /// shard's life: the shard keeps the span. An error leaves copies from it
+    /// working, only slower.
+    fn pin(&mut self, host: Span) -> Result<(), AggError> {
         let _ = host;
         Ok(())
     }
 
-    /// Makes the shard use `len` bytes at `addr`, an address in the device's own
-    /// memory (for a GPU, a device pointer), as `what`: an update then reads that
-    /// slot's contribution there (ignoring its host bytes and any staged copy),
-    /// or writes `Out::Attached` there. Devices that cannot say why.
-    ///
-    /// # Safety
-    /// The memory stays allocated, at `addr`, for this shard's life, and is
-    /// accessed by others under the rules of `update`: nothing writes a slot
-    /// while an update reads it, and nothing reads the published bytes an update
-    /// writes while it runs.
-    unsafe fn attach(&mut self, what: Attached, addr: u64, len: usize) -> Result<(), AggError> {
-        let _ = (what, addr, len);
+    /// Makes the shard use `mem`, memory of the device's own (for a GPU, device
+    /// memory), as `what`, keeping the span: an update then reads that slot's
+    /// contribution there (ignoring its host bytes and any staged copy), or
+    /// writes `Out::Attached` there. Others reach the memory under the rules of
+    /// `update` (nothing writes a slot while an update reads it, nothing reads
+    /// the published bytes an update writes); one that breaks them tears the
+    /// values, as with DMA. Devices that cannot say why.
+    fn attach(&mut self, what: Attached, mem: Span) -> Result<(), AggError> {
+        let _ = (what, mem);
         Err(AggError::Device("this device cannot use memory in place".into()))
     }
 
-    /// Starts copying contribution `slot` (a worker rank) from `host` while other
-    /// contributions are still on the wire; the next `update` naming `slot` uses
-    /// this copy. A later `stage` of the slot replaces it.
-    ///
-    /// # Safety
-    /// `host` is neither written nor unmapped until the next `update` naming
-    /// `slot`, or the drop of this shard, returns.
-    unsafe fn stage(&mut self, slot: usize, host: &[u8]) -> Result<(), AggError>;
+    /// Starts copying contribution `slot` (a worker rank) from host memory
+    /// `host` while other contributions are still on the wire; the next `update`
+    /// naming `slot` uses this copy. A later `stage` of the slot replaces it.
+    /// The shard keeps the span until the copy is used; a write into the bytes
+    /// meanwhile tears the copy's values, as with DMA.
+    fn stage(&mut self, slot: usize, host: Span) -> Result<(), AggError>;
 
     /// One update: `grad = (inputs[0] + inputs[1] + ...) * scale` (rank order,
     /// f32 accumulation, as `Aggregator::reduce`), copied to `fwd` when given,
     /// then the optimizer step, then the master parameters narrowed into
-    /// `out`. Each input is `(slot, host bytes)`: the slot's attached memory
+    /// `out`. Each input is `(slot, host memory)`: the slot's attached memory
     /// when it has some, else its staged copy when there is one, else the host
-    /// bytes, copied now.
+    /// memory, copied now.
     fn update(
         &mut self,
-        inputs: &[(usize, &[u8])],
+        inputs: &[(usize, Option<Span>)],
         scale: f32,
         opt: &Optimizer,
         s: StepScalars,
@@ -187,8 +188,23 @@ struct HostShard {
     /// the server's staging is exercised: a stale or missing stage shows in the
     /// results.
     staged: Vec<Option<Vec<u8>>>,
-    /// Attached memory (host addresses).
+    /// Attached memory (host memory).
     attached: Attachments,
+}
+
+/// A copy of the first `bytes` of host memory `mem`.
+fn copy_host(mem: &Span, bytes: usize) -> Result<Vec<u8>, AggError> {
+    if !mem.is_host() {
+        return Err(AggError::Device("the host device reads host memory only".into()));
+    }
+    AggError::check_len("contribution", bytes, mem.len().min(bytes))?;
+    let mut out = vec![0u8; bytes];
+    // SAFETY: the span keeps `bytes` (checked above) of host memory mapped at its
+    // address while it lives; the copy reads them by address, as a device's DMA
+    // does (no reference to them is formed), so a write racing it only tears
+    // the values copied.
+    unsafe { std::ptr::copy_nonoverlapping(mem.addr() as usize as *const u8, out.as_mut_ptr(), bytes) };
+    Ok(out)
 }
 
 impl HostShard {
@@ -199,9 +215,10 @@ impl HostShard {
             Out::Host(d) => d,
             Out::Attached(off) => {
                 let addr = self.attached.published(off, bytes)?;
-                // SAFETY: `attach`'s contract: the memory is mapped for this shard's
-                // life and nothing reads these bytes while an update writes them;
-                // the range was checked by `published`.
+                // SAFETY: the attached span keeps the host memory mapped for this
+                // shard's life, and `published` checked the range; peers only READ
+                // these bytes, by DMA, and `update`'s rules keep them off the
+                // buffer being written (one that breaks them reads torn values).
                 unsafe { std::slice::from_raw_parts_mut(addr as usize as *mut u8, bytes) }
             }
         };
@@ -231,22 +248,23 @@ impl DeviceShard for HostShard {
         Ok(())
     }
 
-    unsafe fn attach(&mut self, what: Attached, addr: u64, len: usize) -> Result<(), AggError> {
-        self.attached.set(what, addr, len, self.len * self.dtype.size_bytes())
+    fn attach(&mut self, what: Attached, mem: Span) -> Result<(), AggError> {
+        // This device's own memory is the host's.
+        self.attached.set(what, mem, self.len * self.dtype.size_bytes(), true)
     }
 
-    unsafe fn stage(&mut self, slot: usize, host: &[u8]) -> Result<(), AggError> {
-        AggError::check_len("staged contribution", self.len * self.dtype.size_bytes(), host.len())?;
+    fn stage(&mut self, slot: usize, host: Span) -> Result<(), AggError> {
+        let copy = copy_host(&host, self.len * self.dtype.size_bytes())?;
         if self.staged.len() <= slot {
             self.staged.resize(slot + 1, None);
         }
-        self.staged[slot] = Some(host.to_vec());
+        self.staged[slot] = Some(copy);
         Ok(())
     }
 
     fn update(
         &mut self,
-        inputs: &[(usize, &[u8])],
+        inputs: &[(usize, Option<Span>)],
         scale: f32,
         opt: &Optimizer,
         s: StepScalars,
@@ -254,19 +272,18 @@ impl DeviceShard for HostShard {
         out: Out<'_>,
     ) -> Result<(), AggError> {
         let host_bytes = self.len * self.dtype.size_bytes();
-        let taken: Vec<Option<Vec<u8>>> =
-            inputs.iter().map(|&(slot, _)| self.staged.get_mut(slot).and_then(Option::take)).collect();
-        let data: Vec<&[u8]> = inputs
-            .iter()
-            .zip(&taken)
-            .map(|(&(slot, host), st)| match self.attached.slot(slot) {
-                // SAFETY: `attach`'s contract: mapped for this shard's life, and not
-                // written while an update reads it; `set` checked it holds one
-                // contribution.
-                Some(addr) => unsafe { std::slice::from_raw_parts(addr as usize as *const u8, host_bytes) },
-                None => st.as_deref().unwrap_or(host),
-            })
-            .collect();
+        // Each contribution copied out, as a device copies it to its memory.
+        let mut data: Vec<Vec<u8>> = Vec::with_capacity(inputs.len());
+        for (slot, host) in inputs {
+            let staged = self.staged.get_mut(*slot).and_then(Option::take);
+            data.push(match (self.attached.slots.get(*slot).and_then(Option::as_ref), staged, host) {
+                (Some(mem), _, _) => copy_host(mem, host_bytes)?,
+                (None, Some(st), _) => st,
+                (None, None, Some(h)) => copy_host(h, host_bytes)?,
+                (None, None, None) => return Err(AggError::Device(format!("contribution {slot}: no memory to read it from"))),
+            });
+        }
+        let data: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
         crate::Aggregator::reduce(&CpuAggregator::new(1), self.dtype, &data, scale, &mut self.grad)?;
         if let Some(f) = fwd {
             AggError::check_len("forward buffer", self.len * 4, f.len() * 4)?;

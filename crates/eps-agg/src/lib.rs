@@ -14,9 +14,9 @@
 //! # Safety
 //! `unsafe` is denied except in `simd`, which calls kernels compiled for CPU
 //! features (AVX, F16C) after detecting them at run time, and in `device`, whose
-//! trait declares the unsafe contract of a device reading host memory after a
-//! call returns, and whose host "device" reads and writes memory attached to it
-//! by address under that contract.
+//! host "device" reads and writes memory lent to it by address: an
+//! `eps_fabric::Span`, which keeps the memory allocated while the device holds
+//! it, so the trait's calls are safe.
 
 #![deny(unsafe_code)]
 

@@ -99,18 +99,15 @@ pub fn run(gpu: &Arc<Gpu>, elements: usize, reps: usize) -> Result<GpuBench, Cud
     // A whole shard update on attached memory, as a GPUDirect server runs it.
     let update_ms = {
         let opt = Optimizer::Adam { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01, decoupled: true };
-        let (ins, out) = (gpu.alloc::<u8>(8 * n * 4)?, gpu.alloc::<u8>(n * 4)?);
+        let (ins, out) = (std::sync::Arc::new(gpu.alloc::<u8>(8 * n * 4)?), std::sync::Arc::new(gpu.alloc::<u8>(n * 4)?));
         let dev = crate::CudaDevice::from_gpu(gpu.clone());
         let agg = |e: eps_agg::AggError| CudaError::Driver(e.to_string());
         let mut shard = dev.alloc(DType::F32, n, opt.state_per_param()).map_err(agg)?;
         for r in 0..8 {
-            let ptr = gpu.span(&ins, r * n * 4, n * 4)?.device_ptr();
-            // SAFETY: `ins` and `out` outlive `shard` (declared before it).
-            unsafe { shard.attach(Attached::Slot(r), ptr, n * 4) }.map_err(agg)?;
+            shard.attach(Attached::Slot(r), gpu.lend(&ins, r * n * 4, n * 4)?).map_err(agg)?;
         }
-        // SAFETY: as above.
-        unsafe { shard.attach(Attached::Published, gpu.span(&out, 0, n * 4)?.device_ptr(), n * 4) }.map_err(agg)?;
-        let inputs: Vec<(usize, &[u8])> = (0..8).map(|r| (r, &[][..])).collect();
+        shard.attach(Attached::Published, gpu.lend(&out, 0, n * 4)?).map_err(agg)?;
+        let inputs: Vec<(usize, Option<eps_fabric::Span>)> = (0..8).map(|r| (r, None)).collect();
         let scalars = opt.scalars(10, 1e-3);
         time_ms(gpu, reps, || shard.update(&inputs, 0.125, &opt, scalars, None, Out::Attached(0)).map_err(agg))?
     };

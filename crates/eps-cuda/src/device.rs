@@ -15,6 +15,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, DevicePtrMut};
 use eps_agg::{AggError, Attached, Attachments, DType, DeviceShard, Optimizer, Out, ShardDevice, StepScalars};
+use eps_fabric::Span as Lent;
 
 use crate::{CudaError, Gpu};
 
@@ -72,12 +73,9 @@ impl CudaDevice {
                 let ms: Vec<f32> = (0..n * (1 + k)).map(|i| val(i, 7).abs() * if i < n { 1.0 } else { 0.01 }).collect();
                 g.upload(&ms).map_err(err)?;
                 c.upload(&ms).map_err(err)?;
-                // SAFETY: `enc` outlives the update below and is not written.
-                unsafe {
-                    g.stage(1, &enc[1]).map_err(err)?;
-                    c.stage(1, &enc[1]).map_err(err)?;
-                }
-                let ins = [(0, enc[0].as_slice()), (1, enc[1].as_slice())];
+                let ins = [(0, Some(host_span(&enc[0])?)), (1, Some(host_span(&enc[1])?))];
+                g.stage(1, ins[1].1.clone().expect("made above")).map_err(err)?;
+                c.stage(1, ins[1].1.clone().expect("made above")).map_err(err)?;
                 let (mut pg, mut pc) = (vec![0xFFu8; n * es], vec![0u8; n * es]);
                 let s = o.scalars(2, 0.01);
                 g.update(&ins, 0.5, o, s, None, Out::Host(&mut pg)).map_err(err)?;
@@ -90,20 +88,15 @@ impl CudaDevice {
                 }
                 // The GPUDirect path: contributions and the published copy in GPU
                 // memory attached by address.
-                let dev_in = enc.iter().map(|e| self.gpu.upload(e)).collect::<Result<Vec<_>, _>>()?;
-                let dev_out = self.gpu.alloc::<u8>(n * es + 24)?;
+                let dev_in = enc.iter().map(|e| self.gpu.upload(e).map(Arc::new)).collect::<Result<Vec<_>, _>>()?;
+                let dev_out = Arc::new(self.gpu.alloc::<u8>(n * es + 24)?);
                 let mut a = self.alloc(dtype, n, k).map_err(err)?;
                 a.upload(&ms).map_err(err)?;
                 for (r, d) in dev_in.iter().enumerate() {
-                    let ptr = self.gpu.span(d, 0, n * es)?.device_ptr();
-                    // SAFETY: `dev_in` outlives `a` (declared before it) and is not
-                    // written while it lives.
-                    unsafe { a.attach(Attached::Slot(r), ptr, n * es) }.map_err(err)?;
+                    a.attach(Attached::Slot(r), self.gpu.lend(d, 0, n * es)?).map_err(err)?;
                 }
-                let ptr = self.gpu.span(&dev_out, 0, n * es + 24)?.device_ptr();
-                // SAFETY: as above, for `dev_out`, read only after the update.
-                unsafe { a.attach(Attached::Published, ptr, n * es + 24) }.map_err(err)?;
-                a.update(&[(0, &[]), (1, &[])], 0.5, o, s, None, Out::Attached(24)).map_err(err)?;
+                a.attach(Attached::Published, self.gpu.lend(&dev_out, 0, n * es + 24)?).map_err(err)?;
+                a.update(&[(0, None), (1, None)], 0.5, o, s, None, Out::Attached(24)).map_err(err)?;
                 let mut pa = vec![0xFFu8; n * es + 24];
                 self.gpu.copy_out(&dev_out, &mut pa)?;
                 if pa[24..] != pc[..] {
@@ -117,6 +110,13 @@ impl CudaDevice {
         }
         Ok(())
     }
+}
+
+/// `bytes` in host memory of a span's own (the self-check's contributions).
+fn host_span(bytes: &[u8]) -> Result<Lent, CudaError> {
+    let span = Lent::alloc_host(bytes.len()).map_err(|e| CudaError::Driver(e.to_string()))?;
+    span.copy_in(0, bytes).map_err(|e| CudaError::Driver(e.to_string()))?;
+    Ok(span)
 }
 
 fn dev_err(e: CudaError) -> AggError {
@@ -143,6 +143,7 @@ impl ShardDevice for CudaDevice {
             published,
             slots: Vec::new(),
             staged: Vec::new(),
+            copying: Vec::new(),
             pinned: Vec::new(),
             attached: Attachments::default(),
         }))
@@ -163,8 +164,11 @@ struct CudaShard {
     slots: Vec<Option<CudaSlice<u8>>>,
     /// By slot: a copy was started by `stage` and not used yet.
     staged: Vec<bool>,
-    /// Host ranges page-locked by `pin` (unlocked on drop).
-    pinned: Vec<usize>,
+    /// The host memory of the copies queued since the last update (kept until
+    /// the stream has done them).
+    copying: Vec<Lent>,
+    /// Host memory page-locked by `pin` (unlocked on drop, then let go).
+    pinned: Vec<Lent>,
     /// Attached memory (device addresses).
     attached: Attachments,
 }
@@ -177,32 +181,43 @@ impl Drop for CudaShard {
     fn drop(&mut self) {
         // Copies from host slots may be in flight: they end before the slots may go.
         let _ = self.gpu.sync();
-        for &p in &self.pinned {
-            // SAFETY: registered by `pin`, unregistered once; the memory is still
-            // mapped (the caller of `pin` promised it for this shard's life).
-            unsafe { cudarc::driver::sys::cuMemHostUnregister(p as *mut std::ffi::c_void) };
+        for p in &self.pinned {
+            // SAFETY: registered by `pin`, unregistered once; the span keeps the
+            // memory mapped until after this.
+            unsafe { cudarc::driver::sys::cuMemHostUnregister(p.addr() as usize as *mut std::ffi::c_void) };
         }
     }
 }
 
 impl CudaShard {
-    /// Starts copying `host` into the device copy of `slot` (made on first use).
-    fn copy_slot(&mut self, slot: usize, host: &[u8]) -> Result<(), CudaError> {
+    /// Starts copying one contribution from host memory `host` into the device
+    /// copy of `slot` (made on first use); the span is kept until the stream has
+    /// done the copy.
+    fn copy_slot(&mut self, slot: usize, host: &Lent) -> Result<(), CudaError> {
+        let bytes = self.len * self.dtype.size_bytes();
+        if !host.is_host() || host.len() < bytes {
+            return Err(CudaError::Bounds(format!("a contribution of {bytes} bytes from {host:?}")));
+        }
         if self.slots.len() <= slot {
             self.slots.resize_with(slot + 1, || None);
             self.staged.resize(slot + 1, false);
         }
         if self.slots[slot].is_none() {
-            self.slots[slot] = Some(self.gpu.alloc::<u8>(host.len())?);
+            self.slots[slot] = Some(self.gpu.alloc::<u8>(bytes)?);
         }
         let dst = self.slots[slot].as_mut().expect("made above");
         let stream = self.gpu.stream().clone();
         let (ptr, _sync) = dst.device_ptr_mut(&stream);
-        // SAFETY: the device buffer holds `host.len()` bytes (made for this shard's
-        // contribution size); the host bytes stay unchanged and mapped until the
-        // copy is used or the shard dropped (the callers' contract), and the copy
-        // is ordered before the kernels on the same stream.
-        unsafe { cudarc::driver::result::memcpy_htod_async(ptr, host, stream.cu_stream()) }?;
+        // SAFETY: the span keeps `bytes` of host memory (checked above) mapped; it
+        // is kept in `copying` until the stream, which orders the copy before the
+        // kernels, is done with it (the update waits for the stream). The slice
+        // only names the bytes for the driver's DMA; a peer's write racing it
+        // tears the values, as with a NIC.
+        let src = unsafe { std::slice::from_raw_parts(host.addr() as usize as *const u8, bytes) };
+        // SAFETY: the device buffer holds `bytes` (made for this shard's
+        // contribution size).
+        unsafe { cudarc::driver::result::memcpy_htod_async(ptr, src, stream.cu_stream()) }?;
+        self.copying.push(host.clone());
         Ok(())
     }
 
@@ -256,7 +271,7 @@ impl DeviceShard for CudaShard {
 
     fn update(
         &mut self,
-        inputs: &[(usize, &[u8])],
+        inputs: &[(usize, Option<Lent>)],
         scale: f32,
         opt: &Optimizer,
         s: StepScalars,
@@ -265,11 +280,12 @@ impl DeviceShard for CudaShard {
     ) -> Result<(), AggError> {
         let (n, bytes) = (self.len, self.len * self.dtype.size_bytes());
         let attached = |me: &Self, slot: usize| me.attached.slot(slot);
-        AggError::check_inputs(self.dtype, n, inputs.iter().filter(|&&(s, _)| attached(self, s).is_none()).map(|&(_, x)| x))?;
         self.check_out(&out)?;
         let run = |me: &mut Self| -> Result<(), CudaError> {
-            for &(slot, host) in inputs {
+            for (slot, host) in inputs {
+                let slot = *slot;
                 if attached(me, slot).is_none() && !me.staged.get(slot).copied().unwrap_or(false) {
+                    let host = host.as_ref().ok_or_else(|| CudaError::Bounds(format!("contribution {slot}: no memory")))?;
                     me.copy_slot(slot, host)?;
                 }
             }
@@ -288,35 +304,42 @@ impl DeviceShard for CudaShard {
                 .collect::<Result<Vec<_>, _>>()?;
             g.sum(me.dtype, &spans, scale, g.span(&me.grad, 0, n)?)?;
             drop(spans);
-            for &(slot, _) in inputs {
-                if let Some(st) = me.staged.get_mut(slot) {
+            for (slot, _) in inputs {
+                if let Some(st) = me.staged.get_mut(*slot) {
                     *st = false;
                 }
             }
             if let Some(f) = fwd {
                 g.copy_out(&me.grad, f)?;
             }
-            me.step_publish(opt, s, out)
+            me.step_publish(opt, s, out)?;
+            // The stream is done (the publish waits for it): so are the copies.
+            me.copying.clear();
+            Ok(())
         };
         run(self).map_err(dev_err)
     }
 
-    unsafe fn pin(&mut self, host: &[u8]) -> Result<(), AggError> {
-        let p = host.as_ptr() as *mut std::ffi::c_void;
-        // SAFETY: the caller keeps `host` mapped for this shard's life; it is
-        // unregistered in drop. Flags 0: page-locked, used by this context.
+    fn pin(&mut self, host: Lent) -> Result<(), AggError> {
+        if !host.is_host() {
+            return Err(AggError::Device("only host memory is page-locked".into()));
+        }
+        let p = host.addr() as usize as *mut std::ffi::c_void;
+        // SAFETY: the span keeps the memory mapped; it is kept in `pinned` and
+        // unregistered in drop before it goes. Flags 0: page-locked, used by this
+        // context.
         let r = unsafe { cudarc::driver::sys::cuMemHostRegister_v2(p, host.len(), 0) };
         if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
             return Err(AggError::Device(format!("cuMemHostRegister: {r:?}")));
         }
-        self.pinned.push(p as usize);
+        self.pinned.push(host);
         Ok(())
     }
 
-    unsafe fn stage(&mut self, slot: usize, host: &[u8]) -> Result<(), AggError> {
+    fn stage(&mut self, slot: usize, host: Lent) -> Result<(), AggError> {
         let bytes = self.len * self.dtype.size_bytes();
-        AggError::check_len("staged contribution", bytes, host.len())?;
-        self.copy_slot(slot, host).map_err(dev_err)?;
+        AggError::check_len("staged contribution", bytes, host.len().min(bytes))?;
+        self.copy_slot(slot, &host).map_err(dev_err)?;
         self.staged[slot] = true;
         Ok(())
     }
@@ -334,7 +357,8 @@ impl DeviceShard for CudaShard {
         self.narrow_out(out).map_err(dev_err)
     }
 
-    unsafe fn attach(&mut self, what: Attached, addr: u64, len: usize) -> Result<(), AggError> {
-        self.attached.set(what, addr, len, self.len * self.dtype.size_bytes())
+    fn attach(&mut self, what: Attached, mem: Lent) -> Result<(), AggError> {
+        // This device uses its own memory in place.
+        self.attached.set(what, mem, self.len * self.dtype.size_bytes(), false)
     }
 }

@@ -260,6 +260,16 @@ impl Gpu {
         Ok(Span { ptr: base + (offset * std::mem::size_of::<T>()) as u64, len, _of: PhantomData })
     }
 
+    /// Bytes `[offset, offset + len)` of `buf` lent to a shard
+    /// (`DeviceShard::attach`): the span keeps the buffer allocated.
+    pub fn lend(&self, buf: &Arc<CudaSlice<u8>>, offset: usize, len: usize) -> Result<eps_fabric::Span, CudaError> {
+        let ptr = self.span(buf, offset, len)?.ptr;
+        let owner: Arc<dyn std::any::Any + Send + Sync> = buf.clone();
+        // SAFETY: the Arc keeps the device allocation (checked to hold the range
+        // above) until the span's last clone goes.
+        Ok(unsafe { eps_fabric::Span::new(ptr, len, false, owner) })
+    }
+
     /// `len` elements of `T` at device address `ptr`, memory this crate did not
     /// allocate (attached to a shard by address).
     ///

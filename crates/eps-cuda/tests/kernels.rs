@@ -9,6 +9,15 @@
 
 use eps_agg::{Aggregator, CpuAggregator, DType, Optimizer};
 use eps_cuda::{CudaAggregator, Gpu};
+use eps_fabric::Span;
+use std::sync::Arc;
+
+/// `bytes` in host memory of a span's own, as a landing slot lends them.
+fn host_span(bytes: &[u8]) -> Span {
+    let s = Span::alloc_host(bytes.len()).unwrap();
+    s.copy_in(0, bytes).unwrap();
+    s
+}
 
 #[test]
 fn kernels_compile_for_sm80_and_sm90() {
@@ -378,7 +387,7 @@ fn gpu_shards_track_the_cpu() {
                 let es = dtype.size_bytes();
                 for step in 0..3u64 {
                     let enc: Vec<Vec<u8>> = (0..3).map(|_| encode(dtype, &random(n, &mut seed, 2.0))).collect();
-                    let ins: Vec<(usize, &[u8])> = enc.iter().enumerate().map(|(r, e)| (r, e.as_slice())).collect();
+                    let ins: Vec<(usize, Option<Span>)> = enc.iter().enumerate().map(|(r, e)| (r, Some(host_span(e)))).collect();
                     let s = o.scalars(step, LR);
                     let (mut pa, mut pb) = (vec![POISON; n * es], vec![0u8; n * es]);
                     let (mut fa, mut fb) = (vec![f32::NAN; n], vec![0f32; n]);
@@ -387,12 +396,8 @@ fn gpu_shards_track_the_cpu() {
                     // (from step 1 on); contribution 1 is copied by the update.
                     if step > 0 {
                         for r in [0, 2] {
-                            // SAFETY: `enc` is neither written nor dropped before the
-                            // update below returns.
-                            unsafe {
-                                a.stage(r, &enc[r]).unwrap();
-                                b.stage(r, &enc[r]).unwrap();
-                            }
+                            a.stage(r, ins[r].1.clone().unwrap()).unwrap();
+                            b.stage(r, ins[r].1.clone().unwrap()).unwrap();
                         }
                     }
                     a.update(&ins, 1.0 / 3.0, &o, s, fwd.then_some(&mut fa[..]), Out::Host(&mut pa)).unwrap();
@@ -436,34 +441,28 @@ fn gpu_shards_on_attached_memory_track_the_cpu() {
         for &n in &[1usize, 4097, (1 << 20) + 5] {
             let (es, k, off) = (dtype.size_bytes(), o.state_per_param(), 10usize);
             let enc: Vec<Vec<u8>> = (0..4).map(|_| encode(dtype, &random(n, &mut seed, 2.0))).collect();
-            let dev_in: Vec<_> = enc.iter().map(|e| g.upload(e).unwrap()).collect();
-            let dev_out = g.alloc::<u8>(off + n * es).unwrap();
-            let mut host_out = vec![0u8; off + n * es];
+            let dev_in: Vec<_> = enc.iter().map(|e| Arc::new(g.upload(e).unwrap())).collect();
+            let dev_out = Arc::new(g.alloc::<u8>(off + n * es).unwrap());
+            let host_out = Span::alloc_host(off + n * es).unwrap();
             let (mut a, mut b) = (cuda.alloc(dtype, n, k).unwrap(), HostDevice.alloc(dtype, n, k).unwrap());
             let mut ms = random(n, &mut seed, 1.0);
             ms.extend(random(n * k, &mut seed, 0.1).iter().map(|x| x.abs()));
             a.upload(&ms).unwrap();
             b.upload(&ms).unwrap();
             for r in 0..4 {
-                // SAFETY: the buffers outlive the shards (declared before them) and
-                // are not written while the shards use them.
-                unsafe {
-                    a.attach(Attached::Slot(r), g.span(&dev_in[r], 0, n * es).unwrap().device_ptr(), n * es).unwrap();
-                    b.attach(Attached::Slot(r), enc[r].as_ptr() as u64, n * es).unwrap();
-                }
+                a.attach(Attached::Slot(r), g.lend(&dev_in[r], 0, n * es).unwrap()).unwrap();
+                b.attach(Attached::Slot(r), host_span(&enc[r])).unwrap();
             }
-            // SAFETY: as above.
-            unsafe {
-                a.attach(Attached::Published, g.span(&dev_out, 0, off + n * es).unwrap().device_ptr(), off + n * es).unwrap();
-                b.attach(Attached::Published, host_out.as_mut_ptr() as u64, off + n * es).unwrap();
-            }
+            a.attach(Attached::Published, g.lend(&dev_out, 0, off + n * es).unwrap()).unwrap();
+            b.attach(Attached::Published, host_out.clone()).unwrap();
             for step in 0..2u64 {
-                let ins = [(3usize, &[][..]), (0, &[]), (2, &[])];
+                let ins = [(3usize, None), (0, None), (2, None)];
                 a.update(&ins, 0.25, &o, o.scalars(step, LR), None, Out::Attached(off)).unwrap();
                 b.update(&ins, 0.25, &o, o.scalars(step, LR), None, Out::Attached(off)).unwrap();
-                let mut pa = vec![POISON; off + n * es];
+                let (mut pa, mut pb) = (vec![POISON; off + n * es], vec![0u8; off + n * es]);
                 g.copy_out(&dev_out, &mut pa).unwrap();
-                assert_eq!(pa[off..], host_out[off..], "{dtype:?} n={n} step {step}: published in place");
+                host_out.copy_out(0, &mut pb).unwrap();
+                assert_eq!(pa[off..], pb[off..], "{dtype:?} n={n} step {step}: published in place");
             }
             drop((a, b));
         }

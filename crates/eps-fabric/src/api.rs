@@ -384,6 +384,30 @@ pub unsafe trait HostRegion: MemoryRegion {
     /// read or written through it is the edge's business.
     fn as_mut_ptr(&self) -> *mut u8;
 
+    /// The region's memory as a span, whatever its access.
+    ///
+    /// # Safety
+    /// Implementors: the span keeps the memory allocated at its address while it
+    /// lives. Callers: the region is not one that has views (see
+    /// [`HostRegion::span`]).
+    unsafe fn span_unchecked(&self) -> crate::Span;
+
+    /// The region's memory, for a device that uses it after the call that hands
+    /// it over returns (see [`crate::Span`]): it stays allocated while the span
+    /// lives, even once the region is dropped. Refused for host memory that only
+    /// its owner writes, which has views: a region is either viewed by its owner
+    /// or lent to devices, never both (register it with LOCAL_WRITE when a device
+    /// writes it).
+    fn span(&self) -> Result<crate::Span> {
+        if self.is_host() && owner_only(self).is_ok() {
+            return Err(crate::FabricError::InvalidArgument(
+                "a region only its owner writes has views and is not lent to devices: register it with LOCAL_WRITE",
+            ));
+        }
+        // SAFETY: a region with views is refused above.
+        Ok(unsafe { self.span_unchecked() })
+    }
+
     /// Whether the bytes are host memory the CPU addresses (false: a device's
     /// memory, reached with `read_at`/`write_at` only).
     fn is_host(&self) -> bool {

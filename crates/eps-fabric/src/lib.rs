@@ -29,12 +29,14 @@ pub mod mem;
 pub mod mixed;
 pub mod shm;
 pub mod soft;
+pub mod span;
 pub mod stats;
 pub mod wire;
 
 pub use api::*;
 pub use error::{FabricError, Result, WcStatus};
 pub use mem::RegionBuf;
+pub use span::Span;
 
 /// Everything a user of the fabric needs in scope.
 pub mod prelude {

@@ -127,10 +127,10 @@ impl RegionBuf {
     ///
     /// # Safety
     /// `ptr` points to `len` bytes valid for reads and writes that stay valid,
-    /// and are not freed or remapped, until the last memory region registered
-    /// from this buffer is dropped and no operation naming it is in flight
-    /// (peers write into it: the owner must not rely on its contents while
-    /// one may land).
+    /// and are not freed or remapped, until this buffer is dropped: the last
+    /// memory region registered from it, operation naming it and [`crate::Span`]
+    /// of it are gone (peers write into it: the owner must not rely on its
+    /// contents while one may land).
     pub unsafe fn borrowed(ptr: *mut u8, len: usize) -> Result<Self, FabricError> {
         if len == 0 {
             return Err(FabricError::InvalidArgument("a memory region cannot be empty"));

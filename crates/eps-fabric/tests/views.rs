@@ -132,3 +132,32 @@ fn soft_owner_only_regions_are_never_written() {
 fn shm_owner_only_regions_are_never_written() {
     owner_only_regions_are_never_written(pair(ShmDevice::open().unwrap().alloc_pd(), ShmDevice::open().unwrap().alloc_pd()));
 }
+
+/// A region is either viewed by its owner or lent to devices, never both; a
+/// span keeps the memory after the region (and its registration) is gone.
+fn spans_outlive_their_region<P: Fabric>(pd: &P) {
+    let owned = pd.alloc_mr(64, Access::REMOTE_READ).unwrap();
+    assert!(owned.span().is_err(), "a region with views lent to a device");
+    let mut lent = pd.alloc_mr(4096, Access::LOCAL_WRITE | Access::REMOTE_WRITE).unwrap();
+    lent.write_at(100, b"still here");
+    let span = lent.span().unwrap();
+    assert_eq!((span.len(), span.is_host()), (4096, true));
+    drop(lent);
+    // Other regions take the freed slot meanwhile; the span's memory stays its own.
+    let mut other = pd.alloc_mr(4096, Access::LOCAL_WRITE | Access::REMOTE_WRITE).unwrap();
+    other.write_at(100, b"someone el");
+    let mut got = [0u8; 10];
+    span.copy_out(100, &mut got).unwrap();
+    assert_eq!(&got, b"still here");
+    assert!(span.copy_out(4090, &mut got).is_err(), "a copy past the end");
+}
+
+#[test]
+fn soft_spans_outlive_their_region() {
+    spans_outlive_their_region(&SoftDevice::open().unwrap().alloc_pd());
+}
+
+#[test]
+fn shm_spans_outlive_their_region() {
+    spans_outlive_their_region(&ShmDevice::open().unwrap().alloc_pd());
+}

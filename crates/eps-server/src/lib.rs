@@ -19,6 +19,8 @@
 //! protocol (see `ShardSync`): a peer that breaks it changes only the values it
 //! sent, never what this server checked.
 
+#![forbid(unsafe_code)]
+
 mod buckets;
 mod checkpoint;
 mod cut;

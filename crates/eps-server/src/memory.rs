@@ -409,9 +409,10 @@ impl<P: Fabric> ShardMemory<P> {
     pub fn add(&mut self, id: u32, start: u64, len: u64, origin: Origin<'_>) -> Result<(), MemoryError> {
         let bytes = len as usize * self.dtype.size_bytes();
         // Peers only READ the published copies: registered so, the fabric gives
-        // this server views of them.
-        let published =
-            self.alloc_shared(id, "published parameters", PUBLISHED_HEADER as usize + 2 * bytes, Access::REMOTE_READ)?;
+        // this server views of them. In the device's memory, the device writes
+        // them (and the server never views them).
+        let access = if self.is_direct() { Access::LOCAL_WRITE | Access::REMOTE_READ } else { Access::REMOTE_READ };
+        let published = self.alloc_shared(id, "published parameters", PUBLISHED_HEADER as usize + 2 * bytes, access)?;
         let landing = (0..self.workers)
             .map(|_| self.alloc_shared(id, "gradient landing slots", bytes, Access::LOCAL_WRITE | Access::REMOTE_WRITE))
             .collect::<Result<Vec<_>, _>>()?;
@@ -445,24 +446,23 @@ impl<P: Fabric> ShardMemory<P> {
         let direct = self.direct.is_some() && dev.is_some();
         let mut b = ShardBlock::<P> { dev, direct, id, start, len, bytes, published, landing, state, inbox, grad, latest: None };
         if let (Some((d, _)), true) = (b.dev.as_mut(), direct) {
+            // The device keeps the spans: the memory stays while it may use it.
+            // Workers write a slot only between the updates that use it, and the
+            // consistency state machine keeps pulls off the buffer an update
+            // writes (the protocol's rules for every landing slot and published
+            // buffer).
             let dev_err = |source| MemoryError::Device { shard: id, source };
+            let fab_err = |e: FabricError| MemoryError::Device { shard: id, source: AggError::Device(e.to_string()) };
             for (r, slot) in b.landing.iter().enumerate() {
-                // SAFETY: the slot region lives in this block and is dropped after
-                // `dev` (field order), or kept longer (retained); it holds `bytes`
-                // (allocated so). Workers write it only between the updates that
-                // use it (the protocol's rule for every landing slot).
-                unsafe { d.attach(Attached::Slot(r), slot.addr(), bytes) }.map_err(dev_err)?;
+                d.attach(Attached::Slot(r), slot.span().map_err(fab_err)?).map_err(dev_err)?;
             }
-            // SAFETY: as above; peers only READ the published region, and the
-            // consistency state machine keeps pulls off the buffer an update writes.
-            unsafe { d.attach(Attached::Published, b.published.addr(), b.published.len()) }.map_err(dev_err)?;
+            d.attach(Attached::Published, b.published.span().map_err(fab_err)?).map_err(dev_err)?;
         } else if let Some((d, _)) = b.dev.as_mut() {
             for slot in &b.landing {
-                // SAFETY: the slot regions live in this block and are dropped after
-                // `dev` (field order), or kept longer (a released shard's landing
-                // regions are retained): they stay mapped for the device's life.
                 // Pinning is an optimization: an error leaves copies working.
-                let _ = unsafe { d.pin(slot.as_slice()) };
+                if let Ok(span) = slot.span() {
+                    let _ = d.pin(span);
+                }
             }
         }
         if let Origin::Init(init) | Origin::Backup(init) = origin {
@@ -638,10 +638,9 @@ impl<P: Fabric> ShardMemory<P> {
     pub fn stage(&mut self, id: u32, rank: u32) -> Result<(), AggError> {
         let Some(b) = self.block_mut(id).filter(|b| !b.direct) else { return Ok(()) };
         let (Some((dev, _)), Some(slot)) = (b.dev.as_mut(), b.landing.get(rank as usize)) else { return Ok(()) };
-        // SAFETY: the slot is not written before the update that uses the copy
-        // (the caller), and it stays mapped at least as long as the device shard
-        // (see `add`).
-        unsafe { dev.stage(rank as usize, slot.as_slice()) }
+        // The slot is not written before the update that uses the copy (the
+        // caller); the device keeps the span until then.
+        dev.stage(rank as usize, slot.span().map_err(|e| AggError::Device(e.to_string()))?)
     }
 
     /// Gives shard `id` a gradient buffer to forward from (migration source).
@@ -689,21 +688,18 @@ impl<P: Fabric> ShardMemory<P> {
         if let Some((dev, owns)) = b.dev.as_mut() {
             on_device(dev.as_mut(), owns, &mut own_f32(&mut b.state)[..len * (1 + k)])?;
             let mut fwd = b.grad.as_mut().map(|_| vec![0f32; len]);
-            let mut inputs: [(usize, &[u8]); MAX_WORKERS] = [(0, &[]); MAX_WORKERS];
-            for (x, &r) in inputs.iter_mut().zip(contributors) {
-                let host: &[u8] = if b.direct {
-                    &[]
-                } else {
-                    // SAFETY: a device copies the contributions from the slots'
-                    // host memory itself (it has no fabric calls); the caller
-                    // keeps the workers off their slots until the update is done
-                    // (see above).
-                    unsafe { b.landing[r as usize].as_slice() }
+            // A device copies the contributions from the slots' memory itself,
+            // by DMA, from their spans (none when they are its own, attached).
+            let mut inputs = Vec::with_capacity(n_slots);
+            for &r in &contributors[..n_slots] {
+                let host = match (b.direct, b.landing.get(r as usize)) {
+                    (false, Some(slot)) => Some(slot.span().map_err(|e| AggError::Device(e.to_string()))?),
+                    _ => None,
                 };
-                *x = (r as usize, host);
+                inputs.push((r as usize, host));
             }
             let out = out_to(b.direct, &mut b.published, off, b.bytes);
-            dev.update(&inputs[..n_slots], u.scale, u.opt, u.scalars, fwd.as_deref_mut(), out)?;
+            dev.update(&inputs, u.scale, u.opt, u.scalars, fwd.as_deref_mut(), out)?;
             if let (Some(f), Some(g)) = (fwd, b.grad.as_mut()) {
                 g.write_at(0, bytemuck::cast_slice(&f));
             }

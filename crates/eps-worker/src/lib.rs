@@ -45,6 +45,8 @@
 //! ([`Worker::params_ptr`]); every method that starts transfers waits for them to
 //! finish before returning, so the framework reads it between transfers.
 
+#![forbid(unsafe_code)]
+
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::ops::Range;

@@ -160,6 +160,12 @@ unsafe impl HostRegion for SoftMr {
         self.inner.buf.as_ptr()
     }
 
+    unsafe fn span_unchecked(&self) -> crate::Span {
+        // SAFETY: `inner` owns the mapping (its `RegionBuf`), unmapped only when
+        // the last `Arc` goes, and never handed to another registration.
+        unsafe { crate::Span::new(self.inner.base(), self.inner.buf.len(), true, self.inner.clone()) }
+    }
+
     unsafe fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: as above, and `&mut self` excludes other local users.
         unsafe { std::slice::from_raw_parts_mut(self.inner.buf.as_ptr(), self.inner.buf.len()) }

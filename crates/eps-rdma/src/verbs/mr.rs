@@ -34,10 +34,11 @@ pub trait DeviceMemory: Send + Sync + std::fmt::Debug {
 
 #[derive(Debug)]
 enum Backing {
-    /// Host memory; taken out only in `drop` (it may go back to the pool).
-    Host(std::mem::ManuallyDrop<RegionBuf>),
-    /// Device memory, kept alive as long as its registration.
-    Device(Box<dyn DeviceMemory>),
+    /// Host memory; taken out only in `drop` (it goes back to the pool when no
+    /// span of it is left). Shared with the region's spans.
+    Host(std::mem::ManuallyDrop<Arc<RegionBuf>>),
+    /// Device memory, kept alive as long as its registration and its spans.
+    Device(Arc<dyn DeviceMemory>),
 }
 
 /// A registered memory region: host memory, or device memory registered through
@@ -70,10 +71,21 @@ impl Drop for RdmaMr {
             Backing::Host(buf) => {
                 // SAFETY: `buf` is taken once, here, and not used after.
                 let buf = unsafe { std::mem::ManuallyDrop::take(buf) };
-                if let Err((mr, buf)) = self.pd.cache.put(self.pd.pd, self.mr, buf, self.access) {
-                    // SAFETY: registered once, deregistered once, before its buffer goes.
-                    unsafe { sys::ibv_dereg_mr(mr) };
-                    drop(buf);
+                // A buffer a span still holds is not reused: it goes with the
+                // last span, deregistered now.
+                let back = Arc::try_unwrap(buf).map_err(|held| (self.mr, held));
+                match back.map(|buf| self.pd.cache.put(self.pd.pd, self.mr, buf, self.access)) {
+                    Ok(Ok(())) => {}
+                    Ok(Err((mr, buf))) => {
+                        // SAFETY: registered once, deregistered once, before its buffer goes.
+                        unsafe { sys::ibv_dereg_mr(mr) };
+                        drop(buf);
+                    }
+                    Err((mr, held)) => {
+                        // SAFETY: as above; the spans keep the memory mapped.
+                        unsafe { sys::ibv_dereg_mr(mr) };
+                        drop(held);
+                    }
                 }
             }
             // The device memory is dropped after this, with the struct.
@@ -127,7 +139,13 @@ impl MemoryRegion for RdmaMr {
     }
     fn write_at(&mut self, offset: usize, data: &[u8]) {
         match &mut self.backing {
-            Backing::Host(b) => b.as_mut_slice()[offset..offset + data.len()].copy_from_slice(data),
+            Backing::Host(b) => {
+                assert!(offset.checked_add(data.len()).is_some_and(|e| e <= b.len()), "write_at out of bounds");
+                // SAFETY: the range lies in the live mapping (checked above);
+                // `&mut self` excludes this region's views, and the spans' holders
+                // reach the bytes by address, as DMA does.
+                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), b.as_ptr().add(offset), data.len()) }
+            }
             Backing::Device(d) => {
                 assert!(offset.checked_add(data.len()).is_some_and(|e| e <= d.len()), "write_at out of bounds");
                 d.write(offset, data)
@@ -150,6 +168,19 @@ unsafe impl HostRegion for RdmaMr {
             Backing::Device(_) => std::ptr::null_mut(),
         }
     }
+    unsafe fn span_unchecked(&self) -> eps_fabric::Span {
+        match &self.backing {
+            // SAFETY: the Arc owns the mapping, unmapped with the last clone, and
+            // a buffer with spans out never goes back to the pool (Drop).
+            Backing::Host(b) => unsafe {
+                eps_fabric::Span::new(b.as_ptr() as u64, b.len(), true, Arc::clone(b) as Arc<dyn std::any::Any + Send + Sync>)
+            },
+            // SAFETY: the device memory is freed with the last clone of its Arc.
+            Backing::Device(d) => unsafe {
+                eps_fabric::Span::new(d.iova(), d.len(), false, Arc::new(Arc::clone(d)) as Arc<dyn std::any::Any + Send + Sync>)
+            },
+        }
+    }
     /// # Panics
     /// On device memory ([`RdmaMr::is_host`] is false), which has no host view.
     unsafe fn as_slice(&self) -> &[u8] {
@@ -162,7 +193,9 @@ unsafe impl HostRegion for RdmaMr {
     /// As `as_slice`.
     unsafe fn as_mut_slice(&mut self) -> &mut [u8] {
         match &mut self.backing {
-            Backing::Host(b) => b.as_mut_slice(),
+            // SAFETY: the mapping lives as long as `b`; the caller's contract
+            // excludes other users of the bytes meanwhile.
+            Backing::Host(b) => unsafe { std::slice::from_raw_parts_mut(b.as_ptr(), b.len()) },
             Backing::Device(_) => panic!("a device-memory region has no host view"),
         }
     }
@@ -193,7 +226,7 @@ pub(super) fn register_host(pd: &Arc<PdInner>, mut buf: RegionBuf, access: Acces
     if mr.is_null() {
         return Err(FabricError::Alloc { bytes: buf.len() as u64, source: io::Error::last_os_error() });
     }
-    Ok(counted(RdmaMr { mr, backing: Backing::Host(std::mem::ManuallyDrop::new(buf)), access, pd: pd.clone() }))
+    Ok(counted(RdmaMr { mr, backing: Backing::Host(std::mem::ManuallyDrop::new(Arc::new(buf))), access, pd: pd.clone() }))
 }
 
 /// `len` zeroed bytes of host memory: from the registration cache when it holds a
@@ -201,7 +234,7 @@ pub(super) fn register_host(pd: &Arc<PdInner>, mut buf: RegionBuf, access: Acces
 pub(super) fn alloc_host(pd: &Arc<PdInner>, len: usize, access: Access) -> Result<RdmaMr> {
     match pd.cache.take(pd.pd, len, access, access_flags(access)) {
         Some((mr, buf)) => {
-            Ok(counted(RdmaMr { mr, backing: Backing::Host(std::mem::ManuallyDrop::new(buf)), access, pd: pd.clone() }))
+            Ok(counted(RdmaMr { mr, backing: Backing::Host(std::mem::ManuallyDrop::new(Arc::new(buf))), access, pd: pd.clone() }))
         }
         None => register_host(pd, RegionBuf::new(len)?, access),
     }
@@ -227,6 +260,6 @@ impl RdmaPd {
         if mr.is_null() {
             return Err(FabricError::Alloc { bytes: len as u64, source: io::Error::last_os_error() });
         }
-        Ok(counted(RdmaMr { mr, backing: Backing::Device(mem), access, pd: self.0.clone() }))
+        Ok(counted(RdmaMr { mr, backing: Backing::Device(Arc::from(mem)), access, pd: self.0.clone() }))
     }
 }
