@@ -262,8 +262,7 @@ fn a_worker_that_asks_to_leave_is_removed_at_a_boundary() {
                             }
                         }
                     }
-                    let out =
-                        Outcome { rank: w.rank(), membership: w.membership().clone(), params: Some(w.params_copy()) };
+                    let out = Outcome { rank: w.rank(), membership: w.membership().clone(), params: Some(w.params_copy()) };
                     w.finish().unwrap();
                     out
                 })

@@ -93,6 +93,10 @@ impl Span {
 
 impl std::fmt::Debug for Span {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Span").field("addr", &format_args!("{:#x}", self.addr)).field("len", &self.len).field("host", &self.host).finish()
+        f.debug_struct("Span")
+            .field("addr", &format_args!("{:#x}", self.addr))
+            .field("len", &self.len)
+            .field("host", &self.host)
+            .finish()
     }
 }

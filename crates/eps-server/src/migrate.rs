@@ -159,12 +159,7 @@ impl<P: Fabric> Server<P> {
         // A snapshot lands in the inbox; a shard without one (a backup from the
         // start, kept in step by forwards alone) takes none: no key writes it.
         let (state_addr, state_rkey) = b.inbox.as_ref().map_or((0, 0), |i| (i.addr(), i.rkey()));
-        let keys = MigrationKeys {
-            state_addr,
-            state_rkey,
-            grad_addr: grad.addr(),
-            grad_rkey: grad.rkey(),
-        };
+        let keys = MigrationKeys { state_addr, state_rkey, grad_addr: grad.addr(), grad_rkey: grad.rkey() };
         let endpoint = self.endpoint(id).ok_or_else(|| ServerError::Migration("shard memory vanished".into()))?;
         Ok((endpoint, keys))
     }
