@@ -191,9 +191,9 @@ fn a_server_cut_off_by_its_link_with_two_replicas_is_lost_and_nothing_is_lost() 
     let (spec, want) = job_and_reference("cut", 600, 2);
     let mut job = Job::start(&link, spec.to_str().unwrap());
     job.wait_step(60);
+    let since = job.lines.seen.len();
     link.set(false);
-    job.lines.line("has not polled for orders");
-    job.lines.line("is served here from version");
+    job.lines.all_of(since, &["has not polled for orders", "is served here from version"]);
     job.wait_step(250);
     // Back on the link, the server asks for orders and is told it was lost.
     link.set(true);

@@ -124,6 +124,18 @@ impl Lines {
         self.until(&format!("line with {text:?}"), |l| l.contains(text))
     }
 
+    /// Takes lines until one containing each of `texts` has come, in any order
+    /// (lines of different processes reach the collector in no fixed order),
+    /// counting those already taken after the `since`-th.
+    pub fn all_of(&mut self, since: usize, texts: &[&str]) {
+        let mut missing: Vec<&str> =
+            texts.iter().copied().filter(|t| !self.seen[since.min(self.seen.len())..].iter().any(|l| l.contains(t))).collect();
+        while let Some(&t) = missing.first() {
+            let l = self.until(&format!("line with {t:?}"), |l| missing.iter().any(|m| l.contains(m)));
+            missing.retain(|m| !l.contains(m));
+        }
+    }
+
     /// Takes what is left, until nothing comes for `quiet`.
     pub fn rest(&mut self, quiet: Duration) {
         while let Ok(l) = self.rx.recv_timeout(quiet) {
