@@ -372,10 +372,11 @@ class Worker:
         return out
 
     def sparse_pull_rows(self, table, keys):
-        """The rows of ``keys`` without a copy: ``(rows, index)``, ``rows`` a
-        read-only float32 view ``(distinct keys, dim)`` of the registered
-        buffer the servers wrote them into, ``index[i]`` the row of
-        ``keys[i]``. The view is valid until the table's next pull."""
+        """The rows of ``keys`` without a copy here: ``(rows, index)``,
+        ``rows`` a read-only float32 view ``(distinct keys, dim)`` of the
+        worker's row buffer (the rows copied out of the registered memory
+        the servers wrote them into), ``index[i]`` the row of ``keys[i]``.
+        The view is valid until the table's next pull."""
         t = self._table(table)
         k, kp = self._keys(keys)
         dim = self.table_dim(t)

@@ -95,11 +95,12 @@ pub unsafe extern "C" fn eps_sparse_pull(
     })
 }
 
-/// Pulls the rows of `keys` as of the worker's current iteration without a
-/// copy: each distinct key's row is written by its server into the worker's
-/// registered row buffer. `*rows` points to those rows (`*row_count` of
-/// them, `dim` floats each), and `index[i]` is the row of `keys[i]`. The
-/// rows stay valid until the table's next pull on this worker, or its close.
+/// Pulls the rows of `keys` as of the worker's current iteration into the
+/// worker's own row buffer, one row per distinct key (copied out of the
+/// registered buffer its servers write, so no copy by the caller): `*rows`
+/// points to those rows (`*row_count` of them, `dim` floats each), and
+/// `index[i]` is the row of `keys[i]`. The rows stay valid until the table's
+/// next pull on this worker, or its close.
 ///
 /// # Safety
 /// `keys` points to `count` readable keys and `index` to `count` writable

@@ -96,8 +96,14 @@ impl<P: Fabric> Tables<P> {
             let pull = wire::region_bytes(Op::Pull, &decl) + slack;
             tables.push(Table {
                 rows: pd.alloc_mr(decl.max_keys * decl.spec.dim * decl.elem(), Access::LOCAL_WRITE | Access::REMOTE_WRITE)?,
-                wide: Vec::new(),
-                raw: Vec::new(),
+                // Room for the largest pull from the start: the rows handed
+                // out stay where they are (valid until the next pull, or longer).
+                wide: Vec::with_capacity(decl.max_keys * decl.spec.dim),
+                raw: if decl.dtype == eps_agg::DType::F32 {
+                    Vec::new()
+                } else {
+                    Vec::with_capacity(decl.max_keys * decl.spec.dim * decl.elem())
+                },
                 // Only the worker writes its requests (they go out by WRITE).
                 push_out: pd.alloc_mr(push, Access::NONE)?,
                 pull_out: pd.alloc_mr(pull, Access::NONE)?,
