@@ -486,16 +486,22 @@ fn differing_chunks(soaked: &str, reference: &str) -> (u64, u64) {
 
 /// Per role: the median summed RSS of the samples after `quiet_from` (no
 /// more faults) from step `end_from` on, over the median of those between
-/// 60% of the warm-up (`warm` steps) and its end; only samples with
-/// `servers` servers count. When faults ran into the last samples (a short
-/// soak), the samples from step `end_from` on stand for the end.
+/// 60% of the warm-up (`warm` steps) and its end (the first sample after that
+/// window's start when none fell in it); only samples with `servers` servers
+/// count. When faults ran into the last samples (a short soak), the samples
+/// from step `end_from` on stand for the end.
 fn rss_growth(ticks: &[Tick], warm: u64, end_from: u64, quiet_from: f64, servers: u32) -> [f64; 3] {
     let median = |mut v: Vec<u64>| {
         v.sort_unstable();
         v.get(v.len() / 2).map(|&x| x as f64)
     };
     let ok = |t: &&Tick| t.procs[1] == servers;
-    let before: Vec<&Tick> = ticks.iter().filter(ok).filter(|t| t.step >= warm * 6 / 10 && t.step < warm).collect();
+    let mut before: Vec<&Tick> = ticks.iter().filter(ok).filter(|t| t.step >= warm * 6 / 10 && t.step < warm).collect();
+    if before.is_empty() {
+        // No sample in the window (it went by between two ticks, or a fault
+        // held it): the first one after its start.
+        before = ticks.iter().filter(ok).filter(|t| t.step >= warm * 6 / 10).min_by_key(|t| t.step).into_iter().collect();
+    }
     let mut after: Vec<&Tick> = ticks.iter().filter(ok).filter(|t| t.t >= quiet_from && t.step >= end_from).collect();
     if after.is_empty() {
         after = ticks.iter().filter(ok).filter(|t| t.step >= end_from).collect();
@@ -540,5 +546,9 @@ mod tests {
         assert_eq!(rss_growth(&ticks, 15, 90, 10.0, 4), [1.0, 1.1, 1.0]);
         let none = rss_growth(&ticks, 15, 100, 3.5, 4);
         assert!(none.iter().all(|x| x.is_nan()), "no sample at the end: {none:?}");
+        // No sample in the warm-up's window (steps 30..50 went by between
+        // ticks): the first one after its start stands for it.
+        let sparse = vec![tick(0.0, 5, 40, 4), tick(1.0, 60, 50, 4), tick(4.0, 95, 55, 4)];
+        assert_eq!(rss_growth(&sparse, 50, 90, 3.5, 4), [1.0, 1.1, 1.0]);
     }
 }
