@@ -38,8 +38,11 @@ const SANITIZE: [&str; 2] = ["-fsanitize=address,undefined", "-fno-sanitize-reco
 /// Whether `cc` can build and run a program under [`SANITIZE`] here. Under
 /// `CI=true` it must: the C tests then never run without them.
 fn sanitizers_work(dir: &Path) -> bool {
-    let src = dir.join("asan_probe.c");
-    let exe = dir.join("asan_probe");
+    // One probe per test process: the tests run in parallel and would build
+    // and run each other's half-written files.
+    let id = std::process::id();
+    let src = dir.join(format!("asan_probe_{id}.c"));
+    let exe = dir.join(format!("asan_probe_{id}"));
     std::fs::write(&src, "int main(void) { return 0; }\n").expect("write probe");
     let built = Command::new("cc").args(SANITIZE).arg("-o").arg(&exe).arg(&src).status().is_ok_and(|s| s.success());
     let works = built && Command::new(&exe).status().is_ok_and(|s| s.success());
