@@ -226,12 +226,8 @@ impl<P: Fabric> ShardBlock<P> {
         let Some(q) = self.latest.take() else { return };
         let (len, bytes) = (self.len as usize, self.bytes);
         let off = published_offset(bytes as u64, q) as usize;
-        let master = &mut own_mut(&mut self.state)[..len * 4];
-        if self.direct {
-            self.published.read_at(off, master);
-        } else {
-            master.copy_from_slice(&own(&self.published)[off..off + bytes]);
-        }
+        // (Only a host update out of place sets `latest`: never direct.)
+        own_mut(&mut self.state)[..len * 4].copy_from_slice(&own(&self.published)[off..off + bytes]);
     }
 }
 

@@ -73,19 +73,18 @@ impl Drop for RdmaMr {
                 let buf = unsafe { std::mem::ManuallyDrop::take(buf) };
                 // A buffer a span still holds is not reused: it goes with the
                 // last span, deregistered now.
-                let back = Arc::try_unwrap(buf).map_err(|held| (self.mr, held));
-                match back.map(|buf| self.pd.cache.put(self.pd.pd, self.mr, buf, self.access)) {
-                    Ok(Ok(())) => {}
-                    Ok(Err((mr, buf))) => {
-                        // SAFETY: registered once, deregistered once, before its buffer goes.
-                        unsafe { sys::ibv_dereg_mr(mr) };
-                        drop(buf);
+                match Arc::try_unwrap(buf) {
+                    Ok(buf) => {
+                        if let Err((mr, buf)) = self.pd.cache.put(self.pd.pd, self.mr, buf, self.access) {
+                            // SAFETY: registered once, deregistered once, before its buffer goes.
+                            unsafe { sys::ibv_dereg_mr(mr) };
+                            drop(buf);
+                        }
                     }
-                    Err((mr, held)) => {
-                        // SAFETY: as above; the spans keep the memory mapped.
-                        unsafe { sys::ibv_dereg_mr(mr) };
-                        drop(held);
-                    }
+                    // SAFETY: as above; the spans keep the memory mapped.
+                    Err(_held) => unsafe {
+                        sys::ibv_dereg_mr(self.mr);
+                    },
                 }
             }
             // The device memory is dropped after this, with the struct.
