@@ -232,7 +232,7 @@ impl<P: Fabric> Server<P> {
         let sg = [Sge::new(&f.mr, at as u64, n as u32)];
         let remote = RemoteAddr { addr: f.remote.addr + at as u64, rkey: f.remote.rkey };
         let wr = SendWr { wr_id: WR_ROWS | u64::from(f.from), op: SendOp::Read(remote), sg: &sg, signaled: true };
-        self.conns[f.ci].post(&wr)?;
+        self.conns[f.ci].post_or_flush(&wr, &mut self.flushed)?;
         f.asked += n;
         f.in_flight += 1;
         Ok(())

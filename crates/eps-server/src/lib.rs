@@ -225,6 +225,8 @@ impl std::fmt::Display for Peer {
 struct Conn<P: Fabric> {
     /// `None` once closed.
     qp: Option<P::Qp>,
+    /// The queue pair's number (kept once closed: flushed requests name it).
+    qp_num: u32,
     peer: Peer,
     alive: bool,
     hello: P::Mr,
@@ -238,6 +240,31 @@ impl<P: Fabric> Conn<P> {
     /// Posts a send-queue work request; an error names the peer and the operation.
     fn post(&self, wr: &SendWr<'_, P::Mr>) -> Result<(), ServerError> {
         self.qp()?.post_send(wr).map_err(|source| ServerError::Post { peer: self.peer.to_string(), op: wr.op, source })
+    }
+
+    /// Posts on a connection that may have closed since it was chosen (its
+    /// peer failed): as a queue pair in the error state does, a request on a
+    /// closed connection completes flushed, into `flushed`, which the loop
+    /// takes on its next turn. The code after a post goes on as after any
+    /// post, and the failure is handled where any failed completion is.
+    fn post_or_flush(&self, wr: &SendWr<'_, P::Mr>, flushed: &mut Vec<Completion>) -> Result<(), ServerError> {
+        if self.qp.is_some() {
+            return self.post(wr);
+        }
+        let opcode = match wr.op {
+            SendOp::Send => WcOpcode::Send,
+            SendOp::Write(_) | SendOp::WriteImm(..) => WcOpcode::Write,
+            SendOp::Read(_) => WcOpcode::Read,
+        };
+        flushed.push(Completion {
+            wr_id: wr.wr_id,
+            status: WcStatus::WrFlush,
+            opcode,
+            byte_len: 0,
+            imm: None,
+            qp_num: self.qp_num,
+        });
+        Ok(())
     }
 }
 
@@ -291,6 +318,8 @@ pub(crate) struct Server<P: Fabric> {
     by_rank: Vec<Option<usize>>,
     /// QP number -> connection index.
     by_qp: HashMap<u32, usize>,
+    /// Requests posted on closed connections, completed flushed (see `Conn::post_or_flush`).
+    flushed: Vec<Completion>,
     /// Target server rank -> connection index (dialed for migrations).
     targets: HashMap<u32, usize>,
     pd: P,
@@ -509,6 +538,7 @@ pub fn run_direct<P: Fabric>(
         conns: Vec::new(),
         by_rank: vec![None; ranks as usize],
         by_qp: HashMap::new(),
+        flushed: Vec::new(),
         targets: HashMap::new(),
         pd: pd.clone(),
         cq: cq.clone(),
@@ -636,4 +666,30 @@ fn spawn_order_poller(cfg: &ServerConfig, rank: u32) -> Result<Receiver<Result<O
         }
     });
     Ok(rx)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use eps_fabric::soft::SoftDevice;
+
+    #[test]
+    fn a_post_on_a_closed_connection_completes_flushed() {
+        let pd = SoftDevice::open().unwrap().alloc_pd();
+        let hello = crate::serve::hello_buffer(&pd).unwrap();
+        let conn: Conn<SoftPd> = Conn { qp: None, qp_num: 7, peer: Peer::Target(3), alive: false, hello };
+        let remote = RemoteAddr { addr: 0, rkey: 0 };
+        let mut flushed = Vec::new();
+        // `post` refuses (a bug where the caller checked the connection)...
+        let wr = SendWr { wr_id: 42, op: SendOp::WriteImm(remote, 1), sg: &[], signaled: true };
+        assert!(conn.post(&wr).is_err());
+        // ...`post_or_flush` completes it flushed, as a queue pair in the error state.
+        conn.post_or_flush(&wr, &mut flushed).unwrap();
+        let read = SendWr { wr_id: 43, op: SendOp::Read(remote), sg: &[], signaled: false };
+        conn.post_or_flush(&read, &mut flushed).unwrap();
+        assert_eq!(flushed.len(), 2);
+        assert_eq!((flushed[0].wr_id, flushed[0].opcode, flushed[0].status), (42, WcOpcode::Write, WcStatus::WrFlush));
+        assert_eq!((flushed[1].wr_id, flushed[1].opcode), (43, WcOpcode::Read));
+        assert!(flushed.iter().all(|c| c.qp_num == 7 && !c.status.is_ok()));
+    }
 }

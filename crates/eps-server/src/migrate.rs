@@ -252,12 +252,8 @@ impl<P: Fabric> Server<P> {
         let remote = RemoteAddr { addr: keys.state_addr, rkey: keys.state_rkey };
         let sg = [Sge::whole(&b.state)];
         let snapshot_posted = Instant::now();
-        self.conns[ci].post(&SendWr {
-            wr_id: WR_MIGRATE | u64::from(id),
-            op: SendOp::WriteImm(remote, imm),
-            sg: &sg,
-            signaled: true,
-        })?;
+        let wr = SendWr { wr_id: WR_MIGRATE | u64::from(id), op: SendOp::WriteImm(remote, imm), sg: &sg, signaled: true };
+        self.conns[ci].post_or_flush(&wr, &mut self.flushed)?;
         let out = Outgoing {
             src: Source::start(v0),
             to,
@@ -282,9 +278,9 @@ impl<P: Fabric> Server<P> {
     }
 
     /// A zero-length WRITE_WITH_IMM to a peer server on connection `ci`.
-    fn notice(&self, ci: usize, remote: RemoteAddr, imm: Imm) -> Result<(), ServerError> {
+    fn notice(&mut self, ci: usize, remote: RemoteAddr, imm: Imm) -> Result<(), ServerError> {
         let wr = SendWr { wr_id: WR_OTHER, op: SendOp::WriteImm(remote, imm.encode()), sg: &[], signaled: false };
-        self.conns[ci].post(&wr)?;
+        self.conns[ci].post_or_flush(&wr, &mut self.flushed)?;
         Ok(())
     }
 
@@ -440,7 +436,7 @@ impl<P: Fabric> Server<P> {
                 sg: if carry { &[] } else { &whole },
                 signaled: true,
             };
-            self.conns[out.ci].post(&wr)?;
+            self.conns[out.ci].post_or_flush(&wr, &mut self.flushed)?;
             out.forward_busy = true;
             out.last_forward = version;
             out.bytes += if carry { 0 } else { b.len * 4 };

@@ -85,7 +85,7 @@ impl<P: Fabric> Server<P> {
         let wr =
             SendWr { wr_id: WR_MIGRATE | WR_FORWARD | u64::from(id), op: SendOp::WriteImm(remote, imm), sg: &sg, signaled: true };
         let bytes = b.len * 4;
-        self.conns[ci].post(&wr)?;
+        self.conns[ci].post_or_flush(&wr, &mut self.flushed)?;
         if let Some(out) = self.held_mut(id).and_then(|h| h.out.as_mut()) {
             out.forward_busy = true;
             out.bytes += bytes;

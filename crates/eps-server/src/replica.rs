@@ -122,11 +122,13 @@ impl<P: Fabric> Server<P> {
             let b = self.mem.get(id).ok_or_else(|| ServerError::Migration("shard memory vanished".into()))?;
             let state = [Sge::whole(&b.state)];
             let to_state = RemoteAddr { addr: keys.state_addr, rkey: keys.state_rkey };
-            self.conns[ci].post(&SendWr { wr_id: WR_OTHER, op: SendOp::Write(to_state), sg: &state, signaled: false })?;
+            let wr = SendWr { wr_id: WR_OTHER, op: SendOp::Write(to_state), sg: &state, signaled: false };
+            self.conns[ci].post_or_flush(&wr, &mut self.flushed)?;
             let imm = Imm { kind: ImmKind::Forward, shard: id, seq: version as u16 }.encode();
             let to_grad = RemoteAddr { addr: keys.grad_addr, rkey: keys.grad_rkey };
             let op = SendOp::WriteImm(to_grad, imm);
-            self.conns[ci].post(&SendWr { wr_id: WR_REPLICA_SNAPSHOT | u64::from(id), op, sg: &[], signaled: true })?;
+            let wr = SendWr { wr_id: WR_REPLICA_SNAPSHOT | u64::from(id), op, sg: &[], signaled: true };
+            self.conns[ci].post_or_flush(&wr, &mut self.flushed)?;
         }
         if let Some(h) = self.held_mut(id) {
             h.replica = Some(Replica::Primary { ci, keys, waiting: None, snapshotting: snapshot, promoted, stopping: false });

@@ -113,6 +113,9 @@ impl<P: Fabric> Server<P> {
             for wr_id in std::mem::take(&mut self.orphaned) {
                 self.on_send_done(wr_id, false)?;
             }
+            for c in std::mem::take(&mut self.flushed) {
+                self.on_completion(&c)?;
+            }
             if k > 0 {
                 last = Instant::now();
                 told = false;
@@ -185,7 +188,8 @@ impl<P: Fabric> Server<P> {
     pub(crate) fn add_conn(&mut self, qp: P::Qp, peer: Peer, hello: P::Mr) -> usize {
         let ci = self.conns.len();
         self.by_qp.insert(qp.qp_num(), ci);
-        self.conns.push(Conn { qp: Some(qp), peer, alive: true, hello });
+        let qp_num = qp.qp_num();
+        self.conns.push(Conn { qp: Some(qp), qp_num, peer, alive: true, hello });
         ci
     }
 
