@@ -9,6 +9,9 @@
 use std::io::Write as _;
 use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use crate::roles::crate_error;
 use crate::train::{Launch, LocalCluster, Overrides, build_spec_or, cluster::ChildArgs};
@@ -57,9 +60,15 @@ pub struct UpArgs {
     /// Base learning rate of the server-side optimizer.
     #[arg(long)]
     pub lr: Option<f64>,
-    /// Training iterations (sets the end of a cosine learning-rate decay).
+    /// Iterations the job runs at most; framework workers may stop sooner
+    /// (a learning-rate schedule given in --spec ends here) [default job: 1000000].
     #[arg(long)]
     pub steps: Option<u64>,
+    /// Seconds to wait for the job's first workers to join: past it, `eps up`
+    /// names the ranks missing, stops the job and exits with an error
+    /// [default: no limit; workers may come whenever they are ready].
+    #[arg(long, value_name = "SECONDS", value_parser = parse_seconds)]
+    pub join_timeout: Option<f64>,
     /// Consistency model: bsp, ssp or asp.
     #[arg(long)]
     pub consistency: Option<String>,
@@ -116,8 +125,12 @@ pub fn run(a: UpArgs) -> Result<(), String> {
         Err(_) => "tensors declared by the first worker to join".into(),
     };
     let opt = spec.optimizer().map_err(|e| e.to_string())?;
+    let wait = match a.join_timeout {
+        Some(t) => format!("for up to {t} s, --join-timeout"),
+        None => "with no time limit, --join-timeout".to_string(),
+    };
     eps_proto::say!(
-        "eps up: job {:?} at {}: {} servers ({} transport, {} aggregator) waiting for {} workers; {}, optimizer {}; {}",
+        "eps up: job {:?} at {}: {} servers ({} transport, {} aggregator) waiting for {} workers ({wait}); {}, optimizer {}; {}",
         spec.job.name,
         cluster.control_addr(),
         spec.job.servers,
@@ -132,12 +145,107 @@ pub fn run(a: UpArgs) -> Result<(), String> {
         "eps up: workers need EPS_CONTROL and {} in their environment; Ctrl-C stops the job",
         if from_env.is_some() { "EPS_JOB_SECRET" } else { "EPS_JOB_SECRET_FILE" }
     );
+    let timed_out = Arc::new(AtomicBool::new(false));
+    let joins = JoinWatch {
+        addr: cluster.control_addr().to_string(),
+        secret,
+        want: spec.job.workers,
+        timeout: a.join_timeout.map(Duration::from_secs_f64),
+        stop: cluster.stop_handle(),
+        timed_out: timed_out.clone(),
+    };
+    std::thread::spawn(move || joins.run());
     match cluster.supervise(None, |_| {}) {
         Ok(_) => {
             eps_proto::say!("eps up: the job has finished; every server has exited");
             Ok(())
         }
+        Err(_) if timed_out.load(Ordering::SeqCst) => Err(format!(
+            "the job's first workers did not all join within --join-timeout {} s; the job was stopped (see the ranks named above)",
+            a.join_timeout.unwrap_or_default()
+        )),
         Err(e) => Err(crate_error(&e)),
+    }
+}
+
+fn parse_seconds(s: &str) -> Result<f64, String> {
+    match s.trim().trim_end_matches('s').parse::<f64>() {
+        Ok(t) if t.is_finite() && t > 0.0 => Ok(t),
+        _ => Err(format!("{s:?} is not a number of seconds above 0 (e.g. 60 or 2.5)")),
+    }
+}
+
+/// Follows the job's first workers joining: says every 30 s who is still
+/// missing, and past the join timeout names them and stops the cluster.
+struct JoinWatch {
+    addr: String,
+    secret: String,
+    want: u32,
+    timeout: Option<Duration>,
+    stop: Arc<AtomicBool>,
+    timed_out: Arc<AtomicBool>,
+}
+
+/// How often `eps up` says which workers it still waits for.
+const JOIN_REPORT: Duration = Duration::from_secs(30);
+
+impl JoinWatch {
+    fn run(self) {
+        let start = Instant::now();
+        let mut told = start;
+        let mut client = None;
+        loop {
+            std::thread::sleep(Duration::from_millis(250));
+            let Some(missing) = self.missing(&mut client) else {
+                client = None;
+                continue;
+            };
+            if missing.is_empty() {
+                return;
+            }
+            let waited = start.elapsed();
+            if self.timeout.is_some_and(|t| waited > t) {
+                eps_proto::say!(
+                    "eps up: after {:.1} s (--join-timeout), {} of the job's {} workers had not joined (ranks {missing:?}); stopping the job. Workers join with EPS_CONTROL={} and the job secret in their environment",
+                    waited.as_secs_f64(),
+                    missing.len(),
+                    self.want,
+                    self.addr
+                );
+                self.timed_out.store(true, Ordering::SeqCst);
+                self.stop.store(true, Ordering::SeqCst);
+                return;
+            }
+            if told.elapsed() > JOIN_REPORT {
+                told = Instant::now();
+                eps_proto::say!(
+                    "eps up: {:.0} s on, waiting for {} of {} workers (ranks {missing:?})",
+                    waited.as_secs_f64(),
+                    missing.len(),
+                    self.want
+                );
+            }
+        }
+    }
+
+    /// The job's first ranks that have not registered yet (None: the
+    /// control plane did not answer this time).
+    fn missing(&self, client: &mut Option<eps_control::ControlClient>) -> Option<Vec<u64>> {
+        use eps_proto::control::ControlMsg;
+        if client.is_none() {
+            let addr: eps_control::ControlAddrs = self.addr.parse().ok()?;
+            let secret = eps_fabric::Secret::new(self.secret.as_str()).ok()?;
+            *client = Some(eps_control::ControlClient::connect(addr, &secret, Duration::from_secs(2)).ok()?);
+        }
+        let c = client.as_mut()?;
+        let ControlMsg::StatusReport { text } = c.call(&ControlMsg::StatusJson).ok()? else { return None };
+        let st: serde_json::Value = serde_json::from_str(&text).ok()?;
+        let rows = st.get("workers")?.as_array()?;
+        let ranks = rows.iter().filter_map(|w| {
+            let rank = w.get("rank")?.as_u64()?;
+            (rank < u64::from(self.want) && w.get("state")?.as_str()? == "admitted").then_some(rank)
+        });
+        Some(ranks.collect())
     }
 }
 

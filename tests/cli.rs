@@ -2,6 +2,7 @@
 //! two-process fabric benchmark whose JSON line is checked.
 
 use std::process::{Command, Output};
+use std::time::{Duration, Instant};
 
 fn eps(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_eps")).args(args).output().expect("run eps")
@@ -277,7 +278,9 @@ fn eps_up_explains_refuses_bad_input_and_stops_on_interrupt() {
     let o = eps(&["up", "--help"]);
     let t = text(&o);
     assert!(o.status.success());
-    for s in ["EPS_CONTROL=HOST:PORT", "EPS_JOB_SECRET_FILE", "--workers", "--max-workers", "--optimizer", "none"] {
+    for s in
+        ["EPS_CONTROL=HOST:PORT", "EPS_JOB_SECRET_FILE", "--workers", "--max-workers", "--optimizer", "none", "--join-timeout"]
+    {
         assert!(t.contains(s), "help lacks {s}: {t}");
     }
     let o = eps(&["up", "--workers", "0"]);
@@ -288,6 +291,9 @@ fn eps_up_explains_refuses_bad_input_and_stops_on_interrupt() {
     assert!(!o.status.success() && text(&o).contains("/nonexistent/job.toml"), "{}", text(&o));
     let o = eps(&["up", "--listen", "not-an-address"]);
     assert!(!o.status.success() && !text(&o).contains("panicked"), "{}", text(&o));
+    assert!(!t.contains("cosine"), "the default job has no learning-rate decay: {t}");
+    let o = eps(&["up", "--join-timeout", "0"]);
+    assert!(!o.status.success() && text(&o).contains("not a number of seconds above 0"), "{}", text(&o));
 
     use std::io::{BufRead, BufReader};
     let mut up = Command::new(env!("CARGO_BIN_EXE_eps"))
@@ -316,6 +322,24 @@ fn eps_up_explains_refuses_bad_input_and_stops_on_interrupt() {
     let mut rest = String::new();
     std::io::Read::read_to_string(&mut out, &mut rest).expect("read the rest");
     assert!(!rest.contains("EPS_JOB_SECRET_FILE"), "no secret file with EPS_JOB_SECRET set: {rest:?}");
+}
+
+/// `eps up --join-timeout`: the banner states the wait; past it, with no
+/// worker come, `eps up` names the missing ranks, stops the job and fails.
+#[test]
+fn eps_up_stops_with_a_clear_error_when_its_workers_never_join() {
+    let started = Instant::now();
+    let o = Command::new(env!("CARGO_BIN_EXE_eps"))
+        .args(["up", "--workers", "2", "--servers", "1", "--transport", "soft", "--aggregator", "cpu", "--join-timeout", "2"])
+        .env("EPS_JOB_SECRET", "cli-join-secret")
+        .output()
+        .expect("run eps up");
+    let t = text(&o);
+    assert!(!o.status.success(), "{t}");
+    assert!(t.contains("waiting for 2 workers (for up to 2 s, --join-timeout)"), "{t}");
+    assert!(t.contains("2 of the job's 2 workers had not joined (ranks [0, 1])"), "{t}");
+    assert!(t.contains("did not all join within --join-timeout 2 s"), "{t}");
+    assert!(started.elapsed() < Duration::from_secs(30), "took {:?}", started.elapsed());
 }
 
 /// `eps sim --compare` on the shipped exploration trace: `eps` gives feedback

@@ -315,6 +315,12 @@ impl Job {
         self.w.leased()
     }
 
+    /// Worker ranks a scale admitted that have not registered yet (each has
+    /// the join deadline to).
+    pub fn awaited_workers(&self) -> Vec<u32> {
+        self.w.awaited()
+    }
+
     /// Committed worker membership changes so far.
     pub fn membership_changes(&self) -> u64 {
         self.w.changes

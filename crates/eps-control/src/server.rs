@@ -54,6 +54,9 @@ struct State {
     /// When each worker rank last reached the control plane (its lease).
     seen: HashMap<u32, Instant>,
     lease: Duration,
+    /// When each rank a scale admitted was first seen waiting to register.
+    awaiting: HashMap<u32, Instant>,
+    join_deadline: Duration,
     /// Set once the reply to the last `Finished` has been written: only then may the
     /// service exit (exiting earlier would cut that reply off).
     done_replied: bool,
@@ -172,23 +175,42 @@ impl State {
     }
 
     /// Removes workers whose lease ran out (a worker renews it with every map
-    /// request, which its watcher thread makes at least every long poll).
+    /// request, which its watcher thread makes at least every long poll), and
+    /// ranks a scale admitted that did not register within the join deadline.
     fn expire_leases(&mut self) -> Result<(), ControlError> {
         let now = Instant::now();
+        let awaited = self.job.awaited_workers();
+        self.awaiting.retain(|r, _| awaited.contains(r));
+        for r in awaited {
+            let since = *self.awaiting.entry(r).or_insert(now);
+            if now.duration_since(since) > self.join_deadline {
+                let ms = now.duration_since(since).as_millis() as u64;
+                let why = format!(
+                    "worker rank {r} was admitted {ms} ms ago and no worker registered for it (job.join_deadline_ms); removing it at the next iteration boundary"
+                );
+                self.expire(r, ms, &why)?;
+            }
+        }
         for r in self.job.leased_workers() {
             let seen = *self.seen.entry(r).or_insert(now);
             if now.duration_since(seen) > self.lease {
-                let m = ControlMsg::Expire { rank: r };
-                if self.job.apply(&m).is_ok() {
-                    let ms = now.duration_since(seen).as_millis() as u64;
-                    eps_proto::say_event!(
-                        "worker_expired",
-                        { job = self.name.as_str(), worker = r, silent_ms = ms },
-                        "eps control: worker {r} has not renewed its lease for {ms} ms; removing it at the next iteration boundary"
-                    );
-                    self.persist(&m)?;
-                }
+                let ms = now.duration_since(seen).as_millis() as u64;
+                let why = format!("worker {r} has not renewed its lease for {ms} ms; removing it at the next iteration boundary");
+                self.expire(r, ms, &why)?;
             }
+        }
+        Ok(())
+    }
+
+    fn expire(&mut self, r: u32, ms: u64, why: &str) -> Result<(), ControlError> {
+        let m = ControlMsg::Expire { rank: r };
+        if self.job.apply(&m).is_ok() {
+            eps_proto::say_event!(
+                "worker_expired",
+                { job = self.name.as_str(), worker = r, silent_ms = ms },
+                "eps control: {why}"
+            );
+            self.persist(&m)?;
         }
         Ok(())
     }
@@ -238,6 +260,8 @@ impl ControlService {
             job,
             seen: HashMap::new(),
             lease,
+            awaiting: HashMap::new(),
+            join_deadline: Duration::from_millis(spec.job.join_deadline_ms),
             done_replied: false,
             store,
             ckpt,
@@ -439,7 +463,9 @@ mod tests {
             assert!(matches!(r, ControlMsg::Registered { rank: 0, .. }));
             // Static membership: a second worker is refused with a reason.
             let e = c.call(&ControlMsg::Register { role: Role::Worker, fabric_addr: String::new() }).unwrap_err();
-            assert!(e.to_string().contains("already has its 1 workers"), "{e}");
+            let e = e.to_string();
+            assert!(e.contains("every worker rank this job admitted is taken: 1 registered and running [0]"), "{e}");
+            assert!(e.contains("may admit no more ranks (job.max_workers = 1)"), "{e}");
             assert!(status(addr, &secret).contains("servers: 1/2 registered"));
         }
         // A new control plane on the same state directory replays the log.

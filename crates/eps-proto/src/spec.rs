@@ -183,6 +183,12 @@ pub struct JobSection {
     /// from the job at the next iteration boundary.
     #[serde(default = "default_lease_ms")]
     pub worker_lease_ms: u64,
+    /// A worker rank admitted by `eps scale` must be taken by a registering
+    /// worker within this long, or it is removed as an expired lease is. (The
+    /// job's first workers have no deadline here: the job waits for them as
+    /// long as its launcher says, e.g. `eps up --join-timeout`.)
+    #[serde(default = "default_join_deadline_ms")]
+    pub join_deadline_ms: u64,
     /// With replicas: a server whose order poll has not reached the control
     /// plane for this long (stopped, hung, cut off) is lost; its shards'
     /// backups take over, and it is fenced off if it comes back.
@@ -213,6 +219,10 @@ fn default_keep() -> u32 {
 
 fn default_lease_ms() -> u64 {
     10_000
+}
+
+fn default_join_deadline_ms() -> u64 {
+    300_000
 }
 
 fn default_server_lease_ms() -> u64 {
@@ -493,6 +503,9 @@ impl JobSpec {
         }
         if j.worker_lease_ms < 500 {
             return Err(bad("job.worker_lease_ms", "must be at least 500 (ms)"));
+        }
+        if j.join_deadline_ms < 1000 {
+            return Err(bad("job.join_deadline_ms", "must be at least 1000 (ms)"));
         }
         if j.server_lease_ms < 1000 {
             return Err(bad("job.server_lease_ms", "must be at least 1000 (ms): servers poll every 500 ms"));

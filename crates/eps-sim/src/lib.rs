@@ -342,7 +342,11 @@ impl World {
         for &r in &self.watching {
             self.seen.insert(r, now);
         }
-        for r in self.job.leased_workers() {
+        // (A rank a scale admitted has the join deadline to register; the
+        // simulated one is the lease's. A registering worker sets its `seen`.)
+        let mut due = self.job.awaited_workers();
+        due.extend(self.job.leased_workers());
+        for r in due {
             let seen = *self.seen.entry(r).or_insert(now);
             if now - seen > LEASE {
                 self.note(format!("worker {r}'s lease expired"));

@@ -285,3 +285,41 @@ fn a_resent_change_is_known_from_a_stale_one() {
     assert_eq!(untagged.code, ErrorCode::Stale, "{untagged:?}");
     assert_eq!(job.epoch(), epoch, "refusals change nothing");
 }
+
+/// A rank nobody registered for has no lease: the job's first workers may
+/// come as late as they like. A rank a scale admitted is awaited (it has the
+/// join deadline) and may be expired; a refused registration says why.
+#[test]
+fn unregistered_ranks_hold_no_lease_and_scaled_ones_are_awaited() {
+    let text = "[job]\nworkers = 2\nmax_workers = 3\nservers = 3\nshard_bytes = 4096\n\
+                [model]\npreset = \"synthetic\"\nbuckets = 8192\n";
+    let spec = JobSpec::from_toml(text).unwrap();
+    let mut job = Job::new(&spec, text).unwrap();
+    ready_servers(&mut job, &spec);
+    assert!(job.leased_workers().is_empty() && job.awaited_workers().is_empty());
+    // Nothing to expire for a rank that has not registered.
+    let e = job.apply(&ControlMsg::Expire { rank: 1 }).unwrap_err();
+    assert_eq!(e.code, ErrorCode::Stale, "{e:?}");
+    let reg = |job: &mut Job| job.apply(&ControlMsg::Register { role: Role::Worker, fabric_addr: String::new() });
+    reg(&mut job).unwrap();
+    assert_eq!(job.leased_workers(), vec![0]);
+    reg(&mut job).unwrap();
+    assert_eq!(job.leased_workers(), vec![0, 1]);
+
+    job.apply(&ControlMsg::ScaleWorkers { workers: 3 }).unwrap();
+    let id = job.w.proposal_id();
+    let voters: Vec<(Role, u32)> = (0..2).map(|r| (Role::Worker, r)).chain((0..3).map(|r| (Role::Server, r))).collect();
+    for (role, rank) in voters {
+        job.apply(&ControlMsg::Vote { role, rank, id, hold: 0 }).unwrap();
+    }
+    assert_eq!(job.w.members.latest(), &[0, 1, 2]);
+    assert_eq!((job.leased_workers(), job.awaited_workers()), (vec![0, 1], vec![2]));
+    // Its process never came: expired at the join deadline.
+    job.apply(&ControlMsg::Expire { rank: 2 }).unwrap();
+    assert!(job.awaited_workers().is_empty());
+    assert_eq!(job.w.state(2), "expired");
+    let e = reg(&mut job).unwrap_err();
+    assert_eq!(e.code, ErrorCode::Full);
+    assert!(e.message.contains("running [0, 1], removed after their lease expired [2]"), "{}", e.message);
+    assert!(e.message.contains("job.max_workers = 3"), "{}", e.message);
+}

@@ -45,6 +45,10 @@ pub(crate) struct Workers {
     limit: u32,
     /// Ranks `0..admitted` have been admitted (initial ones and joins).
     admitted: u32,
+    /// Ranks `0..initial` are the job's first workers: they have no lease
+    /// until they register (the job waits for them as long as its launcher
+    /// says); ranks a scale admitted must register within the join deadline.
+    initial: u32,
     registered: Vec<bool>,
     finished: Vec<bool>,
     /// Ranks removed because their lease expired.
@@ -67,6 +71,7 @@ impl Workers {
             consistency: job.consistency,
             limit,
             admitted: job.workers,
+            initial: job.workers,
             registered: vec![false; limit as usize],
             finished: vec![false; limit as usize],
             expired: Vec::new(),
@@ -84,17 +89,39 @@ impl Workers {
         let proposed = self.proposal.as_ref().map_or(&[][..], |p| &p.want[..]);
         let free = |r: u32| !self.registered[r as usize] && !self.finished[r as usize];
         let found = (0..self.admitted).find(|&r| free(r)).or_else(|| proposed.iter().copied().find(|&r| free(r)));
-        let Some(r) = found else {
-            return Err(Refusal::new(
-                ErrorCode::Full,
-                format!(
-                    "the job already has its {} workers (raise the count with `eps scale --workers N` first)",
-                    self.members.latest().len()
-                ),
-            ));
-        };
+        let Some(r) = found else { return Err(Refusal::new(ErrorCode::Full, self.why_full())) };
         self.registered[r as usize] = true;
         Ok(r)
+    }
+
+    /// Why no rank is free for a worker that registers: what each admitted
+    /// rank is doing, and what would let one more in.
+    fn why_full(&self) -> String {
+        let pick = |st: &str| (0..self.admitted).filter(|&r| self.state(r) == st).collect::<Vec<_>>();
+        let (running, finished, expired) = (pick("contributing"), pick("finished"), pick("expired"));
+        let left = pick("left");
+        let mut why =
+            format!("every worker rank this job admitted is taken: {} registered and running {running:?}", running.len());
+        if !finished.is_empty() {
+            why += &format!(", finished {finished:?}");
+        }
+        if !expired.is_empty() {
+            why += &format!(", removed after their lease expired {expired:?}");
+        }
+        if !left.is_empty() {
+            why += &format!(", left {left:?}");
+        }
+        why += "; ranks are never reused";
+        if self.admitted < self.limit {
+            why += &format!(
+                ". Admit another with `eps scale --workers {}` (job.max_workers allows {})",
+                self.members.latest().len() + 1,
+                self.limit
+            );
+        } else {
+            why += &format!(". The job may admit no more ranks (job.max_workers = {})", self.limit);
+        }
+        why
     }
 
     /// A change is voted on, or admitted ranks have not registered yet.
@@ -112,10 +139,10 @@ impl Workers {
     /// yet), finished, expired (removed by its lease) or left.
     pub(crate) fn state(&self, rank: u32) -> &'static str {
         let r = rank as usize;
-        if r < self.finished.len() && self.finished[r] {
-            "finished"
-        } else if self.expired.contains(&rank) {
+        if self.expired.contains(&rank) {
             "expired"
+        } else if r < self.finished.len() && self.finished[r] {
+            "finished"
         } else if self.members.latest().contains(&rank) && r < self.registered.len() && self.registered[r] {
             "contributing"
         } else if rank < self.admitted && !self.registered[r] {
@@ -140,12 +167,22 @@ impl Workers {
         self.proposal.as_ref().map_or(0, |p| p.id)
     }
 
-    /// Ranks whose lease the control plane must watch: unfinished members of the
-    /// latest contributor set (a rank admitted by a join whose process never
-    /// registers is removed when its lease runs out too, so BSP never waits for it
-    /// forever).
+    /// Ranks whose lease the control plane must watch: registered, unfinished
+    /// members of the latest contributor set. A rank that has not registered
+    /// has no lease (a process that loads its data for a minute first is not
+    /// late); see [`Self::awaited`] for those a scale admitted.
     pub fn leased(&self) -> Vec<u32> {
-        self.members.latest().iter().copied().filter(|&r| r < self.admitted && !self.finished[r as usize]).collect()
+        let r = |r: u32| r < self.admitted && self.registered[r as usize] && !self.finished[r as usize];
+        self.members.latest().iter().copied().filter(|&x| r(x)).collect()
+    }
+
+    /// Members a scale admitted that have not registered yet: each must
+    /// within the job's join deadline, or it is removed as an expired lease
+    /// is (so BSP never waits for a process that died before it registered).
+    /// The job's first workers are not here: their launcher bounds the wait.
+    pub fn awaited(&self) -> Vec<u32> {
+        let r = |r: u32| r >= self.initial && r < self.admitted && !self.registered[r as usize] && !self.finished[r as usize];
+        self.members.latest().iter().copied().filter(|&x| r(x)).collect()
     }
 
     /// Workers that vote on a change: the leased ones that registered (one that
@@ -282,7 +319,7 @@ impl Job {
 
     /// Worker `rank`'s lease expired: it is removed at the next boundary.
     pub(super) fn expire(&mut self, rank: u32) -> Result<ControlMsg, Refusal> {
-        if !self.w.leased().contains(&rank) {
+        if !self.w.leased().contains(&rank) && !self.w.awaited().contains(&rank) {
             return Err(Refusal::stale(format!("worker {rank} holds no lease")));
         }
         self.w.expired.push(rank);
