@@ -1,6 +1,8 @@
 //! The client every role uses to talk to the control plane.
 
 use std::net::{SocketAddr, TcpStream};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use eps_fabric::Secret;
@@ -77,6 +79,10 @@ pub struct ControlClient {
     /// This client's random id, and its count of changes sent: the id of
     /// each resendable change ([`ControlMsg::Once`]).
     once: (u64, u64),
+    /// Set by the owner once it no longer needs the control plane (its work
+    /// is done, the job may end): a lost connection then ends the call at
+    /// once, without a word, instead of being made again.
+    done: Option<Arc<AtomicBool>>,
 }
 
 /// How long a client of long polls waits for an answer before it takes the
@@ -101,7 +107,18 @@ impl ControlClient {
         let (s, at) = Self::dial(&addrs, 0, secret, wait)?;
         let nonce = eps_fabric::auth::nonce().map_err(ControlError::Io)?;
         let id = u64::from_le_bytes(nonce[..8].try_into().expect("8 of 16 bytes"));
-        Ok(Self { s, addrs, at, secret: secret.clone(), wait, silence: None, once: (id, 0) })
+        Ok(Self { s, addrs, at, secret: secret.clone(), wait, silence: None, once: (id, 0), done: None })
+    }
+
+    /// Once `done` is set, a lost connection ends a call with its error at
+    /// once and quietly (the job ending is no news to a client that finished).
+    pub fn quiet_once(mut self, done: Arc<AtomicBool>) -> Self {
+        self.done = Some(done);
+        self
+    }
+
+    fn finished(&self) -> bool {
+        self.done.as_ref().is_some_and(|d| d.load(Ordering::Acquire))
     }
 
     /// Takes a connection that answers nothing for `d` as dead: it is made
@@ -127,6 +144,7 @@ impl ControlClient {
         // With standbys, a stopped peer must not hold up trying the next.
         let step = if all.len() > 1 { Duration::from_secs(2) } else { wait.max(Duration::from_secs(1)) };
         let mut i = start % all.len();
+        let mut told = false;
         loop {
             let addr = all[i];
             let tried = TcpStream::connect_timeout(&addr, Duration::from_secs(2))
@@ -142,9 +160,16 @@ impl ControlClient {
                 });
             match tried {
                 Ok(s) => return Ok((s, i)),
-                Err(e @ ControlError::Auth(_)) => return Err(e),
+                Err(ControlError::Auth(why)) => return Err(ControlError::NotOurs { addr, why }),
                 Err(e) if Instant::now() >= deadline => return Err(e),
-                Err(_) => {
+                Err(e) => {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if !told && left > Duration::from_secs(3) {
+                        // Silence for the whole wait reads as a hang.
+                        told = true;
+                        let why = std::error::Error::source(&e).map_or(e.to_string(), |s| format!("{e}: {s}"));
+                        eps_proto::say!("eps: {why}; trying again for up to {:.0} s", left.as_secs_f64());
+                    }
                     i = (i + 1) % all.len();
                     if i == start % all.len() {
                         std::thread::sleep(Duration::from_millis(50));
@@ -184,6 +209,7 @@ impl ControlClient {
         loop {
             let r = write_msg(&mut self.s, m).and_then(|()| read_msg(&mut self.s));
             match r {
+                Err(e) if self.finished() && (lost(&e) || matches!(&e, ControlError::Io(_))) => return Err(e),
                 Err(ControlError::Io(e))
                     if self.silence.is_some()
                         && matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut)

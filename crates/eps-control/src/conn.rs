@@ -39,7 +39,7 @@ pub fn auth_client(s: &mut TcpStream, secret: &Secret) -> Result<(), ControlErro
     let nonce_s: [u8; 16] = b[..16].try_into().expect("16 bytes");
     let proof: [u8; 32] = b[16..].try_into().expect("32 bytes");
     if !auth::proofs_equal(&proof, &auth::listener_proof(secret, &nonce_c, &nonce_s, 0, CONTROL_CHANNEL)) {
-        return Err(ControlError::Auth("the control plane does not hold the job secret"));
+        return Err(ControlError::Auth("it did not prove the job secret"));
     }
     s.write_all(&auth::dialer_proof(secret, &nonce_c, &nonce_s, 0, CONTROL_CHANNEL)).map_err(ControlError::Io)?;
     let mut ok = [0u8; 1];

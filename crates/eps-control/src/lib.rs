@@ -51,6 +51,17 @@ pub enum ControlError {
     /// Authentication failed.
     #[error("control authentication failed: {0}")]
     Auth(&'static str),
+    /// The peer at an address did not prove the job secret (a wrong address,
+    /// or another job's secret).
+    #[error(
+        "the peer at {addr} is not this job's control plane: {why} (check the control address, EPS_CONTROL, and that the job secret is the job's)"
+    )]
+    NotOurs {
+        /// Address tried.
+        addr: std::net::SocketAddr,
+        /// What failed.
+        why: &'static str,
+    },
     /// Malformed traffic or state.
     #[error("control protocol: {0}")]
     Protocol(&'static str),

@@ -36,7 +36,7 @@ pub(crate) struct MapWatch {
     pub(crate) latest: Mutex<Option<JobMap>>,
     pub(crate) newest: AtomicU64,
     pub(crate) adopted: AtomicU64,
-    pub(crate) stop: AtomicBool,
+    pub(crate) stop: Arc<AtomicBool>,
     members: Mutex<Members>,
     changed: Condvar,
 }
@@ -47,7 +47,7 @@ impl MapWatch {
             latest: Mutex::new(None),
             newest: AtomicU64::new(map.epoch),
             adopted: AtomicU64::new(map.epoch),
-            stop: AtomicBool::new(false),
+            stop: Arc::new(AtomicBool::new(false)),
             members: Mutex::new(Members { membership, next, hold: None, voted: 0 }),
             changed: Condvar::new(),
         }
@@ -97,7 +97,8 @@ impl MapWatch {
 pub(crate) fn spawn(cfg: &WorkerConfig, rank: u32, watch: Arc<MapWatch>, map: &JobMap) -> Result<(), WorkerError> {
     // Map polls and votes are answered within a long poll: silence means a dead link.
     let mut ctl = ControlClient::connect(cfg.control.clone(), &cfg.secret, cfg.timeout)?
-        .answer_within(eps_control::client::ANSWER_WITHIN)?;
+        .answer_within(eps_control::client::ANSWER_WITHIN)?
+        .quiet_once(watch.stop.clone());
     // A change proposed before this worker began its first iteration is in the
     // map it registered with, and no newer map may come until it votes.
     let first = watch.observe(map);

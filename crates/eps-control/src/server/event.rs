@@ -156,7 +156,10 @@ impl Conn {
                 Ok(true) => {}
                 Ok(false) => break,
                 Err(e) => {
-                    if !matches!(e, ControlError::Io(_) | ControlError::Auth(_) | ControlError::Protocol(_)) {
+                    if !matches!(
+                        e,
+                        ControlError::Io(_) | ControlError::Auth(_) | ControlError::NotOurs { .. } | ControlError::Protocol(_)
+                    ) {
                         eps_proto::say!("eps control: a connection closes: {e}");
                     }
                     return self.close(st);
