@@ -790,6 +790,22 @@ enum eps_status eps_worker_finish(struct eps_worker *w);
  */
 enum eps_status eps_worker_close(struct eps_worker *w);
 
+/**
+ * Gives the model's initial values, before `eps_worker_join`: every tensor
+ * end to end in declaration order, in the job's element type (as in the
+ * parameter buffer), `bytes` in all. They are copied now and checked at
+ * join against the tensors (their size, and every value finite) before the
+ * worker takes a rank. If this worker becomes rank 0 of a job whose servers
+ * start from a worker's values (`model.init = "worker"`: the default for
+ * a job whose tensors a framework declares), they are the job's first
+ * parameters, and every worker's first pull returns them; otherwise the
+ * first pull replaces them.
+ *
+ * # Safety
+ * `values` is NULL or points to `bytes` readable bytes.
+ */
+enum eps_status eps_worker_set_initial(struct eps_worker *w, const void *values, size_t bytes);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

@@ -196,10 +196,24 @@ class Worker:
 
     # -- joining ---------------------------------------------------------
 
-    def join(self, tensors=None):
+    def join(self, tensors=None, initial=None):
         """Joins the job, declaring ``tensors`` (``(name, elements, dtype)``
         tuples, dtype ``"f32"``, ``"bf16"`` or ``"f16"``; None when the job's
-        spec names its tensors). Pulls the current parameters."""
+        spec names its tensors). Pulls the current parameters.
+
+        ``initial``: the model's own values (any buffer of the tensors' bytes
+        end to end, e.g. a NumPy array of the job's dtype). If this worker
+        becomes rank 0 of a job whose servers start from a worker's values
+        (``model.init = "worker"``, the default when a framework declares the
+        tensors), they are the job's first parameters; else the first pull
+        replaces them."""
+        if initial is not None:
+            try:
+                view = memoryview(initial).cast("B")
+            except TypeError:
+                raise _bad("initial", "give a contiguous buffer (bytes, a NumPy array...)") from None
+            buf = (ctypes.c_char * len(view)).from_buffer_copy(view)
+            _check(_c.eps_worker_set_initial(self._h, buf, len(view)))
         if tensors is None:
             _check(_c.eps_worker_join(self._h, None, 0))
         else:

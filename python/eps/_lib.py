@@ -123,6 +123,7 @@ _SIGNATURES = {
     "eps_worker_options_init": [POINTER(WorkerOptions)],
     "eps_worker_create": [c_char_p, POINTER(WorkerOptions), POINTER(c_void_p)],
     "eps_worker_join": [c_void_p, POINTER(TensorDecl), c_size_t],
+    "eps_worker_set_initial": [c_void_p, c_void_p, c_size_t],
     "eps_worker_get_info": [c_void_p, POINTER(WorkerInfo)],
     "eps_worker_get_tensor": [c_void_p, c_uint32, POINTER(TensorInfo)],
     "eps_worker_find_tensor": [c_void_p, c_char_p, POINTER(c_uint32)],

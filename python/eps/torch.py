@@ -25,8 +25,11 @@ Two kinds of job:
 
 - a server-side optimizer (``sgd``, ``adam``...): the servers hold the
   parameters; ``p.data`` is a view of the parameter buffer, which each pull
-  refreshes. A worker joining mid-training starts from the current
-  parameters. The model's own initial values are replaced by the servers'.
+  refreshes. The first worker's model values are the job's first
+  parameters (``model.init = "worker"``, the default when the model
+  declares the tensors; ``"servers"`` keeps the servers' seeded
+  initialiser, the same bits whatever the model holds). A worker joining
+  mid-training starts from the current parameters.
 - ``optimizer.kind = "none"``: the servers publish the averaged gradient;
   ``step()`` makes ``p.grad`` a view of it and the framework's optimizer
   steps. The parameters stay the model's own: start every worker from the
@@ -69,7 +72,12 @@ class DistributedModel:
             raise ValueError(f"EPS jobs have one element type (f32, bf16 or f16); the model has {sorted(map(str, dtypes))}")
         self.dtype = next(iter(dtypes))
         name = _TORCH_DTYPES[self.dtype]
-        self.worker.join([(n, p.numel(), name) for n, p in self.params])
+        # The model's own values go along: rank 0's are the job's first
+        # parameters when its servers take a worker's (``model.init``).
+        flat = torch.cat([p.detach().reshape(-1) for _, p in self.params]).contiguous()
+        raw = flat.view(torch.int16) if flat.element_size() == 2 else flat
+        self.worker.join([(n, p.numel(), name) for n, p in self.params], initial=raw.numpy())
+        del flat, raw
         self.gradient_average = bool(self.worker.info.gradient_average)
         self._grad_views = []
         self._param_views = []

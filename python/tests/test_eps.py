@@ -98,6 +98,13 @@ def test_errors_carry_status_and_message():
         other.join([("w", 11, "f32")])
     with pytest.raises(ValueError, match="dtype"):
         other.join([("w", 10, "f64")])
+    # Initial values are checked against the tensors before a rank is taken.
+    bad = np.zeros(10, np.float32)
+    bad[7] = np.nan
+    with pytest.raises(eps.EpsError, match=r'EPS_ERR_INVALID_ARGUMENT.*initial value 7 of tensor "w" is NaN'):
+        other.join([("w", 10, "f32")], initial=bad)
+    with pytest.raises(eps.EpsError, match="EPS_ERR_INVALID_ARGUMENT.*hold 36 bytes; the tensors take 40"):
+        other.join([("w", 10, "f32")], initial=np.zeros(9, np.float32))
     with pytest.raises(eps.EpsError, match="EPS_ERR_NOT_FOUND"):
         w.index("nope")
     with pytest.raises(eps.EpsError, match="EPS_ERR_STATE"):

@@ -156,3 +156,40 @@ def test_the_elastic_loader_follows_membership_and_a_second_backward_is_refused(
     # 4 iterations x 2 workers x 5 samples: the first 40 of the stream, once each.
     assert sorted(seen[0] + seen[1]) == list(range(40))
     assert seen[0][:5] == [0, 1, 2, 3, 4] and seen[1][:5] == [5, 6, 7, 8, 9]
+
+
+def layer_norm_net(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(30, 40), torch.nn.LayerNorm(40), torch.nn.Linear(40, 3))
+
+
+@pytest.mark.parametrize("init", ["worker", "servers"])
+def test_the_first_workers_model_values_seed_the_servers(run_workers, init):
+    # Workers with different seeds: rank 0's values are the job's (DDP
+    # broadcasts rank 0's); "servers" keeps the servers' initialiser.
+    text = spec("sgd")
+    if init == "servers":
+        text = text.replace("declare = true\n", 'declare = true\ninit = "servers"\n')
+    cl = eps.Cluster(text, SECRET)
+    got = {}
+
+    def work(k):
+        m = layer_norm_net(seed=10 + k)
+        own = [p.detach().clone() for p in m.parameters()]
+        dm = et.DistributedModel(m, eps.Worker(cl.address, SECRET))
+        got[dm.rank] = (own, [p.detach().clone() for p in m.parameters()])
+        dm.begin()
+        torch.nn.functional.mse_loss(m(torch.randn(4, 30)), torch.zeros(4, 3)).backward()
+        dm.step()
+        dm.finish()
+
+    run_workers(cl, work)
+    (own0, first0), (own1, first1) = got[0], got[1]
+    assert all(torch.equal(a, b) for a, b in zip(first0, first1)), "every worker starts from the same values"
+    ln_weight = first0[2]
+    if init == "worker":
+        assert all(torch.equal(a, b) for a, b in zip(first0, own0)), "rank 0's first pull is its own values"
+        assert not torch.equal(first1[0], own1[0])
+        assert torch.equal(ln_weight, torch.ones(40)), "LayerNorm starts at 1, as torch made it"
+    else:
+        assert ln_weight.abs().max() <= 0.01, "the servers' initialiser: uniform in +-0.01"

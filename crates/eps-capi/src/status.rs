@@ -139,7 +139,7 @@ pub(crate) unsafe fn control_arg(control: *const c_char) -> Res<eps_control::Con
 pub(crate) fn from_worker(e: &WorkerError) -> eps_status {
     match e {
         WorkerError::Control(c) => from_control(c),
-        WorkerError::Spec(_) | WorkerError::Length { .. } => EPS_ERR_INVALID_ARGUMENT,
+        WorkerError::Spec(_) | WorkerError::Length { .. } | WorkerError::BadValues(_) => EPS_ERR_INVALID_ARGUMENT,
         WorkerError::Fabric(_) | WorkerError::Transfer { .. } | WorkerError::ServerGone { .. } => EPS_ERR_FABRIC,
         WorkerError::UnknownTensor(_) | WorkerError::UnknownTable(_) => EPS_ERR_NOT_FOUND,
         WorkerError::Sparse { .. } => EPS_ERR_INVALID_ARGUMENT,

@@ -16,10 +16,15 @@ use crate::handle::{self, Kind};
 use crate::status::{Res, c_str, eps_status, eps_status::*, fail, guard, non_null};
 use crate::types::*;
 
+mod initial;
+pub use initial::eps_worker_set_initial;
+
 /// A worker of a job (opaque).
 #[allow(non_camel_case_types)]
 pub struct eps_worker {
     state: Mutex<State>,
+    /// The model's initial values, if given (`eps_worker_set_initial`).
+    initial: Mutex<Option<Vec<u8>>>,
 }
 
 impl std::fmt::Debug for eps_worker {
@@ -308,7 +313,7 @@ pub unsafe extern "C" fn eps_worker_create(
         let secret = eps_fabric::Secret::new(secret).map_err(|e| fail(EPS_ERR_INVALID_ARGUMENT, e.to_string()))?;
         let timeout = Duration::from_millis(if o.timeout_ms == 0 { 120_000 } else { o.timeout_ms.into() });
         let cfg = WorkerConfig { control, secret, timeout };
-        let h = Box::new(eps_worker { state: Mutex::new(State::Created(cfg, o.transport)) });
+        let h = Box::new(eps_worker { state: Mutex::new(State::Created(cfg, o.transport)), initial: Mutex::new(None) });
         // SAFETY: `out` is not NULL (checked) and writable by contract.
         unsafe { out.write(handle::give(Kind::Worker, h)) };
         Ok(())
@@ -426,7 +431,11 @@ unsafe fn join(
                 ));
             }
         }
-        let reg = lib::register_declaring(&cfg, decl.as_deref())?;
+        let initial = initial::take_checked(h, decl.as_deref())?;
+        let mut reg = lib::register_declaring(&cfg, decl.as_deref())?;
+        if let Some(v) = initial {
+            reg = reg.with_initial(v)?;
+        }
         // SAFETY: the caller's contract (see eps_worker_join_borrowed).
         let w = unsafe { AnyWorker::join(&transport, &cfg, reg, borrowed) }?;
         let names = w

@@ -113,6 +113,9 @@ pub fn first_difference(job: &[TensorSpec], dtype: DType, decl: &[TensorDecl]) -
 /// declaration's. Everything else is kept as written.
 pub fn fix(spec_text: &str, decl: &[TensorDecl]) -> Result<String, SpecError> {
     validate(decl).map_err(|reason| SpecError::Field { field: "model.tensors", reason })?;
+    // Where the first parameters come from is decided by the job as declared
+    // (see `JobSpec::seeded_by_worker`), and stays so once it names its tensors.
+    let init = if JobSpec::from_toml(spec_text)?.seeded_by_worker() { "worker" } else { "servers" };
     let mut doc: toml::Table = toml::from_str(spec_text).map_err(|e| SpecError::Toml(e.to_string()))?;
     let job = doc.entry("job").or_insert_with(|| toml::Value::Table(toml::Table::new()));
     let toml::Value::Table(job) = job else {
@@ -124,6 +127,7 @@ pub fn fix(spec_text: &str, decl: &[TensorDecl]) -> Result<String, SpecError> {
         return Err(SpecError::Toml("`model` is not a table".into()));
     };
     model.remove("declare");
+    model.entry("init").or_insert_with(|| toml::Value::String(init.into()));
     let tensors = decl
         .iter()
         .map(|t| {

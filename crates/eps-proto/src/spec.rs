@@ -4,6 +4,7 @@
 use eps_agg::DType;
 use serde::Deserialize;
 
+mod init;
 mod optim;
 mod slurm;
 mod tables;
@@ -250,6 +251,11 @@ pub struct ModelSection {
     /// them only at run time); the control plane then fixes them in the spec.
     #[serde(default)]
     pub declare: bool,
+    /// Where the first parameters come from: `worker` (rank 0's values at
+    /// join) or `servers` (the seeded initialiser); see
+    /// [`JobSpec::seeded_by_worker`] for the default.
+    #[serde(default)]
+    pub init: Option<String>,
     /// Sparse embedding tables (`[[model.tables]]`), beside the dense tensors.
     #[serde(default)]
     pub tables: Vec<TableDecl>,
@@ -601,6 +607,7 @@ impl JobSpec {
         if j.replicas == 2 && (j.consistency != Consistency::Bsp || j.servers < 2) {
             return Err(bad("job.replicas", "2 replicas need BSP consistency and at least 2 servers"));
         }
+        self.validate_init()?;
         if j.checkpoint_keep == 0 {
             return Err(bad("job.checkpoint_keep", "keep at least 1 checkpoint"));
         }

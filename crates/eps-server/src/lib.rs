@@ -30,6 +30,7 @@ mod metrics;
 mod migrate;
 mod relay;
 mod replica;
+mod seed;
 mod serve;
 mod sparse;
 mod split;
@@ -296,6 +297,9 @@ pub(crate) struct Held {
     /// A new backup (`Order::Replicate` with a snapshot) ordered while the
     /// shard still arrives here: started once it caught up.
     new_backup: Option<eps_proto::control::Order>,
+    /// Waiting for worker 0's initial values (`model.init = "worker"`): the
+    /// pull requests that came meanwhile, answered once they are in.
+    seed: Option<Vec<seed::PullAsked>>,
 }
 
 pub(crate) struct Server<P: Fabric> {
@@ -320,6 +324,9 @@ pub(crate) struct Server<P: Fabric> {
     by_qp: HashMap<u32, usize>,
     /// Requests posted on closed connections, completed flushed (see `Conn::post_or_flush`).
     flushed: Vec<Completion>,
+    /// Shards seeded from worker 0's initial values so far, and shards it
+    /// gave none for.
+    seeded: (u32, u32),
     /// Target server rank -> connection index (dialed for migrations).
     targets: HashMap<u32, usize>,
     pd: P,
@@ -503,6 +510,7 @@ pub fn run_direct<P: Fabric>(
                 None => None,
             },
             new_backup: None,
+            seed: (spec.seeded_by_worker() && backup_of.is_none()).then(Vec::new),
         });
     }
     let es = layout.dtype.size_bytes() as u64;
@@ -539,6 +547,7 @@ pub fn run_direct<P: Fabric>(
         by_rank: vec![None; ranks as usize],
         by_qp: HashMap::new(),
         flushed: Vec::new(),
+        seeded: (0, 0),
         targets: HashMap::new(),
         pd: pd.clone(),
         cq: cq.clone(),
@@ -669,27 +678,4 @@ fn spawn_order_poller(cfg: &ServerConfig, rank: u32) -> Result<Receiver<Result<O
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use eps_fabric::soft::SoftDevice;
-
-    #[test]
-    fn a_post_on_a_closed_connection_completes_flushed() {
-        let pd = SoftDevice::open().unwrap().alloc_pd();
-        let hello = crate::serve::hello_buffer(&pd).unwrap();
-        let conn: Conn<SoftPd> = Conn { qp: None, qp_num: 7, peer: Peer::Target(3), alive: false, hello };
-        let remote = RemoteAddr { addr: 0, rkey: 0 };
-        let mut flushed = Vec::new();
-        // `post` refuses (a bug where the caller checked the connection)...
-        let wr = SendWr { wr_id: 42, op: SendOp::WriteImm(remote, 1), sg: &[], signaled: true };
-        assert!(conn.post(&wr).is_err());
-        // ...`post_or_flush` completes it flushed, as a queue pair in the error state.
-        conn.post_or_flush(&wr, &mut flushed).unwrap();
-        let read = SendWr { wr_id: 43, op: SendOp::Read(remote), sg: &[], signaled: false };
-        conn.post_or_flush(&read, &mut flushed).unwrap();
-        assert_eq!(flushed.len(), 2);
-        assert_eq!((flushed[0].wr_id, flushed[0].opcode, flushed[0].status), (42, WcOpcode::Write, WcStatus::WrFlush));
-        assert_eq!((flushed[1].wr_id, flushed[1].opcode), (43, WcOpcode::Read));
-        assert!(flushed.iter().all(|c| c.qp_num == 7 && !c.status.is_ok()));
-    }
-}
+mod tests;

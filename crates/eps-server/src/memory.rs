@@ -884,5 +884,6 @@ fn on_device(dev: &mut dyn DeviceShard, owns: &mut bool, host: &mut [f32]) -> Re
     Ok(())
 }
 
+mod seed;
 #[cfg(test)]
 mod tests;

@@ -136,6 +136,7 @@ impl<P: Fabric> Server<P> {
             split: None,
             replica: None,
             new_backup: None,
+            seed: None,
         });
         let (endpoint, keys) = self.writable_by_peer(id)?;
         let bytes = self.mem.get(id).map_or(0, |b| b.bytes);
@@ -208,9 +209,10 @@ impl<P: Fabric> Server<P> {
         if h.out.is_some() {
             return Err(ServerError::Migration(format!("shard {id} is already migrating")));
         }
-        if self.replica_forwarding(id) {
+        if self.replica_forwarding(id) || self.awaiting_seed(id) {
             // The update applied is not served before its backup has it: the
-            // snapshot waits for the acknowledgement (see `replica_acked`).
+            // snapshot waits for the acknowledgement (see `replica_acked`); a
+            // shard waiting for its first values moves once they are in.
             self.parked_moves.push(Order::MigrateOut { shard: id, to, to_addr: addr.to_string(), keys });
             return Ok(());
         }

@@ -250,6 +250,7 @@ impl<P: Fabric> Server<P> {
             split: None,
             replica: Some(Replica::Backup { primary: from, snapshot: true, acked: 0 }),
             new_backup: None,
+            seed: None,
         });
         eps_proto::say!("eps server {}: keeping a new backup of shard {id} (owner: server {from})", self.rank);
         self.report_backup(id)
@@ -326,8 +327,8 @@ impl<P: Fabric> Server<P> {
     }
 
     /// Starts the moves of shard `id` parked until its backup acknowledged.
-    fn start_parked_moves(&mut self, id: u32) -> Result<(), ServerError> {
-        if self.replica_forwarding(id) {
+    pub(crate) fn start_parked_moves(&mut self, id: u32) -> Result<(), ServerError> {
+        if self.replica_forwarding(id) || self.awaiting_seed(id) {
             return Ok(());
         }
         let (now, later): (Vec<Order>, Vec<Order>) = std::mem::take(&mut self.parked_moves)

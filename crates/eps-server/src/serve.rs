@@ -316,6 +316,10 @@ impl<P: Fabric> Server<P> {
                 let Some(held) = self.shards[id as usize].as_ref() else {
                     return self.send_moved(h.rank, id, m.seq);
                 };
+                if held.seed.is_some() {
+                    self.violation(ci, &format!("pushed shard {id} before its initial values came (model.init = \"worker\")"));
+                    return Ok(());
+                }
                 let near = held.sync.min_clock().max(held.sync.version());
                 let iteration = widen_seq(m.seq, near);
                 // A migration source takes pushes of its current iteration only:
@@ -354,24 +358,32 @@ impl<P: Fabric> Server<P> {
                     Err(e) => self.violation(ci, &e.to_string()),
                 }
             }
-            ImmKind::PullReq => {
-                // A shard or version no longer (or not yet) served here: the worker
-                // routes with another epoch; it fetches the new map and asks the owner.
-                if self.moved_pushes.remove(&(h.rank, id)) {
-                    return self.send_pull_moved(h.rank, id, m.seq);
-                }
-                let Some(held) = self.shards[id as usize].as_mut() else { return self.send_pull_moved(h.rank, id, m.seq) };
-                let need = widen_seq(m.seq, held.sync.version().max(held.sync.min_clock()));
-                if held.out.as_ref().is_some_and(|o| !o.src.serves(need) || o.relay.is_some()) || !held.sync.serves(need) {
-                    return self.send_pull_moved(h.rank, id, m.seq);
-                }
-                match held.sync.on_pull(h.rank, need) {
-                    Ok(Some(v)) => self.send_pull(h.rank, id, v)?,
-                    Ok(None) => {}
-                    Err(e) => self.violation(ci, &e.to_string()),
-                }
-            }
+            ImmKind::PullReq => return self.pull_asked(ci, h, id, m.seq),
+            ImmKind::Forward => return self.on_seed(ci, h, id, len),
             _ => self.violation(ci, "sent a server-only message"),
+        }
+        Ok(())
+    }
+
+    /// Worker `h` asks for shard `id` at the version whose low bits are `seq`.
+    pub(crate) fn pull_asked(&mut self, ci: usize, h: Hello, id: u32, seq: u16) -> Result<(), ServerError> {
+        // A shard or version no longer (or not yet) served here: the worker
+        // routes with another epoch; it fetches the new map and asks the owner.
+        if self.moved_pushes.remove(&(h.rank, id)) {
+            return self.send_pull_moved(h.rank, id, seq);
+        }
+        if self.keep_pull_for_seed(ci, h, id, seq) {
+            return Ok(());
+        }
+        let Some(held) = self.shards[id as usize].as_mut() else { return self.send_pull_moved(h.rank, id, seq) };
+        let need = widen_seq(seq, held.sync.version().max(held.sync.min_clock()));
+        if held.out.as_ref().is_some_and(|o| !o.src.serves(need) || o.relay.is_some()) || !held.sync.serves(need) {
+            return self.send_pull_moved(h.rank, id, seq);
+        }
+        match held.sync.on_pull(h.rank, need) {
+            Ok(Some(v)) => self.send_pull(h.rank, id, v)?,
+            Ok(None) => {}
+            Err(e) => self.violation(ci, &e.to_string()),
         }
         Ok(())
     }

@@ -57,7 +57,7 @@ impl<P: Fabric> Server<P> {
     pub(crate) fn try_split(&mut self, id: u32) -> Result<(), ServerError> {
         let Some(h) = self.shards.get(id as usize).and_then(Option::as_ref) else { return Ok(()) };
         let Some(o) = h.split else { return Ok(()) };
-        if !h.waiting.is_empty() || h.sync.publish_waiting() || h.out.is_some() {
+        if !h.waiting.is_empty() || h.sync.publish_waiting() || h.out.is_some() || h.seed.is_some() {
             return Ok(());
         }
         let began = Instant::now();
@@ -82,6 +82,7 @@ impl<P: Fabric> Server<P> {
                 split: None,
                 replica: None,
                 new_backup: None,
+                seed: None,
             });
         }
         let Some(mut parent) = self.shards[id as usize].take() else { return Ok(()) };

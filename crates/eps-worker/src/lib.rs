@@ -70,9 +70,11 @@ mod pull;
 mod reap;
 mod register;
 mod round;
+mod seed;
 mod sparse;
 mod watch;
 pub use register::{Registration, register, register_declaring};
+pub use seed::check_initial;
 pub use sparse::PulledRows;
 use watch::MapWatch;
 
@@ -176,6 +178,9 @@ pub enum WorkerError {
     /// The call does not apply to this job.
     #[error("not supported: {0}")]
     Unsupported(&'static str),
+    /// Values given to the worker are unusable (what, and why).
+    #[error("{0}")]
+    BadValues(String),
     /// This worker left the job at this iteration (see [`Worker::begin`]):
     /// it pushes and pulls no more.
     #[error("this worker left the job at iteration {0} (see `Worker::begin`)")]
@@ -335,7 +340,9 @@ impl<P: Fabric> Worker<P> {
         pd: P,
         borrowed: Option<(eps_fabric::RegionBuf, eps_fabric::RegionBuf)>,
     ) -> Result<Self, WorkerError> {
-        let Registration { rank, spec, layout, map, ctl } = reg;
+        let Registration { rank, spec, layout, map, ctl, initial } = reg;
+        // The model's values: the caller's buffer, or the ones given.
+        let has_values = borrowed.is_some() || initial.is_some();
         let bytes = layout.bytes() as usize;
         // Queues are sized for as many shards as splits may make.
         let n = eps_proto::layout::live_shard_cap(layout.shards.len());
@@ -409,8 +416,14 @@ impl<P: Fabric> Worker<P> {
             sparse,
             pd,
         };
+        if let Some(v) = &initial {
+            w.params.write_at(0, v);
+        }
         for o in w.needed_owners() {
             w.connect(o)?;
+        }
+        if w.spec.seeded_by_worker() && w.rank == 0 && start == 0 {
+            w.seed(has_values)?;
         }
         if w.mode == Consistency::Asp {
             w.read_pull()?;

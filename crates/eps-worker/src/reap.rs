@@ -101,7 +101,13 @@ impl<P: Fabric> Worker<P> {
                 if matches!(c.opcode, WcOpcode::Recv | WcOpcode::RecvWithImm) {
                     return Err(WorkerError::ServerGone { server, iteration: self.iteration, epoch: self.map.epoch });
                 }
-                let what = if c.wr_id & (3 << 62) == WR_PUSH { "push" } else { "pull" };
+                let what = if c.wr_id & crate::seed::WR_SEED != 0 && c.wr_id & (3 << 62) == 0 {
+                    "sending the initial values"
+                } else if c.wr_id & (3 << 62) == WR_PUSH {
+                    "push"
+                } else {
+                    "pull"
+                };
                 return Err(WorkerError::Transfer { what, shard: (c.wr_id & 0xFFFF_FFFF) as u32, status: c.status });
             }
             match c.opcode {

@@ -19,6 +19,8 @@ pub struct Registration {
     pub(crate) layout: Layout,
     pub(crate) map: JobMap,
     pub(crate) ctl: ControlClient,
+    /// The model's initial values, if given ([`Registration::with_initial`]).
+    pub(crate) initial: Option<Vec<u8>>,
 }
 
 impl std::fmt::Debug for Registration {
@@ -85,5 +87,5 @@ pub fn register_declaring(cfg: &WorkerConfig, tensors: Option<&[TensorDecl]>) ->
     if map.routes.len() < layout.shards.len() {
         return Err(WorkerError::Unexpected);
     }
-    Ok(Registration { rank, spec, layout, map, ctl })
+    Ok(Registration { rank, spec, layout, map, ctl, initial: None })
 }

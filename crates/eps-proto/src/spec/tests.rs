@@ -93,3 +93,35 @@ fn errors_name_the_field() {
         assert!(e.contains(field), "{text:?}: {e}");
     }
 }
+
+/// `model.init`: a framework's values by default when it declares the
+/// tensors (and can seed: one replica, not ASP, a server-side optimizer, not
+/// resumed), the servers' initialiser otherwise; the declared spec keeps
+/// what was decided; a choice the job cannot honour is refused by name.
+#[test]
+fn first_values_come_from_the_declaring_framework_unless_the_job_cannot_take_them() {
+    let spec = |job: &str, model: &str, opt: &str| {
+        JobSpec::from_toml(&format!("[job]\nservers = 2\n{job}\n[model]\n{model}\n[optimizer]\nkind = \"{opt}\"\n"))
+    };
+    let seeded = |job: &str, model: &str, opt: &str| spec(job, model, opt).unwrap().seeded_by_worker();
+    assert!(seeded("", "declare = true", "sgd"));
+    assert!(!seeded("", "declare = true\ninit = \"servers\"", "sgd"));
+    assert!(!seeded("", "tensors = [{ name = \"w\", elements = 8 }]", "adam"));
+    assert!(seeded("", "tensors = [{ name = \"w\", elements = 8 }]\ninit = \"worker\"", "adam"));
+    assert!(!seeded("replicas = 2", "declare = true", "sgd"), "a backup starts from the servers' values");
+    assert!(!seeded("consistency = \"asp\"", "declare = true", "sgd"));
+    assert!(!seeded("", "declare = true", "none"), "the framework keeps its own parameters");
+    for (job, why) in [("replicas = 2", "replicas = 1"), ("consistency = \"asp\"", "BSP or SSP")] {
+        let e = spec(job, "declare = true\ninit = \"worker\"", "sgd").unwrap_err().to_string();
+        assert!(e.contains("model.init") && e.contains(why), "{e}");
+    }
+    let e = spec("", "declare = true\ninit = \"rank0\"", "sgd").unwrap_err().to_string();
+    assert!(e.contains("model.init") && e.contains("\"rank0\""), "{e}");
+    // Declared: the decision is written into the spec that names the tensors.
+    let decl = [crate::declare::TensorDecl { name: "w".into(), elements: 8, dtype: eps_agg::DType::F32 }];
+    for (model, want) in [("declare = true", true), ("declare = true\ninit = \"servers\"", false)] {
+        let text = format!("[job]\nservers = 2\n[model]\n{model}\n[optimizer]\nkind = \"sgd\"\n");
+        let fixed = crate::declare::fix(&text, &decl).unwrap();
+        assert_eq!(JobSpec::from_toml(&fixed).unwrap().seeded_by_worker(), want, "{fixed}");
+    }
+}

@@ -1,0 +1,90 @@
+//! The first parameters from worker 0 (`model.init = "worker"`).
+//!
+//! A shard that takes a seed starts unpublished: pull requests wait (kept in
+//! `Held::seed`), moves and splits wait, and a push is a violation (no honest
+//! worker pushes before its first pull). Worker 0 writes its initial values of
+//! the shard into its landing slot with a `Forward` immediate (the kind a
+//! worker sends for nothing else), before it asks for its own first pull on
+//! the same connection; the server copies them into the master copy, publishes
+//! version 0, and answers the pulls that waited.
+
+use eps_fabric::prelude::*;
+use eps_proto::hello::Hello;
+
+use crate::{Server, ServerError};
+
+/// A pull request that came before the seed: its connection, its worker and
+/// the low bits of the version it asked for.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct PullAsked {
+    pub(crate) ci: usize,
+    pub(crate) hello: Hello,
+    pub(crate) seq: u16,
+}
+
+/// The rank whose initial values seed the job.
+const SEEDER: u32 = 0;
+
+impl<P: Fabric> Server<P> {
+    /// Whether shard `id` still waits for its seed.
+    pub(crate) fn awaiting_seed(&self, id: u32) -> bool {
+        self.shards.get(id as usize).and_then(Option::as_ref).is_some_and(|h| h.seed.is_some())
+    }
+
+    /// A pull request for shard `id` while it waits for its seed: kept.
+    /// Returns false when the shard does not wait (answer it as usual).
+    pub(crate) fn keep_pull_for_seed(&mut self, ci: usize, hello: Hello, id: u32, seq: u16) -> bool {
+        match self.held_mut(id).and_then(|h| h.seed.as_mut()) {
+            Some(asked) => {
+                asked.push(PullAsked { ci, hello, seq });
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Worker `h` wrote `len` bytes of initial values of shard `id`.
+    pub(crate) fn on_seed(&mut self, ci: usize, h: Hello, id: u32, len: u32) -> Result<(), ServerError> {
+        let Some(asked) = self.held_mut(id).and_then(|held| held.seed.take()) else {
+            self.violation(ci, &format!("sent initial values of shard {id}, which takes none (model.init, or seeded already)"));
+            return Ok(());
+        };
+        let want = self.mem.get(id).map_or(0, |b| b.bytes);
+        let why = if h.rank != SEEDER {
+            Some(format!("sent initial values of shard {id}; only rank {SEEDER} seeds a job"))
+        } else if len != 0 && len as usize != want {
+            Some(format!("sent {len} bytes of initial values of shard {id} (expected {want})"))
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            if let Some(held) = self.held_mut(id) {
+                held.seed = Some(asked);
+            }
+            self.violation(ci, &why);
+            return Ok(());
+        }
+        // (Zero bytes: the worker had no values; the servers' initialiser's
+        // stand, published at start.)
+        if len > 0 {
+            self.mem.seed(id, h.rank, eps_proto::sync::ShardSync::parity(0))?;
+            self.seeded.0 += 1;
+        } else {
+            self.seeded.1 += 1;
+        }
+        if !self.shards.iter().flatten().any(|s| s.seed.is_some()) {
+            let (from, kept) = self.seeded;
+            eps_proto::say!(
+                "eps server {}: {from} shards start from worker {SEEDER}'s initial values, {kept} from the servers' initialiser (worker {SEEDER} gave none) (model.init = \"worker\")",
+                self.rank
+            );
+        }
+        for p in asked {
+            if self.conns[p.ci].alive {
+                self.pull_asked(p.ci, p.hello, id, p.seq)?;
+            }
+        }
+        self.start_parked_moves(id)?;
+        self.try_split(id)
+    }
+}
