@@ -218,3 +218,62 @@ fn tensor_by_tensor_pushes_equal_whole_push_pulls() {
         assert!(g == &want, "worker {r} differs from the reference");
     }
 }
+
+/// `model.init = "worker"` (the default here): the first worker's values are
+/// every worker's first pull; a rank 0 removed before it sent them leaves
+/// the servers' initialiser, and the job goes on.
+#[test]
+fn the_first_workers_values_seed_the_job_and_its_loss_falls_back_to_the_servers() {
+    let mine = |k: u32| -> Vec<u8> {
+        let n = decl(DType::F32).iter().map(|t| t.elements).sum::<u64>();
+        (0..n).flat_map(|i| (i as f32 * 0.5 + k as f32).to_le_bytes()).collect()
+    };
+    let run = |rank0_joins: bool| -> Vec<Vec<u8>> {
+        let (text, _) = declared_text(2, 2, 3, "f32", "sgd");
+        let text = text.replace("[job]", "[job]\nworker_lease_ms = 1000");
+        let (spec, control) = start_control(&text);
+        let first = std::sync::Mutex::new(Vec::new());
+        std::thread::scope(|s| {
+            for _ in 0..spec.job.servers {
+                s.spawn(move || run_server(control));
+            }
+            let cfg = worker_config(control);
+            let reg = register_declaring(&cfg, Some(&decl(DType::F32))).unwrap().with_initial(mine(0)).unwrap();
+            assert_eq!(reg.rank(), 0);
+            let zero = s.spawn(move || {
+                if rank0_joins {
+                    train_from(Worker::join_on(&cfg, reg, SoftDevice::open().unwrap().alloc_pd()).unwrap())
+                } else {
+                    // Registered, never joined: its lease lapses.
+                    drop(reg);
+                    Vec::new()
+                }
+            });
+            let cfg = worker_config(control);
+            let reg = register_declaring(&cfg, Some(&decl(DType::F32))).unwrap().with_initial(mine(1)).unwrap();
+            let w = Worker::join_on(&cfg, reg, SoftDevice::open().unwrap().alloc_pd()).unwrap();
+            first.lock().unwrap().push(w.params_copy());
+            train_from(w);
+            zero.join().unwrap();
+        });
+        first.into_inner().unwrap()
+    };
+    let got = run(true);
+    assert!(got[0] == mine(0), "rank 1's first pull is rank 0's initial values");
+    let got = run(false);
+    let seed = 7; // `common::spec_text`'s job.seed
+    let servers: Vec<u8> = (0..21001u64).flat_map(|i| eps_proto::init::param(seed, i).to_le_bytes()).collect();
+    assert!(got[0] == servers, "without rank 0's values: the servers' initialiser");
+}
+
+/// Trains `w` to the job's end; its last parameters.
+fn train_from(mut w: Worker) -> Vec<u8> {
+    let n = w.layout().total as usize;
+    let (mut p, mut g) = (vec![0f32; n], vec![0f32; n]);
+    while w.iteration() < w.spec().job.steps {
+        step(&mut w, &mut p, &mut g);
+    }
+    let out = w.params_copy();
+    w.finish().unwrap();
+    out
+}

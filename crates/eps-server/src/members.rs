@@ -40,7 +40,7 @@ impl<P: Fabric> Server<P> {
         self.membership
             .schedule(at, at.saturating_sub(1), workers)
             .map_err(|e| ServerError::Membership(format!("change at iteration {at}: {e}")))?;
-        for r in expired {
+        for &r in &expired {
             eps_proto::say!(
                 "eps server {}: worker {r} lost its lease; its contributions before iteration {at} that have not arrived are dropped",
                 self.rank
@@ -49,6 +49,9 @@ impl<P: Fabric> Server<P> {
             if let Some(ci) = self.by_rank.get(r as usize).copied().flatten() {
                 self.drop_conn(ci);
             }
+        }
+        if expired.contains(&crate::seed::SEEDER) {
+            self.seeder_gone()?;
         }
         self.hold = None;
         for id in 0..self.shards.len() as u32 {

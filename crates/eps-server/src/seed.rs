@@ -23,7 +23,7 @@ pub(crate) struct PullAsked {
 }
 
 /// The rank whose initial values seed the job.
-const SEEDER: u32 = 0;
+pub(crate) const SEEDER: u32 = 0;
 
 impl<P: Fabric> Server<P> {
     /// Whether shard `id` still waits for its seed.
@@ -41,6 +41,36 @@ impl<P: Fabric> Server<P> {
             }
             None => false,
         }
+    }
+
+    /// Worker 0 was removed before every shard here had its values: those
+    /// still waiting start from the servers' initialiser (published at start).
+    pub(crate) fn seeder_gone(&mut self) -> Result<(), ServerError> {
+        let waiting: Vec<u32> = (0..self.shards.len() as u32).filter(|&id| self.awaiting_seed(id)).collect();
+        if waiting.is_empty() {
+            return Ok(());
+        }
+        eps_proto::say!(
+            "eps server {}: worker {SEEDER} was removed before its initial values of shards {waiting:?} came; they start from the servers' initialiser",
+            self.rank
+        );
+        for id in waiting {
+            let asked = self.held_mut(id).and_then(|h| h.seed.take()).unwrap_or_default();
+            self.seeded_now(id, asked)?;
+        }
+        Ok(())
+    }
+
+    /// Shard `id` has its first values: the pulls that waited are answered,
+    /// and a move or split ordered meanwhile goes ahead.
+    fn seeded_now(&mut self, id: u32, asked: Vec<PullAsked>) -> Result<(), ServerError> {
+        for p in asked {
+            if self.conns[p.ci].alive {
+                self.pull_asked(p.ci, p.hello, id, p.seq)?;
+            }
+        }
+        self.start_parked_moves(id)?;
+        self.try_split(id)
     }
 
     /// Worker `h` wrote `len` bytes of initial values of shard `id`.
@@ -73,18 +103,15 @@ impl<P: Fabric> Server<P> {
             self.seeded.1 += 1;
         }
         if !self.shards.iter().flatten().any(|s| s.seed.is_some()) {
-            let (from, kept) = self.seeded;
-            eps_proto::say!(
-                "eps server {}: {from} shards start from worker {SEEDER}'s initial values, {kept} from the servers' initialiser (worker {SEEDER} gave none) (model.init = \"worker\")",
-                self.rank
-            );
+            let what = match self.seeded {
+                (n, 0) => format!("its {n} shards start from worker {SEEDER}'s initial values"),
+                (0, n) => format!("worker {SEEDER} gave no initial values: its {n} shards start from the servers' initialiser"),
+                (n, k) => format!(
+                    "{n} shards start from worker {SEEDER}'s initial values, {k} (given none) from the servers' initialiser"
+                ),
+            };
+            eps_proto::say!("eps server {}: {what} (model.init = \"worker\")", self.rank);
         }
-        for p in asked {
-            if self.conns[p.ci].alive {
-                self.pull_asked(p.ci, p.hello, id, p.seq)?;
-            }
-        }
-        self.start_parked_moves(id)?;
-        self.try_split(id)
+        self.seeded_now(id, asked)
     }
 }
