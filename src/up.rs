@@ -57,6 +57,12 @@ pub struct UpArgs {
     /// framework keeps its own optimizer), sgd, momentum, nesterov, adam, adamw.
     #[arg(long)]
     pub optimizer: Option<String>,
+    /// Where the first parameters come from: worker (the first worker's model
+    /// values, as DDP broadcasts rank 0's) or servers (the servers' seeded
+    /// initialiser: the same bits whatever the model holds)
+    /// [default: worker for a job whose tensors the workers declare].
+    #[arg(long, value_name = "worker|servers")]
+    pub init: Option<String>,
     /// Base learning rate of the server-side optimizer.
     #[arg(long)]
     pub lr: Option<f64>,
@@ -93,6 +99,7 @@ pub fn run(a: UpArgs) -> Result<(), String> {
         optimizer: a.optimizer.clone(),
         lr: a.lr,
         max_workers: a.max_workers,
+        init: a.init.clone(),
         ..Overrides::default()
     };
     let (spec, text) = build_spec_or(a.spec.as_deref(), UP_SPEC, &o).map_err(|e| crate_error(&e))?;
@@ -125,12 +132,13 @@ pub fn run(a: UpArgs) -> Result<(), String> {
         Err(_) => "tensors declared by the first worker to join".into(),
     };
     let opt = spec.optimizer().map_err(|e| e.to_string())?;
+    let init = if spec.seeded_by_worker() { "the first worker's model values" } else { "the servers' initialiser" };
     let wait = match a.join_timeout {
         Some(t) => format!("for up to {t} s, --join-timeout"),
         None => "with no time limit, --join-timeout".to_string(),
     };
     eps_proto::say!(
-        "eps up: job {:?} at {}: {} servers ({} transport, {} aggregator) waiting for {} workers ({wait}); {}, optimizer {}; {}",
+        "eps up: job {:?} at {}: {} servers ({} transport, {} aggregator) waiting for {} workers ({wait}); {}, optimizer {}, first parameters from {init}; {}",
         spec.job.name,
         cluster.control_addr(),
         spec.job.servers,

@@ -278,9 +278,16 @@ fn eps_up_explains_refuses_bad_input_and_stops_on_interrupt() {
     let o = eps(&["up", "--help"]);
     let t = text(&o);
     assert!(o.status.success());
-    for s in
-        ["EPS_CONTROL=HOST:PORT", "EPS_JOB_SECRET_FILE", "--workers", "--max-workers", "--optimizer", "none", "--join-timeout"]
-    {
+    for s in [
+        "EPS_CONTROL=HOST:PORT",
+        "EPS_JOB_SECRET_FILE",
+        "--workers",
+        "--max-workers",
+        "--optimizer",
+        "none",
+        "--join-timeout",
+        "--init",
+    ] {
         assert!(t.contains(s), "help lacks {s}: {t}");
     }
     let o = eps(&["up", "--workers", "0"]);

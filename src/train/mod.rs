@@ -120,6 +120,8 @@ pub struct Overrides {
     pub checkpoint_keep: Option<u32>,
     /// `job.replicas`.
     pub replicas: Option<u32>,
+    /// `model.init`.
+    pub init: Option<String>,
 }
 
 /// Why training could not run.
@@ -247,6 +249,9 @@ pub fn build_spec_or(path: Option<&Path>, default: &str, o: &Overrides) -> Resul
     }
     if let Some(v) = o.lr {
         set(&mut table, "optimizer", "lr", V::Float(v));
+    }
+    if let Some(v) = &o.init {
+        set(&mut table, "model", "init", V::String(v.clone()));
     }
     let text = toml::to_string(&table).expect("a TOML table serializes");
     let spec = JobSpec::from_toml(&text)?;
