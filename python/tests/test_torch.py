@@ -1,12 +1,14 @@
 """eps.torch: a model's parameters and gradients are views of EPS's buffers,
-a step equals the same math done by hand, and the digits example trains as
-well through EPS as in one process (server-side Adam, the framework's Adam,
-and a worker joining mid-training)."""
+a step equals the same math done by hand, the digits example trains as well
+through EPS as in one process (server-side Adam, the framework's Adam, and a
+worker joining mid-training), the first worker's model values are the job's,
+and workers may come long after `eps up`."""
 
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -193,3 +195,51 @@ def test_the_first_workers_model_values_seed_the_servers(run_workers, init):
         assert torch.equal(ln_weight, torch.ones(40)), "LayerNorm starts at 1, as torch made it"
     else:
         assert ln_weight.abs().max() <= 0.01, "the servers' initialiser: uniform in +-0.01"
+
+
+LATE_WORKER = """
+import sys, torch, eps, eps.torch as et
+torch.manual_seed(int(sys.argv[1]))
+m = torch.nn.Sequential(torch.nn.Linear(30, 40), torch.nn.LayerNorm(40), torch.nn.Linear(40, 3))
+dm = et.DistributedModel(m)
+for it in range(3):
+    dm.begin()
+    torch.nn.functional.mse_loss(m(torch.randn(8, 30)), torch.zeros(8, 3)).backward()
+    dm.step()
+dm.finish()
+print(float(sum(p.double().sum() for p in m.parameters())))
+"""
+
+
+def test_workers_that_come_15_s_after_eps_up_train_and_everything_ends_quietly():
+    up = subprocess.Popen(
+        [eps_bin(), "up", "--workers", "2", "--servers", "1", "--optimizer", "sgd", "--lr", "0.1", "--steps", "3"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        env = dict(os.environ)
+        for line in (up.stdout.readline(), up.stdout.readline()):
+            k, v = line.strip().split("=", 1)
+            env[k] = v
+        assert "EPS_CONTROL" in env and "EPS_JOB_SECRET_FILE" in env
+        env.pop("EPS_JOB_SECRET", None)
+        time.sleep(15)  # past the 10 s lease a rank used to get before it registered
+        ws = [
+            subprocess.Popen([sys.executable, "-c", LATE_WORKER, str(k)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for k in range(2)
+        ]
+        outs = [w.communicate(timeout=300) for w in ws]
+        for w, (out, err) in zip(ws, outs):
+            assert w.returncode == 0, err[-3000:]
+            assert "dropped the connection" not in err and "reconnect" not in err, err[-3000:]
+        sums = [float(out.strip().splitlines()[-1]) for out, _ in outs]
+        assert sums[0] == sums[1], f"the workers end with the same parameters: {sums}"
+        _, err = up.communicate(timeout=60)
+        assert up.returncode == 0, err[-3000:]
+        assert "the job has finished" in err, err[-3000:]
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
