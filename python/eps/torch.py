@@ -59,9 +59,19 @@ class DistributedModel:
     declared, in ``named_parameters()`` order, and the worker joins.
     ``overlap`` pushes each gradient as autograd produces it (one backward per
     step); without it ``step()`` pushes them all.
+
+    ``buffers="average"`` (the default) keeps the model's floating-point
+    buffers (BatchNorm's running statistics and the like) the same on every
+    worker, as DDP does: they are tensors of the job named ``buffer:NAME``,
+    and each step sets them to the average of the workers' values (DDP copies
+    rank 0's instead; with the same data everywhere the two agree, and
+    averaging keeps what every worker saw). They become views of EPS's
+    parameter buffer, like the parameters. ``buffers=None`` leaves them to
+    each worker. Buffers of another dtype than the parameters' (BatchNorm's
+    integer batch count) stay each worker's own.
     """
 
-    def __init__(self, model, worker=None, overlap=True, timeout_ms=0):
+    def __init__(self, model, worker=None, overlap=True, timeout_ms=0, buffers="average"):
         self.model = model
         self.worker = worker if worker is not None else eps.Worker(timeout_ms=timeout_ms)
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -72,11 +82,23 @@ class DistributedModel:
             raise ValueError(f"EPS jobs have one element type (f32, bf16 or f16); the model has {sorted(map(str, dtypes))}")
         self.dtype = next(iter(dtypes))
         name = _TORCH_DTYPES[self.dtype]
+        if buffers not in ("average", None):
+            raise ValueError(f"buffers={buffers!r}: give \"average\" or None")
+        # (module, attribute) of each buffer kept in step, by its full name.
+        self.buffers = []
+        if buffers == "average":
+            for full, b in model.named_buffers():
+                if b is not None and b.dtype == self.dtype and b.numel() > 0:
+                    owner, _, leaf = full.rpartition(".")
+                    self.buffers.append((full, model.get_submodule(owner) if owner else model, leaf, b))
         # The model's own values go along: rank 0's are the job's first
         # parameters when its servers take a worker's (``model.init``).
-        flat = torch.cat([p.detach().reshape(-1) for _, p in self.params]).contiguous()
+        values = [p.detach().reshape(-1) for _, p in self.params] + [b.detach().reshape(-1) for *_, b in self.buffers]
+        flat = torch.cat(values).contiguous()
         raw = flat.view(torch.int16) if flat.element_size() == 2 else flat
-        self.worker.join([(n, p.numel(), name) for n, p in self.params], initial=raw.numpy())
+        decl = [(n, p.numel(), name) for n, p in self.params]
+        decl += [(f"buffer:{full}", b.numel(), name) for full, _, _, b in self.buffers]
+        self.worker.join(decl, initial=raw.numpy())
         del flat, raw
         self.gradient_average = bool(self.worker.info.gradient_average)
         self._grad_views = []
@@ -93,6 +115,18 @@ class DistributedModel:
                 # The servers' parameters, pulled at join, in place of the
                 # model's own: every worker trains the same values.
                 p.data = pv
+        # Buffers: views of the parameter buffer too (pulls write the
+        # average there), their local values pushed from the gradient buffer.
+        self._buffer_views = []
+        for j, (full, owner, leaf, b) in enumerate(self.buffers):
+            i = len(self.params) + j
+            t = self.worker.tensors[i]
+            if t.name != f"buffer:{full}" or t.elements != b.numel():
+                raise eps.EpsError(6, f"tensor {i} of the job is {t.name!r} ({t.elements}), the model's is buffer:{full!r} ({b.numel()})")
+            g = _view(self.worker.buffer("grads", i), t.elements, self.dtype, b.shape)
+            pv = _view(self.worker.buffer("params", i), t.elements, self.dtype, b.shape)
+            owner._buffers[leaf] = pv
+            self._buffer_views.append((g, pv))
         # EPS's embedding modules in the model pull and push through this worker.
         for m in model.modules():
             if isinstance(m, _SparseModule):
@@ -158,7 +192,10 @@ class DistributedModel:
         """Pushes what the backward pass did not, and waits for the next
         parameters (server-side optimizer) or the averaged gradient, which
         becomes ``p.grad`` for the framework's optimizer."""
-        rest = [i for i in range(len(self.params)) if i not in self._pushed]
+        # The buffers' values of this step (a forward updated them in place).
+        for g, pv in self._buffer_views:
+            g.copy_(pv)
+        rest = [i for i in range(len(self.params) + len(self.buffers)) if i not in self._pushed]
         if rest:
             self._requests.append(self.worker.push(rest))
         self.worker.pull().wait()
@@ -179,6 +216,8 @@ class DistributedModel:
         for _, p in self.params:
             p.data = p.data.clone()
             p.grad = None
+        for _, owner, leaf, _ in self.buffers:
+            owner._buffers[leaf] = owner._buffers[leaf].clone()
         self.worker.finish()
         self.worker.close()
 

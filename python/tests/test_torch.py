@@ -243,3 +243,35 @@ def test_workers_that_come_15_s_after_eps_up_train_and_everything_ends_quietly()
         if up.poll() is None:
             up.kill()
             up.wait()
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "none"])
+def test_batchnorm_buffers_end_the_same_on_every_worker(run_workers, optimizer):
+    cl = eps.Cluster(spec(optimizer), SECRET)
+    got = {}
+
+    def work(k):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(30, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 3))
+        dm = et.DistributedModel(m, eps.Worker(cl.address, SECRET))
+        opt = torch.optim.SGD(m.parameters(), lr=0.1) if dm.gradient_average else None
+        gen = torch.Generator().manual_seed(100 + dm.rank)
+        local = []
+        for _ in range(3):
+            dm.begin()
+            x = torch.randn(8, 30, generator=gen) * (1 + 3 * dm.rank)  # different statistics per worker
+            torch.nn.functional.mse_loss(m(x), torch.zeros(8, 3)).backward()
+            local.append(m[1].running_var.clone())  # this worker's own, after its forward
+            dm.step()
+            if opt:
+                opt.step()
+        got[dm.rank] = (local, m[1].running_mean.clone(), m[1].running_var.clone(), int(m[1].num_batches_tracked))
+        dm.finish()
+        assert torch.equal(m[1].running_var, got[dm.rank][2]), "the model keeps its buffers after finish"
+
+    run_workers(cl, work)
+    (l0, mean0, var0, n0), (l1, mean1, var1, n1) = got[0], got[1]
+    assert torch.equal(mean0, mean1) and torch.equal(var0, var1), "identical buffers on every worker"
+    assert torch.allclose(var0, (l0[-1] + l1[-1]) / 2, atol=1e-6), "the average of the workers' own"
+    assert not torch.allclose(l0[-1], l1[-1]), "the workers' own statistics differed"
+    assert n0 == n1 == 3

@@ -60,6 +60,11 @@ pub fn published_offset(bytes: u64, parity: usize) -> u64 {
     PUBLISHED_HEADER + parity as u64 * bytes
 }
 
+/// How the name of an averaged tensor begins: a framework's buffer
+/// (BatchNorm's running statistics and the like), not trained: each update
+/// sets it to the average of what the workers pushed for it.
+pub const AVERAGED_PREFIX: &str = "buffer:";
+
 /// A tensor's place in the flat space.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TensorInfo {
@@ -185,6 +190,12 @@ impl Layout {
     /// The tensor named `name`.
     pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
         self.tensors.iter().find(|t| t.name == name)
+    }
+
+    /// The element ranges (start, end) of averaged tensors ([`AVERAGED_PREFIX`]).
+    pub fn averaged(&self) -> Vec<(u64, u64)> {
+        let avg = self.tensors.iter().filter(|t| t.name.starts_with(AVERAGED_PREFIX));
+        avg.map(|t| (t.offset, t.offset + t.elements)).collect()
     }
 }
 

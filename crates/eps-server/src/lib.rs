@@ -369,6 +369,8 @@ pub(crate) struct Server<P: Fabric> {
     retired: bool,
     /// By global shard id: (first element, elements).
     spans: Vec<(u64, u64)>,
+    /// Element ranges of averaged tensors (a framework's buffers), not trained.
+    averaged: Vec<(u64, u64)>,
     /// Checkpoints to save, and the thread writing them.
     saver: checkpoint::Saver,
     /// The parts of the sparse tables held here.
@@ -573,6 +575,7 @@ pub fn run_direct<P: Fabric>(
         orphaned: Vec::new(),
         retired: false,
         spans: layout.shards.iter().map(|s| (s.start, s.len)).collect(),
+        averaged: layout.averaged(),
         saver: checkpoint::Saver::start(cfg, rank, &spec)?,
         sparse,
     };

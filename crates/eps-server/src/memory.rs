@@ -884,6 +884,7 @@ fn on_device(dev: &mut dyn DeviceShard, owns: &mut bool, host: &mut [f32]) -> Re
     Ok(())
 }
 
+mod average;
 mod seed;
 #[cfg(test)]
 mod tests;

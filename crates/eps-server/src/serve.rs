@@ -388,6 +388,16 @@ impl<P: Fabric> Server<P> {
         Ok(())
     }
 
+    /// The averaged element ranges in shard `id`, relative to its start.
+    fn averaged_in(&self, id: u32) -> Vec<(usize, usize)> {
+        let Some(&(start, len)) = self.spans.get(id as usize) else { return Vec::new() };
+        let cut = |&(lo, hi): &(u64, u64)| {
+            let (lo, hi) = (lo.max(start), hi.min(start + len));
+            (lo < hi).then(|| ((lo - start) as usize, (hi - start) as usize))
+        };
+        self.averaged.iter().filter_map(cut).collect()
+    }
+
     /// Whether shard `id` can take its next update now.
     pub(crate) fn free(&self, id: u32) -> bool {
         self.shards[id as usize]
@@ -478,12 +488,20 @@ impl<P: Fabric> Server<P> {
         // contributor waits for our pull answer or credit before pushing the
         // shard again, and no snapshot or forward WRITE from it is in flight
         // (`busy`).
+        // (Averaged tensors: what they average to replaces the step.)
+        let averaged = self.averaged_in(id);
         if carry {
             self.mem.carry(id, parity);
-        } else if let Pending::Forward { .. } = p {
+        } else if let Pending::Forward { worker, .. } = p {
             self.mem.apply_forwarded(id, parity, &u)?;
+            // SSP/ASP forward one contribution scaled by the worker count.
+            let unscale = if worker.is_some() { self.workers as f32 } else { 1.0 };
+            self.mem.average_forwarded(id, parity, &averaged, unscale)?;
         } else {
             self.mem.update(id, parity, &contributors, &u)?;
+            // SSP/ASP: the latest contribution stands.
+            let scale = if one.is_some() { 1.0 } else { scale };
+            self.mem.average_ranges(id, parity, &contributors, scale, &averaged)?;
         }
         self.mem.set_stamp(id, parity, next);
         let d = crate::replica::Deferred { p, version: next, carry, one };
