@@ -169,11 +169,11 @@ enum Cmd {
     },
     /// Run a parameter server of the job whose control plane is at --control.
     ///
-    /// The job secret comes from the EPS_JOB_SECRET environment variable.
+    /// The job secret comes from EPS_JOB_SECRET, or the file EPS_JOB_SECRET_FILE names.
     Server {
         /// The control plane's address, or its addresses (leader and
         /// standbys, any order): HOST:PORT[,HOST:PORT...].
-        #[arg(long, value_name = "ADDRS")]
+        #[arg(long, value_name = "ADDRS", env = "EPS_CONTROL")]
         control: eps_control::ControlAddrs,
         /// IP to accept workers on (the port is picked by the OS), or `route`:
         /// the address this host reaches the control plane from (what the
@@ -201,12 +201,12 @@ enum Cmd {
     },
     /// Run a worker on the built-in synthetic task of the job at --control.
     ///
-    /// The job secret comes from the EPS_JOB_SECRET environment variable. Models
+    /// The job secret comes from EPS_JOB_SECRET, or the file EPS_JOB_SECRET_FILE names. Models
     /// other than the built-in one use the eps-worker library (or libeps) instead.
     Worker {
         /// The control plane's address, or its addresses (leader and
         /// standbys, any order): HOST:PORT[,HOST:PORT...].
-        #[arg(long, value_name = "ADDRS")]
+        #[arg(long, value_name = "ADDRS", env = "EPS_CONTROL")]
         control: eps_control::ControlAddrs,
         /// Print progress every this many steps (rank 0).
         #[arg(long, default_value_t = 50)]
@@ -251,11 +251,11 @@ enum Cmd {
     },
     /// Show the state of the job whose control plane is at --control.
     ///
-    /// The job secret comes from the EPS_JOB_SECRET environment variable.
+    /// The job secret comes from EPS_JOB_SECRET, or the file EPS_JOB_SECRET_FILE names.
     Status {
         /// The control plane's address, or its addresses (leader and
         /// standbys, any order): HOST:PORT[,HOST:PORT...].
-        #[arg(long, value_name = "ADDRS")]
+        #[arg(long, value_name = "ADDRS", env = "EPS_CONTROL")]
         control: eps_control::ControlAddrs,
         /// One JSON object: health (`healthy`, `problems`), the leader
         /// (`leader`: address and pid), epoch, iteration and rate, every
@@ -272,11 +272,11 @@ enum Cmd {
     /// saves its shards when it publishes that version (training pauses only
     /// for the copy), and the manifest is written last, so a torn checkpoint is
     /// never taken for a good one. Resume with `eps train --resume DIR` or `eps
-    /// control --resume DIR`. The job secret comes from EPS_JOB_SECRET.
+    /// control --resume DIR`. The job secret comes from EPS_JOB_SECRET, or the file EPS_JOB_SECRET_FILE names.
     Checkpoint {
         /// The control plane's address, or its addresses (leader and
         /// standbys, any order): HOST:PORT[,HOST:PORT...].
-        #[arg(long, value_name = "ADDRS")]
+        #[arg(long, value_name = "ADDRS", env = "EPS_CONTROL")]
         control: eps_control::ControlAddrs,
         /// Directory of the job's checkpoints [default: the spec's job.checkpoint_dir].
         #[arg(long)]
@@ -296,12 +296,12 @@ enum Cmd {
     /// begun; joining workers take new ranks (up to job.max_workers over the
     /// job's life) and start at that boundary (start them with `eps worker
     /// --control ADDR`); leaving workers are the highest ranks, they exit there.
-    /// `eps status` shows both. The job secret comes from EPS_JOB_SECRET.
+    /// `eps status` shows both. The job secret comes from EPS_JOB_SECRET, or the file EPS_JOB_SECRET_FILE names.
     #[command(arg_required_else_help = true)]
     Scale {
         /// The control plane's address, or its addresses (leader and
         /// standbys, any order): HOST:PORT[,HOST:PORT...].
-        #[arg(long, value_name = "ADDRS")]
+        #[arg(long, value_name = "ADDRS", env = "EPS_CONTROL")]
         control: eps_control::ControlAddrs,
         /// Wanted number of servers.
         #[arg(long)]

@@ -1,5 +1,6 @@
 //! `eps control`, `eps server`, `eps worker`: the three roles as commands.
 
+use std::io::Write as _;
 use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 use std::sync::Arc;
@@ -364,17 +365,16 @@ pub fn status(control: eps_control::ControlAddrs, json: bool, watch: Option<f64>
         };
         match (answer, every) {
             (Ok(text), None) => {
-                println!("{text}");
+                let _ = writeln!(std::io::stdout(), "{text}");
                 return Ok(());
             }
             (Err(e), None) => return Err(e),
             (Ok(text), Some(_)) => {
-                if tty && !json {
-                    print!("\x1b[H\x1b[2J");
-                }
-                println!("{text}");
-                if !tty && !json {
-                    println!();
+                let clear = if tty && !json { "\x1b[H\x1b[2J" } else { "" };
+                let gap = if !tty && !json { "\n" } else { "" };
+                // A reader that went away (`| head`) ends the watch quietly.
+                if writeln!(std::io::stdout(), "{clear}{text}{gap}").is_err() {
+                    return Ok(());
                 }
             }
             // Watching: a control plane restarting is waited for.

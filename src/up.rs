@@ -258,7 +258,7 @@ impl JoinWatch {
 }
 
 /// Writes the secret into the cluster's directory, readable by this user only.
-fn write_secret(cluster: &LocalCluster, secret: &str) -> Result<PathBuf, String> {
+pub(crate) fn write_secret(cluster: &LocalCluster, secret: &str) -> Result<PathBuf, String> {
     let dir = cluster.dir();
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
         .map_err(|e| format!("cannot restrict {}: {e}", dir.display()))?;

@@ -384,6 +384,7 @@ fn run_once(
         // (and any client) finds the leader among them.
         println!("EPS_CONTROL={}", cluster.control_addr());
     }
+    tell_how_to_reach(&cluster, spec);
     let step = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     let (tx, more) = std::sync::mpsc::channel();
     let outcome = if plan.is_empty() {
@@ -485,4 +486,26 @@ fn absorb_done(d: &report::Done, rep: &mut TrainReport, totals: &mut Totals) {
 /// The value of `key=value` in a line of space-separated pairs.
 pub fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
     line.split_whitespace().find_map(|kv| kv.strip_prefix(key).and_then(|r| r.strip_prefix('=')))
+}
+
+/// Says how `eps status`, `eps scale` and `eps checkpoint` reach the job: its
+/// control plane's address, and where its secret is (a generated one is
+/// written to a file of the cluster's directory, readable by this user only).
+fn tell_how_to_reach(cluster: &LocalCluster, spec: &JobSpec) {
+    let from_env = std::env::var("EPS_JOB_SECRET").ok().is_some_and(|s| !s.is_empty());
+    let secret = if from_env {
+        "EPS_JOB_SECRET=(as set here)".to_string()
+    } else if spec.job.secret.is_some() {
+        "the spec's job.secret".to_string()
+    } else {
+        match crate::up::write_secret(cluster, cluster.secret()) {
+            Ok(path) => format!("EPS_JOB_SECRET_FILE={}", path.display()),
+            Err(e) => format!("no secret file ({e})"),
+        }
+    };
+    eps_proto::say!(
+        "eps train: the job's control plane is at {}; `eps status`, `eps scale` and `eps checkpoint` reach it with EPS_CONTROL={} and {secret}",
+        cluster.control_addr(),
+        cluster.control_addr()
+    );
 }
