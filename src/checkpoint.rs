@@ -25,8 +25,21 @@ pub fn absolute(path: &Path) -> Result<PathBuf, String> {
 pub fn resume_spec(dir: &Path, o: &Overrides) -> Result<(JobSpec, String), String> {
     let dir = absolute(dir)?;
     let (path, m) = eps_control::checkpoint::latest(&dir)?;
-    if o.dtype.is_some() || o.optimizer.is_some() || o.consistency.is_some() {
-        return Err("a resumed job keeps its dtype, optimizer and consistency (they are part of the checkpoint)".into());
+    // The same values are welcome (the command line that started the job,
+    // with --resume added); others are not the checkpoint's job.
+    let saved = JobSpec::from_toml(&m.spec).map_err(|e| format!("{}: {e}", path.display()))?;
+    let kept = [
+        ("--dtype", o.dtype.as_deref(), saved.job.dtype.to_string()),
+        ("--optimizer", o.optimizer.as_deref(), saved.optimizer.kind.clone()),
+        ("--consistency", o.consistency.as_deref(), saved.job.consistency.name().to_string()),
+    ];
+    for (flag, given, was) in kept {
+        if given.is_some_and(|g| !g.eq_ignore_ascii_case(&was)) {
+            return Err(format!(
+                "{flag} {}: the checkpoint's job has {was}, and a resumed job keeps it (it is part of the checkpoint)",
+                given.unwrap_or_default()
+            ));
+        }
     }
     let (base, text) = build_spec_or(None, &m.spec, o).map_err(|e| crate_error(&e))?;
     let layout = base.layout().map_err(|e| e.to_string())?;

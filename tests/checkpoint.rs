@@ -80,8 +80,13 @@ fn resume_after_sigkill_equals_the_uninterrupted_run(dtype: &str) {
     // Pruned to the newest two.
     assert!(!dir.join(eps_proto::checkpoint::dir_name(at - 50)).exists() || at < 75);
 
+    // The same command line with --resume: its --dtype is the checkpoint's.
+    let other = if dtype == "f32" { "bf16" } else { "f32" };
+    let o = eps().args(["train", "--resume", d, "--dtype", other]).output().unwrap();
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && e.contains(&format!("--dtype {other}: the checkpoint's job has {dtype}")), "{e}");
     // Resumed on three servers (the checkpoint was taken on two).
-    let resumed = train(&["--resume", d, "--servers", "3"]);
+    let resumed = train(&["--resume", d, "--servers", "3", "--dtype", dtype]);
     let from: u64 = json(&resumed, "resumed_at").parse().unwrap();
     assert!(from >= at, "resumed at {from}, newest checkpoint {at}");
     assert_eq!(json(&resumed, "params_checksum"), expected, "{dtype}: resumed at {from} vs uninterrupted");
