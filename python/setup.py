@@ -13,6 +13,17 @@ from setuptools.command.build_py import build_py
 HERE = Path(__file__).resolve().parent
 
 
+def say(line):
+    """A line the user sees: pip shows a build's own output only with -v,
+    so it goes to the terminal too when there is one."""
+    print(line, flush=True)
+    try:
+        with open("/dev/tty", "w") as tty:
+            tty.write(line + "\n")
+    except OSError:
+        pass
+
+
 class BuildWithLibeps(build_py):
     def run(self):
         super().run()
@@ -25,7 +36,10 @@ class BuildWithLibeps(build_py):
             if not (workspace / "crates" / "eps-capi").is_dir():
                 raise SystemExit("building libeps needs the EPS repository around python/ (or set EPS_LIBRARY)")
             cargo = shutil.which("cargo") or str(Path.home() / ".cargo" / "bin" / "cargo")
-            print("building libeps: cargo build --release -p eps-capi", flush=True)
+            say(
+                "eps: building libeps with `cargo build --release -p eps-capi` (a minute or two on a small machine; "
+                "`pip install -v` shows cargo's progress, EPS_LIBRARY=path/to/libeps.so skips the build)"
+            )
             subprocess.check_call([cargo, "build", "--release", "--locked", "-p", "eps-capi"], cwd=workspace)
             target_dir = Path(os.environ.get("CARGO_TARGET_DIR", workspace / "target"))
             src = target_dir / "release" / "libeps.so"
