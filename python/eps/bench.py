@@ -3,6 +3,9 @@ libeps, against the Rust worker's push_pull, in the same run.
 
     python -m eps.bench --size 100MB --rounds 3 --json
 
+(``python -m eps.bench --ddp`` runs EPS against PyTorch's DDP instead: see
+``eps.ddp``.)
+
 Each round starts two identical jobs with ``eps up`` (one server, one worker,
 the soft transport, SGD on the servers, one f32 tensor of SIZE bytes): one
 trained by ``eps worker --bench-iters`` (Rust), one by this process through
@@ -106,6 +109,11 @@ def python_round(eps_bin, spec_path, iters):
 
 
 def main():
+    if "--ddp" in sys.argv[1:]:
+        sys.argv.remove("--ddp")
+        from eps import ddp
+
+        return ddp.main()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", type=parse_size, default=parse_size("100MB"), help="model bytes, f32 (default 100MB)")
     p.add_argument("--iters", type=int, default=10, help="timed push_pulls per worker and round (default 10)")

@@ -182,10 +182,17 @@ class DistributedModel:
 
     def begin(self, batch=0):
         """Begins the iteration: its :class:`eps.Iteration` (samples to train
-        on), or None if this worker left the job. Zeroes the gradients."""
+        on), or None if this worker left the job. Clears the gradients: with
+        ``overlap`` they are set to None (autograd makes each afresh and its
+        hook copies it into EPS's buffer once, instead of the buffer being
+        zeroed and added to), else the buffers are zeroed."""
         it = self.worker.begin(batch)
         if it is not None:
-            self.zero_grad()
+            if self._hooks:
+                for _, p in self.params:
+                    p.grad = None
+            else:
+                self.zero_grad()
         return it
 
     def step(self):
@@ -196,6 +203,15 @@ class DistributedModel:
         for g, pv in self._buffer_views:
             g.copy_(pv)
         rest = [i for i in range(len(self.params) + len(self.buffers)) if i not in self._pushed]
+        for i in (i for i in rest if i < len(self.params)):
+            # A parameter without a gradient this step contributes zeros; one
+            # whose gradient autograd made elsewhere is copied in.
+            p, g = self.params[i][1], self._grad_views[i]
+            if p.grad is None:
+                g.zero_()
+            elif p.grad.data_ptr() != g.data_ptr():
+                g.copy_(p.grad)
+            p.grad = g
         if rest:
             self._requests.append(self.worker.push(rest))
         self.worker.pull().wait()
