@@ -14,6 +14,8 @@ STEPS steps and the phases of each; the figure of a round is rank 0's
 median step. ``ratio`` is EPS's steps per second over DDP's: the median
 over rounds of each round's ratio. ``max_abs_diff`` compares the final
 parameters of EPS and DDP (rank 0's) after the same steps on the same data.
+The CPU rows say how busy the machine was: the whole machine's CPU time per
+step (every process: workers, servers, gloo's threads) and rank 0's own.
 """
 
 import argparse
@@ -74,7 +76,10 @@ def worker(mode, rank, steps, port):
         net = model
         opt = torch.optim.SGD(net.parameters(), lr=LR)
     steps_ms = []
+    busy = None
     for step in range(WARMUP + steps):
+        if step == WARMUP:
+            busy, cpu = _machine_busy_ms(), time.process_time()
         x, y = _batch(torch, rank, step)
         start = t = time.perf_counter()
         if mode == "eps":
@@ -94,6 +99,10 @@ def worker(mode, rank, steps, port):
             opt.step()
             t = mark("optimizer", t)
         steps_ms.append((time.perf_counter() - start) * 1e3)
+    # The whole machine's CPU time (every process: workers, servers, gloo's
+    # threads) and this process's, per timed step.
+    machine = (_machine_busy_ms() - busy) / steps
+    own = (time.process_time() - cpu) * 1e3 / steps
     params = [p.detach().clone() for p in model.parameters()]
     if mode == "eps":
         dm.finish()
@@ -103,10 +112,19 @@ def worker(mode, rank, steps, port):
         dist.destroy_process_group()
     out = {"mode": mode, "rank": rank, "step_ms": statistics.median(steps_ms[WARMUP:])}
     out["phases_ms"] = {k: statistics.median(v[WARMUP:]) for k, v in phases.items()}
+    out["cpu_ms"] = {"machine": machine, "this process": own}
     out["checksum"] = float(sum(p.double().sum() for p in params))
     if rank == 0 and os.environ.get("EPS_DDP_PARAMS"):
         torch.save(params, os.environ["EPS_DDP_PARAMS"])
     print(json.dumps(out), flush=True)
+
+
+def _machine_busy_ms():
+    """CPU time the machine's cores spent busy so far (ms, from /proc/stat)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    idle = v[3] + (v[4] if len(v) > 4 else 0)
+    return (sum(v[:8]) - idle) * 1e3 / os.sysconf("SC_CLK_TCK")
 
 
 def _free_port():
@@ -190,6 +208,10 @@ def compare(eps_bin, rounds, steps, as_json):
                 v = [x["phases_ms"][k] for x in runs[m] if k in x["phases_ms"]]
                 row.append(statistics.median(v) if v else None)
         print(f"{k:<28}" + "".join(f"{'-' if v is None else format(v, '.1f'):>10}" for v in row))
+    for k in ("this process", "machine"):
+        row = [statistics.median(x["cpu_ms"][k] for x in runs[m]) for m in ("alone", "ddp", "eps")]
+        print(f"{'CPU per step, ' + k:<28}" + "".join(f"{v:>10.1f}" for v in row))
+    print(f"({os.cpu_count()} cores: a step of S ms has at most {os.cpu_count()} x S ms of CPU)")
     if as_json:
         print(json.dumps({"step_ms": step, "ratio": ratio, "max_abs_diff": diff, "rounds": runs}))
 
