@@ -275,3 +275,14 @@ def test_batchnorm_buffers_end_the_same_on_every_worker(run_workers, optimizer):
     assert torch.allclose(var0, (l0[-1] + l1[-1]) / 2, atol=1e-6), "the average of the workers' own"
     assert not torch.allclose(l0[-1], l1[-1]), "the workers' own statistics differed"
     assert n0 == n1 == 3
+
+
+def test_the_ddp_side_by_side_runs_and_reports_its_fields():
+    cmd = [sys.executable, "-m", "eps.bench", "--ddp", "--rounds", "1", "--steps", "2", "--json", "--eps", eps_bin()]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd="/")
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(r["step_ms"]) == {"ddp", "eps", "alone"} and r["ratio"] > 0
+    assert r["max_abs_diff"] < 1e-5, "EPS trains what DDP trains"
+    assert "backward" in r["rounds"]["eps"][0]["phases_ms"] and r["rounds"]["eps"][0]["cpu_ms"]["machine"] > 0
+    assert "phase (ms, rank 0, median)" in out.stdout
