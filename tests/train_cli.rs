@@ -303,10 +303,13 @@ fn children_of(pid: u32) -> Vec<(u32, String)> {
     out
 }
 
-fn start_long_run(name: &str) -> (Child, Vec<(u32, String)>) {
+/// A long `eps train` under way (its secret generated), its processes, and
+/// the line that says how to reach it.
+fn start_long_run(name: &str) -> (Child, Vec<(u32, String)>, String) {
     let spec = spec_file(name, &SMALL.replace("steps = 25", "steps = 100000"));
     let mut child = Command::new(env!("CARGO_BIN_EXE_eps"))
         .args(["train", "--spec", spec.to_str().unwrap(), "--progress-every", "5"])
+        .env_remove("EPS_JOB_SECRET")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
@@ -315,9 +318,12 @@ fn start_long_run(name: &str) -> (Child, Vec<(u32, String)>) {
     let mut lines = BufReader::new(err).lines();
     // Wait for training to be under way.
     let deadline = Instant::now() + Duration::from_secs(60);
+    let mut reach = String::new();
     loop {
         let l = lines.next().expect("eps train ended early").unwrap();
-        if l.starts_with("step") {
+        if l.contains("reach it with") {
+            reach = l;
+        } else if l.starts_with("step") {
             break;
         }
         assert!(Instant::now() < deadline);
@@ -325,7 +331,7 @@ fn start_long_run(name: &str) -> (Child, Vec<(u32, String)>) {
     std::thread::spawn(move || for _ in lines {});
     let kids = children_of(child.id());
     assert_eq!(kids.len(), 1 + 1 + 2, "control + server + 2 workers: {kids:?}");
-    (child, kids)
+    (child, kids, reach)
 }
 
 fn wait_gone(pids: &[(u32, String)]) {
@@ -342,7 +348,18 @@ fn wait_gone(pids: &[(u32, String)]) {
 
 #[test]
 fn ctrl_c_stops_every_process() {
-    let (mut train, kids) = start_long_run("int");
+    let (mut train, kids, reach) = start_long_run("int");
+    // The generated secret is in a file it names: `eps status` reaches the job.
+    let var = |k: &str| reach.split(&format!("{k}=")).nth(1).and_then(|v| v.split_whitespace().next()).map(str::to_string);
+    let (control, file) = (var("EPS_CONTROL").expect(&reach), var("EPS_JOB_SECRET_FILE").expect(&reach));
+    let st = Command::new(env!("CARGO_BIN_EXE_eps"))
+        .arg("status")
+        .env("EPS_CONTROL", &control)
+        .env("EPS_JOB_SECRET_FILE", &file)
+        .env_remove("EPS_JOB_SECRET")
+        .output()
+        .unwrap();
+    assert!(st.status.success() && String::from_utf8_lossy(&st.stdout).starts_with("health: "), "{st:?}");
     Command::new("kill").args(["-INT", &train.id().to_string()]).status().unwrap();
     let st = train.wait().unwrap();
     assert!(!st.success());

@@ -2,7 +2,11 @@
 torch tensors are views of registered memory, errors carry their status and
 message, the elastic sampler deals samples out exactly once per epoch."""
 
+import os
 import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -85,6 +89,28 @@ def test_numpy_views_are_the_registered_buffers_and_none_publishes_the_average(r
     for step in range(3):
         want = np.arange(3007, dtype=np.float32) + 5 + step  # mean of rank 0 and rank 1
         assert np.array_equal(out[(0, step)], want) and np.array_equal(out[(1, step)], want)
+
+
+WRONG_ADDRESS = """
+import eps, time
+t = time.monotonic()
+try:
+    eps.Worker(timeout_ms=5000).join([("w", 10, "f32")])
+except eps.EpsError as e:
+    print(f"{time.monotonic() - t:.2f} {e}")
+"""
+
+
+def test_a_wrong_control_address_fails_within_the_timeout_naming_it():
+    env = dict(os.environ, EPS_CONTROL="127.0.0.1:1", EPS_JOB_SECRET="x")
+    t = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", WRONG_ADDRESS], env=env, capture_output=True, text=True, timeout=60)
+    assert time.monotonic() - t < 20
+    took, _, err = out.stdout.strip().partition(" ")
+    assert float(took) < 8, out.stdout
+    assert "EPS_ERR_CONTROL" in err and "127.0.0.1:1" in err, out.stdout
+    # Said while it keeps trying, not only at the end.
+    assert "cannot reach the control plane at 127.0.0.1:1" in out.stderr and "trying again for up to" in out.stderr, out.stderr
 
 
 def test_errors_carry_status_and_message():
