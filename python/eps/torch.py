@@ -66,7 +66,9 @@ class DistributedModel:
     and each step sets them to the average of the workers' values (DDP copies
     rank 0's instead; with the same data everywhere the two agree, and
     averaging keeps what every worker saw). They become views of EPS's
-    parameter buffer, like the parameters. ``buffers=None`` leaves them to
+    parameter buffer, like the parameters; a job's first step starts from
+    each worker's own, a worker joining later takes the job's current ones.
+    ``buffers=None`` leaves them to
     each worker. Buffers of another dtype than the parameters' (BatchNorm's
     integer batch count) stay each worker's own.
     """
@@ -125,6 +127,11 @@ class DistributedModel:
                 raise eps.EpsError(6, f"tensor {i} of the job is {t.name!r} ({t.elements}), the model's is buffer:{full!r} ({b.numel()})")
             g = _view(self.worker.buffer("grads", i), t.elements, self.dtype, b.shape)
             pv = _view(self.worker.buffer("params", i), t.elements, self.dtype, b.shape)
+            if self.worker.info.iteration == 0:
+                # A job's first step starts from the model's own buffers
+                # (BatchNorm's are the same everywhere); it averages them. A
+                # worker joining later takes the job's current ones.
+                pv.copy_(b)
             owner._buffers[leaf] = pv
             self._buffer_views.append((g, pv))
         # EPS's embedding modules in the model pull and push through this worker.

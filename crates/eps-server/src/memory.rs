@@ -490,7 +490,7 @@ impl<P: Fabric> ShardMemory<P> {
     /// The caller guarantees the contribution has landed, the worker does not push
     /// the shard again before it is credited, and no forward WRITE from the
     /// gradient buffer is in flight.
-    pub fn fill_forward(&mut self, id: u32, worker: u32, scale: f32) {
+    pub fn fill_forward(&mut self, id: u32, worker: u32, scale: f32, averaged: &[(usize, usize)]) {
         let dtype = self.dtype;
         let Some(b) = self.block_mut(id) else { return };
         let Some(slot) = b.landing.get(worker as usize) else { return };
@@ -501,7 +501,12 @@ impl<P: Fabric> ShardMemory<P> {
         slot.read_at(0, &mut src);
         let mut dst = vec![0f32; b.len as usize];
         eps_agg::reduce::sum(dtype, &[&src], &mut dst, 1);
-        dst.iter_mut().for_each(|x| *x *= scale);
+        // (Averaged tensors carry the contribution itself: it stands.)
+        let mut at = 0;
+        for &(lo, hi) in averaged.iter().chain(std::iter::once(&(dst.len(), dst.len()))) {
+            dst[at..lo].iter_mut().for_each(|x| *x *= scale);
+            at = hi;
+        }
         g.write_at(0, bytemuck::cast_slice(&dst));
     }
 

@@ -76,7 +76,8 @@ impl<P: Fabric> Server<P> {
         };
         r.sending = Some(w);
         let (ci, remote) = (out.ci, out.grad_remote());
-        self.mem.fill_forward(id, w, scale);
+        let averaged = self.averaged_in(id);
+        self.mem.fill_forward(id, w, scale, &averaged);
         let b = self.mem.get(id).ok_or_else(|| ServerError::Migration("shard memory vanished".into()))?;
         let g = b.grad.as_ref().ok_or_else(|| ServerError::Migration("no gradient buffer".into()))?;
         let imm = Imm { kind: ImmKind::Forward, shard: id, seq: w as u16 }.encode();

@@ -389,7 +389,7 @@ impl<P: Fabric> Server<P> {
     }
 
     /// The averaged element ranges in shard `id`, relative to its start.
-    fn averaged_in(&self, id: u32) -> Vec<(usize, usize)> {
+    pub(crate) fn averaged_in(&self, id: u32) -> Vec<(usize, usize)> {
         let Some(&(start, len)) = self.spans.get(id as usize) else { return Vec::new() };
         let cut = |&(lo, hi): &(u64, u64)| {
             let (lo, hi) = (lo.max(start), hi.min(start + len));
@@ -492,16 +492,13 @@ impl<P: Fabric> Server<P> {
         let averaged = self.averaged_in(id);
         if carry {
             self.mem.carry(id, parity);
-        } else if let Pending::Forward { worker, .. } = p {
+        } else if let Pending::Forward { .. } = p {
             self.mem.apply_forwarded(id, parity, &u)?;
-            // SSP/ASP forward one contribution scaled by the worker count.
-            let unscale = if worker.is_some() { self.workers as f32 } else { 1.0 };
-            self.mem.average_forwarded(id, parity, &averaged, unscale)?;
+            self.mem.average_forwarded(id, parity, &averaged)?;
         } else {
             self.mem.update(id, parity, &contributors, &u)?;
-            // SSP/ASP: the latest contribution stands.
-            let scale = if one.is_some() { 1.0 } else { scale };
-            self.mem.average_ranges(id, parity, &contributors, scale, &averaged)?;
+            // (SSP/ASP: one contribution, which stands.)
+            self.mem.average_ranges(id, parity, &contributors, &averaged)?;
         }
         self.mem.set_stamp(id, parity, next);
         let d = crate::replica::Deferred { p, version: next, carry, one };
