@@ -146,9 +146,15 @@ def _run_pair(mode, steps, env):
     return sorted(res, key=lambda r: r["rank"])
 
 
-def _eps_pair(eps_bin, steps, env):
+def _eps_pair(eps_bin, steps, env, shard_bytes=None):
+    cmd = [eps_bin, "up", "--workers", "2", "--servers", "1", "--optimizer", "sgd", "--lr", str(LR), "--steps", str(WARMUP + steps)]
+    if shard_bytes:
+        spec = os.path.join(env["EPS_BENCH_DIR"], "job.toml")
+        with open(spec, "w") as f:
+            f.write(f'[job]\nname = "ddp-bench"\nshard_bytes = {shard_bytes}\n[model]\ndeclare = true\n')
+        cmd += ["--spec", spec]
     up = subprocess.Popen(
-        [eps_bin, "up", "--workers", "2", "--servers", "1", "--optimizer", "sgd", "--lr", str(LR), "--steps", str(WARMUP + steps)],
+        cmd,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -168,7 +174,7 @@ def _eps_pair(eps_bin, steps, env):
                 up.terminate()
 
 
-def compare(eps_bin, rounds, steps, as_json):
+def compare(eps_bin, rounds, steps, as_json, shard_bytes=None):
     import tempfile
 
     import torch
@@ -181,8 +187,8 @@ def compare(eps_bin, rounds, steps, as_json):
             order = ["ddp", "eps", "alone"]
             order = order[r % 3 :] + order[: r % 3]
             for mode in order:
-                e = dict(env, EPS_DDP_PARAMS=os.path.join(d, f"{mode}.pt"))
-                res = _eps_pair(eps_bin, steps, e) if mode == "eps" else _run_pair(mode, steps, e)
+                e = dict(env, EPS_DDP_PARAMS=os.path.join(d, f"{mode}.pt"), EPS_BENCH_DIR=d)
+                res = _eps_pair(eps_bin, steps, e, shard_bytes) if mode == "eps" else _run_pair(mode, steps, e)
                 runs[mode].append(res[0])
                 print(f"eps.bench --ddp: round {r + 1}: {mode}: {res[0]['step_ms']:.1f} ms a step (rank 0)", file=sys.stderr)
             for mode in ("ddp", "eps"):
@@ -223,6 +229,7 @@ def main():
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--steps", type=int, default=30, help="timed steps per process and run (default 30)")
     p.add_argument("--rounds", type=int, default=3, help="rounds, each running DDP, EPS and compute alone (default 3)")
+    p.add_argument("--shard-bytes", type=int, help="EPS's job.shard_bytes (default: eps up's)")
     p.add_argument("--eps", help="the eps binary (default: $EPS_BIN, PATH, target/release/eps)")
     p.add_argument("--json", action="store_true", help="end with one JSON line of results")
     a = p.parse_args()
@@ -232,7 +239,7 @@ def main():
         p.error("--steps and --rounds must be at least 1")
     from eps.bench import find_eps
 
-    compare(find_eps(a.eps), a.rounds, a.steps, a.json)
+    compare(find_eps(a.eps), a.rounds, a.steps, a.json, a.shard_bytes)
 
 
 if __name__ == "__main__":
