@@ -91,6 +91,8 @@ fn the_device_path_equals_the_host_path() {
                 }
                 let u = UpdateArgs { agg: &agg, opt: &opt, scalars: opt.scalars(step, 0.01), scale: 1.0 / 3.0, threads: 1 };
                 m.update(0, (step % 2) as usize, &[0, 1, 2], &u).unwrap();
+                // An averaged tensor's elements in the shard.
+                m.average_ranges(0, (step % 2) as usize, &[0, 1, 2], &[(5, 40)]).unwrap();
             }
             // A forwarded update: through the migration gradient buffer.
             m.add_forward_buffer(0).unwrap();
@@ -98,10 +100,11 @@ fn the_device_path_equals_the_host_path() {
             m.block_mut(0).unwrap().grad.as_mut().unwrap().write_at(0, bytemuck::cast_slice(&g));
             let u = UpdateArgs { agg: &agg, opt: &opt, scalars: opt.scalars(3, 0.01), scale: 1.0, threads: 1 };
             m.apply_forwarded(0, 1, &u).unwrap();
+            m.average_forwarded(0, 1, &[(5, 40)]).unwrap();
             m.set_stamp(0, 1, 4);
             // A forward filled from slot 1, and version 4 carried over into
             // buffer 0.
-            m.fill_forward(0, 1, 0.5);
+            m.fill_forward(0, 1, 0.5, &[(3, 10)]);
             let mut fwd = vec![0u8; len as usize * 4];
             m.get(0).unwrap().grad.as_ref().unwrap().read_at(0, &mut fwd);
             m.carry(0, 0);
