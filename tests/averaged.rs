@@ -7,10 +7,9 @@
 mod common;
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::{run_server, start_control, worker_config};
-use eps_control::{ControlClient, ControlError};
+use common::{run_server, scale, start_control, worker_config};
 use eps_proto::control::ControlMsg;
 use eps_worker::Worker;
 
@@ -35,20 +34,6 @@ fn mean(t: u64, i: usize) -> f32 {
     let mut m = pushed(0, t, i);
     m += (pushed(1, t, i) - m) * 0.5;
     m
-}
-
-fn scale(control: std::net::SocketAddr, servers: u32) {
-    let mut c = ControlClient::connect(control, &common::secret(), Duration::from_secs(10)).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        match c.call(&ControlMsg::Scale { servers }) {
-            Ok(_) => return,
-            Err(e @ ControlError::Rejected(_)) if e.is_temporary() && Instant::now() < deadline => {
-                std::thread::sleep(Duration::from_millis(5))
-            }
-            Err(e) => panic!("scale to {servers}: {e}"),
-        }
-    }
 }
 
 fn averaged_tensors_pull_the_mean_while_shards_move(replicas: u32) {
@@ -93,7 +78,7 @@ fn averaged_tensors_pull_the_mean_while_shards_move(replicas: u32) {
             while reached.load(Ordering::Relaxed) < at {
                 std::thread::sleep(Duration::from_millis(2));
             }
-            scale(control, servers);
+            scale(control, ControlMsg::Scale { servers });
             if servers == 3 {
                 s.spawn(move || run_server(control));
             }

@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{reference, run_server, start_control, step, worker_config};
+use common::{reference, run_server, scale, start_control, step, worker_config};
 use eps_proto::JobSpec;
 use eps_proto::membership::Membership;
 use eps_sparse::RowTable;
@@ -355,22 +355,6 @@ fn idle_rows_are_evicted_and_come_back_fresh() {
 /// is in progress).
 fn scale_workers(control: std::net::SocketAddr, workers: u32) {
     scale(control, eps_proto::control::ControlMsg::ScaleWorkers { workers });
-}
-
-/// Sends a scale request, again while another change is in progress.
-fn scale(control: std::net::SocketAddr, msg: eps_proto::control::ControlMsg) {
-    use eps_control::{ControlClient, ControlError};
-    let mut c = ControlClient::connect(control, &common::secret(), std::time::Duration::from_secs(10)).unwrap();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    loop {
-        match c.call(&msg) {
-            Ok(_) => return,
-            Err(e @ ControlError::Rejected(_)) if e.is_temporary() && std::time::Instant::now() < deadline => {
-                std::thread::sleep(std::time::Duration::from_millis(5))
-            }
-            Err(e) => panic!("{msg:?}: {e}"),
-        }
-    }
 }
 
 /// A worker joins and later leaves while the job trains: the tables and the

@@ -150,3 +150,20 @@ pub fn reference_sets(text: &str, sets: &dyn Fn(u64) -> Vec<u32>, grad: &mut Gra
     reduce::narrow(dtype, &master, &mut wire);
     wire
 }
+
+/// Sends a scale request (`Scale`, `ScaleWorkers`), again while another
+/// change is in progress (a temporary refusal), for up to a minute.
+pub fn scale(control: SocketAddr, msg: eps_proto::control::ControlMsg) {
+    use eps_control::{ControlClient, ControlError};
+    let mut c = ControlClient::connect(control, &secret(), Duration::from_secs(10)).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        match c.call(&msg) {
+            Ok(_) => return,
+            Err(e @ ControlError::Rejected(_)) if e.is_temporary() && std::time::Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(5))
+            }
+            Err(e) => panic!("{msg:?}: {e}"),
+        }
+    }
+}

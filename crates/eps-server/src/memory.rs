@@ -574,6 +574,13 @@ impl<P: Fabric> ShardMemory<P> {
     }
 }
 
+/// Where the forward of version parity `parity` starts in a gradient buffer of
+/// `g_len` bytes for a shard of `len` elements: a backup's buffer has two
+/// halves, one per parity; any other, one.
+fn forward_at(g_len: usize, len: usize, parity: usize) -> usize {
+    if g_len >= 2 * len * 4 { parity * len * 4 } else { 0 }
+}
+
 /// Where a device shard publishes bytes `off..off + len` of a published region:
 /// in place when it is the device's memory (`direct`), else through the host view.
 fn out_to<M: HostRegion>(direct: bool, published: &mut M, off: usize, len: usize) -> Out<'_> {

@@ -5,7 +5,7 @@
 
 use eps_fabric::prelude::*;
 
-use super::{MemoryError, ShardMemory, own_f32};
+use super::{MemoryError, ShardMemory, forward_at, own_f32};
 
 impl<P: Fabric> ShardMemory<P> {
     /// After an update of shard `id` that wrote buffer `parity`: the elements
@@ -71,9 +71,7 @@ impl<P: Fabric> ShardMemory<P> {
         self.to_host(id)?;
         let Some(b) = self.block_mut(id) else { return Ok(()) };
         let Some(g) = b.grad.as_ref() else { return Ok(()) };
-        // A backup's buffer has two halves: the one of this version's parity.
-        let len = b.len as usize;
-        let from = if g.len() >= 2 * len * 4 { parity * len * 4 } else { 0 };
+        let from = forward_at(g.len(), b.len as usize, parity);
         for &(lo, hi) in ranges {
             let mut v = vec![0f32; hi - lo];
             g.read_at(from + lo * 4, bytemuck::cast_slice_mut(&mut v));

@@ -6,7 +6,7 @@ use eps_agg::{AggError, Aggregator, DType, Optimizer, StepScalars};
 use eps_fabric::prelude::*;
 use eps_proto::layout::published_offset;
 
-use super::{FUSE_BLOCK, MAX_WORKERS, ShardMemory, on_device, out_to, own_f32, own_mut};
+use super::{FUSE_BLOCK, MAX_WORKERS, ShardMemory, forward_at, on_device, out_to, own_f32, own_mut};
 
 /// What one update computes with.
 #[derive(Clone, Copy, Debug)]
@@ -250,8 +250,7 @@ impl<P: Fabric> ShardMemory<P> {
         b.materialize();
         let Some(g) = b.grad.as_ref() else { return Ok(()) };
         let len = b.len as usize;
-        // A backup's buffer has two halves: the one of this version's parity.
-        let from = if g.len() >= 2 * len * 4 { parity * len * 4 } else { 0 };
+        let from = forward_at(g.len(), len, parity);
         let off = published_offset(b.bytes as u64, parity) as usize;
         let all = own_f32(&mut b.state);
         if let Some((dev, owns)) = b.dev.as_mut() {
