@@ -303,11 +303,10 @@ fn checkpoints_taken_during_scale_events_resume_bitwise() {
     assert!(json(&scaled, "migrations").parse::<u64>().unwrap() >= 3);
     // Checkpoints with more pieces written than the manifest lists were taken
     // while a shard had two owners. (Only complete ones have a manifest: the
-    // job may end before the pieces of its last cuts are all reported.)
+    // job may end before its last cuts are written or all reported.)
     let pieces = |v: u64| {
         let one = dir.join(eps_proto::checkpoint::dir_name(v));
-        let files =
-            std::fs::read_dir(&one).unwrap().flatten().filter(|e| e.file_name().to_string_lossy().ends_with(".bin")).count();
+        let files = std::fs::read_dir(&one).ok()?.flatten().filter(|e| e.file_name().to_string_lossy().ends_with(".bin")).count();
         let listed = std::fs::read_to_string(one.join(eps_proto::checkpoint::MANIFEST)).ok()?.matches("[[pieces]]").count();
         Some((files, listed))
     };
