@@ -11,8 +11,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use eps_control::ControlService;
-use eps_control::election::{self, Leadership};
-use eps_control::store::etcd::{self, EtcdStore, EtcdTarget};
+use eps_etcd::election::{self, Leadership};
+use eps_etcd::store::{self as etcd, EtcdStore, EtcdTarget};
 use eps_proto::JobSpec;
 
 use crate::roles::{crate_error, ready_line, secret_from_env};

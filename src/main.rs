@@ -158,7 +158,7 @@ enum Cmd {
         /// one etcd: one leads, the others stand by and take over within
         /// seconds when it dies.
         #[arg(long, value_name = "URL", conflicts_with = "state_dir")]
-        store: Option<eps_control::store::etcd::EtcdTarget>,
+        store: Option<eps_etcd::store::EtcdTarget>,
         /// Serve Prometheus metrics (`/metrics`) and a health check
         /// (`/healthz`) over HTTP on this address (port 0: any; it says which).
         #[arg(long, value_name = "ADDR")]
@@ -420,7 +420,7 @@ struct TrainArgs {
     /// ends). The first stdout line is then EPS_CONTROL=ADDR,... (every
     /// control plane; clients find the leader).
     #[arg(long, value_name = "URL")]
-    store: Option<eps_control::store::etcd::EtcdTarget>,
+    store: Option<eps_etcd::store::EtcdTarget>,
     /// Control planes of the job (with --store etcd://...): one leads, the
     /// others stand by; when the leader dies one of them takes over within
     /// seconds and training goes on.

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use eps_control::ControlService;
 use eps_control::store::FileStore;
-use eps_control::store::etcd::EtcdTarget;
+use eps_etcd::store::EtcdTarget;
 use eps_fabric::Secret;
 use eps_proto::JobSpec;
 

@@ -125,7 +125,7 @@ fn the_leader_killed_while_training_and_while_shards_migrate_changes_nothing() {
     assert!(served.iter().any(|l| !l.contains(" 0 migrations in flight")), "no leader took over a migration:\n{text}");
     assert_eq!(json_field(&out, "params_checksum"), reference_checksum(), "{text}");
     // The job's state is removed from etcd once it is over.
-    let t: eps_control::store::etcd::EtcdTarget = store.parse().unwrap();
+    let t: eps_etcd::store::EtcdTarget = store.parse().unwrap();
     let mut c = t.connect().unwrap();
     let base = t.job_prefix("synthetic");
     assert!(c.range(&base, &eps_etcd::prefix_end(&base), 1).unwrap().0.is_empty(), "state left in etcd");
@@ -185,7 +185,7 @@ fn a_leader_stopped_past_its_lease_is_deposed_and_steps_down() {
     assert_eq!(leader(&addrs, secret).unwrap().0, b.id());
     let _ = b.kill();
     let _ = b.wait();
-    let t: eps_control::store::etcd::EtcdTarget = store.parse().unwrap();
+    let t: eps_etcd::store::EtcdTarget = store.parse().unwrap();
     t.connect().unwrap().delete_prefix(t.prefix.as_bytes()).unwrap();
 }
 
@@ -221,6 +221,6 @@ fn bad_stores_and_a_second_job_with_the_same_id_fail_at_start() {
     assert!(e.contains("job \"synthetic\" already exists") && e.contains("another job secret"), "{e}");
     let _ = first.kill();
     let _ = first.wait();
-    let t: eps_control::store::etcd::EtcdTarget = store.parse().unwrap();
+    let t: eps_etcd::store::EtcdTarget = store.parse().unwrap();
     t.connect().unwrap().delete_prefix(t.prefix.as_bytes()).unwrap();
 }

@@ -35,7 +35,7 @@ pub struct ChildArgs {
     /// The job's state in etcd (else the embedded store in the cluster's
     /// directory), with this many control planes (one leads, the others
     /// stand by).
-    pub etcd: Option<eps_control::store::etcd::EtcdTarget>,
+    pub etcd: Option<eps_etcd::store::EtcdTarget>,
     pub control_planes: u32,
 }
 
@@ -99,7 +99,7 @@ pub struct LocalCluster {
     /// Each control plane's address (a restart listens there again).
     control_addrs: Vec<String>,
     /// The job's state in etcd (removed once the job is over), and the job.
-    etcd: Option<(eps_control::store::etcd::EtcdTarget, String)>,
+    etcd: Option<(eps_etcd::store::EtcdTarget, String)>,
     servers_started: u32,
     workers_started: u32,
     /// Extra arguments of every `eps worker`.

@@ -1,13 +1,11 @@
 //! Where the control plane keeps its state: an append-only log of encoded
 //! records. The embedded store keeps it in one file, each append fsync'd
-//! before it is acknowledged; [`etcd::EtcdStore`] in etcd, each append fenced
-//! by the writer's leadership. Reopening replays the log.
+//! before it is acknowledged; `eps_etcd::store::EtcdStore` keeps it in etcd, each
+//! append fenced by the writer's leadership. Reopening replays the log.
 
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-
-pub mod etcd;
 
 /// Where the control plane keeps its metadata.
 pub trait Store: Send {

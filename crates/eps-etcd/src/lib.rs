@@ -7,13 +7,20 @@
 //! elected leader). One kept-alive HTTP/1.1 connection per [`Client`]; a
 //! connection that fails moves on to the next endpoint.
 //!
+//! On it, the control plane's etcd backend: [`store::EtcdStore`] (its log,
+//! fenced by leadership) and [`election`] (which of a job's control planes
+//! leads). Only the `eps` command links them; servers, workers and `libeps`
+//! do not.
+//!
 //! Why not gRPC: EPS is synchronous, and the gateway speaks the same v3 API
 //! without an async runtime or a protobuf compiler in the build.
 
 #![forbid(unsafe_code)]
 
 mod b64;
+pub mod election;
 mod http;
+pub mod store;
 #[doc(hidden)]
 pub mod testing;
 

@@ -11,8 +11,8 @@ use std::path::{Path, PathBuf};
 use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 use std::thread::JoinHandle;
 
-use eps_control::ControlClient;
-use eps_control::checkpoint::{read_piece, write_piece};
+use eps_control_client::ControlClient;
+use eps_control_client::checkpoint::{read_piece, write_piece};
 use eps_fabric::Fabric;
 use eps_proto::checkpoint::{Manifest, PieceHeader, dir_name, piece_name};
 use eps_proto::control::ControlMsg;
@@ -209,7 +209,7 @@ impl Restore {
     /// Reads the manifest `[resume]` names and checks it fits the job.
     pub(crate) fn open(r: &eps_proto::spec::ResumeSection, total: u64, state_k: usize) -> Result<Self, ServerError> {
         let dir = PathBuf::from(&r.from);
-        let (dir, manifest) = eps_control::checkpoint::latest(&dir).map_err(ServerError::Checkpoint)?;
+        let (dir, manifest) = eps_control_client::checkpoint::latest(&dir).map_err(ServerError::Checkpoint)?;
         if manifest.version != r.iteration || manifest.total != total || manifest.state_k as usize != state_k {
             return Err(ServerError::Checkpoint(format!(
                 "{}: iteration {}, {} elements, {} state values each; the job resumes at {} with {total} and {state_k}",
@@ -234,7 +234,7 @@ impl Restore {
     pub(crate) fn updates(&self) -> Result<u64, ServerError> {
         let mut seen = None;
         for e in &self.manifest.pieces {
-            let h = eps_control::checkpoint::read_piece_header(&self.dir, e).map_err(ServerError::Checkpoint)?;
+            let h = eps_control_client::checkpoint::read_piece_header(&self.dir, e).map_err(ServerError::Checkpoint)?;
             match seen {
                 Some((n, f)) if n != h.applied() => {
                     return Err(ServerError::Checkpoint(format!(

@@ -43,8 +43,8 @@ use std::sync::mpsc::{Receiver, channel};
 use std::time::Duration;
 
 use eps_agg::{Aggregator, LrSchedule, Optimizer};
-use eps_control::client::ANSWER_WITHIN;
-use eps_control::{ControlClient, ControlError};
+use eps_control_client::client::ANSWER_WITHIN;
+use eps_control_client::{ControlClient, ControlError};
 use eps_fabric::prelude::*;
 use eps_proto::control::{ControlMsg, Order, Role, ShardEndpoint};
 use eps_proto::hello::Hello;
@@ -59,7 +59,7 @@ pub use sparse::rss_bytes;
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
     /// Control-plane address.
-    pub control: eps_control::ControlAddrs,
+    pub control: eps_control_client::ControlAddrs,
     /// Job secret.
     pub secret: Secret,
     /// IP to listen on for workers (the port is chosen by the OS).

@@ -6,7 +6,7 @@ use std::borrow::Cow;
 use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
-use eps_control::ControlError;
+use eps_control_client::ControlError;
 use eps_fabric::prelude::*;
 use eps_proto::control::{ControlMsg, Order, Role, ShardEndpoint};
 use eps_proto::hello::{HELLO_LEN, Hello};
@@ -57,7 +57,7 @@ impl<P: Fabric> Server<P> {
     pub(crate) fn report(&mut self, m: &ControlMsg) -> Result<Result<(), eps_proto::control::Refusal>, ServerError> {
         match self.ctl.call(m) {
             Ok(_) => Ok(Ok(())),
-            Err(eps_control::ControlError::Rejected(why)) => Ok(Err(why)),
+            Err(eps_control_client::ControlError::Rejected(why)) => Ok(Err(why)),
             Err(e) => Err(e.into()),
         }
     }

@@ -55,7 +55,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use eps_agg::DType;
-use eps_control::{ControlClient, ControlError};
+use eps_control_client::{ControlClient, ControlError};
 use eps_fabric::prelude::*;
 use eps_proto::control::{ControlMsg, JobMap, Role, ShardEndpoint};
 use eps_proto::hello::{HELLO_LEN, Hello};
@@ -82,7 +82,7 @@ use watch::MapWatch;
 #[derive(Clone, Debug)]
 pub struct WorkerConfig {
     /// Control-plane address.
-    pub control: eps_control::ControlAddrs,
+    pub control: eps_control_client::ControlAddrs,
     /// Job secret.
     pub secret: Secret,
     /// How long to wait for the control plane and the servers.

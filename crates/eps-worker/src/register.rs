@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use eps_control::ControlClient;
+use eps_control_client::ControlClient;
 use eps_proto::JobSpec;
 use eps_proto::control::{ControlMsg, JobMap, Role};
 use eps_proto::declare::TensorDecl;

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use eps_control::ControlClient;
+use eps_control_client::ControlClient;
 use eps_proto::control::{ControlMsg, JobMap, Role};
 use eps_proto::membership::Membership;
 
@@ -97,7 +97,7 @@ impl MapWatch {
 pub(crate) fn spawn(cfg: &WorkerConfig, rank: u32, watch: Arc<MapWatch>, map: &JobMap) -> Result<(), WorkerError> {
     // Map polls and votes are answered within a long poll: silence means a dead link.
     let mut ctl = ControlClient::connect(cfg.control.clone(), &cfg.secret, cfg.timeout)?
-        .answer_within(eps_control::client::ANSWER_WITHIN)?
+        .answer_within(eps_control_client::client::ANSWER_WITHIN)?
         .quiet_once(watch.stop.clone());
     // A change proposed before this worker began its first iteration is in the
     // map it registered with, and no newer map may come until it votes.

@@ -11,9 +11,9 @@
 use std::cell::{Cell, RefCell};
 use std::time::Duration;
 
-use eps_etcd::{Client, Compare, EtcdError, Op};
+use crate::{Client, Compare, EtcdError, Op};
 
-use super::Store;
+use eps_control::store::Store;
 
 /// How many records a replay reads at once.
 const PAGE: i64 = 512;
@@ -159,7 +159,7 @@ impl Store for EtcdStore {
     fn replay(&self, f: &mut dyn FnMut(&[u8]) -> Result<(), String>) -> std::io::Result<Result<u64, String>> {
         let mut c = self.c.borrow_mut();
         let first = self.record_key(0);
-        let end = eps_etcd::prefix_end(&[self.base.as_slice(), b"log/"].concat());
+        let end = crate::prefix_end(&[self.base.as_slice(), b"log/"].concat());
         let (mut from, mut n) = (first, 0u64);
         loop {
             let (page, more) = c.range(&from, &end, PAGE).map_err(io)?;
@@ -194,9 +194,9 @@ mod tests {
     /// same id and another secret cannot claim the keys.
     #[test]
     fn a_deposed_leaders_writes_are_fenced_and_its_successor_replays_the_log() {
-        let etcd = match eps_etcd::testing::TestEtcd::get() {
+        let etcd = match crate::testing::TestEtcd::get() {
             Ok(e) => e,
-            Err(why) => return eps_etcd::testing::skip("a_deposed_leaders_writes_are_fenced", &format!("no etcd: {why}")),
+            Err(why) => return crate::testing::skip("a_deposed_leaders_writes_are_fenced", &format!("no etcd: {why}")),
         };
         let target: EtcdTarget = format!("etcd://{}/eps-store-test-{}", etcd.endpoint, std::process::id()).parse().unwrap();
         let mut c = target.connect().unwrap();

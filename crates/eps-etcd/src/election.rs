@@ -2,14 +2,14 @@
 //! key in etcd, attached to a lease it keeps alive. The others stand by,
 //! watching the key; when the leader dies its lease runs out, the key goes,
 //! and one of them takes it. The key's creation revision fences the store's
-//! writes ([`crate::store::etcd::EtcdStore`]): a deposed leader cannot write.
+//! writes ([`crate::store::EtcdStore`]): a deposed leader cannot write.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use eps_etcd::{Client, Compare, EtcdError, Op};
+use crate::{Client, Compare, EtcdError, Op};
 
 /// How often a standby looks whether the leader key is still there.
 const WATCH: Duration = Duration::from_millis(100);
