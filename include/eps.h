@@ -173,70 +173,6 @@ typedef struct eps_cluster eps_cluster;
 typedef struct eps_worker eps_worker;
 
 /**
- * Options of `eps_worker_create`. Initialize with `eps_worker_options_init`,
- * then set what differs: the library reads only the first `struct_size`
- * bytes, so a program built against an older header (a smaller struct)
- * keeps working, the fields it lacks taking their defaults.
- */
-typedef struct eps_worker_options {
-  /**
-   * `sizeof(eps_worker_options)` as the caller knows it (set by init).
-   */
-  size_t struct_size;
-  /**
-   * The job secret; NULL: `EPS_JOB_SECRET`, else the file named by
-   * `EPS_JOB_SECRET_FILE` (as `eps up` prints it). Copied by create.
-   */
-  const char *secret;
-  /**
-   * `"soft"` (verbs semantics over TCP), `"shm"` (shared memory with servers
-   * on this host, run as this user, which must be on shm too), `"rdma"` (an
-   * RDMA device; a library built without the `rdma` feature refuses it with
-   * `EPS_ERR_UNSUPPORTED`) or `"auto"` (rdma when a device is usable, else
-   * shm to servers on this host and soft to the others, per connection).
-   * NULL: `EPS_TRANSPORT`, else auto. `eps_worker_info` says which.
-   */
-  const char *transport;
-  /**
-   * Milliseconds to wait for the control plane, the servers and each
-   * transfer (0: 120000).
-   */
-  uint32_t timeout_ms;
-  /**
-   * The RDMA device (`"mlx5_0"`, `"rxe0"`); NULL: `EPS_RDMA_DEVICE`, else
-   * the first device with an active port.
-   */
-  const char *rdma_device;
-  /**
-   * Its port, from 1; 0: `EPS_RDMA_PORT`, else its first active port.
-   */
-  uint32_t rdma_port;
-  /**
-   * The GID index; -1: `EPS_RDMA_GID_INDEX`, else the first RoCE v2 GID
-   * with an IPv4 address.
-   */
-  int32_t gid_index;
-} eps_worker_options;
-
-/**
- * A tensor as a worker declares it at join.
- */
-typedef struct eps_tensor_decl {
-  /**
-   * Its name, NUL-terminated UTF-8, unique in the model (copied by join).
-   */
-  const char *name;
-  /**
-   * Number of elements (at least 1).
-   */
-  uint64_t elements;
-  /**
-   * Element type (every tensor of a job has the same).
-   */
-  enum eps_dtype dtype;
-} eps_tensor_decl;
-
-/**
  * The worker as a whole, after join.
  */
 typedef struct eps_worker_info {
@@ -399,6 +335,70 @@ typedef struct eps_worker_stats {
    */
   uint64_t iteration;
 } eps_worker_stats;
+
+/**
+ * Options of `eps_worker_create`. Initialize with `eps_worker_options_init`,
+ * then set what differs: the library reads only the first `struct_size`
+ * bytes, so a program built against an older header (a smaller struct)
+ * keeps working, the fields it lacks taking their defaults.
+ */
+typedef struct eps_worker_options {
+  /**
+   * `sizeof(eps_worker_options)` as the caller knows it (set by init).
+   */
+  size_t struct_size;
+  /**
+   * The job secret; NULL: `EPS_JOB_SECRET`, else the file named by
+   * `EPS_JOB_SECRET_FILE` (as `eps up` prints it). Copied by create.
+   */
+  const char *secret;
+  /**
+   * `"soft"` (verbs semantics over TCP), `"shm"` (shared memory with servers
+   * on this host, run as this user, which must be on shm too), `"rdma"` (an
+   * RDMA device; a library built without the `rdma` feature refuses it with
+   * `EPS_ERR_UNSUPPORTED`) or `"auto"` (rdma when a device is usable, else
+   * shm to servers on this host and soft to the others, per connection).
+   * NULL: `EPS_TRANSPORT`, else auto. `eps_worker_info` says which.
+   */
+  const char *transport;
+  /**
+   * Milliseconds to wait for the control plane, the servers and each
+   * transfer (0: 120000).
+   */
+  uint32_t timeout_ms;
+  /**
+   * The RDMA device (`"mlx5_0"`, `"rxe0"`); NULL: `EPS_RDMA_DEVICE`, else
+   * the first device with an active port.
+   */
+  const char *rdma_device;
+  /**
+   * Its port, from 1; 0: `EPS_RDMA_PORT`, else its first active port.
+   */
+  uint32_t rdma_port;
+  /**
+   * The GID index; -1: `EPS_RDMA_GID_INDEX`, else the first RoCE v2 GID
+   * with an IPv4 address.
+   */
+  int32_t gid_index;
+} eps_worker_options;
+
+/**
+ * A tensor as a worker declares it at join.
+ */
+typedef struct eps_tensor_decl {
+  /**
+   * Its name, NUL-terminated UTF-8, unique in the model (copied by join).
+   */
+  const char *name;
+  /**
+   * Number of elements (at least 1).
+   */
+  uint64_t elements;
+  /**
+   * Element type (every tensor of a job has the same).
+   */
+  enum eps_dtype dtype;
+} eps_tensor_decl;
 
 #ifdef __cplusplus
 extern "C" {
@@ -575,62 +575,6 @@ enum eps_status eps_sparse_push(struct eps_worker *w,
 enum eps_status eps_sparse_flush(struct eps_worker *w, uint32_t table);
 
 /**
- * Sets every option to its default and `struct_size` to this header's size.
- *
- * # Safety
- * `opts` is NULL or points to writable memory for an `eps_worker_options`.
- */
-enum eps_status eps_worker_options_init(struct eps_worker_options *opts);
-
-/**
- * Creates a worker of the job whose control plane is at `control`
- * (`"HOST:PORT"`; NULL: the `EPS_CONTROL` environment variable). Nothing is
- * contacted until `eps_worker_join`.
- *
- * # Safety
- * `control` is NULL or a NUL-terminated string; `opts` is NULL (defaults) or
- * an initialized options struct; `out` is writable.
- */
-enum eps_status eps_worker_create(const char *control,
-                                  const struct eps_worker_options *opts,
-                                  struct eps_worker **out);
-
-/**
- * Joins the job: declares `tensors` (`count` of them; NULL and 0 when the
- * job's spec names its tensors), registers its buffers, connects to every
- * server and pulls the current parameters (a worker joining a running job
- * gets the parameters of the iteration it starts at). The first
- * declaration fixes a job's layout; a different one fails with
- * `EPS_ERR_MISMATCH`, naming the first difference in `eps_last_error`.
- *
- * # Safety
- * `tensors` is NULL or points to `count` declarations whose names are
- * NUL-terminated strings.
- */
-enum eps_status eps_worker_join(struct eps_worker *w,
-                                const struct eps_tensor_decl *tensors,
-                                size_t count);
-
-/**
- * As `eps_worker_join`, with parameter and gradient buffers the caller owns
- * (a framework's memory), registered in place instead of the library's:
- * `params` and `grads` each hold `bytes` bytes, which must be the sum of
- * the tensors' elements times the element size (tensors lie end to end in
- * declaration order). The parameters pulled at join overwrite `params`.
- *
- * # Safety
- * As `eps_worker_join`; and both buffers stay valid, and are not freed,
- * until `eps_worker_close` returned `EPS_OK` (it first waits until no pull
- * or push is in flight; servers write into `params` during a pull).
- */
-enum eps_status eps_worker_join_borrowed(struct eps_worker *w,
-                                         const struct eps_tensor_decl *tensors,
-                                         size_t count,
-                                         void *params,
-                                         void *grads,
-                                         size_t bytes);
-
-/**
  * The worker's rank, buffers and layout size.
  *
  * # Safety
@@ -805,6 +749,62 @@ enum eps_status eps_worker_close(struct eps_worker *w);
  * `values` is NULL or points to `bytes` readable bytes.
  */
 enum eps_status eps_worker_set_initial(struct eps_worker *w, const void *values, size_t bytes);
+
+/**
+ * Sets every option to its default and `struct_size` to this header's size.
+ *
+ * # Safety
+ * `opts` is NULL or points to writable memory for an `eps_worker_options`.
+ */
+enum eps_status eps_worker_options_init(struct eps_worker_options *opts);
+
+/**
+ * Creates a worker of the job whose control plane is at `control`
+ * (`"HOST:PORT"`; NULL: the `EPS_CONTROL` environment variable). Nothing is
+ * contacted until `eps_worker_join`.
+ *
+ * # Safety
+ * `control` is NULL or a NUL-terminated string; `opts` is NULL (defaults) or
+ * an initialized options struct; `out` is writable.
+ */
+enum eps_status eps_worker_create(const char *control,
+                                  const struct eps_worker_options *opts,
+                                  struct eps_worker **out);
+
+/**
+ * Joins the job: declares `tensors` (`count` of them; NULL and 0 when the
+ * job's spec names its tensors), registers its buffers, connects to every
+ * server and pulls the current parameters (a worker joining a running job
+ * gets the parameters of the iteration it starts at). The first
+ * declaration fixes a job's layout; a different one fails with
+ * `EPS_ERR_MISMATCH`, naming the first difference in `eps_last_error`.
+ *
+ * # Safety
+ * `tensors` is NULL or points to `count` declarations whose names are
+ * NUL-terminated strings.
+ */
+enum eps_status eps_worker_join(struct eps_worker *w,
+                                const struct eps_tensor_decl *tensors,
+                                size_t count);
+
+/**
+ * As `eps_worker_join`, with parameter and gradient buffers the caller owns
+ * (a framework's memory), registered in place instead of the library's:
+ * `params` and `grads` each hold `bytes` bytes, which must be the sum of
+ * the tensors' elements times the element size (tensors lie end to end in
+ * declaration order). The parameters pulled at join overwrite `params`.
+ *
+ * # Safety
+ * As `eps_worker_join`; and both buffers stay valid, and are not freed,
+ * until `eps_worker_close` returned `EPS_OK` (it first waits until no pull
+ * or push is in flight; servers write into `params` during a pull).
+ */
+enum eps_status eps_worker_join_borrowed(struct eps_worker *w,
+                                         const struct eps_tensor_decl *tensors,
+                                         size_t count,
+                                         void *params,
+                                         void *grads,
+                                         size_t bytes);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -55,24 +55,27 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use eps_agg::DType;
-use eps_control_client::{ControlClient, ControlError};
+use eps_control_client::ControlClient;
 use eps_fabric::prelude::*;
 use eps_proto::control::{ControlMsg, JobMap, Role, ShardEndpoint};
 use eps_proto::hello::{HELLO_LEN, Hello};
 use eps_proto::imm::{Imm, ImmKind};
 use eps_proto::layout::Layout;
 use eps_proto::membership::Membership;
-use eps_proto::{Consistency, JobSpec, SpecError};
+use eps_proto::{Consistency, JobSpec};
 
+mod error;
 mod loss;
 mod metrics;
 mod pull;
 mod reap;
 mod register;
 mod round;
+mod routing;
 mod seed;
 mod sparse;
 mod watch;
+pub use error::WorkerError;
 pub use register::{Registration, register, register_declaring};
 pub use seed::check_initial;
 pub use sparse::PulledRows;
@@ -89,117 +92,6 @@ pub struct WorkerConfig {
     pub timeout: Duration,
 }
 
-/// Errors of the worker library.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum WorkerError {
-    /// Talking to the control plane failed.
-    #[error(transparent)]
-    Control(#[from] ControlError),
-    /// The spec is unusable.
-    #[error(transparent)]
-    Spec(#[from] SpecError),
-    /// The fabric failed.
-    #[error(transparent)]
-    Fabric(#[from] FabricError),
-    /// A transfer completed with an error (the server may have closed the connection
-    /// after a protocol violation; its log says why).
-    #[error("{what} for shard {shard} failed: {status}")]
-    Transfer {
-        /// Push or pull.
-        what: &'static str,
-        /// Global shard id.
-        shard: u32,
-        /// The completion status.
-        status: WcStatus,
-    },
-    /// A server this worker still routes to closed its connection (its posted
-    /// receives were flushed): it exited or failed.
-    #[error(
-        "server {server} closed its connection while this worker still routes to it (iteration {iteration}, shard map epoch {epoch})"
-    )]
-    ServerGone {
-        /// The server's rank.
-        server: u32,
-        /// The worker's iteration.
-        iteration: u64,
-        /// The epoch of the worker's shard map.
-        epoch: u64,
-    },
-    /// With replicas: this worker cannot reach server `server`, and no other
-    /// peer said so (the control plane did not declare it lost): this worker
-    /// is taken to be the broken end, and leaves the job.
-    #[error(
-        "cannot reach server {server}, which the rest of the job still reaches (iteration {iteration}): this worker leaves the job"
-    )]
-    Unreachable {
-        /// The server's rank.
-        server: u32,
-        /// The worker's iteration.
-        iteration: u64,
-    },
-    /// The job removed this worker while it could not reach the control plane.
-    #[error(
-        "this worker (rank {rank}) was removed from the job from iteration {iteration} on: it did not reach the control plane for longer than job.worker_lease_ms (stopped, hung or cut off); the job goes on without it"
-    )]
-    Removed {
-        /// The worker's rank.
-        rank: u32,
-        /// The first iteration it no longer contributes to.
-        iteration: u64,
-    },
-    /// No tensor has that name.
-    #[error("unknown tensor {0:?}")]
-    UnknownTensor(String),
-    /// A buffer of the wrong length was passed.
-    #[error("{what}: expected {expected} elements, got {got}")]
-    Length {
-        /// Which buffer.
-        what: &'static str,
-        /// Expected elements.
-        expected: usize,
-        /// Given elements.
-        got: usize,
-    },
-    /// The control plane answered something unexpected.
-    #[error("unexpected answer from the control plane")]
-    Unexpected,
-    /// Nothing arrived in time.
-    #[error("timed out waiting for {0}")]
-    Timeout(&'static str),
-    /// The servers did not answer every pull of an iteration in time.
-    #[error("timed out waiting for pull answers of iteration {iteration}: {missing}")]
-    PullTimeout {
-        /// The iteration.
-        iteration: u64,
-        /// The shards not answered, with their servers.
-        missing: String,
-    },
-    /// The call does not apply to this job.
-    #[error("not supported: {0}")]
-    Unsupported(&'static str),
-    /// Values given to the worker are unusable (what, and why).
-    #[error("{0}")]
-    BadValues(String),
-    /// This worker left the job at this iteration (see [`Worker::begin`]):
-    /// it pushes and pulls no more.
-    #[error("this worker left the job at iteration {0} (see `Worker::begin`)")]
-    Left(u64),
-    /// The shard map names a server without an address.
-    #[error("the shard map names server {0}, whose address is unknown")]
-    NoAddress(u32),
-    /// No sparse table has that name.
-    #[error("unknown sparse table {0:?}")]
-    UnknownTable(String),
-    /// A sparse pull or push refused (nothing was sent).
-    #[error("sparse table {table}: {why}")]
-    Sparse {
-        /// The table's name.
-        table: String,
-        /// Why.
-        why: String,
-    },
-}
 
 /// Transfer statistics.
 #[derive(Clone, Copy, Debug, Default)]
@@ -432,156 +324,6 @@ impl<P: Fabric> Worker<P> {
         }
         // (A worker admitted after the last step has nothing to pull or train.)
         Ok(w)
-    }
-
-    /// Connects to server `rank` if not yet connected, and says hello.
-    fn connect(&mut self, rank: u32) -> Result<(), WorkerError> {
-        if self.qps.get(rank as usize).is_some_and(Option::is_some) {
-            return Ok(());
-        }
-        let addr = self.map.server_addr(rank).ok_or(WorkerError::NoAddress(rank))?;
-        let addr: SocketAddr = addr.parse().map_err(|_| WorkerError::NoAddress(rank))?;
-        let qp = self.pd.connect(addr, &self.cq, &self.cq, &self.opts)?;
-        for _ in 0..self.opts.max_recv_wr {
-            qp.post_recv(&RecvWr { wr_id: 0, sg: &[] })?;
-        }
-        qp.post_send(&SendWr { wr_id: WR_HELLO, op: SendOp::Send, sg: &[Sge::whole(&self.hello)], signaled: true })?;
-        self.hellos_sent += 1;
-        self.qp_rank.insert(qp.qp_num(), rank);
-        if self.qps.len() <= rank as usize {
-            self.qps.resize_with(rank as usize + 1, || None);
-        }
-        self.qps[rank as usize] = Some(qp);
-        let n = self.hellos_sent;
-        self.wait_until(|w| w.hellos_acked >= n, "hello acknowledgements")
-    }
-
-    /// Takes the newest map the watcher fetched, if it is newer than ours.
-    fn adopt_newest(&mut self) -> Result<(), WorkerError> {
-        if self.watch.newest.load(Ordering::Acquire) <= self.map.epoch {
-            return Ok(());
-        }
-        let m = self.watch.latest.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if let Some(m) = m.filter(|m| m.epoch > self.map.epoch) {
-            self.adopt(m)?;
-        }
-        Ok(())
-    }
-
-    fn adopt(&mut self, m: JobMap) -> Result<(), WorkerError> {
-        if m.routes.len() < self.map.routes.len() || m.routes.len() > eps_proto::layout::MAX_SHARDS as usize {
-            return Err(WorkerError::Unexpected);
-        }
-        self.map = m;
-        // Shards made by splits since.
-        let ids = self.map.routes.len();
-        self.credit.resize(ids, true);
-        self.round_pulled.resize(ids, false);
-        self.outstanding.resize(ids, 0);
-        self.sending.resize(ids, 0);
-        self.pushed_to.resize(ids, u32::MAX);
-        for o in self.needed_owners() {
-            if self.lost.contains(&o) {
-                continue;
-            }
-            match self.connect(o) {
-                // With replicas, a server that cannot be reached is treated as
-                // lost: a map that routes its shards to their backups comes.
-                Err(e) if self.spec.job.replicas > 1 && !matches!(e, WorkerError::Removed { .. }) => {
-                    eps_proto::say!("eps worker {}: cannot reach server {o} ({e})", self.rank);
-                    self.lose_server(o);
-                    self.report_unreachable(o);
-                }
-                r => r?,
-            }
-        }
-        Ok(())
-    }
-
-    /// Servers this worker may still talk to: holders of sparse tables, owners of shards not split before
-    /// its iteration, and previous owners until their cutover.
-    fn needed_owners(&self) -> Vec<u32> {
-        let t = self.iteration;
-        let mut v: Vec<u32> = Vec::new();
-        for r in self.map.routes.iter().filter(|r| r.until > t) {
-            v.push(r.owner.owner);
-            if let Some((p, at)) = &r.previous
-                && t < *at
-            {
-                v.push(p.owner);
-            }
-        }
-        // And every server holding a part of a sparse table.
-        v.extend(self.map.tables.iter().map(|e| e.owner));
-        v.sort_unstable();
-        v.dedup();
-        v
-    }
-
-    /// Reports (through the watcher's next poll) that this worker routes with its
-    /// map's epoch and needs no server that epoch drained: called when a round
-    /// begins (the previous round's answers all came), and only once no shard's
-    /// route for this iteration is its previous owner. A server scaled away
-    /// retires only once every worker reported its draining epoch, so it never
-    /// leaves while a worker still talks to it.
-    ///
-    /// In SSP/ASP a pushed contribution may still be on its way when a round
-    /// begins; a new epoch is reported only once every push was credited, so a
-    /// migration source relaying for this worker knows none will come.
-    fn report_routing(&mut self) -> Result<(), WorkerError> {
-        let t = self.iteration;
-        // (A bucket map's cutover counts as a route's: until it, the servers
-        // giving buckets away are still needed.)
-        let buckets_cut = self.map.buckets.last().is_none_or(|(at, _)| t >= *at);
-        if buckets_cut && self.map.routes.iter().all(|r| r.previous.as_ref().is_none_or(|(_, at)| t >= *at)) {
-            if self.watch.adopted.load(Ordering::Acquire) >= self.map.epoch {
-                return Ok(());
-            }
-            if self.mode != Consistency::Bsp {
-                self.wait_until(|w| w.credit.iter().all(|&c| c), "credits before routing with a new shard map")?;
-            }
-            self.watch.adopted.store(self.map.epoch, Ordering::Release);
-            // Say so now rather than with the watcher's next long poll: a server
-            // waits for it to retire or to end a redirect window.
-            let (worker, adopted, iteration) = (self.rank, self.map.epoch, self.iteration);
-            self.ctl.call(&ControlMsg::GetMap { worker, adopted, min_epoch: 0, iteration })?;
-        }
-        Ok(())
-    }
-
-    /// Blocks until a map newer than ours is known (after a "moved" answer).
-    fn refresh_map(&mut self) -> Result<(), WorkerError> {
-        let deadline = Instant::now() + self.timeout;
-        let have = self.map.epoch;
-        // Report only the epoch `report_routing` decided: the map held may still
-        // route to a previous owner this worker has not passed the cutover of,
-        // and reporting it would let that owner retire while still needed.
-        let adopted = self.watch.adopted.load(Ordering::Acquire);
-        while Instant::now() < deadline {
-            let req = ControlMsg::GetMap { worker: self.rank, adopted, min_epoch: have + 1, iteration: self.iteration };
-            if let ControlMsg::Map(m) = self.ctl.call(&req)?
-                && m.epoch > have
-            {
-                return self.adopt(m);
-            }
-        }
-        Err(WorkerError::Timeout("a newer shard map after a \"moved\" answer"))
-    }
-
-    /// Whether this worker still needs server `rank`: it owns a shard, or owned one
-    /// whose cutover this worker has not reached yet.
-    fn routes_to(&self, rank: u32) -> bool {
-        let t = self.iteration;
-        self.map
-            .routes
-            .iter()
-            .filter(|r| r.until > t)
-            .any(|r| r.owner.owner == rank || r.previous.as_ref().is_some_and(|(p, at)| p.owner == rank && t < *at))
-    }
-
-    /// Where the push of `iteration` for shard `sid` (and the pull after it) goes.
-    fn route(&self, sid: usize, iteration: u64) -> &ShardEndpoint {
-        self.map.routes[sid].for_iteration(iteration)
     }
 
     /// This worker's rank.
