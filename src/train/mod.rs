@@ -2,6 +2,7 @@
 //! servers, W workers) on the embedded defaults, training the built-in synthetic
 //! task; progress while it runs, a summary and an optional JSON line at the end.
 
+pub mod cli;
 pub mod cluster;
 pub mod ctr;
 mod ctr_worker;

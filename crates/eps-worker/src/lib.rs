@@ -92,7 +92,6 @@ pub struct WorkerConfig {
     pub timeout: Duration,
 }
 
-
 /// Transfer statistics.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct WorkerStats {

@@ -1,6 +1,8 @@
-//! The job's optimizer and learning-rate schedule, from its spec.
+//! The job's optimizer and learning-rate schedule: their sections of the
+//! spec, and what they become.
 
 use eps_agg::{Decay, LrSchedule, Optimizer};
+use serde::Deserialize;
 
 use super::{JobSpec, SpecError, bad};
 
@@ -64,5 +66,95 @@ impl JobSpec {
             d => return Err(bad("lr_schedule.decay", format!("unknown decay {d:?} (constant, step, cosine)"))),
         };
         Ok(LrSchedule { base: self.optimizer.lr, warmup_steps: s.warmup_steps, decay })
+    }
+}
+
+/// `[optimizer]`.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OptimizerSection {
+    /// `sgd`, `momentum`, `nesterov`, `adam`, `adamw`, or `none` (servers
+    /// average the contributions and publish the average gradient; the
+    /// framework applies its own optimizer).
+    #[serde(default = "default_opt")]
+    pub kind: String,
+    /// Base learning rate.
+    #[serde(default = "default_lr")]
+    pub lr: f64,
+    /// Momentum factor.
+    #[serde(default = "default_momentum")]
+    pub momentum: f32,
+    /// Adam beta1.
+    #[serde(default = "default_beta1")]
+    pub beta1: f32,
+    /// Adam beta2.
+    #[serde(default = "default_beta2")]
+    pub beta2: f32,
+    /// Adam epsilon.
+    #[serde(default = "default_eps")]
+    pub eps: f32,
+    /// Weight decay (L2 for sgd/momentum/adam, decoupled for adamw).
+    #[serde(default)]
+    pub weight_decay: f32,
+}
+
+/// `[lr_schedule]`.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScheduleSection {
+    /// Linear warm-up steps.
+    #[serde(default)]
+    pub warmup_steps: u64,
+    /// `constant`, `step` or `cosine`.
+    #[serde(default = "default_decay")]
+    pub decay: String,
+    /// `step`: steps between decays.
+    #[serde(default = "default_every")]
+    pub step_every: u64,
+    /// `step`: factor per decay.
+    #[serde(default = "default_gamma")]
+    pub gamma: f64,
+    /// `cosine`: floor of the rate.
+    #[serde(default)]
+    pub min_lr: f64,
+}
+
+fn default_opt() -> String {
+    "adam".into()
+}
+fn default_lr() -> f64 {
+    0.01
+}
+fn default_momentum() -> f32 {
+    0.9
+}
+fn default_beta1() -> f32 {
+    0.9
+}
+fn default_beta2() -> f32 {
+    0.999
+}
+fn default_eps() -> f32 {
+    1e-8
+}
+fn default_decay() -> String {
+    "constant".into()
+}
+fn default_every() -> u64 {
+    100
+}
+fn default_gamma() -> f64 {
+    0.5
+}
+
+impl Default for OptimizerSection {
+    fn default() -> Self {
+        toml::from_str("").expect("all optimizer fields have defaults")
+    }
+}
+
+impl Default for ScheduleSection {
+    fn default() -> Self {
+        toml::from_str("").expect("all schedule fields have defaults")
     }
 }

@@ -1,0 +1,263 @@
+//! Shards moving, as `eps-server` moves them: a migration's snapshot,
+//! forwards and acknowledgements, the source's release, the control plane's
+//! orders (moves, membership votes and commits, splits) and a split carried
+//! out once its shard is free.
+
+use super::*;
+
+impl SimServer {
+    pub(super) fn on_snapshot(&mut self, w: &mut World, id: u32, v: u64, value: Vec<u64>) {
+        let me = self.me();
+        let Some(sh) = self.shards.get_mut(&id) else {
+            return w.fail(format!("server {}: snapshot of shard {id}, which is not arriving here", self.rank));
+        };
+        let Some((from, false)) = sh.incoming else {
+            return w.fail(format!("server {}: unexpected snapshot of shard {id}", self.rank));
+        };
+        let moved = sh.sync.snapshot_landed(v);
+        let first = sh.units().start;
+        w.publish(self.rank, id, first, v, &value);
+        sh.vals.insert(v, value);
+        sh.incoming = Some((from, true));
+        if matches!(sh.replica, Some(Rep::Backup { .. }))
+            && let Err(e) = w.ctl(&ControlMsg::BackupSynced { shard: id, rank: self.rank })
+        {
+            return w.fail(format!("server {}: the control plane refused the snapshot of backup {id}: {e}", self.rank));
+        }
+        let Some(sh) = self.shards.get_mut(&id) else { return };
+        for r in moved {
+            w.send(me, Node::Worker(r), Msg::PullMoved { shard: id });
+        }
+        // The snapshot's version is published: pulls waiting for it are served.
+        let mut ready = Vec::new();
+        sh.sync.ready_pulls(&mut ready);
+        for (r, v) in ready {
+            self.send_pull(w, r, id, v);
+        }
+        self.try_complete(w, id);
+    }
+
+    pub(super) fn on_snapshot_done(&mut self, w: &mut World, id: u32) {
+        let me = self.me();
+        let Some(sh) = self.shards.get_mut(&id) else { return };
+        // The iteration after if its update is ready here, else this very version
+        // (the held pushes and waiting pulls go back to their workers).
+        let version = sh.sync.version();
+        let c = sh.sync.contributors(&self.membership, &self.lost, version);
+        let complete = sh.sync.complete(&c).is_some() || !sh.waiting.is_empty();
+        let at = eps_proto::migrate::cutover_at(version, complete, c.len(), 4);
+        let (held, waiting) = if at > version { (Vec::new(), sh.sync.refuse_above(at)) } else { sh.sync.evict() };
+        if at == version {
+            sh.waiting.retain(|p| !matches!(p, Pending::Update(_)));
+            sh.sync.set_publish_waiting(!sh.waiting.is_empty());
+        }
+        let us = sh.units();
+        for &r in &held {
+            sh.landing[r as usize] = None;
+            w.unaccept(r, us.clone(), version);
+            self.moved_pushes.insert((r, id));
+            w.send(me, Node::Worker(r), Msg::Moved { shard: id, t: version });
+        }
+        for &r in &waiting {
+            self.moved_pushes.remove(&(r, id));
+            w.send(me, Node::Worker(r), Msg::PullMoved { shard: id });
+        }
+        let Some(out) = sh.out.as_mut() else { return };
+        out.snapshot_busy = false;
+        if at == version {
+            w.send(me, Node::Server(out.to), Msg::NoForwards { shard: id });
+        }
+        let action = match out.src.announce(at) {
+            Ok(a) => a,
+            Err(e) => return w.fail(format!("server {}: cutover of shard {id}: {e}", self.rank)),
+        };
+        if let Err(e) = w.ctl(&ControlMsg::Cutover { shard: id, at }) {
+            return w.fail(format!("server {}: the control plane refused the cutover of shard {id} at {at}: {e}", self.rank));
+        }
+        if action == Some(SourceAction::Release) {
+            return self.release(w, id);
+        }
+        self.drain(w, id);
+    }
+
+    pub(super) fn on_forward(&mut self, w: &mut World, id: u32, v: u64, digest: Vec<u64>) {
+        let Some(sh) = self.shards.get_mut(&id) else {
+            return w.fail(format!("server {}: forward of shard {id}, which is not arriving here", self.rank));
+        };
+        if sh.incoming != Some((sh.incoming.map_or(0, |i| i.0), true)) {
+            return w.fail(format!("server {}: forward of shard {id} before its snapshot", self.rank));
+        }
+        let queued = sh.waiting.iter().filter(|p| matches!(p, Pending::Forward { .. })).count() as u64;
+        let expected = sh.sync.version() + 1 + queued;
+        if v != expected {
+            return w.fail(format!("server {}: forwarded version {v} of shard {id}, expected {expected}", self.rank));
+        }
+        self.update(w, id, Pending::Forward { v, digest });
+    }
+
+    pub(super) fn on_ack(&mut self, w: &mut World, id: u32, v: u64) {
+        let Some(out) = self.shards.get_mut(&id).and_then(|sh| sh.out.as_mut()) else { return };
+        out.forward_busy = false;
+        if v != out.last_forward {
+            return w
+                .fail(format!("server {}: acknowledgement of version {v} of shard {id}, sent {}", self.rank, out.last_forward));
+        }
+        if out.src.on_forward_acked(v) == Some(SourceAction::Release) {
+            return self.release(w, id);
+        }
+        self.drain(w, id);
+    }
+
+    pub(super) fn release(&mut self, w: &mut World, id: u32) {
+        self.shards.remove(&id);
+        *self.released.entry(id).or_insert(0) += 1;
+        w.migrations += 1;
+        if let Err(e) = w.ctl(&ControlMsg::Released { shard: id, bytes: 0, millis: 0 }) {
+            w.fail(format!("server {}: the control plane refused the release of shard {id}: {e}", self.rank));
+        }
+    }
+
+    pub(super) fn on_order(&mut self, w: &mut World, o: Order) {
+        let rank = self.rank;
+        match o {
+            Order::MigrateIn { shard, from, start, len } => {
+                if self.shards.contains_key(&shard) {
+                    return w.fail(format!("server {rank}: ordered to receive shard {shard}, which it holds"));
+                }
+                let mut sh = Shard::new((start, len), ShardSync::incoming(Consistency::Bsp, self.ranks, 0), self.ranks);
+                sh.incoming = Some((from, false));
+                self.shards.insert(shard, sh);
+                let keys = MigrationKeys { state_addr: 0, state_rkey: 0, grad_addr: 0, grad_rkey: 0 };
+                if let Err(e) = w.ctl(&ControlMsg::ShardReady { endpoint: endpoint(shard, rank), keys }) {
+                    w.fail(format!("server {rank}: shard {shard} ready refused: {e}"));
+                }
+            }
+            Order::MigrateOut { shard, to, .. } => {
+                let me = self.me();
+                let Some(sh) = self.shards.get_mut(&shard) else {
+                    return w.fail(format!("server {rank}: ordered to send shard {shard}, which it does not hold"));
+                };
+                let v0 = sh.sync.version();
+                let Some(value) = sh.vals.get(&v0).cloned() else {
+                    return w.fail(format!("server {rank}: shard {shard} has no value at version {v0}"));
+                };
+                if matches!(sh.replica, Some(Rep::Awaited)) {
+                    // `migrate_out`: its backup was never reported.
+                    sh.replica = None;
+                }
+                sh.out = Some(Out { src: Source::start(v0), to, snapshot_busy: true, forward_busy: false, last_forward: v0 });
+                let at = w.send(me, Node::Server(to), Msg::Snapshot { shard, v: v0, value });
+                w.complete_after(me, Msg::SnapshotDone { shard }, at);
+            }
+            Order::Split { shard, mid, lo, hi } => {
+                let Some(sh) = self.shards.get_mut(&shard) else {
+                    return w.fail(format!("server {rank}: ordered to split shard {shard}, which it does not hold"));
+                };
+                if sh.out.is_some() || sh.split.is_some() || mid <= sh.span.0 || mid >= sh.span.0 + sh.span.1 {
+                    return w.fail(format!("server {rank}: cannot split shard {shard} at {mid} ({})", self.describe()));
+                }
+                sh.split = Some((mid, lo, hi));
+                self.try_split(w, shard);
+            }
+            Order::Release { shard } => w.fail(format!("server {rank}: SSP/ASP release of shard {shard} in a BSP job")),
+            // The simulation takes no checkpoints (nothing orders one).
+            Order::Checkpoint { version, .. } => w.fail(format!("server {rank}: ordered a checkpoint at {version}")),
+            // (Simulated jobs have no sparse tables.)
+            Order::Buckets { at, .. } => w.fail(format!("server {rank}: ordered a bucket map at {at} in a job without tables")),
+            Order::FetchRows { from, .. } => w.fail(format!("server {rank}: ordered to fetch rows of server {from}")),
+            Order::FreeRows { to } => w.fail(format!("server {rank}: ordered to free rows for server {to}")),
+            Order::Replicate { shard, to, snapshot, .. } => self.on_replicate(w, shard, to, snapshot),
+            Order::AddBackup { shard, from, start, len } => self.on_add_backup(w, shard, from, start, len),
+            Order::Promote { shard } => self.on_promote(w, shard),
+            Order::Unreplicate { shard } => self.on_unreplicate(w, shard),
+            Order::DropBackup { shard } => self.on_drop_backup(w, shard),
+            Order::NoBackup { shard } => self.on_no_backup(w, shard),
+            Order::FreeLanding { shard } => {
+                // The landing slots of the oldest copy that left go. Pushes in
+                // flight may be for a newer copy (one released since, or held):
+                // with none, none may be in flight.
+                let left = self.released.get(&shard).copied().unwrap_or(0);
+                if left == 0 {
+                    return w.fail(format!("server {rank}: told to free shard {shard}'s landing slots, none kept"));
+                }
+                self.released.insert(shard, left - 1);
+                let pushes = w.pushes_in_flight(rank, shard);
+                if left == 1 && !self.shards.contains_key(&shard) && pushes > 0 {
+                    w.fail(format!(
+                        "server {rank}: told to free shard {shard}'s landing slots with {pushes} pushes of it in flight"
+                    ));
+                }
+            }
+            Order::Retire => {
+                self.retired = true;
+                w.check_retired(rank);
+            }
+            Order::Propose { id } => {
+                let top = self.shards.values().map(|sh| sh.sync.version()).max().unwrap_or(0);
+                let hold = top + 1;
+                self.hold = Some(hold);
+                if let Err(e) = w.ctl(&ControlMsg::Vote { role: Role::Server, rank, id, hold }) {
+                    w.fail(format!("server {rank}: vote refused: {e}"));
+                }
+            }
+            Order::Members { at, workers, expired } => {
+                if let Err(e) = self.membership.schedule(at, at.saturating_sub(1), workers) {
+                    return w.fail(format!("server {rank}: membership change at {at}: {e}"));
+                }
+                for r in expired {
+                    self.lost.push((r, at));
+                    w.lost.insert((r, at));
+                    self.drop_conn(w, r);
+                }
+                self.hold = None;
+                let ids: Vec<u32> = self.shards.keys().copied().collect();
+                for id in ids {
+                    self.try_complete(w, id);
+                }
+            }
+        }
+    }
+
+    /// `Server::try_split`: splits shard `id` once a split is ordered and no update
+    /// is parked; its held pushes are answered "moved", its waiting pulls "pull
+    /// moved", and the parts serve its version.
+    pub(super) fn try_split(&mut self, w: &mut World, id: u32) {
+        let me = self.me();
+        let rank = self.rank;
+        let Some(sh) = self.shards.get(&id) else { return };
+        let Some((mid, lo, hi)) = sh.split else { return };
+        if !sh.waiting.is_empty() || sh.sync.publish_waiting() || sh.out.is_some() {
+            return;
+        }
+        let Some(mut parent) = self.shards.remove(&id) else { return };
+        let v = parent.sync.version();
+        let Some(value) = parent.vals.get(&v).cloned() else {
+            return w.fail(format!("server {rank}: shard {id} has no value for its version {v}"));
+        };
+        let (start, len) = parent.span;
+        let cut = ((mid - start) / crate::UNIT) as usize;
+        for (pid, span, vals) in [(lo, (start, mid - start), &value[..cut]), (hi, (mid, start + len - mid), &value[cut..])] {
+            let mut part = Shard::new(span, ShardSync::at_version(Consistency::Bsp, self.ranks, v), self.ranks);
+            part.vals.insert(v, vals.to_vec());
+            w.publish(rank, pid, part.units().start, v, vals);
+            self.shards.insert(pid, part);
+        }
+        let (held, waiting) = parent.sync.evict();
+        for &r in &held {
+            w.unaccept(r, parent.units(), v);
+            self.moved_pushes.insert((r, id));
+            w.send(me, Node::Worker(r), Msg::Moved { shard: id, t: v });
+        }
+        for &r in &waiting {
+            self.moved_pushes.remove(&(r, id));
+            w.send(me, Node::Worker(r), Msg::PullMoved { shard: id });
+        }
+        w.splits += 1;
+        let (el, eh) = (endpoint(lo, rank), endpoint(hi, rank));
+        if let Err(e) = w.ctl(&ControlMsg::Split { shard: id, at: v, lo: el, hi: eh }) {
+            return w.fail(format!("server {rank}: the control plane refused the split of shard {id}: {e}"));
+        }
+        self.try_complete(w, lo);
+        self.try_complete(w, hi);
+    }
+}
