@@ -75,7 +75,7 @@ fn the_leader_killed_while_training_and_while_shards_migrate_changes_nothing() {
     let store = format!("etcd://{}/eps-ha-test-{}", etcd.endpoint, std::process::id());
     let mut train = eps()
         .args(["train", "--steps", STEPS, "--scale-plan", PLAN, "--json", "--transport", "soft", "--aggregator", "cpu"])
-        .args(["--progress-every", "10", "--store", &store, "--control-planes", "3"])
+        .args(["--progress-every", "2", "--store", &store, "--control-planes", "3"])
         .env("EPS_JOB_SECRET", secret)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
