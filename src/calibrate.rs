@@ -12,7 +12,7 @@ use eps_sched::{Alloc, ClusterModel, Policy};
 use crate::bench::agg::{self, AggBench};
 use crate::bench::migrate::{self, MigrateBench};
 use crate::bench::pushpull::{self, PushPullBench};
-use crate::roles::crate_error;
+use crate::error::chain as crate_error;
 
 /// `eps sched calibrate`'s arguments.
 #[derive(clap::Args, Debug)]

@@ -9,8 +9,9 @@ use eps_proto::JobSpec;
 use eps_proto::control::ControlMsg;
 use eps_proto::spec::ResumeSection;
 
-use crate::roles::{crate_error, secret_from_env};
-use crate::train::{Overrides, build_spec_or};
+use crate::error::chain as crate_error;
+use crate::jobspec::{Overrides, build_spec_or};
+use crate::secret::from_env as secret_from_env;
 
 /// `path` made absolute against the current directory (servers and the
 /// control plane may run from elsewhere).

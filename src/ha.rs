@@ -15,7 +15,9 @@ use eps_etcd::election::{self, Leadership};
 use eps_etcd::store::{self as etcd, EtcdStore, EtcdTarget};
 use eps_proto::JobSpec;
 
-use crate::roles::{crate_error, ready_line, secret_from_env};
+use crate::advertise::ready_line;
+use crate::error::chain as crate_error;
+use crate::secret::from_env as secret_from_env;
 
 /// The lease of the leader key, in seconds: how long a dead leader keeps
 /// the job without a control plane (etcd grants no less than 2).

@@ -14,16 +14,21 @@
 
 pub use eps_fabric as fabric;
 
+pub mod advertise;
 pub mod aggregator;
 pub mod bench;
 pub mod calibrate;
 pub mod checkpoint;
+pub mod error;
 pub mod ha;
+pub mod jobspec;
+pub mod json;
 pub mod live;
 pub mod progress;
 pub mod rdma;
 pub mod report;
 pub mod roles;
+pub mod secret;
 pub mod sim;
 pub(crate) mod sim_plot;
 pub mod slurm;

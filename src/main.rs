@@ -329,7 +329,7 @@ enum SlurmCmd {
     /// `eps slurm script --spec job.toml --time 2:00:00 > job.sbatch && sbatch
     /// job.sbatch`. Flags after `--` go to `eps train` (e.g. `--
     /// --scale-plan 200:servers=4`).
-    Script(eps::slurm::ScriptArgs),
+    Script(eps::train::sbatch::ScriptArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -454,7 +454,7 @@ fn main() -> ExitCode {
         Cmd::Bench(c) => eps::bench::cli::run(c),
         Cmd::Status { control, json, watch } => eps::roles::status(control, json, watch),
         Cmd::Rdma(RdmaCmd::Devices { rdma, json }) => eps::rdma::devices(&rdma, json),
-        Cmd::Slurm(SlurmCmd::Script(a)) => eps::slurm::script(&a),
+        Cmd::Slurm(SlurmCmd::Script(a)) => eps::train::sbatch::script(&a),
         Cmd::Scale { control, servers, workers } => eps::roles::scale(control, servers, workers),
     };
     match res {

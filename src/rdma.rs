@@ -23,7 +23,7 @@ pub struct Named {
 /// can be used, saying what was found.
 #[cfg(feature = "rdma")]
 pub fn devices(named: &Named, json: bool) -> Result<(), String> {
-    use crate::bench::json::Json;
+    use crate::json::Json;
     use eps_rdma::{DeviceChoice, GidKind};
 
     let choice = DeviceChoice { device: named.device.clone(), port: named.port, gid_index: named.gid_index }
@@ -169,15 +169,4 @@ pub fn bench_pd(named: &Named) -> Result<(eps_rdma::RdmaPd, std::net::IpAddr), S
 #[cfg(not(feature = "rdma"))]
 pub fn bench_pd(named: &Named) -> Result<(eps_fabric::soft::SoftPd, std::net::IpAddr), String> {
     selection(named).map(|never| match never {})
-}
-
-/// Resolves `--transport auto|soft|shm|rdma` of `eps bench fabric` to the
-/// provider that runs (see [`crate::transport::choose_local`]: its peer process
-/// is on this machine, so `auto` without a device is shm).
-pub fn transport(requested: &str, named: &Named) -> Result<&'static str, String> {
-    let flags = crate::transport::TransportFlags { transport: Some(requested.to_string()), rdma: named.clone() };
-    match crate::transport::choose(&flags, None)? {
-        crate::transport::Chosen::Mixed => Ok("shm"),
-        c => Ok(c.name()),
-    }
 }

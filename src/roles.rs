@@ -9,27 +9,12 @@ use std::time::Duration;
 use eps_control::ControlService;
 use eps_control::store::FileStore;
 use eps_etcd::store::EtcdTarget;
-use eps_fabric::Secret;
 use eps_proto::JobSpec;
 
+use crate::advertise::{advertised, ready_line};
+use crate::error::chain as crate_error;
+use crate::secret::from_env as secret_from_env;
 use crate::transport::{self, OnFabric, TransportFlags};
-
-/// The job secret from the environment (never from the command line, where other
-/// users of the machine could read it): `EPS_JOB_SECRET`, else the file named by
-/// `EPS_JOB_SECRET_FILE` (as `eps up` writes it), else the spec's.
-pub fn secret_from_env(spec: Option<&JobSpec>) -> Result<Secret, String> {
-    let mut s = std::env::var("EPS_JOB_SECRET").ok().filter(|s| !s.is_empty());
-    if s.is_none()
-        && let Some(path) = std::env::var_os("EPS_JOB_SECRET_FILE")
-    {
-        let text = std::fs::read_to_string(&path)
-            .map_err(|e| format!("cannot read the job secret from EPS_JOB_SECRET_FILE={}: {e}", path.to_string_lossy()))?;
-        s = Some(text.trim().to_string());
-    }
-    let s = s.or_else(|| spec.and_then(|s| s.job.secret.clone()));
-    let s = s.ok_or("no job secret: set EPS_JOB_SECRET or EPS_JOB_SECRET_FILE (or job.secret in the spec)")?;
-    Secret::new(s).map_err(|e| e.to_string())
-}
 
 /// `--metrics ADDR` of a role: serves the process's metrics and a health
 /// check there (nothing without it), and says where.
@@ -120,39 +105,6 @@ pub fn control_spec(
         let _ = std::fs::remove_dir_all(state_dir);
     }
     Ok(())
-}
-
-/// Prints the line a launcher reads (the address others reach the control
-/// plane at, and the Slurm node its state is on); returns that address.
-pub fn ready_line(bound: SocketAddr) -> SocketAddr {
-    let addr = advertised(bound);
-    match std::env::var("SLURMD_NODENAME") {
-        // For a Slurm launcher: the node its state is on.
-        Ok(node) if !node.is_empty() && !node.contains(char::is_whitespace) => {
-            println!("EPS_CONTROL_READY addr={addr} node={node}")
-        }
-        _ => println!("EPS_CONTROL_READY addr={addr}"),
-    }
-    addr
-}
-
-/// Where others reach a service bound to `addr`: itself, unless bound to
-/// every interface; then this host's address (its name resolved), else
-/// loopback.
-fn advertised(addr: SocketAddr) -> SocketAddr {
-    if !addr.ip().is_unspecified() {
-        return addr;
-    }
-    // Slurm's name for the node, else the host name.
-    let names = [crate::slurm::node_name(), nix::unistd::gethostname().ok().and_then(|h| h.into_string().ok())];
-    let host = names.iter().flatten().find_map(|h| {
-        let found = std::net::ToSocketAddrs::to_socket_addrs(&(h.as_str(), addr.port())).ok()?;
-        found.into_iter().find(|a| a.is_ipv4() && !a.ip().is_unspecified())
-    });
-    host.unwrap_or_else(|| {
-        eps_proto::say!("eps control: this host's name does not resolve; telling others 127.0.0.1");
-        SocketAddr::from(([127, 0, 0, 1], addr.port()))
-    })
 }
 
 /// `--listen-ip` of `eps server`: an address, or `route`, the address this
@@ -431,16 +383,4 @@ pub fn scale(control: eps_control::ControlAddrs, servers: Option<u32>, workers: 
     }
     println!("follow with `eps status --control {control}`");
     Ok(())
-}
-
-/// An error with its chain of causes, for printing.
-pub fn crate_error(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
 }

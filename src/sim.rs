@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use eps_sched::policy::{NAMES, by_name};
 use eps_sched::{ClusterModel, JobSpec, sim, synth, trace};
 
-use crate::bench::Json;
+use crate::json::Json;
 
 /// `eps sim`'s arguments.
 #[derive(clap::Args, Debug)]

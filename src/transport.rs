@@ -198,3 +198,14 @@ pub fn run_on<W: OnFabric>(chosen: &Chosen, work: W) -> Result<W::Out, String> {
         Chosen::Rdma(never) => match *never {},
     }
 }
+
+/// Resolves `--transport auto|soft|shm|rdma` of `eps bench fabric` to the
+/// provider that runs (see [`choose_local`]: its peer process
+/// is on this machine, so `auto` without a device is shm).
+pub fn for_bench(requested: &str, named: &Named) -> Result<&'static str, String> {
+    let flags = TransportFlags { transport: Some(requested.to_string()), rdma: named.clone() };
+    match choose(&flags, None)? {
+        Chosen::Mixed => Ok("shm"),
+        c => Ok(c.name()),
+    }
+}

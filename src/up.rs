@@ -7,13 +7,12 @@
 //! when it generated the secret. Everything else goes to stderr.
 
 use std::io::Write as _;
-use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::roles::crate_error;
+use crate::error::chain as crate_error;
 use crate::train::{Launch, LocalCluster, Overrides, build_spec_or, cluster::ChildArgs};
 use crate::units::format_size;
 
@@ -123,7 +122,7 @@ pub fn run(a: UpArgs) -> Result<(), String> {
     let cluster = LocalCluster::launch(&spec, &text, &[], &children, &how).map_err(|e| crate_error(&e))?;
     println!("EPS_CONTROL={}", cluster.control_addr());
     if from_env.is_none() {
-        let path = write_secret(&cluster, &secret)?;
+        let path = crate::secret::write(cluster.dir(), &secret)?;
         println!("EPS_JOB_SECRET_FILE={}", path.display());
     }
     let _ = std::io::stdout().flush();
@@ -255,20 +254,4 @@ impl JoinWatch {
         });
         Some(ranks.collect())
     }
-}
-
-/// Writes the secret into the cluster's directory, readable by this user only.
-pub(crate) fn write_secret(cluster: &LocalCluster, secret: &str) -> Result<PathBuf, String> {
-    let dir = cluster.dir();
-    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
-        .map_err(|e| format!("cannot restrict {}: {e}", dir.display()))?;
-    let path = dir.join("job.secret");
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(&path)
-        .map_err(|e| format!("cannot create {}: {e}", path.display()))?;
-    f.write_all(secret.as_bytes()).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
-    Ok(path)
 }

@@ -8,7 +8,7 @@ use eps_agg::DType;
 use crate::bench::Json;
 use crate::bench::agg::AggBench;
 use crate::bench::fabric::{self, FabricBench, Op};
-use crate::roles::crate_error as error_chain;
+use crate::error::chain as error_chain;
 use crate::units::{format_size, parse_size};
 
 /// Runs an `eps bench` subcommand.
@@ -544,7 +544,7 @@ fn bench_agg(a: AggArgs) -> Result<(), String> {
 
 fn bench_fabric(a: FabricArgs) -> Result<(), String> {
     let named = a.rdma.clone();
-    let transport = crate::rdma::transport(&a.transport, &named)?;
+    let transport = crate::transport::for_bench(&a.transport, &named)?;
     let cfg = FabricBench { op: a.op, size: a.size, iters: a.iters, depth: a.depth };
     let op = format!("{:?}", a.op).to_lowercase();
     eps_proto::say!(

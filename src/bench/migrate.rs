@@ -183,7 +183,7 @@ pub fn run_worker<P: eps_fabric::Fabric>(mut w: Worker<P>, pulls: u32) -> Result
         for _ in 0..pulls {
             let (at, t) = (unix_us(), Instant::now());
             if let Err(e) = w.pull_shard(0) {
-                failure = Some(crate::roles::crate_error(&e));
+                failure = Some(crate::error::chain(&e));
                 break 'steps;
             }
             let lat = t.elapsed().as_micros() as u64;

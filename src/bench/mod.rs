@@ -5,11 +5,10 @@ pub mod agg;
 pub mod cli;
 pub mod fabric;
 pub mod gpu;
-pub(crate) mod json;
 pub mod migrate;
 pub mod plot;
 pub mod pushpull;
 pub mod replicas;
 pub mod sparse;
 
-pub use json::Json;
+pub use crate::json::Json;

@@ -107,7 +107,7 @@ pub fn verify(jobs: &[LiveJob], specs: &[JobSpec], verbose: bool) -> Result<Veri
             .collect();
         let static_spec = eps_proto::JobSpec::from_toml(&text).map_err(|e| e.to_string())?;
         let r = crate::train::run(&static_spec, &text, steps.max(1), &[], &crate::train::cluster::soft_args(), |_, _| {})
-            .map_err(|e| format!("static run of {}: {}", j.record.name, crate::roles::crate_error(&e)))?;
+            .map_err(|e| format!("static run of {}: {}", j.record.name, crate::error::chain(&e)))?;
         if verbose {
             eps_proto::say!(
                 "eps sched: {} ({} servers changed: {}) live {sum}, static {}",

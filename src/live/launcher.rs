@@ -106,8 +106,7 @@ fn start_with(job: &JobLaunch, children: ChildArgs) -> Result<Box<dyn Processes>
     let nodes = job.nodes.iter().map(|(n, a)| (n.clone(), a.servers, a.workers)).collect();
     let how = Launch { listen: "127.0.0.1:0".into(), secret: None, workers: true, nodes };
     let args: Vec<&str> = job.worker_args.iter().map(String::as_str).collect();
-    let cluster =
-        LocalCluster::launch(&job.spec, &job.text, &args, &children, &how).map_err(|e| crate::roles::crate_error(&e))?;
+    let cluster = LocalCluster::launch(&job.spec, &job.text, &args, &children, &how).map_err(|e| crate::error::chain(&e))?;
     let control = cluster
         .control_addr()
         .parse()
@@ -133,7 +132,7 @@ impl Processes for LocalJob {
             Ok(_) => Ok(()),
             Err(TrainError::Stopped) => Err(Stop::Stopped),
             Err(TrainError::Interrupted) => Err(Stop::Interrupted),
-            Err(e) => Err(Stop::Failed(crate::roles::crate_error(&e))),
+            Err(e) => Err(Stop::Failed(crate::error::chain(&e))),
         }
     }
 }

@@ -1,14 +1,12 @@
 //! Running EPS through Slurm: the allocation a job runs in (its nodes with
 //! their CPUs and GPUs, read from Slurm), each role started as a job step
-//! (`steps.rs`), what a role logs of the step it runs in, and `eps slurm
-//! script` (`script.rs`).
+//! (`steps.rs`), and what a role logs of the step it runs in. `eps slurm
+//! script` is in `train/sbatch.rs`.
 
-mod script;
 pub mod steps;
 
 use std::process::Command;
 
-pub use script::{ScriptArgs, script};
 pub use steps::Steps;
 
 /// The node this process runs on: Slurm's name for it in a job step, else

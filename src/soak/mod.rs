@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use eps_proto::JobSpec;
 
-use crate::bench::json::Json;
+use crate::json::Json;
 use crate::train::cluster::{Processes, soft_args};
 use crate::train::{LocalCluster, Overrides, build_spec_or};
 

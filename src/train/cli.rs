@@ -2,8 +2,8 @@
 
 use std::path::PathBuf;
 
-use crate::bench::Json;
-use crate::roles::crate_error as error_chain;
+use crate::error::chain as error_chain;
+use crate::json::Json;
 use crate::units::format_size;
 
 #[derive(clap::Args, Debug)]

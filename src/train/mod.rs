@@ -6,138 +6,25 @@ pub mod cli;
 pub mod cluster;
 pub mod ctr;
 mod ctr_worker;
+pub mod sbatch;
 pub mod scale;
 pub mod task;
 pub mod worker;
 
 use crate::report::{self, Report};
-use std::path::{Path, PathBuf};
 
+pub use crate::jobspec::{CTR_SPEC, DEFAULT_SPEC, Overrides, build_model_spec, build_spec, build_spec_or, default_spec};
 pub use cluster::{Launch, LocalCluster};
 
 use eps_proto::JobSpec;
-
-/// The job `eps train` runs when no spec file is given.
-pub const DEFAULT_SPEC: &str = r#"
-[job]
-name = "synthetic"
-workers = 2
-servers = 2
-steps = 700
-consistency = "bsp"
-dtype = "f32"
-batch = 512
-seed = 1
-shard_bytes = 4194304
-
-[model]
-preset = "synthetic"
-buckets = 2621440
-dense_dim = 64
-classes = 4
-sparse_per_sample = 8
-vocab = 2000
-
-[optimizer]
-kind = "adam"
-lr = 0.01
-
-[lr_schedule]
-warmup_steps = 20
-decay = "cosine"
-min_lr = 0.001
-"#;
-
-/// The job `eps train --model ctr` runs when no spec file is given: a
-/// click-through model, embedding bags in a sparse table and an MLP.
-pub const CTR_SPEC: &str = r#"
-[job]
-name = "ctr"
-workers = 2
-servers = 2
-steps = 1500
-consistency = "bsp"
-batch = 512
-seed = 1
-
-[model]
-preset = "ctr"
-fields = 4
-vocab = 1000
-max_bag = 3
-zipf = 1.05
-embed_dim = 8
-dense_dim = 8
-hidden = 16
-
-[[model.tables]]
-name = "ctr.ids"
-dim = 8
-optimizer = "adagrad"
-lr = 0.3
-init_scale = 0.05
-max_keys = 8192
-
-[optimizer]
-kind = "adam"
-lr = 0.01
-"#;
-
-/// The built-in jobs of `eps train --model`.
-pub fn default_spec(model: &str) -> Result<&'static str, String> {
-    match model {
-        "synthetic" => Ok(DEFAULT_SPEC),
-        "ctr" => Ok(CTR_SPEC),
-        m => Err(format!("--model {m:?}: the built-in models are synthetic and ctr")),
-    }
-}
-
-/// Command-line overrides of spec fields.
-#[derive(Clone, Debug, Default)]
-pub struct Overrides {
-    /// `job.workers`.
-    pub workers: Option<u32>,
-    /// `job.servers`.
-    pub servers: Option<u32>,
-    /// `job.steps`.
-    pub steps: Option<u64>,
-    /// `job.consistency`.
-    pub consistency: Option<String>,
-    /// `optimizer.kind`.
-    pub optimizer: Option<String>,
-    /// `job.dtype`.
-    pub dtype: Option<String>,
-    /// `optimizer.lr`.
-    pub lr: Option<f64>,
-    /// `job.batch`.
-    pub batch: Option<u32>,
-    /// `job.max_workers`.
-    pub max_workers: Option<u32>,
-    /// `job.checkpoint_every`.
-    pub checkpoint_every: Option<u64>,
-    /// `job.checkpoint_dir`.
-    pub checkpoint_dir: Option<String>,
-    /// `job.checkpoint_keep`.
-    pub checkpoint_keep: Option<u32>,
-    /// `job.replicas`.
-    pub replicas: Option<u32>,
-    /// `model.init`.
-    pub init: Option<String>,
-}
 
 /// Why training could not run.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum TrainError {
-    /// The spec file could not be read.
-    #[error("cannot read job spec {path}")]
-    ReadSpec {
-        /// The file.
-        path: PathBuf,
-        /// Cause.
-        #[source]
-        source: std::io::Error,
-    },
+    /// The spec could not be built (its file unreadable, or invalid).
+    #[error(transparent)]
+    SpecFile(#[from] crate::jobspec::SpecFileError),
     /// The spec is invalid.
     #[error(transparent)]
     Spec(#[from] eps_proto::SpecError),
@@ -171,92 +58,6 @@ pub enum TrainError {
     /// Its stop handle was set (a scheduler killed the job).
     #[error("stopped on request; stopped every process of the cluster")]
     Stopped,
-}
-
-/// Builds the spec text: a file (or the default job) with overrides applied.
-pub fn build_spec(path: Option<&Path>, o: &Overrides) -> Result<(JobSpec, String), TrainError> {
-    build_model_spec(path, DEFAULT_SPEC, o)
-}
-
-/// As [`build_spec`], with `default` the job without a file.
-pub fn build_model_spec(path: Option<&Path>, default: &str, o: &Overrides) -> Result<(JobSpec, String), TrainError> {
-    let (spec, text) = build_spec_or(path, default, o)?;
-    if spec.model.preset.is_none() {
-        return Err(eps_proto::SpecError::Field {
-            field: "model.preset",
-            reason: "`eps train` runs a built-in task; set preset = \"synthetic\" or \"ctr\"".into(),
-        }
-        .into());
-    }
-    Ok((spec, text))
-}
-
-/// The spec text of a file, or of `default` without one, with overrides applied.
-pub fn build_spec_or(path: Option<&Path>, default: &str, o: &Overrides) -> Result<(JobSpec, String), TrainError> {
-    let text = match path {
-        Some(p) => std::fs::read_to_string(p).map_err(|source| TrainError::ReadSpec { path: p.to_path_buf(), source })?,
-        None => default.to_string(),
-    };
-    let mut table: toml::Table =
-        text.parse().map_err(|e: toml::de::Error| eps_proto::SpecError::Toml(e.to_string().trim().replace('\n', " ")))?;
-    fn set(t: &mut toml::Table, section: &str, key: &str, v: toml::Value) {
-        let sec = t.entry(section).or_insert_with(|| toml::Value::Table(toml::Table::new()));
-        if let toml::Value::Table(s) = sec {
-            s.insert(key.to_string(), v);
-        }
-    }
-    use toml::Value as V;
-    if let Some(v) = o.workers {
-        set(&mut table, "job", "workers", V::Integer(v.into()));
-    }
-    if let Some(v) = o.servers {
-        set(&mut table, "job", "servers", V::Integer(v.into()));
-    }
-    // (TOML integers are i64: a larger count is refused, never cut down.)
-    let int = |v: u64, field: &'static str| {
-        i64::try_from(v)
-            .map(V::Integer)
-            .map_err(|_| eps_proto::SpecError::Field { field, reason: format!("{v}: at most 2^63 - 1") })
-    };
-    if let Some(v) = o.steps {
-        set(&mut table, "job", "steps", int(v, "job.steps")?);
-    }
-    if let Some(v) = &o.consistency {
-        set(&mut table, "job", "consistency", V::String(v.clone()));
-    }
-    if let Some(v) = &o.dtype {
-        set(&mut table, "job", "dtype", V::String(v.clone()));
-    }
-    if let Some(v) = o.batch {
-        set(&mut table, "job", "batch", V::Integer(v.into()));
-    }
-    if let Some(v) = o.max_workers {
-        set(&mut table, "job", "max_workers", V::Integer(v.into()));
-    }
-    if let Some(v) = o.replicas {
-        set(&mut table, "job", "replicas", V::Integer(v.into()));
-    }
-    if let Some(v) = o.checkpoint_every {
-        set(&mut table, "job", "checkpoint_every", int(v, "job.checkpoint_every")?);
-    }
-    if let Some(v) = &o.checkpoint_dir {
-        set(&mut table, "job", "checkpoint_dir", V::String(v.clone()));
-    }
-    if let Some(v) = o.checkpoint_keep {
-        set(&mut table, "job", "checkpoint_keep", V::Integer(v.into()));
-    }
-    if let Some(v) = &o.optimizer {
-        set(&mut table, "optimizer", "kind", V::String(v.clone()));
-    }
-    if let Some(v) = o.lr {
-        set(&mut table, "optimizer", "lr", V::Float(v));
-    }
-    if let Some(v) = &o.init {
-        set(&mut table, "model", "init", V::String(v.clone()));
-    }
-    let text = toml::to_string(&table).expect("a TOML table serializes");
-    let spec = JobSpec::from_toml(&text)?;
-    Ok((spec, text))
 }
 
 /// The outcome of a run.
@@ -499,7 +300,7 @@ fn tell_how_to_reach(cluster: &LocalCluster, spec: &JobSpec) {
     } else if spec.job.secret.is_some() {
         "the spec's job.secret".to_string()
     } else {
-        match crate::up::write_secret(cluster, cluster.secret()) {
+        match crate::secret::write(cluster.dir(), cluster.secret()) {
             Ok(path) => format!("EPS_JOB_SECRET_FILE={}", path.display()),
             Err(e) => format!("no secret file ({e})"),
         }

@@ -72,7 +72,7 @@ const END: &str = "EPS_SPEC_END";
 pub fn script_text(a: &ScriptArgs) -> Result<String, String> {
     let default = default_spec(&a.model)?;
     let (spec, text) =
-        build_model_spec(a.spec.as_deref(), default, &Overrides::default()).map_err(|e| crate::roles::crate_error(&e))?;
+        build_model_spec(a.spec.as_deref(), default, &Overrides::default()).map_err(|e| crate::error::chain(&e))?;
     if spec.model.preset.as_deref() != Some(a.model.as_str()) {
         return Err(format!(
             "the spec's model.preset is {:?} but --model is {:?}: give --model {}",
