@@ -28,7 +28,7 @@ pub fn resume_spec(dir: &Path, o: &Overrides) -> Result<(JobSpec, String), Strin
     let (path, m) = eps_control::checkpoint::latest(&dir)?;
     // The same values are welcome (the command line that started the job,
     // with --resume added); others are not the checkpoint's job.
-    let saved = JobSpec::from_toml(&m.spec).map_err(|e| format!("{}: {e}", path.display()))?;
+    let (saved, _) = crate::jobspec::parse(&m.spec).map_err(|e| format!("{}: {e}", path.display()))?;
     let kept = [
         ("--dtype", o.dtype.as_deref(), saved.job.dtype.to_string()),
         ("--optimizer", o.optimizer.as_deref(), saved.optimizer.kind.clone()),

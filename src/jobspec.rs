@@ -5,6 +5,23 @@ use std::path::{Path, PathBuf};
 
 use eps_proto::JobSpec;
 
+mod preset;
+pub use preset::{CTR_TABLE, PRESETS, TaskSection, expand};
+
+/// A spec's text, its preset expanded (see [`expand`]), parsed and checked:
+/// the spec, and the text to hand on (what the control plane keeps and
+/// every process reads).
+pub fn parse(text: &str) -> Result<(JobSpec, String), eps_proto::SpecError> {
+    let mut table: toml::Table =
+        text.parse().map_err(|e: toml::de::Error| eps_proto::SpecError::Toml(e.to_string().trim().replace('\n', " ")))?;
+    if table.get("model").and_then(|m| m.get("preset")).is_none() {
+        return Ok((JobSpec::from_toml(text)?, text.to_string()));
+    }
+    expand(&mut table)?;
+    let text = toml::to_string(&table).expect("a TOML table serializes");
+    Ok((JobSpec::from_toml(&text)?, text))
+}
+
 /// The job `eps train` runs when no spec file is given.
 pub const DEFAULT_SPEC: &str = r#"
 [job]
@@ -144,7 +161,7 @@ pub fn build_spec(path: Option<&Path>, o: &Overrides) -> Result<(JobSpec, String
 /// As [`build_spec`], with `default` the job without a file.
 pub fn build_model_spec(path: Option<&Path>, default: &str, o: &Overrides) -> Result<(JobSpec, String), SpecFileError> {
     let (spec, text) = build_spec_or(path, default, o)?;
-    if spec.model.preset.is_none() {
+    if TaskSection::of(&spec)?.is_none() {
         return Err(eps_proto::SpecError::Field {
             field: "model.preset",
             reason: "`eps train` runs a built-in task; set preset = \"synthetic\" or \"ctr\"".into(),
@@ -217,6 +234,7 @@ pub fn build_spec_or(path: Option<&Path>, default: &str, o: &Overrides) -> Resul
     if let Some(v) = &o.init {
         set(&mut table, "model", "init", V::String(v.clone()));
     }
+    expand(&mut table)?;
     let text = toml::to_string(&table).expect("a TOML table serializes");
     let spec = JobSpec::from_toml(&text)?;
     Ok((spec, text))

@@ -68,7 +68,7 @@ pub fn control(listen: SocketAddr, spec_path: &Path, state_dir: &Path, etcd: Opt
     } else {
         std::fs::read_to_string(spec_path).map_err(|e| format!("cannot read job spec {}: {e}", spec_path.display()))?
     };
-    let spec = JobSpec::from_toml(&text).map_err(|e| format!("{}: {e}", spec_path.display()))?;
+    let (spec, text) = crate::jobspec::parse(&text).map_err(|e| format!("{}: {e}", spec_path.display()))?;
     control_spec(listen, &spec, &text, state_dir, etcd)
 }
 

@@ -226,8 +226,8 @@ fn bsp_worker_changes_equal_the_reference_with_the_same_contributor_sets() {
         assert_eq!(sets, [&[0, 1][..], &[0, 1, 2], &[0, 1], &[0, 1, 3]], "{:?}", m.epochs());
         // The single-process reference: the task's gradient over the samples each
         // contributor is dealt, in rank order.
-        let js = eps_proto::JobSpec::from_toml(&text).unwrap();
-        let task = Task::new(&js.model, js.job.seed);
+        let (js, text) = eps::jobspec::parse(&text).unwrap();
+        let task = Task::new(&eps::jobspec::TaskSection::of(&js).unwrap().unwrap(), js.job.seed);
         let batch = js.job.batch as u64;
         let (mut sample, mut z) = (Sample::default(), vec![0f32; task.classes]);
         let want = common::reference_with(&text, &m, &mut |p, r, t, g| {

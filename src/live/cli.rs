@@ -105,7 +105,7 @@ pub fn verify(jobs: &[LiveJob], specs: &[JobSpec], verbose: bool) -> Result<Veri
             .lines()
             .map(|x| if x.starts_with("steps = ") { format!("steps = {steps}\n") } else { format!("{x}\n") })
             .collect();
-        let static_spec = eps_proto::JobSpec::from_toml(&text).map_err(|e| e.to_string())?;
+        let (static_spec, text) = crate::jobspec::parse(&text).map_err(|e| e.to_string())?;
         let r = crate::train::run(&static_spec, &text, steps.max(1), &[], &crate::train::cluster::soft_args(), |_, _| {})
             .map_err(|e| format!("static run of {}: {}", j.record.name, crate::error::chain(&e)))?;
         if verbose {

@@ -173,7 +173,7 @@ pub fn job_launch(j: &eps_sched::JobSpec, alloc: eps_sched::Alloc, seed: u64) ->
         s = alloc.servers,
         batch = j.batch,
     );
-    let spec = eps_proto::JobSpec::from_toml(&text).map_err(|e| format!("job {}: {e}", j.name))?;
+    let (spec, text) = crate::jobspec::parse(&text).map_err(|e| format!("job {}: {e}", j.name))?;
     let worker_args = vec![
         "--progress-every".into(),
         "1".into(),

@@ -123,7 +123,8 @@ pub fn train(a: TrainArgs) -> Result<(), String> {
         None => crate::train::build_model_spec(a.spec.as_deref(), default, o).map_err(|e| error_chain(&e)),
     };
     let (mut spec, mut text) = build(&o)?;
-    match spec.model.preset.as_deref() {
+    let kind = crate::jobspec::TaskSection::of(&spec).map_err(|e| e.to_string())?.map(|t| t.kind);
+    match kind.as_deref() {
         None => return Err("`eps train` runs a built-in task; this checkpoint's job declares its own tensors (resume it with `eps control --resume`)".into()),
         Some(p) if p != a.model => {
             return Err(format!("the spec's model.preset is {p:?} but --model is {:?}: give --model {p}", a.model));

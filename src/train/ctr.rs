@@ -12,8 +12,8 @@
 //! layer; the reachable AUC is the teacher's own on the same samples. All of
 //! it is a pure function of the job's seed and the sample's index.
 
+use crate::jobspec::TaskSection;
 use eps_proto::init::{mix, unit};
-use eps_proto::spec::ModelSection;
 use eps_sparse::zipf::Zipf;
 
 /// Bias of the teacher's logit (a click rate near 0.4).
@@ -63,7 +63,7 @@ pub fn key(field: usize, id: u64) -> u64 {
 
 impl Ctr {
     /// The task of a `preset = "ctr"` model.
-    pub fn new(m: &ModelSection, seed: u64) -> Self {
+    pub fn new(m: &TaskSection, seed: u64) -> Self {
         Self {
             fields: m.fields as usize,
             vocab: m.vocab,
@@ -196,7 +196,7 @@ mod tests {
     use super::*;
 
     fn task() -> Ctr {
-        let m = ModelSection { fields: 3, vocab: 100, dense_dim: 4, embed_dim: 2, hidden: 5, ..ModelSection::default() };
+        let m = TaskSection { fields: 3, vocab: 100, dense_dim: 4, embed_dim: 2, hidden: 5, ..TaskSection::defaults("ctr") };
         Ctr::new(&m, 9)
     }
 

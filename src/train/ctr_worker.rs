@@ -7,7 +7,7 @@
 
 use std::time::Instant;
 
-use eps_proto::spec::CTR_TABLE;
+use crate::jobspec::{CTR_TABLE, TaskSection};
 use eps_worker::Worker;
 
 use super::ctr::{Click, Ctr, auc, key, log_loss};
@@ -71,7 +71,8 @@ impl Batch {
 /// `final_auc`, `teacher_auc` and `sparse_checksum`.
 pub fn run<P: eps_fabric::Fabric>(mut w: Worker<P>, pace: Pace) -> Result<(), TrainWorkerError> {
     let spec = w.spec().clone();
-    let task = Ctr::new(&spec.model, spec.job.seed);
+    let Some(t) = TaskSection::of(&spec)? else { return Err(TrainWorkerError::NoTask) };
+    let task = Ctr::new(&t, spec.job.seed);
     let table = w.table(CTR_TABLE)?;
     let (rank, batch, every) = (w.rank(), spec.job.batch as u64, pace.every.max(1));
     let (n, k) = (task.input(), task.embed);

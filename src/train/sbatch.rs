@@ -73,13 +73,9 @@ pub fn script_text(a: &ScriptArgs) -> Result<String, String> {
     let default = default_spec(&a.model)?;
     let (spec, text) =
         build_model_spec(a.spec.as_deref(), default, &Overrides::default()).map_err(|e| crate::error::chain(&e))?;
-    if spec.model.preset.as_deref() != Some(a.model.as_str()) {
-        return Err(format!(
-            "the spec's model.preset is {:?} but --model is {:?}: give --model {}",
-            spec.model.preset.as_deref().unwrap_or(""),
-            a.model,
-            spec.model.preset.as_deref().unwrap_or("")
-        ));
+    let kind = crate::jobspec::TaskSection::of(&spec).map_err(|e| e.to_string())?.map(|t| t.kind).unwrap_or_default();
+    if kind != a.model {
+        return Err(format!("the spec's model.preset is {kind:?} but --model is {:?}: give --model {kind}", a.model));
     }
     if text.lines().any(|l| l.trim() == END) {
         return Err(format!("the spec has a line {END:?}, which ends the script's copy of it"));

@@ -9,8 +9,8 @@
 //! sparse ids (`buckets` rows of `classes` weights), so the reachable accuracy is
 //! known: the teacher's own accuracy on the noisy labels.
 
+use crate::jobspec::TaskSection;
 use eps_proto::init::{mix, unit};
-use eps_proto::spec::ModelSection;
 
 /// Probability that a label is replaced by a random class.
 pub const LABEL_NOISE: f64 = 0.05;
@@ -62,7 +62,7 @@ pub struct Params {
 
 impl Task {
     /// From the spec's model section.
-    pub fn new(m: &ModelSection, seed: u64) -> Self {
+    pub fn new(m: &TaskSection, seed: u64) -> Self {
         let (classes, dense_dim) = (m.classes as usize, m.dense_dim as usize);
         let teacher = (0..classes * dense_dim).map(|k| DENSE_SCALE * unit(mix(seed ^ 0x7EAC_0000 ^ mix(k as u64)))).collect();
         Self { dense_dim, classes, buckets: m.buckets, per_sample: m.sparse_per_sample as usize, vocab: m.vocab, seed, teacher }
@@ -188,7 +188,7 @@ mod tests {
     use super::*;
 
     fn task() -> Task {
-        let m: ModelSection = ModelSection { buckets: 4096, dense_dim: 16, classes: 4, vocab: 500, ..ModelSection::default() };
+        let m = TaskSection { buckets: 4096, dense_dim: 16, classes: 4, vocab: 500, ..TaskSection::defaults("synthetic") };
         Task::new(&m, 3)
     }
 
@@ -237,7 +237,7 @@ mod learnable {
     /// run on a small instance gets most of the way to the teacher.
     #[test]
     fn a_small_instance_learns_towards_the_teacher() {
-        let m = ModelSection { buckets: 1 << 12, dense_dim: 16, classes: 4, vocab: 200, ..ModelSection::default() };
+        let m = TaskSection { buckets: 1 << 12, dense_dim: 16, classes: 4, vocab: 200, ..TaskSection::defaults("synthetic") };
         let t = Task::new(&m, 1);
         let n = t.params().e + (1 << 12) * t.classes;
         let mut p: Vec<f32> = (0..n as u64).map(|i| eps_proto::init::param(1, i)).collect();

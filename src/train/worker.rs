@@ -44,6 +44,9 @@ pub enum TrainWorkerError {
         "this job declares its own tensors; `eps worker` only runs the built-in synthetic task (use the eps-worker library or libeps for other models)"
     )]
     NoTask,
+    /// The job's `[task]` is not one this command knows.
+    #[error(transparent)]
+    Task(#[from] eps_proto::SpecError),
 }
 
 /// How a worker paces its training and reports it.
@@ -174,13 +177,13 @@ pub fn report_progress<P: eps_fabric::Fabric>(
 pub fn run<P: eps_fabric::Fabric>(mut w: Worker<P>, pace: Pace) -> Result<(), TrainWorkerError> {
     let every = pace.every.max(1);
     let spec = w.spec().clone();
-    if spec.model.preset.is_none() {
+    let Some(t) = crate::jobspec::TaskSection::of(&spec)? else {
         return Err(TrainWorkerError::NoTask);
-    }
-    if spec.model.preset.as_deref() == Some("ctr") {
+    };
+    if t.kind == "ctr" {
         return super::ctr_worker::run(w, pace);
     }
-    let task = Task::new(&spec.model, spec.job.seed);
+    let task = Task::new(&t, spec.job.seed);
     let (rank, batch) = (w.rank(), spec.job.batch as u64);
     let compute = std::time::Duration::from_secs_f64(pace.compute_ms_per_sample.max(0.0) * 1e-3 * batch as f64);
     let n = w.layout().total as usize;

@@ -423,7 +423,7 @@ mod tests {
     use crate::store::FileStore;
     use eps_proto::control::Role;
 
-    const SPEC: &str = "[job]\nworkers = 1\nservers = 2\n[model]\npreset = \"synthetic\"\nbuckets = 1024\n";
+    const SPEC: &str = "[job]\nworkers = 1\nservers = 2\n[model]\ntensors = [{ name = \"dense.weight\", elements = 256 }, { name = \"dense.bias\", elements = 4 }, { name = \"sparse.embedding\", elements = 4096 }]\n";
 
     /// A control plane of `SPEC` on a thread, with its in-memory store and
     /// the secret `name`.
@@ -493,7 +493,7 @@ mod tests {
     /// word of a server that was lost itself is not enough.
     #[test]
     fn a_server_two_peers_cannot_reach_is_lost_and_one_peer_is_not_enough() {
-        let text = "[job]\nworkers = 2\nservers = 3\nreplicas = 2\n[model]\npreset = \"synthetic\"\nbuckets = 1024\n";
+        let text = "[job]\nworkers = 2\nservers = 3\nreplicas = 2\n[model]\ntensors = [{ name = \"dense.weight\", elements = 256 }, { name = \"dense.bias\", elements = 4 }, { name = \"sparse.embedding\", elements = 4096 }]\n";
         let spec = JobSpec::from_toml(text).unwrap();
         let layout = spec.layout().unwrap();
         let dir = std::env::temp_dir().join(format!("eps-control-unreachable-{}", std::process::id()));

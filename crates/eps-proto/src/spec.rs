@@ -89,6 +89,12 @@ pub struct JobSpec {
     /// and `eps train --resume`, not by hand).
     #[serde(default)]
     pub resume: Option<ResumeSection>,
+    /// `[task]`: what a built-in task's workers compute (written by the `eps`
+    /// command when it expands a `model.preset`). Carried with the spec to
+    /// every process and read by those workers alone: the control plane and
+    /// the servers never look inside it.
+    #[serde(default)]
+    pub task: Option<toml::Table>,
 }
 
 /// `[resume]`: the job continues from a checkpoint.
@@ -242,10 +248,7 @@ impl JobSection {
 #[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelSection {
-    /// A built-in model (`synthetic`: the classification task of `eps train`).
-    #[serde(default)]
-    pub preset: Option<String>,
-    /// Explicit tensors (used when no preset is given).
+    /// The tensors, in the order they are laid out.
     #[serde(default)]
     pub tensors: Vec<TensorSpec>,
     /// The tensors are declared by the first worker to join (a framework knows
@@ -260,73 +263,6 @@ pub struct ModelSection {
     /// Sparse embedding tables (`[[model.tables]]`), beside the dense tensors.
     #[serde(default)]
     pub tables: Vec<TableDecl>,
-    /// Synthetic preset: hashed sparse-feature buckets (embedding rows).
-    #[serde(default = "default_buckets")]
-    pub buckets: u64,
-    /// Synthetic preset: dense input features.
-    #[serde(default = "default_dense_dim")]
-    pub dense_dim: u64,
-    /// Synthetic preset: classes.
-    #[serde(default = "default_classes")]
-    pub classes: u64,
-    /// Synthetic preset: active sparse features per sample.
-    #[serde(default = "default_sparse_per_sample")]
-    pub sparse_per_sample: u32,
-    /// Synthetic preset: distinct raw sparse ids before hashing; ctr
-    /// preset: ids per field.
-    #[serde(default = "default_vocab")]
-    pub vocab: u64,
-    /// Ctr preset: categorical fields per sample (each an embedding bag).
-    #[serde(default = "default_fields")]
-    pub fields: u32,
-    /// Ctr preset: ids per bag, 1 to this many.
-    #[serde(default = "default_max_bag")]
-    pub max_bag: u32,
-    /// Ctr preset: zipf exponent of the ids.
-    #[serde(default = "default_zipf")]
-    pub zipf: f64,
-    /// Ctr preset: values of an embedding row (the table `ctr.ids` must have
-    /// this dim).
-    #[serde(default = "default_embed_dim")]
-    pub embed_dim: u32,
-    /// Ctr preset: units of the MLP's hidden layer.
-    #[serde(default = "default_hidden")]
-    pub hidden: u32,
-}
-
-fn default_fields() -> u32 {
-    4
-}
-fn default_max_bag() -> u32 {
-    3
-}
-fn default_zipf() -> f64 {
-    1.05
-}
-fn default_embed_dim() -> u32 {
-    8
-}
-fn default_hidden() -> u32 {
-    16
-}
-
-/// The table of the ctr preset's embedding bags.
-pub const CTR_TABLE: &str = "ctr.ids";
-
-fn default_buckets() -> u64 {
-    2_621_440
-}
-fn default_dense_dim() -> u64 {
-    64
-}
-fn default_classes() -> u64 {
-    4
-}
-fn default_sparse_per_sample() -> u32 {
-    8
-}
-fn default_vocab() -> u64 {
-    2000
 }
 
 fn default_name() -> String {
@@ -461,38 +397,13 @@ impl JobSpec {
         if j.consistency == Consistency::Ssp && j.staleness == 0 {
             return Err(bad("job.staleness", "SSP needs a staleness bound of at least 1 (use bsp for 0)"));
         }
-        if let Some(p) = &self.model.preset
-            && p != "synthetic"
-            && p != "ctr"
-        {
-            return Err(bad("model.preset", format!("unknown preset {p:?} (known: synthetic, ctr)")));
+        if self.model.declare && !self.model.tensors.is_empty() {
+            return Err(bad("model.declare", "workers declare the tensors: give no tensors with it"));
         }
-        if self.model.declare && (self.model.preset.is_some() || !self.model.tensors.is_empty()) {
-            return Err(bad("model.declare", "workers declare the tensors: give no preset and no tensors with it"));
-        }
-        if self.model.preset.is_none() && self.model.tensors.is_empty() && !self.model.declare {
-            return Err(bad("model.tensors", "give a preset, at least one tensor, or `declare = true` (workers declare them)"));
+        if self.model.tensors.is_empty() && !self.model.declare {
+            return Err(bad("model.tensors", "give at least one tensor, or `declare = true` (workers declare them)"));
         }
         let m = &self.model;
-        if m.preset.as_deref() == Some("ctr") {
-            self.validate_ctr()?;
-        } else if m.preset.is_some() {
-            if m.classes < 2 || m.classes > 1000 {
-                return Err(bad("model.classes", "must be between 2 and 1000"));
-            }
-            if m.dense_dim == 0 || m.dense_dim > 1 << 16 {
-                return Err(bad("model.dense_dim", "must be between 1 and 65536"));
-            }
-            if m.buckets == 0 || m.buckets > 1 << 28 {
-                return Err(bad("model.buckets", "must be between 1 and 2^28"));
-            }
-            if m.vocab == 0 {
-                return Err(bad("model.vocab", "must be at least 1"));
-            }
-            if m.sparse_per_sample > 1024 {
-                return Err(bad("model.sparse_per_sample", "must be at most 1024"));
-            }
-        }
         let mut names = std::collections::HashSet::new();
         for t in &self.model.tensors {
             if t.elements == 0 {
@@ -559,52 +470,9 @@ impl JobSpec {
         self.model.declare
     }
 
-    fn validate_ctr(&self) -> Result<(), SpecError> {
-        let m = &self.model;
-        let within = |v: u64, hi: u64| (1..=hi).contains(&v);
-        let checks = [
-            (within(m.fields.into(), 64), "model.fields", "must be between 1 and 64"),
-            (within(m.max_bag.into(), 64), "model.max_bag", "must be between 1 and 64"),
-            (within(m.embed_dim.into(), 1024), "model.embed_dim", "must be between 1 and 1024"),
-            (within(m.hidden.into(), 1024), "model.hidden", "must be between 1 and 1024"),
-            (within(m.dense_dim, 1024), "model.dense_dim", "must be between 1 and 1024"),
-            (within(m.vocab, 1 << 40), "model.vocab", "must be between 1 and 2^40"),
-            (m.zipf.is_finite() && m.zipf > 0.0, "model.zipf", "must be a positive number"),
-        ];
-        if let Some((_, field, why)) = checks.iter().find(|c| !c.0) {
-            return Err(bad(field, *why));
-        }
-        match m.tables.iter().find(|t| t.name == CTR_TABLE) {
-            Some(t) if t.dim == m.embed_dim => Ok(()),
-            Some(t) => {
-                Err(bad("model.tables.dim", format!("table {CTR_TABLE:?} has dim {}; model.embed_dim is {}", t.dim, m.embed_dim)))
-            }
-            None => {
-                Err(bad("model.tables", format!("the ctr preset's embeddings live in a table named {CTR_TABLE:?}: declare it")))
-            }
-        }
-    }
-
-    /// The model's tensors: the preset's, or the explicit list.
+    /// The model's tensors.
     pub fn tensors(&self) -> Vec<TensorSpec> {
-        let m = &self.model;
-        match m.preset.as_deref() {
-            Some("ctr") => {
-                let (h, input) = (u64::from(m.hidden), u64::from(m.fields * m.embed_dim) + m.dense_dim);
-                vec![
-                    TensorSpec { name: "mlp.w1".into(), elements: h * input },
-                    TensorSpec { name: "mlp.b1".into(), elements: h },
-                    TensorSpec { name: "mlp.w2".into(), elements: h },
-                    TensorSpec { name: "mlp.b2".into(), elements: 1 },
-                ]
-            }
-            Some(_) => vec![
-                TensorSpec { name: "dense.weight".into(), elements: m.classes * m.dense_dim },
-                TensorSpec { name: "dense.bias".into(), elements: m.classes },
-                TensorSpec { name: "sparse.embedding".into(), elements: m.buckets * m.classes },
-            ],
-            None => m.tensors.clone(),
-        }
+        self.model.tensors.clone()
     }
 
     /// The parameter layout for `servers` servers.

@@ -7,7 +7,7 @@ use eps_proto::control::{ControlMsg, ErrorCode, Order, Role, ShardEndpoint};
 use crate::job::Job;
 
 const SPEC: &str = "[job]\nworkers = 1\nservers = 3\nshard_bytes = 4096\n\
-                    [model]\npreset = \"synthetic\"\nbuckets = 8192\n";
+                    [model]\ntensors = [{ name = \"dense.weight\", elements = 256 }, { name = \"dense.bias\", elements = 4 }, { name = \"sparse.embedding\", elements = 32768 }]\n";
 
 #[test]
 fn orders_a_server_polled_past_are_dropped_and_the_others_kept() {
@@ -292,7 +292,7 @@ fn a_resent_change_is_known_from_a_stale_one() {
 #[test]
 fn unregistered_ranks_hold_no_lease_and_scaled_ones_are_awaited() {
     let text = "[job]\nworkers = 2\nmax_workers = 3\nservers = 3\nshard_bytes = 4096\n\
-                [model]\npreset = \"synthetic\"\nbuckets = 8192\n";
+                [model]\ntensors = [{ name = \"dense.weight\", elements = 256 }, { name = \"dense.bias\", elements = 4 }, { name = \"sparse.embedding\", elements = 32768 }]\n";
     let spec = JobSpec::from_toml(text).unwrap();
     let mut job = Job::new(&spec, text).unwrap();
     ready_servers(&mut job, &spec);

@@ -52,10 +52,10 @@ fn full_spec_parses() {
 
 #[test]
 fn the_fabric_section_is_optional_and_read() {
-    let s = JobSpec::from_toml("[job]\n[model]\npreset = \"synthetic\"").unwrap();
+    let s = JobSpec::from_toml("[job]\n[model]\ntensors = [{ name = \"w\", elements = 8 }]").unwrap();
     assert_eq!(s.fabric, FabricSection::default());
     let s = JobSpec::from_toml(
-        "[job]\n[model]\npreset = \"synthetic\"\n[fabric]\ntransport = \"rdma\"\nrdma_device = \"rxe0\"\nrdma_port = 1\ngid_index = 3",
+        "[job]\n[model]\ntensors = [{ name = \"w\", elements = 8 }]\n[fabric]\ntransport = \"rdma\"\nrdma_device = \"rxe0\"\nrdma_port = 1\ngid_index = 3",
     )
     .unwrap();
     assert_eq!(s.fabric.transport.as_deref(), Some("rdma"));
@@ -65,22 +65,21 @@ fn the_fabric_section_is_optional_and_read() {
 #[test]
 fn errors_name_the_field() {
     let cases = [
-        ("[job]\nworkerz = 2\n[model]\npreset = \"synthetic\"", "workerz"),
-        ("[job]\nworkers = 0\n[model]\npreset = \"synthetic\"", "job.workers"),
-        ("[job]\ndtype = \"f64\"\n[model]\npreset = \"synthetic\"", "job.dtype"),
-        ("[job]\n[model]\npreset = \"resnet\"", "model.preset"),
-        ("[job]\n[model]\npreset = \"synthetic\"\n[optimizer]\nkind = \"lamb\"", "optimizer.kind"),
-        ("[job]\n[model]\npreset = \"synthetic\"\n[optimizer]\nlr = -1.0", "optimizer.lr"),
-        ("[job]\n[model]\npreset = \"synthetic\"\n[lr_schedule]\ndecay = \"exp\"", "lr_schedule.decay"),
-        ("[job]\nworkers = \"two\"\n[model]\npreset = \"synthetic\"", "workers"),
+        ("[job]\nworkerz = 2\n[model]\ntensors = [{ name = \"w\", elements = 8 }]", "workerz"),
+        ("[job]\nworkers = 0\n[model]\ntensors = [{ name = \"w\", elements = 8 }]", "job.workers"),
+        ("[job]\ndtype = \"f64\"\n[model]\ntensors = [{ name = \"w\", elements = 8 }]", "job.dtype"),
+        ("[job]\n[model]\npreset = \"synthetic\"", "unknown field `preset`"),
+        ("[job]\n[model]\ntensors = [{ name = \"w\", elements = 8 }]\n[optimizer]\nkind = \"lamb\"", "optimizer.kind"),
+        ("[job]\n[model]\ntensors = [{ name = \"w\", elements = 8 }]\n[optimizer]\nlr = -1.0", "optimizer.lr"),
+        ("[job]\n[model]\ntensors = [{ name = \"w\", elements = 8 }]\n[lr_schedule]\ndecay = \"exp\"", "lr_schedule.decay"),
+        ("[job]\nworkers = \"two\"\n[model]\ntensors = [{ name = \"w\", elements = 8 }]", "workers"),
         ("[job]", "model.tensors"),
-        ("[job]\n[model]\npreset = \"synthetic\"\ndeclare = true", "model.declare"),
         ("[job]\n[model]\ndeclare = true\ntensors = [{ name = \"w\", elements = 4 }]", "model.declare"),
-        ("[job]\nconsistency = \"ssp\"\nstaleness = 0\n[model]\npreset = \"synthetic\"", "job.staleness"),
-        ("[job]\n[model]\npreset = \"synthetic\"\n[fabric]\ntransport = \"tcp\"", "fabric.transport"),
-        ("[job]\n[model]\npreset = \"synthetic\"\n[fabric]\nrdma_port = 0", "fabric.rdma_port"),
-        ("[job]\naggregator = \"tpu\"\n[model]\npreset = \"synthetic\"", "job.aggregator"),
-        ("[job]\n[model]\npreset = \"synthetic\"\n[fabric]\ndevice = \"mlx5_0\"", "device"),
+        ("[job]\nconsistency = \"ssp\"\nstaleness = 0\n[model]\ntensors = [{ name = \"w\", elements = 8 }]", "job.staleness"),
+        ("[job]\n[model]\ntensors = [{ name = \"w\", elements = 8 }]\n[fabric]\ntransport = \"tcp\"", "fabric.transport"),
+        ("[job]\n[model]\ntensors = [{ name = \"w\", elements = 8 }]\n[fabric]\nrdma_port = 0", "fabric.rdma_port"),
+        ("[job]\naggregator = \"tpu\"\n[model]\ntensors = [{ name = \"w\", elements = 8 }]", "job.aggregator"),
+        ("[job]\n[model]\ntensors = [{ name = \"w\", elements = 8 }]\n[fabric]\ndevice = \"mlx5_0\"", "device"),
         // 2^63 + 2^63 wraps to 0 in u64: refused, not wrapped.
         (
             "[job]\n[model]\ntensors = [{ name = \"a\", elements = 9223372036854775807 }, { name = \"b\", elements = 9223372036854775807 }, { name = \"c\", elements = 2 }]",

@@ -10,7 +10,7 @@ use eps_proto::control::{ControlMsg, MigrationKeys, Order, Role, ShardEndpoint};
 use crate::job::Job;
 
 const SPEC: &str = "[job]\nworkers = 1\nservers = 3\nreplicas = 2\nshard_bytes = 4096\n\
-                    [model]\npreset = \"synthetic\"\nbuckets = 8192\n";
+                    [model]\ntensors = [{ name = \"dense.weight\", elements = 256 }, { name = \"dense.bias\", elements = 4 }, { name = \"sparse.embedding\", elements = 32768 }]\n";
 
 fn ep(shard: u32, owner: u32) -> ShardEndpoint {
     ShardEndpoint { shard, owner, landing: vec![(0, 0)], published_addr: 0, published_rkey: 0 }
