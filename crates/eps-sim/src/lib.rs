@@ -66,6 +66,36 @@ pub struct Report {
     pub replicated: u64,
     /// Roll-backs to a checkpoint after a server crash (jobs without replicas).
     pub rollbacks: u64,
+    /// Workers that joined after the job started (a scale's new ranks).
+    pub worker_joins: u64,
+    /// Workers that left: removed by a scale-down, or crashed.
+    pub worker_leaves: u64,
+    /// Workers removed because their lease ran out.
+    pub lease_expiries: u64,
+    /// Backups promoted to owner after their owner was lost.
+    pub promotions: u64,
+}
+
+impl Report {
+    /// Adds `r`'s counts to these.
+    pub fn add(&mut self, r: &Report) {
+        self.events += r.events;
+        self.time += r.time;
+        self.migrations += r.migrations;
+        self.scales.0 += r.scales.0;
+        self.scales.1 += r.scales.1;
+        self.crashes += r.crashes;
+        self.membership_changes += r.membership_changes;
+        self.empty_updates += r.empty_updates;
+        self.splits += r.splits;
+        self.server_crashes += r.server_crashes;
+        self.replicated += r.replicated;
+        self.rollbacks += r.rollbacks;
+        self.worker_joins += r.worker_joins;
+        self.worker_leaves += r.worker_leaves;
+        self.lease_expiries += r.lease_expiries;
+        self.promotions += r.promotions;
+    }
 }
 
 /// A run that broke an invariant or stopped making progress.
@@ -88,7 +118,7 @@ impl fmt::Display for Failure {
         for l in &self.trace {
             writeln!(f, "  {l}")?;
         }
-        write!(f, "replay with EPS_SIM_SEED={} cargo test -p eps-sim", self.seed)
+        write!(f, "replay: cargo run --release -p eps-sim -- --seed {}", self.seed)
     }
 }
 
@@ -141,8 +171,10 @@ pub(crate) struct World {
     pub(crate) migrations: u64,
     pub(crate) empty_updates: u64,
     pub(crate) splits: u64,
-    report: Report,
+    pub(crate) report: Report,
     plan_left: u32,
+    /// The job's first workers have registered (later ones join it).
+    started: bool,
     trace: VecDeque<String>,
     failure: Option<String>,
 }
@@ -299,6 +331,9 @@ impl World {
         self.note(format!("worker {rank} registered"));
         self.seen.insert(rank, self.net.now);
         self.watching.insert(rank);
+        if self.started {
+            self.report.worker_joins += 1;
+        }
         let mut w = SimWorker::new(rank, self.job.job_map(), self.units);
         w.try_admit(self);
         self.workers.insert(rank, Some(w));
@@ -351,6 +386,7 @@ impl World {
             let seen = *self.seen.entry(r).or_insert(now);
             if now - seen > LEASE {
                 self.note(format!("worker {r}'s lease expired"));
+                self.report.lease_expiries += 1;
                 if let Err(e) = self.ctl(&ControlMsg::Expire { rank: r }) {
                     self.fail(format!("expiring worker {r}: {e}"));
                 }
@@ -391,6 +427,7 @@ impl World {
             if self.ctl(&ControlMsg::ScaleWorkers { workers: n }).is_ok() {
                 self.report.scales.1 += 1;
                 self.note(format!("plan: workers {now} -> {n}"));
+                self.report.worker_leaves += u64::from(now.saturating_sub(n));
                 for _ in now..n {
                     self.start_worker();
                 }
@@ -418,6 +455,7 @@ impl World {
         let t = w.t;
         self.watching.remove(&r);
         self.report.crashes += 1;
+        self.report.worker_leaves += 1;
         self.note(format!("worker {r} crashed at iteration {t}"));
         // Its connections close: pull WRITEs to it may never complete, and the
         // close is the last thing each server hears from it.
@@ -536,6 +574,7 @@ pub fn run(seed: u64) -> Result<Report, Failure> {
         splits: 0,
         report: Report::default(),
         plan_left: 10,
+        started: false,
         trace: VecDeque::new(),
         failure: None,
     };
@@ -551,6 +590,7 @@ pub fn run(seed: u64) -> Result<Report, Failure> {
     for _ in 0..workers {
         w.start_worker();
     }
+    w.started = true;
     w.net.send_after(Node::Ctl, Node::Ctl, Msg::Tick, TICK);
     let first = w.rng.range(5, 100);
     w.net.send_after(Node::Ctl, Node::Ctl, Msg::Plan, first);

@@ -19,19 +19,7 @@ fn every_seed_keeps_the_invariants_and_finishes() {
     let mut failures = Vec::new();
     for seed in seeds() {
         match run(seed) {
-            Ok(r) => {
-                totals.events += r.events;
-                totals.migrations += r.migrations;
-                totals.scales.0 += r.scales.0;
-                totals.scales.1 += r.scales.1;
-                totals.crashes += r.crashes;
-                totals.membership_changes += r.membership_changes;
-                totals.empty_updates += r.empty_updates;
-                totals.splits += r.splits;
-                totals.server_crashes += r.server_crashes;
-                totals.replicated += r.replicated;
-                totals.rollbacks += r.rollbacks;
-            }
+            Ok(r) => totals.add(&r),
             Err(f) => failures.push(f),
         }
     }
@@ -56,6 +44,10 @@ fn every_seed_keeps_the_invariants_and_finishes() {
     // The plan must actually exercise the machinery.
     assert!(totals.migrations > 0 && totals.splits > 0 && totals.membership_changes > 0 && totals.crashes > 0, "{totals:?}");
     assert!(totals.replicated > 0 && totals.server_crashes > 0 && totals.rollbacks > 0, "{totals:?}");
+    assert!(
+        totals.worker_joins > 0 && totals.worker_leaves > 0 && totals.lease_expiries > 0 && totals.promotions > 0,
+        "{totals:?}"
+    );
 }
 
 #[test]

@@ -239,6 +239,7 @@ impl SimServer {
         sh.sync.caught_up();
         sh.incoming = None;
         sh.replica = Some(Rep::Promoted);
+        w.report.promotions += 1;
         self.try_complete(w, id);
     }
 
