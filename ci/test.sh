@@ -70,6 +70,10 @@ bash ci/softroce.sh
 # The Python package over libeps (python/), PyTorch included: installed with
 # pip into the cached environment (building libeps in release), checked in a
 # fresh virtual environment too, then its tests, which drive the release eps.
+step "the simulation: coverage over the CI seed budget, and every mutant caught"
+cargo run --release --locked -q -p eps-sim -- --seeds 2000 --json
+cargo test --release --locked -q -p eps-sim --features mutants --test mutants -- --nocapture
+
 step "Python environment"
 VENV="$(bash ci/python-env.sh)"
 step "release build of eps (the Python tests and examples run it)"

@@ -18,6 +18,7 @@ pub mod init;
 pub mod layout;
 pub mod membership;
 pub mod migrate;
+pub mod mutants;
 pub mod shardmap;
 pub mod spec;
 pub mod sync;

@@ -16,6 +16,8 @@
 //!    and everything after, so no pull needs A any more (a worker whose request
 //!    reaches A later is answered "pull moved" and asks B).
 
+use crate::sync::ShardSync;
+
 /// A migration protocol violation (a bug or a misrouted message).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -121,6 +123,7 @@ impl Source {
         match self.phase {
             SourcePhase::Forwarding => Ok(()),
             SourcePhase::CuttingOver { at } if iteration < at => Ok(()),
+            SourcePhase::CuttingOver { at } if iteration == at && crate::mutants::active("source-takes-cutover-pushes") => Ok(()),
             _ => Err(MigrateError::Misrouted { iteration }),
         }
     }
@@ -150,6 +153,55 @@ impl Source {
         }
         None
     }
+}
+
+/// What a migration target makes of a forward from its source, once the
+/// snapshot landed (BSP).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Forwarded {
+    /// The source cut over at the snapshot's version (a zero-length notice
+    /// of that version): no forward follows, the target aggregates from here
+    /// on.
+    CutoverAtSnapshot,
+    /// That notice, late: the target already aggregated the cutover
+    /// iteration itself, every push of it having landed here (workers route
+    /// by the new map) before the notice did. Nothing is left to do.
+    LateNotice,
+    /// Apply the source's update producing `version` (zero-length: an
+    /// update without contributions).
+    Apply {
+        /// The version it produces.
+        version: u64,
+    },
+    /// Not the version that comes next: the source broke the protocol.
+    Unexpected {
+        /// The version forwarded.
+        version: u64,
+        /// The one that comes next.
+        expected: u64,
+    },
+}
+
+/// Classifies a forward of `version` (`empty`: zero-length) arriving at a
+/// target whose shard state is `sync`, with `queued` forwards waiting to be
+/// applied. The server and the simulation both decide with it.
+pub fn target_forward(sync: &ShardSync, queued: u64, version: u64, empty: bool) -> Forwarded {
+    let expected = sync.version() + 1 + queued;
+    if empty && queued == 0 && version == sync.version() {
+        return Forwarded::CutoverAtSnapshot;
+    }
+    if empty
+        && queued == 0
+        && !sync.catching_up()
+        && (sync.floor()..sync.version()).contains(&version)
+        && !crate::mutants::active("late-cutover-notice")
+    {
+        return Forwarded::LateNotice;
+    }
+    if version != expected {
+        return Forwarded::Unexpected { version, expected };
+    }
+    Forwarded::Apply { version }
 }
 
 /// The cutover iteration a source chooses once its snapshot of `version` landed
@@ -216,6 +268,29 @@ impl Target {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A target's view of its source's forwards: the notice of a cutover at
+    /// the snapshot, the next version, a wrong one, and the notice arriving
+    /// after the target aggregated the cutover iteration itself.
+    #[test]
+    fn a_target_classifies_forwards_and_a_late_notice_is_no_violation() {
+        use crate::Consistency;
+        use crate::sync::PushOutcome;
+        let mut s = ShardSync::incoming(Consistency::Bsp, 2, 0);
+        s.snapshot_landed(5);
+        assert_eq!(target_forward(&s, 0, 5, true), Forwarded::CutoverAtSnapshot);
+        assert_eq!(target_forward(&s, 0, 6, false), Forwarded::Apply { version: 6 });
+        assert_eq!(target_forward(&s, 1, 7, true), Forwarded::Apply { version: 7 }, "an update without contributions");
+        assert_eq!(target_forward(&s, 0, 7, false), Forwarded::Unexpected { version: 7, expected: 6 });
+        // Every push of iteration 5 lands here before the notice: the target
+        // aggregates it itself.
+        assert_eq!(s.on_push(0, 5, &[0, 1]), Ok(PushOutcome::Wait));
+        assert_eq!(s.on_push(1, 5, &[0, 1]), Ok(PushOutcome::AggregateAll { iteration: 5 }));
+        assert_eq!(s.published(None), 6);
+        assert!(!s.catching_up());
+        assert_eq!(target_forward(&s, 0, 5, true), Forwarded::LateNotice);
+        assert_eq!(target_forward(&s, 0, 4, true), Forwarded::Unexpected { version: 4, expected: 7 }, "below the snapshot");
+    }
 
     #[test]
     fn the_cutover_forwards_only_when_pushing_again_costs_more() {

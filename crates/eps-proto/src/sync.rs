@@ -347,7 +347,11 @@ impl ShardSync {
     /// have reached some shards before the worker vanished.)
     pub fn contributors<'a>(&self, m: &'a Membership, lost: &[(u32, u64)], iteration: u64) -> Cow<'a, [u32]> {
         let base = m.contributors(iteration);
-        let gone = |r: u32| lost.iter().any(|&(x, at)| x == r && iteration < at) && !self.has_pushed(r);
+        let gone = |r: u32| {
+            lost.iter().any(|&(x, at)| x == r && iteration < at)
+                && !self.has_pushed(r)
+                && !crate::mutants::active("expired-worker-still-awaited")
+        };
         if lost.is_empty() || !base.iter().any(|&r| gone(r)) {
             return Cow::Borrowed(base);
         }
@@ -364,6 +368,9 @@ impl ShardSync {
         self.full_count = 0;
         self.held = None;
         let waiting: Vec<u32> = (0..self.pending.len() as u32).filter(|&w| self.pending[w as usize].is_some()).collect();
+        if crate::mutants::active("cutover-keeps-waiting-pulls") {
+            return (held, Vec::new());
+        }
         self.pending.iter_mut().for_each(|p| *p = None);
         (held, waiting)
     }

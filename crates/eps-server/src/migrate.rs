@@ -24,7 +24,7 @@ use eps_fabric::prelude::*;
 use eps_proto::control::{ControlMsg, MigrationKeys, Order};
 use eps_proto::hello::{HELLO_LEN, Hello, PEER_BIT};
 use eps_proto::imm::{Imm, ImmKind, widen_seq};
-use eps_proto::migrate::{Source, SourceAction};
+use eps_proto::migrate::{Forwarded, Source, SourceAction, target_forward};
 use eps_proto::sync::ShardSync;
 
 use crate::{Held, Origin, Peer, Pending, Server, ServerError, WR_MIGRATE, WR_OTHER};
@@ -546,30 +546,27 @@ impl<P: Fabric> Server<P> {
                     h.incoming = Some((sender, Some(ci)));
                 }
                 let queued = h.waiting.iter().filter(|p| matches!(p, Pending::Forward { .. })).count() as u64;
-                let expected = h.sync.version() + 1 + queued;
-                let version = widen_seq(m.seq, expected);
-                if len == 0 && queued == 0 && version == h.sync.version() {
-                    // The source cut over at the snapshot's version: we aggregate
-                    // from here on.
-                    h.sync.caught_up();
-                    self.start_new_backup(id)?;
-                    return self.try_complete(id);
+                let version = widen_seq(m.seq, h.sync.version() + 1 + queued);
+                match target_forward(&h.sync, queued, version, len == 0) {
+                    Forwarded::CutoverAtSnapshot => {
+                        // We aggregate from here on.
+                        h.sync.caught_up();
+                        self.start_new_backup(id)?;
+                        self.try_complete(id)
+                    }
+                    Forwarded::LateNotice => Ok(()),
+                    Forwarded::Unexpected { version, expected } => {
+                        self.violation(ci, &format!("forwarded version {version} of shard {id}, expected {expected}"));
+                        Ok(())
+                    }
+                    Forwarded::Apply { version } => {
+                        // A zero-length forward: an update without contributions. A
+                        // backup acknowledges it now if it applies it now; else after
+                        // applying.
+                        self.ack_on_arrival(id, ci, version)?;
+                        self.update(id, Pending::Forward { version, carry: len == 0, worker: None })
+                    }
                 }
-                if len == 0 && queued == 0 && !h.sync.catching_up() && (h.sync.floor()..h.sync.version()).contains(&version) {
-                    // The same notice, late: this server already aggregated the
-                    // cutover iteration itself, every push of it having landed
-                    // here (the workers route by the new map) before the
-                    // notice did. Nothing is left to replay.
-                    return Ok(());
-                }
-                if version != expected {
-                    self.violation(ci, &format!("forwarded version {version} of shard {id}, expected {expected}"));
-                    return Ok(());
-                }
-                // A zero-length forward: an update without contributions. A backup
-                // acknowledges it now if it applies it now; else after applying.
-                self.ack_on_arrival(id, ci, version)?;
-                self.update(id, Pending::Forward { version, carry: len == 0, worker: None })
             }
             None if matches!(
                 h.replica,

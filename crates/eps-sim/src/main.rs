@@ -11,12 +11,18 @@ after every delivery.
 
 usage: eps-sim [--seeds N] [--first S] [--json]
        eps-sim --seed S
+       eps-sim --mutant NAME|all [--seeds N]
+       eps-sim --list-mutants
 
   --seeds N   run seeds FIRST .. FIRST+N (default 2000)
   --first S   the first seed (default 0)
   --seed S    run seed S alone; on a failure print its last events
   --json      end with one JSON line: seeds, violations, and how often each
               kind of event happened over all runs
+  --mutant M  put back the known past bug M (or each in turn: all) and run
+              seeds until one fails; says after how many seeds it was caught
+              (needs a build with --features mutants)
+  --list-mutants  name the mutants and the bug each puts back
   -h, --help  this text
 
 A failing seed prints the command that replays it. The exit status is 1 when
@@ -27,10 +33,12 @@ struct Args {
     seeds: u64,
     json: bool,
     one: bool,
+    mutant: Option<String>,
+    list: bool,
 }
 
 fn parse(mut it: impl Iterator<Item = String>) -> Result<Option<Args>, String> {
-    let mut a = Args { first: 0, seeds: 2000, json: false, one: false };
+    let mut a = Args { first: 0, seeds: 2000, json: false, one: false, mutant: None, list: false };
     let num = |flag: &str, v: Option<String>| -> Result<u64, String> {
         let v = v.ok_or_else(|| format!("{flag} needs a number"))?;
         v.parse().map_err(|_| format!("{flag} {v:?}: not a number"))
@@ -46,6 +54,8 @@ fn parse(mut it: impl Iterator<Item = String>) -> Result<Option<Args>, String> {
                 a.one = true;
             }
             "--json" => a.json = true,
+            "--mutant" => a.mutant = Some(it.next().ok_or("--mutant needs a name (see --list-mutants)")?),
+            "--list-mutants" => a.list = true,
             other => return Err(format!("unknown argument {other:?} (see --help)")),
         }
     }
@@ -67,6 +77,21 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if a.list {
+        for (name, what) in eps_proto::mutants::ALL {
+            println!("{name}: {what}");
+        }
+        return ExitCode::SUCCESS;
+    }
+    if let Some(m) = &a.mutant {
+        return match mutants::run(m, a.first, a.seeds) {
+            Ok(code) => code,
+            Err(e) => {
+                eprintln!("eps-sim: {e}");
+                ExitCode::from(2)
+            }
+        };
+    }
     let mut total = eps_sim::Report::default();
     let mut failures: Vec<eps_sim::Failure> = Vec::new();
     let step = (a.seeds / 10).max(1);
@@ -136,6 +161,44 @@ fn main() -> ExitCode {
         eprintln!("first failure:\n{f}");
     }
     if failures.is_empty() { ExitCode::SUCCESS } else { ExitCode::from(1) }
+}
+
+mod mutants {
+    use std::process::ExitCode;
+
+    /// Runs seeds `first..first + seeds` with mutant `name` (or each mutant
+    /// in turn: `all`) until one fails; prints after how many seeds each was
+    /// caught. Exit status 1 if some mutant went uncaught.
+    #[cfg(feature = "mutants")]
+    pub fn run(name: &str, first: u64, seeds: u64) -> Result<ExitCode, String> {
+        let names: Vec<&str> = match name {
+            "all" => eps_proto::mutants::ALL.iter().map(|(n, _)| *n).collect(),
+            n => vec![n],
+        };
+        let mut missed = 0;
+        for n in names {
+            eps_proto::mutants::set(Some(n))?;
+            let caught = (first..first.saturating_add(seeds)).find_map(|s| eps_sim::run(s).err());
+            eps_proto::mutants::set(None)?;
+            match caught {
+                Some(f) => {
+                    let what = f.what.lines().next().unwrap_or("");
+                    println!("{n}: caught by seed {} ({} seeds run): {what}", f.seed, f.seed - first + 1);
+                }
+                None => {
+                    missed += 1;
+                    println!("{n}: NOT caught in {seeds} seeds");
+                }
+            }
+        }
+        Ok(if missed == 0 { ExitCode::SUCCESS } else { ExitCode::from(1) })
+    }
+
+    /// Without the `mutants` feature there is nothing to put back.
+    #[cfg(not(feature = "mutants"))]
+    pub fn run(_name: &str, _first: u64, _seeds: u64) -> Result<ExitCode, String> {
+        Err("this eps-sim was built without mutants: cargo run --release -p eps-sim --features mutants -- --mutant NAME".into())
+    }
 }
 
 #[cfg(test)]

@@ -42,13 +42,12 @@ pub enum Msg {
     Snapshot { shard: u32, v: u64, value: Vec<u64> },
     /// Source -> itself: the snapshot WRITE completed.
     SnapshotDone { shard: u32 },
-    /// Source -> target: the update producing version `v` (its contributions' digest).
+    /// Source -> target: the update producing version `v` (its contributions'
+    /// digest); an empty digest is the zero-length notice that the cutover is
+    /// at the snapshot's version `v` and no forward follows.
     Forward { shard: u32, v: u64, digest: Vec<u64> },
     /// Target -> source.
     ForwardAck { shard: u32, v: u64 },
-    /// Source -> target: the cutover is at the snapshot's version; no forward
-    /// follows.
-    NoForwards { shard: u32 },
     /// Owner -> itself: the snapshot for a new backup is written.
     ReplicaSnapshotDone { shard: u32 },
     /// Server `s` crashed: its connections failed (the last thing heard from it

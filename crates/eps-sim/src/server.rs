@@ -211,13 +211,6 @@ impl SimServer {
             Msg::ForwardAck { shard, v } => self.on_ack(w, shard, v),
             Msg::ReplicaSnapshotDone { shard } => self.replica_snapshot_done(w, shard),
             Msg::ServerGone { s } => self.peer_gone(w, s),
-            Msg::NoForwards { shard } => {
-                // The notice may cross this server's own migration of the shard
-                // onward (its order comes from the control plane): then ignored.
-                let Some(sh) = self.shards.get_mut(&shard) else { return };
-                sh.sync.caught_up();
-                self.try_complete(w, shard);
-            }
             Msg::Orders(os) => {
                 for o in os {
                     self.on_order(w, o);

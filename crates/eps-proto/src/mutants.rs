@@ -1,0 +1,53 @@
+//! Known past bugs, put back on purpose to check that the simulation finds
+//! them (`eps-sim --mutant NAME`). Built only with the `mutants` feature,
+//! which nothing but the simulator's mutant runs turns on: without it
+//! [`active`] is the constant `false` and every mutant's branch compiles
+//! away.
+
+/// The mutants: name, and the bug it puts back.
+pub const ALL: &[(&str, &str)] = &[
+    (
+        "late-cutover-notice",
+        "a migration target takes its source's \"no forwards follow\" notice, arriving after the target aggregated the cutover iteration itself from pushes that all landed there, for a forward of the wrong version",
+    ),
+    (
+        "source-takes-cutover-pushes",
+        "a migration source takes pushes of the cutover iteration itself, which belong to the target",
+    ),
+    (
+        "cutover-keeps-waiting-pulls",
+        "a migration source cutting over at its snapshot's version keeps the pull requests waiting there instead of answering them \"pull moved\" (nobody will answer them)",
+    ),
+    ("expired-worker-still-awaited", "a BSP shard still waits for the push of a worker whose lease expired before it pushed"),
+];
+
+#[cfg(feature = "mutants")]
+static ACTIVE: std::sync::Mutex<Option<&'static str>> = std::sync::Mutex::new(None);
+
+/// Turns on mutant `name` (`None`: none) for the whole process.
+#[cfg(feature = "mutants")]
+pub fn set(name: Option<&str>) -> Result<(), String> {
+    let found = match name {
+        None => None,
+        Some(n) => Some(ALL.iter().find(|(m, _)| *m == n).map(|(m, _)| *m).ok_or_else(|| {
+            let names: Vec<&str> = ALL.iter().map(|(m, _)| *m).collect();
+            format!("no mutant {n:?} (there are: {})", names.join(", "))
+        })?),
+    };
+    *ACTIVE.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = found;
+    Ok(())
+}
+
+/// Whether mutant `name` is on.
+#[cfg(feature = "mutants")]
+pub fn active(name: &str) -> bool {
+    debug_assert!(ALL.iter().any(|(m, _)| *m == name), "unknown mutant {name}");
+    *ACTIVE.lock().unwrap_or_else(std::sync::PoisonError::into_inner) == Some(name)
+}
+
+/// Whether mutant `name` is on: never, in a build without mutants.
+#[cfg(not(feature = "mutants"))]
+#[inline(always)]
+pub fn active(_name: &str) -> bool {
+    false
+}
