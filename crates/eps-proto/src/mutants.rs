@@ -19,6 +19,10 @@ pub const ALL: &[(&str, &str)] = &[
         "a migration source cutting over at its snapshot's version keeps the pull requests waiting there instead of answering them \"pull moved\" (nobody will answer them)",
     ),
     ("expired-worker-still-awaited", "a BSP shard still waits for the push of a worker whose lease expired before it pushed"),
+    (
+        "promoted-backup-reapplies",
+        "a promoted backup takes a push of an iteration it already applied (pushed again after its owner was lost)",
+    ),
 ];
 
 #[cfg(feature = "mutants")]

@@ -463,16 +463,16 @@ impl<P: Fabric> Server<P> {
         self.try_complete(id)
     }
 
-    /// Whether a push of `iteration` to shard `id` was applied already (a
-    /// worker pushing again after the owner was lost): it is ignored. (A push
+    /// Whether shard `id` here is a backup's, promoted or to be: a push of an
+    /// iteration it applied already is a worker pushing again after the
+    /// owner was lost, and is ignored (`eps_proto::serve::push_gate`). (A push
     /// reaches a backup only from a worker routing by the map that promotes
     /// it, which may come before the order does.)
-    pub(crate) fn applied_before_promotion(&self, id: u32, iteration: u64) -> bool {
+    pub(crate) fn promoted(&self, id: u32) -> bool {
         let h = self.shards.get(id as usize).and_then(Option::as_ref);
-        let promoted = |r: &Option<Replica>| {
-            matches!(r, Some(Replica::Backup { .. } | Replica::Promoted | Replica::Primary { promoted: true, .. }))
-        };
-        h.is_some_and(|h| promoted(&h.replica) && iteration < h.sync.version())
+        h.is_some_and(|h| {
+            matches!(h.replica, Some(Replica::Backup { .. } | Replica::Promoted | Replica::Primary { promoted: true, .. }))
+        })
     }
 
     /// A backup acknowledges a forward as it arrives, when it applies it at once

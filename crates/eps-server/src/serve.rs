@@ -12,6 +12,7 @@ use eps_proto::control::{ControlMsg, Order, Role, ShardEndpoint};
 use eps_proto::hello::{HELLO_LEN, Hello};
 use eps_proto::imm::{Imm, ImmKind, widen_seq};
 use eps_proto::layout::published_offset;
+use eps_proto::serve::{PushGate, push_gate};
 use eps_proto::sync::{PushOutcome, ShardSync};
 
 /// How long a server waits with nothing coming before it says what its
@@ -322,16 +323,11 @@ impl<P: Fabric> Server<P> {
                 }
                 let near = held.sync.min_clock().max(held.sync.version());
                 let iteration = widen_seq(m.seq, near);
-                // A migration source takes pushes of its current iteration only:
-                // a later one comes from a worker that pulled the next version from
-                // the target (the cutover will be at this version), so it goes there.
-                let future = self.mode == eps_proto::Consistency::Bsp && iteration > held.sync.version();
-                if held.out.as_ref().is_some_and(|o| future || o.src.accepts_push(iteration).is_err()) {
-                    return self.send_moved(h.rank, id, m.seq);
-                }
-                if self.applied_before_promotion(id, iteration) {
-                    // Pushed again after the owner was lost; its pull is answered.
-                    return Ok(());
+                let bsp = self.mode == eps_proto::Consistency::Bsp;
+                match push_gate(bsp, &held.sync, held.out.as_ref().map(|o| &o.src), self.promoted(id), iteration) {
+                    PushGate::Moved => return self.send_moved(h.rank, id, m.seq),
+                    PushGate::AlreadyApplied => return Ok(()),
+                    PushGate::Take => {}
                 }
                 let want = self.mem.get(id).map_or(0, |b| b.bytes);
                 if len as usize != want {

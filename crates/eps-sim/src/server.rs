@@ -12,6 +12,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use eps_proto::control::{ControlMsg, MigrationKeys, Order, Role, ShardEndpoint};
 use eps_proto::membership::Membership;
 use eps_proto::migrate::{Source, SourceAction};
+use eps_proto::serve::{PushGate, push_gate};
 use eps_proto::spec::Consistency;
 use eps_proto::sync::{PushOutcome, ShardSync};
 
@@ -231,16 +232,15 @@ impl SimServer {
             w.send(me, Node::Worker(r), Msg::Moved { shard: id, t });
             return;
         };
-        // `Server`: a source takes pushes of its current iteration only.
-        let future = t > sh.sync.version();
-        if sh.out.as_ref().is_some_and(|o| future || o.src.accepts_push(t).is_err()) {
-            self.moved_pushes.insert((r, id));
-            w.send(me, Node::Worker(r), Msg::Moved { shard: id, t });
-            return;
-        }
-        if sh.replica.as_ref().is_some_and(|r| r.promoted()) && t < sh.sync.version() {
-            // Pushed again after the owner was lost; its pull is answered.
-            return;
+        let promoted = sh.replica.as_ref().is_some_and(Rep::promoted);
+        match push_gate(true, &sh.sync, sh.out.as_ref().map(|o| &o.src), promoted, t) {
+            PushGate::Moved => {
+                self.moved_pushes.insert((r, id));
+                w.send(me, Node::Worker(r), Msg::Moved { shard: id, t });
+                return;
+            }
+            PushGate::AlreadyApplied => return,
+            PushGate::Take => {}
         }
         if token.len() != sh.units().len() {
             return w.fail(format!("server {}: push of shard {id} with {} unit digests", self.rank, token.len()));
