@@ -97,6 +97,7 @@ impl Source {
 
     /// A applied the update producing `version` (= previous + 1).
     pub fn on_applied(&mut self, version: u64) -> Option<SourceAction> {
+        debug_assert!(version > self.version, "versions only move forward: {version} after {}", self.version);
         self.version = version;
         match self.phase {
             SourcePhase::Forwarding => {}

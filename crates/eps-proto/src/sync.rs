@@ -188,6 +188,7 @@ impl ShardSync {
     /// The target serves from here on; the contributions the source takes after
     /// the snapshot come as forwards ([`ShardSync::forwarded_from`]).
     pub fn snapshot_landed_async(&mut self, version: u64, clocks: &[u64]) {
+        assert_eq!(clocks.len(), self.clock.len(), "a snapshot carries a clock for every worker rank of the job");
         self.version = version;
         self.floor = 0;
         self.catching_up = false;
@@ -215,9 +216,8 @@ impl ShardSync {
     /// SSP/ASP migration target: a contribution of `worker` that the source took
     /// was applied here (forwarded). Returns the new version.
     pub fn forwarded_from(&mut self, worker: u32) -> u64 {
-        if let Some(c) = self.clock.get_mut(worker as usize) {
-            *c += 1;
-        }
+        assert!((worker as usize) < self.clock.len(), "a contribution forwarded from worker {worker}, past the job's ranks");
+        self.clock[worker as usize] += 1;
         self.version += 1;
         self.publish_waiting = false;
         self.version
@@ -347,6 +347,8 @@ impl ShardSync {
     /// have reached some shards before the worker vanished.)
     pub fn contributors<'a>(&self, m: &'a Membership, lost: &[(u32, u64)], iteration: u64) -> Cow<'a, [u32]> {
         let base = m.contributors(iteration);
+        // BSP's bits depend on summing in rank order.
+        debug_assert!(base.windows(2).all(|w| w[0] < w[1]), "contributors of {iteration} out of rank order: {base:?}");
         let gone = |r: u32| {
             lost.iter().any(|&(x, at)| x == r && iteration < at)
                 && !self.has_pushed(r)
