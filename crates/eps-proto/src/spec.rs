@@ -318,8 +318,9 @@ pub enum SpecError {
 
 /// Most servers a job may have (`job.servers`, `eps scale --servers`).
 pub const MAX_SERVERS: u32 = 1024;
-/// Most workers a job may start with (`job.workers`).
-pub const MAX_WORKERS: u32 = 4096;
+/// Most workers a job may start with (`job.workers`): a server has a landing
+/// slot per worker rank and sums at most this many contributions.
+pub const MAX_WORKERS: u32 = 64;
 /// Most worker ranks a job whose workers change may admit in all
 /// (`job.max_workers`, `eps scale --workers`).
 pub const MAX_ELASTIC_WORKERS: u32 = 64;
@@ -345,7 +346,10 @@ impl JobSpec {
     pub fn validate(&self) -> Result<(), SpecError> {
         let j = &self.job;
         if j.workers == 0 || j.workers > MAX_WORKERS {
-            return Err(bad("job.workers", format!("must be between 1 and {MAX_WORKERS}")));
+            return Err(bad(
+                "job.workers",
+                format!("must be between 1 and {MAX_WORKERS} (a server sums at most {MAX_WORKERS} workers' contributions)"),
+            ));
         }
         if let Some(m) = j.max_workers {
             if m < j.workers || m > MAX_ELASTIC_WORKERS {

@@ -29,7 +29,7 @@ use eps_proto::layout::{PUBLISHED_HEADER, STAMP_WRITING, published_offset};
 /// Elements per fused sum/step/publish pass (fits the L2 cache with its inputs).
 pub const FUSE_BLOCK: usize = 16 * 1024;
 /// Most contributions one update sums.
-pub const MAX_WORKERS: usize = 64;
+pub const MAX_WORKERS: usize = eps_proto::spec::MAX_WORKERS as usize;
 
 /// Memory of a shard device's own, registered with the fabric, that the device
 /// reads contributions from and publishes into in place: landing slots and

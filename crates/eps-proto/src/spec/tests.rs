@@ -67,6 +67,7 @@ fn errors_name_the_field() {
     let cases = [
         ("[job]\nworkerz = 2\n[model]\ntensors = [{ name = \"w\", elements = 8 }]", "workerz"),
         ("[job]\nworkers = 0\n[model]\ntensors = [{ name = \"w\", elements = 8 }]", "job.workers"),
+        ("[job]\nworkers = 65\n[model]\ntensors = [{ name = \"w\", elements = 8 }]", "at most 64 workers"),
         ("[job]\ndtype = \"f64\"\n[model]\ntensors = [{ name = \"w\", elements = 8 }]", "job.dtype"),
         ("[job]\n[model]\npreset = \"synthetic\"", "unknown field `preset`"),
         ("[job]\n[model]\ntensors = [{ name = \"w\", elements = 8 }]\n[optimizer]\nkind = \"lamb\"", "optimizer.kind"),
