@@ -12,11 +12,21 @@ pub use preset::{CTR_TABLE, PRESETS, TaskSection, expand};
 /// the spec, and the text to hand on (what the control plane keeps and
 /// every process reads).
 pub fn parse(text: &str) -> Result<(JobSpec, String), eps_proto::SpecError> {
-    let mut table: toml::Table =
-        text.parse().map_err(|e: toml::de::Error| eps_proto::SpecError::Toml(e.to_string().trim().replace('\n', " ")))?;
+    let table = table_of(text)?;
     if table.get("model").and_then(|m| m.get("preset")).is_none() {
         return Ok((JobSpec::from_toml(text)?, text.to_string()));
     }
+    finish(table)
+}
+
+/// A spec's text as a TOML table.
+fn table_of(text: &str) -> Result<toml::Table, eps_proto::SpecError> {
+    text.parse().map_err(|e: toml::de::Error| eps_proto::SpecError::Toml(e.to_string().trim().replace('\n', " ")))
+}
+
+/// A spec's table with its preset expanded, as the text handed on and the
+/// spec it makes.
+fn finish(mut table: toml::Table) -> Result<(JobSpec, String), eps_proto::SpecError> {
     expand(&mut table)?;
     let text = toml::to_string(&table).expect("a TOML table serializes");
     Ok((JobSpec::from_toml(&text)?, text))
@@ -177,8 +187,7 @@ pub fn build_spec_or(path: Option<&Path>, default: &str, o: &Overrides) -> Resul
         Some(p) => std::fs::read_to_string(p).map_err(|source| ReadSpecError { path: p.to_path_buf(), source })?,
         None => default.to_string(),
     };
-    let mut table: toml::Table =
-        text.parse().map_err(|e: toml::de::Error| eps_proto::SpecError::Toml(e.to_string().trim().replace('\n', " ")))?;
+    let mut table = table_of(&text)?;
     fn set(t: &mut toml::Table, section: &str, key: &str, v: toml::Value) {
         let sec = t.entry(section).or_insert_with(|| toml::Value::Table(toml::Table::new()));
         if let toml::Value::Table(s) = sec {
@@ -234,8 +243,5 @@ pub fn build_spec_or(path: Option<&Path>, default: &str, o: &Overrides) -> Resul
     if let Some(v) = &o.init {
         set(&mut table, "model", "init", V::String(v.clone()));
     }
-    expand(&mut table)?;
-    let text = toml::to_string(&table).expect("a TOML table serializes");
-    let spec = JobSpec::from_toml(&text)?;
-    Ok((spec, text))
+    Ok(finish(table)?)
 }

@@ -127,7 +127,7 @@ impl TaskSection {
                 (within(self.vocab, 1 << 40), "model.vocab", "must be between 1 and 2^40"),
                 (self.zipf.is_finite() && self.zipf > 0.0, "model.zipf", "must be a positive number"),
             ],
-            p => return Err(bad("model.preset", format!("unknown preset {p:?} (known: synthetic, ctr)"))),
+            p => return Err(bad("model.preset", format!("unknown preset {p:?} (known: {})", PRESETS.join(", ")))),
         };
         match checks.iter().find(|c| !c.0) {
             Some((_, field, why)) => Err(bad(field, *why)),

@@ -631,6 +631,17 @@ pub fn run(seed: u64) -> Result<Report, Failure> {
     Ok(w.report)
 }
 
+/// The first of `seeds` that fails with mutant `name` on (a known bug put
+/// back, see `eps_proto::mutants`), or `None` if every one keeps the
+/// invariants. The mutant is off again on return.
+#[cfg(feature = "mutants")]
+pub fn first_caught(name: &str, seeds: std::ops::Range<u64>) -> Result<Option<Failure>, String> {
+    eps_proto::mutants::set(Some(name))?;
+    let caught = seeds.into_iter().find_map(|s| run(s).err());
+    eps_proto::mutants::set(None)?;
+    Ok(caught)
+}
+
 fn fail_at(seed: u64, time: u64, what: String) -> Failure {
     Failure { seed, time, what, trace: Vec::new() }
 }

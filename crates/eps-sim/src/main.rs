@@ -177,10 +177,7 @@ mod mutants {
         };
         let mut missed = 0;
         for n in names {
-            eps_proto::mutants::set(Some(n))?;
-            let caught = (first..first.saturating_add(seeds)).find_map(|s| eps_sim::run(s).err());
-            eps_proto::mutants::set(None)?;
-            match caught {
+            match eps_sim::first_caught(n, first..first.saturating_add(seeds))? {
                 Some(f) => {
                     let what = f.what.lines().next().unwrap_or("");
                     println!("{n}: caught by seed {} ({} seeds run): {what}", f.seed, f.seed - first + 1);
