@@ -158,6 +158,14 @@ fn kill(pid: u32) {
     assert!(Command::new("kill").args(["-KILL", &pid.to_string()]).status().unwrap().success());
 }
 
+/// SIGKILLs `pids` at once (one `kill` command), so that no failover runs
+/// between their deaths: two `kill` commands in a row can be far apart on a
+/// loaded machine.
+fn kill_together(pids: &[u32]) {
+    let pids: Vec<String> = pids.iter().map(u32::to_string).collect();
+    assert!(Command::new("kill").arg("-KILL").args(&pids).status().unwrap().success());
+}
+
 #[test]
 fn a_control_plane_killed_mid_run_is_restarted_and_the_job_ends_bitwise() {
     let spec = spec_file("faults", "control");
@@ -487,8 +495,7 @@ fn a_shard_whose_owner_and_backup_die_together_stops_the_run_naming_it() {
     run.wait_step(40);
     let servers = run.role_pids("server");
     let started = Instant::now();
-    kill(servers[0]);
-    kill(servers[1]);
+    kill_together(&[servers[0], servers[1]]);
     let (ok, _, err) = run.finish();
     assert!(!ok, "{err}");
     assert!(err.contains("its shards are lost") && err.contains("their backups were lost too"), "{err}");
@@ -502,8 +509,7 @@ fn a_shard_whose_owner_and_backup_die_together_stops_the_run_naming_it() {
     let mut run = Run::start(&[&args[..], &["--replicas", "2", "--checkpoint-every", "20", "--checkpoint-dir", d]].concat());
     run.wait_step(70);
     let servers = run.role_pids("server");
-    kill(servers[1]);
-    kill(servers[2]);
+    kill_together(&[servers[1], servers[2]]);
     let (ok, out, err) = run.finish();
     assert!(ok, "{err}");
     assert!(err.contains("their backups were lost too") && err.contains("on 2 servers ("), "{err}");
