@@ -19,7 +19,6 @@ pub mod layout;
 pub mod membership;
 pub mod migrate;
 pub mod mutants;
-pub mod serve;
 pub mod shardmap;
 pub mod spec;
 pub mod sync;

@@ -114,7 +114,7 @@ impl<P: Fabric> Server<P> {
         let me = self.rank;
         let old = old.clone();
         self.sparse.owners.push((at, new.clone()));
-        self.hold = None;
+        self.members.release_hold();
         let moves = buckets::transfers(&old, &new);
         let sources: Vec<u32> = moves.iter().filter(|&&(_, to)| to == me).map(|&(f, _)| f).collect();
         let targets: Vec<u32> = moves.iter().filter(|&&(f, _)| f == me).map(|&(_, t)| t).collect();
@@ -165,7 +165,7 @@ impl<P: Fabric> Server<P> {
         if o.taken[t] {
             return Ok(());
         }
-        match self.sparse.tables[t].part.reached(o.at, self.membership.latest()) {
+        match self.sparse.tables[t].part.reached(o.at, self.members.membership().latest()) {
             Some(true) => {}
             Some(false) => return Ok(()),
             None => return Err(ServerError::Sparse(format!("table {t} passed iteration {} before its buckets left", o.at))),
@@ -297,7 +297,7 @@ impl<P: Fabric> Server<P> {
         let tables: Vec<String> = self.sparse.tables.iter().map(|t| t.part.sync.describe()).collect();
         let incoming = m.incoming.as_ref().map_or(String::new(), |i| format!("; rows due at {} from {:?}", i.at, i.from));
         let outgoing = m.outgoing.as_ref().map_or(String::new(), |o| format!("; rows leaving at {} for {:?}", o.at, o.targets));
-        Some(format!("sparse tables [{}]; {held} requests held (hold {:?}){incoming}{outgoing}", tables.join(", "), self.hold))
+        Some(format!("sparse tables [{}]; {held} requests held (hold {:?}){incoming}{outgoing}", tables.join(", "), self.members.hold()))
     }
 
     /// `Order::FreeRows`: the blob for server `to` was taken.

@@ -176,7 +176,7 @@ impl<P: Fabric> Server<P> {
         }
         for id in self.mem.held().collect::<Vec<_>>() {
             let Some(h) = self.shards.get(id as usize).and_then(Option::as_ref) else { continue };
-            if h.sync.version() >= version {
+            if h.core.sync.version() >= version {
                 self.report_missed(id, version, dir);
             }
         }

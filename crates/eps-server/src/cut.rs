@@ -32,7 +32,7 @@ impl<P: Fabric> Server<P> {
             return None;
         }
         let h = self.shards.get(id as usize).and_then(Option::as_ref)?;
-        let seen = h.sync.clocks().iter().max().copied().unwrap_or(0).saturating_sub(1);
+        let seen = h.core.sync.clocks().iter().max().copied().unwrap_or(0).saturating_sub(1);
         let after = *self.saver.cuts.entry(id).or_insert(seen.max(self.saver.start));
         self.saver.next_cut(after)
     }
@@ -43,8 +43,7 @@ impl<P: Fabric> Server<P> {
     pub(crate) fn unhold_for_move(&mut self, id: u32) {
         let Some(held) = self.saver.held.remove(&id) else { return };
         if let Some(h) = self.shards.get_mut(id as usize).and_then(Option::as_mut) {
-            h.waiting.extend(held.into_iter().map(|(w, iteration)| Pending::Update { iteration, one: Some(w) }));
-            h.sync.set_publish_waiting(!h.waiting.is_empty());
+            h.core.park_all(held.into_iter().map(|(w, iteration)| Pending::Update { iteration, one: Some(w) }));
         }
     }
 
@@ -66,12 +65,13 @@ impl<P: Fabric> Server<P> {
     pub(crate) fn try_cut(&mut self, id: u32) -> Result<(), ServerError> {
         let Some(t) = self.next_cut(id) else { return Ok(()) };
         let Some(h) = self.shards.get(id as usize).and_then(Option::as_ref) else { return Ok(()) };
-        if h.out.is_some() || matches!(h.incoming, Some((_, None))) || !h.waiting.is_empty() {
+        if h.out.is_some() || matches!(h.incoming, Some((_, None))) || h.core.parked_len() > 0 {
             return Ok(());
         }
         // Contributions applied, per worker: those received less those held.
         let held = self.saver.held.get(&id);
         let applied: Vec<u64> = h
+            .core
             .sync
             .clocks()
             .iter()
@@ -82,7 +82,7 @@ impl<P: Fabric> Server<P> {
         if !passed && applied.iter().any(|&c| c < t) {
             return Ok(()); // a worker has not reached `t` here yet
         }
-        let updates = h.sync.version();
+        let updates = h.core.sync.version();
         let values = if passed { None } else { self.mem.copy_state(id)? };
         let Some((start, len)) = self.mem.get(id).map(|b| (b.start, b.len)) else { return Ok(()) };
         if passed {

@@ -35,7 +35,7 @@ mod serve;
 mod sparse;
 mod split;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -43,12 +43,12 @@ use std::sync::mpsc::{Receiver, channel};
 use std::time::Duration;
 
 use eps_agg::{Aggregator, LrSchedule, Optimizer};
+use eps_core::{Answers, Members, Pending};
 use eps_control_client::client::ANSWER_WITHIN;
 use eps_control_client::{ControlClient, ControlError};
 use eps_fabric::prelude::*;
 use eps_proto::control::{ControlMsg, Order, Role, ShardEndpoint};
 use eps_proto::hello::Hello;
-use eps_proto::membership::Membership;
 use eps_proto::sync::ShardSync;
 use eps_proto::{Consistency, JobSpec, SpecError};
 
@@ -151,6 +151,14 @@ pub enum ServerError {
     /// A membership change cannot be applied.
     #[error("membership: {0}")]
     Membership(String),
+    /// An update cannot run as asked (a bug, or a peer that broke the protocol).
+    #[error("shard {shard}: {source}")]
+    Update {
+        /// The shard.
+        shard: u32,
+        /// Why.
+        source: eps_core::CoreError,
+    },
     /// A work request could not be posted.
     #[error("posting {op:?} to {peer}: {source}")]
     Post {
@@ -171,17 +179,6 @@ pub enum ServerError {
     #[error("sparse table: {0}")]
     Sparse(String),
 }
-
-/// 0, 1, 2, ...: contributor lists are slices of this.
-const ALL_RANKS: [u32; MAX_WORKERS] = {
-    let mut a = [0u32; MAX_WORKERS];
-    let mut i = 0;
-    while i < MAX_WORKERS {
-        a[i] = i as u32;
-        i += 1;
-    }
-    a
-};
 
 /// Work-request ids: kind in the top two bits.
 const WR_PULL: u64 = 1 << 62;
@@ -269,22 +266,10 @@ impl<P: Fabric> Conn<P> {
     }
 }
 
-/// An update waiting for its shard to be free.
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum Pending {
-    /// Workers' contributions of an iteration (all, or one worker's).
-    Update { iteration: u64, one: Option<u32> },
-    /// A forwarded update producing `version` (migration target); `carry`: an
-    /// iteration without contributions (the parameters carry over); `worker`: in
-    /// SSP/ASP, the worker whose contribution it is (the version is not checked).
-    Forward { version: u64, carry: bool, worker: Option<u32> },
-}
-
 /// A shard held here.
 pub(crate) struct Held {
-    sync: ShardSync,
-    /// Updates waiting for a free buffer, in arrival order.
-    waiting: VecDeque<Pending>,
+    /// Its consistency state and the updates parked until it is free.
+    core: eps_core::ShardCore,
     /// Migrating away: the source side.
     out: Option<migrate::Outgoing>,
     /// Arriving: the source's rank, and once the snapshot has landed, the
@@ -340,13 +325,9 @@ pub(crate) struct Server<P: Fabric> {
     metrics: metrics::Metrics,
     ready: Vec<(u32, u64)>,
     threads: usize,
-    /// Contributor sets by iteration (committed changes, see `members.rs`).
-    membership: Membership,
-    /// A membership vote is open: pushes of iterations from here on are recorded
-    /// but aggregate nothing until the change is committed.
-    hold: Option<u64>,
-    /// Workers removed by lease expiry, with the first iteration without them.
-    lost: Vec<(u32, u64)>,
+    /// Contributor sets by iteration, the hold of an open vote, workers lost
+    /// with their leases (see `members.rs`).
+    members: Members,
     /// Landing regions of released shards, kept so that a push routed with an old
     /// epoch still lands in bounds and is answered "moved".
     /// The shard moved away, for the slots of a completed move (freed when
@@ -355,14 +336,8 @@ pub(crate) struct Server<P: Fabric> {
     /// Moves ordered while their shard's backup had not acknowledged its last
     /// update: started once it has (see `replica.rs`).
     parked_moves: Vec<eps_proto::control::Order>,
-    /// (worker, shard) whose last push was answered "moved": the pull request
-    /// that follows it is answered "pull moved" too, even if the shard arrived
-    /// here meanwhile (the worker counts one answer of each kind).
-    moved_pushes: std::collections::BTreeSet<(u32, u32)>,
-    /// Pull WRITEs posted and not completed, by work-request id (the same pull
-    /// may be in flight twice: a read-only pull asked again): the published
-    /// buffer they read stays in use until they complete.
-    pulls_out: std::collections::BTreeMap<u64, u32>,
+    /// Pushes answered "moved" and pull WRITEs in flight.
+    answers: Answers,
     /// Pulls to a worker whose connection was dropped: they will never complete,
     /// so the event loop releases their buffers (see `drop_conn`).
     orphaned: Vec<u64>,
@@ -501,8 +476,7 @@ pub fn run_direct<P: Fabric>(
             None => ShardSync::at_version(spec.job.consistency, ranks, first).resumed_at(clock),
         };
         shards[s.id as usize] = Some(Held {
-            sync,
-            waiting: VecDeque::new(),
+            core: eps_core::ShardCore::new(sync),
             out: None,
             incoming: backup_of.map(|p| (p, None)),
             split: None,
@@ -565,13 +539,10 @@ pub fn run_direct<P: Fabric>(
         },
         ready: Vec::with_capacity(ranks as usize),
         threads: cfg.update_threads.clamp(1, 2),
-        membership: Membership::new((0..workers).collect()).map_err(|_| ServerError::Unexpected)?,
-        hold: None,
-        lost: Vec::new(),
+        members: Members::new(workers).map_err(|_| ServerError::Unexpected)?,
         retained: Vec::new(),
         parked_moves: Vec::new(),
-        moved_pushes: Default::default(),
-        pulls_out: Default::default(),
+        answers: Answers::default(),
         orphaned: Vec::new(),
         retired: false,
         spans: layout.shards.iter().map(|s| (s.start, s.len)).collect(),

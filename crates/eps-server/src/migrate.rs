@@ -129,8 +129,7 @@ impl<P: Fabric> Server<P> {
         self.mem.add(id, start, len, Origin::Incoming)?;
         let sync = ShardSync::incoming(self.mode, self.ranks, 0);
         self.shards[id as usize] = Some(Held {
-            sync,
-            waiting: Default::default(),
+            core: eps_core::ShardCore::new(sync),
             out: None,
             incoming: Some((from, None)),
             split: None,
@@ -225,11 +224,11 @@ impl<P: Fabric> Server<P> {
             h.replica = None;
         }
         let Some(h) = self.shards.get(id as usize).and_then(Option::as_ref) else { return Ok(()) };
-        let v0 = h.sync.version();
+        let v0 = h.core.sync.version();
         // SSP/ASP: the workers' clocks, less contributions parked here (they are
         // not in the snapshot; they are relayed after it).
-        let mut clocks = h.sync.clocks().to_vec();
-        for p in &h.waiting {
+        let mut clocks = h.core.sync.clocks().to_vec();
+        for p in h.core.parked() {
             if let Pending::Update { one: Some(w), .. } = p
                 && let Some(c) = clocks.get_mut(*w as usize)
             {
@@ -306,7 +305,7 @@ impl<P: Fabric> Server<P> {
             return Ok(());
         }
         h.out = None;
-        h.sync.set_publish_waiting(!h.waiting.is_empty());
+        h.core.sync.set_publish_waiting(h.core.parked_len() > 0);
         eps_proto::say!("eps server {rank}: the move of shard {id} to server {to} stopped ({why}); the shard stays here");
         self.release_forward_buffer(id);
         self.drain(id)
@@ -352,14 +351,13 @@ impl<P: Fabric> Server<P> {
         if self.mode != eps_proto::Consistency::Bsp {
             return self.async_cutover(id);
         }
-        let (membership, lost) = (&self.membership, &self.lost);
         let Some(h) = self.shards.get_mut(id as usize).and_then(Option::as_mut) else { return Ok(()) };
         if h.out.is_none() {
             // The move stopped meanwhile (its connection failed: the failure
             // may be polled before this snapshot's completion): no cutover.
             return Ok(());
         }
-        let version = h.sync.version();
+        let version = h.core.sync.version();
         // No update ran while the snapshot was in flight, so every worker is still
         // at most at iteration `version`. If that iteration's update is ready here
         // (every contribution in) and forwarding it costs less than pushing it
@@ -369,9 +367,7 @@ impl<P: Fabric> Server<P> {
         // pushes of `version` held here are answered "moved" (their workers push
         // again to the target) and the pulls waiting here "pull moved"; nothing is
         // forwarded and the shard is released at once.
-        let c = h.sync.contributors(membership, lost, version);
-        let complete = h.sync.complete(&c).is_some() || !h.waiting.is_empty();
-        let at = eps_proto::migrate::cutover_at(version, complete, c.len(), self.mem.dtype.size_bytes() as u64);
+        let at = h.core.cutover_at(&self.members, self.mem.dtype.size_bytes() as u64);
         // Announced before anything changes here: a refusal (the control plane
         // cancelled the move, its target lost) leaves the shard as it was.
         // (Nothing else happens here meanwhile: this loop does one thing at a
@@ -381,13 +377,8 @@ impl<P: Fabric> Server<P> {
         }
         let Some(h) = self.shards.get_mut(id as usize).and_then(Option::as_mut) else { return Ok(()) };
         // Pull requests waiting here for a version after the cutover go to the
-        // target.
-        let (held, waiting) = if at > version { (Vec::new(), h.sync.refuse_above(at)) } else { h.sync.evict() };
-        if at == version {
-            // A complete iteration parked here goes back with its pushes.
-            h.waiting.retain(|p| !matches!(p, Pending::Update { .. }));
-            h.sync.set_publish_waiting(!h.waiting.is_empty());
-        }
+        // target; at the snapshot's version, held pushes go back too.
+        let (held, waiting) = h.core.cut_over(at);
         let Some(out) = h.out.as_mut() else { return Ok(()) };
         out.snapshot_done();
         let action = out.src.announce(at).map_err(|e| ServerError::Migration(e.to_string()))?;
@@ -405,7 +396,7 @@ impl<P: Fabric> Server<P> {
         }
         for w in waiting {
             // Its pull request was here already: answered now, not when it comes.
-            self.moved_pushes.remove(&(w, id));
+            self.answers.forget_moved(w, id);
             self.send_pull_moved(w, id, version as u16)?;
         }
         if action == Some(SourceAction::Release) {
@@ -497,9 +488,9 @@ impl<P: Fabric> Server<P> {
                 // server serves that version too.
                 let (v0, clocks) = snapshot_version.unwrap_or_default();
                 let moved = if bsp {
-                    h.sync.snapshot_landed(v0)
+                    h.core.sync.snapshot_landed(v0)
                 } else {
-                    h.sync.snapshot_landed_async(v0, &clocks);
+                    h.core.sync.snapshot_landed_async(v0, &clocks);
                     Vec::new()
                 };
                 h.incoming = Some((from, Some(ci)));
@@ -517,7 +508,7 @@ impl<P: Fabric> Server<P> {
                 }
                 let mut ready = Vec::new();
                 if let Some(h) = self.held_mut(id) {
-                    h.sync.ready_pulls(&mut ready);
+                    h.core.sync.ready_pulls(&mut ready);
                 }
                 for (w, v) in ready {
                     self.send_pull(w, id, v)?;
@@ -545,12 +536,12 @@ impl<P: Fabric> Server<P> {
                     *primary = sender;
                     h.incoming = Some((sender, Some(ci)));
                 }
-                let queued = h.waiting.iter().filter(|p| matches!(p, Pending::Forward { .. })).count() as u64;
-                let version = widen_seq(m.seq, h.sync.version() + 1 + queued);
-                match target_forward(&h.sync, queued, version, len == 0) {
+                let queued = h.core.forwards_parked();
+                let version = widen_seq(m.seq, h.core.sync.version() + 1 + queued);
+                match target_forward(&h.core.sync, queued, version, len == 0) {
                     Forwarded::CutoverAtSnapshot => {
                         // We aggregate from here on.
-                        h.sync.caught_up();
+                        h.core.sync.caught_up();
                         self.start_new_backup(id)?;
                         self.try_complete(id)
                     }

@@ -41,21 +41,21 @@ impl<P: Fabric> Server<P> {
     pub(crate) fn async_cutover(&mut self, id: u32) -> Result<(), ServerError> {
         let Some(h) = self.held_mut(id) else { return Ok(()) };
         let queue: VecDeque<u32> = h
-            .waiting
-            .drain(..)
+            .core
+            .unpark_all()
+            .into_iter()
             .filter_map(|p| match p {
                 Pending::Update { one: Some(w), .. } => Some(w),
                 _ => None,
             })
             .collect();
-        h.sync.set_publish_waiting(false);
-        let refused = h.sync.refuse_all();
+        let refused = h.core.sync.refuse_all();
         let Some(out) = h.out.as_mut() else { return Ok(()) };
         out.snapshot_done();
         out.relay = Some(Relay { queue, ..Relay::default() });
         out.announced = true;
         for w in refused {
-            self.moved_pushes.remove(&(w, id));
+            self.answers.forget_moved(w, id);
             self.send_pull_moved(w, id, 0)?;
         }
         self.ctl.call(&ControlMsg::Cutover { shard: id, at: 0 })?;
@@ -101,7 +101,7 @@ impl<P: Fabric> Server<P> {
         let Some(out) = h.out.as_mut() else { return Ok(()) };
         out.forward_busy = false;
         let Some(w) = out.relay.as_mut().and_then(|r| r.sending.take()) else { return Ok(()) };
-        h.sync.consumed(w);
+        h.core.sync.consumed(w);
         self.send_credit(w, id)?;
         self.pump(id)
     }

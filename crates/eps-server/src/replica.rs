@@ -92,7 +92,7 @@ impl<P: Fabric> Server<P> {
             );
             return Ok(());
         };
-        if snapshot && (matches!(h.incoming, Some((_, None))) || h.sync.catching_up()) {
+        if snapshot && (matches!(h.incoming, Some((_, None))) || h.core.sync.catching_up()) {
             // A move's target ordered a new backup once the move's source let
             // go: the snapshot waits for the shard's own state (see
             // `start_new_backup`).
@@ -110,7 +110,7 @@ impl<P: Fabric> Server<P> {
         let Some(h) = self.held_mut(id) else {
             return Err(ServerError::Migration(format!("shard {id} left while its backup was replaced")));
         };
-        let version = h.sync.version();
+        let version = h.core.sync.version();
         // (Updates parked while the backup was awaited run now, unless a
         // snapshot is written first.)
         let Some(ci) = self.forward_conn(id, to, addr, "the shard goes on without a backup")? else { return self.drain(id) };
@@ -206,24 +206,24 @@ impl<P: Fabric> Server<P> {
             // to the new map (the promoted backup). So are the contributors of
             // an update applied here and not served (its backup may not have
             // it): they push it again, and the backup ignores it if it has.
-            let v = h.sync.version() as u16;
+            let v = h.core.sync.version() as u16;
             if let Some(Replica::Primary { waiting: Some(d), .. }) = &h.replica
                 && let Pending::Update { iteration, one } = d.p
             {
                 let c: Vec<u32> = match one {
                     Some(w) => vec![w],
-                    None => h.sync.contributors(&self.membership, &self.lost, iteration).into_owned(),
+                    None => self.members.contributors(&h.core.sync, iteration).into_owned(),
                 };
                 for w in c {
                     self.send_moved(w, id, iteration as u16)?;
                 }
             }
-            let (held, waiting) = h.sync.evict();
+            let (held, waiting) = h.core.sync.evict();
             for w in held {
                 self.send_moved(w, id, v)?;
             }
             for w in waiting {
-                self.moved_pushes.remove(&(w, id));
+                self.answers.forget_moved(w, id);
                 self.send_pull_moved(w, id, v)?;
             }
         }
@@ -243,8 +243,7 @@ impl<P: Fabric> Server<P> {
         self.spans[id as usize] = (start, len);
         self.mem.add(id, start, len, crate::Origin::BackupFromSnapshot)?;
         self.shards[id as usize] = Some(crate::Held {
-            sync: eps_proto::sync::ShardSync::incoming(self.mode, self.ranks, 0),
-            waiting: Default::default(),
+            core: eps_core::ShardCore::new(eps_proto::sync::ShardSync::incoming(self.mode, self.ranks, 0)),
             out: None,
             incoming: Some((from, None)),
             split: None,
@@ -317,7 +316,7 @@ impl<P: Fabric> Server<P> {
     /// once it has caught up.
     pub(crate) fn start_new_backup(&mut self, id: u32) -> Result<(), ServerError> {
         let Some(h) = self.held_mut(id) else { return Ok(()) };
-        if h.new_backup.is_none() || matches!(h.incoming, Some((_, None))) || h.sync.catching_up() {
+        if h.new_backup.is_none() || matches!(h.incoming, Some((_, None))) || h.core.sync.catching_up() {
             return Ok(());
         }
         match h.new_backup.take() {
@@ -444,8 +443,8 @@ impl<P: Fabric> Server<P> {
         let Some(h) = self.held_mut(id) else {
             return Err(ServerError::Migration(format!("promoted for shard {id}, which has no backup here")));
         };
-        let at = h.sync.version();
-        h.sync.caught_up();
+        let at = h.core.sync.version();
+        h.core.sync.caught_up();
         h.incoming = None;
         let lost = match h.replica.replace(Replica::Promoted) {
             Some(Replica::Backup { primary, .. }) => Some(primary),
@@ -465,7 +464,7 @@ impl<P: Fabric> Server<P> {
 
     /// Whether shard `id` here is a backup's, promoted or to be: a push of an
     /// iteration it applied already is a worker pushing again after the
-    /// owner was lost, and is ignored (`eps_proto::serve::push_gate`). (A push
+    /// owner was lost, and is ignored (`eps_core::push_gate`). (A push
     /// reaches a backup only from a worker routing by the map that promotes
     /// it, which may come before the order does.)
     pub(crate) fn promoted(&self, id: u32) -> bool {

@@ -2,25 +2,24 @@
 //! completions from the CQ, and the worker-facing half of the protocol (pushes,
 //! pull requests, pull answers, credits, "moved" answers).
 
-use std::borrow::Cow;
 use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
 use eps_control_client::ControlError;
+use eps_core::{Next, PullStep, PushGate, push_gate};
 use eps_fabric::prelude::*;
 use eps_proto::control::{ControlMsg, Order, Role, ShardEndpoint};
 use eps_proto::hello::{HELLO_LEN, Hello};
 use eps_proto::imm::{Imm, ImmKind, widen_seq};
 use eps_proto::layout::published_offset;
-use eps_proto::serve::{PushGate, push_gate};
-use eps_proto::sync::{PushOutcome, ShardSync};
+use eps_proto::sync::ShardSync;
 
 /// How long a server waits with nothing coming before it says what its
 /// shards wait for.
 const STALL_REPORT: Duration = Duration::from_secs(10);
 
 use crate::{
-    ALL_RANKS, Conn, Peer, Pending, Server, ServerError, UpdateArgs, WR_HELLO, WR_MIGRATE, WR_OTHER, WR_PULL, pull_wr,
+    Conn, Peer, Pending, Server, ServerError, UpdateArgs, WR_HELLO, WR_MIGRATE, WR_OTHER, WR_PULL, pull_wr,
     pull_wr_parts,
 };
 
@@ -144,14 +143,14 @@ impl<P: Fabric> Server<P> {
     fn report_stall(&self) {
         for (id, h) in self.shards.iter().enumerate() {
             let Some(h) = h else { continue };
-            if h.sync.idle() && h.waiting.is_empty() {
+            if h.core.sync.idle() && h.core.parked_len() == 0 {
                 continue;
             }
-            let what = h.sync.describe();
+            let what = h.core.sync.describe();
             eps_proto::say!(
                 "eps server {}: nothing came for {STALL_REPORT:?}: shard {id}: {what}; {} updates parked{}{}",
                 self.rank,
-                h.waiting.len(),
+                h.core.parked_len(),
                 if h.out.is_some() { ", moving out" } else { "" },
                 match &h.replica {
                     Some(r) => format!(", {r:?}"),
@@ -290,12 +289,10 @@ impl<P: Fabric> Server<P> {
         self.conns[ci].qp = None;
         if let Peer::Worker(h) = self.conns[ci].peer {
             for s in self.shards.iter_mut().flatten() {
-                s.sync.drop_pending(h.rank);
+                s.core.sync.drop_pending(h.rank);
             }
             // Its pulls in flight may never complete now: release their buffers.
-            for (&wr, &n) in self.pulls_out.iter().filter(|(wr, _)| pull_wr_parts(**wr).1 == h.rank) {
-                self.orphaned.extend(std::iter::repeat_n(wr, n as usize));
-            }
+            self.orphaned.extend(self.answers.orphaned(h.rank).into_iter().map(|(id, w, v)| pull_wr(id, w, v)));
         }
     }
 
@@ -321,10 +318,10 @@ impl<P: Fabric> Server<P> {
                     self.violation(ci, &format!("pushed shard {id} before its initial values came (model.init = \"worker\")"));
                     return Ok(());
                 }
-                let near = held.sync.min_clock().max(held.sync.version());
+                let near = held.core.sync.min_clock().max(held.core.sync.version());
                 let iteration = widen_seq(m.seq, near);
                 let bsp = self.mode == eps_proto::Consistency::Bsp;
-                match push_gate(bsp, &held.sync, held.out.as_ref().map(|o| &o.src), self.promoted(id), iteration) {
+                match push_gate(bsp, &held.core.sync, held.out.as_ref().map(|o| &o.src), self.promoted(id), iteration) {
                     PushGate::Moved => return self.send_moved(h.rank, id, m.seq),
                     PushGate::AlreadyApplied => return Ok(()),
                     PushGate::Take => {}
@@ -336,21 +333,10 @@ impl<P: Fabric> Server<P> {
                 }
                 // With a device, the contribution starts for it now.
                 self.mem.stage(id, h.rank)?;
-                if self.unsettled(iteration) {
-                    let Some(held) = self.shards[id as usize].as_mut() else { return Ok(()) };
-                    if let Err(e) = held.sync.on_push_unsettled(h.rank, iteration) {
-                        self.violation(ci, &e.to_string());
-                    }
-                    return Ok(());
-                }
                 let Some(held) = self.shards[id as usize].as_mut() else { return Ok(()) };
-                let contributors = held.sync.contributors(&self.membership, &self.lost, iteration);
-                match held.sync.on_push(h.rank, iteration, &contributors) {
-                    Ok(PushOutcome::Wait) => {}
-                    Ok(PushOutcome::AggregateAll { iteration }) => self.update(id, Pending::Update { iteration, one: None })?,
-                    Ok(PushOutcome::ApplyOne { worker, iteration }) => {
-                        self.update(id, Pending::Update { iteration, one: Some(worker) })?
-                    }
+                match held.core.take_push(&self.members, h.rank, iteration) {
+                    Ok(Some(p)) => self.update(id, p)?,
+                    Ok(None) => {}
                     Err(e) => self.violation(ci, &e.to_string()),
                 }
             }
@@ -365,20 +351,19 @@ impl<P: Fabric> Server<P> {
     pub(crate) fn pull_asked(&mut self, ci: usize, h: Hello, id: u32, seq: u16) -> Result<(), ServerError> {
         // A shard or version no longer (or not yet) served here: the worker
         // routes with another epoch; it fetches the new map and asks the owner.
-        if self.moved_pushes.remove(&(h.rank, id)) {
+        if self.answers.pull_follows_moved(h.rank, id) {
             return self.send_pull_moved(h.rank, id, seq);
         }
         if self.keep_pull_for_seed(ci, h, id, seq) {
             return Ok(());
         }
         let Some(held) = self.shards[id as usize].as_mut() else { return self.send_pull_moved(h.rank, id, seq) };
-        let need = widen_seq(seq, held.sync.version().max(held.sync.min_clock()));
-        if held.out.as_ref().is_some_and(|o| !o.src.serves(need) || o.relay.is_some()) || !held.sync.serves(need) {
-            return self.send_pull_moved(h.rank, id, seq);
-        }
-        match held.sync.on_pull(h.rank, need) {
-            Ok(Some(v)) => self.send_pull(h.rank, id, v)?,
-            Ok(None) => {}
+        let need = widen_seq(seq, held.core.sync.version().max(held.core.sync.min_clock()));
+        let refused = held.out.as_ref().is_some_and(|o| !o.src.serves(need) || o.relay.is_some());
+        match held.core.pull(h.rank, need, refused) {
+            Ok(PullStep::Moved) => return self.send_pull_moved(h.rank, id, seq),
+            Ok(PullStep::Send(v)) => self.send_pull(h.rank, id, v)?,
+            Ok(PullStep::Wait) => {}
             Err(e) => self.violation(ci, &e.to_string()),
         }
         Ok(())
@@ -396,10 +381,14 @@ impl<P: Fabric> Server<P> {
 
     /// Whether shard `id` can take its next update now.
     pub(crate) fn free(&self, id: u32) -> bool {
-        self.shards[id as usize]
-            .as_ref()
-            .is_some_and(|h| h.sync.can_publish() && h.waiting.is_empty() && h.out.as_ref().is_none_or(|o| !o.busy()))
-            && !self.replica_busy(id)
+        self.shards[id as usize].as_ref().is_some_and(|h| h.core.free(self.busy(id)))
+    }
+
+    /// A snapshot or forward of shard `id` is in flight (to a move's target
+    /// or its backup): no update may run.
+    fn busy(&self, id: u32) -> bool {
+        let out = self.shards[id as usize].as_ref().and_then(|h| h.out.as_ref());
+        out.is_some_and(|o| o.busy()) || self.replica_busy(id)
     }
 
     /// Applies an update to shard `id`, or parks it until the shard is free.
@@ -417,64 +406,41 @@ impl<P: Fabric> Server<P> {
             r.queue.push_back(w);
             return self.pump(id);
         }
-        if !self.free(id) {
-            if let Some(h) = self.shards[id as usize].as_mut() {
-                h.sync.set_publish_waiting(true);
-                // An iteration found complete again while parked (a commit or a
-                // catch-up checks again) is parked once.
-                let again = matches!(p, Pending::Update { one: None, iteration }
-                    if h.waiting.iter().any(|q| matches!(q, Pending::Update { one: None, iteration: i } if *i == iteration)));
-                if !again {
-                    h.waiting.push_back(p);
-                }
-            }
-            return Ok(());
+        let busy = self.busy(id);
+        match self.held_mut(id).and_then(|h| h.core.offer(p, busy)) {
+            Some(p) => self.apply(id, p),
+            None => Ok(()),
         }
-        self.apply(id, p)
     }
 
     /// Applies parked updates while the shard is free.
     pub(crate) fn drain(&mut self, id: u32) -> Result<(), ServerError> {
         self.start_new_backup(id)?;
         loop {
-            let replica_busy = self.replica_busy(id);
+            let busy = self.busy(id);
             let Some(h) = self.shards[id as usize].as_mut() else { return Ok(()) };
-            let busy = h.out.as_ref().is_some_and(|o| o.busy()) || replica_busy;
-            if !h.sync.can_publish() || busy {
-                return Ok(());
+            match h.core.next(busy) {
+                Next::Busy => return Ok(()),
+                Next::Idle => return self.try_split(id),
+                Next::Apply(p) => self.apply(id, p)?,
             }
-            let Some(p) = h.waiting.pop_front() else { return self.try_split(id) };
-            h.sync.set_publish_waiting(!h.waiting.is_empty());
-            self.apply(id, p)?;
         }
     }
 
     fn apply(&mut self, id: u32, p: Pending) -> Result<(), ServerError> {
         let Some(h) = self.shards[id as usize].as_ref() else { return Ok(()) };
-        let next = h.sync.version() + 1;
+        let eps_core::Plan { next, contributors, one, carry } =
+            h.core.plan(p, &self.members).map_err(|e| ServerError::Update { shard: id, source: e })?;
         let parity = ShardSync::parity(next);
         // The update producing version `next` belongs to iteration `next - 1`.
         let scalars = self.opt.scalars(next - 1, self.sched.at(next - 1));
-        let (contributors, scale, one): (Cow<'_, [u32]>, f32, Option<u32>) = match p {
-            // BSP: the iteration's contributors in rank order, averaged over their
-            // number; SSP/ASP: one worker's contribution, scaled by the worker count.
-            Pending::Update { iteration, one: None } => {
-                let c = h.sync.contributors(&self.membership, &self.lost, iteration);
-                let scale = 1.0 / c.len() as f32;
-                (c, scale, None)
-            }
-            Pending::Update { one: Some(w), .. } => {
-                (Cow::Borrowed(std::slice::from_ref(&ALL_RANKS[w as usize])), 1.0 / self.workers as f32, Some(w))
-            }
-            Pending::Forward { .. } => (Cow::Borrowed(&[][..]), 1.0, None),
+        // BSP: the iteration's contributors, averaged over their number;
+        // SSP/ASP: one worker's contribution, scaled by the worker count.
+        let scale = match p {
+            Pending::Update { one: None, .. } => 1.0 / contributors.len() as f32,
+            Pending::Update { one: Some(_), .. } => 1.0 / self.workers as f32,
+            Pending::Forward { .. } => 1.0,
         };
-        let carry =
-            matches!(p, Pending::Forward { carry: true, .. } | Pending::Update { one: None, .. }) && contributors.is_empty();
-        if let Pending::Forward { version, worker: None, .. } = p
-            && version != next
-        {
-            return Err(ServerError::Migration(format!("forward of version {version} applied at version {}", next - 1)));
-        }
         let u = UpdateArgs { agg: &*self.agg, opt: &self.opt, scalars, scale, threads: self.threads };
         self.mem.set_stamp(id, parity, eps_proto::layout::STAMP_WRITING);
         // For the right values: `free` said no pull uses `parity`; a forward
@@ -515,18 +481,7 @@ impl<P: Fabric> Server<P> {
         // acknowledgement) may be done again otherwise, and must not be saved.
         self.save_if_due(id, next)?;
         let Some(h) = self.shards[id as usize].as_mut() else { return Ok(()) };
-        match p {
-            Pending::Forward { worker: Some(w), .. } => {
-                h.sync.forwarded_from(w);
-            }
-            Pending::Forward { .. } => {
-                h.sync.forwarded();
-            }
-            Pending::Update { .. } => {
-                h.sync.published(one);
-            }
-        }
-        h.sync.set_publish_waiting(!h.waiting.is_empty());
+        h.core.finished(p);
         self.summary.updates += 1;
         self.metrics.updates.inc();
         if let Some(w) = one {
@@ -536,7 +491,7 @@ impl<P: Fabric> Server<P> {
         let mut ready = std::mem::take(&mut self.ready);
         ready.clear();
         if let Some(h) = self.shards[id as usize].as_mut() {
-            h.sync.ready_pulls(&mut ready);
+            h.core.sync.ready_pulls(&mut ready);
         }
         for &(w, v) in &ready {
             self.send_pull(w, id, v)?;
@@ -555,16 +510,12 @@ impl<P: Fabric> Server<P> {
     fn on_send_done(&mut self, wr_id: u64, ok: bool) -> Result<(), ServerError> {
         match wr_id & (3 << 62) {
             WR_PULL => {
-                match self.pulls_out.get_mut(&wr_id) {
-                    Some(n) if *n > 1 => *n -= 1,
-                    Some(_) => {
-                        self.pulls_out.remove(&wr_id);
-                    }
-                    None => return Ok(()), // released when its connection was dropped
+                let (id, w, v) = pull_wr_parts(wr_id);
+                if !self.answers.written(id, w, v) {
+                    return Ok(()); // released when its connection was dropped
                 }
-                let (id, _, v) = pull_wr_parts(wr_id);
                 let Some(h) = self.held_mut(id) else { return Ok(()) };
-                h.sync.pull_written(v);
+                h.core.sync.pull_written(v);
                 self.drain(id)
             }
             WR_MIGRATE => self.on_migration_written(wr_id, ok),
@@ -586,7 +537,7 @@ impl<P: Fabric> Server<P> {
     pub(crate) fn send_pull(&mut self, w: u32, id: u32, v: u64) -> Result<(), ServerError> {
         let Some((conn, h)) = self.worker_conn(w) else {
             if let Some(h) = self.shards[id as usize].as_mut() {
-                h.sync.pull_written(v);
+                h.core.sync.pull_written(v);
             }
             return Ok(());
         };
@@ -596,7 +547,7 @@ impl<P: Fabric> Server<P> {
         let remote = RemoteAddr { addr: h.pull_addr + b.start * es, rkey: h.pull_rkey };
         let imm = Imm { kind: ImmKind::PullDone, shard: id, seq: v as u16 }.encode();
         conn.post(&SendWr { wr_id: pull_wr(id, w, v), op: SendOp::WriteImm(remote, imm), sg: &sg, signaled: true })?;
-        *self.pulls_out.entry(pull_wr(id, w, v)).or_insert(0) += 1;
+        self.answers.posted(id, w, v);
         self.summary.pulls += 1;
         self.metrics.pulls.inc();
         Ok(())
@@ -617,7 +568,7 @@ impl<P: Fabric> Server<P> {
     pub(crate) fn send_moved(&mut self, w: u32, id: u32, seq: u16) -> Result<(), ServerError> {
         self.summary.moved += 1;
         self.metrics.moved.inc();
-        self.moved_pushes.insert((w, id));
+        self.answers.moved(w, id);
         self.notify(w, Imm { kind: ImmKind::Moved, shard: id, seq })
     }
 

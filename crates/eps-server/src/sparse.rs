@@ -218,7 +218,7 @@ impl<P: Fabric> Server<P> {
         let decl = t.part.table();
         let bytes: &[u8] = bytemuck::cast_slice(if op == Op::Push { &t.push_copy[w] } else { &t.pull_copy[w] });
         let gate = self.sparse.moving.gate();
-        let hold = self.hold;
+        let hold = self.members.hold();
         let (mode, giving) = (self.mode, self.sparse.moving.giving(table as usize));
         let checked = wire::parse(bytes, len as usize, op, decl).map_err(|e| e.to_string()).and_then(|q| {
             if q.header.seq as u16 != m.seq {
@@ -269,7 +269,7 @@ impl<P: Fabric> Server<P> {
                 // low bits were checked against it.)
                 let iteration = seq;
                 t.pushed[w] = len as usize;
-                let contributors = t.part.sync.contributors(&self.membership, &self.lost, iteration).into_owned();
+                let contributors = self.members.contributors(&t.part.sync, iteration).into_owned();
                 match t.part.sync.on_push(h.rank, iteration, &contributors) {
                     Ok(PushOutcome::AggregateAll { .. }) => self.sparse_update(table, &contributors)?,
                     Ok(PushOutcome::ApplyOne { worker, .. }) => self.sparse_update(table, &[worker])?,

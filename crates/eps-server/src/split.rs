@@ -13,7 +13,6 @@
 //! serve `v` too. Then the split is reported (`ControlMsg::Split`), which makes
 //! the new map.
 
-use std::collections::VecDeque;
 use std::time::Instant;
 
 use eps_fabric::Fabric;
@@ -57,11 +56,11 @@ impl<P: Fabric> Server<P> {
     pub(crate) fn try_split(&mut self, id: u32) -> Result<(), ServerError> {
         let Some(h) = self.shards.get(id as usize).and_then(Option::as_ref) else { return Ok(()) };
         let Some(o) = h.split else { return Ok(()) };
-        if !h.waiting.is_empty() || h.sync.publish_waiting() || h.out.is_some() || h.seed.is_some() {
+        if h.core.parked_len() > 0 || h.core.sync.publish_waiting() || h.out.is_some() || h.seed.is_some() {
             return Ok(());
         }
         let began = Instant::now();
-        let v = h.sync.version();
+        let v = h.core.sync.version();
         let (start, len) = self.spans[id as usize];
         let parts = [(o.lo, o.mid - start), (o.hi, start + len - o.mid)];
         self.mem.split(id, ShardSync::parity(v), v, parts)?;
@@ -75,8 +74,7 @@ impl<P: Fabric> Server<P> {
         for p in [o.lo, o.hi] {
             let sync = ShardSync::at_version(self.mode, self.ranks, v);
             self.shards[p as usize] = Some(Held {
-                sync,
-                waiting: VecDeque::new(),
+                core: eps_core::ShardCore::new(sync),
                 out: None,
                 incoming: None,
                 split: None,
@@ -89,12 +87,12 @@ impl<P: Fabric> Server<P> {
         if let Some(b) = self.mem.remove(id) {
             self.retained.push((None, b.landing));
         }
-        let (held, waiting) = parent.sync.evict();
+        let (held, waiting) = parent.core.sync.evict();
         for w in held {
             self.send_moved(w, id, v as u16)?;
         }
         for w in waiting {
-            self.moved_pushes.remove(&(w, id));
+            self.answers.forget_moved(w, id);
             self.send_pull_moved(w, id, v as u16)?;
         }
         let lo = self.endpoint(o.lo).ok_or_else(|| ServerError::Migration("split part vanished".into()))?;
