@@ -218,7 +218,8 @@ impl ShardCore {
             }
             Pending::Forward { .. } => (Cow::Borrowed(&[][..]), None),
         };
-        let carry = matches!(p, Pending::Forward { carry: true, .. } | Pending::Update { one: None, .. }) && contributors.is_empty();
+        let carry =
+            matches!(p, Pending::Forward { carry: true, .. } | Pending::Update { one: None, .. }) && contributors.is_empty();
         Ok(Plan { next, contributors, one, carry })
     }
 

@@ -297,7 +297,11 @@ impl<P: Fabric> Server<P> {
         let tables: Vec<String> = self.sparse.tables.iter().map(|t| t.part.sync.describe()).collect();
         let incoming = m.incoming.as_ref().map_or(String::new(), |i| format!("; rows due at {} from {:?}", i.at, i.from));
         let outgoing = m.outgoing.as_ref().map_or(String::new(), |o| format!("; rows leaving at {} for {:?}", o.at, o.targets));
-        Some(format!("sparse tables [{}]; {held} requests held (hold {:?}){incoming}{outgoing}", tables.join(", "), self.members.hold()))
+        Some(format!(
+            "sparse tables [{}]; {held} requests held (hold {:?}){incoming}{outgoing}",
+            tables.join(", "),
+            self.members.hold()
+        ))
     }
 
     /// `Order::FreeRows`: the blob for server `to` was taken.

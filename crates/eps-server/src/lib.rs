@@ -43,9 +43,9 @@ use std::sync::mpsc::{Receiver, channel};
 use std::time::Duration;
 
 use eps_agg::{Aggregator, LrSchedule, Optimizer};
-use eps_core::{Answers, Members, Pending};
 use eps_control_client::client::ANSWER_WITHIN;
 use eps_control_client::{ControlClient, ControlError};
+use eps_core::{Answers, Members, Pending};
 use eps_fabric::prelude::*;
 use eps_proto::control::{ControlMsg, Order, Role, ShardEndpoint};
 use eps_proto::hello::Hello;

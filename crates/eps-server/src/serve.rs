@@ -19,8 +19,7 @@ use eps_proto::sync::ShardSync;
 const STALL_REPORT: Duration = Duration::from_secs(10);
 
 use crate::{
-    Conn, Peer, Pending, Server, ServerError, UpdateArgs, WR_HELLO, WR_MIGRATE, WR_OTHER, WR_PULL, pull_wr,
-    pull_wr_parts,
+    Conn, Peer, Pending, Server, ServerError, UpdateArgs, WR_HELLO, WR_MIGRATE, WR_OTHER, WR_PULL, pull_wr, pull_wr_parts,
 };
 
 /// How long a completion may wait for its accepted connection to be handed over.

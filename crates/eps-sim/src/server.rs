@@ -7,27 +7,17 @@
 mod moves;
 mod replica;
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet};
 
+use eps_core::{Answers, Members, Next, Pending, PullStep, PushGate, ShardCore, push_gate};
 use eps_proto::control::{ControlMsg, MigrationKeys, Order, Role, ShardEndpoint};
-use eps_proto::membership::Membership;
 use eps_proto::migrate::{Source, SourceAction};
-use eps_proto::serve::{PushGate, push_gate};
 use eps_proto::spec::Consistency;
-use eps_proto::sync::{PushOutcome, ShardSync};
+use eps_proto::sync::ShardSync;
 
 use crate::net::{Msg, Node, h2};
 use crate::{World, units};
 use replica::Rep;
-
-/// An update waiting for its shard to be free.
-#[derive(Clone, Debug)]
-enum Pending {
-    /// Aggregate this iteration's contributions.
-    Update(u64),
-    /// Replay the source's update producing version `v`.
-    Forward { v: u64, digest: Vec<u64> },
-}
 
 /// The source side of a migration.
 #[derive(Debug)]
@@ -44,12 +34,14 @@ struct Out {
 struct Shard {
     /// First element and elements.
     span: (u64, u64),
-    sync: ShardSync,
+    /// Its consistency state and parked updates: `eps-server`'s own.
+    core: ShardCore,
     /// Value of each version held (a digest per unit).
     vals: BTreeMap<u64, Vec<u64>>,
     /// Per worker rank: (iteration, gradient digest per unit) in its landing slot.
     landing: Vec<Option<(u64, Vec<u64>)>>,
-    waiting: VecDeque<Pending>,
+    /// The digests of forwards parked or applying, by the version each produces.
+    forwards: BTreeMap<u64, Vec<u64>>,
     out: Option<Out>,
     /// Migration target: (source, snapshot landed).
     incoming: Option<(u32, bool)>,
@@ -63,10 +55,10 @@ impl Shard {
     fn new(span: (u64, u64), sync: ShardSync, ranks: u32) -> Self {
         Self {
             span,
-            sync,
+            core: ShardCore::new(sync),
             vals: BTreeMap::new(),
             landing: vec![None; ranks as usize],
-            waiting: VecDeque::new(),
+            forwards: BTreeMap::new(),
             out: None,
             incoming: None,
             split: None,
@@ -84,18 +76,14 @@ impl Shard {
 pub(crate) struct SimServer {
     pub(crate) rank: u32,
     shards: BTreeMap<u32, Shard>,
-    membership: Membership,
-    hold: Option<u64>,
-    lost: Vec<(u32, u64)>,
+    members: Members,
     pub(crate) retired: bool,
     /// Workers whose connection closed.
     dead: BTreeSet<u32>,
     /// Servers whose connection failed (they crashed).
     gone: BTreeSet<u32>,
-    /// (worker, shard) whose last push was answered "moved".
-    moved_pushes: BTreeSet<(u32, u32)>,
-    /// Pull WRITEs posted and not completed: (worker, shard, version) -> count.
-    pulls_out: BTreeMap<(u32, u32, u64), u32>,
+    /// Pushes answered "moved", pull WRITEs in flight.
+    answers: Answers,
     /// Copies of a shard released here whose landing slots are kept.
     released: BTreeMap<u32, u32>,
     ranks: u32,
@@ -121,15 +109,12 @@ impl SimServer {
         let mut s = Self {
             rank,
             shards: BTreeMap::new(),
-            membership: Membership::new((0..workers).collect()).expect("at least one worker"),
-            hold: None,
-            lost: Vec::new(),
+            members: Members::new(workers).expect("at least one worker"),
             retired: false,
             released: BTreeMap::new(),
             dead: BTreeSet::new(),
             gone: BTreeSet::new(),
-            moved_pushes: BTreeSet::new(),
-            pulls_out: BTreeMap::new(),
+            answers: Answers::default(),
             ranks,
         };
         for &(id, start, len) in shards {
@@ -153,12 +138,14 @@ impl SimServer {
     /// has it): it holds the shard and neither a migration nor a snapshot floor
     /// refuses the version.
     pub(crate) fn serves(&self, shard: u32, need: u64) -> bool {
-        self.shards.get(&shard).is_some_and(|sh| {
-            sh.sync.serves(need)
-                && sh.out.as_ref().is_none_or(|o| o.src.serves(need))
-                && !(matches!(sh.replica, Some(Rep::Backup { .. }))
-                    && sh.incoming == Some((sh.incoming.map_or(0, |i| i.0), false)))
-        })
+        self.shards.get(&shard).is_some_and(|sh| sh.core.sync.serves(need) && !Self::refuses(sh, need))
+    }
+
+    /// Whether a move or a backup not yet synced refuses version `need` of
+    /// a shard whose state would serve it.
+    fn refuses(sh: &Shard, need: u64) -> bool {
+        sh.out.as_ref().is_some_and(|o| !o.src.serves(need))
+            || (matches!(sh.replica, Some(Rep::Backup { .. })) && matches!(sh.incoming, Some((_, false))))
     }
 
     /// Whether this server can serve version `need` of alignment unit `unit`
@@ -172,16 +159,16 @@ impl SimServer {
         let mut t = format!(
             "{}hold {:?}, lost {:?}, dead {:?}; ",
             if self.retired { "retired; " } else { "" },
-            self.hold,
-            self.lost,
+            self.members.hold(),
+            self.members.lost(),
             self.dead
         );
         for (id, sh) in &self.shards {
             t += &format!(
                 "[shard {id} units {:?} v{} waiting {} out {:?} in {:?} split {:?} replica {:?} slots {:?}] ",
                 sh.units(),
-                sh.sync.version(),
-                sh.waiting.len(),
+                sh.core.sync.version(),
+                sh.core.parked_len(),
                 sh.out.as_ref().map(|o| (o.src.phase(), o.to, o.snapshot_busy, o.forward_busy)),
                 sh.incoming,
                 sh.split,
@@ -228,14 +215,14 @@ impl SimServer {
     fn on_push(&mut self, w: &mut World, r: u32, id: u32, t: u64, token: Vec<u64>) {
         let me = self.me();
         let Some(sh) = self.shards.get_mut(&id) else {
-            self.moved_pushes.insert((r, id));
+            self.answers.moved(r, id);
             w.send(me, Node::Worker(r), Msg::Moved { shard: id, t });
             return;
         };
         let promoted = sh.replica.as_ref().is_some_and(Rep::promoted);
-        match push_gate(true, &sh.sync, sh.out.as_ref().map(|o| &o.src), promoted, t) {
+        match push_gate(true, &sh.core.sync, sh.out.as_ref().map(|o| &o.src), promoted, t) {
             PushGate::Moved => {
-                self.moved_pushes.insert((r, id));
+                self.answers.moved(r, id);
                 w.send(me, Node::Worker(r), Msg::Moved { shard: id, t });
                 return;
             }
@@ -246,42 +233,36 @@ impl SimServer {
             return w.fail(format!("server {}: push of shard {id} with {} unit digests", self.rank, token.len()));
         }
         let us = sh.units();
-        if self.hold.is_some_and(|h| t >= h) {
-            match sh.sync.on_push_unsettled(r, t) {
-                Ok(()) => {
-                    sh.landing[r as usize] = Some((t, token));
-                    w.accept(r, us, t);
+        match sh.core.take_push(&self.members, r, t) {
+            Ok(due) => {
+                sh.landing[r as usize] = Some((t, token));
+                w.accept(r, us, t);
+                match due {
+                    None => {}
+                    Some(p @ Pending::Update { one: None, .. }) => self.update(w, id, p),
+                    Some(p) => w.fail(format!("server {}: BSP push gave {p:?}", self.rank)),
                 }
-                Err(e) => w.fail(format!("server {}: push of worker {r}, shard {id}, iteration {t}: {e}", self.rank)),
             }
-            return;
-        }
-        let c = sh.sync.contributors(&self.membership, &self.lost, t).into_owned();
-        match sh.sync.on_push(r, t, &c) {
-            Ok(PushOutcome::Wait) => {
-                sh.landing[r as usize] = Some((t, token));
-                w.accept(r, us, t);
-            }
-            Ok(PushOutcome::AggregateAll { iteration }) => {
-                sh.landing[r as usize] = Some((t, token));
-                w.accept(r, us, t);
-                self.update(w, id, Pending::Update(iteration));
-            }
-            Ok(other) => w.fail(format!("server {}: BSP push gave {other:?}", self.rank)),
             Err(e) => w.fail(format!("server {}: push of worker {r}, shard {id}, iteration {t}: {e}", self.rank)),
         }
     }
 
     fn on_pull_req(&mut self, w: &mut World, r: u32, id: u32, need: u64) {
         let me = self.me();
-        if self.moved_pushes.remove(&(r, id)) || !self.serves(id, need) {
-            w.send(me, Node::Worker(r), Msg::PullMoved { shard: id });
-            return;
-        }
-        let Some(sh) = self.shards.get_mut(&id) else { return };
-        match sh.sync.on_pull(r, need) {
-            Ok(Some(v)) => self.send_pull(w, r, id, v),
-            Ok(None) => {}
+        let moved = self.answers.pull_follows_moved(r, id);
+        let step = match self.shards.get_mut(&id) {
+            Some(sh) if !moved => {
+                let refused = Self::refuses(sh, need);
+                sh.core.pull(r, need, refused)
+            }
+            _ => Ok(PullStep::Moved),
+        };
+        match step {
+            Ok(PullStep::Moved) => {
+                w.send(me, Node::Worker(r), Msg::PullMoved { shard: id });
+            }
+            Ok(PullStep::Send(v)) => self.send_pull(w, r, id, v),
+            Ok(PullStep::Wait) => {}
             Err(e) => w.fail(format!("server {}: pull of worker {r}, shard {id}, version {need}: {e}", self.rank)),
         }
     }
@@ -290,14 +271,14 @@ impl SimServer {
         let me = self.me();
         let Some(sh) = self.shards.get_mut(&id) else { return };
         if self.dead.contains(&r) {
-            sh.sync.pull_written(v);
+            sh.core.sync.pull_written(v);
             return;
         }
         let Some(value) = sh.vals.get(&v).cloned() else {
             return w.fail(format!("server {} asked to send version {v} of shard {id}, which it does not hold", self.rank));
         };
         let at = w.send(me, Node::Worker(r), Msg::PullDone { shard: id, v, value });
-        *self.pulls_out.entry((r, id, v)).or_insert(0) += 1;
+        self.answers.posted(id, r, v);
         w.complete_after(me, Msg::PullWritten { shard: id, w: r, v }, at);
     }
 
@@ -306,32 +287,20 @@ impl SimServer {
     fn drop_conn(&mut self, w: &mut World, r: u32) {
         self.dead.insert(r);
         for sh in self.shards.values_mut() {
-            sh.sync.drop_pending(r);
+            sh.core.sync.drop_pending(r);
         }
-        let mine: Vec<((u32, u32, u64), u32)> =
-            self.pulls_out.iter().filter(|((x, _, _), _)| *x == r).map(|(&k, &n)| (k, n)).collect();
-        for ((r, id, v), n) in mine {
-            for _ in 0..n {
-                self.on_pull_written(w, id, r, v);
-            }
+        for (id, r, v) in self.answers.orphaned(r) {
+            self.on_pull_written(w, id, r, v);
         }
     }
 
     fn on_pull_written(&mut self, w: &mut World, id: u32, r: u32, v: u64) {
-        match self.pulls_out.get_mut(&(r, id, v)) {
-            Some(n) if *n > 1 => *n -= 1,
-            Some(_) => {
-                self.pulls_out.remove(&(r, id, v));
-            }
-            None => return, // released when its connection closed
+        if !self.answers.written(id, r, v) {
+            return; // released when its connection closed
         }
         let Some(sh) = self.shards.get_mut(&id) else { return };
-        sh.sync.pull_written(v);
+        sh.core.sync.pull_written(v);
         self.drain(w, id);
-    }
-
-    fn free(&self, id: u32) -> bool {
-        self.shards.get(&id).is_some_and(|sh| sh.sync.can_publish() && sh.waiting.is_empty() && !Self::busy(sh))
     }
 
     /// A snapshot or forward of the shard is in flight (to a move's target or
@@ -341,47 +310,40 @@ impl SimServer {
     }
 
     fn update(&mut self, w: &mut World, id: u32, p: Pending) {
-        if !self.free(id) {
-            if let Some(sh) = self.shards.get_mut(&id) {
-                sh.sync.set_publish_waiting(true);
-                let again =
-                    matches!(p, Pending::Update(t) if sh.waiting.iter().any(|q| matches!(q, Pending::Update(u) if *u == t)));
-                if !again {
-                    sh.waiting.push_back(p);
-                }
-            }
-            return;
+        let Some(sh) = self.shards.get_mut(&id) else { return };
+        let busy = Self::busy(sh);
+        if let Some(p) = sh.core.offer(p, busy) {
+            self.apply(w, id, p);
         }
-        self.apply(w, id, p);
     }
 
     fn drain(&mut self, w: &mut World, id: u32) {
         loop {
             let Some(sh) = self.shards.get_mut(&id) else { return };
-            if !sh.sync.can_publish() || Self::busy(sh) {
-                return;
+            let busy = Self::busy(sh);
+            match sh.core.next(busy) {
+                Next::Busy => return,
+                Next::Idle => return self.try_split(w, id),
+                Next::Apply(p) => self.apply(w, id, p),
             }
-            let Some(p) = sh.waiting.pop_front() else { return self.try_split(w, id) };
-            sh.sync.set_publish_waiting(!sh.waiting.is_empty());
-            self.apply(w, id, p);
         }
     }
 
     fn apply(&mut self, w: &mut World, id: u32, p: Pending) {
         let rank = self.rank;
         let Some(sh) = self.shards.get_mut(&id) else { return };
-        let version = sh.sync.version();
-        let next = version + 1;
+        let plan = match sh.core.plan(p, &self.members) {
+            Ok(plan) => plan,
+            Err(e) => return w.fail(format!("server {rank}: shard {id}: {e}")),
+        };
+        let (version, next) = (plan.next - 1, plan.next);
         let Some(old) = sh.vals.get(&version).cloned() else {
             return w.fail(format!("server {rank}: shard {id} has no value for its version {version}"));
         };
         let mut applied = None;
-        let digest = match p.clone() {
-            Pending::Update(iteration) => {
-                if iteration != version {
-                    return w.fail(format!("server {rank}: shard {id} aggregates iteration {iteration} at version {version}"));
-                }
-                let c = sh.sync.contributors(&self.membership, &self.lost, iteration).into_owned();
+        let digest = match p {
+            Pending::Update { iteration, .. } => {
+                let c = plan.contributors.into_owned();
                 w.empty_updates += u64::from(c.is_empty());
                 let mut d = vec![0u64; old.len()];
                 for &r in &c {
@@ -407,12 +369,10 @@ impl SimServer {
                 applied = Some((iteration, c));
                 d
             }
-            Pending::Forward { v, digest } => {
-                if v != next {
-                    return w.fail(format!("server {rank}: forward of version {v} of shard {id} applied at version {version}"));
-                }
-                digest
-            }
+            Pending::Forward { version: v, .. } => match sh.forwards.remove(&v) {
+                Some(d) => d,
+                None => return w.fail(format!("server {rank}: forward of version {v} of shard {id} without its digest")),
+            },
         };
         let value: Vec<u64> = old.iter().zip(&digest).map(|(&o, &d)| h2(h2(o, version), d)).collect();
         sh.vals.insert(next, value);
@@ -435,18 +395,14 @@ impl SimServer {
     fn finish(&mut self, w: &mut World, id: u32, p: Pending, next: u64, digest: Vec<u64>) {
         let rank = self.rank;
         let Some(sh) = self.shards.get_mut(&id) else { return };
-        match p {
-            Pending::Update(_) => sh.sync.published(None),
-            Pending::Forward { .. } => {
-                // `ShardSync::forwarded`: pushes held for the iteration the
-                // forward applied are in it already.
-                for l in sh.landing.iter_mut().filter(|l| l.as_ref().is_some_and(|(t, _)| *t + 1 == next)) {
-                    *l = None;
-                }
-                sh.sync.forwarded()
+        if let Pending::Forward { .. } = p {
+            // `ShardSync::forwarded`: pushes held for the iteration the
+            // forward applied are in it already.
+            for l in sh.landing.iter_mut().filter(|l| l.as_ref().is_some_and(|(t, _)| *t + 1 == next)) {
+                *l = None;
             }
-        };
-        sh.sync.set_publish_waiting(!sh.waiting.is_empty());
+        }
+        sh.core.finished(p);
         let first = sh.units().start;
         let Some(value) = sh.vals.get(&next).cloned() else {
             return w.fail(format!("server {rank}: shard {id} lost version {next} before serving it"));
@@ -457,7 +413,7 @@ impl SimServer {
         self.after_apply(w, id, p, next, digest);
         let mut ready = Vec::new();
         if let Some(sh) = self.shards.get_mut(&id) {
-            sh.sync.ready_pulls(&mut ready);
+            sh.core.sync.ready_pulls(&mut ready);
         }
         for (r, v) in ready {
             self.send_pull(w, r, id, v);
@@ -488,15 +444,13 @@ impl SimServer {
     /// is in and its contributor set is settled.
     fn try_complete(&mut self, w: &mut World, id: u32) {
         let Some(sh) = self.shards.get(&id) else { return };
-        let v = sh.sync.version();
         // `Server::try_complete`: not while an update waits for the backup's
         // acknowledgement (its slots are not freed yet).
-        if self.hold.is_some_and(|h| v >= h) || matches!(sh.replica, Some(Rep::Primary { waiting: Some(_), .. })) {
+        if matches!(sh.replica, Some(Rep::Primary { waiting: Some(_), .. })) {
             return;
         }
-        let c = sh.sync.contributors(&self.membership, &self.lost, v);
-        if let Some(t) = sh.sync.complete(&c) {
-            self.update(w, id, Pending::Update(t));
+        if let Some(p) = sh.core.completes(&self.members) {
+            self.update(w, id, p);
         }
     }
 }

@@ -16,7 +16,7 @@ impl SimServer {
         let Some((from, false)) = sh.incoming else {
             return w.fail(format!("server {}: unexpected snapshot of shard {id}", self.rank));
         };
-        let moved = sh.sync.snapshot_landed(v);
+        let moved = sh.core.sync.snapshot_landed(v);
         let first = sh.units().start;
         w.publish(self.rank, id, first, v, &value);
         sh.vals.insert(v, value);
@@ -32,7 +32,7 @@ impl SimServer {
         }
         // The snapshot's version is published: pulls waiting for it are served.
         let mut ready = Vec::new();
-        sh.sync.ready_pulls(&mut ready);
+        sh.core.sync.ready_pulls(&mut ready);
         for (r, v) in ready {
             self.send_pull(w, r, id, v);
         }
@@ -44,24 +44,18 @@ impl SimServer {
         let Some(sh) = self.shards.get_mut(&id) else { return };
         // The iteration after if its update is ready here, else this very version
         // (the held pushes and waiting pulls go back to their workers).
-        let version = sh.sync.version();
-        let c = sh.sync.contributors(&self.membership, &self.lost, version);
-        let complete = sh.sync.complete(&c).is_some() || !sh.waiting.is_empty();
-        let at = eps_proto::migrate::cutover_at(version, complete, c.len(), 4);
-        let (held, waiting) = if at > version { (Vec::new(), sh.sync.refuse_above(at)) } else { sh.sync.evict() };
-        if at == version {
-            sh.waiting.retain(|p| !matches!(p, Pending::Update(_)));
-            sh.sync.set_publish_waiting(!sh.waiting.is_empty());
-        }
+        let version = sh.core.sync.version();
+        let at = sh.core.cutover_at(&self.members, 4);
+        let (held, waiting) = sh.core.cut_over(at);
         let us = sh.units();
         for &r in &held {
             sh.landing[r as usize] = None;
             w.unaccept(r, us.clone(), version);
-            self.moved_pushes.insert((r, id));
+            self.answers.moved(r, id);
             w.send(me, Node::Worker(r), Msg::Moved { shard: id, t: version });
         }
         for &r in &waiting {
-            self.moved_pushes.remove(&(r, id));
+            self.answers.forget_moved(r, id);
             w.send(me, Node::Worker(r), Msg::PullMoved { shard: id });
         }
         let Some(out) = sh.out.as_mut() else { return };
@@ -98,10 +92,10 @@ impl SimServer {
         if sh.incoming != Some((sh.incoming.map_or(0, |i| i.0), true)) {
             return w.fail(format!("server {}: forward of shard {id} before its snapshot", self.rank));
         }
-        let queued = sh.waiting.iter().filter(|p| matches!(p, Pending::Forward { .. })).count() as u64;
-        match target_forward(&sh.sync, queued, v, digest.is_empty()) {
+        let queued = sh.core.forwards_parked();
+        match target_forward(&sh.core.sync, queued, v, digest.is_empty()) {
             Forwarded::CutoverAtSnapshot => {
-                sh.sync.caught_up();
+                sh.core.sync.caught_up();
                 self.try_complete(w, id);
             }
             Forwarded::LateNotice => {}
@@ -111,7 +105,10 @@ impl SimServer {
             Forwarded::Apply { .. } if digest.is_empty() => {
                 w.fail(format!("server {}: a zero-length forward of version {v} of shard {id}", self.rank))
             }
-            Forwarded::Apply { version } => self.update(w, id, Pending::Forward { v: version, digest }),
+            Forwarded::Apply { version } => {
+                sh.forwards.insert(version, digest);
+                self.update(w, id, Pending::Forward { version, carry: false, worker: None })
+            }
         }
     }
 
@@ -157,7 +154,7 @@ impl SimServer {
                 let Some(sh) = self.shards.get_mut(&shard) else {
                     return w.fail(format!("server {rank}: ordered to send shard {shard}, which it does not hold"));
                 };
-                let v0 = sh.sync.version();
+                let v0 = sh.core.sync.version();
                 let Some(value) = sh.vals.get(&v0).cloned() else {
                     return w.fail(format!("server {rank}: shard {shard} has no value at version {v0}"));
                 };
@@ -213,23 +210,20 @@ impl SimServer {
                 w.check_retired(rank);
             }
             Order::Propose { id } => {
-                let top = self.shards.values().map(|sh| sh.sync.version()).max().unwrap_or(0);
-                let hold = top + 1;
-                self.hold = Some(hold);
+                let top = self.shards.values().map(|sh| Members::reach(Consistency::Bsp, &sh.core.sync)).max();
+                let hold = self.members.propose(top.unwrap_or(0));
                 if let Err(e) = w.ctl(&ControlMsg::Vote { role: Role::Server, rank, id, hold }) {
                     w.fail(format!("server {rank}: vote refused: {e}"));
                 }
             }
             Order::Members { at, workers, expired } => {
-                if let Err(e) = self.membership.schedule(at, at.saturating_sub(1), workers) {
-                    return w.fail(format!("server {rank}: membership change at {at}: {e}"));
+                if let Err(e) = self.members.commit(at, workers, &expired, self.ranks) {
+                    return w.fail(format!("server {rank}: membership: {e}"));
                 }
                 for r in expired {
-                    self.lost.push((r, at));
                     w.lost.insert((r, at));
                     self.drop_conn(w, r);
                 }
-                self.hold = None;
                 let ids: Vec<u32> = self.shards.keys().copied().collect();
                 for id in ids {
                     self.try_complete(w, id);
@@ -246,11 +240,11 @@ impl SimServer {
         let rank = self.rank;
         let Some(sh) = self.shards.get(&id) else { return };
         let Some((mid, lo, hi)) = sh.split else { return };
-        if !sh.waiting.is_empty() || sh.sync.publish_waiting() || sh.out.is_some() {
+        if sh.core.parked_len() > 0 || sh.core.sync.publish_waiting() || sh.out.is_some() {
             return;
         }
         let Some(mut parent) = self.shards.remove(&id) else { return };
-        let v = parent.sync.version();
+        let v = parent.core.sync.version();
         let Some(value) = parent.vals.get(&v).cloned() else {
             return w.fail(format!("server {rank}: shard {id} has no value for its version {v}"));
         };
@@ -262,14 +256,14 @@ impl SimServer {
             w.publish(rank, pid, part.units().start, v, vals);
             self.shards.insert(pid, part);
         }
-        let (held, waiting) = parent.sync.evict();
+        let (held, waiting) = parent.core.sync.evict();
         for &r in &held {
             w.unaccept(r, parent.units(), v);
-            self.moved_pushes.insert((r, id));
+            self.answers.moved(r, id);
             w.send(me, Node::Worker(r), Msg::Moved { shard: id, t: v });
         }
         for &r in &waiting {
-            self.moved_pushes.remove(&(r, id));
+            self.answers.forget_moved(r, id);
             w.send(me, Node::Worker(r), Msg::PullMoved { shard: id });
         }
         w.splits += 1;

@@ -111,7 +111,7 @@ impl SimServer {
             self.stop_replicating(w, id);
         }
         if let Some(d) = d {
-            self.finish(w, id, Pending::Update(d.iteration), d.version, d.digest);
+            self.finish(w, id, Pending::Update { iteration: d.iteration, one: None }, d.version, d.digest);
         }
         self.drain(w, id);
     }
@@ -142,7 +142,7 @@ impl SimServer {
             let Some(Rep::Primary { waiting, promoted, .. }) = sh.replica.take() else { continue };
             sh.replica = promoted.then_some(Rep::Promoted);
             if let Some(d) = waiting {
-                self.finish(w, id, Pending::Update(d.iteration), d.version, d.digest);
+                self.finish(w, id, Pending::Update { iteration: d.iteration, one: None }, d.version, d.digest);
             }
             self.drain(w, id);
         }
@@ -167,7 +167,7 @@ impl SimServer {
         if let Some(Rep::Primary { waiting: Some(d), .. }) = old {
             // A new backup replaces one that never acknowledged: the update it
             // waited for is served, and the snapshot below holds it.
-            self.finish(w, id, Pending::Update(d.iteration), d.version, d.digest);
+            self.finish(w, id, Pending::Update { iteration: d.iteration, one: None }, d.version, d.digest);
         }
         let Some(sh) = self.shards.get_mut(&id) else { return };
         if self.gone.contains(&to) {
@@ -177,7 +177,7 @@ impl SimServer {
             return self.drain(w, id);
         }
         if snapshot {
-            let v = sh.sync.version();
+            let v = sh.core.sync.version();
             let Some(value) = sh.vals.get(&v).cloned() else {
                 return w.fail(format!("server {}: shard {id} has no value at version {v}", self.rank));
             };
@@ -206,7 +206,7 @@ impl SimServer {
             }
         };
         if let Some(d) = d {
-            self.finish(w, id, Pending::Update(d.iteration), d.version, d.digest);
+            self.finish(w, id, Pending::Update { iteration: d.iteration, one: None }, d.version, d.digest);
         }
         self.drain(w, id);
     }
@@ -236,7 +236,7 @@ impl SimServer {
             Some(Rep::Backup { primary }) if w.crashed(primary) => {}
             ref r => return w.fail(format!("server {}: promoted for shard {id} ({r:?}), its owner did not crash", self.rank)),
         }
-        sh.sync.caught_up();
+        sh.core.sync.caught_up();
         sh.incoming = None;
         sh.replica = Some(Rep::Promoted);
         w.report.promotions += 1;
