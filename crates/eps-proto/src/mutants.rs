@@ -23,6 +23,10 @@ pub const ALL: &[(&str, &str)] = &[
         "promoted-backup-reapplies",
         "a promoted backup takes a push of an iteration it already applied (pushed again after its owner was lost)",
     ),
+    (
+        "adopted-epoch-not-persisted",
+        "the control plane applies a worker's report of a newer epoch (releases and retirements follow from it) without keeping it in its store, so a standby that takes over replays another job",
+    ),
 ];
 
 #[cfg(feature = "mutants")]

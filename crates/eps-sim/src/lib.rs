@@ -1,8 +1,11 @@
 //! # eps-sim
 //!
 //! A seeded, deterministic simulation of an elastic job. The control plane is the
-//! real one (`eps_control::job::Job`, sans-IO); servers and workers make the
-//! decisions `eps-server` and `eps-worker` make, over the same protocol cores
+//! real one (`eps_control::job::Job`, sans-IO), and it crashes: a standby
+//! replays its store and must lead the very same job (`failover.rs`). Servers
+//! make their decisions on pushes, pulls, parked updates, BSP completion,
+//! cutovers and membership through `eps-core`, as `eps-server` does; their
+//! migration and replica steps and the workers use the same protocol cores
 //! (`ShardSync`, the migration `Source`, `Membership`); messages travel on an
 //! in-memory network with FIFO channels, random delays and a virtual clock
 //! ([`net`]). A scale plan drawn from the seed adds and removes servers (shard
@@ -23,6 +26,7 @@
 #![forbid(unsafe_code)]
 
 mod checks;
+mod failover;
 pub mod net;
 mod rollback;
 mod server;
@@ -74,6 +78,8 @@ pub struct Report {
     pub lease_expiries: u64,
     /// Backups promoted to owner after their owner was lost.
     pub promotions: u64,
+    /// Control planes crashed and replaced by a standby replaying the store.
+    pub control_failovers: u64,
 }
 
 impl Report {
@@ -95,6 +101,7 @@ impl Report {
         self.worker_leaves += r.worker_leaves;
         self.lease_expiries += r.lease_expiries;
         self.promotions += r.promotions;
+        self.control_failovers += r.control_failovers;
     }
 }
 
@@ -141,6 +148,8 @@ pub(crate) struct World {
     rng: Rng,
     net: Net,
     pub(crate) job: Job,
+    /// The control plane's store: what a standby replays.
+    store: failover::Store,
     pub(crate) steps: u64,
     /// Alignment units of the model.
     units: usize,
@@ -215,18 +224,12 @@ impl World {
     /// A control-plane call (the roles' calls are synchronous): applies it and
     /// delivers the orders and maps it caused.
     pub(crate) fn ctl(&mut self, m: &ControlMsg) -> Result<ControlMsg, eps_proto::control::Refusal> {
-        let r = self.job.apply(m);
+        let r = self.apply_recorded(m);
         if r.is_ok() {
             self.note(format!("control: {m:?}"));
         }
         self.after_ctl();
         r
-    }
-
-    /// A worker reports the epoch it routes with.
-    pub(crate) fn adopted(&mut self, rank: u32, epoch: u64) {
-        self.job.worker_adopted(rank, epoch);
-        self.after_ctl();
     }
 
     /// A worker's watcher stopped (it finished, left or crashed).
@@ -308,7 +311,7 @@ impl World {
     /// Starts a server holding `shards` and `backups` at version `at`, of
     /// value `values` (per unit).
     fn start_server_at(&mut self, at: u64, values: &[u64], shards: &[(u32, u64, u64)], backups: &[(u32, u64, u64, u32)]) {
-        let reg = self.job.apply(&ControlMsg::Register { role: Role::Server, fabric_addr: String::new() });
+        let reg = self.apply_recorded(&ControlMsg::Register { role: Role::Server, fabric_addr: String::new() });
         let Ok(ControlMsg::Registered { rank, .. }) = reg else { return };
         let mut s = SimServer::new(rank, self.ranks, self.workers0, at, shards, backups, |u| values[u]);
         if self.replicas > 1 {
@@ -326,7 +329,7 @@ impl World {
     }
 
     fn start_worker(&mut self) {
-        let reg = self.job.apply(&ControlMsg::Register { role: Role::Worker, fabric_addr: String::new() });
+        let reg = self.apply_recorded(&ControlMsg::Register { role: Role::Worker, fabric_addr: String::new() });
         let Ok(ControlMsg::Registered { rank, .. }) = reg else { return };
         self.note(format!("worker {rank} registered"));
         self.seen.insert(rank, self.net.now);
@@ -445,6 +448,10 @@ impl World {
                 self.crash(r);
             }
         }
+        // A third of the plan's events also crash the control plane.
+        if self.failure.is_none() && self.rng.range(0, 2) == 0 {
+            self.fail_over();
+        }
         let d = self.rng.range(20, 150);
         self.net.send_after(Node::Ctl, Node::Ctl, Msg::Plan, d);
     }
@@ -551,6 +558,7 @@ pub fn run(seed: u64) -> Result<Report, Failure> {
         rng,
         net: Net::new(max_delay),
         job,
+        store: failover::Store { spec_text: text.clone(), records: Vec::new() },
         steps,
         units: units as usize,
         ranks: max_workers,

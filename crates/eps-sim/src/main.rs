@@ -120,8 +120,8 @@ fn main() -> ExitCode {
             ("seeds", a.seeds),
             ("violations", failures.len() as u64),
             ("events", total.events),
-            // Every simulated job is BSP with dense tensors; SSP, ASP, sparse
-            // tables and control-plane failover are not simulated yet.
+            // Every simulated job is BSP with dense tensors; SSP, ASP and
+            // sparse tables are not simulated yet.
             ("bsp_runs", runs),
             ("ssp_runs", 0),
             ("asp_runs", 0),
@@ -137,14 +137,14 @@ fn main() -> ExitCode {
             ("server_crashes", total.server_crashes),
             ("promotions", total.promotions),
             ("rollbacks", total.rollbacks),
-            ("control_failovers", 0),
+            ("control_failovers", total.control_failovers),
         ];
         let body: Vec<String> = fields.iter().map(|(k, v)| format!("\"{k}\":{v}")).collect();
         let seeds: Vec<String> = failures.iter().take(20).map(|f| f.seed.to_string()).collect();
         println!("{{{},\"failed_seeds\":[{}]}}", body.join(","), seeds.join(","));
     } else if !a.one {
         println!(
-            "eps-sim: {} seeds, {} violations; {} migrations, {} splits, {} worker joins, {} leaves, {} lease expiries, {} server crashes, {} promotions, {} roll-backs",
+            "eps-sim: {} seeds, {} violations; {} migrations, {} splits, {} worker joins, {} leaves, {} lease expiries, {} server crashes, {} promotions, {} roll-backs, {} control-plane failovers",
             a.seeds,
             failures.len(),
             total.migrations,
@@ -154,7 +154,8 @@ fn main() -> ExitCode {
             total.lease_expiries,
             total.server_crashes,
             total.promotions,
-            total.rollbacks
+            total.rollbacks,
+            total.control_failovers
         );
     }
     if let Some(f) = failures.first().filter(|_| !a.one) {

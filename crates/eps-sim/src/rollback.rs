@@ -123,6 +123,8 @@ impl World {
         self.net = Net::new(self.net.max_delay);
         self.net.now = now;
         self.job = job;
+        // (A new job, from the resumed spec: a new store.)
+        self.store = crate::failover::Store { spec_text: text, records: Vec::new() };
         self.first = at;
         self.servers.clear();
         self.down.clear();

@@ -1,8 +1,9 @@
-//! A server as the simulation runs it: the decisions of `eps-server` (push and
-//! pull handling, held updates, the migration source and target, membership
-//! votes and commits, splits, backups and their promotion) over the same
-//! protocol cores, with a 64-bit digest per alignment unit standing in for each
-//! shard's parameters.
+//! A server as the simulation runs it, with a 64-bit digest per alignment
+//! unit standing in for each shard's parameters. Its pushes, pulls, parked
+//! updates, update plans, BSP completion, cutover points, votes and commits
+//! are `eps-core`'s decisions, the ones `eps-server` carries out; the steps of
+//! migrations, splits and backups around them follow `eps-server` over the
+//! same protocol cores (`eps_proto::migrate`, `ShardSync`).
 
 mod moves;
 mod replica;

@@ -2,7 +2,7 @@
 //! routing with (which release moves' sources and their landing slots), and
 //! how far they got.
 
-use eps_proto::control::{JobMap, Order, Route, ShardEndpoint};
+use eps_proto::control::{ControlMsg, JobMap, Order, Route, ShardEndpoint};
 
 use super::{Job, Phase};
 
@@ -45,14 +45,24 @@ impl Job {
         }
     }
 
-    /// Whether worker `worker` reports a newer epoch than it did (a state
-    /// change: orders follow from it, so it is a record of the store too).
-    pub fn adopts_newer(&self, worker: u32, epoch: u64) -> bool {
-        self.adopted.get(worker as usize).is_some_and(|&a| epoch > a)
+    /// Worker `worker` reports (in a map request) the epoch it routes with.
+    /// A newer one than it reported is a state change (releases, retirements
+    /// and freed landing slots follow from it, as orders): it is applied, and
+    /// the record to persist for it is returned; an older or equal one
+    /// changes nothing.
+    pub fn adopt(&mut self, worker: u32, epoch: u64) -> Option<ControlMsg> {
+        if !self.adopted.get(worker as usize).is_some_and(|&a| epoch > a) {
+            return None;
+        }
+        let record = ControlMsg::GetMap { worker, adopted: epoch, min_epoch: 0, iteration: 0 };
+        // (Replays apply the record itself, which cannot fail.)
+        let _ = self.apply(&record);
+        (!eps_proto::mutants::active("adopted-epoch-not-persisted")).then_some(record)
     }
 
-    /// A worker reports the epoch it routes with.
-    pub fn worker_adopted(&mut self, worker: u32, epoch: u64) {
+    /// A worker reports the epoch it routes with (a replayed record; see
+    /// [`Job::adopt`]).
+    pub(super) fn worker_adopted(&mut self, worker: u32, epoch: u64) {
         if let Some(a) = self.adopted.get_mut(worker as usize) {
             *a = (*a).max(epoch);
         }

@@ -111,11 +111,9 @@ impl State {
                 // A worker waiting in a long poll is alive: its lease runs from
                 // the end of the poll (a worker killed meanwhile never renews it).
                 self.seen.insert(worker, Instant::now() + LONG_POLL);
-                if self.job.adopts_newer(worker, adopted) {
-                    // Persisted, so that a replay issues the orders that follow
-                    // from it under the same sequence numbers.
-                    let record = ControlMsg::GetMap { worker, adopted, min_epoch: 0, iteration: 0 };
-                    let _ = self.job.apply(&record);
+                // Persisted, so that a replay issues the orders that follow
+                // from it under the same sequence numbers.
+                if let Some(record) = self.job.adopt(worker, adopted) {
                     self.persist(&record)?;
                 }
                 self.job.worker_progress(worker, iteration);
