@@ -24,6 +24,10 @@ pub const ALL: &[(&str, &str)] = &[
         "a promoted backup takes a push of an iteration it already applied (pushed again after its owner was lost)",
     ),
     (
+        "ssp-pull-ignores-staleness",
+        "an SSP shard answers a pull at once, whether or not the slowest worker's contributions reached the staleness bound the pull asks for",
+    ),
+    (
         "adopted-epoch-not-persisted",
         "the control plane applies a worker's report of a newer epoch (releases and retirements follow from it) without keeping it in its store, so a standby that takes over replays another job",
     ),

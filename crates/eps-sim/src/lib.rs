@@ -25,6 +25,7 @@
 
 #![forbid(unsafe_code)]
 
+mod asynchronous;
 mod checks;
 mod failover;
 pub mod net;
@@ -36,9 +37,9 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt;
 
 use eps_control::job::Job;
-use eps_proto::JobSpec;
 use eps_proto::control::{ControlMsg, Role};
 use eps_proto::membership::Membership;
+use eps_proto::{Consistency, JobSpec};
 
 use net::{Msg, Net, Node, Rng, h2, mix};
 use server::SimServer;
@@ -68,6 +69,8 @@ pub struct Report {
     pub server_crashes: u64,
     /// Runs with two replicas of every shard.
     pub replicated: u64,
+    /// Runs by consistency: BSP, SSP, ASP.
+    pub modes: [u64; 3],
     /// Roll-backs to a checkpoint after a server crash (jobs without replicas).
     pub rollbacks: u64,
     /// Workers that joined after the job started (a scale's new ranks).
@@ -96,6 +99,9 @@ impl Report {
         self.splits += r.splits;
         self.server_crashes += r.server_crashes;
         self.replicated += r.replicated;
+        for (m, n) in self.modes.iter_mut().zip(r.modes) {
+            *m += n;
+        }
         self.rollbacks += r.rollbacks;
         self.worker_joins += r.worker_joins;
         self.worker_leaves += r.worker_leaves;
@@ -148,6 +154,14 @@ pub(crate) struct World {
     rng: Rng,
     net: Net,
     pub(crate) job: Job,
+    /// BSP, SSP or ASP, and SSP's staleness bound.
+    pub(crate) mode: Consistency,
+    pub(crate) staleness: u64,
+    /// SSP/ASP: how many contributions of each worker every published
+    /// (unit, version) holds, and the digest each worker pushed for (unit,
+    /// iteration) (see `asynchronous.rs`).
+    clocks: BTreeMap<(usize, u64), Vec<u64>>,
+    pushed: BTreeMap<(u32, usize, u64), u64>,
     /// The control plane's store: what a standby replays.
     store: failover::Store,
     pub(crate) steps: u64,
@@ -291,15 +305,16 @@ impl World {
 
     /// The job's spec with `servers` servers.
     fn spec_text(&self, servers: u32) -> String {
-        format!(
-            "[job]\nworkers = {}\nservers = {servers}\nsteps = {}\nmax_workers = {}\nreplicas = {}\nshard_bytes = {}\n\
-             [model]\ntensors = [{{ name = \"w\", elements = {} }}]\n",
+        spec_text(
             self.workers0,
+            servers,
             self.steps,
             self.ranks,
             self.replicas,
-            self.shard_units * 4 * UNIT,
-            self.units as u64 * UNIT
+            self.mode,
+            self.staleness,
+            self.shard_units,
+            self.units,
         )
     }
 
@@ -313,7 +328,7 @@ impl World {
     fn start_server_at(&mut self, at: u64, values: &[u64], shards: &[(u32, u64, u64)], backups: &[(u32, u64, u64, u32)]) {
         let reg = self.apply_recorded(&ControlMsg::Register { role: Role::Server, fabric_addr: String::new() });
         let Ok(ControlMsg::Registered { rank, .. }) = reg else { return };
-        let mut s = SimServer::new(rank, self.ranks, self.workers0, at, shards, backups, |u| values[u]);
+        let mut s = SimServer::new(rank, self.mode, self.ranks, self.workers0, at, shards, backups, |u| values[u]);
         if self.replicas > 1 {
             s.await_backups();
         }
@@ -407,7 +422,10 @@ impl World {
         }
         self.plan_left -= 1;
         let roll = self.rng.range(0, 99);
-        if roll < 40 && self.replicas > 1 {
+        if self.mode != Consistency::Bsp {
+            // SSP/ASP jobs keep their workers (the control plane refuses
+            // changes) and, here, their servers.
+        } else if roll < 40 && self.replicas > 1 {
             // (Jobs with replicas do not scale their servers here: crashes.)
             self.try_crash_server();
         } else if roll < 40 {
@@ -519,6 +537,29 @@ impl World {
     }
 }
 
+/// A simulated job's spec.
+#[allow(clippy::too_many_arguments)]
+fn spec_text(
+    workers: u32,
+    servers: u32,
+    steps: u64,
+    max_workers: u32,
+    replicas: u32,
+    mode: Consistency,
+    staleness: u64,
+    shard_units: u64,
+    units: usize,
+) -> String {
+    let staleness = if mode == Consistency::Ssp { format!("staleness = {staleness}\n") } else { String::new() };
+    format!(
+        "[job]\nworkers = {workers}\nservers = {servers}\nsteps = {steps}\nmax_workers = {max_workers}\nreplicas = {replicas}\n\
+         shard_bytes = {}\nconsistency = \"{}\"\n{staleness}[model]\ntensors = [{{ name = \"w\", elements = {} }}]\n",
+        shard_units * 4 * UNIT,
+        mode.name(),
+        units as u64 * UNIT
+    )
+}
+
 /// Version 0 of a unit.
 fn init_value(unit: usize) -> u64 {
     mix(0xE95 ^ unit as u64)
@@ -541,13 +582,17 @@ pub fn run(seed: u64) -> Result<Report, Failure> {
     let servers = if replicas > 1 { rng.range(2, 4) } else { rng.range(1, 3) } as u32;
     let workers = rng.range(1, 3) as u32;
     let steps = rng.range(12, STEPS_MAX);
-    let max_workers = workers + 4;
-    let text = format!(
-        "[job]\nworkers = {workers}\nservers = {servers}\nsteps = {steps}\nmax_workers = {max_workers}\nreplicas = {replicas}\nshard_bytes = {}\n\
-         [model]\ntensors = [{{ name = \"w\", elements = {} }}]\n",
-        shard_units * 4 * UNIT,
-        units * UNIT
-    );
+    // Of the jobs without replicas, a third are SSP and a third ASP (drawn
+    // aside, so that a BSP seed runs as it did before they were simulated).
+    let mut aside = Rng::new(seed ^ 0xA5F1_C0DE);
+    let (mode, staleness) = match (replicas, aside.range(0, 2)) {
+        (1, 0) => (Consistency::Ssp, aside.range(1, 3)),
+        (1, 1) => (Consistency::Asp, 0),
+        _ => (Consistency::Bsp, 0),
+    };
+    // (Workers join a running job under BSP only.)
+    let max_workers = if mode == Consistency::Bsp { workers + 4 } else { workers };
+    let text = spec_text(workers, servers, steps, max_workers, replicas, mode, staleness, shard_units, units as usize);
     // Checkpoints every few versions.
     let every = rng.range(2, 6);
     let spec = JobSpec::from_toml(&text).map_err(|e| fail_at(seed, 0, format!("spec: {e}")))?;
@@ -558,6 +603,10 @@ pub fn run(seed: u64) -> Result<Report, Failure> {
         rng,
         net: Net::new(max_delay),
         job,
+        mode,
+        staleness,
+        clocks: BTreeMap::new(),
+        pushed: BTreeMap::new(),
         store: failover::Store { spec_text: text.clone(), records: Vec::new() },
         steps,
         units: units as usize,
@@ -611,7 +660,7 @@ pub fn run(seed: u64) -> Result<Report, Failure> {
             w.note(line);
         }
         w.deliver(from, to, msg);
-        if w.failure.is_none() {
+        if w.failure.is_none() && mode == Consistency::Bsp {
             w.check_servable();
         }
         if w.failure.is_none() && (w.net.now > TIME_LIMIT || w.net.now - last_progress > 20 * LEASE) {
@@ -623,7 +672,7 @@ pub fn run(seed: u64) -> Result<Report, Failure> {
         }
     }
     if w.failure.is_none() {
-        w.check_end();
+        if mode == Consistency::Bsp { w.check_end() } else { w.check_end_async() }
     }
     if w.failure.is_none() {
         w.check_pieces();
@@ -636,6 +685,7 @@ pub fn run(seed: u64) -> Result<Report, Failure> {
     w.report.empty_updates = w.empty_updates;
     w.report.splits = w.splits;
     w.report.replicated = u64::from(replicas > 1);
+    w.report.modes[mode as usize] = 1;
     Ok(w.report)
 }
 

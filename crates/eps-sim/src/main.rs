@@ -114,17 +114,15 @@ fn main() -> ExitCode {
             None => eprintln!("eps-sim: seed {} kept every invariant ({} events)", a.first, total.events),
         }
     }
-    let runs = a.seeds - failures.len() as u64;
     if a.json {
         let fields: [(&str, u64); 19] = [
             ("seeds", a.seeds),
             ("violations", failures.len() as u64),
             ("events", total.events),
-            // Every simulated job is BSP with dense tensors; SSP, ASP and
-            // sparse tables are not simulated yet.
-            ("bsp_runs", runs),
-            ("ssp_runs", 0),
-            ("asp_runs", 0),
+            // Sparse tables are not simulated yet.
+            ("bsp_runs", total.modes[0]),
+            ("ssp_runs", total.modes[1]),
+            ("asp_runs", total.modes[2]),
             ("sparse_moves", 0),
             ("migrations", total.migrations),
             ("splits", total.splits),

@@ -34,6 +34,13 @@ pub enum Msg {
     PullDone { shard: u32, v: u64, value: Vec<u64> },
     /// Server -> worker: the push was routed with an old epoch.
     Moved { shard: u32, t: u64 },
+    /// Server -> worker (SSP/ASP): the worker's contribution to `shard` was
+    /// applied; its landing slot takes the next.
+    Credit { shard: u32 },
+    /// Worker -> server (ASP): an RDMA READ of the shard's published copy.
+    Read { w: u32, shard: u32 },
+    /// Server -> worker (ASP): what the READ found, version `v`.
+    ReadDone { shard: u32, v: u64, value: Vec<u64> },
     /// Server -> worker: the pull request will not be served here.
     PullMoved { shard: u32 },
     /// Server -> itself: the WRITE of a pull completed.

@@ -88,6 +88,7 @@ pub(crate) struct SimServer {
     /// Copies of a shard released here whose landing slots are kept.
     released: BTreeMap<u32, u32>,
     ranks: u32,
+    mode: Consistency,
 }
 
 pub(crate) fn endpoint(shard: u32, owner: u32) -> ShardEndpoint {
@@ -98,8 +99,10 @@ impl SimServer {
     /// A server holding `shards` (id, first element, elements) at version `at`
     /// (unit values from `init`), and the backups of `backups` (the same, and
     /// the owner's rank).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         rank: u32,
+        mode: Consistency,
         ranks: u32,
         workers: u32,
         at: u64,
@@ -117,9 +120,10 @@ impl SimServer {
             gone: BTreeSet::new(),
             answers: Answers::default(),
             ranks,
+            mode,
         };
         for &(id, start, len) in shards {
-            let mut sh = Shard::new((start, len), ShardSync::at_version(Consistency::Bsp, ranks, at), ranks);
+            let mut sh = Shard::new((start, len), ShardSync::at_version(mode, ranks, at), ranks);
             sh.vals.insert(at, units(start, len).map(&init).collect());
             s.shards.insert(id, sh);
         }
@@ -188,6 +192,7 @@ impl SimServer {
         match msg {
             Msg::Push { w: r, shard, t, token } => self.on_push(w, r, shard, t, token),
             Msg::PullReq { w: r, shard, need } => self.on_pull_req(w, r, shard, need),
+            Msg::Read { w: r, shard } => self.on_read(w, r, shard),
             Msg::ConnLost { w: r } => self.drop_conn(w, r),
             Msg::PullWritten { shard, w: r, v } => self.on_pull_written(w, shard, r, v),
             Msg::Snapshot { shard, v, value } => self.on_snapshot(w, shard, v, value),
@@ -221,7 +226,8 @@ impl SimServer {
             return;
         };
         let promoted = sh.replica.as_ref().is_some_and(Rep::promoted);
-        match push_gate(true, &sh.core.sync, sh.out.as_ref().map(|o| &o.src), promoted, t) {
+        let bsp = self.mode == Consistency::Bsp;
+        match push_gate(bsp, &sh.core.sync, sh.out.as_ref().map(|o| &o.src), promoted, t) {
             PushGate::Moved => {
                 self.answers.moved(r, id);
                 w.send(me, Node::Worker(r), Msg::Moved { shard: id, t });
@@ -240,8 +246,8 @@ impl SimServer {
                 w.accept(r, us, t);
                 match due {
                     None => {}
-                    Some(p @ Pending::Update { one: None, .. }) => self.update(w, id, p),
-                    Some(p) => w.fail(format!("server {}: BSP push gave {p:?}", self.rank)),
+                    Some(p @ Pending::Update { one, .. }) if one.is_some() != bsp => self.update(w, id, p),
+                    Some(p) => w.fail(format!("server {}: a {:?} push gave {p:?}", self.rank, self.mode)),
                 }
             }
             Err(e) => w.fail(format!("server {}: push of worker {r}, shard {id}, iteration {t}: {e}", self.rank)),
@@ -266,6 +272,20 @@ impl SimServer {
             Ok(PullStep::Wait) => {}
             Err(e) => w.fail(format!("server {}: pull of worker {r}, shard {id}, version {need}: {e}", self.rank)),
         }
+    }
+
+    /// ASP: a worker's READ of the shard's published copy.
+    fn on_read(&mut self, w: &mut World, r: u32, id: u32) {
+        let me = self.me();
+        let Some(sh) = self.shards.get(&id) else {
+            w.send(me, Node::Worker(r), Msg::PullMoved { shard: id });
+            return;
+        };
+        let v = sh.core.sync.version();
+        let Some(value) = sh.vals.get(&v).cloned() else {
+            return w.fail(format!("server {}: shard {id} publishes version {v}, which it does not hold", self.rank));
+        };
+        w.send(me, Node::Worker(r), Msg::ReadDone { shard: id, v, value });
     }
 
     fn send_pull(&mut self, w: &mut World, r: u32, id: u32, v: u64) {
@@ -341,6 +361,16 @@ impl SimServer {
         let Some(old) = sh.vals.get(&version).cloned() else {
             return w.fail(format!("server {rank}: shard {id} has no value for its version {version}"));
         };
+        if let Pending::Update { iteration, one: Some(r) } = p {
+            // SSP/ASP: one worker's contribution, added.
+            let Some((_, tok)) = sh.landing[r as usize].take().filter(|(it, _)| *it == iteration) else {
+                return w.fail(format!("server {rank}: shard {id} applies worker {r}'s iteration {iteration}, not in its slot"));
+            };
+            let value: Vec<u64> = old.iter().zip(&tok).map(|(&o, &d)| o.wrapping_add(d)).collect();
+            w.applied_one(r, sh.units().start, version, iteration, &tok, &value);
+            sh.vals.insert(next, value);
+            return self.finish(w, id, p, next, tok);
+        }
         let mut applied = None;
         let digest = match p {
             Pending::Update { iteration, .. } => {
@@ -404,6 +434,12 @@ impl SimServer {
             }
         }
         sh.core.finished(p);
+        if let Pending::Update { one: Some(r), .. } = p
+            && !self.dead.contains(&r)
+        {
+            w.send(self.me(), Node::Worker(r), Msg::Credit { shard: id });
+        }
+        let Some(sh) = self.shards.get_mut(&id) else { return };
         let first = sh.units().start;
         let Some(value) = sh.vals.get(&next).cloned() else {
             return w.fail(format!("server {rank}: shard {id} lost version {next} before serving it"));

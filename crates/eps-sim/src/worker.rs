@@ -4,6 +4,8 @@
 //! and of its map watcher (long poll, votes), and what it does when a server
 //! of a job with replicas crashes (`lose_server`).
 
+mod asynchronous;
+
 use std::collections::{BTreeMap, BTreeSet};
 
 use eps_proto::control::{ControlMsg, JobMap, Role};
@@ -71,6 +73,10 @@ pub(crate) struct SimWorker {
     asked: BTreeMap<(u32, u32), u32>,
     /// Servers whose connection failed.
     lost: BTreeSet<u32>,
+    /// SSP/ASP, per shard id: its landing slot is free (the last push was
+    /// applied); and the shards of the round not pushed yet for want of it.
+    credit: Vec<bool>,
+    unpushed: Vec<u32>,
 }
 
 impl SimWorker {
@@ -98,6 +104,8 @@ impl SimWorker {
             moved: Vec::new(),
             asked: BTreeMap::new(),
             lost: BTreeSet::new(),
+            credit: Vec::new(),
+            unpushed: Vec::new(),
         };
         w.set_map(map);
         w
@@ -109,6 +117,7 @@ impl SimWorker {
         self.map = m;
         self.round_pulled.resize(n, false);
         self.outstanding.resize(n, 0);
+        self.credit.resize(n, true);
     }
 
     /// Takes the watcher's map if it is newer than ours.
@@ -220,6 +229,9 @@ impl SimWorker {
         }
         self.state = WState::InitialPull;
         self.start_round(start);
+        if w.mode != eps_proto::Consistency::Bsp {
+            return self.first_pull_async(w);
+        }
         for s in self.round.clone() {
             let owner = self.map.routes[s as usize].for_iteration(start.saturating_sub(1)).owner;
             self.ask(w, s, owner, start);
@@ -303,6 +315,9 @@ impl SimWorker {
     pub(crate) fn handle(&mut self, w: &mut World, from: Node, msg: Msg) {
         if !self.live() {
             return;
+        }
+        if w.mode != eps_proto::Consistency::Bsp {
+            return self.handle_async(w, from, msg);
         }
         let rank = self.rank;
         match (msg, self.state) {

@@ -51,7 +51,7 @@ impl Job {
     /// the record to persist for it is returned; an older or equal one
     /// changes nothing.
     pub fn adopt(&mut self, worker: u32, epoch: u64) -> Option<ControlMsg> {
-        if !self.adopted.get(worker as usize).is_some_and(|&a| epoch > a) {
+        if self.adopted.get(worker as usize).is_none_or(|&a| epoch <= a) {
             return None;
         }
         let record = ControlMsg::GetMap { worker, adopted: epoch, min_epoch: 0, iteration: 0 };

@@ -141,7 +141,7 @@ impl SimServer {
                 if self.shards.contains_key(&shard) {
                     return w.fail(format!("server {rank}: ordered to receive shard {shard}, which it holds"));
                 }
-                let mut sh = Shard::new((start, len), ShardSync::incoming(Consistency::Bsp, self.ranks, 0), self.ranks);
+                let mut sh = Shard::new((start, len), ShardSync::incoming(self.mode, self.ranks, 0), self.ranks);
                 sh.incoming = Some((from, false));
                 self.shards.insert(shard, sh);
                 let keys = MigrationKeys { state_addr: 0, state_rkey: 0, grad_addr: 0, grad_rkey: 0 };
@@ -210,7 +210,7 @@ impl SimServer {
                 w.check_retired(rank);
             }
             Order::Propose { id } => {
-                let top = self.shards.values().map(|sh| Members::reach(Consistency::Bsp, &sh.core.sync)).max();
+                let top = self.shards.values().map(|sh| Members::reach(self.mode, &sh.core.sync)).max();
                 let hold = self.members.propose(top.unwrap_or(0));
                 if let Err(e) = w.ctl(&ControlMsg::Vote { role: Role::Server, rank, id, hold }) {
                     w.fail(format!("server {rank}: vote refused: {e}"));
@@ -251,7 +251,7 @@ impl SimServer {
         let (start, len) = parent.span;
         let cut = ((mid - start) / crate::UNIT) as usize;
         for (pid, span, vals) in [(lo, (start, mid - start), &value[..cut]), (hi, (mid, start + len - mid), &value[cut..])] {
-            let mut part = Shard::new(span, ShardSync::at_version(Consistency::Bsp, self.ranks, v), self.ranks);
+            let mut part = Shard::new(span, ShardSync::at_version(self.mode, self.ranks, v), self.ranks);
             part.vals.insert(v, vals.to_vec());
             w.publish(rank, pid, part.units().start, v, vals);
             self.shards.insert(pid, part);

@@ -1,0 +1,124 @@
+//! An SSP or ASP worker, as `eps-worker` runs one: each iteration it pushes
+//! every shard once the server has applied its previous contribution there
+//! (the credit frees its landing slot), then asks (SSP) for a version holding
+//! every worker's contributions up to the staleness bound, or reads (ASP)
+//! whatever the server publishes now. The job's workers and servers stay as
+//! they started here.
+
+use eps_proto::Consistency;
+
+use super::{SimWorker, WState};
+use crate::net::{Msg, Node};
+use crate::{World, token, units};
+
+impl SimWorker {
+    /// Handles one delivery in an SSP/ASP job.
+    pub(super) fn handle_async(&mut self, w: &mut World, from: Node, msg: Msg) {
+        let rank = self.rank;
+        match (msg, self.state) {
+            (Msg::Map(m), _) => self.on_map(w, *m),
+            (Msg::Credit { shard }, _) => {
+                let Some(c) = self.credit.get_mut(shard as usize) else {
+                    return w.fail(format!("worker {rank}: a credit for unknown shard {shard}"));
+                };
+                *c = true;
+                if self.state == WState::Waiting {
+                    self.push_ready(w);
+                    self.step_async(w);
+                }
+            }
+            (Msg::PullDone { shard, v, value } | Msg::ReadDone { shard, v, value }, WState::InitialPull) => {
+                self.answered(shard, from);
+                self.took(w, shard, v, &value);
+                if self.round_done() {
+                    self.begin(w);
+                }
+            }
+            (Msg::PullDone { shard, v, value }, WState::Waiting) => {
+                self.answered(shard, from);
+                let r = &self.map.routes[shard as usize];
+                w.check_stale(rank, units(r.start, r.len), v, self.need_async(w));
+                self.took(w, shard, v, &value);
+                self.step_async(w);
+            }
+            (Msg::ReadDone { shard, v, value }, WState::Waiting) => {
+                self.took(w, shard, v, &value);
+                self.step_async(w);
+            }
+            (Msg::Tick, WState::Computing) => self.push_all_async(w),
+            (m, s) => w.fail(format!("worker {rank} ({:?}) in state {s:?} got {m:?}", w.mode)),
+        }
+    }
+
+    /// SSP: the slowest clock a pull after pushing iteration `t` asks for.
+    fn need_async(&self, w: &World) -> u64 {
+        (self.t + 1).saturating_sub(w.staleness)
+    }
+
+    /// The first values: SSP asks for any version, ASP reads.
+    pub(super) fn first_pull_async(&mut self, w: &mut World) {
+        for s in self.round.clone() {
+            let owner = self.map.routes[s as usize].owner.owner;
+            if w.mode == Consistency::Asp {
+                self.read(w, s, owner);
+            } else {
+                self.ask(w, s, owner, 0);
+            }
+        }
+    }
+
+    fn read(&mut self, w: &mut World, shard: u32, owner: u32) {
+        w.send(self.me(), Node::Server(owner), Msg::Read { w: self.rank, shard });
+        self.outstanding[shard as usize] += 1;
+    }
+
+    /// Computed iteration `t` from whatever versions it holds: pushes.
+    fn push_all_async(&mut self, w: &mut World) {
+        let t = self.t;
+        w.adopted(self.rank, self.map.epoch);
+        for u in 0..self.have.len() {
+            self.tokens[u] = token(self.rank, t, u, self.have[u].1);
+        }
+        self.start_round(t);
+        self.unpushed = self.round.clone();
+        self.state = WState::Waiting;
+        self.push_ready(w);
+        self.step_async(w);
+    }
+
+    /// Pushes the shards of the round whose landing slot is free.
+    fn push_ready(&mut self, w: &mut World) {
+        let t = self.t;
+        for s in std::mem::take(&mut self.unpushed) {
+            if !self.credit[s as usize] {
+                self.unpushed.push(s);
+                continue;
+            }
+            self.credit[s as usize] = false;
+            let r = &self.map.routes[s as usize];
+            let (owner, us) = (r.owner.owner, units(r.start, r.len));
+            let digest = self.tokens[us.clone()].to_vec();
+            w.pushed_digest(self.rank, us.start, t, &digest);
+            w.send(self.me(), Node::Server(owner), Msg::Push { w: self.rank, shard: s, t, token: digest });
+            if w.mode == Consistency::Asp {
+                self.read(w, s, owner);
+            } else {
+                let need = self.need_async(w);
+                self.ask(w, s, owner, need);
+            }
+        }
+    }
+
+    /// The round ends once every shard is pushed and answered.
+    fn step_async(&mut self, w: &mut World) {
+        if !self.unpushed.is_empty() || !self.round_done() {
+            return;
+        }
+        self.t += 1;
+        if self.t >= w.steps {
+            self.finish(w, WState::Done);
+        } else {
+            self.begin(w);
+        }
+    }
+}
