@@ -23,18 +23,23 @@
 //! answer); the caller does it and reports back. The caller owns the order in
 //! which things happen, and the rules about it are stated on the calls.
 //!
-//! Migration, replica, split and sparse-bucket decisions are still made by
-//! their callers over `eps_proto::migrate` and `eps_proto::sync`; they move
-//! here one at a time.
+//! - [`Relay`]: an SSP/ASP migration source's relay of the contributions
+//!   that still reach it after its cutover.
+//!
+//! BSP migration steps, replica, split and sparse-bucket decisions are still
+//! made by their callers over `eps_proto::migrate` and `eps_proto::sync`;
+//! they move here one at a time.
 
 #![forbid(unsafe_code)]
 
 mod answers;
 mod members;
+mod relay;
 mod shard;
 
 pub use answers::Answers;
 pub use members::{Members, MembersError};
+pub use relay::{Relay, RelayStep};
 pub use shard::{CoreError, Next, Pending, Plan, PullStep, PushGate, ShardCore, push_gate};
 
 /// 0, 1, 2, ...: a single contributor's list is a slice of this.

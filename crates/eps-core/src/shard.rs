@@ -287,6 +287,33 @@ impl ShardCore {
         eps_proto::migrate::cutover_at(version, complete, c.len(), wire_elem_bytes)
     }
 
+    /// SSP/ASP: the clocks a migration's snapshot carries: the contributions
+    /// received from each worker, less those parked (they are not in the
+    /// snapshot's values; the relay sends them after it).
+    pub fn snapshot_clocks(&self) -> Vec<u64> {
+        let mut clocks = self.sync.clocks().to_vec();
+        for p in &self.waiting {
+            if let Pending::Update { one: Some(w), .. } = p
+                && let Some(c) = clocks.get_mut(*w as usize)
+            {
+                *c = c.saturating_sub(1);
+            }
+        }
+        clocks
+    }
+
+    /// SSP/ASP: the source's snapshot landed: it stops applying. Returns the
+    /// relay, with the contributions parked meanwhile, and the workers whose
+    /// waiting pulls go back ("pull moved": the target answers them).
+    pub fn cut_over_async(&mut self) -> (crate::Relay, Vec<u32>) {
+        let parked = self.unpark_all().into_iter().filter_map(|p| match p {
+            Pending::Update { one: Some(w), .. } => Some(w),
+            _ => None,
+        });
+        let relay = crate::Relay::new(parked);
+        (relay, self.sync.refuse_all())
+    }
+
     /// Cuts over at `at` on the source: returns the workers whose held pushes
     /// go back ("moved": they push again to the target) and those whose
     /// waiting pulls do ("pull moved"). At the snapshot's own version, a

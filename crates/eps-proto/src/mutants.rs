@@ -28,6 +28,10 @@ pub const ALL: &[(&str, &str)] = &[
         "an SSP shard answers a pull at once, whether or not the slowest worker's contributions reached the staleness bound the pull asks for",
     ),
     (
+        "relay-releases-early",
+        "an SSP/ASP migration source releases the shard once every worker routes to the target, with contributions still queued in its relay",
+    ),
+    (
         "adopted-epoch-not-persisted",
         "the control plane applies a worker's report of a newer epoch (releases and retirements follow from it) without keeping it in its store, so a standby that takes over replays another job",
     ),

@@ -53,7 +53,7 @@ pub(crate) struct Outgoing {
     /// The cutover was announced to the control plane.
     pub(crate) announced: bool,
     /// SSP/ASP: the relay after the cutover (see `relay.rs`).
-    pub(crate) relay: Option<crate::relay::Relay>,
+    pub(crate) relay: Option<eps_core::Relay>,
 }
 
 impl Outgoing {
@@ -227,14 +227,7 @@ impl<P: Fabric> Server<P> {
         let v0 = h.core.sync.version();
         // SSP/ASP: the workers' clocks, less contributions parked here (they are
         // not in the snapshot; they are relayed after it).
-        let mut clocks = h.core.sync.clocks().to_vec();
-        for p in h.core.parked() {
-            if let Pending::Update { one: Some(w), .. } = p
-                && let Some(c) = clocks.get_mut(*w as usize)
-            {
-                *c = c.saturating_sub(1);
-            }
-        }
+        let clocks = h.core.snapshot_clocks();
         let started = Instant::now();
         // Lost (the control plane cancels the move): the shard stays.
         let Some(ci) = self.forward_conn(id, to, addr, "the move goes no further; the shard stays here")? else {

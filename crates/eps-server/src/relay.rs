@@ -1,38 +1,18 @@
-//! SSP/ASP shard migration: the source's redirect window.
-//!
-//! Without iteration boundaries there is no cutover iteration. The source stops
-//! applying once its snapshot (master, optimizer state, version and per-worker
-//! clocks) has landed on the target and tells the control plane, which routes
-//! the shard to the target from the next epoch on. Until every worker routes
-//! with that epoch, the source keeps taking pushes and relays each contribution
-//! to the target (widened to f32 and scaled, as the update the target applies
-//! for it), one at a time; the worker's credit comes once the target applied it,
-//! so the worker's next push of the shard, wherever it goes, comes after. Its
-//! pull requests (SSP) are answered "pull moved" and asked again of the target;
-//! ASP readers that still read its published buffers get the version of the
-//! cutover, a valid one. A worker reports a new epoch only with no push in
-//! flight, so once all did (`Order::Release`) nothing more comes: the source
-//! releases the shard when its queue is empty.
+//! SSP/ASP shard migration, carried out: the source's redirect window
+//! (`eps_core::Relay` decides; see there). Relayed contributions are widened
+//! to f32 and scaled, as the update the target applies for each. Pull
+//! requests (SSP) that reach the source after its cutover are answered "pull
+//! moved" and asked again of the target; ASP readers that still read its
+//! published buffers get the version of the cutover, a valid one. A worker
+//! reports a new epoch only with no push in flight.
 
-use std::collections::VecDeque;
-
+use eps_core::RelayStep;
 use eps_fabric::prelude::*;
 use eps_proto::control::ControlMsg;
 use eps_proto::imm::{Imm, ImmKind};
 
 use crate::migrate::WR_FORWARD;
-use crate::{Pending, Server, ServerError, WR_MIGRATE};
-
-/// The source's relay after an SSP/ASP cutover.
-#[derive(Debug, Default)]
-pub(crate) struct Relay {
-    /// Workers whose contribution waits in its slot, in arrival order.
-    pub(crate) queue: VecDeque<u32>,
-    /// The worker whose contribution is on its way (until the target acknowledges).
-    sending: Option<u32>,
-    /// Every worker routes to the target now: release once the queue is empty.
-    release: bool,
-}
+use crate::{Server, ServerError, WR_MIGRATE};
 
 impl<P: Fabric> Server<P> {
     /// The snapshot of SSP/ASP shard `id` landed: stop applying, hand the
@@ -40,19 +20,10 @@ impl<P: Fabric> Server<P> {
     /// report the cutover.
     pub(crate) fn async_cutover(&mut self, id: u32) -> Result<(), ServerError> {
         let Some(h) = self.held_mut(id) else { return Ok(()) };
-        let queue: VecDeque<u32> = h
-            .core
-            .unpark_all()
-            .into_iter()
-            .filter_map(|p| match p {
-                Pending::Update { one: Some(w), .. } => Some(w),
-                _ => None,
-            })
-            .collect();
-        let refused = h.core.sync.refuse_all();
+        let (relay, refused) = h.core.cut_over_async();
         let Some(out) = h.out.as_mut() else { return Ok(()) };
         out.snapshot_done();
-        out.relay = Some(Relay { queue, ..Relay::default() });
+        out.relay = Some(relay);
         out.announced = true;
         for w in refused {
             self.answers.forget_moved(w, id);
@@ -68,13 +39,11 @@ impl<P: Fabric> Server<P> {
         let scale = 1.0 / self.workers as f32;
         let Some(out) = self.held_mut(id).and_then(|h| h.out.as_mut()) else { return Ok(()) };
         let Some(r) = out.relay.as_mut() else { return Ok(()) };
-        if r.sending.is_some() {
-            return Ok(());
-        }
-        let Some(w) = r.queue.pop_front() else {
-            return if r.release { self.release(id) } else { Ok(()) };
+        let w = match r.step() {
+            RelayStep::Send(w) => w,
+            RelayStep::Release => return self.release(id),
+            RelayStep::Idle => return Ok(()),
         };
-        r.sending = Some(w);
         let (ci, remote) = (out.ci, out.grad_remote());
         let averaged = self.averaged_in(id);
         self.mem.fill_forward(id, w, scale, &averaged);
@@ -100,7 +69,7 @@ impl<P: Fabric> Server<P> {
         let Some(h) = self.held_mut(id) else { return Ok(()) };
         let Some(out) = h.out.as_mut() else { return Ok(()) };
         out.forward_busy = false;
-        let Some(w) = out.relay.as_mut().and_then(|r| r.sending.take()) else { return Ok(()) };
+        let Some(w) = out.relay.as_mut().and_then(|r| r.acked()) else { return Ok(()) };
         h.core.sync.consumed(w);
         self.send_credit(w, id)?;
         self.pump(id)
@@ -111,7 +80,7 @@ impl<P: Fabric> Server<P> {
         let Some(r) = self.held_mut(id).and_then(|h| h.out.as_mut()).and_then(|o| o.relay.as_mut()) else {
             return Err(ServerError::Migration(format!("ordered to release shard {id}, which is not relaying")));
         };
-        r.release = true;
+        r.release_ordered();
         self.pump(id)
     }
 }

@@ -402,7 +402,7 @@ impl<P: Fabric> Server<P> {
         if let (Pending::Update { one: Some(w), .. }, Some(r)) =
             (p, self.held_mut(id).and_then(|h| h.out.as_mut()).and_then(|o| o.relay.as_mut()))
         {
-            r.queue.push_back(w);
+            r.take(w);
             return self.pump(id);
         }
         let busy = self.busy(id);

@@ -422,10 +422,7 @@ impl World {
         }
         self.plan_left -= 1;
         let roll = self.rng.range(0, 99);
-        if self.mode != Consistency::Bsp {
-            // SSP/ASP jobs keep their workers (the control plane refuses
-            // changes) and, here, their servers.
-        } else if roll < 40 && self.replicas > 1 {
+        if roll < 40 && self.replicas > 1 {
             // (Jobs with replicas do not scale their servers here: crashes.)
             self.try_crash_server();
         } else if roll < 40 {
@@ -442,6 +439,9 @@ impl World {
                     }
                 }
             }
+        } else if self.mode != Consistency::Bsp {
+            // SSP/ASP jobs keep their workers (the control plane refuses
+            // changes) and have no checkpoints to roll back to here.
         } else if roll < 75 {
             let n = self.rng.range(1, 4) as u32;
             let now = self.job.job_map().membership.last().map_or(0, |(_, s)| s.len() as u32);

@@ -45,8 +45,12 @@ pub enum Msg {
     PullMoved { shard: u32 },
     /// Server -> itself: the WRITE of a pull completed.
     PullWritten { shard: u32, w: u32, v: u64 },
-    /// Source -> target: the snapshot of `shard` at version `v`.
-    Snapshot { shard: u32, v: u64, value: Vec<u64> },
+    /// Source -> target: the snapshot of `shard` at version `v` (SSP/ASP:
+    /// with the contributions of each worker it holds).
+    Snapshot { shard: u32, v: u64, value: Vec<u64>, clocks: Vec<u64> },
+    /// SSP/ASP source -> target after the cutover: worker `w`'s contribution
+    /// of iteration `t`, relayed (acknowledged with a `ForwardAck`).
+    Relayed { shard: u32, w: u32, t: u64, digest: Vec<u64> },
     /// Source -> itself: the snapshot WRITE completed.
     SnapshotDone { shard: u32 },
     /// Source -> target: the update producing version `v` (its contributions'

@@ -8,9 +8,9 @@
 mod moves;
 mod replica;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
-use eps_core::{Answers, Members, Next, Pending, PullStep, PushGate, ShardCore, push_gate};
+use eps_core::{Answers, Members, Next, Pending, PullStep, PushGate, Relay, RelayStep, ShardCore, push_gate};
 use eps_proto::control::{ControlMsg, MigrationKeys, Order, Role, ShardEndpoint};
 use eps_proto::migrate::{Source, SourceAction};
 use eps_proto::spec::Consistency;
@@ -28,6 +28,8 @@ struct Out {
     snapshot_busy: bool,
     forward_busy: bool,
     last_forward: u64,
+    /// SSP/ASP: the relay after the cutover.
+    relay: Option<Relay>,
 }
 
 /// One held shard.
@@ -43,6 +45,9 @@ struct Shard {
     landing: Vec<Option<(u64, Vec<u64>)>>,
     /// The digests of forwards parked or applying, by the version each produces.
     forwards: BTreeMap<u64, Vec<u64>>,
+    /// SSP/ASP: relayed contributions parked or applying, in arrival order
+    /// (worker, iteration, digest).
+    relayed: VecDeque<(u32, u64, Vec<u64>)>,
     out: Option<Out>,
     /// Migration target: (source, snapshot landed).
     incoming: Option<(u32, bool)>,
@@ -60,6 +65,7 @@ impl Shard {
             vals: BTreeMap::new(),
             landing: vec![None; ranks as usize],
             forwards: BTreeMap::new(),
+            relayed: VecDeque::new(),
             out: None,
             incoming: None,
             split: None,
@@ -149,7 +155,7 @@ impl SimServer {
     /// Whether a move or a backup not yet synced refuses version `need` of
     /// a shard whose state would serve it.
     fn refuses(sh: &Shard, need: u64) -> bool {
-        sh.out.as_ref().is_some_and(|o| !o.src.serves(need))
+        sh.out.as_ref().is_some_and(|o| !o.src.serves(need) || o.relay.is_some())
             || (matches!(sh.replica, Some(Rep::Backup { .. })) && matches!(sh.incoming, Some((_, false))))
     }
 
@@ -195,7 +201,8 @@ impl SimServer {
             Msg::Read { w: r, shard } => self.on_read(w, r, shard),
             Msg::ConnLost { w: r } => self.drop_conn(w, r),
             Msg::PullWritten { shard, w: r, v } => self.on_pull_written(w, shard, r, v),
-            Msg::Snapshot { shard, v, value } => self.on_snapshot(w, shard, v, value),
+            Msg::Snapshot { shard, v, value, clocks } => self.on_snapshot(w, shard, v, value, &clocks),
+            Msg::Relayed { shard, w: r, t, digest } => self.on_relayed(w, shard, r, t, digest),
             Msg::SnapshotDone { shard } => self.on_snapshot_done(w, shard),
             // `Server::on_promote`: a promoted backup dropped its connections
             // from the lost owner; what it still sent does not land.
@@ -332,6 +339,12 @@ impl SimServer {
 
     fn update(&mut self, w: &mut World, id: u32, p: Pending) {
         let Some(sh) = self.shards.get_mut(&id) else { return };
+        // `Server::update`: an SSP/ASP source after its cutover applies
+        // nothing: it relays.
+        if let (Pending::Update { one: Some(r), .. }, Some(relay)) = (p, sh.out.as_mut().and_then(|o| o.relay.as_mut())) {
+            relay.take(r);
+            return self.pump(w, id);
+        }
         let busy = Self::busy(sh);
         if let Some(p) = sh.core.offer(p, busy) {
             self.apply(w, id, p);
@@ -368,6 +381,16 @@ impl SimServer {
             };
             let value: Vec<u64> = old.iter().zip(&tok).map(|(&o, &d)| o.wrapping_add(d)).collect();
             w.applied_one(r, sh.units().start, version, iteration, &tok, &value);
+            sh.vals.insert(next, value);
+            return self.finish(w, id, p, next, tok);
+        }
+        if let Pending::Forward { worker: Some(r), .. } = p {
+            // SSP/ASP: a contribution the source relayed, added.
+            let Some((_, t, tok)) = sh.relayed.pop_front().filter(|(x, _, _)| *x == r) else {
+                return w.fail(format!("server {rank}: shard {id} applies a relayed contribution of worker {r} it did not get"));
+            };
+            let value: Vec<u64> = old.iter().zip(&tok).map(|(&o, &d)| o.wrapping_add(d)).collect();
+            w.applied_one(r, sh.units().start, version, t, &tok, &value);
             sh.vals.insert(next, value);
             return self.finish(w, id, p, next, tok);
         }
@@ -426,7 +449,7 @@ impl SimServer {
     fn finish(&mut self, w: &mut World, id: u32, p: Pending, next: u64, digest: Vec<u64>) {
         let rank = self.rank;
         let Some(sh) = self.shards.get_mut(&id) else { return };
-        if let Pending::Forward { .. } = p {
+        if let Pending::Forward { worker: None, .. } = p {
             // `ShardSync::forwarded`: pushes held for the iteration the
             // forward applied are in it already.
             for l in sh.landing.iter_mut().filter(|l| l.as_ref().is_some_and(|(t, _)| *t + 1 == next)) {

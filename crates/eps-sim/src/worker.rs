@@ -435,8 +435,15 @@ impl SimWorker {
         match self.state {
             WState::AwaitAdmit => self.try_admit(w),
             WState::Blocked => self.begin(w),
+            WState::InitialPull if !self.pull_refused.is_empty() && w.mode != eps_proto::Consistency::Bsp => {
+                self.ask_again_async(w);
+            }
             WState::InitialPull if !self.pull_refused.is_empty() => {
                 self.ask_again(w, self.start);
+            }
+            WState::Refreshing if w.mode != eps_proto::Consistency::Bsp => {
+                self.state = WState::Waiting;
+                self.ask_again_async(w);
             }
             WState::Refreshing => {
                 self.state = WState::Waiting;

@@ -8,7 +8,7 @@ use eps_proto::migrate::{Forwarded, target_forward};
 use super::*;
 
 impl SimServer {
-    pub(super) fn on_snapshot(&mut self, w: &mut World, id: u32, v: u64, value: Vec<u64>) {
+    pub(super) fn on_snapshot(&mut self, w: &mut World, id: u32, v: u64, value: Vec<u64>, clocks: &[u64]) {
         let me = self.me();
         let Some(sh) = self.shards.get_mut(&id) else {
             return w.fail(format!("server {}: snapshot of shard {id}, which is not arriving here", self.rank));
@@ -16,7 +16,12 @@ impl SimServer {
         let Some((from, false)) = sh.incoming else {
             return w.fail(format!("server {}: unexpected snapshot of shard {id}", self.rank));
         };
-        let moved = sh.core.sync.snapshot_landed(v);
+        let moved = if self.mode == Consistency::Bsp {
+            sh.core.sync.snapshot_landed(v)
+        } else {
+            sh.core.sync.snapshot_landed_async(v, clocks);
+            Vec::new()
+        };
         let first = sh.units().start;
         w.publish(self.rank, id, first, v, &value);
         sh.vals.insert(v, value);
@@ -41,6 +46,9 @@ impl SimServer {
 
     pub(super) fn on_snapshot_done(&mut self, w: &mut World, id: u32) {
         let me = self.me();
+        if self.mode != Consistency::Bsp {
+            return self.cut_over_async(w, id);
+        }
         let Some(sh) = self.shards.get_mut(&id) else { return };
         // The iteration after if its update is ready here, else this very version
         // (the held pushes and waiting pulls go back to their workers).
@@ -114,6 +122,9 @@ impl SimServer {
 
     pub(super) fn on_ack(&mut self, w: &mut World, id: u32, v: u64) {
         let Some(out) = self.shards.get_mut(&id).and_then(|sh| sh.out.as_mut()) else { return };
+        if out.relay.is_some() {
+            return self.relay_acked(w, id);
+        }
         out.forward_busy = false;
         if v != out.last_forward {
             return w
@@ -162,8 +173,16 @@ impl SimServer {
                     // `migrate_out`: its backup was never reported.
                     sh.replica = None;
                 }
-                sh.out = Some(Out { src: Source::start(v0), to, snapshot_busy: true, forward_busy: false, last_forward: v0 });
-                let at = w.send(me, Node::Server(to), Msg::Snapshot { shard, v: v0, value });
+                let clocks = sh.core.snapshot_clocks();
+                sh.out = Some(Out {
+                    src: Source::start(v0),
+                    to,
+                    snapshot_busy: true,
+                    forward_busy: false,
+                    last_forward: v0,
+                    relay: None,
+                });
+                let at = w.send(me, Node::Server(to), Msg::Snapshot { shard, v: v0, value, clocks });
                 w.complete_after(me, Msg::SnapshotDone { shard }, at);
             }
             Order::Split { shard, mid, lo, hi } => {
@@ -176,7 +195,7 @@ impl SimServer {
                 sh.split = Some((mid, lo, hi));
                 self.try_split(w, shard);
             }
-            Order::Release { shard } => w.fail(format!("server {rank}: SSP/ASP release of shard {shard} in a BSP job")),
+            Order::Release { shard } => self.on_release_order(w, shard),
             // The simulation takes no checkpoints (nothing orders one).
             Order::Checkpoint { version, .. } => w.fail(format!("server {rank}: ordered a checkpoint at {version}")),
             // (Simulated jobs have no sparse tables.)
@@ -273,5 +292,86 @@ impl SimServer {
         }
         self.try_complete(w, lo);
         self.try_complete(w, hi);
+    }
+}
+
+/// SSP/ASP migrations: the source's relay after its cutover (`eps_core::Relay`).
+impl SimServer {
+    /// The snapshot of an SSP/ASP shard landed: the source stops applying,
+    /// relays what it parked, refuses the waiting pulls, reports the cutover.
+    pub(super) fn cut_over_async(&mut self, w: &mut World, id: u32) {
+        let me = self.me();
+        let Some(sh) = self.shards.get_mut(&id) else { return };
+        let (relay, refused) = sh.core.cut_over_async();
+        let Some(out) = sh.out.as_mut() else { return };
+        out.snapshot_busy = false;
+        out.relay = Some(relay);
+        for r in refused {
+            self.answers.forget_moved(r, id);
+            w.send(me, Node::Worker(r), Msg::PullMoved { shard: id });
+        }
+        if let Err(e) = w.ctl(&ControlMsg::Cutover { shard: id, at: 0 }) {
+            return w.fail(format!("server {}: the control plane refused the cutover of shard {id}: {e}", self.rank));
+        }
+        self.pump(w, id);
+    }
+
+    /// Sends the next queued contribution to the target, or releases the shard.
+    pub(super) fn pump(&mut self, w: &mut World, id: u32) {
+        let (me, rank) = (self.me(), self.rank);
+        let Some(sh) = self.shards.get_mut(&id) else { return };
+        let Some(out) = sh.out.as_mut() else { return };
+        let Some(relay) = out.relay.as_mut() else { return };
+        match relay.step() {
+            RelayStep::Idle => {}
+            RelayStep::Release => self.release(w, id),
+            RelayStep::Send(r) => {
+                let Some((t, digest)) = sh.landing[r as usize].clone() else {
+                    return w.fail(format!("server {rank}: relays worker {r}'s contribution to shard {id}, not in its slot"));
+                };
+                out.forward_busy = true;
+                w.send(me, Node::Server(out.to), Msg::Relayed { shard: id, w: r, t, digest });
+            }
+        }
+    }
+
+    /// The target applied the relayed contribution: its slot is free and its
+    /// worker gets the credit.
+    pub(super) fn relay_acked(&mut self, w: &mut World, id: u32) {
+        let me = self.me();
+        let Some(sh) = self.shards.get_mut(&id) else { return };
+        let Some(out) = sh.out.as_mut() else { return };
+        out.forward_busy = false;
+        let Some(r) = out.relay.as_mut().and_then(Relay::acked) else {
+            return w.fail(format!("server {}: an acknowledgement of shard {id} with nothing relayed", self.rank));
+        };
+        sh.core.sync.consumed(r);
+        sh.landing[r as usize] = None;
+        if !self.dead.contains(&r) {
+            w.send(me, Node::Worker(r), Msg::Credit { shard: id });
+        }
+        self.pump(w, id);
+    }
+
+    /// `Order::Release`: every worker routes the shard to its target now.
+    pub(super) fn on_release_order(&mut self, w: &mut World, id: u32) {
+        let relay = self.shards.get_mut(&id).and_then(|sh| sh.out.as_mut()).and_then(|o| o.relay.as_mut());
+        let Some(relay) = relay else {
+            return w.fail(format!("server {}: ordered to release shard {id}, which is not relaying", self.rank));
+        };
+        relay.release_ordered();
+        self.pump(w, id);
+    }
+
+    /// A contribution relayed by the shard's source after its cutover.
+    pub(super) fn on_relayed(&mut self, w: &mut World, id: u32, r: u32, t: u64, digest: Vec<u64>) {
+        let Some(sh) = self.shards.get_mut(&id) else {
+            return w.fail(format!("server {}: a relayed contribution of shard {id}, which is not here", self.rank));
+        };
+        if !matches!(sh.incoming, Some((_, true))) {
+            return w.fail(format!("server {}: a relayed contribution of shard {id} before its snapshot", self.rank));
+        }
+        sh.relayed.push_back((r, t, digest));
+        self.update(w, id, Pending::Forward { version: 0, carry: false, worker: Some(r) });
     }
 }

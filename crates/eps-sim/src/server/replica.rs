@@ -181,7 +181,7 @@ impl SimServer {
             let Some(value) = sh.vals.get(&v).cloned() else {
                 return w.fail(format!("server {}: shard {id} has no value at version {v}", self.rank));
             };
-            let at = w.send(me, Node::Server(to), Msg::Snapshot { shard: id, v, value });
+            let at = w.send(me, Node::Server(to), Msg::Snapshot { shard: id, v, value, clocks: Vec::new() });
             w.complete_after(me, Msg::ReplicaSnapshotDone { shard: id }, at);
         }
         sh.replica = Some(Rep::Primary { to, waiting: None, snapshotting: snapshot, promoted, stopping: false });

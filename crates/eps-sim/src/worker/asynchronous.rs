@@ -22,7 +22,7 @@ impl SimWorker {
                     return w.fail(format!("worker {rank}: a credit for unknown shard {shard}"));
                 };
                 *c = true;
-                if self.state == WState::Waiting {
+                if matches!(self.state, WState::Waiting | WState::Refreshing) {
                     self.push_ready(w);
                     self.step_async(w);
                 }
@@ -34,16 +34,25 @@ impl SimWorker {
                     self.begin(w);
                 }
             }
-            (Msg::PullDone { shard, v, value }, WState::Waiting) => {
+            (Msg::PullDone { shard, v, value }, WState::Waiting | WState::Refreshing) => {
                 self.answered(shard, from);
                 let r = &self.map.routes[shard as usize];
                 w.check_stale(rank, units(r.start, r.len), v, self.need_async(w));
                 self.took(w, shard, v, &value);
                 self.step_async(w);
             }
-            (Msg::ReadDone { shard, v, value }, WState::Waiting) => {
+            (Msg::ReadDone { shard, v, value }, WState::Waiting | WState::Refreshing) => {
                 self.took(w, shard, v, &value);
                 self.step_async(w);
+            }
+            (Msg::PullMoved { shard }, WState::InitialPull | WState::Waiting | WState::Refreshing) => {
+                // Asked of a server that gave the shard away (or is giving it):
+                // again, of the owner of a newer map.
+                self.answered(shard, from);
+                let s = shard as usize;
+                self.outstanding[s] = self.outstanding[s].saturating_sub(1);
+                self.pull_refused.push((shard, from));
+                self.ask_again_async(w);
             }
             (Msg::Tick, WState::Computing) => self.push_all_async(w),
             (m, s) => w.fail(format!("worker {rank} ({:?}) in state {s:?} got {m:?}", w.mode)),
@@ -72,9 +81,33 @@ impl SimWorker {
         self.outstanding[shard as usize] += 1;
     }
 
-    /// Computed iteration `t` from whatever versions it holds: pushes.
+    /// Refused pulls and reads go again to the shard's owner in our map, or,
+    /// if that owner refused, in a newer one (waited for if none is out yet).
+    pub(super) fn ask_again_async(&mut self, w: &mut World) {
+        let need = if self.state == WState::InitialPull { 0 } else { self.need_async(w) };
+        for (s, from) in std::mem::take(&mut self.pull_refused) {
+            let owner = self.map.routes[s as usize].owner.owner;
+            if Node::Server(owner) == from && !self.take_newer_map(w) {
+                self.pull_refused.push((s, from));
+                continue;
+            }
+            let owner = self.map.routes[s as usize].owner.owner;
+            if w.mode == Consistency::Asp {
+                self.read(w, s, owner);
+            } else {
+                self.ask(w, s, owner, need);
+            }
+        }
+        if !self.pull_refused.is_empty() && self.state == WState::Waiting {
+            self.state = WState::Refreshing;
+        }
+    }
+
+    /// Computed iteration `t` from whatever versions it holds: pushes, by
+    /// the newest map (with no push in flight, it routes by that one from now).
     fn push_all_async(&mut self, w: &mut World) {
         let t = self.t;
+        self.adopt_newest();
         w.adopted(self.rank, self.map.epoch);
         for u in 0..self.have.len() {
             self.tokens[u] = token(self.rank, t, u, self.have[u].1);
@@ -109,16 +142,19 @@ impl SimWorker {
         }
     }
 
-    /// The round ends once every shard is pushed and answered.
+    /// The round ends once every shard is pushed and answered; the last one
+    /// once its pushes are applied too (`Worker::finish` waits for their
+    /// credits: the servers have everything before the job ends).
     fn step_async(&mut self, w: &mut World) {
         if !self.unpushed.is_empty() || !self.round_done() {
             return;
         }
-        self.t += 1;
-        if self.t >= w.steps {
-            self.finish(w, WState::Done);
-        } else {
+        if self.t + 1 < w.steps {
+            self.t += 1;
             self.begin(w);
+        } else if self.credit.iter().all(|&c| c) {
+            self.t += 1;
+            self.finish(w, WState::Done);
         }
     }
 }
