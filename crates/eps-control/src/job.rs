@@ -612,18 +612,26 @@ impl Job {
                     }
                     Role::Worker => self.worker_finished(*rank)?,
                 }
-                if *role == Role::Worker && self.w.all_finished() {
-                    // The job is over: every server leaves.
-                    for r in 0..self.servers.len() {
-                        if !self.servers[r].retired {
-                            self.servers[r].retired = true;
-                            self.order(r as u32, Order::Retire);
-                        }
-                    }
+                if *role == Role::Worker {
+                    self.end_if_over();
                 }
                 Ok(ControlMsg::Ok)
             }
             _ => Err(Refusal::new(ErrorCode::Unexpected, "not a state change")),
+        }
+    }
+
+    /// Once every worker finished (or was removed), the job is over: every
+    /// server leaves.
+    pub(crate) fn end_if_over(&mut self) {
+        if !self.w.all_finished() {
+            return;
+        }
+        for r in 0..self.servers.len() {
+            if !self.servers[r].retired {
+                self.servers[r].retired = true;
+                self.order(r as u32, Order::Retire);
+            }
         }
     }
 

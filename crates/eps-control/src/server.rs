@@ -122,19 +122,23 @@ impl State {
     /// Declares server `rank` lost (`why`), in a job with replicas that it
     /// still serves: its backups take over (a record of the store).
     fn declare_lost(&mut self, rank: u32, why: &str) -> Result<(), ControlError> {
-        if !self.job.replicated() || !self.job.server_serving(rank) || self.job.done() {
-            return Ok(());
-        }
-        let m = ControlMsg::ServerLost { rank };
+        let retiring = self.job.server_retiring(rank);
+        let Some(m) = self.job.server_gone(rank) else { return Ok(()) };
         if self.job.apply(&m).is_err() {
             return Ok(());
         }
         self.forget_reports_of(rank);
-        eps_proto::say_event!(
-            "server_lost",
-            { job = self.name.as_str(), server = rank, why = why },
-            "eps control: server {rank} is lost ({why}); its shards' backups take over"
-        );
+        if retiring {
+            eps_proto::say!(
+                "eps control: server {rank} was told to retire and is gone ({why}) before it said it finished; counted as finished"
+            );
+        } else {
+            eps_proto::say_event!(
+                "server_lost",
+                { job = self.name.as_str(), server = rank, why = why },
+                "eps control: server {rank} is lost ({why}); its shards' backups take over"
+            );
+        }
         self.persist(&m)
     }
 

@@ -32,6 +32,14 @@ pub const ALL: &[(&str, &str)] = &[
         "an SSP/ASP migration source releases the shard once every worker routes to the target, with contributions still queued in its relay",
     ),
     (
+        "dead-retiring-server-awaited",
+        "the control plane waits for a server it told to retire to say it finished, though the server died (its lease lapsed): the job never ends",
+    ),
+    (
+        "last-expiry-keeps-job-open",
+        "the last worker the job waits for is removed by lease expiry after the others finished, and the job goes on (no server is told to retire)",
+    ),
+    (
         "adopted-epoch-not-persisted",
         "the control plane applies a worker's report of a newer epoch (releases and retirements follow from it) without keeping it in its store, so a standby that takes over replays another job",
     ),

@@ -622,7 +622,11 @@ fn spawn_acceptor<P: Fabric>(
     rx
 }
 
-/// Long-polls the control plane for this server's orders on a thread of its own.
+/// Long-polls the control plane for this server's orders on a thread of its
+/// own. It polls on after `Order::Retire`, until the server is gone (its
+/// receiver dropped, or the control plane ended): a server that polls is
+/// alive, and one that stops before it said it finished died (see
+/// `Job::server_gone`).
 fn spawn_order_poller(cfg: &ServerConfig, rank: u32) -> Result<Receiver<Result<Order, ControlError>>, ServerError> {
     // Order polls are answered within a long poll: silence means a dead link.
     let mut ctl = ControlClient::connect(cfg.control.clone(), &cfg.secret, cfg.accept_timeout)?.answer_within(ANSWER_WITHIN)?;
@@ -634,8 +638,7 @@ fn spawn_order_poller(cfg: &ServerConfig, rank: u32) -> Result<Receiver<Result<O
                 Ok(ControlMsg::Orders { last, orders }) => {
                     after = last;
                     for o in orders {
-                        let retire = o == Order::Retire;
-                        if tx.send(Ok(o)).is_err() || retire {
+                        if tx.send(Ok(o)).is_err() {
                             return;
                         }
                     }

@@ -372,15 +372,16 @@ impl World {
             Node::Ctl => match msg {
                 Msg::Tick => self.lease_tick(),
                 Msg::Plan => self.plan_step(),
-                Msg::Lost { s } if !self.job.server_serving(s) => {
-                    self.note(format!("server {s} retired before its loss was seen"))
-                }
-                Msg::Lost { s } => {
-                    self.note(format!("server {s} declared lost"));
-                    if let Err(e) = self.ctl(&ControlMsg::ServerLost { rank: s }) {
-                        self.fail(format!("declaring server {s} lost: {e}"));
+                // `eps control`: its lease lapsed (or its poll dropped).
+                Msg::Lost { s } => match self.job.server_gone(s) {
+                    None => self.note(format!("server {s}'s loss changes nothing")),
+                    Some(m) => {
+                        self.note(format!("server {s} declared lost"));
+                        if let Err(e) = self.ctl(&m) {
+                            self.fail(format!("declaring server {s} lost: {e}"));
+                        }
                     }
-                }
+                },
                 m => self.fail(format!("control got {m:?} from {from:?}")),
             },
         }
@@ -410,7 +411,9 @@ impl World {
                 }
             }
         }
-        if !self.live_workers().is_empty() {
+        // (The clock runs while a worker holds a lease: one that crashed
+        // after the others finished still expires, and the job ends.)
+        if !self.live_workers().is_empty() || !self.job.leased_workers().is_empty() || !self.job.awaited_workers().is_empty() {
             self.net.send_after(Node::Ctl, Node::Ctl, Msg::Tick, TICK);
         }
     }
@@ -524,6 +527,16 @@ impl World {
         // or once its lease lapses: what it sent may still be landing then.
         let d = if self.rng.range(0, 1) == 0 { self.rng.range(1, self.net.max_delay) } else { self.rng.range(1, LEASE) };
         self.net.send_after(Node::Ctl, Node::Ctl, Msg::Lost { s: r }, d);
+    }
+
+    /// A worker finished: if it was the last, the job is over, and in a third
+    /// of the jobs with replicas a server crashes as the job ends (the
+    /// control plane has told it to retire; it never says it finished).
+    pub(crate) fn worker_finished(&mut self) {
+        if self.replicas > 1 && self.job.leased_workers().is_empty() && self.rng.range(0, 2) == 0 {
+            self.note("a server crashes as the job ends".into());
+            self.try_crash_server();
+        }
     }
 
     /// Whether server `rank` crashed.
@@ -676,6 +689,12 @@ pub fn run(seed: u64) -> Result<Report, Failure> {
     }
     if w.failure.is_none() {
         w.check_pieces();
+    }
+    if w.failure.is_none() && !w.job.done() {
+        // `eps control` ends once every worker and server finished or was
+        // lost; one that would wait forever hangs whatever launched the job.
+        let what = format!("the run is over but its control plane would not end:\n{}", w.dump());
+        w.fail(what);
     }
     if let Some(what) = w.failure.take() {
         return Err(Failure { seed, time: w.net.now, what, trace: w.trace.into_iter().collect() });

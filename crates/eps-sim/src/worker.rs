@@ -460,6 +460,7 @@ impl SimWorker {
         if let Err(e) = w.ctl(&ControlMsg::Finished { role: Role::Worker, rank: self.rank }) {
             w.fail(format!("worker {}: finish refused: {e}", self.rank));
         }
+        w.worker_finished();
     }
 
     /// `Worker::begin`: waits while a vote holds this iteration; leaves if this

@@ -43,6 +43,22 @@ impl<P: Fabric> Worker<P> {
         if m.routes.len() < self.map.routes.len() || m.routes.len() > eps_proto::layout::MAX_SHARDS as usize {
             return Err(WorkerError::Unexpected);
         }
+        // With replicas, a server the new map leaves out was declared lost.
+        // If this round still waits on it, its requests go to the shards'
+        // backups now, as when its connection fails: that connection need
+        // not fail first (a stopped server's does not, nor does one with
+        // nothing of ours in flight when it died), and once the new map is
+        // ours, `notice_lost_servers` has nothing newer to compare with.
+        if self.spec.job.replicas > 1 {
+            let gone: Vec<u32> =
+                self.map.servers.iter().map(|(r, _)| *r).filter(|r| !m.servers.iter().any(|(s, _)| s == r)).collect();
+            for s in gone {
+                let waits_on = self.round.iter().any(|&sid| self.pushed_to[sid] == s && self.outstanding[sid] > 0);
+                if !self.lost.contains(&s) && (self.routes_to(s) || waits_on) {
+                    self.lose_server(s);
+                }
+            }
+        }
         self.map = m;
         // Shards made by splits since.
         let ids = self.map.routes.len();

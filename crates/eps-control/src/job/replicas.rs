@@ -123,9 +123,16 @@ impl Job {
     /// epoch); shards without one are lost with it, and so are the shards
     /// of its moves that the other side cannot finish alone.
     pub(super) fn server_lost(&mut self, rank: u32) -> Result<ControlMsg, Refusal> {
+        let was_lost = self.lost.contains(&rank);
         let Some(info) = self.servers.get_mut(rank as usize) else { return Err(Refusal::invalid(format!("no server {rank}"))) };
-        if info.retired || info.finished {
+        if info.finished || was_lost {
             return Err(Refusal::stale(format!("server {rank} is not serving")));
+        }
+        if info.retired {
+            // Told to retire (it holds nothing the job still needs) and gone
+            // before it said it finished: it finished.
+            info.finished = true;
+            return Ok(ControlMsg::Ok);
         }
         info.retired = true;
         info.leaving = true;

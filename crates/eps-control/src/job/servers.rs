@@ -67,6 +67,24 @@ impl Job {
         self.servers.get(rank as usize).is_some_and(|s| s.ready && !s.retired && !s.finished)
     }
 
+    /// Whether server `rank` was told to retire (scaled away holding nothing,
+    /// or the job is over) and has not said it finished (nor was it lost).
+    pub fn server_retiring(&self, rank: u32) -> bool {
+        let r = self.servers.get(rank as usize);
+        r.is_some_and(|s| s.retired && !s.finished) && !self.lost.contains(&rank)
+    }
+
+    /// Server `rank` is gone: its order poll dropped for good or its lease
+    /// lapsed (a server polls until it has said it finished). The record to
+    /// apply and persist, if any: a retiring server is counted finished (so
+    /// that a job whose server died as it ended still ends); with replicas, a
+    /// serving one is lost and its shards' backups take over.
+    pub fn server_gone(&self, rank: u32) -> Option<ControlMsg> {
+        let retiring = self.server_retiring(rank) && !eps_proto::mutants::active("dead-retiring-server-awaited");
+        let lost = retiring || (self.replicated() && self.server_serving(rank) && !self.done());
+        lost.then_some(ControlMsg::ServerLost { rank })
+    }
+
     pub(crate) fn start_moves(&mut self, moves: &[Move]) {
         for mv in moves {
             let Some(i) = self.map.shard_of(mv.start) else { continue };

@@ -324,6 +324,12 @@ impl Job {
         }
         self.w.expired.push(rank);
         self.w.finished[rank as usize] = true;
+        if self.w.all_finished() && !eps_proto::mutants::active("last-expiry-keeps-job-open") {
+            // The last worker the job waited for (the others finished): the
+            // job is over; no change of contributors is voted on.
+            self.end_if_over();
+            return Ok(ControlMsg::Ok);
+        }
         let alive: Vec<u32> = self.w.leased();
         match self.w.proposal.as_mut() {
             Some(p) => {

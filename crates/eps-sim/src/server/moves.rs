@@ -227,6 +227,10 @@ impl SimServer {
             Order::Retire => {
                 self.retired = true;
                 w.check_retired(rank);
+                // `eps-server`: it says it finished as it exits.
+                if let Err(e) = w.ctl(&ControlMsg::Finished { role: Role::Server, rank }) {
+                    w.fail(format!("server {rank}: its finish was refused: {e}"));
+                }
             }
             Order::Propose { id } => {
                 let top = self.shards.values().map(|sh| Members::reach(self.mode, &sh.core.sync)).max();
