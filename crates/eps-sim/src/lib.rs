@@ -353,6 +353,7 @@ impl World {
             self.report.worker_joins += 1;
         }
         let mut w = SimWorker::new(rank, self.job.job_map(), self.units);
+        w.replicated = self.replicas > 1;
         w.try_admit(self);
         self.workers.insert(rank, Some(w));
     }
@@ -515,10 +516,15 @@ impl World {
             self.unaccept(worker, us, t);
         }
         self.note(format!("server {r} crashed ({} messages cut): {}", cut.len(), s.describe()));
+        // A worker sees the connection fail only if it had something on it
+        // then (or sends something later): half of them here; the others
+        // learn it from the map that leaves the server out.
+        let watching: Vec<u32> = self.watching.iter().copied().collect();
+        let told: Vec<u32> = watching.into_iter().filter(|_| self.rng.range(0, 1) == 0).collect();
         let peers: Vec<Node> = (0..self.servers.len() as u32)
             .filter(|&x| self.servers[x as usize].is_some())
             .map(Node::Server)
-            .chain(self.watching.iter().map(|&w| Node::Worker(w)))
+            .chain(told.into_iter().map(Node::Worker))
             .collect();
         for p in peers {
             self.send(Node::Server(r), p, Msg::ServerGone { s: r });

@@ -73,6 +73,8 @@ pub(crate) struct SimWorker {
     asked: BTreeMap<(u32, u32), u32>,
     /// Servers whose connection failed.
     lost: BTreeSet<u32>,
+    /// The job keeps two replicas of every shard.
+    pub(crate) replicated: bool,
     /// SSP/ASP, per shard id: its landing slot is free (the last push was
     /// applied); and the shards of the round not pushed yet for want of it.
     credit: Vec<bool>,
@@ -104,6 +106,7 @@ impl SimWorker {
             moved: Vec::new(),
             asked: BTreeMap::new(),
             lost: BTreeSet::new(),
+            replicated: false,
             credit: Vec::new(),
             unpushed: Vec::new(),
         };
@@ -123,7 +126,7 @@ impl SimWorker {
     /// Takes the watcher's map if it is newer than ours.
     fn adopt_newest(&mut self) {
         if let Some(m) = self.newest.take().filter(|m| m.epoch > self.map.epoch) {
-            self.set_map(m);
+            self.adopt_map(m);
         }
     }
 
@@ -267,8 +270,22 @@ impl SimWorker {
     /// requests to it that were not answered are made again to the new owners:
     /// the push and its pull (the backup applied every version anyone pulled).
     fn lose_server(&mut self, w: &mut World, s: u32) {
-        if !self.lost.insert(s) {
+        if !self.mark_lost(s) {
             return;
+        }
+        match self.state {
+            WState::InitialPull => {
+                self.ask_again(w, self.start);
+            }
+            WState::Waiting | WState::Refreshing => self.step(w),
+            _ => {}
+        }
+    }
+
+    /// `lose_server`'s bookkeeping; false if `s` was lost already.
+    fn mark_lost(&mut self, s: u32) -> bool {
+        if !self.lost.insert(s) {
+            return false;
         }
         let t = self.t;
         let owed: Vec<(u32, u32)> = self.asked.iter().filter(|((_, x), _)| *x == s).map(|(&(sh, _), &n)| (sh, n)).collect();
@@ -285,12 +302,36 @@ impl SimWorker {
                 _ => self.moved.push((shard, t, Node::Server(s))),
             }
         }
-        match self.state {
-            WState::InitialPull => {
-                self.ask_again(w, self.start);
+        true
+    }
+
+    /// `Worker::adopt`: with replicas, a server the new map leaves out was
+    /// declared lost; if this round still waits on it, its requests go again
+    /// (its connection need not have failed where this worker could see it).
+    fn adopt_map(&mut self, m: JobMap) {
+        if self.replicated {
+            let gone: Vec<u32> =
+                self.map.servers.iter().map(|(r, _)| *r).filter(|r| !m.servers.iter().any(|(s, _)| s == r)).collect();
+            for s in gone {
+                let waits_on = self.asked.keys().any(|&(_, x)| x == s);
+                if self.routes_to(s) || waits_on {
+                    self.mark_lost(s);
+                }
             }
-            WState::Waiting | WState::Refreshing => self.step(w),
-            _ => {}
+        }
+        self.set_map(m);
+    }
+
+    /// `Worker::notice_lost_servers` (its wait loop looks every 50 ms): the
+    /// watcher's map leaves out a server ours routes to.
+    fn notice_lost_servers(&mut self, w: &mut World) {
+        let Some(newest) = self.newest.as_ref().filter(|m| self.replicated && m.epoch > self.map.epoch) else { return };
+        let gone: Vec<u32> =
+            self.map.servers.iter().map(|(r, _)| *r).filter(|r| !newest.servers.iter().any(|(s, _)| s == r)).collect();
+        for s in gone {
+            if self.live() && !self.lost.contains(&s) && self.routes_to(s) {
+                self.lose_server(w, s);
+            }
         }
     }
 
@@ -314,6 +355,13 @@ impl SimWorker {
     /// Handles one delivery.
     pub(crate) fn handle(&mut self, w: &mut World, from: Node, msg: Msg) {
         if !self.live() {
+            return;
+        }
+        // A server this worker treats as lost: its connection was closed
+        // here, and what it sent before that is gone with it.
+        if let Node::Server(s) = from
+            && self.lost.contains(&s)
+        {
             return;
         }
         if w.mode != eps_proto::Consistency::Bsp {
@@ -451,6 +499,8 @@ impl SimWorker {
             }
             _ => {}
         }
+        // (After whatever the map let the worker do: it may have adopted it.)
+        self.notice_lost_servers(w);
     }
 
     /// `Worker::finish`: done training (`Done`) or scaled away (`Left`).
@@ -526,11 +576,11 @@ impl SimWorker {
     /// now, as `refresh_map`'s long poll would return it); false if none exists.
     fn take_newer_map(&mut self, w: &mut World) -> bool {
         if let Some(m) = self.newest.take().filter(|m| m.epoch > self.map.epoch) {
-            self.set_map(m);
+            self.adopt_map(m);
             return true;
         }
         if w.job.epoch() > self.map.epoch {
-            self.set_map(w.job.job_map());
+            self.adopt_map(w.job.job_map());
             return true;
         }
         false

@@ -121,6 +121,14 @@ impl<P: Fabric> Worker<P> {
                         self.sparse.on_imm(server, table, m);
                         continue;
                     }
+                    if self.lost.contains(&server) {
+                        // A server treated as lost (its connection failed, or a
+                        // map left it out): what it sent before its connection
+                        // was closed here is stale, and this round's requests
+                        // went to its shards' new owners (`lose_server`). An
+                        // answer counted now could close a later round.
+                        continue;
+                    }
                     let Some(m) = c.imm.and_then(Imm::decode).filter(|m| (m.shard as usize) < self.credit.len()) else {
                         continue;
                     };
