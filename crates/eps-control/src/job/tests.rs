@@ -323,3 +323,33 @@ fn unregistered_ranks_hold_no_lease_and_scaled_ones_are_awaited() {
     assert!(e.message.contains("running [0, 1], removed after their lease expired [2]"), "{}", e.message);
     assert!(e.message.contains("job.max_workers = 3"), "{}", e.message);
 }
+
+/// A job ends once nothing it waits for can come: the last worker removed
+/// by its lease after the others finished ends it (every server is told to
+/// retire), and a server told to retire that dies before it says it finished
+/// counts as finished once it is gone (`Job::server_gone`). A serving
+/// server's loss changes nothing without replicas.
+#[test]
+fn a_job_ends_when_its_last_worker_expires_and_a_retiring_server_dies() {
+    let text = "[job]\nworkers = 2\nservers = 2\nshard_bytes = 4096\n[model]\ntensors = [{ name = \"w\", elements = 4096 }]\n";
+    let spec = JobSpec::from_toml(text).unwrap();
+    let mut job = Job::new(&spec, text).unwrap();
+    ready_servers(&mut job, &spec);
+    for _ in 0..2 {
+        job.apply(&ControlMsg::Register { role: Role::Worker, fabric_addr: String::new() }).unwrap();
+    }
+    assert_eq!(job.server_gone(1), None, "a serving server of a job without replicas");
+    job.apply(&ControlMsg::Finished { role: Role::Worker, rank: 0 }).unwrap();
+    assert!(!job.orders_for(0, 0).1.contains(&Order::Retire), "worker 1 still trains");
+    job.apply(&ControlMsg::Expire { rank: 1 }).unwrap();
+    for r in 0..2 {
+        assert!(job.orders_for(r, 0).1.contains(&Order::Retire), "server {r} is told to retire");
+    }
+    job.apply(&ControlMsg::Finished { role: Role::Server, rank: 0 }).unwrap();
+    assert!(!job.done(), "server 1 has not finished");
+    assert_eq!(job.server_gone(0), None, "a server that finished");
+    let m = job.server_gone(1).expect("a retiring server that is gone");
+    job.apply(&m).unwrap();
+    assert!(job.done());
+    assert!(job.apply(&m).is_err(), "once");
+}
