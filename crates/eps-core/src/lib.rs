@@ -23,10 +23,12 @@
 //! answer); the caller does it and reports back. The caller owns the order in
 //! which things happen, and the rules about it are stated on the calls.
 //!
+//! - [`MoveOut`]: a migration's source side: its snapshot and forwards in
+//!   flight, its cutover, its acknowledgements and release.
 //! - [`Relay`]: an SSP/ASP migration source's relay of the contributions
 //!   that still reach it after its cutover.
 //!
-//! BSP migration steps, replica, split and sparse-bucket decisions are still
+//! A migration target's steps, replica, split and sparse-bucket decisions are still
 //! made by their callers over `eps_proto::migrate` and `eps_proto::sync`;
 //! they move here one at a time.
 
@@ -34,11 +36,13 @@
 
 mod answers;
 mod members;
+mod moves;
 mod relay;
 mod shard;
 
 pub use answers::Answers;
 pub use members::{Members, MembersError};
+pub use moves::MoveOut;
 pub use relay::{Relay, RelayStep};
 pub use shard::{CoreError, Next, Pending, Plan, PullStep, PushGate, ShardCore, push_gate};
 

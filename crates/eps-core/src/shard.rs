@@ -55,6 +55,15 @@ pub enum CoreError {
         /// The shard's version.
         at: u64,
     },
+    /// A migration target acknowledged another version than the one in
+    /// flight (or none was).
+    #[error("acknowledgement of version {got}, {}", match sent { Some(v) => format!("version {v} in flight"), None => "nothing in flight".to_string() })]
+    WrongAck {
+        /// What it acknowledged.
+        got: u64,
+        /// The version in flight.
+        sent: Option<u64>,
+    },
 }
 
 /// What an update consumes and produces.

@@ -24,7 +24,7 @@ use eps_fabric::prelude::*;
 use eps_proto::control::{ControlMsg, MigrationKeys, Order};
 use eps_proto::hello::{HELLO_LEN, Hello, PEER_BIT};
 use eps_proto::imm::{Imm, ImmKind, widen_seq};
-use eps_proto::migrate::{Forwarded, Source, SourceAction, target_forward};
+use eps_proto::migrate::{Forwarded, SourceAction, target_forward};
 use eps_proto::sync::ShardSync;
 
 use crate::{Held, Origin, Peer, Pending, Server, ServerError, WR_MIGRATE, WR_OTHER};
@@ -34,8 +34,8 @@ pub(crate) const WR_FORWARD: u64 = 1 << 40;
 /// The source side of one shard's migration.
 #[derive(Debug)]
 pub(crate) struct Outgoing {
-    pub(crate) src: Source,
-    to: u32,
+    /// What is in flight, the cutover, the relay (`eps-core`).
+    pub(crate) core: eps_core::MoveOut,
     /// Connection to the target.
     pub(crate) ci: usize,
     keys: MigrationKeys,
@@ -45,27 +45,18 @@ pub(crate) struct Outgoing {
     snapshot_secs: f64,
     snapshot_bytes: u64,
     pub(crate) bytes: u64,
-    snapshot_busy: bool,
-    pub(crate) forward_busy: bool,
-    last_forward: u64,
-    /// The cutover iteration, once announced.
-    at: u64,
-    /// The cutover was announced to the control plane.
-    pub(crate) announced: bool,
-    /// SSP/ASP: the relay after the cutover (see `relay.rs`).
-    pub(crate) relay: Option<eps_core::Relay>,
 }
 
 impl Outgoing {
     /// A WRITE from the shard's master/state or gradient buffer is in flight: the
     /// next update must wait.
     pub(crate) fn busy(&self) -> bool {
-        self.snapshot_busy || self.forward_busy
+        self.core.busy()
     }
 
     /// The snapshot WRITE completed.
     pub(crate) fn snapshot_done(&mut self) {
-        self.snapshot_busy = false;
+        self.core.snapshot_written();
         self.snapshot_secs = self.snapshot_posted.elapsed().as_secs_f64();
     }
 
@@ -249,8 +240,7 @@ impl<P: Fabric> Server<P> {
         let wr = SendWr { wr_id: WR_MIGRATE | u64::from(id), op: SendOp::WriteImm(remote, imm), sg: &sg, signaled: true };
         self.conns[ci].post_or_flush(&wr, &mut self.flushed)?;
         let out = Outgoing {
-            src: Source::start(v0),
-            to,
+            core: eps_core::MoveOut::new(v0, to),
             ci,
             keys,
             started,
@@ -258,12 +248,6 @@ impl<P: Fabric> Server<P> {
             snapshot_secs: 0.0,
             snapshot_bytes: size,
             bytes: size,
-            snapshot_busy: true,
-            forward_busy: false,
-            last_forward: v0,
-            at: 0,
-            announced: false,
-            relay: None,
         };
         if let Some(h) = self.shards[id as usize].as_mut() {
             h.out = Some(out);
@@ -285,8 +269,8 @@ impl<P: Fabric> Server<P> {
         let rank = self.rank;
         let Some(h) = self.held_mut(id) else { return Ok(()) };
         let Some(out) = h.out.as_ref() else { return Ok(()) };
-        let to = out.to;
-        if out.announced {
+        let to = out.core.to();
+        if out.core.announced() {
             // The target owned it; what is left here is not served any more.
             eps_proto::say!(
                 "eps server {rank}: the move of shard {id} to server {to} failed after its cutover ({why}); dropped here"
@@ -308,8 +292,12 @@ impl<P: Fabric> Server<P> {
     /// control plane is told, so that it cancels the move (the target may be
     /// alive, cut off from here alone) and plans what still has to happen.
     fn move_conn_failed(&mut self, id: u32, why: &str) -> Result<(), ServerError> {
-        let before_cutover =
-            self.shards.get(id as usize).and_then(Option::as_ref).and_then(|h| h.out.as_ref()).is_some_and(|o| !o.announced);
+        let before_cutover = self
+            .shards
+            .get(id as usize)
+            .and_then(Option::as_ref)
+            .and_then(|h| h.out.as_ref())
+            .is_some_and(|o| !o.core.announced());
         self.abandon_move(id, why)?;
         if !before_cutover {
             return Ok(());
@@ -374,9 +362,7 @@ impl<P: Fabric> Server<P> {
         let (held, waiting) = h.core.cut_over(at);
         let Some(out) = h.out.as_mut() else { return Ok(()) };
         out.snapshot_done();
-        let action = out.src.announce(at).map_err(|e| ServerError::Migration(e.to_string()))?;
-        out.at = at;
-        out.announced = true;
+        let action = out.core.announce(at).map_err(|e| ServerError::Migration(e.to_string()))?;
         if at == version {
             // Tell the target: no forward follows (a zero-length forward of the
             // snapshot's own version).
@@ -404,7 +390,7 @@ impl<P: Fabric> Server<P> {
     pub(crate) fn after_apply(&mut self, id: u32, p: Pending, version: u64, carry: bool) -> Result<(), ServerError> {
         let Some(h) = self.shards.get_mut(id as usize).and_then(Option::as_mut) else { return Ok(()) };
         if let Some(out) = h.out.as_mut()
-            && let Some(SourceAction::Forward { version }) = out.src.on_applied(version)
+            && let Some(version) = out.core.applied(version)
             // A target whose connection was lost gets nothing more: the move's end
             // was settled when the connection failed (`moves_conn_lost`).
             && self.conns[out.ci].alive
@@ -423,8 +409,7 @@ impl<P: Fabric> Server<P> {
                 signaled: true,
             };
             self.conns[out.ci].post_or_flush(&wr, &mut self.flushed)?;
-            out.forward_busy = true;
-            out.last_forward = version;
+            out.core.forward_sent(version);
             out.bytes += if carry { 0 } else { b.len * 4 };
         }
         if let (Pending::Forward { worker, .. }, Some((_, Some(ci)))) = (p, h.incoming) {
@@ -585,15 +570,18 @@ impl<P: Fabric> Server<P> {
         let Some(out) = self.held_mut(id).and_then(|h| h.out.as_mut()) else {
             return Ok(());
         };
-        if out.relay.is_some() {
+        if out.core.relaying() {
             return self.relay_acked(id);
         }
-        out.forward_busy = false;
-        let version = widen_seq(m.seq, out.last_forward);
-        if out.src.on_forward_acked(version) == Some(SourceAction::Release) {
-            return self.release(id);
+        let version = widen_seq(m.seq, out.core.last_forward());
+        match out.core.acked(version) {
+            Ok(true) => self.release(id),
+            Ok(false) => self.drain(id),
+            Err(e) => {
+                self.violation(ci, &format!("shard {id}: {e}"));
+                Ok(())
+            }
         }
-        self.drain(id)
     }
 
     /// Frees a migrated shard (its landing slots stay, see `Server::retained`) and
@@ -605,25 +593,26 @@ impl<P: Fabric> Server<P> {
             self.retained.push((Some(id), b.landing));
         }
         let secs = out.started.elapsed().as_secs_f64();
+        let to = out.core.to();
         let setup = out.snapshot_posted.duration_since(out.started).as_secs_f64();
         let snap = out.snapshot_secs;
         let snapshot_bytes = out.snapshot_bytes;
         eps_proto::say_event!(
             "migration",
-            { shard = id, from = self.rank, to = out.to, bytes = out.bytes, seconds = secs, setup_s = setup, snapshot_s = snap },
+            { shard = id, from = self.rank, to = to, bytes = out.bytes, seconds = secs, setup_s = setup, snapshot_s = snap },
             "eps server {}: migrated shard {id} to server {}: {} bytes in {:.1} ms ({:.2} GB/s): setup {:.1} ms, \
              snapshot {:.1} ms ({:.2} GB/s), {} {:.1} ms",
             self.rank,
-            out.to,
+            to,
             out.bytes,
             secs * 1e3,
             out.bytes as f64 / secs.max(1e-9) / 1e9,
             setup * 1e3,
             snap * 1e3,
             snapshot_bytes as f64 / snap.max(1e-9) / 1e9,
-            match out.relay {
-                Some(_) => "relaying contributions until every worker routed to the new owner".to_string(),
-                None => format!("forwarding to the cutover at iteration {}", out.at),
+            match out.core.relaying() {
+                true => "relaying contributions until every worker routed to the new owner".to_string(),
+                false => format!("forwarding to the cutover at iteration {}", out.core.at()),
             },
             (secs - setup - snap) * 1e3,
         );

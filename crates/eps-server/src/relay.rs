@@ -23,8 +23,7 @@ impl<P: Fabric> Server<P> {
         let (relay, refused) = h.core.cut_over_async();
         let Some(out) = h.out.as_mut() else { return Ok(()) };
         out.snapshot_done();
-        out.relay = Some(relay);
-        out.announced = true;
+        out.core.relay_from(relay);
         for w in refused {
             self.answers.forget_moved(w, id);
             self.send_pull_moved(w, id, 0)?;
@@ -38,7 +37,7 @@ impl<P: Fabric> Server<P> {
     pub(crate) fn pump(&mut self, id: u32) -> Result<(), ServerError> {
         let scale = 1.0 / self.workers as f32;
         let Some(out) = self.held_mut(id).and_then(|h| h.out.as_mut()) else { return Ok(()) };
-        let Some(r) = out.relay.as_mut() else { return Ok(()) };
+        let Some(r) = out.core.relay() else { return Ok(()) };
         let w = match r.step() {
             RelayStep::Send(w) => w,
             RelayStep::Release => return self.release(id),
@@ -57,7 +56,7 @@ impl<P: Fabric> Server<P> {
         let bytes = b.len * 4;
         self.conns[ci].post_or_flush(&wr, &mut self.flushed)?;
         if let Some(out) = self.held_mut(id).and_then(|h| h.out.as_mut()) {
-            out.forward_busy = true;
+            out.core.relay_sent();
             out.bytes += bytes;
         }
         Ok(())
@@ -68,8 +67,7 @@ impl<P: Fabric> Server<P> {
     pub(crate) fn relay_acked(&mut self, id: u32) -> Result<(), ServerError> {
         let Some(h) = self.held_mut(id) else { return Ok(()) };
         let Some(out) = h.out.as_mut() else { return Ok(()) };
-        out.forward_busy = false;
-        let Some(w) = out.relay.as_mut().and_then(|r| r.acked()) else { return Ok(()) };
+        let Some(w) = out.core.relay_acked() else { return Ok(()) };
         h.core.sync.consumed(w);
         self.send_credit(w, id)?;
         self.pump(id)
@@ -77,7 +75,7 @@ impl<P: Fabric> Server<P> {
 
     /// `Order::Release`: every worker routes shard `id` to the target now.
     pub(crate) fn on_release_order(&mut self, id: u32) -> Result<(), ServerError> {
-        let Some(r) = self.held_mut(id).and_then(|h| h.out.as_mut()).and_then(|o| o.relay.as_mut()) else {
+        let Some(r) = self.held_mut(id).and_then(|h| h.out.as_mut()).and_then(|o| o.core.relay()) else {
             return Err(ServerError::Migration(format!("ordered to release shard {id}, which is not relaying")));
         };
         r.release_ordered();

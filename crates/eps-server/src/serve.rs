@@ -320,7 +320,7 @@ impl<P: Fabric> Server<P> {
                 let near = held.core.sync.min_clock().max(held.core.sync.version());
                 let iteration = widen_seq(m.seq, near);
                 let bsp = self.mode == eps_proto::Consistency::Bsp;
-                match push_gate(bsp, &held.core.sync, held.out.as_ref().map(|o| &o.src), self.promoted(id), iteration) {
+                match push_gate(bsp, &held.core.sync, held.out.as_ref().map(|o| o.core.source()), self.promoted(id), iteration) {
                     PushGate::Moved => return self.send_moved(h.rank, id, m.seq),
                     PushGate::AlreadyApplied => return Ok(()),
                     PushGate::Take => {}
@@ -358,7 +358,7 @@ impl<P: Fabric> Server<P> {
         }
         let Some(held) = self.shards[id as usize].as_mut() else { return self.send_pull_moved(h.rank, id, seq) };
         let need = widen_seq(seq, held.core.sync.version().max(held.core.sync.min_clock()));
-        let refused = held.out.as_ref().is_some_and(|o| !o.src.serves(need) || o.relay.is_some());
+        let refused = held.out.as_ref().is_some_and(|o| o.core.refuses(need));
         match held.core.pull(h.rank, need, refused) {
             Ok(PullStep::Moved) => return self.send_pull_moved(h.rank, id, seq),
             Ok(PullStep::Send(v)) => self.send_pull(h.rank, id, v)?,
@@ -400,7 +400,7 @@ impl<P: Fabric> Server<P> {
         }
         // An SSP/ASP source after its cutover applies nothing: it relays.
         if let (Pending::Update { one: Some(w), .. }, Some(r)) =
-            (p, self.held_mut(id).and_then(|h| h.out.as_mut()).and_then(|o| o.relay.as_mut()))
+            (p, self.held_mut(id).and_then(|h| h.out.as_mut()).and_then(|o| o.core.relay()))
         {
             r.take(w);
             return self.pump(id);

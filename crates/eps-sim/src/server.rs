@@ -10,27 +10,15 @@ mod replica;
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
-use eps_core::{Answers, Members, Next, Pending, PullStep, PushGate, Relay, RelayStep, ShardCore, push_gate};
+use eps_core::{Answers, Members, MoveOut, Next, Pending, PullStep, PushGate, RelayStep, ShardCore, push_gate};
 use eps_proto::control::{ControlMsg, MigrationKeys, Order, Role, ShardEndpoint};
-use eps_proto::migrate::{Source, SourceAction};
+use eps_proto::migrate::SourceAction;
 use eps_proto::spec::Consistency;
 use eps_proto::sync::ShardSync;
 
 use crate::net::{Msg, Node, h2};
 use crate::{World, units};
 use replica::Rep;
-
-/// The source side of a migration.
-#[derive(Debug)]
-struct Out {
-    src: Source,
-    to: u32,
-    snapshot_busy: bool,
-    forward_busy: bool,
-    last_forward: u64,
-    /// SSP/ASP: the relay after the cutover.
-    relay: Option<Relay>,
-}
 
 /// One held shard.
 #[derive(Debug)]
@@ -48,7 +36,7 @@ struct Shard {
     /// SSP/ASP: relayed contributions parked or applying, in arrival order
     /// (worker, iteration, digest).
     relayed: VecDeque<(u32, u64, Vec<u64>)>,
-    out: Option<Out>,
+    out: Option<MoveOut>,
     /// Migration target: (source, snapshot landed).
     incoming: Option<(u32, bool)>,
     /// A split ordered: (first element of the upper part, lower id, upper id).
@@ -155,7 +143,7 @@ impl SimServer {
     /// Whether a move or a backup not yet synced refuses version `need` of
     /// a shard whose state would serve it.
     fn refuses(sh: &Shard, need: u64) -> bool {
-        sh.out.as_ref().is_some_and(|o| !o.src.serves(need) || o.relay.is_some())
+        sh.out.as_ref().is_some_and(|o| o.refuses(need))
             || (matches!(sh.replica, Some(Rep::Backup { .. })) && matches!(sh.incoming, Some((_, false))))
     }
 
@@ -180,7 +168,7 @@ impl SimServer {
                 sh.units(),
                 sh.core.sync.version(),
                 sh.core.parked_len(),
-                sh.out.as_ref().map(|o| (o.src.phase(), o.to, o.snapshot_busy, o.forward_busy)),
+                sh.out.as_ref().map(|o| (o.source().phase(), o.to(), o.snapshotting(), o.busy())),
                 sh.incoming,
                 sh.split,
                 sh.replica,
@@ -234,7 +222,7 @@ impl SimServer {
         };
         let promoted = sh.replica.as_ref().is_some_and(Rep::promoted);
         let bsp = self.mode == Consistency::Bsp;
-        match push_gate(bsp, &sh.core.sync, sh.out.as_ref().map(|o| &o.src), promoted, t) {
+        match push_gate(bsp, &sh.core.sync, sh.out.as_ref().map(MoveOut::source), promoted, t) {
             PushGate::Moved => {
                 self.answers.moved(r, id);
                 w.send(me, Node::Worker(r), Msg::Moved { shard: id, t });
@@ -334,14 +322,14 @@ impl SimServer {
     /// A snapshot or forward of the shard is in flight (to a move's target or
     /// to its backup): no update may run.
     fn busy(sh: &Shard) -> bool {
-        sh.out.as_ref().is_some_and(|o| o.snapshot_busy || o.forward_busy) || sh.replica.as_ref().is_some_and(Rep::busy)
+        sh.out.as_ref().is_some_and(MoveOut::busy) || sh.replica.as_ref().is_some_and(Rep::busy)
     }
 
     fn update(&mut self, w: &mut World, id: u32, p: Pending) {
         let Some(sh) = self.shards.get_mut(&id) else { return };
         // `Server::update`: an SSP/ASP source after its cutover applies
         // nothing: it relays.
-        if let (Pending::Update { one: Some(r), .. }, Some(relay)) = (p, sh.out.as_mut().and_then(|o| o.relay.as_mut())) {
+        if let (Pending::Update { one: Some(r), .. }, Some(relay)) = (p, sh.out.as_mut().and_then(MoveOut::relay)) {
             relay.take(r);
             return self.pump(w, id);
         }
@@ -488,11 +476,10 @@ impl SimServer {
         let me = self.me();
         let Some(sh) = self.shards.get_mut(&id) else { return };
         if let Some(out) = sh.out.as_mut()
-            && let Some(SourceAction::Forward { version }) = out.src.on_applied(version)
+            && let Some(version) = out.applied(version)
         {
-            w.send(me, Node::Server(out.to), Msg::Forward { shard: id, v: version, digest });
-            out.forward_busy = true;
-            out.last_forward = version;
+            w.send(me, Node::Server(out.to()), Msg::Forward { shard: id, v: version, digest });
+            out.forward_sent(version);
         }
         if let (Pending::Forward { .. }, Some((from, true))) = (p, sh.incoming) {
             w.send(me, Node::Server(from), Msg::ForwardAck { shard: id, v: version });

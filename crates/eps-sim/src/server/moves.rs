@@ -67,12 +67,12 @@ impl SimServer {
             w.send(me, Node::Worker(r), Msg::PullMoved { shard: id });
         }
         let Some(out) = sh.out.as_mut() else { return };
-        out.snapshot_busy = false;
+        out.snapshot_written();
         if at == version {
             // The zero-length notice of the snapshot's version: no forward follows.
-            w.send(me, Node::Server(out.to), Msg::Forward { shard: id, v: version, digest: Vec::new() });
+            w.send(me, Node::Server(out.to()), Msg::Forward { shard: id, v: version, digest: Vec::new() });
         }
-        let action = match out.src.announce(at) {
+        let action = match out.announce(at) {
             Ok(a) => a,
             Err(e) => return w.fail(format!("server {}: cutover of shard {id}: {e}", self.rank)),
         };
@@ -122,18 +122,14 @@ impl SimServer {
 
     pub(super) fn on_ack(&mut self, w: &mut World, id: u32, v: u64) {
         let Some(out) = self.shards.get_mut(&id).and_then(|sh| sh.out.as_mut()) else { return };
-        if out.relay.is_some() {
+        if out.relaying() {
             return self.relay_acked(w, id);
         }
-        out.forward_busy = false;
-        if v != out.last_forward {
-            return w
-                .fail(format!("server {}: acknowledgement of version {v} of shard {id}, sent {}", self.rank, out.last_forward));
+        match out.acked(v) {
+            Ok(true) => self.release(w, id),
+            Ok(false) => self.drain(w, id),
+            Err(e) => w.fail(format!("server {}: shard {id}: {e}", self.rank)),
         }
-        if out.src.on_forward_acked(v) == Some(SourceAction::Release) {
-            return self.release(w, id);
-        }
-        self.drain(w, id);
     }
 
     pub(super) fn release(&mut self, w: &mut World, id: u32) {
@@ -174,14 +170,7 @@ impl SimServer {
                     sh.replica = None;
                 }
                 let clocks = sh.core.snapshot_clocks();
-                sh.out = Some(Out {
-                    src: Source::start(v0),
-                    to,
-                    snapshot_busy: true,
-                    forward_busy: false,
-                    last_forward: v0,
-                    relay: None,
-                });
+                sh.out = Some(MoveOut::new(v0, to));
                 let at = w.send(me, Node::Server(to), Msg::Snapshot { shard, v: v0, value, clocks });
                 w.complete_after(me, Msg::SnapshotDone { shard }, at);
             }
@@ -308,8 +297,7 @@ impl SimServer {
         let Some(sh) = self.shards.get_mut(&id) else { return };
         let (relay, refused) = sh.core.cut_over_async();
         let Some(out) = sh.out.as_mut() else { return };
-        out.snapshot_busy = false;
-        out.relay = Some(relay);
+        out.relay_from(relay);
         for r in refused {
             self.answers.forget_moved(r, id);
             w.send(me, Node::Worker(r), Msg::PullMoved { shard: id });
@@ -325,7 +313,7 @@ impl SimServer {
         let (me, rank) = (self.me(), self.rank);
         let Some(sh) = self.shards.get_mut(&id) else { return };
         let Some(out) = sh.out.as_mut() else { return };
-        let Some(relay) = out.relay.as_mut() else { return };
+        let Some(relay) = out.relay() else { return };
         match relay.step() {
             RelayStep::Idle => {}
             RelayStep::Release => self.release(w, id),
@@ -333,8 +321,8 @@ impl SimServer {
                 let Some((t, digest)) = sh.landing[r as usize].clone() else {
                     return w.fail(format!("server {rank}: relays worker {r}'s contribution to shard {id}, not in its slot"));
                 };
-                out.forward_busy = true;
-                w.send(me, Node::Server(out.to), Msg::Relayed { shard: id, w: r, t, digest });
+                out.relay_sent();
+                w.send(me, Node::Server(out.to()), Msg::Relayed { shard: id, w: r, t, digest });
             }
         }
     }
@@ -345,8 +333,7 @@ impl SimServer {
         let me = self.me();
         let Some(sh) = self.shards.get_mut(&id) else { return };
         let Some(out) = sh.out.as_mut() else { return };
-        out.forward_busy = false;
-        let Some(r) = out.relay.as_mut().and_then(Relay::acked) else {
+        let Some(r) = out.relay_acked() else {
             return w.fail(format!("server {}: an acknowledgement of shard {id} with nothing relayed", self.rank));
         };
         sh.core.sync.consumed(r);
@@ -359,7 +346,7 @@ impl SimServer {
 
     /// `Order::Release`: every worker routes the shard to its target now.
     pub(super) fn on_release_order(&mut self, w: &mut World, id: u32) {
-        let relay = self.shards.get_mut(&id).and_then(|sh| sh.out.as_mut()).and_then(|o| o.relay.as_mut());
+        let relay = self.shards.get_mut(&id).and_then(|sh| sh.out.as_mut()).and_then(MoveOut::relay);
         let Some(relay) = relay else {
             return w.fail(format!("server {}: ordered to release shard {id}, which is not relaying", self.rank));
         };

@@ -146,11 +146,9 @@ impl SimServer {
             }
             self.drain(w, id);
         }
-        if self
-            .shards
-            .values()
-            .any(|sh| sh.out.as_ref().is_some_and(|o| o.to == s) || sh.incoming.is_some_and(|i| i.0 == s && sh.replica.is_none()))
-        {
+        if self.shards.values().any(|sh| {
+            sh.out.as_ref().is_some_and(|o| o.to() == s) || sh.incoming.is_some_and(|i| i.0 == s && sh.replica.is_none())
+        }) {
             w.fail(format!("server {}: server {s} crashed during a move (not modelled)", self.rank));
         }
     }
