@@ -254,6 +254,14 @@ impl SimWorker {
         true
     }
 
+    /// A pull request was answered "pull moved" by `from`: asked again later.
+    fn refused(&mut self, shard: u32, from: Node) {
+        self.answered(shard, from);
+        let s = shard as usize;
+        self.outstanding[s] = self.outstanding[s].saturating_sub(1);
+        self.pull_refused.push((shard, from));
+    }
+
     /// A pull answer from `from` came.
     fn answered(&mut self, shard: u32, from: Node) {
         let Node::Server(s) = from else { return };
@@ -382,10 +390,7 @@ impl SimWorker {
                 }
             }
             (Msg::PullMoved { shard }, WState::InitialPull) => {
-                self.answered(shard, from);
-                let s = shard as usize;
-                self.outstanding[s] = self.outstanding[s].saturating_sub(1);
-                self.pull_refused.push((shard, from));
+                self.refused(shard, from);
                 self.ask_again(w, self.start);
             }
             (Msg::PullDone { shard, v, value }, WState::Waiting | WState::Refreshing) => {
@@ -405,10 +410,7 @@ impl SimWorker {
                 self.step(w);
             }
             (Msg::PullMoved { shard }, WState::Waiting | WState::Refreshing) => {
-                self.answered(shard, from);
-                let s = shard as usize;
-                self.outstanding[s] = self.outstanding[s].saturating_sub(1);
-                self.pull_refused.push((shard, from));
+                self.refused(shard, from);
                 self.step(w);
             }
             (Msg::Tick, WState::Computing) => self.push_all(w),

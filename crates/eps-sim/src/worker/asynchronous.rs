@@ -48,10 +48,7 @@ impl SimWorker {
             (Msg::PullMoved { shard }, WState::InitialPull | WState::Waiting | WState::Refreshing) => {
                 // Asked of a server that gave the shard away (or is giving it):
                 // again, of the owner of a newer map.
-                self.answered(shard, from);
-                let s = shard as usize;
-                self.outstanding[s] = self.outstanding[s].saturating_sub(1);
-                self.pull_refused.push((shard, from));
+                self.refused(shard, from);
                 self.ask_again_async(w);
             }
             (Msg::Tick, WState::Computing) => self.push_all_async(w),
