@@ -439,17 +439,34 @@ impl<P: Fabric> Server<P> {
             return Ok(());
         };
         let id = m.shard;
+        let sender = match self.conns[ci].peer {
+            Peer::Server(p) => p.rank & !PEER_BIT,
+            _ => u32::MAX,
+        };
+        let awaited = self.shards.get(id as usize).and_then(Option::as_ref).and_then(|h| match h.incoming {
+            Some((from, None)) => Some(from),
+            _ => None,
+        });
+        if awaited.is_some_and(|from| from != sender) {
+            // A snapshot's notice from another server than the one this copy
+            // arrives from: a late one for an earlier copy of the shard (a
+            // move cancelled when its source died, this copy made anew since
+            // from another server; the orders can be taken before the
+            // completions queued ahead of them). Its inbox holds nothing of
+            // this copy's.
+            eps_proto::say!(
+                "eps server {}: a snapshot notice of shard {id} from server {sender}, which it does not arrive from; ignored",
+                self.rank
+            );
+            return Ok(());
+        }
         let snapshot_version = self.mem.snapshot_version(id);
-        if self.shards.get(id as usize).and_then(Option::as_ref).is_some_and(|h| matches!(h.incoming, Some((_, None)))) {
+        if awaited.is_some() {
             // The snapshot's notice: the WRITE before it on this queue pair is
             // whole, and goes from the inbox into the state.
             self.mem.take_snapshot(id);
         }
         let bsp = self.mode == eps_proto::Consistency::Bsp;
-        let sender = match self.conns[ci].peer {
-            Peer::Server(p) => p.rank & !PEER_BIT,
-            _ => u32::MAX,
-        };
         let Some(h) = self.held_mut(id) else {
             if len == 0 {
                 // A "no forwards follow" notice that crossed this server's own
