@@ -148,11 +148,6 @@ impl ShardCore {
         Self { sync, waiting: VecDeque::new() }
     }
 
-    /// The updates parked, in order.
-    pub fn parked(&self) -> impl Iterator<Item = &Pending> {
-        self.waiting.iter()
-    }
-
     /// How many are parked.
     pub fn parked_len(&self) -> usize {
         self.waiting.len()

@@ -362,20 +362,21 @@ impl SimServer {
         let Some(old) = sh.vals.get(&version).cloned() else {
             return w.fail(format!("server {rank}: shard {id} has no value for its version {version}"));
         };
-        if let Pending::Update { iteration, one: Some(r) } = p {
-            // SSP/ASP: one worker's contribution, added.
-            let Some((_, tok)) = sh.landing[r as usize].take().filter(|(it, _)| *it == iteration) else {
-                return w.fail(format!("server {rank}: shard {id} applies worker {r}'s iteration {iteration}, not in its slot"));
-            };
-            let value: Vec<u64> = old.iter().zip(&tok).map(|(&o, &d)| o.wrapping_add(d)).collect();
-            w.applied_one(r, sh.units().start, version, iteration, &tok, &value);
-            sh.vals.insert(next, value);
-            return self.finish(w, id, p, next, tok);
-        }
-        if let Pending::Forward { worker: Some(r), .. } = p {
-            // SSP/ASP: a contribution the source relayed, added.
-            let Some((_, t, tok)) = sh.relayed.pop_front().filter(|(x, _, _)| *x == r) else {
-                return w.fail(format!("server {rank}: shard {id} applies a relayed contribution of worker {r} it did not get"));
+        // SSP/ASP: one worker's contribution (from its slot, or relayed by
+        // the shard's source), added.
+        let one = match p {
+            Pending::Update { iteration, one: Some(r) } => {
+                Some((r, false, sh.landing[r as usize].take().filter(|(it, _)| *it == iteration)))
+            }
+            Pending::Forward { worker: Some(r), .. } => {
+                Some((r, true, sh.relayed.pop_front().filter(|(x, _, _)| *x == r).map(|(_, t, tok)| (t, tok))))
+            }
+            _ => None,
+        };
+        if let Some((r, relayed, got)) = one {
+            let Some((t, tok)) = got else {
+                let what = if relayed { "a relayed contribution it did not get" } else { "a contribution not in its slot" };
+                return w.fail(format!("server {rank}: shard {id} applies worker {r}'s {what} ({p:?})"));
             };
             let value: Vec<u64> = old.iter().zip(&tok).map(|(&o, &d)| o.wrapping_add(d)).collect();
             w.applied_one(r, sh.units().start, version, t, &tok, &value);
