@@ -28,13 +28,18 @@
 //! - [`Relay`]: an SSP/ASP migration source's relay of the contributions
 //!   that still reach it after its cutover.
 //!
-//! A migration target's steps, replica, split and sparse-bucket decisions are still
+//! - [`buckets`]: a sparse table's buckets on one server: what a new bucket
+//!   map moves to and from it, when the leaving rows may go, and whether a
+//!   sparse request goes on, waits for a vote or the rows, or is refused.
+//!
+//! A migration target's steps, replica and split decisions are still
 //! made by their callers over `eps_proto::migrate` and `eps_proto::sync`;
 //! they move here one at a time.
 
 #![forbid(unsafe_code)]
 
 mod answers;
+pub mod buckets;
 mod members;
 mod moves;
 mod relay;

@@ -10,6 +10,21 @@
 /// Buckets of every table (a power of two).
 pub const BUCKETS: u32 = 4096;
 
+/// A bijective 64-bit mix (the splitmix64 finalizer): nearby keys land far
+/// apart.
+pub fn mix(mut x: u64) -> u64 {
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// The bucket of `key`, in `0..BUCKETS`: the top bits of its [`mix`], so
+/// any key space (ids hashed by the user or not, dense or clustered)
+/// spreads evenly.
+pub fn bucket_of(key: u64) -> u32 {
+    (mix(key) >> (64 - BUCKETS.trailing_zeros())) as u32
+}
+
 /// A bucket map as runs: `(first bucket, owner)`, by first bucket.
 pub type Runs = Vec<(u32, u32)>;
 

@@ -18,6 +18,10 @@ pub const ALL: &[(&str, &str)] = &[
         "cutover-keeps-waiting-pulls",
         "a migration source cutting over at its snapshot's version keeps the pull requests waiting there instead of answering them \"pull moved\" (nobody will answer them)",
     ),
+    (
+        "sparse-pull-before-bucket-order",
+        "a server refuses, instead of holding, a sparse request for keys the bucket maps it knows give elsewhere while a bucket map is voted on (a worker may route by the committed map before the server is told it)",
+    ),
     ("expired-worker-still-awaited", "a BSP shard still waits for the push of a worker whose lease expired before it pushed"),
     (
         "promoted-backup-reapplies",

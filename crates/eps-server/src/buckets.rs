@@ -16,8 +16,8 @@
 
 use std::time::Instant;
 
+use eps_core::buckets::{BucketsIn, Leaving};
 use eps_fabric::{Access, Fabric, MemoryRegion, RemoteAddr, SendOp, SendWr, Sge};
-use eps_proto::buckets::{self, BUCKETS};
 use eps_proto::control::ControlMsg;
 use eps_sparse::moves;
 
@@ -29,7 +29,7 @@ pub(crate) const WR_ROWS: u64 = WR_OTHER | (1 << 43);
 /// What moves, on a server.
 pub(crate) struct Moving<P: Fabric> {
     /// Receiving: what is on its way.
-    incoming: Option<Incoming>,
+    incoming: Option<BucketsIn>,
     /// Giving away at `at`: the targets, each bucket's target (an index
     /// into them), which tables were taken out, and each target's blob.
     outgoing: Option<Outgoing>,
@@ -55,28 +55,8 @@ struct Fetch<P: Fabric> {
 /// READs of one source's rows in flight at once.
 const FETCH_WINDOW: u32 = 4;
 
-/// Buckets coming here at `at`.
-pub(crate) struct Incoming {
-    /// The cutover iteration: pushes of it and later wait for the rows.
-    pub(crate) at: u64,
-    /// The sources whose rows are not in yet.
-    from: Vec<u32>,
-    /// By bucket: whether it is one of those coming (pulls of its keys wait).
-    buckets: Vec<bool>,
-}
-
-impl Incoming {
-    /// Whether a request must wait for the rows: a push of the cutover
-    /// iteration or later, or a pull of a key whose rows are on their way.
-    pub(crate) fn holds(&self, push: bool, seq: u64, keys: &[u64]) -> bool {
-        if push { seq >= self.at } else { keys.iter().any(|&k| self.buckets[eps_sparse::bucket::bucket_of(k) as usize]) }
-    }
-}
-
 struct Outgoing {
-    at: u64,
-    targets: Vec<u32>,
-    dest: Vec<Option<usize>>,
+    leaving: Leaving,
     taken: Vec<bool>,
     blobs: Vec<Vec<u8>>,
     rows: Vec<u64>,
@@ -90,7 +70,7 @@ impl<P: Fabric> Default for Moving<P> {
 
 impl<P: Fabric> Moving<P> {
     /// What is on its way here, if anything.
-    pub(crate) fn gate(&self) -> Option<&Incoming> {
+    pub(crate) fn gate(&self) -> Option<&BucketsIn> {
         self.incoming.as_ref()
     }
 
@@ -105,40 +85,25 @@ impl<P: Fabric> Server<P> {
     /// `Order::Buckets`: from iteration `at` on, the buckets are owned as
     /// `runs` say.
     pub(crate) fn on_buckets(&mut self, at: u64, runs: &[(u32, u32)]) -> Result<(), ServerError> {
-        let bad = |why: &str| ServerError::Sparse(format!("bucket map at iteration {at}: {why}"));
-        let new = buckets::expand(runs).ok_or_else(|| bad("its runs do not cover the buckets"))?;
-        let Some((last, old)) = self.sparse.owners.last() else { return Err(bad("no map before it")) };
-        if at <= *last {
-            return Err(bad(&format!("it does not come after the map of iteration {last}")));
-        }
         let me = self.rank;
-        let old = old.clone();
-        self.sparse.owners.push((at, new.clone()));
+        let order =
+            eps_core::buckets::take_map(&mut self.sparse.owners, at, runs, me).map_err(|e| ServerError::Sparse(e.to_string()))?;
         self.members.release_hold();
-        let moves = buckets::transfers(&old, &new);
-        let sources: Vec<u32> = moves.iter().filter(|&&(_, to)| to == me).map(|&(f, _)| f).collect();
-        let targets: Vec<u32> = moves.iter().filter(|&&(f, _)| f == me).map(|&(_, t)| t).collect();
         if !self.sparse.tables.is_empty() {
-            if !sources.is_empty() {
-                if !old.contains(&me) {
+            if let Some(inc) = order.incoming {
+                if order.restart {
                     // Nothing here before: the parts start at the cutover.
                     for t in &mut self.sparse.tables {
                         t.part.restart_at(at);
                     }
                 }
-                eps_proto::say!("eps server {me}: from iteration {at} on, buckets come here from servers {sources:?}");
-                let buckets = (0..BUCKETS as usize).map(|b| old[b] != me && new[b] == me).collect();
-                self.sparse.moving.incoming = Some(Incoming { at, from: sources, buckets });
+                eps_proto::say!("eps server {me}: from iteration {at} on, buckets come here from servers {:?}", inc.sources());
+                self.sparse.moving.incoming = Some(inc);
             }
-            if !targets.is_empty() {
-                let dest = (0..BUCKETS as usize)
-                    .map(|b| (old[b] == me).then(|| targets.iter().position(|&t| t == new[b])).flatten())
-                    .collect();
-                let n = targets.len();
+            if let Some(leaving) = order.leaving {
+                let n = leaving.targets.len();
                 self.sparse.moving.outgoing = Some(Outgoing {
-                    at,
-                    targets,
-                    dest,
+                    leaving,
                     taken: vec![false; self.sparse.tables.len()],
                     blobs: (0..n).map(|_| moves::start()).collect(),
                     rows: vec![0; n],
@@ -165,14 +130,15 @@ impl<P: Fabric> Server<P> {
         if o.taken[t] {
             return Ok(());
         }
-        match self.sparse.tables[t].part.reached(o.at, self.members.membership().latest()) {
+        let at = o.leaving.at;
+        match self.sparse.tables[t].part.reached(at, self.members.membership().latest()) {
             Some(true) => {}
             Some(false) => return Ok(()),
-            None => return Err(ServerError::Sparse(format!("table {t} passed iteration {} before its buckets left", o.at))),
+            None => return Err(ServerError::Sparse(format!("table {t} passed iteration {at} before its buckets left"))),
         }
         let part = &mut self.sparse.tables[t].part;
-        let mut outs = vec![Vec::new(); o.targets.len()];
-        let dest = &o.dest;
+        let mut outs = vec![Vec::new(); o.leaving.targets.len()];
+        let dest = &o.leaving.dest;
         let counts = part.take_rows(|b| dest[b as usize], &mut outs);
         let stride = part.rows().stride();
         for (i, recs) in outs.iter().enumerate() {
@@ -184,13 +150,14 @@ impl<P: Fabric> Server<P> {
             return Ok(());
         }
         let Some(o) = self.sparse.moving.outgoing.take() else { return Ok(()) };
-        for (i, &to) in o.targets.iter().enumerate() {
+        let at = o.leaving.at;
+        for (i, &to) in o.leaving.targets.iter().enumerate() {
             let blob = &o.blobs[i];
             let mut mr = self.pd.alloc_mr(blob.len(), Access::REMOTE_READ)?;
             mr.write_at(0, blob);
             let (addr, rkey, len) = (mr.addr(), mr.rkey(), blob.len() as u64);
             self.sparse.moving.blobs.push((to, mr));
-            eps_proto::say!("eps server {}: {} rows ({len} bytes) go to server {to} at iteration {}", self.rank, o.rows[i], o.at);
+            eps_proto::say!("eps server {}: {} rows ({len} bytes) go to server {to} at iteration {at}", self.rank, o.rows[i]);
             self.summary.sparse_rows_out += o.rows[i];
             if let Err(why) = self.report(&ControlMsg::RowsOut { rank: self.rank, to, addr, rkey, len })? {
                 return Err(ServerError::Sparse(format!("the control plane refused the rows for server {to}: {why}")));
@@ -277,12 +244,9 @@ impl<P: Fabric> Server<P> {
         if let Err(why) = self.report(&ControlMsg::RowsTaken { rank: self.rank, from })? {
             return Err(ServerError::Sparse(format!("the control plane refused the rows of server {from}: {why}")));
         }
-        if let Some(inc) = self.sparse.moving.incoming.as_mut() {
-            inc.from.retain(|&f| f != from);
-            if inc.from.is_empty() {
-                self.sparse.moving.incoming = None;
-                return self.replay_sparse();
-            }
+        if self.sparse.moving.incoming.as_mut().is_some_and(|inc| inc.taken(from)) {
+            self.sparse.moving.incoming = None;
+            return self.replay_sparse();
         }
         Ok(())
     }
@@ -295,8 +259,11 @@ impl<P: Fabric> Server<P> {
             return None;
         }
         let tables: Vec<String> = self.sparse.tables.iter().map(|t| t.part.sync.describe()).collect();
-        let incoming = m.incoming.as_ref().map_or(String::new(), |i| format!("; rows due at {} from {:?}", i.at, i.from));
-        let outgoing = m.outgoing.as_ref().map_or(String::new(), |o| format!("; rows leaving at {} for {:?}", o.at, o.targets));
+        let incoming = m.incoming.as_ref().map_or(String::new(), |i| format!("; rows due at {} from {:?}", i.at, i.sources()));
+        let outgoing = m
+            .outgoing
+            .as_ref()
+            .map_or(String::new(), |o| format!("; rows leaving at {} for {:?}", o.leaving.at, o.leaving.targets));
         Some(format!(
             "sparse tables [{}]; {held} requests held (hold {:?}){incoming}{outgoing}",
             tables.join(", "),

@@ -13,6 +13,7 @@
 //! reaches the one asked, by one WRITE of the rows in the order asked, with
 //! `PullDone`.
 
+use eps_core::buckets::{SparseGate, SparseGuard, SparseReq};
 use eps_fabric::{Access, Fabric, HostRegion, MemoryRegion, RemoteAddr, SendOp, SendWr, Sge};
 use eps_proto::control::ShardEndpoint;
 use eps_proto::hello::Hello;
@@ -93,19 +94,6 @@ impl<P: Fabric> Sparse<P> {
             tables.push(Table { part, landing, reply, pushed, pulled, push_copy, pull_copy, wide, gathered });
         }
         Ok(Self { tables, owners, deferred, moving, rss_start: rss_bytes(None).unwrap_or(0) })
-    }
-
-    /// The first of `keys` that is not this server's (`rank`) by the newest
-    /// bucket map nor, while `giving` (its rows not taken out yet), by the
-    /// one before.
-    fn foreign_pull(&self, keys: &[u64], rank: u32, giving: bool) -> Option<u64> {
-        let n = self.owners.len();
-        let newest = &self.owners[n - 1].1;
-        let before = giving.then(|| n.checked_sub(2).map(|i| &self.owners[i].1)).flatten();
-        keys.iter().copied().find(|&k| {
-            let b = eps_sparse::bucket::bucket_of(k) as usize;
-            newest[b] != rank && before.is_none_or(|o| o[b] != rank)
-        })
     }
 
     /// Whether this server holds no table.
@@ -217,38 +205,22 @@ impl<P: Fabric> Server<P> {
         let t = &self.sparse.tables[table as usize];
         let decl = t.part.table();
         let bytes: &[u8] = bytemuck::cast_slice(if op == Op::Push { &t.push_copy[w] } else { &t.pull_copy[w] });
-        let gate = self.sparse.moving.gate();
-        let hold = self.members.hold();
-        let (mode, giving) = (self.mode, self.sparse.moving.giving(table as usize));
+        let guard = SparseGuard {
+            me: self.rank,
+            mode: self.mode,
+            history: &self.sparse.owners,
+            hold: self.members.hold(),
+            incoming: self.sparse.moving.gate(),
+            giving: self.sparse.moving.giving(table as usize),
+        };
         let checked = wire::parse(bytes, len as usize, op, decl).map_err(|e| e.to_string()).and_then(|q| {
             if q.header.seq as u16 != m.seq {
                 return Err(format!("a request for {} under the immediate's {}", q.header.seq, m.seq));
             }
-            // Held while a bucket map is voted on or rows are on their way
-            // (their owners are checked once it is known).
-            let push = op == Op::Push;
-            if (push && hold.is_some_and(|h| q.header.seq >= h)) || gate.is_some_and(|g| g.holds(push, q.header.seq, q.keys)) {
-                return Ok(None);
-            }
-            let foreign = if push || mode == Consistency::Bsp {
-                // The request's iteration (a BSP pull's version is its
-                // iteration) names the map it was routed by.
-                let owners = eps_proto::buckets::owners_at(&self.sparse.owners, q.header.seq).map_or(&[][..], |o| &o[..]);
-                TablePart::foreign(q.keys, owners, self.rank)
-            } else {
-                // An SSP/ASP pull names a version, not its iteration: its keys
-                // are this server's by the newest map, or by the one before
-                // while their rows are still here.
-                self.sparse.foreign_pull(q.keys, self.rank, giving)
-            };
-            match foreign {
-                // While a bucket map is voted on, a worker may route by the
-                // committed one before this server is told it: held until
-                // then (and refused only if the new map does not give the
-                // key here either).
-                Some(_) if hold.is_some() => Ok(None),
-                Some(k) => Err(format!("key {k} of table {:?} belongs to another server", decl.name)),
-                None => Ok(Some(q.header.seq)),
+            match guard.gate(SparseReq { push: op == Op::Push, seq: q.header.seq, keys: q.keys }) {
+                SparseGate::Hold => Ok(None),
+                SparseGate::Foreign(k) => Err(format!("key {k} of table {:?} belongs to another server", decl.name)),
+                SparseGate::Go => Ok(Some(q.header.seq)),
             }
         });
         let seq = match checked {

@@ -2,20 +2,7 @@
 //! any key space (ids hashed by the user or not, dense or clustered) spreads
 //! evenly. Buckets are what servers own, split and move.
 
-pub use eps_proto::buckets::{BUCKETS, initial_owners};
-
-/// A bijective 64-bit mix (the splitmix64 finalizer): nearby keys land far
-/// apart.
-pub fn mix(mut x: u64) -> u64 {
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
-}
-
-/// The bucket of `key`, in `0..BUCKETS`.
-pub fn bucket_of(key: u64) -> u32 {
-    (mix(key) >> (64 - BUCKETS.trailing_zeros())) as u32
-}
+pub use eps_proto::buckets::{BUCKETS, bucket_of, initial_owners, mix};
 
 /// Hashes a u64 key by [`mix`] alone: keys are spread well by it, and it
 /// costs a few cycles where the standard library's keyed hash costs tens.

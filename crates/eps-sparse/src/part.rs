@@ -72,10 +72,7 @@ impl TablePart {
     /// at iteration `at`, when it held none before: BSP pushes and pulls
     /// start at version `at`; SSP/ASP every worker's next push is of `at`.
     pub fn restart_at(&mut self, at: u64) {
-        self.sync = match self.mode {
-            Consistency::Bsp => ShardSync::at_version(self.mode, self.workers, at),
-            _ => ShardSync::new(self.mode, self.workers).resumed_at(at),
-        };
+        self.sync = eps_core::buckets::restarted(self.mode, self.workers, at);
     }
 
     /// Whether every push of the iterations before `at` was applied here
@@ -83,14 +80,7 @@ impl TablePart {
     /// `at - 1`), and nothing after: `Some(true)` if so, `Some(false)` if
     /// not yet, `None` if an iteration of `at` or later was applied already.
     pub fn reached(&self, at: u64, workers: &[u32]) -> Option<bool> {
-        match self.mode {
-            Consistency::Bsp if self.sync.version() > at => None,
-            Consistency::Bsp => Some(self.sync.version() == at),
-            _ => {
-                let clocks = self.sync.clocks();
-                Some(workers.iter().all(|&w| clocks.get(w as usize).is_some_and(|&c| c >= at)))
-            }
-        }
+        eps_core::buckets::reached(&self.sync, self.mode, at, workers)
     }
 
     /// Takes out the rows of the buckets `dest` sends away (see
@@ -102,12 +92,6 @@ impl TablePart {
     /// Takes in rows another server took out (see [`RowTable::put_rows`]).
     pub fn put_rows(&mut self, records: &[u8], rows: u64) -> Result<(), SparseError> {
         self.rows.put_rows(records, rows)
-    }
-
-    /// The first of `keys` whose bucket `owner` (one server rank per bucket)
-    /// does not give to `rank`.
-    pub fn foreign(keys: &[u64], owner: &[u32], rank: u32) -> Option<u64> {
-        keys.iter().copied().find(|k| owner.get(bucket_of(*k) as usize) != Some(&rank))
     }
 
     /// The rows of `keys`, in the order asked, into `out` (`keys.len() *

@@ -148,10 +148,6 @@ fn pulls_wait_for_their_version_and_refusals_change_nothing() {
     let want: Vec<f32> = start.iter().map(|x| x - 0.05 * (1.0 * 0.5)).collect();
     assert_eq!(out, want, "averaged over both contributors, one SGD step");
     assert_eq!(p.stats(), PartStats { pulled_keys: 1, stepped_keys: 1, evicted: 0, refused: 0 });
-    let owner = initial_owners(2);
-    let (mine, theirs) = (0..100u64).partition::<Vec<u64>, _>(|k| owner[bucket_of(*k) as usize] == 0);
-    assert_eq!(TablePart::foreign(&mine, &owner, 0), None);
-    assert_eq!(TablePart::foreign(&[mine[0], theirs[0]], &owner, 0), Some(theirs[0]));
 }
 
 #[test]
