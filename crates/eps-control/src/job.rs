@@ -628,7 +628,8 @@ impl Job {
             return;
         }
         for r in 0..self.servers.len() {
-            if !self.servers[r].retired {
+            // (Not while rows are READ from or into it: `rows_taken` ends it.)
+            if !self.servers[r].retired && !self.reading_rows(r as u32) {
                 self.servers[r].retired = true;
                 self.order(r as u32, Order::Retire);
             }

@@ -73,6 +73,21 @@ impl Members {
         sync.contributors(&self.membership, &self.lost, iteration)
     }
 
+    /// BSP: the iteration of a shard (or a table's part) in state `sync`
+    /// that is complete, if its contributor set is settled and every
+    /// contribution it expects is in, with its contributors. Asked after
+    /// anything that may shrink the set (a commit that drops workers lost
+    /// with their leases), not only on a push: the last push may have come
+    /// before.
+    pub fn complete<'a>(&'a self, sync: &ShardSync) -> Option<(u64, Cow<'a, [u32]>)> {
+        let v = sync.version();
+        if self.unsettled(v) {
+            return None;
+        }
+        let c = self.contributors(sync, v);
+        sync.complete(&c).map(|iteration| (iteration, c))
+    }
+
     /// How far a shard got, for a vote: BSP its version; SSP/ASP, which count
     /// pushes as they come, the furthest iteration any worker pushed.
     pub fn reach(mode: Consistency, sync: &ShardSync) -> u64 {

@@ -261,12 +261,7 @@ impl ShardCore {
     /// caller does not ask while an applied update waits for its backup's
     /// acknowledgement: its slots are not freed yet.)
     pub fn completes(&self, members: &Members) -> Option<Pending> {
-        let v = self.sync.version();
-        if members.unsettled(v) {
-            return None;
-        }
-        let c = members.contributors(&self.sync, v);
-        self.sync.complete(&c).map(|iteration| Pending::Update { iteration, one: None })
+        members.complete(&self.sync).map(|(iteration, _)| Pending::Update { iteration, one: None })
     }
 
     /// Worker `w` asks for version `need` or later; `refused`: a migration

@@ -22,6 +22,10 @@ pub const ALL: &[(&str, &str)] = &[
         "sparse-pull-before-bucket-order",
         "a server refuses, instead of holding, a sparse request for keys the bucket maps it knows give elsewhere while a bucket map is voted on (a worker may route by the committed map before the server is told it)",
     ),
+    (
+        "job-end-retires-mid-read",
+        "the job ends while a bucket move's target READs rows from its source, and both are told to retire: the source exits under the READ, which fails",
+    ),
     ("expired-worker-still-awaited", "a BSP shard still waits for the push of a worker whose lease expired before it pushed"),
     (
         "promoted-backup-reapplies",

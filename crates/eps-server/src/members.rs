@@ -39,6 +39,14 @@ impl<P: Fabric> Server<P> {
         for id in 0..self.shards.len() as u32 {
             self.try_complete(id)?;
         }
+        // A table whose every other push of its iteration is in completes
+        // now that a lost worker's is no longer awaited.
+        for t in 0..self.sparse.tables.len() {
+            if let Some((_, c)) = self.members.complete(&self.sparse.tables[t].part.sync) {
+                let c = c.into_owned();
+                self.sparse_update(t as u16, &c)?;
+            }
+        }
         // And the sparse requests the vote held.
         self.replay_sparse()
     }

@@ -265,7 +265,7 @@ impl<P: Fabric> Server<P> {
     /// them in rank order, step, credit their push regions, answer the pulls
     /// that waited for the new version. SSP/ASP: the one worker in
     /// `contributors` pushed; its rows are applied on their own.
-    fn sparse_update(&mut self, table: u16, contributors: &[u32]) -> Result<(), ServerError> {
+    pub(crate) fn sparse_update(&mut self, table: u16, contributors: &[u32]) -> Result<(), ServerError> {
         let Table { part, push_copy, pushed, wide, .. } = &mut self.sparse.tables[table as usize];
         let dtype = part.table().dtype;
         let mut requests = Vec::with_capacity(contributors.len());

@@ -113,6 +113,7 @@ impl World {
                 }
             }
         }
+        self.check_sparse_end(&m);
         self.report.membership_changes = self.job.membership_changes();
     }
 }

@@ -32,6 +32,7 @@ pub mod net;
 mod plan;
 mod rollback;
 mod server;
+mod sparse;
 mod worker;
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -84,6 +85,10 @@ pub struct Report {
     pub promotions: u64,
     /// Control planes crashed and replaced by a standby replaying the store.
     pub control_failovers: u64,
+    /// Runs with a sparse table.
+    pub sparse_runs: u64,
+    /// Bucket moves of a sparse table whose every row arrived.
+    pub sparse_moves: u64,
 }
 
 impl Report {
@@ -109,6 +114,8 @@ impl Report {
         self.lease_expiries += r.lease_expiries;
         self.promotions += r.promotions;
         self.control_failovers += r.control_failovers;
+        self.sparse_runs += r.sparse_runs;
+        self.sparse_moves += r.sparse_moves;
     }
 }
 
@@ -163,6 +170,10 @@ pub(crate) struct World {
     /// iteration) (see `asynchronous.rs`).
     clocks: BTreeMap<(usize, u64), Vec<u64>>,
     pushed: BTreeMap<(u32, usize, u64), u64>,
+    /// The job's sparse table, if it has one (see `sparse.rs`).
+    pub(crate) sparse: Option<sparse::SparseWorld>,
+    /// Servers the job started on.
+    servers0: u32,
     /// The control plane's store: what a standby replays.
     store: failover::Store,
     pub(crate) steps: u64,
@@ -316,7 +327,13 @@ impl World {
             self.staleness,
             self.shard_units,
             self.units,
+            self.sparse.is_some(),
         )
+    }
+
+    /// The keys worker `r` looks up in iteration `t` (none without a table).
+    pub(crate) fn sparse_keys(&self, r: u32, t: u64) -> Vec<u64> {
+        self.sparse.as_ref().map_or(Vec::new(), |s| s.keys(r, t))
     }
 
     fn start_server(&mut self, shards: &[(u32, u64, u64)], backups: &[(u32, u64, u64, u32)]) {
@@ -335,6 +352,13 @@ impl World {
         }
         self.servers.push(None);
         self.orders_after.push(0);
+        if self.sparse.is_some() {
+            s.table = Some(server::SimTable::new(self.mode, self.ranks, self.servers0));
+            let tables = vec![server::table_endpoint(rank, self.ranks)];
+            if let Err(e) = self.ctl(&ControlMsg::TablesReady { rank, tables }) {
+                self.fail(format!("server {rank}: its table's part was refused: {e}"));
+            }
+        }
         let eps = shards.iter().map(|&(id, _, _)| server::endpoint(id, rank)).collect();
         if let Err(e) = self.ctl(&ControlMsg::ServerReady { rank, fabric_addr: format!("sim:{rank}"), shards: eps }) {
             self.fail(format!("server {rank} ready refused: {e}"));
@@ -355,6 +379,9 @@ impl World {
         }
         let mut w = SimWorker::new(rank, self.job.job_map(), self.units);
         w.replicated = self.replicas > 1;
+        if self.sparse.is_some() {
+            w.table = Some(worker::WTable::new(self.servers0));
+        }
         w.try_admit(self);
         self.workers.insert(rank, Some(w));
     }
@@ -412,11 +439,13 @@ fn spec_text(
     staleness: u64,
     shard_units: u64,
     units: usize,
+    table: bool,
 ) -> String {
+    let table = if table { "[[model.tables]]\nname = \"emb\"\ndim = 4\n" } else { "" };
     let staleness = if mode == Consistency::Ssp { format!("staleness = {staleness}\n") } else { String::new() };
     format!(
         "[job]\nworkers = {workers}\nservers = {servers}\nsteps = {steps}\nmax_workers = {max_workers}\nreplicas = {replicas}\n\
-         shard_bytes = {}\nconsistency = \"{}\"\n{staleness}[model]\ntensors = [{{ name = \"w\", elements = {} }}]\n",
+         shard_bytes = {}\nconsistency = \"{}\"\n{staleness}[model]\ntensors = [{{ name = \"w\", elements = {} }}]\n{table}",
         shard_units * 4 * UNIT,
         mode.name(),
         units as u64 * UNIT
@@ -453,9 +482,12 @@ pub fn run(seed: u64) -> Result<Report, Failure> {
         (1, 1) => (Consistency::Asp, 0),
         _ => (Consistency::Bsp, 0),
     };
+    // Half the BSP jobs without replicas have a sparse table (tables have
+    // no backups yet).
+    let table = mode == Consistency::Bsp && replicas == 1 && aside.range(0, 1) == 0;
     // (Workers join a running job under BSP only.)
     let max_workers = if mode == Consistency::Bsp { workers + 4 } else { workers };
-    let text = spec_text(workers, servers, steps, max_workers, replicas, mode, staleness, shard_units, units as usize);
+    let text = spec_text(workers, servers, steps, max_workers, replicas, mode, staleness, shard_units, units as usize, table);
     // Checkpoints every few versions.
     let every = rng.range(2, 6);
     let spec = JobSpec::from_toml(&text).map_err(|e| fail_at(seed, 0, format!("spec: {e}")))?;
@@ -470,6 +502,8 @@ pub fn run(seed: u64) -> Result<Report, Failure> {
         staleness,
         clocks: BTreeMap::new(),
         pushed: BTreeMap::new(),
+        sparse: table.then(|| sparse::SparseWorld::new(aside.next_u64())),
+        servers0: servers,
         store: failover::Store { spec_text: text.clone(), records: Vec::new() },
         steps,
         units: units as usize,
@@ -555,6 +589,8 @@ pub fn run(seed: u64) -> Result<Report, Failure> {
     w.report.splits = w.splits;
     w.report.replicated = u64::from(replicas > 1);
     w.report.modes[mode as usize] = 1;
+    w.report.sparse_runs = u64::from(table);
+    w.report.sparse_moves = w.sparse.as_ref().map_or(0, |s| s.moves);
     Ok(w.report)
 }
 

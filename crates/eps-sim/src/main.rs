@@ -115,15 +115,15 @@ fn main() -> ExitCode {
         }
     }
     if a.json {
-        let fields: [(&str, u64); 19] = [
+        let fields: [(&str, u64); 20] = [
             ("seeds", a.seeds),
             ("violations", failures.len() as u64),
             ("events", total.events),
-            // Sparse tables are not simulated yet.
             ("bsp_runs", total.modes[0]),
             ("ssp_runs", total.modes[1]),
             ("asp_runs", total.modes[2]),
-            ("sparse_moves", 0),
+            ("sparse_runs", total.sparse_runs),
+            ("sparse_moves", total.sparse_moves),
             ("migrations", total.migrations),
             ("splits", total.splits),
             ("server_scales", total.scales.0),
@@ -142,7 +142,7 @@ fn main() -> ExitCode {
         println!("{{{},\"failed_seeds\":[{}]}}", body.join(","), seeds.join(","));
     } else if !a.one {
         println!(
-            "eps-sim: {} seeds, {} violations; {} migrations, {} splits, {} worker joins, {} leaves, {} lease expiries, {} server crashes, {} promotions, {} roll-backs, {} control-plane failovers",
+            "eps-sim: {} seeds, {} violations; {} migrations, {} splits, {} worker joins, {} leaves, {} lease expiries, {} server crashes, {} promotions, {} roll-backs, {} control-plane failovers, {} sparse-bucket moves",
             a.seeds,
             failures.len(),
             total.migrations,
@@ -153,7 +153,8 @@ fn main() -> ExitCode {
             total.server_crashes,
             total.promotions,
             total.rollbacks,
-            total.control_failovers
+            total.control_failovers,
+            total.sparse_moves
         );
     }
     if let Some(f) = failures.first().filter(|_| !a.one) {

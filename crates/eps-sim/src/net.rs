@@ -61,6 +61,18 @@ pub enum Msg {
     ForwardAck { shard: u32, v: u64 },
     /// Owner -> itself: the snapshot for a new backup is written.
     ReplicaSnapshotDone { shard: u32 },
+    /// Worker -> server: its sparse push of iteration `t` (key and gradient
+    /// digest per row).
+    SparsePush { w: u32, t: u64, rows: Vec<(u64, u64)> },
+    /// Worker -> server: the rows of `keys` at version `v`.
+    SparsePull { w: u32, v: u64, keys: Vec<u64> },
+    /// Server -> worker: version `v` of the rows asked (key and row digest).
+    SparseRows { v: u64, rows: Vec<(u64, u64)> },
+    /// Server -> worker: its last sparse push was applied.
+    SparseCredit,
+    /// Source -> target: the target's READ of the rows the source took out
+    /// for it completed.
+    RowsRead { from: u32 },
     /// Server `s` crashed: its connections failed (the last thing heard from it
     /// on each channel).
     ServerGone { s: u32 },

@@ -74,7 +74,8 @@ impl World {
                     self.start_worker();
                 }
             }
-        } else if roll >= 90 && self.replicas == 1 {
+        } else if roll >= 90 && self.replicas == 1 && self.sparse.is_none() {
+            // (Tables have no checkpoints yet.)
             self.try_crash_and_roll_back();
         } else if roll < 90 {
             // Crash a contributor while another one stays (a job whose every

@@ -7,6 +7,9 @@
 
 mod moves;
 mod replica;
+mod sparse;
+
+pub(crate) use sparse::{SimTable, table_endpoint};
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
@@ -83,6 +86,8 @@ pub(crate) struct SimServer {
     released: BTreeMap<u32, u32>,
     ranks: u32,
     mode: Consistency,
+    /// Its part of the job's sparse table, if it has one.
+    pub(crate) table: Option<SimTable>,
 }
 
 pub(crate) fn endpoint(shard: u32, owner: u32) -> ShardEndpoint {
@@ -115,6 +120,7 @@ impl SimServer {
             answers: Answers::default(),
             ranks,
             mode,
+            table: None,
         };
         for &(id, start, len) in shards {
             let mut sh = Shard::new((start, len), ShardSync::at_version(mode, ranks, at), ranks);
@@ -175,6 +181,9 @@ impl SimServer {
                 sh.landing.iter().enumerate().filter_map(|(r, l)| l.as_ref().map(|l| (r, l.0))).collect::<Vec<_>>()
             );
         }
+        if let Some(tb) = &self.table {
+            t += &tb.describe();
+        }
         t
     }
 
@@ -200,6 +209,9 @@ impl SimServer {
             Msg::ForwardAck { shard, v } => self.on_ack(w, shard, v),
             Msg::ReplicaSnapshotDone { shard } => self.replica_snapshot_done(w, shard),
             Msg::ServerGone { s } => self.peer_gone(w, s),
+            Msg::SparsePush { w: r, t, rows } => self.on_sparse_push(w, r, t, rows),
+            Msg::SparsePull { w: r, v, keys } => self.on_sparse_pull(w, r, v, keys),
+            Msg::RowsRead { from } => self.on_rows_read(w, from),
             Msg::Orders(os) => {
                 for o in os {
                     self.on_order(w, o);
@@ -211,6 +223,11 @@ impl SimServer {
 
     fn me(&self) -> Node {
         Node::Server(self.rank)
+    }
+
+    /// Its part of the sparse table.
+    pub(crate) fn table(&self) -> Option<&SimTable> {
+        self.table.as_ref()
     }
 
     fn on_push(&mut self, w: &mut World, r: u32, id: u32, t: u64, token: Vec<u64>) {

@@ -5,6 +5,7 @@
 //! of a job with replicas crashes (`lose_server`).
 
 mod asynchronous;
+mod sparse;
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -79,7 +80,11 @@ pub(crate) struct SimWorker {
     /// applied); and the shards of the round not pushed yet for want of it.
     credit: Vec<bool>,
     unpushed: Vec<u32>,
+    /// The job's sparse table, if it has one.
+    pub(crate) table: Option<sparse::WTable>,
 }
+
+pub(crate) use sparse::WTable;
 
 impl SimWorker {
     pub(crate) fn new(rank: u32, map: JobMap, units: usize) -> Self {
@@ -109,6 +114,7 @@ impl SimWorker {
             replicated: false,
             credit: Vec::new(),
             unpushed: Vec::new(),
+            table: None,
         };
         w.set_map(map);
         w
@@ -146,7 +152,7 @@ impl SimWorker {
             })
             .collect();
         format!(
-            "map epoch {} routes [{}], newest {}, hold {:?}, round {:?} pulled {:?} moved {:?} refused {:?} outstanding {:?} asked {:?} lost {:?}",
+            "map epoch {} routes [{}], newest {}, hold {:?}, round {:?} pulled {:?} moved {:?} refused {:?} outstanding {:?} asked {:?} lost {:?}{}",
             self.map.epoch,
             routes.join(" "),
             self.newest_epoch,
@@ -157,7 +163,8 @@ impl SimWorker {
             self.pull_refused,
             self.outstanding,
             self.asked,
-            self.lost
+            self.lost,
+            self.table.as_ref().map_or(String::new(), |t| format!(", {}", t.describe()))
         )
     }
 
@@ -414,6 +421,8 @@ impl SimWorker {
                 self.step(w);
             }
             (Msg::Tick, WState::Computing) => self.push_all(w),
+            (Msg::SparseRows { v, rows }, WState::Computing) => self.on_sparse_rows(w, v, rows),
+            (Msg::SparseCredit, _) => self.on_sparse_credit(w, from),
             (m, s) => w.fail(format!("worker {rank} in state {s:?} got {m:?}")),
         }
     }
@@ -527,13 +536,20 @@ impl SimWorker {
             return self.finish(w, WState::Left);
         }
         self.state = WState::Computing;
-        let me = self.me();
-        w.timer(me, 1, 8);
+        // (With a table, it computes once its rows are in.)
+        if !self.sparse_pull(w) {
+            let me = self.me();
+            w.timer(me, 1, 8);
+        }
     }
 
     /// `push_pull`: every shard of this iteration to its owner.
     fn push_all(&mut self, w: &mut World) {
         self.adopt_newest();
+        // The table's push first (it waits for the last one's credits).
+        if !self.sparse_push(w) {
+            return;
+        }
         // Every answer of the previous round came: nothing older is in flight; and
         // once no route of this iteration is a previous owner, no drained server
         // is needed any more.

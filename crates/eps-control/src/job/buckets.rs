@@ -33,6 +33,10 @@ pub(crate) struct BucketMove {
     pub(crate) at: u64,
     /// `(source, target)` pairs whose rows are not taken yet.
     pub(crate) pending: Vec<(u32, u32)>,
+    /// Of those, the pairs whose target was told to READ the rows: neither
+    /// end retires until the READ is done, even when the job ends (the
+    /// target's READ would fail on a source that exited).
+    pub(crate) reading: Vec<(u32, u32)>,
 }
 
 impl Job {
@@ -97,14 +101,15 @@ impl Job {
                 s.drained_at = self.map.epoch + 1;
             }
         }
-        self.bucket_move = (!pending.is_empty()).then_some(BucketMove { at, pending });
+        self.bucket_move = (!pending.is_empty()).then_some(BucketMove { at, pending, reading: Vec::new() });
     }
 
     /// `RowsOut`: the rows server `rank` gives server `to` wait for it.
     pub(super) fn rows_out(&mut self, rank: u32, to: u32, addr: u64, rkey: u32, len: u64) -> Result<ControlMsg, Refusal> {
-        let Some(m) = self.bucket_move.as_ref().filter(|m| m.pending.contains(&(rank, to))) else {
+        let Some(m) = self.bucket_move.as_mut().filter(|m| m.pending.contains(&(rank, to))) else {
             return Err(Refusal::stale(format!("no bucket move from server {rank} to server {to} is under way")));
         };
+        m.reading.push((rank, to));
         let at = m.at;
         let from_addr = self.servers.get(rank as usize).map(|s| s.addr.clone()).unwrap_or_default();
         self.order(to, Order::FetchRows { from: rank, from_addr, addr, rkey, len });
@@ -118,13 +123,28 @@ impl Job {
             return Err(Refusal::stale(format!("no bucket move from server {from} to server {rank} is under way")));
         };
         m.pending.retain(|&p| p != (from, rank));
+        m.reading.retain(|&p| p != (from, rank));
         if m.pending.is_empty() {
             self.bucket_move = None;
             self.bucket_moves += 1;
         }
         self.order(from, Order::FreeRows { to: rank });
         self.retire_drained();
+        // A job that ended meanwhile retires them now.
+        self.end_if_over();
         Ok(ControlMsg::Ok)
+    }
+
+    /// Whether server `rank` is at one end of a READ of rows (see
+    /// [`BucketMove::reading`]).
+    pub(super) fn reading_rows(&self, rank: u32) -> bool {
+        if eps_proto::mutants::active("job-end-retires-mid-read") {
+            return false;
+        }
+        let lost = |r: u32| self.lost.contains(&r);
+        self.bucket_move
+            .as_ref()
+            .is_some_and(|m| m.reading.iter().any(|&(a, b)| (a == rank || b == rank) && !lost(a) && !lost(b)))
     }
 
     /// The buckets' lines of `eps status`.

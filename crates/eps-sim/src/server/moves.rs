@@ -187,10 +187,9 @@ impl SimServer {
             Order::Release { shard } => self.on_release_order(w, shard),
             // The simulation takes no checkpoints (nothing orders one).
             Order::Checkpoint { version, .. } => w.fail(format!("server {rank}: ordered a checkpoint at {version}")),
-            // (Simulated jobs have no sparse tables.)
-            Order::Buckets { at, .. } => w.fail(format!("server {rank}: ordered a bucket map at {at} in a job without tables")),
-            Order::FetchRows { from, .. } => w.fail(format!("server {rank}: ordered to fetch rows of server {from}")),
-            Order::FreeRows { to } => w.fail(format!("server {rank}: ordered to free rows for server {to}")),
+            Order::Buckets { at, runs } => self.on_buckets(w, at, &runs),
+            Order::FetchRows { from, .. } => self.on_fetch_rows(w, from),
+            Order::FreeRows { to } => self.on_free_rows(w, to),
             Order::Replicate { shard, to, snapshot, .. } => self.on_replicate(w, shard, to, snapshot),
             Order::AddBackup { shard, from, start, len } => self.on_add_backup(w, shard, from, start, len),
             Order::Promote { shard } => self.on_promote(w, shard),
@@ -216,13 +215,16 @@ impl SimServer {
             Order::Retire => {
                 self.retired = true;
                 w.check_retired(rank);
+                w.rows_exit(rank);
                 // `eps-server`: it says it finished as it exits.
                 if let Err(e) = w.ctl(&ControlMsg::Finished { role: Role::Server, rank }) {
                     w.fail(format!("server {rank}: its finish was refused: {e}"));
                 }
             }
             Order::Propose { id } => {
-                let top = self.shards.values().map(|sh| Members::reach(self.mode, &sh.core.sync)).max();
+                let dense = self.shards.values().map(|sh| Members::reach(self.mode, &sh.core.sync));
+                let sparse = self.table.iter().map(|tb| Members::reach(self.mode, tb.sync()));
+                let top = dense.chain(sparse).max();
                 let hold = self.members.propose(top.unwrap_or(0));
                 if let Err(e) = w.ctl(&ControlMsg::Vote { role: Role::Server, rank, id, hold }) {
                     w.fail(format!("server {rank}: vote refused: {e}"));
@@ -240,6 +242,9 @@ impl SimServer {
                 for id in ids {
                     self.try_complete(w, id);
                 }
+                self.sparse_complete(w);
+                // And the sparse requests the vote held.
+                self.replay_sparse(w);
             }
         }
     }
