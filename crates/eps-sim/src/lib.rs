@@ -174,6 +174,8 @@ pub(crate) struct World {
     pub(crate) sparse: Option<sparse::SparseWorld>,
     /// Servers the job started on.
     servers0: u32,
+    /// Which servers take their orders late, if any (see `after_ctl`).
+    slow: Option<u64>,
     /// The control plane's store: what a standby replays.
     store: failover::Store,
     pub(crate) steps: u64,
@@ -270,7 +272,14 @@ impl World {
             let (last, orders) = self.job.orders_for(r as u32, self.orders_after[r]);
             self.orders_after[r] = last;
             if !orders.is_empty() {
-                self.send(Node::Ctl, Node::Server(r as u32), Msg::Orders(orders));
+                // A server takes its orders in between its other work: in
+                // half the jobs, a third of the servers take them late (busy
+                // with long updates), while a worker's map watch answers at
+                // once.
+                let d = self.rng.range(1, self.net.max_delay);
+                let slow = self.slow.is_some_and(|s| mix(s ^ r as u64) % 3 == 0);
+                let lag = if slow { self.rng.range(0, 4 * self.net.max_delay) } else { 0 };
+                self.net.send_after(Node::Ctl, Node::Server(r as u32), Msg::Orders(orders), d + lag);
             }
         }
         if self.job.epoch() != self.epoch_sent {
@@ -504,6 +513,7 @@ pub fn run(seed: u64) -> Result<Report, Failure> {
         pushed: BTreeMap::new(),
         sparse: table.then(|| sparse::SparseWorld::new(aside.next_u64())),
         servers0: servers,
+        slow: (aside.range(0, 1) == 0).then(|| aside.next_u64()),
         store: failover::Store { spec_text: text.clone(), records: Vec::new() },
         steps,
         units: units as usize,

@@ -129,50 +129,64 @@ fn sparse_tables_are_reported_before_servers_are_ready() {
     assert!(map.tables.iter().any(|e| e.owner == 1 && e.shard == 1 && e.landing[1] == (4096, 7)));
 }
 
+const TABLE_JOB: &str = "[job]\nworkers = 1\nservers = 1\n[model]\ntensors = [{ name = \"w\", elements = 1024 }]\n\
+                         [[model.tables]]\nname = \"a\"\ndim = 4\n";
+
+fn table_ep(owner: u32) -> ShardEndpoint {
+    ShardEndpoint { shard: 0, owner, landing: vec![(1, 2)], published_addr: 0, published_rkey: 0 }
+}
+
+/// Server `r` of [`TABLE_JOB`] registers, reports its table and is ready.
+fn join_table_server(job: &mut Job, r: u32) {
+    let layout = JobSpec::from_toml(TABLE_JOB).unwrap().layout().unwrap();
+    job.apply(&ControlMsg::Register { role: Role::Server, fabric_addr: String::new() }).unwrap();
+    job.apply(&ControlMsg::TablesReady { rank: r, tables: vec![table_ep(r)] }).unwrap();
+    let shards = layout.shards_of(r).map(|s| ShardEndpoint { shard: s.id, ..table_ep(r) }).collect();
+    job.apply(&ControlMsg::ServerReady { rank: r, fabric_addr: format!("127.0.0.1:{}", 7000 + r), shards }).unwrap();
+}
+
+/// Everyone votes on the open proposal, which is then committed.
+fn vote_all(job: &mut Job, holds: &[(Role, u32, u64)]) {
+    let id = job.job_map().proposal;
+    assert_ne!(id, 0, "a vote is open: {}", job.status());
+    for &(role, rank, hold) in holds {
+        job.apply(&ControlMsg::Vote { role, rank, id, hold }).unwrap();
+    }
+    assert_eq!(job.job_map().proposal, 0);
+}
+
+/// [`TABLE_JOB`]'s dense shard moves to server `to` at `at` (buckets move
+/// after it).
+fn move_dense_shard(job: &mut Job, to: u32, at: u64) {
+    let keys = eps_proto::control::MigrationKeys { state_addr: 1, state_rkey: 2, grad_addr: 3, grad_rkey: 4 };
+    assert_eq!(job.job_map().proposal, 0, "no vote while a shard moves");
+    job.apply(&ControlMsg::ShardReady { endpoint: table_ep(to), keys }).unwrap();
+    job.apply(&ControlMsg::Cutover { shard: 0, at }).unwrap();
+    job.apply(&ControlMsg::Released { shard: 0, bytes: 4096, millis: 1 }).unwrap();
+}
+
+/// [`TABLE_JOB`] scaled up: server 1 joins and gets half of the buckets
+/// from iteration 7 on.
+fn table_job_scaled_up() -> Job {
+    let spec = JobSpec::from_toml(TABLE_JOB).unwrap();
+    let mut job = Job::new(&spec, TABLE_JOB).unwrap();
+    join_table_server(&mut job, 0);
+    job.apply(&ControlMsg::Register { role: Role::Worker, fabric_addr: String::new() }).unwrap();
+    job.apply(&ControlMsg::Scale { servers: 2 }).unwrap();
+    join_table_server(&mut job, 1);
+    move_dense_shard(&mut job, 1, 3);
+    vote_all(&mut job, &[(Role::Worker, 0, 7), (Role::Server, 0, 4), (Role::Server, 1, 1)]);
+    job
+}
+
 /// Scaling the servers of a job with tables moves buckets: a vote, a commit
 /// at the largest hold with every server told, the source's rows fetched by
 /// the target, and a leaving server retired only once its rows are taken and
 /// every worker routes past the cutover.
 #[test]
 fn buckets_move_to_added_servers_and_off_leaving_ones() {
-    let text = "[job]\nworkers = 1\nservers = 1\n[model]\ntensors = [{ name = \"w\", elements = 1024 }]\n\
-                [[model.tables]]\nname = \"a\"\ndim = 4\n";
-    let spec = JobSpec::from_toml(text).unwrap();
-    let layout = spec.layout().unwrap();
-    let mut job = Job::new(&spec, text).unwrap();
-    let ep = |owner: u32| ShardEndpoint { shard: 0, owner, landing: vec![(1, 2)], published_addr: 0, published_rkey: 0 };
-    let join = |job: &mut Job, r: u32| {
-        job.apply(&ControlMsg::Register { role: Role::Server, fabric_addr: String::new() }).unwrap();
-        job.apply(&ControlMsg::TablesReady { rank: r, tables: vec![ep(r)] }).unwrap();
-        let shards = layout.shards_of(r).map(|s| ShardEndpoint { shard: s.id, ..ep(r) }).collect();
-        job.apply(&ControlMsg::ServerReady { rank: r, fabric_addr: format!("127.0.0.1:{}", 7000 + r), shards }).unwrap();
-    };
-    join(&mut job, 0);
-    job.apply(&ControlMsg::Register { role: Role::Worker, fabric_addr: String::new() }).unwrap();
+    let mut job = table_job_scaled_up();
     let orders = |job: &Job, r: u32| job.orders_for(r, 0).1;
-    let vote = |job: &mut Job, holds: &[(Role, u32, u64)]| {
-        let id = job.job_map().proposal;
-        assert_ne!(id, 0, "a vote is open: {}", job.status());
-        for &(role, rank, hold) in holds {
-            job.apply(&ControlMsg::Vote { role, rank, id, hold }).unwrap();
-        }
-        assert_eq!(job.job_map().proposal, 0);
-    };
-
-    // The dense shard's move (buckets move after it).
-    let move_shard = |job: &mut Job, to: u32, at: u64| {
-        let keys = eps_proto::control::MigrationKeys { state_addr: 1, state_rkey: 2, grad_addr: 3, grad_rkey: 4 };
-        assert_eq!(job.job_map().proposal, 0, "no vote while a shard moves");
-        job.apply(&ControlMsg::ShardReady { endpoint: ep(to), keys }).unwrap();
-        job.apply(&ControlMsg::Cutover { shard: 0, at }).unwrap();
-        job.apply(&ControlMsg::Released { shard: 0, bytes: 4096, millis: 1 }).unwrap();
-    };
-
-    // Up: server 1 joins and gets half of the buckets from iteration 7 on.
-    job.apply(&ControlMsg::Scale { servers: 2 }).unwrap();
-    join(&mut job, 1);
-    move_shard(&mut job, 1, 3);
-    vote(&mut job, &[(Role::Worker, 0, 7), (Role::Server, 0, 4), (Role::Server, 1, 1)]);
     let map = job.job_map();
     assert_eq!(map.buckets, vec![(0, vec![(0, 0)]), (7, vec![(0, 0), (2048, 1)])]);
     for r in 0..2 {
@@ -191,8 +205,8 @@ fn buckets_move_to_added_servers_and_off_leaving_ones() {
     // Down: server 1 gives its buckets back, then retires once the worker
     // routes past the cutover.
     job.apply(&ControlMsg::Scale { servers: 1 }).unwrap();
-    move_shard(&mut job, 0, 18);
-    vote(&mut job, &[(Role::Worker, 0, 20), (Role::Server, 0, 19), (Role::Server, 1, 19)]);
+    move_dense_shard(&mut job, 0, 18);
+    vote_all(&mut job, &[(Role::Worker, 0, 20), (Role::Server, 0, 19), (Role::Server, 1, 19)]);
     assert_eq!(job.job_map().buckets.last(), Some(&(20, vec![(0, 0)])));
     job.apply(&ControlMsg::RowsOut { rank: 1, to: 0, addr: 64, rkey: 9, len: 4000 }).unwrap();
     job.apply(&ControlMsg::RowsTaken { rank: 0, from: 1 }).unwrap();
@@ -201,6 +215,26 @@ fn buckets_move_to_added_servers_and_off_leaving_ones() {
     job.apply(&ControlMsg::GetMap { worker: 0, adopted: epoch, min_epoch: 0, iteration: 20 }).unwrap();
     assert!(orders(&job, 1).contains(&Order::Retire));
     assert!(job.job_map().tables.iter().all(|e| e.owner == 0), "a retired server's regions leave the map");
+}
+
+/// The job ends (its last worker finished) while a bucket move's target
+/// READs the rows its source took out: neither is told to retire until the
+/// rows are taken (the source would exit under the READ, which would fail).
+/// A move whose rows were never taken out (its cutover came after the last
+/// step) holds nobody back.
+#[test]
+fn the_job_end_waits_for_rows_being_read() {
+    let mut job = table_job_scaled_up();
+    let retired = |job: &Job, r: u32| job.orders_for(r, 0).1.contains(&Order::Retire);
+    job.apply(&ControlMsg::RowsOut { rank: 0, to: 1, addr: 64, rkey: 9, len: 4000 }).unwrap();
+    job.apply(&ControlMsg::Finished { role: Role::Worker, rank: 0 }).unwrap();
+    assert!(!retired(&job, 0) && !retired(&job, 1), "the rows are being READ");
+    job.apply(&ControlMsg::RowsTaken { rank: 1, from: 0 }).unwrap();
+    assert!(retired(&job, 0) && retired(&job, 1), "the READ is done: the job ends");
+
+    let mut job = table_job_scaled_up();
+    job.apply(&ControlMsg::Finished { role: Role::Worker, rank: 0 }).unwrap();
+    assert!(retired(&job, 0) && retired(&job, 1), "no rows were out");
 }
 
 fn ready_servers(job: &mut Job, spec: &JobSpec) {

@@ -17,10 +17,13 @@ use crate::World;
 use crate::net::{Msg, Node, h2};
 use crate::sparse::row_init;
 
+/// Rows of a request: key and digest (a gradient's, or a row's).
+type Rows = Vec<(u64, u64)>;
+
 /// A request held until a bucket vote or move ends.
 #[derive(Clone, Debug)]
 enum Req {
-    Push { t: u64, rows: Vec<(u64, u64)> },
+    Push { t: u64, rows: Rows },
     Pull { v: u64, keys: Vec<u64> },
 }
 
@@ -39,7 +42,7 @@ pub(crate) struct SimTable {
     leaving: Option<Leaving>,
     /// By worker rank: the push in its landing region (iteration, key and
     /// gradient digest), and the keys of its pull waiting for a version.
-    pushes: Vec<Option<(u64, Vec<(u64, u64)>)>>,
+    pushes: Vec<Option<(u64, Rows)>>,
     pulls: Vec<Option<Vec<u64>>>,
 }
 
