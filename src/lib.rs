@@ -12,26 +12,19 @@
 //! - [`sim`]: `eps sim`, the multi-job scheduler's simulator.
 //! - [`up`]: `eps up`, a control plane and servers for a framework's workers.
 
+pub use eps_cluster::{advertise, checkpoint, error, ha, jobspec, report, secret, slurm};
 pub use eps_fabric as fabric;
 
-pub mod advertise;
 pub mod aggregator;
 pub mod bench;
 pub mod calibrate;
-pub mod checkpoint;
-pub mod error;
-pub mod ha;
-pub mod jobspec;
 pub mod json;
 pub mod live;
 pub mod progress;
 pub mod rdma;
-pub mod report;
 pub mod roles;
-pub mod secret;
 pub mod sim;
 pub(crate) mod sim_plot;
-pub mod slurm;
 pub mod soak;
 pub mod train;
 pub mod transport;

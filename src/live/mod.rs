@@ -12,7 +12,7 @@
 
 pub mod cli;
 pub mod job;
-pub mod launcher;
+pub use eps_cluster::launcher;
 pub mod serve;
 
 use std::sync::Arc;

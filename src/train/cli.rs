@@ -169,7 +169,7 @@ pub fn train(a: TrainArgs) -> Result<(), String> {
     );
     let (mut children, transport, aggregator) = if a.launcher == "slurm" {
         let steps = crate::slurm::Steps::in_allocation(&spec.job.name, &spec.slurm)?;
-        let (c, t, g) = crate::train::cluster::slurm_args(&a.fabric, &a.agg, &spec, steps);
+        let (c, t, g) = slurm_args(&a.fabric, &a.agg, &spec, steps);
         eps_proto::say!("eps train: transport {t} and aggregator {g}, chosen by each process on its node");
         (c, t, g)
     } else {
@@ -254,4 +254,22 @@ pub fn train(a: TrainArgs) -> Result<(), String> {
         println!("{j}");
     }
     Ok(())
+}
+
+/// The flags of a cluster whose processes are Slurm job steps: the
+/// transport and aggregator asked (flags, else the environment, which steps
+/// inherit, else the spec, which the roles read), not probed here: each
+/// process chooses on its own node. Returns them with the names asked.
+pub fn slurm_args(
+    fabric: &crate::transport::TransportFlags,
+    agg: &crate::aggregator::AggregatorFlag,
+    spec: &eps_proto::JobSpec,
+    steps: eps_cluster::slurm::Steps,
+) -> (eps_cluster::cluster::ChildArgs, String, String) {
+    let transport = crate::transport::requested(fabric, Some(&spec.fabric));
+    let aggregator = crate::aggregator::requested(agg, spec.job.aggregator.as_deref());
+    let mut both: Vec<String> = fabric.transport.iter().flat_map(|t| ["--transport".to_string(), t.clone()]).collect();
+    both.extend(fabric.rdma.args());
+    let servers = agg.aggregator.iter().flat_map(|g| ["--aggregator".to_string(), g.clone()]).collect();
+    (eps_cluster::cluster::ChildArgs { both, servers, slurm: Some(steps), ..Default::default() }, transport, aggregator)
 }

@@ -180,7 +180,7 @@ fn run_plan(
 /// is joining, no worker change or bucket move is being voted on or waits for its workers
 /// to register, and at least `min_done` moves (migrations and bucket moves) are done (or
 /// the job ended), recording the numbers done.
-pub(crate) fn wait_settled(ctl: &mut ControlClient, out: &Mutex<ScaleOutcome>, min_done: u64) {
+pub fn wait_settled(ctl: &mut ControlClient, out: &Mutex<ScaleOutcome>, min_done: u64) {
     let deadline = Instant::now() + Duration::from_secs(300);
     while Instant::now() < deadline {
         // The status's fields (`eps status --json`), not its words.

@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 
 use eps_proto::JobSpec;
 
-use super::scale::Spawn;
-use super::{TrainError, field};
+use crate::error::{TrainError, field};
+use crate::scale::Spawn;
 use crate::slurm::Steps;
 use crate::slurm::steps::Role;
 
@@ -47,24 +47,6 @@ pub fn soft_args() -> ChildArgs {
         servers: vec!["--aggregator".into(), "cpu".into()],
         ..ChildArgs::default()
     }
-}
-
-/// The flags of a cluster whose processes are Slurm job steps: the
-/// transport and aggregator asked (flags, else the environment, which steps
-/// inherit, else the spec, which the roles read), not probed here: each
-/// process chooses on its own node. Returns them with the names asked.
-pub fn slurm_args(
-    fabric: &crate::transport::TransportFlags,
-    agg: &crate::aggregator::AggregatorFlag,
-    spec: &JobSpec,
-    steps: Steps,
-) -> (ChildArgs, String, String) {
-    let transport = crate::transport::requested(fabric, Some(&spec.fabric));
-    let aggregator = crate::aggregator::requested(agg, spec.job.aggregator.as_deref());
-    let mut both: Vec<String> = fabric.transport.iter().flat_map(|t| ["--transport".to_string(), t.clone()]).collect();
-    both.extend(fabric.rdma.args());
-    let servers = agg.aggregator.iter().flat_map(|g| ["--aggregator".to_string(), g.clone()]).collect();
-    (ChildArgs { both, servers, slurm: Some(steps), ..ChildArgs::default() }, transport, aggregator)
 }
 
 /// How [`LocalCluster::launch`] starts a cluster.

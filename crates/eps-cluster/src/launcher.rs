@@ -9,9 +9,9 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::sync::mpsc::Receiver;
 
-use crate::train::TrainError;
-use crate::train::cluster::{ChildArgs, Launch, LocalCluster};
-use crate::train::scale::Spawn;
+use crate::cluster::{ChildArgs, Launch, LocalCluster};
+use crate::error::TrainError;
+use crate::scale::Spawn;
 
 /// One job to start: its spec and the flags of its worker processes.
 #[derive(Clone, Debug)]
@@ -84,7 +84,7 @@ impl Launcher for Local {
     }
 
     fn start(&self, job: &JobLaunch) -> Result<Box<dyn Processes>, String> {
-        start_with(job, crate::train::cluster::soft_args())
+        start_with(job, crate::cluster::soft_args())
     }
 }
 
@@ -95,7 +95,7 @@ impl Launcher for Slurm {
 
     fn start(&self, job: &JobLaunch) -> Result<Box<dyn Processes>, String> {
         let steps = crate::slurm::Steps::in_allocation(&job.spec.job.name, &job.spec.slurm)?;
-        start_with(job, ChildArgs { slurm: Some(steps), ..crate::train::cluster::soft_args() })
+        start_with(job, ChildArgs { slurm: Some(steps), ..crate::cluster::soft_args() })
     }
 }
 
