@@ -127,6 +127,7 @@ impl State {
             ControlMsg::Poll { rank, after } => {
                 who.poller = Some(rank);
                 self.dropped.remove(&rank);
+                self.gone_idle.retain(|&r| r != rank);
                 // It carried out the orders up to `after`: they are dropped.
                 self.job.orders_polled(rank, after);
                 let deadline = Instant::now() + LONG_POLL;
