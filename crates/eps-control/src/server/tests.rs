@@ -220,7 +220,7 @@ fn a_job_whose_last_server_dies_as_it_retires_ends_the_service() {
             published_addr: 0,
             published_rkey: 0,
         };
-        let shards = spec.layout().unwrap().shards_of(0).map(|s| ep(&s)).collect();
+        let shards = spec.layout().unwrap().shards_of(0).map(ep).collect();
         server.call(&ControlMsg::ServerReady { rank: 0, fabric_addr: "127.0.0.1:1".into(), shards }).unwrap();
         let mut worker = ControlClient::connect(addr, &secret, Duration::from_secs(5)).unwrap();
         assert!(matches!(worker.register(Role::Worker).unwrap(), (0, _)));
