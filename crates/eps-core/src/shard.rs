@@ -242,10 +242,16 @@ impl ShardCore {
     }
 
     /// Takes worker `w`'s push of `iteration` (its data has landed): the
-    /// update it completes, if any. While a vote holds the iteration, the push
-    /// is only recorded.
+    /// update it completes, if any. While a vote holds the iteration, a BSP
+    /// push is only recorded (the iteration's contributors are not settled).
+    /// An SSP/ASP push is applied on its own whatever is voted on: no
+    /// contributor set waits for the vote (an SSP/ASP vote is on the buckets
+    /// of sparse tables, whose requests their gate holds), and a push only
+    /// recorded would count in the worker's clock, answering pulls without
+    /// it, and never be applied.
     pub fn take_push(&mut self, members: &Members, w: u32, iteration: u64) -> Result<Option<Pending>, SyncError> {
-        if members.unsettled(iteration) {
+        let bsp = self.sync.mode() == eps_proto::Consistency::Bsp;
+        if (bsp || eps_proto::mutants::active("ssp-push-held-by-bucket-vote")) && members.unsettled(iteration) {
             return self.sync.on_push_unsettled(w, iteration).map(|()| None);
         }
         let contributors = members.contributors(&self.sync, iteration);

@@ -26,6 +26,10 @@ pub const ALL: &[(&str, &str)] = &[
         "job-end-retires-mid-read",
         "the job ends while a bucket move's target READs rows from its source, and both are told to retire: the source exits under the READ, which fails",
     ),
+    (
+        "ssp-push-held-by-bucket-vote",
+        "an SSP/ASP shard only records a push that lands while a bucket map is voted on, as a BSP one does: it counts in the worker's clock, pulls are answered without it, and it is never applied",
+    ),
     ("expired-worker-still-awaited", "a BSP shard still waits for the push of a worker whose lease expired before it pushed"),
     (
         "promoted-backup-reapplies",

@@ -333,6 +333,11 @@ impl ShardSync {
         self.record(worker, iteration, Some(contributors))
     }
 
+    /// Its consistency model.
+    pub fn mode(&self) -> Consistency {
+        self.mode
+    }
+
     /// BSP, while the contributor set of `iteration` is not settled yet (a
     /// membership change is being voted on): records the push; whether the
     /// iteration is complete is asked later with [`ShardSync::complete`].

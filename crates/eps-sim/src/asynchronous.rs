@@ -88,6 +88,7 @@ impl World {
             let what = format!("no progress: the network fell silent\n{}", self.dump());
             return self.fail(what);
         }
+        self.check_sparse_end_async();
         let last = self.steps * u64::from(self.workers0);
         let want = vec![self.steps; self.workers0 as usize];
         for u in 0..self.units {

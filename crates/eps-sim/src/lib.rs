@@ -491,9 +491,9 @@ pub fn run(seed: u64) -> Result<Report, Failure> {
         (1, 1) => (Consistency::Asp, 0),
         _ => (Consistency::Bsp, 0),
     };
-    // Half the BSP jobs without replicas have a sparse table (tables have
-    // no backups yet).
-    let table = mode == Consistency::Bsp && replicas == 1 && aside.range(0, 1) == 0;
+    // Half the jobs without replicas have a sparse table (tables have no
+    // backups yet).
+    let table = replicas == 1 && aside.range(0, 1) == 0;
     // (Workers join a running job under BSP only.)
     let max_workers = if mode == Consistency::Bsp { workers + 4 } else { workers };
     let text = spec_text(workers, servers, steps, max_workers, replicas, mode, staleness, shard_units, units as usize, table);

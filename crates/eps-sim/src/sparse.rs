@@ -1,19 +1,21 @@
-//! Jobs with a sparse table (BSP, without replicas: tables have no backups
-//! yet). A row is stood in for by a 64-bit digest per key, as a unit of a
-//! dense tensor is. Each iteration every worker pulls the rows of a few keys
-//! drawn from the seed (routed by the bucket map of the iteration), then
-//! pushes a gradient digest for each, computed from the row it pulled. A
-//! server steps a key once per iteration with its contributors' gradients
-//! merged in rank order. When servers are added or removed, the control
+//! Jobs with a sparse table (half of those without replicas, in every
+//! consistency: tables have no backups yet). A row is stood in for by a
+//! 64-bit digest per key, as a unit of a dense tensor is. Each iteration
+//! every worker pulls the rows of a few keys drawn from the seed (routed by
+//! the bucket map of the iteration), then pushes a gradient digest for
+//! each, computed from the row it pulled. Under BSP a server steps a key
+//! once per iteration with its contributors' gradients merged in rank
+//! order; under SSP/ASP it adds each push as it comes. When servers are added or removed, the control
 //! plane moves buckets (a vote, then `Buckets`, `RowsOut`, `FetchRows`,
 //! `RowsTaken`, `FreeRows`), and the rows of the keys that have been
 //! touched travel.
 //!
-//! The world checks that every pull answer of version `v` equals the one-
-//! process reference at `v` (the committed contributor sets, the keys each
-//! worker drew), and at the end that every key's row is held by the server
-//! the last bucket map names, at the last version, equal to the reference,
-//! and by nobody else.
+//! Under BSP the world checks that every pull answer of version `v` equals
+//! the one-process reference at `v` (the committed contributor sets, the
+//! keys each worker drew); under SSP/ASP, that each contribution is applied
+//! exactly once, as pushed. At the end every key's row must be in exactly
+//! one place, equal to the reference (BSP) or to its initial value plus
+//! every contribution (SSP/ASP).
 
 use super::*;
 
@@ -48,6 +50,10 @@ pub(crate) struct SparseWorld {
     seen: BTreeMap<(u64, u64), u64>,
     /// Pushes a server took: (worker, iteration, key).
     accepted: BTreeSet<(u32, u64, u64)>,
+    /// SSP/ASP: each contribution pushed, by (worker, iteration, key), and
+    /// how many times a server applied it.
+    pushed: BTreeMap<(u32, u64, u64), u64>,
+    applied: BTreeMap<(u32, u64, u64), u32>,
     /// Bucket moves whose every row arrived.
     pub(crate) moves: u64,
 }
@@ -77,10 +83,60 @@ impl World {
         }
     }
 
+    /// SSP/ASP: worker `r` pushed `rows` (key and gradient digest) for
+    /// iteration `t`.
+    pub(crate) fn sparse_pushed(&mut self, r: u32, t: u64, rows: &[(u64, u64)]) {
+        if let Some(s) = self.sparse.as_mut().filter(|_| self.mode != Consistency::Bsp) {
+            s.pushed.extend(rows.iter().map(|&(k, d)| ((r, t, k), d)));
+        }
+    }
+
+    /// SSP/ASP: a server applied worker `r`'s push of iteration `t`: each
+    /// row once, as pushed.
+    pub(crate) fn sparse_applied(&mut self, r: u32, t: u64, rows: &[(u64, u64)]) {
+        let Some(s) = self.sparse.as_mut() else { return };
+        let mut bad = None;
+        for &(k, d) in rows {
+            *s.applied.entry((r, t, k)).or_insert(0) += 1;
+            if s.pushed.get(&(r, t, k)) != Some(&d) {
+                bad = Some(format!("worker {r}'s row {k} of iteration {t} applied is not the one it pushed"));
+            }
+        }
+        if let Some(b) = bad {
+            self.fail(b);
+        }
+    }
+
+    /// The end of an SSP/ASP run: every contribution applied once, and each
+    /// key's row, in exactly one place, its initial value plus them all.
+    pub(crate) fn check_sparse_end_async(&mut self) {
+        let Some(s) = self.sparse.as_ref() else { return };
+        let mut bad = None;
+        for (key, n) in &s.applied {
+            if *n != 1 {
+                bad = Some(format!("worker {}'s row {} of iteration {} applied {n} times", key.0, key.2, key.1));
+            }
+        }
+        if let Some(key) = s.pushed.keys().find(|k| !s.applied.contains_key(k)) {
+            bad = Some(format!("worker {}'s row {} of iteration {} was never applied", key.0, key.2, key.1));
+        }
+        for k in 0..KEYS {
+            let row = s.pushed.iter().filter(|((_, _, x), _)| *x == k).fold(row_init(k), |a, (_, &d)| a.wrapping_add(d));
+            if let Some(b) = s.misplaced(&self.servers, k, row) {
+                bad = Some(b);
+            }
+        }
+        if let Some(b) = bad {
+            self.fail(b);
+        }
+    }
+
     /// A pull answer of version `v` gave `rows`: the same value as every
     /// other answer of that version of each key.
+    /// (BSP only: an SSP/ASP part's version counts the updates it applied,
+    /// which differ between servers.)
     pub(crate) fn sparse_seen(&mut self, r: u32, v: u64, rows: &[(u64, u64)]) {
-        let Some(s) = self.sparse.as_mut() else { return };
+        let Some(s) = self.sparse.as_mut().filter(|_| self.mode == Consistency::Bsp) else { return };
         for &(k, x) in rows {
             if let Some(&y) = s.seen.get(&(k, v))
                 && y != x
@@ -166,30 +222,31 @@ impl World {
                     bad = Some(format!("a pull of version {} of key {k} gave {got:x}; the reference is {row:x}", t + 1));
                 }
             }
-            let held = self
-                .servers
-                .iter()
-                .flatten()
-                .filter_map(|sv| Some((format!("server {}", sv.rank), *sv.table()?.rows().get(&k)?)));
-            let unread = s.blobs.iter().filter(|(key, _)| !s.read.contains(key));
-            let moving = unread.chain(&s.exited).filter_map(|(&(a, b), rows)| {
-                rows.iter().find(|&&(x, _)| x == k).map(|&(_, v)| (format!("rows from server {a} to {b}"), v))
-            });
-            let places: Vec<(String, u64)> = held.chain(moving).collect();
-            match &places[..] {
-                [] if row == row_init(k) => {}
-                [(_, got)] if *got == row => {}
-                _ => {
-                    bad = Some(format!(
-                        "row {k} ends as {places:x?}; the reference for the contributor sets {:?} (lost {:?}) is {row:x}",
-                        m.epochs(),
-                        self.lost
-                    ));
-                }
+            if let Some(b) = s.misplaced(&self.servers, k, row) {
+                bad = Some(format!("{b} (the reference for the contributor sets {:?}, lost {:?})", m.epochs(), self.lost));
             }
         }
         if let Some(b) = bad {
             self.fail(b);
+        }
+    }
+}
+
+impl SparseWorld {
+    /// Unless key `k`'s row is in exactly one place (on a server, or taken
+    /// out for a move whose cutover is the job's end), equal to `row`: where
+    /// it is.
+    fn misplaced(&self, servers: &[Option<crate::server::SimServer>], k: u64, row: u64) -> Option<String> {
+        let held = servers.iter().flatten().filter_map(|sv| Some((format!("server {}", sv.rank), *sv.table()?.rows().get(&k)?)));
+        let unread = self.blobs.iter().filter(|(key, _)| !self.read.contains(key));
+        let moving = unread.chain(&self.exited).filter_map(|(&(a, b), rows)| {
+            rows.iter().find(|&&(x, _)| x == k).map(|&(_, v)| (format!("rows from server {a} to {b}"), v))
+        });
+        let places: Vec<(String, u64)> = held.chain(moving).collect();
+        match &places[..] {
+            [] if row == row_init(k) => None,
+            [(_, got)] if *got == row => None,
+            _ => Some(format!("row {k} ends as {places:x?}; it should be {row:x}")),
         }
     }
 }

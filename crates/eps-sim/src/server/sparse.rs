@@ -139,9 +139,12 @@ impl SimServer {
                 w.sparse_accept(r, t, &keys);
                 let contributors = self.members.contributors(&tb.sync, t).into_owned();
                 match tb.sync.on_push(r, t, &contributors) {
-                    Ok(PushOutcome::AggregateAll { iteration }) => self.sparse_update(w, iteration, &contributors),
+                    Ok(PushOutcome::AggregateAll { iteration }) if self.mode == Consistency::Bsp => {
+                        self.sparse_update(w, iteration, &contributors)
+                    }
+                    Ok(PushOutcome::ApplyOne { worker, .. }) if self.mode != Consistency::Bsp => self.sparse_apply_one(w, worker),
                     Ok(PushOutcome::Wait) => {}
-                    Ok(o) => w.fail(format!("server {rank}: a BSP sparse push gave {o:?}")),
+                    Ok(o) => w.fail(format!("server {rank}: a {:?} sparse push gave {o:?}", self.mode)),
                     Err(e) => w.fail(format!("server {rank}: sparse push of worker {r}, iteration {t}: {e}")),
                 }
             }
@@ -202,6 +205,35 @@ impl SimServer {
             if !self.dead.contains(&c) {
                 w.send(me, Node::Worker(c), Msg::SparseCredit);
             }
+        }
+        let mut ready = Vec::new();
+        if let Some(tb) = self.table.as_mut() {
+            tb.sync.ready_pulls(&mut ready);
+        }
+        for (r, v) in ready {
+            self.sparse_answer(w, r, v);
+        }
+    }
+
+    /// SSP/ASP: worker `r`'s push is applied on its own, as it comes: each
+    /// row plus its gradient digest (wrapping sums: the order of workers
+    /// does not matter, each contribution does).
+    fn sparse_apply_one(&mut self, w: &mut World, r: u32) {
+        let rank = self.rank;
+        let Some(tb) = self.table.as_mut() else { return };
+        let Some((t, rows)) = tb.pushes[r as usize].take() else {
+            return w.fail(format!("server {rank}: the table applies worker {r}'s push, which is not in its slot"));
+        };
+        for &(k, d) in &rows {
+            let row = tb.rows.entry(k).or_insert_with(|| row_init(k));
+            *row = row.wrapping_add(d);
+        }
+        tb.sync.published(Some(r));
+        w.sparse_applied(r, t, &rows);
+        self.take_out_rows(w);
+        if !self.dead.contains(&r) {
+            let me = self.me();
+            w.send(me, Node::Worker(r), Msg::SparseCredit);
         }
         let mut ready = Vec::new();
         if let Some(tb) = self.table.as_mut() {

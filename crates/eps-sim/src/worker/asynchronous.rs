@@ -52,6 +52,8 @@ impl SimWorker {
                 self.ask_again_async(w);
             }
             (Msg::Tick, WState::Computing) => self.push_all_async(w),
+            (Msg::SparseRows { v, rows }, WState::Computing) => self.on_sparse_rows(w, v, rows),
+            (Msg::SparseCredit, _) => self.on_sparse_credit(w, from),
             (m, s) => w.fail(format!("worker {rank} ({:?}) in state {s:?} got {m:?}", w.mode)),
         }
     }
@@ -102,7 +104,11 @@ impl SimWorker {
 
     /// Computed iteration `t` from whatever versions it holds: pushes, by
     /// the newest map (with no push in flight, it routes by that one from now).
-    fn push_all_async(&mut self, w: &mut World) {
+    pub(super) fn push_all_async(&mut self, w: &mut World) {
+        // The table's push first (it waits for the last one's credits).
+        if !self.sparse_push(w) {
+            return;
+        }
         let t = self.t;
         self.adopt_newest();
         w.adopted(self.rank, self.map.epoch);
@@ -142,14 +148,14 @@ impl SimWorker {
     /// The round ends once every shard is pushed and answered; the last one
     /// once its pushes are applied too (`Worker::finish` waits for their
     /// credits: the servers have everything before the job ends).
-    fn step_async(&mut self, w: &mut World) {
+    pub(super) fn step_async(&mut self, w: &mut World) {
         if !self.unpushed.is_empty() || !self.round_done() {
             return;
         }
         if self.t + 1 < w.steps {
             self.t += 1;
             self.begin(w);
-        } else if self.credit.iter().all(|&c| c) {
+        } else if self.credit.iter().all(|&c| c) && self.sparse_settled() {
             self.t += 1;
             self.finish(w, WState::Done);
         }

@@ -8,7 +8,9 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::SimWorker;
+use eps_proto::Consistency;
+
+use super::{SimWorker, WState};
 use crate::World;
 use crate::net::{Msg, Node};
 use crate::sparse::row_token;
@@ -82,8 +84,15 @@ impl SimWorker {
         }
         tb.rows.clear();
         tb.awaiting = by_server.len() as u32;
+        // The version asked: BSP every earlier iteration applied; SSP the
+        // slowest worker within the staleness bound; ASP whatever is there.
+        let v = match w.mode {
+            Consistency::Bsp => t,
+            Consistency::Ssp => t.saturating_sub(w.staleness),
+            Consistency::Asp => 0,
+        };
         for (s, keys) in by_server {
-            w.send(me, Node::Server(s), Msg::SparsePull { w: rank, v: t, keys });
+            w.send(me, Node::Server(s), Msg::SparsePull { w: rank, v, keys });
         }
         tb.awaiting > 0
     }
@@ -91,7 +100,7 @@ impl SimWorker {
     /// A pull answer: version `v` of `rows`.
     pub(super) fn on_sparse_rows(&mut self, w: &mut World, v: u64, rows: Vec<(u64, u64)>) {
         let (me, rank, t) = (Node::Worker(self.rank), self.rank, self.t);
-        if v != t {
+        if w.mode == Consistency::Bsp && v != t {
             return w.fail(format!("worker {rank}: a sparse pull in iteration {t} gave version {v}"));
         }
         w.sparse_seen(rank, v, &rows);
@@ -110,8 +119,16 @@ impl SimWorker {
         tb.owed.remove(&s);
         if tb.push_due && tb.owed.is_empty() {
             tb.push_due = false;
-            self.push_all(w);
+            if w.mode == Consistency::Bsp { self.push_all(w) } else { self.push_all_async(w) }
+        } else if w.mode != Consistency::Bsp && self.state == WState::Waiting {
+            // (The last round ends once its pushes are applied.)
+            self.step_async(w);
         }
+    }
+
+    /// Every server applied this worker's last sparse push.
+    pub(super) fn sparse_settled(&self) -> bool {
+        self.table.as_ref().is_none_or(|t| t.owed.is_empty())
     }
 
     /// Pushes the iteration's gradient rows; false (nothing sent) while a
@@ -141,6 +158,9 @@ impl SimWorker {
             };
             let s = owners[eps_proto::buckets::bucket_of(k) as usize];
             by_server.entry(s).or_default().push((k, row_token(rank, t, k, row)));
+        }
+        for rows in by_server.values() {
+            w.sparse_pushed(rank, t, rows);
         }
         for (s, rows) in by_server {
             tb.owed.insert(s);
