@@ -590,7 +590,12 @@ fn a_server_killed_during_a_migration_with_two_replicas_loses_nothing() {
         }
         let (ok, out, err) = run.finish();
         assert!(ok, "{victim} (server {rank}) killed while shard {shard} moved {from} -> {to}:\n{err}");
-        assert!(err.contains(&format!("server {rank} is lost")), "{err}");
+        // The target holds nothing once its move is cancelled: if the job
+        // ends before its loss is declared, it is counted finished as it is
+        // told to retire (and the job still ends).
+        let lost = err.contains(&format!("server {rank} is lost"));
+        let gone_at_end = victim == "target" && err.contains(&format!("server {rank} was told to retire and is gone"));
+        assert!(lost || gone_at_end, "{victim} killed:\n{err}");
         if victim.starts_with("backup") {
             // Source and target live: no move stops (a server that freed a
             // buffer a move still used cut that move's connection).
