@@ -12,7 +12,7 @@
 //! layer; the reachable AUC is the teacher's own on the same samples. All of
 //! it is a pure function of the job's seed and the sample's index.
 
-use crate::jobspec::TaskSection;
+use eps_cluster::jobspec::TaskSection;
 use eps_proto::init::{mix, unit};
 use eps_sparse::zipf::Zipf;
 

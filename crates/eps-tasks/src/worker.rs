@@ -1,13 +1,13 @@
 //! The training loop each `eps worker` process runs on the built-in task, and the
-//! reports it prints for the `eps train` driver (`crate::report`).
+//! reports it prints for the `eps train` driver (`eps_cluster::report`).
 
 use std::time::Instant;
 
 use eps_worker::{Worker, WorkerError};
 use sha2::{Digest, Sha256};
 
-use super::task::{Sample, Task};
-use crate::report::{self, Report};
+use crate::task::{Sample, Task};
+use eps_cluster::report::{self, Report};
 
 /// First sample index of the held-out set (far beyond any training index).
 pub const HELD_OUT_FIRST: u64 = 1 << 50;
@@ -177,11 +177,11 @@ pub fn report_progress<P: eps_fabric::Fabric>(
 pub fn run<P: eps_fabric::Fabric>(mut w: Worker<P>, pace: Pace) -> Result<(), TrainWorkerError> {
     let every = pace.every.max(1);
     let spec = w.spec().clone();
-    let Some(t) = crate::jobspec::TaskSection::of(&spec)? else {
+    let Some(t) = eps_cluster::jobspec::TaskSection::of(&spec)? else {
         return Err(TrainWorkerError::NoTask);
     };
     if t.kind == "ctr" {
-        return super::ctr_worker::run(w, pace);
+        return crate::ctr_worker::run(w, pace);
     }
     let task = Task::new(&t, spec.job.seed);
     let (rank, batch) = (w.rank(), spec.job.batch as u64);

@@ -7,12 +7,12 @@
 
 use std::time::Instant;
 
-use crate::jobspec::{CTR_TABLE, TaskSection};
+use eps_cluster::jobspec::{CTR_TABLE, TaskSection};
 use eps_worker::Worker;
 
-use super::ctr::{Click, Ctr, auc, key, log_loss};
-use super::worker::{HELD_OUT, HELD_OUT_FIRST, Pace, TrainWorkerError, checksum, done, membership_text, report_progress};
-use crate::report::{self, Report};
+use crate::ctr::{Click, Ctr, auc, key, log_loss};
+use crate::worker::{HELD_OUT, HELD_OUT_FIRST, Pace, TrainWorkerError, checksum, done, membership_text, report_progress};
+use eps_cluster::report::{self, Report};
 
 /// Held-out samples evaluated per pull.
 const EVAL_CHUNK: u64 = 1024;

@@ -9,7 +9,7 @@
 //! sparse ids (`buckets` rows of `classes` weights), so the reachable accuracy is
 //! known: the teacher's own accuracy on the noisy labels.
 
-use crate::jobspec::TaskSection;
+use eps_cluster::jobspec::TaskSection;
 use eps_proto::init::{mix, unit};
 
 /// Probability that a label is replaced by a random class.
