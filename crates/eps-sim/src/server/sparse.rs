@@ -198,7 +198,13 @@ impl SimServer {
             *row = h2(h2(*row, t), d);
         }
         tb.sync.published(None);
-        // Buckets whose cutover this update reached leave now.
+        self.after_sparse_update(w, contributors);
+    }
+
+    /// After an update of the table: buckets whose cutover it reached leave,
+    /// the contributors' push regions are credited, and the pulls that
+    /// waited for the new version are answered.
+    fn after_sparse_update(&mut self, w: &mut World, contributors: &[u32]) {
         self.take_out_rows(w);
         let me = self.me();
         for &c in contributors {
@@ -230,18 +236,7 @@ impl SimServer {
         }
         tb.sync.published(Some(r));
         w.sparse_applied(r, t, &rows);
-        self.take_out_rows(w);
-        if !self.dead.contains(&r) {
-            let me = self.me();
-            w.send(me, Node::Worker(r), Msg::SparseCredit);
-        }
-        let mut ready = Vec::new();
-        if let Some(tb) = self.table.as_mut() {
-            tb.sync.ready_pulls(&mut ready);
-        }
-        for (r, v) in ready {
-            self.sparse_answer(w, r, v);
-        }
+        self.after_sparse_update(w, &[r]);
     }
 
     /// Answers worker `r`'s pull with version `v` of its rows (rows not
