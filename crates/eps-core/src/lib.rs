@@ -43,12 +43,14 @@ pub mod buckets;
 mod members;
 mod moves;
 mod relay;
+pub mod replica;
 mod shard;
 
 pub use answers::Answers;
 pub use members::{Members, MembersError};
 pub use moves::MoveOut;
 pub use relay::{Relay, RelayStep};
+pub use replica::Replica;
 pub use shard::{CoreError, Next, Pending, Plan, PullStep, PushGate, ShardCore, push_gate};
 
 /// 0, 1, 2, ...: a single contributor's list is a slice of this.

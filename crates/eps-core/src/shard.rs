@@ -64,6 +64,9 @@ pub enum CoreError {
         /// The version in flight.
         sent: Option<u64>,
     },
+    /// A backup told it has no backup of its own (only an owner has one).
+    #[error("told it has no backup, but it is one")]
+    NotOwner,
 }
 
 /// What an update consumes and produces.

@@ -278,7 +278,7 @@ pub(crate) struct Held {
     /// A split ordered and waiting for the shard to have no update parked.
     split: Option<split::SplitOrder>,
     /// Its part in replication (`job.replicas = 2`).
-    replica: Option<replica::Replica>,
+    replica: replica::Replica,
     /// A new backup (`Order::Replicate` with a snapshot) ordered while the
     /// shard still arrives here: started once it caught up.
     new_backup: Option<eps_proto::control::Order>,
@@ -481,9 +481,9 @@ pub fn run_direct<P: Fabric>(
             incoming: backup_of.map(|p| (p, None)),
             split: None,
             replica: match backup_of {
-                Some(primary) => Some(replica::Replica::Backup { primary, snapshot: false, acked: 0 }),
-                None if spec.job.replicas > 1 => Some(replica::Replica::Awaited),
-                None => None,
+                Some(primary) => replica::Replica::backup(primary, false),
+                None if spec.job.replicas > 1 => replica::Replica::awaited(),
+                None => replica::Replica::none(),
             },
             new_backup: None,
             seed: (spec.seeded_by_worker() && backup_of.is_none()).then(Vec::new),
@@ -550,8 +550,7 @@ pub fn run_direct<P: Fabric>(
         saver: checkpoint::Saver::start(cfg, rank, &spec)?,
         sparse,
     };
-    let owned =
-        |id: u32| s.shards[id as usize].as_ref().is_some_and(|h| !matches!(h.replica, Some(replica::Replica::Backup { .. })));
+    let owned = |id: u32| s.shards[id as usize].as_ref().is_some_and(|h| !h.replica.is_backup());
     let endpoints: Vec<ShardEndpoint> = s.mem.held().filter(|&id| owned(id)).filter_map(|id| s.endpoint(id)).collect();
     if !s.sparse.is_empty() {
         match s.ctl.call(&ControlMsg::TablesReady { rank, tables: s.sparse.endpoints(rank) })? {

@@ -124,7 +124,7 @@ impl<P: Fabric> Server<P> {
             out: None,
             incoming: Some((from, None)),
             split: None,
-            replica: None,
+            replica: crate::replica::Replica::none(),
             new_backup: None,
             seed: None,
         });
@@ -212,7 +212,7 @@ impl<P: Fabric> Server<P> {
         {
             // Its backup was never reported (the control plane makes one
             // after the move): the updates it parked go with it.
-            h.replica = None;
+            h.replica.stop();
         }
         let Some(h) = self.shards.get(id as usize).and_then(Option::as_ref) else { return Ok(()) };
         let v0 = h.core.sync.version();
@@ -414,7 +414,7 @@ impl<P: Fabric> Server<P> {
         }
         if let (Pending::Forward { worker, .. }, Some((_, Some(ci)))) = (p, h.incoming) {
             // (Unless a backup acknowledged it on arrival.)
-            if !matches!(h.replica, Some(crate::replica::Replica::Backup { acked, .. }) if acked == version) {
+            if !h.replica.acked_on_arrival(version) {
                 // SSP/ASP: the acknowledgement names the contribution's worker.
                 self.ack_forward(ci, id, worker.map_or(version, u64::from))?;
             }
@@ -489,7 +489,7 @@ impl<P: Fabric> Server<P> {
                     Vec::new()
                 };
                 h.incoming = Some((from, Some(ci)));
-                let backup = matches!(h.replica, Some(crate::replica::Replica::Backup { .. }));
+                let backup = h.replica.is_backup();
                 let parity = ShardSync::parity(v0);
                 self.mem.publish(id, parity)?;
                 self.mem.set_stamp(id, parity, v0);
@@ -522,13 +522,11 @@ impl<P: Fabric> Server<P> {
                 self.update(id, Pending::Forward { version: 0, carry: false, worker: Some(w) })
             }
             Some((_, Some(c))) => {
-                if c != ci
-                    && let Some(crate::replica::Replica::Backup { primary, .. }) = h.replica.as_mut()
-                {
+                if c != ci && h.replica.is_backup() {
                     // A moved shard's new owner forwards from here on (its
                     // first forward comes after the old owner's last one was
                     // acknowledged): acknowledgements go to it.
-                    *primary = sender;
+                    h.replica.primary_moved(sender);
                     h.incoming = Some((sender, Some(ci)));
                 }
                 let queued = h.core.forwards_parked();
@@ -554,11 +552,7 @@ impl<P: Fabric> Server<P> {
                     }
                 }
             }
-            None if matches!(
-                h.replica,
-                Some(crate::replica::Replica::Promoted | crate::replica::Replica::Primary { promoted: true, .. })
-            ) =>
-            {
+            None if h.replica.promoted() && !h.replica.is_backup() => {
                 // From a move's target whose copy was dropped when this backup
                 // was promoted (the move's source was lost): its pushers push
                 // again here.
@@ -580,8 +574,7 @@ impl<P: Fabric> Server<P> {
         let id = m.shard;
         // A moving shard forwards both to its backup and to its new owner:
         // the connection says which one acknowledged.
-        if matches!(self.held_mut(id).and_then(|h| h.replica.as_ref()), Some(crate::replica::Replica::Primary { ci: c, .. }) if *c == ci)
-        {
+        if self.held_mut(id).and_then(|h| h.replica.link()).is_some_and(|l| l.ci == ci) {
             return self.replica_acked(id);
         }
         let Some(out) = self.held_mut(id).and_then(|h| h.out.as_mut()) else {

@@ -13,6 +13,8 @@ use eps_fabric::prelude::*;
 use eps_proto::control::{ControlMsg, MigrationKeys, Order};
 use eps_proto::imm::{Imm, ImmKind};
 
+use eps_core::replica::{Alone, Role};
+
 use crate::{Peer, Pending, Server, ServerError, WR_OTHER};
 
 /// Work-request ids of forwards to a backup: shard in the low bits.
@@ -30,45 +32,18 @@ pub(crate) struct Deferred {
     pub(crate) one: Option<u32>,
 }
 
-/// A shard's part in replication.
-#[derive(Debug)]
-pub(crate) enum Replica {
-    /// This server keeps the backup; forwards come from the owner `primary`.
-    Backup {
-        /// The owner's server rank.
-        primary: u32,
-        /// A new backup (after a loss): it starts from the owner's snapshot,
-        /// whose notice comes first on the owner's connection.
-        snapshot: bool,
-        /// The last version acknowledged on arrival.
-        acked: u64,
-    },
-    /// This server owns the shard and forwards each update to its backup.
-    Primary {
-        /// The connection to the backup's server.
-        ci: usize,
-        /// Where the backup receives forwarded gradients.
-        keys: MigrationKeys,
-        /// A forward is in flight: the update is applied, its version not yet
-        /// served.
-        waiting: Option<Deferred>,
-        /// The snapshot for a new backup is being written: no update may run.
-        snapshotting: bool,
-        /// A backup promoted after a loss (see `Promoted`).
-        promoted: bool,
-        /// Ordered to stop forwarding (`Unreplicate`): it stops once the
-        /// forward or snapshot in flight is done.
-        stopping: bool,
-    },
-    /// A backup promoted to owner: pushes of iterations before its version,
-    /// sent again after the loss, were applied already.
-    Promoted,
-    /// The owner of a shard the job starts with, before the control plane
-    /// said where its backup is (`Replicate`) or that it has none
-    /// (`NoBackup`): no update runs, so the backup's first forward is the
-    /// first update (the owner may hear of workers before of its backup).
-    Awaited,
+/// Where an owner's backup receives forwards.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Link {
+    /// The connection to the backup's server.
+    pub(crate) ci: usize,
+    /// Where the backup receives forwarded gradients.
+    pub(crate) keys: MigrationKeys,
 }
+
+/// A shard's part in replication: the state and its transitions are
+/// `eps_core::Replica`'s, which the simulation drives too.
+pub(crate) type Replica = eps_core::Replica<Link, Deferred>;
 
 impl<P: Fabric> Server<P> {
     /// The control plane orders shard `id`'s forwards to its backup on `to`
@@ -99,9 +74,8 @@ impl<P: Fabric> Server<P> {
             h.new_backup = Some(Order::Replicate { shard: id, to, to_addr: addr.to_string(), keys, snapshot });
             return Ok(());
         }
-        let old = h.replica.take();
-        let promoted = matches!(old, Some(Replica::Promoted | Replica::Primary { promoted: true, .. }));
-        if let Some(Replica::Primary { waiting: Some(d), .. }) = old {
+        let (waiting, promoted) = h.replica.replace();
+        if let Some(d) = waiting {
             // A new backup replaces one that never acknowledged (lost while
             // stopped, not closed): the update it waited for is served, and
             // the snapshot below holds it.
@@ -113,7 +87,12 @@ impl<P: Fabric> Server<P> {
         let version = h.core.sync.version();
         // (Updates parked while the backup was awaited run now, unless a
         // snapshot is written first.)
-        let Some(ci) = self.forward_conn(id, to, addr, "the shard goes on without a backup")? else { return self.drain(id) };
+        let Some(ci) = self.forward_conn(id, to, addr, "the shard goes on without a backup")? else {
+            if let Some(h) = self.held_mut(id) {
+                h.replica.unreachable(promoted);
+            }
+            return self.drain(id);
+        };
         if snapshot {
             // Between updates (this loop does one thing at a time); none runs
             // until the WRITE is done (`snapshotting`).
@@ -131,7 +110,7 @@ impl<P: Fabric> Server<P> {
             self.conns[ci].post_or_flush(&wr, &mut self.flushed)?;
         }
         if let Some(h) = self.held_mut(id) {
-            h.replica = Some(Replica::Primary { ci, keys, waiting: None, snapshotting: snapshot, promoted, stopping: false });
+            h.replica.forward_to(Link { ci, keys }, snapshot, promoted);
         }
         let how = if snapshot { format!(" (a new backup, from version {version})") } else { String::new() };
         eps_proto::say!("eps server {}: shard {id} is replicated on server {to}{how}", self.rank);
@@ -140,11 +119,8 @@ impl<P: Fabric> Server<P> {
 
     /// The snapshot for shard `id`'s new backup is written: updates go on.
     pub(crate) fn replica_snapshot_done(&mut self, id: u32) -> Result<(), ServerError> {
-        if let Some(Replica::Primary { snapshotting, stopping, .. }) = self.held_mut(id).and_then(|h| h.replica.as_mut()) {
-            *snapshotting = false;
-            if *stopping {
-                self.stop_replicating(id)?;
-            }
+        if self.held_mut(id).is_some_and(|h| h.replica.snapshot_done()) {
+            self.stopped_replicating(id)?;
         }
         self.start_parked_moves(id)?;
         self.drain(id)
@@ -153,32 +129,20 @@ impl<P: Fabric> Server<P> {
     /// The control plane orders shard `id`'s forwards to its backup to stop
     /// (the shard is about to move, or its backup's server leaves).
     pub(crate) fn on_unreplicate(&mut self, id: u32) -> Result<(), ServerError> {
-        match self.held_mut(id).and_then(|h| h.replica.as_mut()) {
-            Some(Replica::Primary { waiting, snapshotting, stopping, .. }) if waiting.is_some() || *snapshotting => {
-                // Stops when the acknowledgement or the snapshot's completion
-                // comes: nothing may land on the backup after it is dropped.
-                *stopping = true;
-                Ok(())
-            }
-            _ => {
-                self.stop_replicating(id)?;
-                self.drain(id)
-            }
+        // A forward or snapshot in flight: it stops when the acknowledgement
+        // or the snapshot's completion comes (nothing may land on the backup
+        // after it is dropped).
+        if self.held_mut(id).is_some_and(|h| !h.replica.unreplicate()) {
+            return Ok(());
         }
+        self.stopped_replicating(id)?;
+        self.drain(id)
     }
 
-    /// Shard `id` forwards to no backup from now on; the control plane is told.
-    fn stop_replicating(&mut self, id: u32) -> Result<(), ServerError> {
-        if let Some(h) = self.held_mut(id)
-            && matches!(h.replica, Some(Replica::Awaited))
-        {
-            h.replica = None;
-        }
-        if let Some(h) = self.held_mut(id)
-            && let Some(Replica::Primary { promoted, .. }) = h.replica
-        {
-            // A promoted backup still ignores pushes it applied already.
-            h.replica = promoted.then_some(Replica::Promoted);
+    /// Shard `id` forwards to no backup from now on (a promoted backup still
+    /// ignores pushes it applied already); the control plane is told.
+    fn stopped_replicating(&mut self, id: u32) -> Result<(), ServerError> {
+        if self.held_mut(id).is_some() {
             self.release_forward_buffer(id);
             eps_proto::say!("eps server {}: shard {id} no longer forwards to a backup", self.rank);
         }
@@ -201,13 +165,13 @@ impl<P: Fabric> Server<P> {
         if let Some(b) = self.mem.remove(id) {
             self.retained.push((None, b.landing));
         }
-        if !matches!(h.replica, Some(Replica::Backup { .. })) {
+        if !h.replica.is_backup() {
             // Workers may have pushed here, or wait for a pull: they are sent
             // to the new map (the promoted backup). So are the contributors of
             // an update applied here and not served (its backup may not have
             // it): they push it again, and the backup ignores it if it has.
             let v = h.core.sync.version() as u16;
-            if let Some(Replica::Primary { waiting: Some(d), .. }) = &h.replica
+            if let Some(d) = h.replica.waiting()
                 && let Pending::Update { iteration, one } = d.p
             {
                 let c: Vec<u32> = match one {
@@ -247,7 +211,7 @@ impl<P: Fabric> Server<P> {
             out: None,
             incoming: Some((from, None)),
             split: None,
-            replica: Some(Replica::Backup { primary: from, snapshot: true, acked: 0 }),
+            replica: Replica::backup(from, true),
             new_backup: None,
             seed: None,
         });
@@ -265,28 +229,17 @@ impl<P: Fabric> Server<P> {
 
     /// Whether shard `id` waits to be told where its backup is.
     pub(crate) fn replica_awaited(&self, id: u32) -> bool {
-        let h = self.shards.get(id as usize).and_then(Option::as_ref);
-        matches!(h.and_then(|h| h.replica.as_ref()), Some(Replica::Awaited))
+        self.shards.get(id as usize).and_then(Option::as_ref).is_some_and(|h| h.replica.is_awaited())
     }
 
     /// The control plane says shard `id` has no backup now and none can be
     /// made: it is served alone (what waited for a lost backup is served).
     pub(crate) fn on_no_backup(&mut self, id: u32) -> Result<(), ServerError> {
         let Some(h) = self.held_mut(id) else { return Ok(()) };
-        let d = match h.replica.take() {
-            Some(Replica::Primary { waiting, promoted, .. }) => {
-                h.replica = promoted.then_some(Replica::Promoted);
-                waiting
-            }
-            Some(Replica::Awaited) => None,
-            r @ (Some(Replica::Promoted) | None) => {
-                h.replica = r;
-                return Ok(()); // served alone already
-            }
-            Some(other) => {
-                h.replica = Some(other);
-                return Err(ServerError::Migration(format!("told shard {id} has no backup, but it is one here")));
-            }
+        let d = match h.replica.no_backup() {
+            Ok(Alone::Now(d)) => d,
+            Ok(Alone::Already) => return Ok(()),
+            Err(e) => return Err(ServerError::Migration(format!("shard {id}: {e}"))),
         };
         self.release_forward_buffer(id);
         eps_proto::say!("eps server {}: shard {id} has no backup (none can be made now); it is served alone", self.rank);
@@ -298,18 +251,13 @@ impl<P: Fabric> Server<P> {
 
     /// Whether a forward or snapshot of shard `id` to its backup is in flight.
     pub(crate) fn replica_forwarding(&self, id: u32) -> bool {
-        let h = self.shards.get(id as usize).and_then(Option::as_ref);
-        match h.and_then(|h| h.replica.as_ref()) {
-            Some(Replica::Primary { waiting, snapshotting, .. }) => waiting.is_some() || *snapshotting,
-            _ => false,
-        }
+        self.shards.get(id as usize).and_then(Option::as_ref).is_some_and(|h| h.replica.forwarding())
     }
 
     /// Whether an update of shard `id` is applied and waits for the backup's
     /// acknowledgement before it is served.
     pub(crate) fn replica_deferred(&self, id: u32) -> bool {
-        let h = self.shards.get(id as usize).and_then(Option::as_ref);
-        matches!(h.and_then(|h| h.replica.as_ref()), Some(Replica::Primary { waiting: Some(_), .. }))
+        self.shards.get(id as usize).and_then(Option::as_ref).is_some_and(|h| h.replica.waiting().is_some())
     }
 
     /// Orders shard `id` the new backup it was given while it still arrived,
@@ -344,12 +292,10 @@ impl<P: Fabric> Server<P> {
     /// (none for an iteration without contributions) and defers the version.
     /// Returns false when the shard has no backup (finish the update now).
     pub(crate) fn forward_to_backup(&mut self, id: u32, d: Deferred) -> Result<bool, ServerError> {
-        let Some(Some(Replica::Primary { ci, keys, .. })) =
-            self.shards.get(id as usize).and_then(Option::as_ref).map(|h| h.replica.as_ref())
+        let Some(&Link { ci, keys }) = self.shards.get(id as usize).and_then(Option::as_ref).and_then(|h| h.replica.link())
         else {
             return Ok(false);
         };
-        let (ci, keys) = (*ci, *keys);
         if !self.conns[ci].alive {
             return Ok(false);
         }
@@ -366,21 +312,18 @@ impl<P: Fabric> Server<P> {
         if self.conns[ci].post(&wr).is_err() {
             return Ok(false);
         }
-        if let Some(Replica::Primary { waiting, .. }) = self.held_mut(id).and_then(|h| h.replica.as_mut()) {
-            *waiting = Some(d);
+        match self.held_mut(id).map(|h| h.replica.defer(d)) {
+            Some(Ok(())) => Ok(true),
+            _ => Err(ServerError::Migration(format!("shard {id}: forwarded to its backup with a forward in flight"))),
         }
-        Ok(true)
     }
 
     /// The backup acknowledged shard `id`'s forward: its version is served.
     pub(crate) fn replica_acked(&mut self, id: u32) -> Result<(), ServerError> {
-        let (d, stop) = match self.held_mut(id).and_then(|h| h.replica.as_mut()) {
-            Some(Replica::Primary { waiting, stopping, .. }) => (waiting.take(), *stopping),
-            _ => (None, false),
-        };
-        if stop {
+        let (d, stopped) = self.held_mut(id).map_or((None, false), |h| h.replica.acked());
+        if stopped {
             // Before the update is finished: the next one is not forwarded.
-            self.stop_replicating(id)?;
+            self.stopped_replicating(id)?;
         }
         if let Some(d) = d {
             self.finish_update(id, d)?;
@@ -393,9 +336,11 @@ impl<P: Fabric> Server<P> {
     /// backup or a move forwards from it, or the source of a move (or the
     /// owner, for a backup) forwards into it.
     pub(crate) fn release_forward_buffer(&mut self, id: u32) {
-        let used = self.shards.get(id as usize).and_then(Option::as_ref).is_some_and(|h| {
-            h.out.is_some() || h.incoming.is_some() || matches!(h.replica, Some(Replica::Primary { .. } | Replica::Backup { .. }))
-        });
+        let used = self
+            .shards
+            .get(id as usize)
+            .and_then(Option::as_ref)
+            .is_some_and(|h| h.out.is_some() || h.incoming.is_some() || h.replica.link().is_some() || h.replica.is_backup());
         if !used {
             self.mem.drop_forward_buffer(id);
         }
@@ -405,7 +350,7 @@ impl<P: Fabric> Server<P> {
     /// backup; they go on alone (what waited for an acknowledgement is served).
     pub(crate) fn replica_conn_lost(&mut self, ci: usize, status: WcStatus, wr_id: u64) -> Result<(), ServerError> {
         let ids: Vec<u32> = (0..self.shards.len() as u32)
-            .filter(|&id| matches!(self.shards[id as usize].as_ref().and_then(|h| h.replica.as_ref()), Some(Replica::Primary { ci: c, .. }) if *c == ci))
+            .filter(|&id| self.shards[id as usize].as_ref().and_then(|h| h.replica.link()).is_some_and(|l| l.ci == ci))
             .collect();
         for id in ids {
             eps_proto::say!(
@@ -413,10 +358,7 @@ impl<P: Fabric> Server<P> {
                 self.rank,
                 self.conns[ci].peer
             );
-            let d = match self.held_mut(id).map(|h| h.replica.take()) {
-                Some(Some(Replica::Primary { waiting, .. })) => waiting,
-                _ => None,
-            };
+            let d = self.held_mut(id).and_then(|h| h.replica.link_lost());
             self.release_forward_buffer(id);
             if let Some(d) = d {
                 self.finish_update(id, d)?;
@@ -431,7 +373,7 @@ impl<P: Fabric> Server<P> {
     /// from this connection.
     pub(crate) fn bind_backups(&mut self, ci: usize, from: u32) {
         for h in self.shards.iter_mut().flatten() {
-            if matches!(h.replica, Some(Replica::Backup { primary, snapshot: false, .. }) if primary == from) {
+            if matches!(h.replica.role(), Some(Role::Backup { primary, snapshot: false, .. }) if *primary == from) {
                 h.incoming = Some((from, Some(ci)));
             }
         }
@@ -446,10 +388,7 @@ impl<P: Fabric> Server<P> {
         let at = h.core.sync.version();
         h.core.sync.caught_up();
         h.incoming = None;
-        let lost = match h.replica.replace(Replica::Promoted) {
-            Some(Replica::Backup { primary, .. }) => Some(primary),
-            _ => None,
-        };
+        let lost = h.replica.promote();
         eps_proto::say!("eps server {rank}: shard {id} is served here from version {at} on (its owner was lost)");
         // Fenced off: a lost owner that was only stopped, not dead, may wake
         // up; nothing it sends lands here any more.
@@ -468,10 +407,7 @@ impl<P: Fabric> Server<P> {
     /// reaches a backup only from a worker routing by the map that promotes
     /// it, which may come before the order does.)
     pub(crate) fn promoted(&self, id: u32) -> bool {
-        let h = self.shards.get(id as usize).and_then(Option::as_ref);
-        h.is_some_and(|h| {
-            matches!(h.replica, Some(Replica::Backup { .. } | Replica::Promoted | Replica::Primary { promoted: true, .. }))
-        })
+        self.shards.get(id as usize).and_then(Option::as_ref).is_some_and(|h| h.replica.promoted())
     }
 
     /// A backup acknowledges a forward as it arrives, when it applies it at once
@@ -480,11 +416,9 @@ impl<P: Fabric> Server<P> {
     /// in the other half of the buffer. Returns whether it did.
     pub(crate) fn ack_on_arrival(&mut self, id: u32, ci: usize, version: u64) -> Result<bool, ServerError> {
         let free = self.free(id);
-        let Some(Replica::Backup { acked, .. }) = self.held_mut(id).and_then(|h| h.replica.as_mut()) else { return Ok(false) };
-        if !free {
+        if !self.held_mut(id).is_some_and(|h| h.replica.ack_on_arrival(free, version)) {
             return Ok(false);
         }
-        *acked = version;
         self.ack_forward(ci, id, version)?;
         Ok(true)
     }
@@ -492,9 +426,7 @@ impl<P: Fabric> Server<P> {
     /// Tells the control plane about the backups held here.
     pub(crate) fn report_backups(&mut self) -> Result<(), ServerError> {
         let ids: Vec<u32> = (0..self.shards.len() as u32)
-            .filter(|&id| {
-                matches!(self.shards[id as usize].as_ref().and_then(|h| h.replica.as_ref()), Some(Replica::Backup { .. }))
-            })
+            .filter(|&id| self.shards[id as usize].as_ref().is_some_and(|h| h.replica.is_backup()))
             .collect();
         for id in ids {
             self.report_backup(id)?;

@@ -151,7 +151,7 @@ impl<P: Fabric> Server<P> {
                 self.rank,
                 h.core.parked_len(),
                 if h.out.is_some() { ", moving out" } else { "" },
-                match &h.replica {
+                match h.replica.role() {
                     Some(r) => format!(", {r:?}"),
                     None => String::new(),
                 }

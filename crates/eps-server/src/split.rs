@@ -78,7 +78,7 @@ impl<P: Fabric> Server<P> {
                 out: None,
                 incoming: None,
                 split: None,
-                replica: None,
+                replica: crate::replica::Replica::none(),
                 new_backup: None,
                 seed: None,
             });

@@ -16,7 +16,8 @@ usage: eps-sim [--seeds N] [--first S] [--json]
 
   --seeds N   run seeds FIRST .. FIRST+N (default 2000)
   --first S   the first seed (default 0)
-  --seed S    run seed S alone; on a failure print its last events
+  --seed S    run seed S alone, with the control plane's log lines; on a
+              failure print its last events
   --json      end with one JSON line: seeds, violations, and how often each
               kind of event happened over all runs
   --mutant M  put back the known past bug M (or each in turn: all) and run
@@ -77,6 +78,11 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if !a.one {
+        // The control plane's log lines (bucket moves waiting, ...) are for a
+        // replayed seed; over thousands of runs they drown the summary.
+        let _ = tracing::subscriber::set_global_default(tracing::subscriber::NoSubscriber::default());
+    }
     if a.list {
         for (name, what) in eps_proto::mutants::ALL {
             println!("{name}: {what}");

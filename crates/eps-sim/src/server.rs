@@ -45,7 +45,7 @@ struct Shard {
     /// A split ordered: (first element of the upper part, lower id, upper id).
     split: Option<(u64, u32, u32)>,
     /// Its part in replication (`job.replicas = 2`).
-    replica: Option<Rep>,
+    replica: Rep,
 }
 
 impl Shard {
@@ -60,7 +60,7 @@ impl Shard {
             out: None,
             incoming: None,
             split: None,
-            replica: None,
+            replica: Rep::none(),
         }
     }
 
@@ -133,7 +133,7 @@ impl SimServer {
             let mut sh = Shard::new((start, len), ShardSync::backup(Consistency::Bsp, ranks, at), ranks);
             sh.vals.insert(at, units(start, len).map(&init).collect());
             sh.incoming = Some((primary, true));
-            sh.replica = Some(Rep::Backup { primary });
+            sh.replica = Rep::backup(primary, false);
             s.shards.insert(id, sh);
         }
         s
@@ -149,8 +149,7 @@ impl SimServer {
     /// Whether a move or a backup not yet synced refuses version `need` of
     /// a shard whose state would serve it.
     fn refuses(sh: &Shard, need: u64) -> bool {
-        sh.out.as_ref().is_some_and(|o| o.refuses(need))
-            || (matches!(sh.replica, Some(Rep::Backup { .. })) && matches!(sh.incoming, Some((_, false))))
+        sh.out.as_ref().is_some_and(|o| o.refuses(need)) || (sh.replica.is_backup() && matches!(sh.incoming, Some((_, false))))
     }
 
     /// Whether this server can serve version `need` of alignment unit `unit`
@@ -237,7 +236,7 @@ impl SimServer {
             w.send(me, Node::Worker(r), Msg::Moved { shard: id, t });
             return;
         };
-        let promoted = sh.replica.as_ref().is_some_and(Rep::promoted);
+        let promoted = sh.replica.promoted();
         let bsp = self.mode == Consistency::Bsp;
         match push_gate(bsp, &sh.core.sync, sh.out.as_ref().map(MoveOut::source), promoted, t) {
             PushGate::Moved => {
@@ -339,7 +338,7 @@ impl SimServer {
     /// A snapshot or forward of the shard is in flight (to a move's target or
     /// to its backup): no update may run.
     fn busy(sh: &Shard) -> bool {
-        sh.out.as_ref().is_some_and(MoveOut::busy) || sh.replica.as_ref().is_some_and(Rep::busy)
+        sh.out.as_ref().is_some_and(MoveOut::busy) || sh.replica.busy()
     }
 
     fn update(&mut self, w: &mut World, id: u32, p: Pending) {
@@ -511,7 +510,7 @@ impl SimServer {
         let Some(sh) = self.shards.get(&id) else { return };
         // `Server::try_complete`: not while an update waits for the backup's
         // acknowledgement (its slots are not freed yet).
-        if matches!(sh.replica, Some(Rep::Primary { waiting: Some(_), .. })) {
+        if sh.replica.waiting().is_some() {
             return;
         }
         if let Some(p) = sh.core.completes(&self.members) {

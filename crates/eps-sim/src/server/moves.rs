@@ -26,7 +26,7 @@ impl SimServer {
         w.publish(self.rank, id, first, v, &value);
         sh.vals.insert(v, value);
         sh.incoming = Some((from, true));
-        if matches!(sh.replica, Some(Rep::Backup { .. }))
+        if sh.replica.is_backup()
             && let Err(e) = w.ctl(&ControlMsg::BackupSynced { shard: id, rank: self.rank })
         {
             return w.fail(format!("server {}: the control plane refused the snapshot of backup {id}: {e}", self.rank));
@@ -165,9 +165,9 @@ impl SimServer {
                 let Some(value) = sh.vals.get(&v0).cloned() else {
                     return w.fail(format!("server {rank}: shard {shard} has no value at version {v0}"));
                 };
-                if matches!(sh.replica, Some(Rep::Awaited)) {
+                if sh.replica.is_awaited() {
                     // `migrate_out`: its backup was never reported.
-                    sh.replica = None;
+                    sh.replica.stop();
                 }
                 let clocks = sh.core.snapshot_clocks();
                 sh.out = Some(MoveOut::new(v0, to));

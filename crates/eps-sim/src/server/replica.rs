@@ -4,6 +4,7 @@
 //! backup is promoted when its owner is lost; pushes sent again to a promoted
 //! backup for an iteration it applied already are ignored.
 
+use eps_core::replica::Alone;
 use eps_proto::control::{ControlMsg, MigrationKeys};
 
 use super::{Pending, Shard, SimServer, endpoint};
@@ -20,33 +21,9 @@ pub(crate) struct Deferred {
     pub(crate) digest: Vec<u64>,
 }
 
-/// A shard's part in replication.
-#[derive(Clone, Debug)]
-pub(crate) enum Rep {
-    /// The backup; forwards come from the owner `primary`.
-    Backup { primary: u32 },
-    /// The owner, forwarding each update to its backup on `to`.
-    Primary { to: u32, waiting: Option<Deferred>, snapshotting: bool, promoted: bool, stopping: bool },
-    /// A backup promoted to owner.
-    Promoted,
-    /// The owner of a shard the job starts with, before it is told where its
-    /// backup is (`Replicate`) or that it has none (`NoBackup`).
-    Awaited,
-}
-
-impl Rep {
-    /// Whether the owner waits for its backup (no update may run).
-    pub(crate) fn busy(&self) -> bool {
-        matches!(self, Rep::Awaited)
-            || matches!(self, Rep::Primary { waiting, snapshotting, .. } if waiting.is_some() || *snapshotting)
-    }
-
-    /// Whether this copy was (or will be) promoted: pushes of iterations it
-    /// applied already are ignored.
-    pub(crate) fn promoted(&self) -> bool {
-        matches!(self, Rep::Backup { .. } | Rep::Promoted | Rep::Primary { promoted: true, .. })
-    }
-}
+/// A shard's part in replication: `eps_core::Replica`, as `eps-server`
+/// keeps it; the owner reaches its backup by the backup's server rank.
+pub(crate) type Rep = eps_core::Replica<u32, Deferred>;
 
 const KEYS: MigrationKeys = MigrationKeys { state_addr: 0, state_rkey: 0, grad_addr: 0, grad_rkey: 0 };
 
@@ -54,15 +31,15 @@ impl SimServer {
     /// Whether `from` is the backup shard `id` forwards to (its
     /// acknowledgements are the replica's, not a move's).
     pub(super) fn forwards_to(&self, id: u32, from: Node) -> bool {
-        let rep = self.shards.get(&id).and_then(|sh| sh.replica.as_ref());
-        matches!(rep, Some(Rep::Primary { to, .. }) if Node::Server(*to) == from)
+        let to = self.shards.get(&id).and_then(|sh| sh.replica.link());
+        to.is_some_and(|&to| Node::Server(to) == from)
     }
 
     /// A job with replicas: the shards this server starts with apply no
     /// update before it hears of their backups.
     pub(crate) fn await_backups(&mut self) {
-        for sh in self.shards.values_mut().filter(|sh| sh.replica.is_none()) {
-            sh.replica = Some(Rep::Awaited);
+        for sh in self.shards.values_mut().filter(|sh| sh.replica.role().is_none()) {
+            sh.replica = Rep::awaited();
         }
     }
 
@@ -70,14 +47,16 @@ impl SimServer {
     /// whose backup here was promoted (its connection was dropped then).
     pub(super) fn fenced(&self, w: &World, id: u32, from: Node) -> bool {
         let Node::Server(f) = from else { return false };
-        let promoted = self.shards.get(&id).is_none_or(|sh| matches!(sh.replica, Some(Rep::Promoted | Rep::Primary { .. })));
+        let promoted = self
+            .shards
+            .get(&id)
+            .is_none_or(|sh| (sh.replica.promoted() && !sh.replica.is_backup()) || sh.replica.link().is_some());
         w.crashed(f) && promoted
     }
 
     /// Tells the control plane about the backups held here (at the start).
     pub(crate) fn report_backups(&mut self, w: &mut World) {
-        let ids: Vec<u32> =
-            self.shards.iter().filter(|(_, sh)| matches!(sh.replica, Some(Rep::Backup { .. }))).map(|(&id, _)| id).collect();
+        let ids: Vec<u32> = self.shards.iter().filter(|(_, sh)| sh.replica.is_backup()).map(|(&id, _)| id).collect();
         for id in ids {
             if let Err(e) = w.ctl(&ControlMsg::BackupReady { endpoint: endpoint(id, self.rank), keys: KEYS }) {
                 return w.fail(format!("server {}: backup of shard {id} refused: {e}", self.rank));
@@ -89,26 +68,25 @@ impl SimServer {
     /// the version. False when the shard has no backup (finish now).
     pub(super) fn forward_to_backup(&mut self, w: &mut World, id: u32, d: Deferred) -> bool {
         let me = self.me();
-        let Some(Some(Rep::Primary { to, waiting, .. })) = self.shards.get_mut(&id).map(|sh| sh.replica.as_mut()) else {
-            return false;
-        };
-        w.send(me, Node::Server(*to), Msg::Forward { shard: id, v: d.version, digest: d.digest.clone() });
-        *waiting = Some(d);
+        let Some(sh) = self.shards.get_mut(&id) else { return false };
+        let Some(&to) = sh.replica.link() else { return false };
+        w.send(me, Node::Server(to), Msg::Forward { shard: id, v: d.version, digest: d.digest.clone() });
+        if sh.replica.defer(d).is_err() {
+            w.fail(format!("server {}: shard {id} forwarded to its backup with a forward in flight", self.rank));
+        }
         true
     }
 
     /// The backup acknowledged version `v`: it is served.
     pub(super) fn replica_acked(&mut self, w: &mut World, id: u32, v: u64) {
-        let Some(Some(Rep::Primary { waiting, stopping, .. })) = self.shards.get_mut(&id).map(|sh| sh.replica.as_mut()) else {
-            return;
-        };
-        let (d, stop) = (waiting.take(), *stopping);
-        match &d {
+        let Some(sh) = self.shards.get_mut(&id) else { return };
+        match sh.replica.waiting() {
             Some(d) if d.version == v => {}
-            _ => return w.fail(format!("server {}: backup acknowledged version {v} of shard {id}, waited {d:?}", self.rank)),
+            d => return w.fail(format!("server {}: backup acknowledged version {v} of shard {id}, waited {d:?}", self.rank)),
         }
-        if stop {
-            self.stop_replicating(w, id);
+        let (d, stopped) = sh.replica.acked();
+        if stopped {
+            self.stopped_replicating(w, id);
         }
         if let Some(d) = d {
             self.finish(w, id, Pending::Update { iteration: d.iteration, one: None }, d.version, d.digest);
@@ -118,11 +96,8 @@ impl SimServer {
 
     /// The snapshot for shard `id`'s new backup is written: updates go on.
     pub(super) fn replica_snapshot_done(&mut self, w: &mut World, id: u32) {
-        if let Some(Some(Rep::Primary { snapshotting, stopping, .. })) = self.shards.get_mut(&id).map(|sh| sh.replica.as_mut()) {
-            *snapshotting = false;
-            if *stopping {
-                self.stop_replicating(w, id);
-            }
+        if self.shards.get_mut(&id).is_some_and(|sh| sh.replica.snapshot_done()) {
+            self.stopped_replicating(w, id);
         }
         self.drain(w, id);
     }
@@ -131,23 +106,16 @@ impl SimServer {
     /// on alone (what waited for its acknowledgement is served).
     pub(super) fn peer_gone(&mut self, w: &mut World, s: u32) {
         self.gone.insert(s);
-        let ids: Vec<u32> = self
-            .shards
-            .iter()
-            .filter(|(_, sh)| matches!(sh.replica, Some(Rep::Primary { to, .. }) if to == s))
-            .map(|(&id, _)| id)
-            .collect();
+        let ids: Vec<u32> = self.shards.iter().filter(|(_, sh)| sh.replica.link() == Some(&s)).map(|(&id, _)| id).collect();
         for id in ids {
             let Some(sh) = self.shards.get_mut(&id) else { continue };
-            let Some(Rep::Primary { waiting, promoted, .. }) = sh.replica.take() else { continue };
-            sh.replica = promoted.then_some(Rep::Promoted);
-            if let Some(d) = waiting {
+            if let Some(d) = sh.replica.link_lost() {
                 self.finish(w, id, Pending::Update { iteration: d.iteration, one: None }, d.version, d.digest);
             }
             self.drain(w, id);
         }
         if self.shards.values().any(|sh| {
-            sh.out.as_ref().is_some_and(|o| o.to() == s) || sh.incoming.is_some_and(|i| i.0 == s && sh.replica.is_none())
+            sh.out.as_ref().is_some_and(|o| o.to() == s) || sh.incoming.is_some_and(|i| i.0 == s && sh.replica.role().is_none())
         }) {
             w.fail(format!("server {}: server {s} crashed during a move (not modelled)", self.rank));
         }
@@ -160,9 +128,8 @@ impl SimServer {
         let Some(sh) = self.shards.get_mut(&id) else {
             return w.fail(format!("server {}: ordered to replicate shard {id}, which is not here", self.rank));
         };
-        let old = sh.replica.take();
-        let promoted = old.as_ref().is_some_and(Rep::promoted);
-        if let Some(Rep::Primary { waiting: Some(d), .. }) = old {
+        let (waiting, promoted) = sh.replica.replace();
+        if let Some(d) = waiting {
             // A new backup replaces one that never acknowledged: the update it
             // waited for is served, and the snapshot below holds it.
             self.finish(w, id, Pending::Update { iteration: d.iteration, one: None }, d.version, d.digest);
@@ -171,7 +138,7 @@ impl SimServer {
         if self.gone.contains(&to) {
             // `forward_conn`: the backup's server cannot be reached; the shard
             // goes on without one (the control plane declares it lost).
-            sh.replica = promoted.then_some(Rep::Promoted);
+            sh.replica.unreachable(promoted);
             return self.drain(w, id);
         }
         if snapshot {
@@ -182,26 +149,17 @@ impl SimServer {
             let at = w.send(me, Node::Server(to), Msg::Snapshot { shard: id, v, value, clocks: Vec::new() });
             w.complete_after(me, Msg::ReplicaSnapshotDone { shard: id }, at);
         }
-        sh.replica = Some(Rep::Primary { to, waiting: None, snapshotting: snapshot, promoted, stopping: false });
+        sh.replica.forward_to(to, snapshot, promoted);
         self.drain(w, id);
     }
 
     /// Shard `id` has no backup and none can be made: it is served alone.
     pub(super) fn on_no_backup(&mut self, w: &mut World, id: u32) {
         let Some(sh) = self.shards.get_mut(&id) else { return };
-        let d = match sh.replica.take() {
-            Some(Rep::Primary { waiting, promoted, .. }) => {
-                sh.replica = promoted.then_some(Rep::Promoted);
-                waiting
-            }
-            Some(Rep::Awaited) => None,
-            r @ (Some(Rep::Promoted) | None) => {
-                sh.replica = r;
-                return;
-            }
-            Some(Rep::Backup { .. }) => {
-                return w.fail(format!("server {}: told shard {id} has no backup, but it is one here", self.rank));
-            }
+        let d = match sh.replica.no_backup() {
+            Ok(Alone::Now(d)) => d,
+            Ok(Alone::Already) => return,
+            Err(e) => return w.fail(format!("server {}: shard {id}: {e}", self.rank)),
         };
         if let Some(d) = d {
             self.finish(w, id, Pending::Update { iteration: d.iteration, one: None }, d.version, d.digest);
@@ -217,7 +175,7 @@ impl SimServer {
         let mut sh =
             Shard::new((start, len), eps_proto::sync::ShardSync::incoming(super::Consistency::Bsp, self.ranks, 0), self.ranks);
         sh.incoming = Some((from, false));
-        sh.replica = Some(Rep::Backup { primary: from });
+        sh.replica = Rep::backup(from, true);
         self.shards.insert(id, sh);
         if let Err(e) = w.ctl(&ControlMsg::BackupReady { endpoint: endpoint(id, self.rank), keys: KEYS }) {
             w.fail(format!("server {}: backup of shard {id} refused: {e}", self.rank));
@@ -230,36 +188,26 @@ impl SimServer {
             return w.fail(format!("server {}: promoted for shard {id}, which has no backup here", self.rank));
         };
         // Only a backup whose owner crashed is promoted.
-        match sh.replica {
-            Some(Rep::Backup { primary }) if w.crashed(primary) => {}
-            ref r => return w.fail(format!("server {}: promoted for shard {id} ({r:?}), its owner did not crash", self.rank)),
+        match sh.replica.promote() {
+            Some(primary) if w.crashed(primary) => {}
+            r => return w.fail(format!("server {}: promoted for shard {id} (owner {r:?}), its owner did not crash", self.rank)),
         }
         sh.core.sync.caught_up();
         sh.incoming = None;
-        sh.replica = Some(Rep::Promoted);
         w.report.promotions += 1;
         self.try_complete(w, id);
     }
 
     /// Stop forwarding shard `id` to its backup once nothing is in flight.
     pub(super) fn on_unreplicate(&mut self, w: &mut World, id: u32) {
-        match self.shards.get_mut(&id).and_then(|sh| sh.replica.as_mut()) {
-            Some(Rep::Primary { waiting, snapshotting, stopping, .. }) if waiting.is_some() || *snapshotting => *stopping = true,
-            _ => {
-                self.stop_replicating(w, id);
-                self.drain(w, id);
-            }
+        if self.shards.get_mut(&id).is_some_and(|sh| !sh.replica.unreplicate()) {
+            return;
         }
+        self.stopped_replicating(w, id);
+        self.drain(w, id);
     }
 
-    fn stop_replicating(&mut self, w: &mut World, id: u32) {
-        if let Some(sh) = self.shards.get_mut(&id) {
-            match sh.replica {
-                Some(Rep::Primary { promoted, .. }) => sh.replica = promoted.then_some(Rep::Promoted),
-                Some(Rep::Awaited) => sh.replica = None,
-                _ => {}
-            }
-        }
+    fn stopped_replicating(&mut self, w: &mut World, id: u32) {
         if let Err(e) = w.ctl(&ControlMsg::Unreplicated { shard: id, rank: self.rank }) {
             w.fail(format!("server {}: the control plane refused shard {id}'s unreplication: {e}", self.rank));
         }
@@ -267,12 +215,12 @@ impl SimServer {
 
     /// The control plane orders this server's backup of shard `id` freed.
     pub(super) fn on_drop_backup(&mut self, w: &mut World, id: u32) {
-        match self.shards.get(&id).map(|sh| &sh.replica) {
+        match self.shards.get(&id).map(|sh| sh.replica.is_backup()) {
             None => {}
-            Some(Some(Rep::Backup { .. })) => {
+            Some(true) => {
                 self.shards.remove(&id);
             }
-            Some(_) => {
+            Some(false) => {
                 w.fail(format!("server {}: told to drop its copy of shard {id} (a move's target: not modelled)", self.rank))
             }
         }
@@ -290,7 +238,7 @@ impl SimServer {
                     out.push((r as u32, sh.units(), *t));
                 }
             }
-            if let Some(Rep::Primary { waiting: Some(d), .. }) = &sh.replica {
+            if let Some(d) = sh.replica.waiting() {
                 let forward_cut =
                     cut.iter().any(|(_, _, m)| matches!(m, Msg::Forward { shard, v, .. } if *shard == id && *v == d.version));
                 if forward_cut {
