@@ -48,7 +48,7 @@ mod shard;
 
 pub use answers::Answers;
 pub use members::{Members, MembersError};
-pub use moves::MoveOut;
+pub use moves::{Arrival, MoveIn, MoveOut, stray_forward_ignored};
 pub use relay::{Relay, RelayStep};
 pub use replica::Replica;
 pub use shard::{CoreError, Next, Pending, Plan, PullStep, PushGate, ShardCore, push_gate};

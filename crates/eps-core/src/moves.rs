@@ -1,10 +1,122 @@
-//! The source side of one shard's migration (the protocol is
-//! `eps_proto::migrate`'s): what is in flight to the target, the cutover
-//! once announced, and what the source does next.
+//! One shard's migration (the protocol is `eps_proto::migrate`'s). The
+//! source ([`MoveOut`]): what is in flight to the target, the cutover once
+//! announced, and what the source does next. The target ([`MoveIn`]): where
+//! the copy comes from, whether its snapshot landed, and what an arriving
+//! snapshot notice, forward or relayed contribution means.
 
-use eps_proto::migrate::{MigrateError, Source, SourceAction};
+use eps_proto::Consistency;
+use eps_proto::migrate::{Forwarded, MigrateError, Source, SourceAction, target_forward};
+use eps_proto::sync::ShardSync;
 
 use crate::{CoreError, Relay};
+
+/// A copy of a shard arriving here: a migration's target, or a backup (whose
+/// owner's forwards arrive the same way). `L` is how forwards reach it (a
+/// connection, a rank), known once the snapshot landed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MoveIn<L> {
+    from: u32,
+    link: Option<L>,
+}
+
+/// What something arriving from a copy's source means ([`MoveIn::arrival`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Arrival {
+    /// The snapshot is whole: [`MoveIn::land`].
+    Snapshot,
+    /// A snapshot notice from another server than this copy's source: a late
+    /// one for an earlier copy of the shard (a move cancelled when its source
+    /// died, this copy made anew since from another server). Ignored.
+    StaleNotice,
+    /// SSP/ASP: a contribution the source took after its cutover, to apply.
+    Relayed,
+    /// A relayed contribution that names no worker of the job, or is empty.
+    BadRelay,
+    /// BSP: a forward, classified by `eps_proto::migrate::target_forward`.
+    Forward(Forwarded),
+}
+
+impl<L> MoveIn<L> {
+    /// A copy whose snapshot comes from server `from`.
+    pub fn new(from: u32) -> Self {
+        Self { from, link: None }
+    }
+
+    /// A backup the job starts with: no snapshot comes, forwards come from
+    /// its owner `from` over `link`.
+    pub fn landed_from(from: u32, link: L) -> Self {
+        Self { from, link: Some(link) }
+    }
+
+    /// Where the copy comes from.
+    pub fn from(&self) -> u32 {
+        self.from
+    }
+
+    /// Whether the snapshot landed (forwards follow).
+    pub fn landed(&self) -> bool {
+        self.link.is_some()
+    }
+
+    /// How forwards reach it, once the snapshot landed.
+    pub fn link(&self) -> Option<&L> {
+        self.link.as_ref()
+    }
+
+    /// A backup's owner moved: forwards come from `from` over `link` now.
+    pub fn moved_to(&mut self, from: u32, link: L) {
+        self.from = from;
+        self.link = Some(link);
+    }
+
+    /// What a notice from server `sender` means for the shard whose state is
+    /// `sync` with `queued` forwards parked: `version` is the forward's
+    /// (BSP) and `empty` whether it carries no bytes; `worker` is the
+    /// contribution's (SSP/ASP), of a job of `ranks` workers.
+    pub fn arrival(
+        &self,
+        sync: &ShardSync,
+        queued: u64,
+        sender: u32,
+        version: u64,
+        empty: bool,
+        worker: u32,
+        ranks: u32,
+    ) -> Arrival {
+        if self.link.is_none() {
+            return if sender == self.from { Arrival::Snapshot } else { Arrival::StaleNotice };
+        }
+        if sync.mode() != Consistency::Bsp {
+            return if worker < ranks && !empty { Arrival::Relayed } else { Arrival::BadRelay };
+        }
+        Arrival::Forward(target_forward(sync, queued, version, empty))
+    }
+
+    /// The snapshot of version `v0` landed (with the workers' `clocks`, under
+    /// SSP/ASP): the shard serves from `v0`, forwards come over `link`.
+    /// Returns the workers whose waiting pulls are answered "moved" (they
+    /// asked for a version the snapshot passed).
+    pub fn land(&mut self, sync: &mut ShardSync, v0: u64, clocks: &[u64], link: L) -> Vec<u32> {
+        debug_assert!(self.link.is_none(), "a snapshot lands once");
+        self.link = Some(link);
+        if sync.mode() == Consistency::Bsp {
+            sync.snapshot_landed(v0)
+        } else {
+            sync.snapshot_landed_async(v0, clocks);
+            Vec::new()
+        }
+    }
+}
+
+/// A forward (or notice) of a shard that arrives at no copy here: whether it
+/// is ignored rather than a protocol violation. With the shard not `held`
+/// here, an `empty` one is a "no forwards follow" notice that crossed this
+/// server's own move of the shard onward; with it held and not arriving, it
+/// comes from a move's target whose copy was dropped when this server's
+/// backup was `promoted` (its pushers push again here).
+pub fn stray_forward_ignored(held: bool, empty: bool, promoted: bool) -> bool {
+    if held { promoted } else { empty }
+}
 
 /// A shard moving away from this server.
 #[derive(Clone, Debug)]
@@ -143,6 +255,31 @@ impl MoveOut {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_target_takes_its_sources_snapshot_then_classifies_its_forwards() {
+        let mut sync = ShardSync::incoming(Consistency::Bsp, 2, 0);
+        let mut m: MoveIn<char> = MoveIn::new(3);
+        assert_eq!(m.arrival(&sync, 0, 4, 0, false, 0, 2), Arrival::StaleNotice, "another server's notice");
+        assert_eq!(m.arrival(&sync, 0, 3, 0, false, 0, 2), Arrival::Snapshot);
+        assert!(m.land(&mut sync, 5, &[], 'c').is_empty());
+        assert_eq!(m.link(), Some(&'c'));
+        assert_eq!(m.arrival(&sync, 0, 3, 6, false, 0, 2), Arrival::Forward(Forwarded::Apply { version: 6 }));
+        assert_eq!(m.arrival(&sync, 0, 3, 5, true, 0, 2), Arrival::Forward(Forwarded::CutoverAtSnapshot));
+        assert_eq!(m.arrival(&sync, 0, 3, 8, false, 0, 2), Arrival::Forward(Forwarded::Unexpected { version: 8, expected: 6 }));
+    }
+
+    #[test]
+    fn an_async_target_applies_relayed_contributions_of_known_workers_only() {
+        let mut sync = ShardSync::incoming(Consistency::Asp, 2, 0);
+        let mut m: MoveIn<()> = MoveIn::new(1);
+        let _ = m.land(&mut sync, 4, &[4, 4], ());
+        assert_eq!(m.arrival(&sync, 0, 1, 0, false, 1, 2), Arrival::Relayed);
+        assert_eq!(m.arrival(&sync, 0, 1, 0, false, 2, 2), Arrival::BadRelay);
+        assert_eq!(m.arrival(&sync, 0, 1, 0, true, 0, 2), Arrival::BadRelay);
+        assert!(stray_forward_ignored(false, true, false) && !stray_forward_ignored(false, false, true));
+        assert!(stray_forward_ignored(true, false, true) && !stray_forward_ignored(true, true, false));
+    }
 
     #[test]
     fn a_source_forwards_one_version_at_a_time_up_to_its_cutover_and_then_releases() {

@@ -51,7 +51,7 @@ impl<P: Fabric> Server<P> {
     /// `id` has not been saved for a cut at or before it. True if held.
     pub(crate) fn hold_for_cut(&mut self, id: u32, worker: u32, iteration: u64) -> Result<bool, ServerError> {
         let Some(t) = self.next_cut(id) else { return Ok(false) };
-        let moving = self.shards[id as usize].as_ref().is_none_or(|h| h.out.is_some() || matches!(h.incoming, Some((_, None))));
+        let moving = self.shards[id as usize].as_ref().is_none_or(|h| h.out.is_some() || h.awaits_snapshot());
         if iteration < t || moving {
             return Ok(false);
         }
@@ -65,7 +65,7 @@ impl<P: Fabric> Server<P> {
     pub(crate) fn try_cut(&mut self, id: u32) -> Result<(), ServerError> {
         let Some(t) = self.next_cut(id) else { return Ok(()) };
         let Some(h) = self.shards.get(id as usize).and_then(Option::as_ref) else { return Ok(()) };
-        if h.out.is_some() || matches!(h.incoming, Some((_, None))) || h.core.parked_len() > 0 {
+        if h.out.is_some() || h.awaits_snapshot() || h.core.parked_len() > 0 {
             return Ok(());
         }
         // Contributions applied, per worker: those received less those held.

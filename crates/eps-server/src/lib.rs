@@ -272,9 +272,9 @@ pub(crate) struct Held {
     core: eps_core::ShardCore,
     /// Migrating away: the source side.
     out: Option<migrate::Outgoing>,
-    /// Arriving: the source's rank, and once the snapshot has landed, the
+    /// Arriving: from which server, and once the snapshot has landed, the
     /// connection it came on (forwards follow there).
-    incoming: Option<(u32, Option<usize>)>,
+    incoming: Option<eps_core::MoveIn<usize>>,
     /// A split ordered and waiting for the shard to have no update parked.
     split: Option<split::SplitOrder>,
     /// Its part in replication (`job.replicas = 2`).
@@ -285,6 +285,13 @@ pub(crate) struct Held {
     /// Waiting for worker 0's initial values (`model.init = "worker"`): the
     /// pull requests that came meanwhile, answered once they are in.
     seed: Option<Vec<seed::PullAsked>>,
+}
+
+impl Held {
+    /// Arriving here, and its snapshot has not landed yet.
+    fn awaits_snapshot(&self) -> bool {
+        self.incoming.as_ref().is_some_and(|m| !m.landed())
+    }
 }
 
 pub(crate) struct Server<P: Fabric> {
@@ -478,7 +485,7 @@ pub fn run_direct<P: Fabric>(
         shards[s.id as usize] = Some(Held {
             core: eps_core::ShardCore::new(sync),
             out: None,
-            incoming: backup_of.map(|p| (p, None)),
+            incoming: backup_of.map(eps_core::MoveIn::new),
             split: None,
             replica: match backup_of {
                 Some(primary) => replica::Replica::backup(primary, false),

@@ -20,11 +20,12 @@
 
 use std::time::Instant;
 
+use eps_core::{Arrival, MoveIn};
 use eps_fabric::prelude::*;
 use eps_proto::control::{ControlMsg, MigrationKeys, Order};
 use eps_proto::hello::{HELLO_LEN, Hello, PEER_BIT};
 use eps_proto::imm::{Imm, ImmKind, widen_seq};
-use eps_proto::migrate::{Forwarded, SourceAction, target_forward};
+use eps_proto::migrate::{Forwarded, SourceAction};
 use eps_proto::sync::ShardSync;
 
 use crate::{Held, Origin, Peer, Pending, Server, ServerError, WR_MIGRATE, WR_OTHER};
@@ -122,7 +123,7 @@ impl<P: Fabric> Server<P> {
         self.shards[id as usize] = Some(Held {
             core: eps_core::ShardCore::new(sync),
             out: None,
-            incoming: Some((from, None)),
+            incoming: Some(MoveIn::new(from)),
             split: None,
             replica: crate::replica::Replica::none(),
             new_backup: None,
@@ -412,7 +413,7 @@ impl<P: Fabric> Server<P> {
             out.core.forward_sent(version);
             out.bytes += if carry { 0 } else { b.len * 4 };
         }
-        if let (Pending::Forward { worker, .. }, Some((_, Some(ci)))) = (p, h.incoming) {
+        if let (Pending::Forward { worker, .. }, Some(&ci)) = (p, h.incoming.as_ref().and_then(MoveIn::link)) {
             // (Unless a backup acknowledged it on arrival.)
             if !h.replica.acked_on_arrival(version) {
                 // SSP/ASP: the acknowledgement names the contribution's worker.
@@ -443,52 +444,42 @@ impl<P: Fabric> Server<P> {
             Peer::Server(p) => p.rank & !PEER_BIT,
             _ => u32::MAX,
         };
-        let awaited = self.shards.get(id as usize).and_then(Option::as_ref).and_then(|h| match h.incoming {
-            Some((from, None)) => Some(from),
-            _ => None,
+        let held = self.shards.get(id as usize).and_then(Option::as_ref);
+        let arriving = held.and_then(|h| h.incoming.as_ref().map(|copy| (copy, &h.core)));
+        let arrival = arriving.map(|(copy, core)| {
+            let queued = core.forwards_parked();
+            let version = widen_seq(m.seq, core.sync.version() + 1 + queued);
+            copy.arrival(&core.sync, queued, sender, version, len == 0, u32::from(m.seq), self.ranks)
         });
-        if awaited.is_some_and(|from| from != sender) {
-            // A snapshot's notice from another server than the one this copy
-            // arrives from: a late one for an earlier copy of the shard (a
-            // move cancelled when its source died, this copy made anew since
-            // from another server; the orders can be taken before the
-            // completions queued ahead of them). Its inbox holds nothing of
-            // this copy's.
-            eps_proto::say!(
-                "eps server {}: a snapshot notice of shard {id} from server {sender}, which it does not arrive from; ignored",
-                self.rank
-            );
-            return Ok(());
-        }
-        let snapshot_version = self.mem.snapshot_version(id);
-        if awaited.is_some() {
-            // The snapshot's notice: the WRITE before it on this queue pair is
-            // whole, and goes from the inbox into the state.
-            self.mem.take_snapshot(id);
-        }
-        let bsp = self.mode == eps_proto::Consistency::Bsp;
-        let Some(h) = self.held_mut(id) else {
-            if len == 0 {
-                // A "no forwards follow" notice that crossed this server's own
-                // migration of the shard onward: nothing to do.
-                return Ok(());
+        let Some(arrival) = arrival else {
+            let promoted = held.is_some_and(|h| h.replica.promoted() && !h.replica.is_backup());
+            if !eps_core::stray_forward_ignored(held.is_some(), len == 0, promoted) {
+                self.violation(ci, &format!("forwarded shard {id}, which is not arriving here"));
             }
-            self.violation(ci, &format!("forwarded shard {id}, which is not arriving here"));
             return Ok(());
         };
-        match h.incoming {
-            Some((from, None)) => {
-                // The snapshot: its version is in the region's tail. It is
-                // published at once (the same bits the source published), so this
-                // server serves that version too.
+        match arrival {
+            Arrival::StaleNotice => {
+                // The orders can be taken before the completions queued ahead
+                // of them; its inbox holds nothing of this copy's.
+                eps_proto::say!(
+                    "eps server {}: a snapshot notice of shard {id} from server {sender}, which it does not arrive from; ignored",
+                    self.rank
+                );
+                Ok(())
+            }
+            Arrival::Snapshot => {
+                // The snapshot's notice: the WRITE before it on this queue
+                // pair is whole, and goes from the inbox into the state. Its
+                // version is in the region's tail; it is published at once
+                // (the same bits the source published), so this server serves
+                // that version too.
+                let snapshot_version = self.mem.snapshot_version(id);
+                self.mem.take_snapshot(id);
                 let (v0, clocks) = snapshot_version.unwrap_or_default();
-                let moved = if bsp {
-                    h.core.sync.snapshot_landed(v0)
-                } else {
-                    h.core.sync.snapshot_landed_async(v0, &clocks);
-                    Vec::new()
-                };
-                h.incoming = Some((from, Some(ci)));
+                let Some(h) = self.held_mut(id) else { return Ok(()) };
+                let Some(copy) = h.incoming.as_mut() else { return Ok(()) };
+                let moved = copy.land(&mut h.core.sync, v0, &clocks, ci);
                 let backup = h.replica.is_backup();
                 let parity = ShardSync::parity(v0);
                 self.mem.publish(id, parity)?;
@@ -512,26 +503,24 @@ impl<P: Fabric> Server<P> {
                 // version) may be complete now.
                 self.try_complete(id)
             }
-            Some((_, Some(_))) if !bsp => {
-                // A contribution the source took after its cutover.
-                let w = u32::from(m.seq);
-                if w >= self.ranks || len == 0 {
-                    self.violation(ci, &format!("relayed a contribution of worker {w} ({len} bytes) for shard {id}"));
-                    return Ok(());
-                }
-                self.update(id, Pending::Forward { version: 0, carry: false, worker: Some(w) })
+            Arrival::BadRelay => {
+                self.violation(ci, &format!("relayed a contribution of worker {} ({len} bytes) for shard {id}", m.seq));
+                Ok(())
             }
-            Some((_, Some(c))) => {
-                if c != ci && h.replica.is_backup() {
+            // A contribution the source took after its cutover.
+            Arrival::Relayed => self.update(id, Pending::Forward { version: 0, carry: false, worker: Some(u32::from(m.seq)) }),
+            Arrival::Forward(f) => {
+                let Some(h) = self.held_mut(id) else { return Ok(()) };
+                if h.replica.is_backup()
+                    && let Some(copy) = h.incoming.as_mut().filter(|copy| copy.link() != Some(&ci))
+                {
                     // A moved shard's new owner forwards from here on (its
                     // first forward comes after the old owner's last one was
                     // acknowledged): acknowledgements go to it.
                     h.replica.primary_moved(sender);
-                    h.incoming = Some((sender, Some(ci)));
+                    copy.moved_to(sender, ci);
                 }
-                let queued = h.core.forwards_parked();
-                let version = widen_seq(m.seq, h.core.sync.version() + 1 + queued);
-                match target_forward(&h.core.sync, queued, version, len == 0) {
+                match f {
                     Forwarded::CutoverAtSnapshot => {
                         // We aggregate from here on.
                         h.core.sync.caught_up();
@@ -551,16 +540,6 @@ impl<P: Fabric> Server<P> {
                         self.update(id, Pending::Forward { version, carry: len == 0, worker: None })
                     }
                 }
-            }
-            None if h.replica.promoted() && !h.replica.is_backup() => {
-                // From a move's target whose copy was dropped when this backup
-                // was promoted (the move's source was lost): its pushers push
-                // again here.
-                Ok(())
-            }
-            None => {
-                self.violation(ci, &format!("forwarded shard {id}, which is not arriving here"));
-                Ok(())
             }
         }
     }

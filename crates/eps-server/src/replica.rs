@@ -67,7 +67,7 @@ impl<P: Fabric> Server<P> {
             );
             return Ok(());
         };
-        if snapshot && (matches!(h.incoming, Some((_, None))) || h.core.sync.catching_up()) {
+        if snapshot && (h.awaits_snapshot() || h.core.sync.catching_up()) {
             // A move's target ordered a new backup once the move's source let
             // go: the snapshot waits for the shard's own state (see
             // `start_new_backup`).
@@ -209,7 +209,7 @@ impl<P: Fabric> Server<P> {
         self.shards[id as usize] = Some(crate::Held {
             core: eps_core::ShardCore::new(eps_proto::sync::ShardSync::incoming(self.mode, self.ranks, 0)),
             out: None,
-            incoming: Some((from, None)),
+            incoming: Some(eps_core::MoveIn::new(from)),
             split: None,
             replica: Replica::backup(from, true),
             new_backup: None,
@@ -264,7 +264,7 @@ impl<P: Fabric> Server<P> {
     /// once it has caught up.
     pub(crate) fn start_new_backup(&mut self, id: u32) -> Result<(), ServerError> {
         let Some(h) = self.held_mut(id) else { return Ok(()) };
-        if h.new_backup.is_none() || matches!(h.incoming, Some((_, None))) || h.core.sync.catching_up() {
+        if h.new_backup.is_none() || h.awaits_snapshot() || h.core.sync.catching_up() {
             return Ok(());
         }
         match h.new_backup.take() {
@@ -374,7 +374,7 @@ impl<P: Fabric> Server<P> {
     pub(crate) fn bind_backups(&mut self, ci: usize, from: u32) {
         for h in self.shards.iter_mut().flatten() {
             if matches!(h.replica.role(), Some(Role::Backup { primary, snapshot: false, .. }) if *primary == from) {
-                h.incoming = Some((from, Some(ci)));
+                h.incoming = Some(eps_core::MoveIn::landed_from(from, ci));
             }
         }
     }

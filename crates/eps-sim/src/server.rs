@@ -13,7 +13,7 @@ pub(crate) use sparse::{SimTable, table_endpoint};
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
-use eps_core::{Answers, Members, MoveOut, Next, Pending, PullStep, PushGate, RelayStep, ShardCore, push_gate};
+use eps_core::{Answers, Arrival, Members, MoveIn, MoveOut, Next, Pending, PullStep, PushGate, RelayStep, ShardCore, push_gate};
 use eps_proto::control::{ControlMsg, MigrationKeys, Order, Role, ShardEndpoint};
 use eps_proto::migrate::SourceAction;
 use eps_proto::spec::Consistency;
@@ -41,7 +41,7 @@ struct Shard {
     relayed: VecDeque<(u32, u64, Vec<u64>)>,
     out: Option<MoveOut>,
     /// Migration target: (source, snapshot landed).
-    incoming: Option<(u32, bool)>,
+    incoming: Option<MoveIn<()>>,
     /// A split ordered: (first element of the upper part, lower id, upper id).
     split: Option<(u64, u32, u32)>,
     /// Its part in replication (`job.replicas = 2`).
@@ -132,7 +132,7 @@ impl SimServer {
             // nothing until promoted.
             let mut sh = Shard::new((start, len), ShardSync::backup(Consistency::Bsp, ranks, at), ranks);
             sh.vals.insert(at, units(start, len).map(&init).collect());
-            sh.incoming = Some((primary, true));
+            sh.incoming = Some(MoveIn::landed_from(primary, ()));
             sh.replica = Rep::backup(primary, false);
             s.shards.insert(id, sh);
         }
@@ -149,7 +149,8 @@ impl SimServer {
     /// Whether a move or a backup not yet synced refuses version `need` of
     /// a shard whose state would serve it.
     fn refuses(sh: &Shard, need: u64) -> bool {
-        sh.out.as_ref().is_some_and(|o| o.refuses(need)) || (sh.replica.is_backup() && matches!(sh.incoming, Some((_, false))))
+        sh.out.as_ref().is_some_and(|o| o.refuses(need))
+            || (sh.replica.is_backup() && sh.incoming.as_ref().is_some_and(|m| !m.landed()))
     }
 
     /// Whether this server can serve version `need` of alignment unit `unit`
@@ -197,13 +198,13 @@ impl SimServer {
             Msg::Read { w: r, shard } => self.on_read(w, r, shard),
             Msg::ConnLost { w: r } => self.drop_conn(w, r),
             Msg::PullWritten { shard, w: r, v } => self.on_pull_written(w, shard, r, v),
-            Msg::Snapshot { shard, v, value, clocks } => self.on_snapshot(w, shard, v, value, &clocks),
-            Msg::Relayed { shard, w: r, t, digest } => self.on_relayed(w, shard, r, t, digest),
+            Msg::Snapshot { shard, v, value, clocks } => self.on_snapshot(w, from, shard, v, value, &clocks),
+            Msg::Relayed { shard, w: r, t, digest } => self.on_relayed(w, from, shard, r, t, digest),
             Msg::SnapshotDone { shard } => self.on_snapshot_done(w, shard),
             // `Server::on_promote`: a promoted backup dropped its connections
             // from the lost owner; what it still sent does not land.
             Msg::Forward { shard, .. } if self.fenced(w, shard, from) => {}
-            Msg::Forward { shard, v, digest } => self.on_forward(w, shard, v, digest),
+            Msg::Forward { shard, v, digest } => self.on_forward(w, from, shard, v, digest),
             Msg::ForwardAck { shard, v } if self.forwards_to(shard, from) => self.replica_acked(w, shard, v),
             Msg::ForwardAck { shard, v } => self.on_ack(w, shard, v),
             Msg::ReplicaSnapshotDone { shard } => self.replica_snapshot_done(w, shard),
@@ -498,7 +499,7 @@ impl SimServer {
             w.send(me, Node::Server(out.to()), Msg::Forward { shard: id, v: version, digest });
             out.forward_sent(version);
         }
-        if let (Pending::Forward { .. }, Some((from, true))) = (p, sh.incoming) {
+        if let (Pending::Forward { .. }, Some(from)) = (p, sh.incoming.as_ref().filter(|m| m.landed()).map(MoveIn::from)) {
             w.send(me, Node::Server(from), Msg::ForwardAck { shard: id, v: version });
             self.try_complete(w, id);
         }

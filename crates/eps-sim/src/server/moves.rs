@@ -3,29 +3,45 @@
 //! orders (moves, membership votes and commits, splits) and a split carried
 //! out once its shard is free.
 
-use eps_proto::migrate::{Forwarded, target_forward};
+use eps_proto::migrate::Forwarded;
 
 use super::*;
 
 impl SimServer {
-    pub(super) fn on_snapshot(&mut self, w: &mut World, id: u32, v: u64, value: Vec<u64>, clocks: &[u64]) {
+    /// What arrives from a copy's source, decided as `eps-server` decides
+    /// it (`eps_core::MoveIn::arrival`): `v` is a forward's version, `r` a
+    /// relayed contribution's worker, `empty` a zero-length forward (the
+    /// notice that no forward follows). None when it is ignored or refused
+    /// (the refusal is a violation).
+    fn arrival(&mut self, w: &mut World, from: Node, id: u32, v: u64, r: u32, empty: bool) -> Option<Arrival> {
+        let Node::Server(sender) = from else {
+            w.fail(format!("server {}: a copy of shard {id} sent by {from:?}", self.rank));
+            return None;
+        };
+        let sh = self.shards.get(&id);
+        let Some((copy, sh)) = sh.and_then(|sh| sh.incoming.as_ref().map(|m| (m, sh))) else {
+            let promoted = sh.is_some_and(|sh| sh.replica.promoted() && !sh.replica.is_backup());
+            if !eps_core::stray_forward_ignored(sh.is_some(), empty, promoted) {
+                w.fail(format!("server {}: forward of shard {id}, which is not arriving here", self.rank));
+            }
+            return None;
+        };
+        Some(copy.arrival(&sh.core.sync, sh.core.forwards_parked(), sender, v, empty, r, self.ranks))
+    }
+
+    pub(super) fn on_snapshot(&mut self, w: &mut World, from: Node, id: u32, v: u64, value: Vec<u64>, clocks: &[u64]) {
         let me = self.me();
-        let Some(sh) = self.shards.get_mut(&id) else {
-            return w.fail(format!("server {}: snapshot of shard {id}, which is not arriving here", self.rank));
-        };
-        let Some((from, false)) = sh.incoming else {
-            return w.fail(format!("server {}: unexpected snapshot of shard {id}", self.rank));
-        };
-        let moved = if self.mode == Consistency::Bsp {
-            sh.core.sync.snapshot_landed(v)
-        } else {
-            sh.core.sync.snapshot_landed_async(v, clocks);
-            Vec::new()
-        };
+        match self.arrival(w, from, id, v, 0, value.is_empty()) {
+            Some(Arrival::Snapshot) => {}
+            None | Some(Arrival::StaleNotice) => return,
+            Some(a) => return w.fail(format!("server {}: snapshot of shard {id} taken as {a:?}", self.rank)),
+        }
+        let Some(sh) = self.shards.get_mut(&id) else { return };
+        let Some(copy) = sh.incoming.as_mut() else { return };
+        let moved = copy.land(&mut sh.core.sync, v, clocks, ());
         let first = sh.units().start;
         w.publish(self.rank, id, first, v, &value);
         sh.vals.insert(v, value);
-        sh.incoming = Some((from, true));
         if sh.replica.is_backup()
             && let Err(e) = w.ctl(&ControlMsg::BackupSynced { shard: id, rank: self.rank })
         {
@@ -88,20 +104,14 @@ impl SimServer {
     /// A forward from the source of a shard arriving here, decided as
     /// `eps-server` decides it (`eps_proto::migrate::target_forward`). An
     /// empty digest is the zero-length notice that no forward follows.
-    pub(super) fn on_forward(&mut self, w: &mut World, id: u32, v: u64, digest: Vec<u64>) {
-        let Some(sh) = self.shards.get_mut(&id) else {
-            if digest.is_empty() {
-                // A notice that crossed this server's own migration of the
-                // shard onward (its order comes from the control plane).
-                return;
-            }
-            return w.fail(format!("server {}: forward of shard {id}, which is not arriving here", self.rank));
+    pub(super) fn on_forward(&mut self, w: &mut World, from: Node, id: u32, v: u64, digest: Vec<u64>) {
+        let f = match self.arrival(w, from, id, v, 0, digest.is_empty()) {
+            Some(Arrival::Forward(f)) => f,
+            None => return,
+            Some(a) => return w.fail(format!("server {}: forward of version {v} of shard {id} taken as {a:?}", self.rank)),
         };
-        if sh.incoming != Some((sh.incoming.map_or(0, |i| i.0), true)) {
-            return w.fail(format!("server {}: forward of shard {id} before its snapshot", self.rank));
-        }
-        let queued = sh.core.forwards_parked();
-        match target_forward(&sh.core.sync, queued, v, digest.is_empty()) {
+        let Some(sh) = self.shards.get_mut(&id) else { return };
+        match f {
             Forwarded::CutoverAtSnapshot => {
                 sh.core.sync.caught_up();
                 self.try_complete(w, id);
@@ -149,7 +159,7 @@ impl SimServer {
                     return w.fail(format!("server {rank}: ordered to receive shard {shard}, which it holds"));
                 }
                 let mut sh = Shard::new((start, len), ShardSync::incoming(self.mode, self.ranks, 0), self.ranks);
-                sh.incoming = Some((from, false));
+                sh.incoming = Some(MoveIn::new(from));
                 self.shards.insert(shard, sh);
                 let keys = MigrationKeys { state_addr: 0, state_rkey: 0, grad_addr: 0, grad_rkey: 0 };
                 if let Err(e) = w.ctl(&ControlMsg::ShardReady { endpoint: endpoint(shard, rank), keys }) {
@@ -360,13 +370,13 @@ impl SimServer {
     }
 
     /// A contribution relayed by the shard's source after its cutover.
-    pub(super) fn on_relayed(&mut self, w: &mut World, id: u32, r: u32, t: u64, digest: Vec<u64>) {
-        let Some(sh) = self.shards.get_mut(&id) else {
-            return w.fail(format!("server {}: a relayed contribution of shard {id}, which is not here", self.rank));
-        };
-        if !matches!(sh.incoming, Some((_, true))) {
-            return w.fail(format!("server {}: a relayed contribution of shard {id} before its snapshot", self.rank));
+    pub(super) fn on_relayed(&mut self, w: &mut World, from: Node, id: u32, r: u32, t: u64, digest: Vec<u64>) {
+        match self.arrival(w, from, id, 0, r, digest.is_empty()) {
+            Some(Arrival::Relayed) => {}
+            None => return,
+            Some(a) => return w.fail(format!("server {}: a relayed contribution of shard {id} taken as {a:?}", self.rank)),
         }
+        let Some(sh) = self.shards.get_mut(&id) else { return };
         sh.relayed.push_back((r, t, digest));
         self.update(w, id, Pending::Forward { version: 0, carry: false, worker: Some(r) });
     }

@@ -115,7 +115,8 @@ impl SimServer {
             self.drain(w, id);
         }
         if self.shards.values().any(|sh| {
-            sh.out.as_ref().is_some_and(|o| o.to() == s) || sh.incoming.is_some_and(|i| i.0 == s && sh.replica.role().is_none())
+            sh.out.as_ref().is_some_and(|o| o.to() == s)
+                || sh.incoming.as_ref().is_some_and(|i| i.from() == s && sh.replica.role().is_none())
         }) {
             w.fail(format!("server {}: server {s} crashed during a move (not modelled)", self.rank));
         }
@@ -174,7 +175,7 @@ impl SimServer {
         }
         let mut sh =
             Shard::new((start, len), eps_proto::sync::ShardSync::incoming(super::Consistency::Bsp, self.ranks, 0), self.ranks);
-        sh.incoming = Some((from, false));
+        sh.incoming = Some(eps_core::MoveIn::new(from));
         sh.replica = Rep::backup(from, true);
         self.shards.insert(id, sh);
         if let Err(e) = w.ctl(&ControlMsg::BackupReady { endpoint: endpoint(id, self.rank), keys: KEYS }) {
