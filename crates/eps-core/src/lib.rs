@@ -32,9 +32,13 @@
 //!   map moves to and from it, when the leaving rows may go, and whether a
 //!   sparse request goes on, waits for a vote or the rows, or is refused.
 //!
-//! A migration target's steps, replica and split decisions are still
-//! made by their callers over `eps_proto::migrate` and `eps_proto::sync`;
-//! they move here one at a time.
+//! - [`MoveIn`]: a copy arriving here (a migration's target, a backup):
+//!   what a snapshot notice, a forward or a relayed contribution means.
+//! - [`replica`]: a shard's part in replication: the owner forwarding to
+//!   its backup and serving a version once it is acknowledged, a new
+//!   backup's snapshot, promotion, the end of forwarding.
+//! - [`split`]: an order to split a shard, checked, waiting until the shard
+//!   is free, and carried out on its state.
 
 #![forbid(unsafe_code)]
 
@@ -45,6 +49,7 @@ mod moves;
 mod relay;
 pub mod replica;
 mod shard;
+pub mod split;
 
 pub use answers::Answers;
 pub use members::{Members, MembersError};
@@ -52,6 +57,7 @@ pub use moves::{Arrival, MoveIn, MoveOut, stray_forward_ignored};
 pub use relay::{Relay, RelayStep};
 pub use replica::Replica;
 pub use shard::{CoreError, Next, Pending, Plan, PullStep, PushGate, ShardCore, push_gate};
+pub use split::{Split, SplitError};
 
 /// 0, 1, 2, ...: a single contributor's list is a slice of this.
 const ALL_RANKS: [u32; eps_proto::spec::MAX_WORKERS as usize] = {

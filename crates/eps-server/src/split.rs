@@ -16,39 +16,29 @@
 use std::time::Instant;
 
 use eps_fabric::Fabric;
-use eps_proto::Consistency;
 use eps_proto::control::ControlMsg;
 use eps_proto::sync::ShardSync;
 
 use crate::{Held, Server, ServerError};
 
 /// A split ordered and not done yet.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct SplitOrder {
-    mid: u64,
-    lo: u32,
-    hi: u32,
-}
+pub(crate) type SplitOrder = eps_core::Split;
 
 impl<P: Fabric> Server<P> {
     /// The control plane ordered shard `id` split at element `mid` into `lo`, `hi`.
     pub(crate) fn on_split_order(&mut self, id: u32, mid: u64, lo: u32, hi: u32) -> Result<(), ServerError> {
-        let bad = |why: &str| Err(ServerError::Migration(format!("ordered to split shard {id}: {why}")));
-        if self.mode != Consistency::Bsp {
-            return bad("splits need BSP consistency");
+        let bad = |why: &dyn std::fmt::Display| Err(ServerError::Migration(format!("ordered to split shard {id}: {why}")));
+        let Some(&span) = self.spans.get(id as usize) else { return bad(&"the job has no such shard") };
+        let taken = |p: u32| self.shards.get(p as usize).is_some_and(Option::is_some);
+        let Some(h) = self.shards.get(id as usize).and_then(Option::as_ref) else { return bad(&"it is not here") };
+        let busy = h.out.is_some() || h.split.is_some();
+        let order = match eps_core::Split::order(self.mode, id, span, (mid, lo, hi), taken, busy) {
+            Ok(o) => o,
+            Err(e) => return bad(&e),
+        };
+        if let Some(h) = self.held_mut(id) {
+            h.split = Some(order);
         }
-        let Some(&(start, len)) = self.spans.get(id as usize) else { return bad("the job has no such shard") };
-        if mid <= start || mid >= start + len {
-            return bad("the split point is outside it");
-        }
-        if [lo, hi].iter().any(|&p| p == id || self.shards.get(p as usize).is_some_and(Option::is_some)) {
-            return bad("a part's id is taken");
-        }
-        let Some(h) = self.held_mut(id) else { return bad("it is not here") };
-        if h.out.is_some() || h.split.is_some() {
-            return bad("it is migrating or splitting already");
-        }
-        h.split = Some(SplitOrder { mid, lo, hi });
         self.try_split(id)
     }
 
@@ -56,25 +46,25 @@ impl<P: Fabric> Server<P> {
     pub(crate) fn try_split(&mut self, id: u32) -> Result<(), ServerError> {
         let Some(h) = self.shards.get(id as usize).and_then(Option::as_ref) else { return Ok(()) };
         let Some(o) = h.split else { return Ok(()) };
-        if h.core.parked_len() > 0 || h.core.sync.publish_waiting() || h.out.is_some() || h.seed.is_some() {
+        if !eps_core::Split::ready(&h.core, h.out.is_some(), h.seed.is_some()) {
             return Ok(());
         }
         let began = Instant::now();
         let v = h.core.sync.version();
-        let (start, len) = self.spans[id as usize];
-        let parts = [(o.lo, o.mid - start), (o.hi, start + len - o.mid)];
-        self.mem.split(id, ShardSync::parity(v), v, parts)?;
+        let span = self.spans[id as usize];
+        self.mem.split(id, ShardSync::parity(v), v, [(o.lo, o.mid - span.0), (o.hi, span.0 + span.1 - o.mid)])?;
+        let Some(mut parent) = self.shards[id as usize].take() else { return Ok(()) };
+        let parts = o.carry_out(&mut parent.core, span, self.ranks);
         let needed = o.hi.max(o.lo) as usize + 1;
         if self.shards.len() < needed {
             self.shards.resize_with(needed, || None);
             self.spans.resize(needed, (0, 0));
         }
-        self.spans[o.lo as usize] = (start, o.mid - start);
-        self.spans[o.hi as usize] = (o.mid, start + len - o.mid);
-        for p in [o.lo, o.hi] {
-            let sync = ShardSync::at_version(self.mode, self.ranks, v);
+        let sizes = [parts.lo.1.1, parts.hi.1.1];
+        for (p, part_span, core) in [parts.lo, parts.hi] {
+            self.spans[p as usize] = part_span;
             self.shards[p as usize] = Some(Held {
-                core: eps_core::ShardCore::new(sync),
+                core,
                 out: None,
                 incoming: None,
                 split: None,
@@ -83,15 +73,13 @@ impl<P: Fabric> Server<P> {
                 seed: None,
             });
         }
-        let Some(mut parent) = self.shards[id as usize].take() else { return Ok(()) };
         if let Some(b) = self.mem.remove(id) {
             self.retained.push((None, b.landing));
         }
-        let (held, waiting) = parent.core.sync.evict();
-        for w in held {
+        for w in parts.held {
             self.send_moved(w, id, v as u16)?;
         }
-        for w in waiting {
+        for w in parts.waiting {
             self.answers.forget_moved(w, id);
             self.send_pull_moved(w, id, v as u16)?;
         }
@@ -103,9 +91,9 @@ impl<P: Fabric> Server<P> {
             "eps server {}: split shard {id} at iteration {v} into shard {} ({} elements) and shard {} ({} elements) in {:.1} ms",
             self.rank,
             o.lo,
-            parts[0].1,
+            sizes[0],
             o.hi,
-            parts[1].1,
+            sizes[1],
             began.elapsed().as_secs_f64() * 1e3
         );
         self.summary.splits += 1;

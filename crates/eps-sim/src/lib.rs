@@ -3,10 +3,10 @@
 //! A seeded, deterministic simulation of an elastic job. The control plane is the
 //! real one (`eps_control::job::Job`, sans-IO), and it crashes: a standby
 //! replays its store and must lead the very same job (`failover.rs`). Servers
-//! make their decisions on pushes, pulls, parked updates, BSP completion,
-//! cutovers and membership through `eps-core`, as `eps-server` does; their
-//! migration and replica steps and the workers use the same protocol cores
-//! (`ShardSync`, the migration `Source`, `Membership`); messages travel on an
+//! make their decisions through `eps-core`, as `eps-server` does: pushes,
+//! pulls, parked updates, BSP completion, membership, both ends of a
+//! migration, splits, replicas and sparse buckets; the workers use the same
+//! protocol cores (`ShardSync`, `Membership`); messages travel on an
 //! in-memory network with FIFO channels, random delays and a virtual clock
 //! ([`net`]). A scale plan drawn from the seed adds and removes servers (shard
 //! migrations) and workers (membership votes), and crashes workers (lease

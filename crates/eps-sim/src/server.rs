@@ -1,9 +1,10 @@
 //! A server as the simulation runs it, with a 64-bit digest per alignment
-//! unit standing in for each shard's parameters. Its pushes, pulls, parked
-//! updates, update plans, BSP completion, cutover points, votes and commits
-//! are `eps-core`'s decisions, the ones `eps-server` carries out; the steps of
-//! migrations, splits and backups around them follow `eps-server` over the
-//! same protocol cores (`eps_proto::migrate`, `ShardSync`).
+//! unit standing in for each shard's parameters. Its decisions are
+//! `eps-core`'s, the ones `eps-server` carries out: pushes, pulls, parked
+//! updates, update plans, BSP completion, votes and commits, a migration's
+//! source (`MoveOut`, `Relay`) and target (`MoveIn`), splits (`Split`) and
+//! replicas (`Replica`). What is left here is the carrying out: digests for
+//! bytes, messages for WRITEs, and the checks.
 
 mod moves;
 mod replica;
@@ -42,17 +43,21 @@ struct Shard {
     out: Option<MoveOut>,
     /// Migration target: (source, snapshot landed).
     incoming: Option<MoveIn<()>>,
-    /// A split ordered: (first element of the upper part, lower id, upper id).
-    split: Option<(u64, u32, u32)>,
+    /// A split ordered.
+    split: Option<eps_core::Split>,
     /// Its part in replication (`job.replicas = 2`).
     replica: Rep,
 }
 
 impl Shard {
     fn new(span: (u64, u64), sync: ShardSync, ranks: u32) -> Self {
+        Self::with_core(span, ShardCore::new(sync), ranks)
+    }
+
+    fn with_core(span: (u64, u64), core: ShardCore, ranks: u32) -> Self {
         Self {
             span,
-            core: ShardCore::new(sync),
+            core,
             vals: BTreeMap::new(),
             landing: vec![None; ranks as usize],
             forwards: BTreeMap::new(),

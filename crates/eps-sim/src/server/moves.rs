@@ -185,13 +185,20 @@ impl SimServer {
                 w.complete_after(me, Msg::SnapshotDone { shard }, at);
             }
             Order::Split { shard, mid, lo, hi } => {
-                let Some(sh) = self.shards.get_mut(&shard) else {
+                let Some(sh) = self.shards.get(&shard) else {
                     return w.fail(format!("server {rank}: ordered to split shard {shard}, which it does not hold"));
                 };
-                if sh.out.is_some() || sh.split.is_some() || mid <= sh.span.0 || mid >= sh.span.0 + sh.span.1 {
-                    return w.fail(format!("server {rank}: cannot split shard {shard} at {mid} ({})", self.describe()));
+                let busy = sh.out.is_some() || sh.split.is_some();
+                let taken = |p: u32| self.shards.contains_key(&p);
+                let order = match eps_core::Split::order(self.mode, shard, sh.span, (mid, lo, hi), taken, busy) {
+                    Ok(o) => o,
+                    Err(e) => {
+                        return w.fail(format!("server {rank}: cannot split shard {shard} at {mid}: {e} ({})", self.describe()));
+                    }
+                };
+                if let Some(sh) = self.shards.get_mut(&shard) {
+                    sh.split = Some(order);
                 }
-                sh.split = Some((mid, lo, hi));
                 self.try_split(w, shard);
             }
             Order::Release { shard } => self.on_release_order(w, shard),
@@ -266,8 +273,8 @@ impl SimServer {
         let me = self.me();
         let rank = self.rank;
         let Some(sh) = self.shards.get(&id) else { return };
-        let Some((mid, lo, hi)) = sh.split else { return };
-        if sh.core.parked_len() > 0 || sh.core.sync.publish_waiting() || sh.out.is_some() {
+        let Some(o) = sh.split else { return };
+        if !eps_core::Split::ready(&sh.core, sh.out.is_some(), false) {
             return;
         }
         let Some(mut parent) = self.shards.remove(&id) else { return };
@@ -275,15 +282,16 @@ impl SimServer {
         let Some(value) = parent.vals.get(&v).cloned() else {
             return w.fail(format!("server {rank}: shard {id} has no value for its version {v}"));
         };
-        let (start, len) = parent.span;
-        let cut = ((mid - start) / crate::UNIT) as usize;
-        for (pid, span, vals) in [(lo, (start, mid - start), &value[..cut]), (hi, (mid, start + len - mid), &value[cut..])] {
-            let mut part = Shard::new(span, ShardSync::at_version(self.mode, self.ranks, v), self.ranks);
+        let parts = o.carry_out(&mut parent.core, parent.span, self.ranks);
+        let cut = ((o.mid - parent.span.0) / crate::UNIT) as usize;
+        for ((pid, span, core), vals) in [(parts.lo, &value[..cut]), (parts.hi, &value[cut..])] {
+            let mut part = Shard::with_core(span, core, self.ranks);
             part.vals.insert(v, vals.to_vec());
             w.publish(rank, pid, part.units().start, v, vals);
             self.shards.insert(pid, part);
         }
-        let (held, waiting) = parent.core.sync.evict();
+        let (held, waiting) = (parts.held, parts.waiting);
+        let (lo, hi) = (o.lo, o.hi);
         for &r in &held {
             w.unaccept(r, parent.units(), v);
             self.answers.moved(r, id);
