@@ -37,6 +37,9 @@
 //! - [`replica`]: a shard's part in replication: the owner forwarding to
 //!   its backup and serving a version once it is acknowledged, a new
 //!   backup's snapshot, promotion, the end of forwarding.
+//! - [`route`]: what a worker decides from the shard map: the servers it
+//!   still needs, when it may report routing with a map's epoch, where a
+//!   refused pull goes again.
 //! - [`split`]: an order to split a shard, checked, waiting until the shard
 //!   is free, and carried out on its state.
 
@@ -48,12 +51,13 @@ mod members;
 mod moves;
 mod relay;
 pub mod replica;
+pub mod route;
 mod shard;
 pub mod split;
 
 pub use answers::Answers;
 pub use members::{Members, MembersError};
-pub use moves::{Arrival, MoveIn, MoveOut, stray_forward_ignored};
+pub use moves::{Arrival, MoveIn, MoveOut, Notice, stray_forward_ignored};
 pub use relay::{Relay, RelayStep};
 pub use replica::Replica;
 pub use shard::{CoreError, Next, Pending, Plan, PullStep, PushGate, ShardCore, push_gate};

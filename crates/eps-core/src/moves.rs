@@ -8,7 +8,7 @@ use eps_proto::Consistency;
 use eps_proto::migrate::{Forwarded, MigrateError, Source, SourceAction, target_forward};
 use eps_proto::sync::ShardSync;
 
-use crate::{CoreError, Relay};
+use crate::{CoreError, Relay, ShardCore};
 
 /// A copy of a shard arriving here: a migration's target, or a backup (whose
 /// owner's forwards arrive the same way). `L` is how forwards reach it (a
@@ -17,6 +17,20 @@ use crate::{CoreError, Relay};
 pub struct MoveIn<L> {
     from: u32,
     link: Option<L>,
+}
+
+/// Something arriving from a copy's source ([`MoveIn::arrival`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Notice {
+    /// The server it comes from.
+    pub sender: u32,
+    /// A forward's version (BSP).
+    pub version: u64,
+    /// It carries no bytes (a zero-length forward, or the notice that no
+    /// forward follows).
+    pub empty: bool,
+    /// A relayed contribution's worker (SSP/ASP).
+    pub worker: u32,
 }
 
 /// What something arriving from a copy's source means ([`MoveIn::arrival`]).
@@ -69,27 +83,16 @@ impl<L> MoveIn<L> {
         self.link = Some(link);
     }
 
-    /// What a notice from server `sender` means for the shard whose state is
-    /// `sync` with `queued` forwards parked: `version` is the forward's
-    /// (BSP) and `empty` whether it carries no bytes; `worker` is the
-    /// contribution's (SSP/ASP), of a job of `ranks` workers.
-    pub fn arrival(
-        &self,
-        sync: &ShardSync,
-        queued: u64,
-        sender: u32,
-        version: u64,
-        empty: bool,
-        worker: u32,
-        ranks: u32,
-    ) -> Arrival {
+    /// What `n`, from a server, means for the arriving shard whose state is
+    /// `core`, in a job of `ranks` worker ranks.
+    pub fn arrival(&self, core: &ShardCore, n: &Notice, ranks: u32) -> Arrival {
         if self.link.is_none() {
-            return if sender == self.from { Arrival::Snapshot } else { Arrival::StaleNotice };
+            return if n.sender == self.from { Arrival::Snapshot } else { Arrival::StaleNotice };
         }
-        if sync.mode() != Consistency::Bsp {
-            return if worker < ranks && !empty { Arrival::Relayed } else { Arrival::BadRelay };
+        if core.sync.mode() != Consistency::Bsp {
+            return if n.worker < ranks && !n.empty { Arrival::Relayed } else { Arrival::BadRelay };
         }
-        Arrival::Forward(target_forward(sync, queued, version, empty))
+        Arrival::Forward(target_forward(&core.sync, core.forwards_parked(), n.version, n.empty))
     }
 
     /// The snapshot of version `v0` landed (with the workers' `clocks`, under
@@ -258,25 +261,28 @@ mod tests {
 
     #[test]
     fn a_target_takes_its_sources_snapshot_then_classifies_its_forwards() {
-        let mut sync = ShardSync::incoming(Consistency::Bsp, 2, 0);
+        let mut core = ShardCore::new(ShardSync::incoming(Consistency::Bsp, 2, 0));
         let mut m: MoveIn<char> = MoveIn::new(3);
-        assert_eq!(m.arrival(&sync, 0, 4, 0, false, 0, 2), Arrival::StaleNotice, "another server's notice");
-        assert_eq!(m.arrival(&sync, 0, 3, 0, false, 0, 2), Arrival::Snapshot);
-        assert!(m.land(&mut sync, 5, &[], 'c').is_empty());
+        let n = |sender, version, empty| Notice { sender, version, empty, worker: 0 };
+        assert_eq!(m.arrival(&core, &n(4, 0, false), 2), Arrival::StaleNotice, "another server's notice");
+        assert_eq!(m.arrival(&core, &n(3, 0, false), 2), Arrival::Snapshot);
+        assert!(m.land(&mut core.sync, 5, &[], 'c').is_empty());
         assert_eq!(m.link(), Some(&'c'));
-        assert_eq!(m.arrival(&sync, 0, 3, 6, false, 0, 2), Arrival::Forward(Forwarded::Apply { version: 6 }));
-        assert_eq!(m.arrival(&sync, 0, 3, 5, true, 0, 2), Arrival::Forward(Forwarded::CutoverAtSnapshot));
-        assert_eq!(m.arrival(&sync, 0, 3, 8, false, 0, 2), Arrival::Forward(Forwarded::Unexpected { version: 8, expected: 6 }));
+        assert_eq!(m.arrival(&core, &n(3, 6, false), 2), Arrival::Forward(Forwarded::Apply { version: 6 }));
+        assert_eq!(m.arrival(&core, &n(3, 5, true), 2), Arrival::Forward(Forwarded::CutoverAtSnapshot));
+        let unexpected = Arrival::Forward(Forwarded::Unexpected { version: 8, expected: 6 });
+        assert_eq!(m.arrival(&core, &n(3, 8, false), 2), unexpected);
     }
 
     #[test]
     fn an_async_target_applies_relayed_contributions_of_known_workers_only() {
-        let mut sync = ShardSync::incoming(Consistency::Asp, 2, 0);
+        let mut core = ShardCore::new(ShardSync::incoming(Consistency::Asp, 2, 0));
         let mut m: MoveIn<()> = MoveIn::new(1);
-        let _ = m.land(&mut sync, 4, &[4, 4], ());
-        assert_eq!(m.arrival(&sync, 0, 1, 0, false, 1, 2), Arrival::Relayed);
-        assert_eq!(m.arrival(&sync, 0, 1, 0, false, 2, 2), Arrival::BadRelay);
-        assert_eq!(m.arrival(&sync, 0, 1, 0, true, 0, 2), Arrival::BadRelay);
+        let _ = m.land(&mut core.sync, 4, &[4, 4], ());
+        let n = |worker, empty| Notice { sender: 1, version: 0, empty, worker };
+        assert_eq!(m.arrival(&core, &n(1, false), 2), Arrival::Relayed);
+        assert_eq!(m.arrival(&core, &n(2, false), 2), Arrival::BadRelay);
+        assert_eq!(m.arrival(&core, &n(0, true), 2), Arrival::BadRelay);
         assert!(stray_forward_ignored(false, true, false) && !stray_forward_ignored(false, false, true));
         assert!(stray_forward_ignored(true, false, true) && !stray_forward_ignored(true, true, false));
     }

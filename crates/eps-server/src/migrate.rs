@@ -20,7 +20,7 @@
 
 use std::time::Instant;
 
-use eps_core::{Arrival, MoveIn};
+use eps_core::{Arrival, MoveIn, Notice};
 use eps_fabric::prelude::*;
 use eps_proto::control::{ControlMsg, MigrationKeys, Order};
 use eps_proto::hello::{HELLO_LEN, Hello, PEER_BIT};
@@ -447,9 +447,9 @@ impl<P: Fabric> Server<P> {
         let held = self.shards.get(id as usize).and_then(Option::as_ref);
         let arriving = held.and_then(|h| h.incoming.as_ref().map(|copy| (copy, &h.core)));
         let arrival = arriving.map(|(copy, core)| {
-            let queued = core.forwards_parked();
-            let version = widen_seq(m.seq, core.sync.version() + 1 + queued);
-            copy.arrival(&core.sync, queued, sender, version, len == 0, u32::from(m.seq), self.ranks)
+            let version = widen_seq(m.seq, core.sync.version() + 1 + core.forwards_parked());
+            let n = Notice { sender, version, empty: len == 0, worker: u32::from(m.seq) };
+            copy.arrival(core, &n, self.ranks)
         });
         let Some(arrival) = arrival else {
             let promoted = held.is_some_and(|h| h.replica.promoted() && !h.replica.is_backup());

@@ -9,6 +9,7 @@ mod sparse;
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use eps_core::route::{self, PullAgain};
 use eps_proto::control::{ControlMsg, JobMap, Role};
 use eps_proto::membership::Membership;
 
@@ -168,9 +169,9 @@ impl SimWorker {
         )
     }
 
-    /// Whether this worker's current round routes anything to server `rank`.
+    /// `Worker::routes_to`: whether this worker still needs server `rank`.
     pub(crate) fn routes_to(&self, rank: u32) -> bool {
-        self.map.routes.iter().filter(|r| r.until > self.t).any(|r| r.for_iteration(self.t).owner == rank)
+        route::routes_to(&self.map, self.t, rank)
     }
 
     /// Whether the worker still takes part (its watcher runs).
@@ -197,10 +198,6 @@ impl SimWorker {
         self.pull_refused.clear();
         self.moved.clear();
         self.round = self.map.shards_at(t).into_iter().map(|s| s as u32).collect();
-    }
-
-    fn leaves_at(&self, t: u64) -> bool {
-        Membership::from_epochs(self.map.membership.clone()).is_some_and(|m| !m.contributors(t).contains(&self.rank))
     }
 
     fn replace_in_round(&mut self, shard: u32, parts: &[usize]) {
@@ -325,9 +322,7 @@ impl SimWorker {
     /// (its connection need not have failed where this worker could see it).
     fn adopt_map(&mut self, m: JobMap) {
         if self.replicated {
-            let gone: Vec<u32> =
-                self.map.servers.iter().map(|(r, _)| *r).filter(|r| !m.servers.iter().any(|(s, _)| s == r)).collect();
-            for s in gone {
+            for s in route::left_out(&self.map, &m) {
                 let waits_on = self.asked.keys().any(|&(_, x)| x == s);
                 if self.routes_to(s) || waits_on {
                     self.mark_lost(s);
@@ -341,9 +336,7 @@ impl SimWorker {
     /// watcher's map leaves out a server ours routes to.
     fn notice_lost_servers(&mut self, w: &mut World) {
         let Some(newest) = self.newest.as_ref().filter(|m| self.replicated && m.epoch > self.map.epoch) else { return };
-        let gone: Vec<u32> =
-            self.map.servers.iter().map(|(r, _)| *r).filter(|r| !newest.servers.iter().any(|(s, _)| s == r)).collect();
-        for s in gone {
+        for s in route::left_out(&self.map, newest) {
             if self.live() && !self.lost.contains(&s) && self.routes_to(s) {
                 self.lose_server(w, s);
             }
@@ -438,24 +431,27 @@ impl SimWorker {
                 continue;
             }
             self.adopt_newest();
-            // Leaving at `need`: that version is not used (`Worker::leaves_at`).
-            if self.leaves_at(need) {
-                self.round_pulled[i] = true;
+            let Node::Server(refused) = from else {
+                w.fail(format!("worker {}: a pull refused by {from:?}", self.rank));
                 continue;
-            }
-            let mut cover = self.map.covering(i, need);
-            if cover == [i] && Node::Server(self.map.routes[i].owner.owner) == from {
+            };
+            let mut again = route::pull_again(&self.map, self.rank, i, need, Some(refused));
+            if again == PullAgain::NewerMap {
                 if !self.take_newer_map(w) {
                     self.pull_refused.push((s, from));
                     waits = true;
                     continue;
                 }
-                if self.leaves_at(need) {
+                again = route::pull_again(&self.map, self.rank, i, need, None);
+            }
+            let cover = match again {
+                PullAgain::Ask(cover) => cover,
+                // Leaving at `need`: that version is not used.
+                PullAgain::Unused | PullAgain::NewerMap => {
                     self.round_pulled[i] = true;
                     continue;
                 }
-                cover = self.map.covering(i, need);
-            }
+            };
             if cover != [i] {
                 self.replace_in_round(s, &cover);
             }
@@ -554,7 +550,7 @@ impl SimWorker {
         // once no route of this iteration is a previous owner, no drained server
         // is needed any more.
         let t = self.t;
-        if self.map.routes.iter().all(|r| r.previous.as_ref().is_none_or(|(_, at)| t >= *at)) {
+        if route::settled(&self.map, t) {
             self.reported = self.map.epoch;
         }
         w.adopted(self.rank, self.reported);

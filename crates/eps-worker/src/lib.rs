@@ -56,6 +56,7 @@ use std::time::{Duration, Instant};
 
 use eps_agg::DType;
 use eps_control_client::ControlClient;
+use eps_core::route::{self, PullAgain};
 use eps_fabric::prelude::*;
 use eps_proto::control::{ControlMsg, JobMap, Role, ShardEndpoint};
 use eps_proto::hello::{HELLO_LEN, Hello};
@@ -479,11 +480,6 @@ impl<P: Fabric> Worker<P> {
         self.round = self.map.shards_at(t);
     }
 
-    /// Whether this worker does not contribute to iteration `t`, as of its map.
-    fn leaves_at(&self, t: u64) -> bool {
-        Membership::from_epochs(self.map.membership.clone()).is_some_and(|m| !m.contributors(t).contains(&self.rank))
-    }
-
     /// Puts a split's parts in place of shard `sid` in the round. The shard is
     /// gone: its landing slot will not be written again, so no credit for it is
     /// awaited (its pull, refused, never brings one).
@@ -507,21 +503,20 @@ impl<P: Fabric> Worker<P> {
                 continue;
             }
             self.adopt_newest()?;
-            // A worker that leaves at `need` does not use that version: a shard
-            // already past it (split or moved meanwhile) need not send it.
-            if self.leaves_at(need) {
-                self.round_pulled[sid] = true;
-                continue;
-            }
-            let mut cover = self.map.covering(sid, need);
-            if cover == [sid] && self.map.routes[sid].owner.owner == refused {
+            let mut again = route::pull_again(&self.map, self.rank, sid, need, Some(refused));
+            if again == PullAgain::NewerMap {
                 self.refresh_map()?;
-                if self.leaves_at(need) {
+                again = route::pull_again(&self.map, self.rank, sid, need, None);
+            }
+            let cover = match again {
+                PullAgain::Ask(cover) => cover,
+                // A worker that leaves at `need` does not use that version: a
+                // shard already past it (split or moved meanwhile) need not send it.
+                PullAgain::Unused | PullAgain::NewerMap => {
                     self.round_pulled[sid] = true;
                     continue;
                 }
-                cover = self.map.covering(sid, need);
-            }
+            };
             if cover != [sid] {
                 self.replace_in_round(sid, &cover);
             }
@@ -536,11 +531,7 @@ impl<P: Fabric> Worker<P> {
     }
 
     fn need_after_push(&self, t: u64) -> u64 {
-        match self.mode {
-            Consistency::Bsp => t + 1,
-            Consistency::Ssp => (t + 1).saturating_sub(self.spec.job.staleness as u64),
-            Consistency::Asp => 0,
-        }
+        route::need_after_push(self.mode, self.spec.job.staleness as u64, t)
     }
 
     /// The server of `ep` and this worker's landing slot there.

@@ -25,10 +25,10 @@ impl<P: Fabric> Worker<P> {
         if self.spec.job.replicas < 2 || self.watch.newest.load(Ordering::Acquire) <= self.map.epoch {
             return;
         }
-        let gone: Vec<u32> = {
+        let gone = {
             let g = self.watch.latest.lock().unwrap_or_else(|p| p.into_inner());
             let Some(m) = g.as_ref() else { return };
-            self.map.servers.iter().map(|(r, _)| *r).filter(|r| !m.servers.iter().any(|(s, _)| s == r)).collect()
+            eps_core::route::left_out(&self.map, m)
         };
         for s in gone {
             if !self.lost.contains(&s) && self.routes_to(s) {

@@ -2,6 +2,8 @@
 //! hello to, the shard map it adopts (newest epoch first), and the route of a
 //! shard for an iteration.
 
+use eps_core::route;
+
 use super::*;
 
 impl<P: Fabric> Worker<P> {
@@ -50,9 +52,7 @@ impl<P: Fabric> Worker<P> {
         // nothing of ours in flight when it died), and once the new map is
         // ours, `notice_lost_servers` has nothing newer to compare with.
         if self.spec.job.replicas > 1 {
-            let gone: Vec<u32> =
-                self.map.servers.iter().map(|(r, _)| *r).filter(|r| !m.servers.iter().any(|(s, _)| s == r)).collect();
-            for s in gone {
+            for s in route::left_out(&self.map, &m) {
                 let waits_on = self.round.iter().any(|&sid| self.pushed_to[sid] == s && self.outstanding[sid] > 0);
                 if !self.lost.contains(&s) && (self.routes_to(s) || waits_on) {
                     self.lose_server(s);
@@ -119,8 +119,7 @@ impl<P: Fabric> Worker<P> {
         let t = self.iteration;
         // (A bucket map's cutover counts as a route's: until it, the servers
         // giving buckets away are still needed.)
-        let buckets_cut = self.map.buckets.last().is_none_or(|(at, _)| t >= *at);
-        if buckets_cut && self.map.routes.iter().all(|r| r.previous.as_ref().is_none_or(|(_, at)| t >= *at)) {
+        if route::settled(&self.map, t) {
             if self.watch.adopted.load(Ordering::Acquire) >= self.map.epoch {
                 return Ok(());
             }
@@ -158,12 +157,7 @@ impl<P: Fabric> Worker<P> {
     /// Whether this worker still needs server `rank`: it owns a shard, or owned one
     /// whose cutover this worker has not reached yet.
     pub(crate) fn routes_to(&self, rank: u32) -> bool {
-        let t = self.iteration;
-        self.map
-            .routes
-            .iter()
-            .filter(|r| r.until > t)
-            .any(|r| r.owner.owner == rank || r.previous.as_ref().is_some_and(|(p, at)| p.owner == rank && t < *at))
+        route::routes_to(&self.map, self.iteration, rank)
     }
 
     /// Where the push of `iteration` for shard `sid` (and the pull after it) goes.

@@ -3,6 +3,7 @@
 //! orders (moves, membership votes and commits, splits) and a split carried
 //! out once its shard is free.
 
+use eps_core::Notice;
 use eps_proto::migrate::Forwarded;
 
 use super::*;
@@ -26,7 +27,7 @@ impl SimServer {
             }
             return None;
         };
-        Some(copy.arrival(&sh.core.sync, sh.core.forwards_parked(), sender, v, empty, r, self.ranks))
+        Some(copy.arrival(&sh.core, &Notice { sender, version: v, empty, worker: r }, self.ranks))
     }
 
     pub(super) fn on_snapshot(&mut self, w: &mut World, from: Node, id: u32, v: u64, value: Vec<u64>, clocks: &[u64]) {

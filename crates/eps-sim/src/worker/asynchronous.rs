@@ -60,7 +60,7 @@ impl SimWorker {
 
     /// SSP: the slowest clock a pull after pushing iteration `t` asks for.
     fn need_async(&self, w: &World) -> u64 {
-        (self.t + 1).saturating_sub(w.staleness)
+        eps_core::route::need_after_push(w.mode, w.staleness, self.t)
     }
 
     /// The first values: SSP asks for any version, ASP reads.
