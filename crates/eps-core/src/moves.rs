@@ -223,6 +223,8 @@ impl MoveOut {
     /// The forward of `version` went to the target: the shard is busy until
     /// it is acknowledged (one at a time).
     pub fn forward_sent(&mut self, version: u64) {
+        assert!(!self.forward_busy, "a forward of version {version} while another is in flight");
+        debug_assert!(version > self.last_forward, "forward of version {version} after {}", self.last_forward);
         self.forward_busy = true;
         self.last_forward = version;
     }
@@ -245,6 +247,7 @@ impl MoveOut {
 
     /// SSP/ASP: a relayed contribution went to the target.
     pub fn relay_sent(&mut self) {
+        assert!(!self.forward_busy, "a relayed contribution while another is in flight");
         self.forward_busy = true;
     }
 

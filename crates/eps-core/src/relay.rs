@@ -41,6 +41,10 @@ impl Relay {
 
     /// Worker `w`'s contribution landed here after the cutover.
     pub fn take(&mut self, w: u32) {
+        debug_assert!(
+            !self.queue.contains(&w) && self.sending != Some(w),
+            "worker {w}'s next contribution before its last was relayed"
+        );
         self.queue.push_back(w);
     }
 

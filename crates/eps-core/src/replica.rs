@@ -171,6 +171,7 @@ impl<L, D> Replica<L, D> {
     /// Forwards go to `link` from now on, after a snapshot when `snapshot`
     /// (no update runs until [`Replica::snapshot_done`]).
     pub fn forward_to(&mut self, link: L, snapshot: bool, p: Promotion) {
+        debug_assert!(self.role.is_none(), "the old role ends first (Replica::replace)");
         self.role = Some(Role::Primary { link, waiting: None, snapshotting: snapshot, promoted: p.0, stopping: false });
     }
 

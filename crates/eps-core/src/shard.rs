@@ -235,11 +235,14 @@ impl ShardCore {
     /// `ShardSync::ready_pulls` once the caller has done what follows an
     /// update (forwards to a move's target).
     pub fn finished(&mut self, p: Pending) -> u64 {
+        let before = self.sync.version();
         let v = match p {
             Pending::Forward { worker: Some(w), .. } => self.sync.forwarded_from(w),
             Pending::Forward { .. } => self.sync.forwarded(),
             Pending::Update { one, .. } => self.sync.published(one),
         };
+        // Versions only move forward, one update at a time.
+        assert_eq!(v, before + 1, "an update of version {before} produced {v}");
         self.sync.set_publish_waiting(!self.waiting.is_empty());
         v
     }

@@ -180,6 +180,7 @@ impl ShardSync {
                 moved.push(w as u32);
             }
         }
+        self.debug_check();
         moved
     }
 
@@ -220,6 +221,7 @@ impl ShardSync {
         self.clock[worker as usize] += 1;
         self.version += 1;
         self.publish_waiting = false;
+        self.debug_check();
         self.version
     }
 
@@ -271,6 +273,7 @@ impl ShardSync {
         }
         self.version += 1;
         self.publish_waiting = false;
+        self.debug_check();
         self.version
     }
 
@@ -421,6 +424,19 @@ impl ShardSync {
         self.slot_full.get(worker as usize).copied().unwrap_or(false)
     }
 
+    /// The state's invariants, checked after every change in debug builds:
+    /// one clock, slot and pending pull per worker rank; the count of full
+    /// slots is theirs; BSP holds contributions of the version or a later
+    /// iteration (a target's cutover), never of one already aggregated; a
+    /// BSP shard serves no version above its own.
+    fn debug_check(&self) {
+        let w = self.workers as usize;
+        debug_assert!(self.clock.len() == w && self.slot_full.len() == w && self.pending.len() == w, "one entry per rank");
+        debug_assert_eq!(self.full_count as usize, self.slot_full.iter().filter(|&&f| f).count(), "full slots counted");
+        debug_assert!(self.held.is_none_or(|h| h >= self.version), "held {:?} at version {}", self.held, self.version);
+        debug_assert!(self.mode != Consistency::Bsp || self.floor <= self.version.max(1), "floor above the version");
+    }
+
     fn record(&mut self, worker: u32, iteration: u64, contributors: Option<&[u32]>) -> Result<PushOutcome, SyncError> {
         let w = self.check(worker)?;
         if self.slot_full[w] {
@@ -450,6 +466,7 @@ impl ShardSync {
         if self.mode == Consistency::Bsp {
             self.held = Some(iteration);
         }
+        self.debug_check();
         Ok(match (self.mode, contributors) {
             (Consistency::Bsp, Some(c)) if self.full_count as usize == c.len() && iteration == self.version => {
                 PushOutcome::AggregateAll { iteration }
@@ -496,6 +513,7 @@ impl ShardSync {
         }
         self.version += 1;
         self.publish_waiting = false;
+        self.debug_check();
         self.version
     }
 
