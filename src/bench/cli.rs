@@ -6,10 +6,10 @@ use clap::Subcommand;
 use eps_agg::DType;
 
 use crate::bench::Json;
-use crate::bench::agg::AggBench;
-use crate::bench::fabric::{self, FabricBench, Op};
 use crate::error::chain as error_chain;
 use crate::units::{format_size, parse_size};
+use eps_bench::agg::AggBench;
+use eps_bench::fabric::{self, FabricBench, Op};
 
 /// Runs an `eps bench` subcommand.
 pub fn run(c: BenchCmd) -> Result<(), String> {
@@ -24,10 +24,27 @@ pub fn run(c: BenchCmd) -> Result<(), String> {
             Some(dir) => crate::bench::gpu::emit_ptx(&dir),
             None => crate::bench::gpu::run(a.size, a.reps, a.json),
         },
-        BenchCmd::FabricPeer { op, size, depth, transport, rdma } => {
-            fabric::run_peer(op, size, depth, &transport, &rdma).map_err(|e| error_chain(&e))
-        }
+        BenchCmd::FabricPeer { op, size, depth, transport, rdma } => fabric_peer(op.into(), size, depth, &transport, &rdma),
     }
+}
+
+/// `eps bench fabric-peer`: the peer process of `eps bench fabric`, on the
+/// transport (and RDMA device) its parent chose.
+fn fabric_peer(op: Op, size: u64, depth: u32, transport: &str, named: &crate::rdma::Named) -> Result<(), String> {
+    let lo = std::net::IpAddr::from([127, 0, 0, 1]);
+    let r = match transport {
+        "rdma" => {
+            let (pd, ip) = crate::rdma::bench_pd(named)?;
+            fabric::peer_on(pd, ip, op, size, depth)
+        }
+        "shm" => eps_fabric::shm::ShmDevice::open()
+            .map_err(fabric::BenchError::from)
+            .and_then(|d| fabric::peer_on(d.alloc_pd(), lo, op, size, depth)),
+        _ => eps_fabric::soft::SoftDevice::open()
+            .map_err(fabric::BenchError::from)
+            .and_then(|d| fabric::peer_on(d.alloc_pd(), lo, op, size, depth)),
+    };
+    r.map_err(|e| error_chain(&e))
 }
 
 #[derive(Subcommand, Debug)]
@@ -107,7 +124,7 @@ pub enum BenchCmd {
     #[command(hide = true)]
     FabricPeer {
         #[arg(long, value_enum)]
-        op: Op,
+        op: OpArg,
         #[arg(long, value_parser = parse_size)]
         size: u64,
         #[arg(long)]
@@ -119,6 +136,27 @@ pub enum BenchCmd {
     },
 }
 
+/// `--op`: the operation `eps bench fabric` measures.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum OpArg {
+    /// RDMA WRITE into the peer's registered memory.
+    Write,
+    /// RDMA READ from the peer's registered memory.
+    Read,
+    /// SEND into a RECV the peer has posted.
+    Send,
+}
+
+impl From<OpArg> for Op {
+    fn from(a: OpArg) -> Op {
+        match a {
+            OpArg::Write => Op::Write,
+            OpArg::Read => Op::Read,
+            OpArg::Send => Op::Send,
+        }
+    }
+}
+
 /// Most measured iterations a benchmark takes (a count from the command line
 /// that the warm-up is added to must not wrap).
 const MAX_ITERS: u64 = 1_000_000_000;
@@ -127,7 +165,7 @@ const MAX_ITERS: u64 = 1_000_000_000;
 pub struct FabricArgs {
     /// Operation to measure.
     #[arg(long, value_enum, default_value = "write")]
-    op: Op,
+    op: OpArg,
     /// Bytes per operation; suffixes KiB, MiB, GiB (or K, M, G) are binary, kB, MB, GB decimal.
     #[arg(long, value_parser = parse_size, default_value = "64KiB")]
     size: u64,
@@ -248,7 +286,7 @@ pub struct SparseArgs {
 }
 
 fn bench_sparse(a: SparseArgs) -> Result<(), String> {
-    use crate::bench::sparse::{SparseBench, run};
+    use eps_bench::sparse::{SparseBench, run};
     let keys = u32::try_from(a.keys).map_err(|_| format!("--keys {}: at most {}", a.keys, eps_proto::spec::MAX_KEYS))?;
     eps_proto::say!(
         "eps bench sparse: rows={} dim={} keys={} zipf={} workers={} servers={} iters={} optimizer={}",
@@ -335,7 +373,7 @@ fn bench_sparse(a: SparseArgs) -> Result<(), String> {
 }
 
 fn bench_pushpull(a: PushPullArgs) -> Result<(), String> {
-    use crate::bench::pushpull::{PushPullBench, run};
+    use eps_bench::pushpull::{PushPullBench, run};
     eps_proto::say!(
         "eps bench pushpull: size={} workers={} servers={} iters={} transport={}",
         format_size(a.size),
@@ -421,7 +459,7 @@ pub struct MigrateArgs {
 }
 
 fn bench_migrate(a: MigrateArgs) -> Result<(), String> {
-    use crate::bench::migrate::{MigrateBench, run};
+    use eps_bench::migrate::{MigrateBench, run};
     let cfg = MigrateBench {
         shard_bytes: a.shard_bytes,
         steady_steps: a.steady_steps,
@@ -511,7 +549,7 @@ fn parse_dtype(s: &str) -> Result<DType, String> {
 fn bench_agg(a: AggArgs) -> Result<(), String> {
     let cfg = AggBench { dtype: a.dtype, workers: a.workers, size: a.size, threads: a.threads.into(), reps: a.reps };
     eps_proto::say!("eps bench agg: dtype={} workers={} size={} reps={}", a.dtype.name(), a.workers, format_size(a.size), a.reps);
-    let r = crate::bench::agg::run(&cfg).map_err(|e| error_chain(&e))?;
+    let r = eps_bench::agg::run(&cfg).map_err(|e| error_chain(&e))?;
     println!(
         "{:<6} {:>8} {:>10} {:>8} {:>12} {:>12} {:>8}",
         "dtype", "workers", "size", "threads", "sum GB/s", "mem GB/s", "ratio"
@@ -545,7 +583,7 @@ fn bench_agg(a: AggArgs) -> Result<(), String> {
 fn bench_fabric(a: FabricArgs) -> Result<(), String> {
     let named = a.rdma.clone();
     let transport = crate::transport::for_bench(&a.transport, &named)?;
-    let cfg = FabricBench { op: a.op, size: a.size, iters: a.iters, depth: a.depth };
+    let cfg = FabricBench { op: a.op.into(), size: a.size, iters: a.iters, depth: a.depth };
     let op = format!("{:?}", a.op).to_lowercase();
     eps_proto::say!(
         "eps bench fabric: op={op} size={} iters={} depth={} transport={transport} (peer process on this machine)",
@@ -558,7 +596,10 @@ fn bench_fabric(a: FabricArgs) -> Result<(), String> {
     let memcpy = || fabric::memcpy_gbytes_per_s(a.size, 21).map_err(|e| error_chain(&e));
     let before = if transport == "shm" { Some(memcpy()?) } else { None };
     let r = match transport {
-        "rdma" => fabric::run_rdma(&cfg, &named),
+        "rdma" => {
+            let (pd, _) = crate::rdma::bench_pd(&named)?;
+            fabric::run_on(pd, &cfg, "rdma", &named.args())
+        }
         "shm" => fabric::run_shm(&cfg),
         _ => fabric::run(&cfg),
     }

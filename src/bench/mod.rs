@@ -1,14 +1,13 @@
-//! Measurements behind `eps bench`. Each reports what it measured and, where the
-//! command has a `--json` flag, one JSON object as the last line of stdout.
+//! `eps bench`: the flags, and the reports of the measurements in
+//! `eps-bench` (re-exported here under their old paths). Each reports what it
+//! measured and, where the command has a `--json` flag, one JSON object as the
+//! last line of stdout.
 
-pub mod agg;
+pub use eps_bench::{agg, fabric, migrate, pushpull, sparse};
+
 pub mod cli;
-pub mod fabric;
 pub mod gpu;
-pub mod migrate;
 pub mod plot;
-pub mod pushpull;
 pub mod replicas;
-pub mod sparse;
 
 pub use crate::json::Json;

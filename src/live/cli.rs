@@ -269,10 +269,3 @@ struct Line {
 fn median(v: &[f64]) -> (f64, usize) {
     (super::median(v).unwrap_or(0.0), v.len())
 }
-
-impl LiveRun {
-    /// The jobs' records.
-    pub fn summary_records(&self) -> Vec<JobRecord> {
-        self.jobs.iter().map(|j| j.record.clone()).collect()
-    }
-}

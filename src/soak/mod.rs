@@ -14,46 +14,16 @@
 //!   many servers; the largest;
 //! - push_pull latency: each worker's whole-run p50 and p99.
 
-pub mod faults;
 mod plot;
 
-use crate::report::Report as ChildReport;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
 
-use eps_proto::JobSpec;
+pub use eps_cluster::soak::{self, Lat, ROLES, SOAK_SPEC, Soaked, Tick, faults};
 
 use crate::json::Json;
-use crate::train::cluster::{Processes, soft_args};
-use crate::train::{LocalCluster, Overrides, build_spec_or};
 
-/// The job the soak trains (workers, servers and steps are set per run).
-pub const SOAK_SPEC: &str = r#"
-[job]
-name = "soak"
-workers = 8
-servers = 4
-steps = 100
-consistency = "bsp"
-batch = 64
-seed = 7
-shard_bytes = 131072
-replicas = 2
-
-[model]
-preset = "synthetic"
-buckets = 131072
-dense_dim = 16
-classes = 4
-sparse_per_sample = 8
-vocab = 2000
-
-[optimizer]
-kind = "adam"
-lr = 0.01
-"#;
+/// The largest growth of resident memory that passes.
+const RSS_GROWTH_LIMIT: f64 = 1.10;
 
 /// `eps soak` flags.
 #[derive(clap::Args, Debug)]
@@ -93,52 +63,8 @@ pub struct SoakArgs {
     pub json: bool,
 }
 
-/// Share of the calibrated fault-free speed the soak assumes (faults stop
-/// training for a while: a lost server for its lease, a stall for its length).
-const FAULTED_SPEED: f64 = 0.8;
-const CALIBRATION_STEPS: u64 = 60;
-/// Resident memory is sampled this often.
-const SAMPLE_EVERY: Duration = Duration::from_millis(500);
-/// Training that makes no progress this long is stopped (an error).
-const STALL_LIMIT: Duration = Duration::from_secs(180);
-/// The largest growth of resident memory that passes.
-const RSS_GROWTH_LIMIT: f64 = 1.10;
-
-const ROLES: [&str; 3] = ["control", "server", "worker"];
-
-/// One sample of resident memory: summed per role.
-#[derive(Clone, Debug)]
-pub(crate) struct Tick {
-    pub t: f64,
-    pub step: u64,
-    pub rss: [u64; 3],
-    pub procs: [u32; 3],
-}
-
-/// The push_pull latency of one worker over one interval.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Lat {
-    pub t: f64,
-    pub p50_us: f64,
-    pub p99_us: f64,
-}
-
-/// What the run under faults produced.
-#[derive(Debug, Default)]
-pub(crate) struct Soaked {
-    pub ticks: Vec<Tick>,
-    pub lat: Vec<Lat>,
-    pub faults: faults::Log,
-    pub checksum: String,
-    pub digests: String,
-    /// Each worker's whole-run p50 and p99 (us).
-    pub worker_lat: Vec<(f64, f64)>,
-    pub samples_per_s: f64,
-    pub seconds: f64,
-    /// Seconds since the start from which no fault came any more.
-    pub quiet_from: f64,
-}
-
+/// Runs `eps soak`: the checks of the flags, the run under faults, the
+/// reference run, the verdict.
 pub fn run(a: SoakArgs) -> Result<(), String> {
     if !(a.minutes.is_finite() && a.minutes > 0.0) {
         return Err("--minutes must be a positive number".into());
@@ -152,24 +78,16 @@ pub fn run(a: SoakArgs) -> Result<(), String> {
     if a.workers == 0 {
         return Err("--workers must be 1 at least".into());
     }
-    let kinds = kinds(&a.faults)?;
+    let kinds = soak::fault_kinds(&a.faults)?;
+    let c = soak::SoakConfig { workers: a.workers, servers: a.servers, every_s: a.every_s, seed: a.seed };
     let steps = match a.steps {
         Some(0) => return Err("--steps must be 1 at least".into()),
         Some(s) => s,
-        None => {
-            let (spec, text) = spec(&a, CALIBRATION_STEPS, 2)?;
-            eps_proto::say!("eps soak: calibrating: {CALIBRATION_STEPS} steps without faults");
-            let r =
-                crate::train::run(&spec, &text, CALIBRATION_STEPS, &[], &soft_args(), |_, _| {}).map_err(|e| e.to_string())?;
-            let rate = r.steps as f64 / r.elapsed_s.max(1e-3);
-            let s = (rate * a.minutes * 60.0 * FAULTED_SPEED).round().max(50.0) as u64;
-            eps_proto::say!("eps soak: {rate:.1} steps/s without faults; the soak trains {s} steps");
-            s
-        }
+        None => soak::calibrated_steps(&c, a.minutes)?,
     };
-    let soaked = soak(&a, steps, kinds)?;
+    let soaked = soak::soak(&c, steps, kinds)?;
     eps_proto::say!("eps soak: the same {steps} steps without faults (the reference)");
-    let (reference, ref_digests) = reference(&a, steps)?;
+    let (reference, ref_digests) = soak::reference(&c, steps)?;
     let report = Report::new(&a, steps, &soaked, &reference, &ref_digests);
     report.print(&soaked);
     if let Some(path) = &a.plot {
@@ -180,189 +98,6 @@ pub fn run(a: SoakArgs) -> Result<(), String> {
         println!("{}", report.json(&soaked));
     }
     report.verdict()
-}
-
-fn spec(a: &SoakArgs, steps: u64, replicas: u32) -> Result<(JobSpec, String), String> {
-    let o = Overrides {
-        workers: Some(a.workers),
-        servers: Some(a.servers),
-        steps: Some(steps),
-        replicas: Some(replicas),
-        ..Default::default()
-    };
-    build_spec_or(None, SOAK_SPEC, &o).map_err(|e| e.to_string())
-}
-
-/// The run under faults.
-fn kinds(list: &str) -> Result<Vec<faults::Kind>, String> {
-    let mut kinds = Vec::new();
-    for name in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-        let k = faults::Kind::parse(name).ok_or_else(|| {
-            let all: Vec<&str> = faults::Kind::ALL.iter().map(|k| k.name()).collect();
-            format!("--faults: unknown fault {name:?} (known: {})", all.join(", "))
-        })?;
-        kinds.push(k);
-    }
-    if kinds.is_empty() {
-        return Err("--faults names no fault".into());
-    }
-    if kinds.contains(&faults::Kind::ServerCut) && !faults::can_cut() {
-        eps_proto::say!("eps soak: server_cut skipped: cutting connections needs root and `ss` (iproute2)");
-        kinds.retain(|k| *k != faults::Kind::ServerCut);
-        if kinds.is_empty() {
-            return Err("--faults: server_cut alone cannot run here (needs root and `ss`)".into());
-        }
-    }
-    Ok(kinds)
-}
-
-fn soak(a: &SoakArgs, steps: u64, kinds: Vec<faults::Kind>) -> Result<Soaked, String> {
-    let (spec, text) = spec(a, steps, 2)?;
-    let cluster = LocalCluster::start(
-        &spec,
-        &text,
-        &["--progress-every", "1", "--latency-every-ms", "1000", "--chunk-digests"],
-        &soft_args(),
-    )
-    .map_err(|e| e.to_string())?;
-    let t0 = Instant::now();
-    let step = Arc::new(AtomicU64::new(0));
-    let done = Arc::new(AtomicBool::new(false));
-    let (tx, more) = std::sync::mpsc::channel();
-    let log = Arc::new(Mutex::new(faults::Log::default()));
-    let plan = faults::Plan {
-        control: cluster.control_addr().parse().map_err(|_| "bad control-plane address")?,
-        secret: eps_fabric::Secret::new(cluster.secret()).map_err(|_| "bad job secret")?,
-        procs: cluster.processes(),
-        spawn: tx,
-        step: step.clone(),
-        first: steps * 15 / 100,
-        last: steps * 85 / 100,
-        servers: a.servers,
-        kinds,
-        every: Duration::from_secs_f64(a.every_s),
-        seed: a.seed,
-        t0,
-        done: done.clone(),
-    };
-    let injector = faults::spawn(plan, log.clone());
-    let sampler = sample(cluster.processes(), step.clone(), done.clone(), cluster.stop_handle(), log.clone(), t0);
-    let mut out = Soaked::default();
-    let bar = crate::progress::Progress::new(steps, "eps soak");
-    let res = cluster.supervise_tolerant(Some(&more), true, |l| {
-        let t = t0.elapsed().as_secs_f64();
-        match ChildReport::parse(l) {
-            Some(ChildReport::Progress(p)) => {
-                step.store(p.step, Ordering::Release);
-                bar.tick(p.step, "under faults");
-            }
-            Some(ChildReport::Latency(x)) => out.lat.push(Lat { t, p50_us: x.p50_us as f64, p99_us: x.p99_us as f64 }),
-            Some(ChildReport::Done(d)) => {
-                let q = d.latency_us.clone().unwrap_or_default();
-                out.worker_lat.push((q.p50 as f64, q.p99 as f64));
-                out.samples_per_s += d.samples as f64 / d.elapsed_s.max(1e-9);
-                if let Some(r) = d.result {
-                    out.checksum = r.params_checksum;
-                    out.digests = r.chunk_digests.unwrap_or_default();
-                }
-            }
-            _ => {}
-        }
-    });
-    out.seconds = t0.elapsed().as_secs_f64();
-    done.store(true, Ordering::Release);
-    let _ = injector.join();
-    out.ticks = sampler.join().unwrap_or_default();
-    out.faults = std::mem::take(&mut *log.lock().unwrap_or_else(|p| p.into_inner()));
-    // (Training ended before the faults did: the samples after the last
-    // fault's recovery.)
-    let last = out.faults.faults.last().map_or(0.0, |f| f.at_s + f.recovered_s.unwrap_or(0.0));
-    out.quiet_from = out.faults.quiet_from.unwrap_or(last);
-    if let Err(crate::train::TrainError::Interrupted) = res {
-        return Err("interrupted (Ctrl-C); stopped the cluster".into());
-    } else if let Err(e) = res {
-        out.faults.errors.push(format!("the job failed: {e}"));
-    } else if out.checksum.is_empty() {
-        out.faults.errors.push("no worker reported the final parameters".into());
-    }
-    Ok(out)
-}
-
-/// Samples the resident memory of every process; stops the cluster if
-/// training stalls for good.
-fn sample(
-    procs: Processes,
-    step: Arc<AtomicU64>,
-    done: Arc<AtomicBool>,
-    stop: Arc<AtomicBool>,
-    log: Arc<Mutex<faults::Log>>,
-    t0: Instant,
-) -> std::thread::JoinHandle<Vec<Tick>> {
-    std::thread::spawn(move || {
-        let mut ticks = Vec::new();
-        let (mut last_step, mut moved) = (0, Instant::now());
-        while !done.load(Ordering::Acquire) {
-            let mut tick = Tick { t: t0.elapsed().as_secs_f64(), step: step.load(Ordering::Acquire), rss: [0; 3], procs: [0; 3] };
-            for p in procs.list() {
-                let role = if p.name.starts_with("server") {
-                    1
-                } else if p.name.starts_with("worker") {
-                    2
-                } else {
-                    0
-                };
-                if let Some(kb) = rss_kib(p.pid) {
-                    tick.rss[role] += kb * 1024;
-                    tick.procs[role] += 1;
-                }
-            }
-            if tick.step != last_step {
-                (last_step, moved) = (tick.step, Instant::now());
-            } else if moved.elapsed() > STALL_LIMIT {
-                log.lock().unwrap_or_else(|p| p.into_inner()).errors.push(format!(
-                    "training made no progress for {} s at step {last_step}; stopped the cluster",
-                    STALL_LIMIT.as_secs()
-                ));
-                stop.store(true, Ordering::Release);
-                moved = Instant::now();
-            }
-            ticks.push(tick);
-            std::thread::sleep(SAMPLE_EVERY);
-        }
-        ticks
-    })
-}
-
-/// A process's resident memory of its own (anonymous and shared memory:
-/// `VmRSS` less the file-backed pages), if it still runs. The pages of the
-/// binary's code are left out: they are faulted in as code first runs (the
-/// first fault of a kind runs code never run before), are bounded by the
-/// binary's size and shared, and are most of a small process's `VmRSS`.
-fn rss_kib(pid: u32) -> Option<u64> {
-    eps_server::rss_bytes(Some(pid)).map(|b| b / 1024)
-}
-
-/// The fault-free run of the same steps (no backups: they change nothing in
-/// the result): its checksum and chunk digests.
-fn reference(a: &SoakArgs, steps: u64) -> Result<(String, String), String> {
-    let (spec, text) = spec(a, steps, 1)?;
-    let cluster = LocalCluster::start(&spec, &text, &["--progress-every", "1000000", "--chunk-digests"], &soft_args())
-        .map_err(|e| e.to_string())?;
-    let (mut checksum, mut digests) = (String::new(), String::new());
-    cluster
-        .supervise(None, |l| {
-            if let Some(ChildReport::Done(d)) = ChildReport::parse(l)
-                && let Some(r) = d.result
-            {
-                checksum = r.params_checksum;
-                digests = r.chunk_digests.unwrap_or_default();
-            }
-        })
-        .map_err(|e| format!("the reference run: {e}"))?;
-    if checksum.is_empty() {
-        return Err("the reference run reported no final parameters".into());
-    }
-    Ok((checksum, digests))
 }
 
 /// The soak's figures.

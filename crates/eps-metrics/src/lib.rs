@@ -257,6 +257,18 @@ pub fn resident_bytes() -> Option<u64> {
     Some(pages * 4096)
 }
 
+/// The resident anonymous and shared memory of process `pid` (this one if
+/// `None`), from `/proc`: without the file-backed pages of the binary and
+/// its libraries, which are shared and most of a small process's `VmRSS`.
+pub fn rss_bytes(pid: Option<u32>) -> Option<u64> {
+    let path = pid.map_or_else(|| "/proc/self/status".to_string(), |p| format!("/proc/{p}/status"));
+    let s = std::fs::read_to_string(path).ok()?;
+    let field = |name: &str| -> Option<u64> {
+        s.lines().find_map(|l| l.strip_prefix(name)?.trim().strip_suffix("kB")?.trim().parse().ok())
+    };
+    Some((field("RssAnon:")? + field("RssShmem:").unwrap_or(0)) * 1024)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

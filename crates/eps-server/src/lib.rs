@@ -52,8 +52,8 @@ use eps_proto::hello::Hello;
 use eps_proto::sync::ShardSync;
 use eps_proto::{Consistency, JobSpec, SpecError};
 
+pub use eps_metrics::rss_bytes;
 pub use memory::{DirectRegions, HostRegions, MAX_WORKERS, MemoryError, Origin, ShardMemory, UpdateArgs};
-pub use sparse::rss_bytes;
 
 /// How a server runs.
 #[derive(Clone, Debug)]

@@ -93,7 +93,7 @@ impl<P: Fabric> Sparse<P> {
             let (pushed, pulled) = (vec![0; n], vec![0; n]);
             tables.push(Table { part, landing, reply, pushed, pulled, push_copy, pull_copy, wide, gathered });
         }
-        Ok(Self { tables, owners, deferred, moving, rss_start: rss_bytes(None).unwrap_or(0) })
+        Ok(Self { tables, owners, deferred, moving, rss_start: eps_metrics::rss_bytes(None).unwrap_or(0) })
     }
 
     /// Whether this server holds no table.
@@ -148,18 +148,6 @@ fn touched<M: MemoryRegion>(mut mr: M) -> M {
         mr.write_at(at, &zeros[..n]);
     }
     mr
-}
-
-/// The resident anonymous and shared memory of process `pid` (this one if
-/// `None`), from `/proc`: without the file-backed pages of the binary and
-/// its libraries, which are shared and most of a small process's `VmRSS`.
-pub fn rss_bytes(pid: Option<u32>) -> Option<u64> {
-    let path = pid.map_or_else(|| "/proc/self/status".to_string(), |p| format!("/proc/{p}/status"));
-    let s = std::fs::read_to_string(path).ok()?;
-    let field = |name: &str| -> Option<u64> {
-        s.lines().find_map(|l| l.strip_prefix(name)?.trim().strip_suffix("kB")?.trim().parse().ok())
-    };
-    Some((field("RssAnon:")? + field("RssShmem:").unwrap_or(0)) * 1024)
 }
 
 /// Offset of the pull region in a landing region.

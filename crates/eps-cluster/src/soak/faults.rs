@@ -19,8 +19,8 @@ use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use serde_json::Value;
 
-use crate::train::cluster::Processes;
-use crate::train::scale::Spawn;
+use crate::cluster::Processes;
+use crate::scale::Spawn;
 
 /// What the thread did to the job.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -18,17 +18,17 @@ use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use eps_control::ControlClient;
+use eps_control_client::ControlClient;
 use eps_fabric::Secret;
 use eps_proto::control::ControlMsg;
 use eps_worker::{Worker, WorkerError};
 
-use crate::train::scale::Spawn;
+use eps_cluster::scale::Spawn;
 
-use crate::bench::fabric::{self, FabricBench, Op};
-use crate::report::{self, Report};
-use crate::train::cluster::soft_args;
-use crate::train::{LocalCluster, TrainError};
+use crate::fabric::{self, FabricBench, Op};
+use eps_cluster::cluster::soft_args;
+use eps_cluster::report::{self, Report};
+use eps_cluster::{LocalCluster, TrainError};
 
 /// Parameters of one run.
 #[derive(Clone, Debug)]
@@ -183,7 +183,7 @@ pub fn run_worker<P: eps_fabric::Fabric>(mut w: Worker<P>, pulls: u32) -> Result
         for _ in 0..pulls {
             let (at, t) = (unix_us(), Instant::now());
             if let Err(e) = w.pull_shard(0) {
-                failure = Some(crate::error::chain(&e));
+                failure = Some(eps_cluster::error::chain(&e));
                 break 'steps;
             }
             let lat = t.elapsed().as_micros() as u64;
@@ -255,7 +255,7 @@ pub fn run(cfg: &MigrateBench) -> Result<MigrateReport, MigrateError> {
         });
     }
     let mut line = None;
-    let bar = crate::progress::Progress::new(spec.job.steps, "eps bench migrate");
+    let bar = eps_cluster::progress::Progress::new(spec.job.steps, "eps bench migrate");
     let ran = cluster.supervise(Some(&more_servers), |l| match Report::parse(l) {
         Some(Report::Progress(p)) => {
             step.store(p.step, Ordering::Release);

@@ -16,7 +16,7 @@ use eps_proto::control::ControlMsg;
 use eps_sched::Alloc;
 
 use super::launcher::{JobLaunch, Launcher, Stop, progress_samples};
-use crate::train::scale::{ScaleOutcome, Spawn, wait_settled};
+use crate::scale::{ScaleOutcome, Spawn, wait_settled};
 
 /// What the driver learns of a running job, written by the job's threads.
 #[derive(Debug, Default)]

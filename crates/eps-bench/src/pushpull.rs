@@ -6,10 +6,10 @@ use std::time::Instant;
 
 use eps_worker::{Worker, WorkerError};
 
-use crate::bench::fabric::{self, FabricBench, Op};
-use crate::report::{self, Report};
-use crate::train::cluster::soft_args;
-use crate::train::{LocalCluster, TrainError};
+use crate::fabric::{self, FabricBench, Op};
+use eps_cluster::cluster::soft_args;
+use eps_cluster::report::{self, Report};
+use eps_cluster::{LocalCluster, TrainError};
 
 /// Warm-up iterations before measuring.
 const WARMUP: u64 = 3;

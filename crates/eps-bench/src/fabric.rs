@@ -22,7 +22,7 @@ pub const SECRET_ENV: &str = "EPS_JOB_SECRET";
 const READY: &str = "EPS_PEER_READY";
 
 /// Which operation is measured.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Op {
     /// RDMA WRITE into the peer's registered memory.
     Write,
@@ -33,7 +33,8 @@ pub enum Op {
 }
 
 impl Op {
-    fn name(self) -> &'static str {
+    /// Its name on the command line.
+    pub fn name(self) -> &'static str {
         match self {
             Op::Write => "write",
             Op::Read => "read",
@@ -162,14 +163,14 @@ fn start_peer(
     cfg: &FabricBench,
     secret: &str,
     transport: &str,
-    named: &crate::rdma::Named,
+    peer_args: &[String],
 ) -> Result<(PeerProcess, SocketAddr, RemoteAddr), BenchError> {
     let exe =
         std::env::current_exe().map_err(|e| BenchError::Peer { what: "cannot find the eps executable", source: Some(e) })?;
     let mut child = Command::new(exe)
         .args(["bench", "fabric-peer", "--op", cfg.op.name(), "--size", &cfg.size.to_string(), "--depth", &cfg.depth.to_string()])
         .args(["--transport", transport])
-        .args(named.args())
+        .args(peer_args)
         .env(SECRET_ENV, secret)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -193,21 +194,9 @@ fn start_peer(
     Ok((peer, at, RemoteAddr { addr, rkey }))
 }
 
-/// The peer side over `transport`: registers a region, accepts one QP, serves
-/// until it closes.
-pub fn run_peer(op: Op, size: u64, depth: u32, transport: &str, named: &crate::rdma::Named) -> Result<(), BenchError> {
-    if transport == "rdma" {
-        let (pd, ip) = crate::rdma::bench_pd(named).map_err(BenchError::Transport)?;
-        return peer_on(pd, ip, op, size, depth);
-    }
-    let lo = IpAddr::from([127, 0, 0, 1]);
-    if transport == "shm" {
-        return peer_on(eps_fabric::shm::ShmDevice::open()?.alloc_pd(), lo, op, size, depth);
-    }
-    peer_on(SoftDevice::open()?.alloc_pd(), lo, op, size, depth)
-}
-
-fn peer_on<P: ProtectionDomain>(pd: P, ip: IpAddr, op: Op, size: u64, depth: u32) -> Result<(), BenchError> {
+/// The peer side on `pd` (listening on `ip`): registers a region, accepts
+/// one QP, serves until it closes. The command line chooses the transport.
+pub fn peer_on<P: ProtectionDomain>(pd: P, ip: IpAddr, op: Op, size: u64, depth: u32) -> Result<(), BenchError> {
     let cfg = FabricBench { op, size, iters: 1, depth };
     let len = cfg.validate()?;
     let secret = std::env::var(SECRET_ENV).map_err(|_| BenchError::Config("the peer needs EPS_JOB_SECRET in its environment"))?;
@@ -245,12 +234,12 @@ fn peer_on<P: ProtectionDomain>(pd: P, ip: IpAddr, op: Op, size: u64, depth: u32
 
 /// Runs the benchmark over the `soft` provider against a fresh peer process.
 pub fn run(cfg: &FabricBench) -> Result<FabricReport, BenchError> {
-    run_on(SoftDevice::open()?.alloc_pd(), cfg, "soft", &crate::rdma::Named::default())
+    run_on(SoftDevice::open()?.alloc_pd(), cfg, "soft", &[])
 }
 
 /// Runs the benchmark over the `shm` provider against a fresh peer process.
 pub fn run_shm(cfg: &FabricBench) -> Result<FabricReport, BenchError> {
-    run_on(eps_fabric::shm::ShmDevice::open()?.alloc_pd(), cfg, "shm", &crate::rdma::Named::default())
+    run_on(eps_fabric::shm::ShmDevice::open()?.alloc_pd(), cfg, "shm", &[])
 }
 
 /// One thread copying `size` bytes from one buffer to another, the median of
@@ -272,22 +261,18 @@ pub fn memcpy_gbytes_per_s(size: u64, reps: usize) -> Result<f64, BenchError> {
     Ok(size as f64 / times[times.len() / 2] / 1e9)
 }
 
-/// Runs the benchmark over the `rdma` provider (the selected device) against a
-/// fresh peer process on the same device.
-pub fn run_rdma(cfg: &FabricBench, named: &crate::rdma::Named) -> Result<FabricReport, BenchError> {
-    let (pd, _) = crate::rdma::bench_pd(named).map_err(BenchError::Transport)?;
-    run_on(pd, cfg, "rdma", named)
-}
-
-fn run_on<P: ProtectionDomain>(
+/// Runs the benchmark on `pd` over `transport` against a fresh peer process
+/// started with `peer_args` (the flags that choose the same device), e.g. the
+/// `rdma` provider's selected device.
+pub fn run_on<P: ProtectionDomain>(
     pd: P,
     cfg: &FabricBench,
     transport: &str,
-    named: &crate::rdma::Named,
+    peer_args: &[String],
 ) -> Result<FabricReport, BenchError> {
     let len = cfg.validate()?;
     let secret = random_secret()?;
-    let (_peer, addr, remote) = start_peer(cfg, &secret, transport, named)?;
+    let (_peer, addr, remote) = start_peer(cfg, &secret, transport, peer_args)?;
     let mr = pd.alloc_mr(len as usize, Access::ALL)?;
     let cq = pd.create_cq(cfg.depth * 2 + 16)?;
     let qp = pd.connect(addr, &cq, &cq, &cfg.opts(Secret::new(secret)?))?;
