@@ -136,6 +136,17 @@ fn agg_and_pushpull_benches_report_their_fields() {
     for k in ["iter_ms_p50", "gbytes_per_s", "fabric_write_gbytes_per_s"] {
         assert!(json_field(last, k) > 0.0, "{k}: {last}");
     }
+    assert!(!last.contains("pingpong"), "no latency references at 1 MiB: {last}");
+    // Below 1 MiB a round is latency: p99 and the TCP ping-pong references too.
+    let o = eps(&["bench", "pushpull", "--size", "64KiB", "--iters", "20", "--shard-bytes", "64KiB", "--json"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    let last = out.lines().last().unwrap();
+    for k in ["iter_ms_p99", "pingpong_poll_us_p50", "pingpong_block_us_p50", "round_over_pingpong_poll"] {
+        assert!(json_field(last, k) > 0.0, "{k}: {last}");
+    }
+    assert!(json_field(last, "iter_ms_p99") >= json_field(last, "iter_ms_p50"), "{last}");
+    assert!(text(&o).contains("ping-pong on loopback"), "{}", text(&o));
     let o = eps(&["bench", "agg", "--dtype", "f64"]);
     assert!(!o.status.success() && text(&o).contains("f64"));
 }

@@ -406,6 +406,20 @@ fn bench_pushpull(a: PushPullArgs) -> Result<(), String> {
         r.fabric_write_gbytes_per_s,
         ratio
     );
+    if let Some((poll, block)) = r.pingpong {
+        let round_us = r.iter_ms_p50 * 1e3;
+        println!(
+            "round p50 {:.1} us, p99 {:.1} us ({:.2}x p50); 64 B TCP ping-pong on loopback: polling p50 {:.1} us \
+             (round/ping-pong {:.1}x), blocking p50 {:.1} us ({:.1}x)",
+            round_us,
+            r.iter_ms_p99 * 1e3,
+            r.iter_ms_p99 / r.iter_ms_p50,
+            poll.p50_us,
+            round_us / poll.p50_us,
+            block.p50_us,
+            round_us / block.p50_us
+        );
+    }
     let metrics_share = r.metrics_ns_per_round / (r.iter_ms_p50 * 1e6);
     println!(
         "metrics: {:.0} ns of recording per round ({:.5} of the round; counters, the latency histogram, gauges)",
@@ -419,12 +433,22 @@ fn bench_pushpull(a: PushPullArgs) -> Result<(), String> {
             .int("iters", a.iters)
             .str("transport", &a.transport)
             .num("iter_ms_p50", r.iter_ms_p50)
+            .num("iter_ms_p99", r.iter_ms_p99)
             .num("gbytes_per_s", r.gbytes_per_s)
             .num("fabric_write_gbytes_per_s", r.fabric_write_gbytes_per_s)
             .num("ratio", ratio)
             .num("metrics_ns_per_round", r.metrics_ns_per_round)
-            .num("metrics_share_of_round", metrics_share)
-            .finish();
+            .num("metrics_share_of_round", metrics_share);
+        let j = match r.pingpong {
+            Some((poll, block)) => j
+                .num("pingpong_poll_us_p50", poll.p50_us)
+                .num("pingpong_poll_us_p99", poll.p99_us)
+                .num("pingpong_block_us_p50", block.p50_us)
+                .num("pingpong_block_us_p99", block.p99_us)
+                .num("round_over_pingpong_poll", r.iter_ms_p50 * 1e3 / poll.p50_us),
+            None => j,
+        }
+        .finish();
         println!("{j}");
     }
     Ok(())

@@ -8,7 +8,8 @@
 //!
 //! - [`fabric`]: one transport's WRITE, READ or SEND against a peer process.
 //! - [`agg`]: the CPU aggregator's sums and optimizer against a memory copy.
-//! - [`pushpull`]: push/pull rounds of one worker and one server.
+//! - [`pushpull`]: push/pull rounds of one worker and one server; below
+//!   1 MiB against [`pingpong`], a 64-byte TCP ping-pong polling and blocking.
 //! - [`sparse`]: sparse pulls and pushes of a large table.
 //! - [`migrate`]: a live migration while workers push and pull.
 //! - [`calibrate`]: the scheduler's cluster model, measured.
@@ -17,5 +18,6 @@ pub mod agg;
 pub mod calibrate;
 pub mod fabric;
 pub mod migrate;
+pub mod pingpong;
 pub mod pushpull;
 pub mod sparse;

@@ -1,18 +1,25 @@
 //! `eps bench pushpull`: iterations of push + pull of a model of SIZE bytes through
 //! real processes (control plane, servers, workers on 127.0.0.1), against the
-//! fabric's WRITE bandwidth (on the same transport) measured in the same run.
+//! fabric's WRITE bandwidth (on the same transport) measured in the same run;
+//! below 1 MiB, where a round is latency rather than bandwidth, also against a
+//! 64-byte TCP ping-pong on loopback, polling and blocking ([`crate::pingpong`]).
 
 use std::time::Instant;
 
 use eps_worker::{Worker, WorkerError};
 
 use crate::fabric::{self, FabricBench, Op};
+use crate::pingpong::{self, PingPong, Wait};
 use eps_cluster::cluster::soft_args;
 use eps_cluster::report::{self, Report};
 use eps_cluster::{LocalCluster, TrainError};
 
 /// Warm-up iterations before measuring.
 const WARMUP: u64 = 3;
+/// Below this model size the latency references are measured too.
+pub const LATENCY_BELOW: u64 = 1 << 20;
+/// Round trips of each ping-pong reference.
+const PINGPONG_ROUNDS: usize = 5_000;
 
 /// Parameters of one run.
 #[derive(Clone, Debug)]
@@ -36,6 +43,12 @@ pub struct PushPullBench {
 pub struct PushPullReport {
     /// Median iteration time (worker 0), milliseconds.
     pub iter_ms_p50: f64,
+    /// 99th percentile of the iteration time (worker 0), milliseconds.
+    pub iter_ms_p99: f64,
+    /// Below [`LATENCY_BELOW`]: a 64-byte TCP ping-pong on loopback with both
+    /// ends polling, and with both blocking, in the same run (the mean of one
+    /// run before the cluster and one after).
+    pub pingpong: Option<(PingPong, PingPong)>,
     /// Gradient bytes pushed plus parameter bytes pulled, per worker per second, at
     /// the median iteration time (1e9 B/s).
     pub gbytes_per_s: f64,
@@ -61,13 +74,16 @@ pub enum PushPullError {
     /// The fabric reference failed.
     #[error(transparent)]
     Fabric(#[from] fabric::BenchError),
+    /// The ping-pong reference failed.
+    #[error("the TCP ping-pong reference: {0}")]
+    PingPong(#[from] std::io::Error),
     /// Workers did not report.
     #[error("the workers did not report their timings")]
     NoReport,
 }
 
 /// The worker side: join, warm up, then time `iters` push_pull calls; prints
-/// a `Bench` report (p50, min and max in milliseconds).
+/// a `Bench` report (p50, p99, min and max in milliseconds).
 pub fn run_worker<P: eps_fabric::Fabric>(mut w: Worker<P>, iters: u64) -> Result<(), WorkerError> {
     for _ in 0..WARMUP {
         w.push_pull()?;
@@ -82,6 +98,7 @@ pub fn run_worker<P: eps_fabric::Fabric>(mut w: Worker<P>, iters: u64) -> Result
     Report::Bench(report::Bench {
         rank: w.rank(),
         p50_ms: Some(ms[ms.len() / 2]),
+        p99_ms: Some(ms[((ms.len() - 1) as f64 * 0.99).round() as usize]),
         min_ms: Some(ms[0]),
         max_ms: Some(ms[ms.len() - 1]),
         ..report::Bench::default()
@@ -145,27 +162,42 @@ pub fn run(cfg: &PushPullBench) -> Result<PushPullReport, PushPullError> {
         let f = FabricBench { op: Op::Write, size: 4 << 20, iters: 300, depth: 8 };
         if cfg.shm { fabric::run_shm(&f) } else { fabric::run(&f) }
     };
+    let latency = || -> Result<Option<(PingPong, PingPong)>, PushPullError> {
+        if cfg.size >= LATENCY_BELOW {
+            return Ok(None);
+        }
+        Ok(Some((pingpong::run(PINGPONG_ROUNDS, Wait::Poll)?, pingpong::run(PINGPONG_ROUNDS, Wait::Block)?)))
+    };
     let fabric_before = reference()?;
+    let latency_before = latency()?;
     let iters = cfg.iters.to_string();
     let mut children = soft_args();
     if cfg.shm {
         children.both = vec!["--transport".into(), "shm".into()];
     }
     let cluster = LocalCluster::start(&spec, &text, &["--bench-iters", &iters], &children)?;
-    let mut p50 = None;
+    let (mut p50, mut p99) = (None, None);
     cluster.supervise(None, |l| {
         if let Some(Report::Bench(b)) = Report::parse(l)
             && b.rank == 0
         {
-            p50 = b.p50_ms;
+            (p50, p99) = (b.p50_ms, b.p99_ms);
         }
     })?;
     let fabric_after = reference()?;
+    let latency_after = latency()?;
     let iter_ms_p50 = p50.ok_or(PushPullError::NoReport)?;
+    let mean = |a: PingPong, b: PingPong| PingPong { p50_us: 0.5 * (a.p50_us + b.p50_us), p99_us: 0.5 * (a.p99_us + b.p99_us) };
+    let pingpong = match (latency_before, latency_after) {
+        (Some(b), Some(a)) => Some((mean(b.0, a.0), mean(b.1, a.1))),
+        _ => None,
+    };
     let shards = spec.layout().map_or(1, |l| l.shards.len());
     Ok(PushPullReport {
         metrics_ns_per_round: metrics_cost(shards),
         iter_ms_p50,
+        iter_ms_p99: p99.unwrap_or(f64::NAN),
+        pingpong,
         gbytes_per_s: 2.0 * cfg.size as f64 / (iter_ms_p50 / 1e3) / 1e9,
         fabric_write_gbytes_per_s: 0.5 * (fabric_before.bw_gbytes_per_s + fabric_after.bw_gbytes_per_s),
     })

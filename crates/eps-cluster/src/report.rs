@@ -142,6 +142,8 @@ pub struct Bench {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub p50_ms: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub p99_ms: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub min_ms: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_ms: Option<f64>,
