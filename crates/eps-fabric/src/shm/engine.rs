@@ -162,8 +162,7 @@ impl Engine {
                 continue;
             }
             if now.duration_since(last_activity) < self.spin {
-                // (Yielding: see `soft::spin_budget`.)
-                std::thread::yield_now();
+                std::hint::spin_loop();
                 continue;
             }
             self.sleep();
