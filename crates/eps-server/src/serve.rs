@@ -118,7 +118,12 @@ impl<P: Fabric> Server<P> {
             if k > 0 {
                 last = Instant::now();
                 told = false;
-            } else if last.elapsed() > Duration::from_micros(200) {
+            } else if last.elapsed() <= Duration::from_micros(200) {
+                // Spinning, it gives way to any thread that can run (the
+                // progress threads that bring what it waits for, on a
+                // machine with few cores).
+                std::thread::yield_now();
+            } else {
                 self.cq.wait(Duration::from_millis(1));
                 if !told && last.elapsed() > STALL_REPORT {
                     told = true;

@@ -14,8 +14,9 @@ use crate::{WR_HELLO, WR_PUSH, WR_READ, Worker, WorkerError};
 const STALL_REPORT: Duration = Duration::from_secs(10);
 
 impl<P: Fabric> Worker<P> {
-    /// Reaps completions until `done` holds: spinning while they flow, sleeping on
-    /// the CQ after 200 us without any; fails after the worker's timeout.
+    /// Reaps completions until `done` holds: spinning (and yielding) while they
+    /// flow, sleeping on the CQ after 200 us without any; fails after the
+    /// worker's timeout.
     pub(crate) fn wait_until(&mut self, done: impl Fn(&Self) -> bool, what: &'static str) -> Result<(), WorkerError> {
         let deadline = Instant::now() + self.timeout;
         let mut idle = Instant::now();
@@ -26,7 +27,12 @@ impl<P: Fabric> Worker<P> {
                 idle = Instant::now();
             } else if Instant::now() > deadline {
                 return Err(WorkerError::Timeout(what));
-            } else if idle.elapsed() > Duration::from_micros(200) {
+            } else if idle.elapsed() <= Duration::from_micros(200) {
+                // Spinning, it gives way to any thread that can run (the
+                // progress threads that bring what it waits for, on a
+                // machine with few cores).
+                std::thread::yield_now();
+            } else {
                 self.cq.wait(Duration::from_millis(1));
                 if looked.elapsed() > Duration::from_millis(50) {
                     looked = Instant::now();

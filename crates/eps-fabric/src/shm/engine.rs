@@ -162,7 +162,8 @@ impl Engine {
                 continue;
             }
             if now.duration_since(last_activity) < self.spin {
-                std::hint::spin_loop();
+                // (Yielding: see `soft::spin_budget`.)
+                std::thread::yield_now();
                 continue;
             }
             self.sleep();

@@ -184,7 +184,10 @@ struct Engine {
 }
 
 /// How long the progress thread spins after activity before it sleeps
-/// (`EPS_FABRIC_SPIN_US`, default 50 microseconds; 0 disables spinning).
+/// (`EPS_FABRIC_SPIN_US`, default 50 microseconds; 0 disables spinning). It
+/// spins yielding the CPU (`sched_yield`): a woken thread costs little while
+/// the core is busy, and much (tens of microseconds on virtual machines)
+/// once the core has gone idle.
 pub(crate) fn spin_budget() -> std::time::Duration {
     let us = std::env::var("EPS_FABRIC_SPIN_US").ok().and_then(|v| v.parse().ok()).unwrap_or(50u64);
     std::time::Duration::from_micros(us)
@@ -299,7 +302,10 @@ impl Engine {
             if Instant::now() >= spin_until {
                 break;
             }
-            std::hint::spin_loop();
+            // Spinning, it gives way to any thread that can run: on a machine
+            // with few cores the thread it waits for may be the one it would
+            // keep off the CPU (the caller's, or a peer's progress thread).
+            std::thread::yield_now();
         }
         if !self.ring.completion().is_empty() {
             return Ok(());
