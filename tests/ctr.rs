@@ -43,7 +43,9 @@ fn ctr_reaches_the_teachers_auc_and_bsp_does_not_depend_on_the_servers() {
 #[test]
 fn adam_rows_keep_their_step_counts_across_bucket_moves() {
     let spec = common::cli::tmp("ctr", "adam").with_extension("toml");
-    std::fs::write(&spec, SMALL_CTR.replace("steps = 40", "steps = 120")).unwrap();
+    // Long enough that both bucket moves happen while it trains (its rounds
+    // take well under a millisecond).
+    std::fs::write(&spec, SMALL_CTR.replace("steps = 40", "steps = 600")).unwrap();
     let path = spec.to_str().unwrap();
     let plain = ok(&train(&["--spec", path]));
     let scaled = ok(&train(&["--spec", path, "--scale-plan", "30:servers=3,70:servers=1"]));

@@ -222,7 +222,9 @@ fn three_workers(name: &str) -> PathBuf {
     let p = tmp(name).with_extension("toml");
     std::fs::write(
         &p,
-        SMALL_JOB.replace("workers = 2", "workers = 3\nworker_lease_ms = 1000").replace("steps = 300", "steps = 150"),
+        // Long enough that a kill after step 51 (and up to 90 ms) lands
+        // while it trains: its rounds take well under a millisecond.
+        SMALL_JOB.replace("workers = 2", "workers = 3\nworker_lease_ms = 1000").replace("steps = 300", "steps = 1500"),
     )
     .unwrap();
     p

@@ -188,7 +188,9 @@ fn job_and_reference(name: &str, steps: u64, replicas: u32) -> (std::path::PathB
 #[test]
 fn a_server_cut_off_by_its_link_with_two_replicas_is_lost_and_nothing_is_lost() {
     let Some(link) = Link::new(1) else { return };
-    let (spec, want) = job_and_reference("cut", 600, 2);
+    // Long enough that the job still trains when the link comes back (the
+    // control plane must be there to tell the server it was lost).
+    let (spec, want) = job_and_reference("cut", 3000, 2);
     let mut job = Job::start(&link, spec.to_str().unwrap());
     job.wait_step(60);
     let since = job.lines.seen.len();

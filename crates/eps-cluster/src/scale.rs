@@ -102,19 +102,22 @@ pub struct ScaleOutcome {
 }
 
 /// Runs the plan on a thread: `step` is rank 0's finished steps, `spawn` asks the
-/// driver to start more processes; `initial` is (servers, workers) at the start.
+/// driver to start more processes; `initial` is (servers, workers) at the start;
+/// `tables`: the job has sparse tables, whose buckets move at every change of
+/// servers (an event waits for that move too before the next is made).
 pub fn spawn_plan(
     plan: Vec<ScaleEvent>,
     control: eps_control::ControlAddrs,
     secret: Secret,
     initial: (u32, u32),
+    tables: bool,
     step: Arc<AtomicU64>,
     spawn: Sender<Spawn>,
 ) -> Arc<Mutex<ScaleOutcome>> {
     let outcome = Arc::new(Mutex::new(ScaleOutcome::default()));
     let out = outcome.clone();
     std::thread::spawn(move || {
-        let r = run_plan(&plan, control, &secret, initial, &step, &spawn, &out);
+        let r = run_plan(&plan, control, &secret, (initial, tables), &step, &spawn, &out);
         if let Err(e) = r {
             out.lock().unwrap_or_else(|p| p.into_inner()).error = Some(e);
         }
@@ -126,7 +129,7 @@ fn run_plan(
     plan: &[ScaleEvent],
     control: eps_control::ControlAddrs,
     secret: &Secret,
-    (mut servers, mut workers): (u32, u32),
+    ((mut servers, mut workers), tables): ((u32, u32), bool),
     step: &AtomicU64,
     spawn: &Sender<Spawn>,
     out: &Mutex<ScaleOutcome>,
@@ -144,7 +147,10 @@ fn run_plan(
         let deadline = Instant::now() + Duration::from_secs(120);
         ctl.call_when_possible(&msg, deadline).map_err(|e| format!("scale event at step {} ({:?}): {e}", ev.step, ev.target))?;
         let now = step.load(Ordering::Acquire);
-        let mut min_done = out.lock().unwrap_or_else(|p| p.into_inner()).moves();
+        let (mut min_done, mut min_buckets) = {
+            let o = out.lock().unwrap_or_else(|p| p.into_inner());
+            (o.moves(), o.bucket_moves)
+        };
         match ev.target {
             Target::Servers(n) => {
                 eps_proto::say_event!(
@@ -156,6 +162,7 @@ fn run_plan(
                     let _ = spawn.send(Spawn::Servers(n - servers));
                 }
                 min_done += u64::from(n != servers);
+                min_buckets += u64::from(n != servers && tables);
                 servers = n;
             }
             Target::Workers(n) => {
@@ -171,16 +178,18 @@ fn run_plan(
             }
         }
         out.lock().unwrap_or_else(|p| p.into_inner()).events += 1;
-        wait_settled(&mut ctl, out, min_done);
+        wait_settled(&mut ctl, out, (min_done, min_buckets));
     }
     Ok(())
 }
 
 /// Follows `eps status` until no migration, split or bucket move is in flight, no server
 /// is joining, no worker change or bucket move is being voted on or waits for its workers
-/// to register, and at least `min_done` moves (migrations and bucket moves) are done (or
-/// the job ended), recording the numbers done.
-pub fn wait_settled(ctl: &mut ControlClient, out: &Mutex<ScaleOutcome>, min_done: u64) {
+/// to register, and at least `min_done` moves (migrations and bucket moves), of them
+/// `min_buckets` bucket moves, are done (or the job ended), recording the numbers done.
+/// (A change of servers moves buckets only once its vote has begun: until then
+/// nothing says a move is coming.)
+pub fn wait_settled(ctl: &mut ControlClient, out: &Mutex<ScaleOutcome>, (min_done, min_buckets): (u64, u64)) {
     let deadline = Instant::now() + Duration::from_secs(300);
     while Instant::now() < deadline {
         // The status's fields (`eps status --json`), not its words.
@@ -198,7 +207,7 @@ pub fn wait_settled(ctl: &mut ControlClient, out: &Mutex<ScaleOutcome>, min_done
             || n("servers_joining") > 0
             || yes("worker_change")
             || yes("buckets_moving");
-        if !busy && done + buckets >= min_done {
+        if !busy && done + buckets >= min_done && buckets >= min_buckets {
             return;
         }
         std::thread::sleep(Duration::from_millis(20));

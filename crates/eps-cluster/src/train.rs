@@ -145,7 +145,15 @@ fn run_once(
         let addr: eps_control::ControlAddrs =
             cluster.control_addr().parse().map_err(|_| TrainError::Child("bad control-plane address".into()))?;
         let secret = eps_fabric::Secret::new(cluster.secret()).map_err(|_| TrainError::Child("bad job secret".into()))?;
-        Some(scale::spawn_plan(plan.to_vec(), addr, secret, (spec.job.servers, spec.job.workers), step.clone(), tx))
+        Some(scale::spawn_plan(
+            plan.to_vec(),
+            addr,
+            secret,
+            (spec.job.servers, spec.job.workers),
+            !spec.model.tables.is_empty(),
+            step.clone(),
+            tx,
+        ))
     };
     let (steps, batch) = (spec.job.steps, spec.job.batch as f64);
     let mut rep = TrainReport { steps, ..TrainReport::default() };

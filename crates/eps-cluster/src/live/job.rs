@@ -211,7 +211,7 @@ fn scale_thread(
                     let _ = spawn.send(Spawn::Servers(t.servers - cur.servers));
                 }
                 let done = outcome.lock().unwrap_or_else(|e| e.into_inner()).moves() + 1;
-                wait_settled(c, &outcome, done);
+                wait_settled(c, &outcome, (done, 0));
                 cur.servers = t.servers;
                 let mut g = lock(p);
                 (g.applied, g.servers_changed) = (cur, true);
@@ -225,7 +225,7 @@ fn scale_thread(
                     let _ = spawn.send(Spawn::Workers(w - cur.workers));
                 }
                 let done = outcome.lock().unwrap_or_else(|e| e.into_inner()).moves();
-                wait_settled(c, &outcome, done);
+                wait_settled(c, &outcome, (done, 0));
                 cur.workers = w;
                 let mut g = lock(p);
                 g.applied = cur;
