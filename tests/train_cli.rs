@@ -145,6 +145,11 @@ fn bsp_scale_events_end_bitwise_equal_to_a_static_run() {
     let o = eps(&["train", "--spec", spec.to_str().unwrap(), "--consistency", "ssp", "--scale-plan", "5:workers=3"]);
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("needs a BSP job"));
+    // An event at the last step or later would find the job over.
+    let o = eps(&["train", "--spec", spec.to_str().unwrap(), "--steps", "40", "--scale-plan", "5:servers=3,40:servers=1"]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("the event at step 40 comes when the job's 40 steps are done"), "{err}");
     std::fs::remove_file(spec).ok();
 }
 

@@ -131,6 +131,12 @@ pub fn train(a: TrainArgs) -> Result<(), String> {
         }
         Some(_) => {}
     }
+    if let Some(e) = plan.iter().find(|e| e.step >= spec.job.steps) {
+        return Err(format!(
+            "--scale-plan: the event at step {} comes when the job's {} steps are done; an event must come before the last step",
+            e.step, spec.job.steps
+        ));
+    }
     let workers_change = plan.iter().any(|e| matches!(e.target, crate::train::scale::Target::Workers(_)));
     if workers_change && spec.job.consistency != eps_proto::Consistency::Bsp {
         return Err("--scale-plan with workers= needs a BSP job (SSP and ASP jobs keep their workers; servers= works)".into());

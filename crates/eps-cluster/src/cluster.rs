@@ -558,6 +558,9 @@ impl LocalCluster {
         // last asked whether shards were lost with them.
         let mut servers_died: Vec<(String, String)> = Vec::new();
         let mut asked = Instant::now();
+        // The control plane exited with success: the job is over, and a server
+        // still waiting to register (a scale event at the end) is not needed.
+        let mut job_over = false;
         loop {
             if !servers_died.is_empty() && asked.elapsed() > Duration::from_millis(500) {
                 asked = Instant::now();
@@ -590,8 +593,20 @@ impl LocalCluster {
                     // Reaped: its pid may be reused from now on.
                     self.procs.remove(c.id());
                 }
+                let unregistered = |n: &str| !self.server_ranks.iter().any(|(s, r)| s == n && r.get().is_some());
                 match exited {
+                    Ok(None) if job_over && name.starts_with("server") && unregistered(name) => {
+                        // (A process this cluster started, by its handle.)
+                        let _ = c.kill();
+                        running += 1;
+                    }
                     Ok(None) => running += 1,
+                    Ok(Some(st)) if st.success() && name.starts_with(CONTROL) => job_over = true,
+                    Ok(Some(_)) if job_over && name.starts_with("server") && unregistered(name) => {
+                        eps_proto::say!("eps train: {name} was not needed: the job ended before it registered");
+                        gone.push(i);
+                        lost_servers += 1;
+                    }
                     Ok(Some(st)) if !st.success() && tolerant && name.starts_with("worker") => {
                         eps_proto::say!(
                             "eps train: {name} (pid {}) exited with {st}; the job goes on without it once its lease runs out",

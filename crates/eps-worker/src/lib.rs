@@ -630,10 +630,13 @@ impl<P: Fabric> Worker<P> {
     /// hold the last parameters pulled) until it is dropped; nothing may be
     /// pushed or pulled after it.
     pub fn finish_in_place(&mut self) -> Result<WorkerStats, WorkerError> {
-        // In SSP/ASP the last pushes may still await their credits: drain them so the
-        // servers have applied everything before we leave.
+        // In SSP/ASP the last pushes may still await their credits, and a sparse
+        // push its WRITE's completion and its credit (in any mode): drain them so
+        // the servers have applied everything before we leave. (A WRITE its
+        // requester leaves before it completed may never be executed: the
+        // responder drops the requests of a peer that is gone.)
         let deadline = Instant::now() + self.timeout;
-        while self.credit.iter().any(|c| !c) && Instant::now() < deadline {
+        while (self.credit.iter().any(|c| !c) || !self.sparse.applied()) && Instant::now() < deadline {
             if !self.reap()? {
                 self.cq.wait(Duration::from_millis(1));
             }

@@ -65,7 +65,9 @@ impl<P: Fabric> Worker<P> {
                 )
             })
             .collect();
-        format!("waiting for {what} at iteration {t}, epoch {}: {}", self.map.epoch, shards.join("; "))
+        let tables = self.sparse.owed();
+        let sparse = if tables.is_empty() { String::new() } else { format!("; sparse pull answers owed: {}", tables.join(", ")) };
+        format!("waiting for {what} at iteration {t}, epoch {}: {}{sparse}", self.map.epoch, shards.join("; "))
     }
 
     /// Polls once; counts pull answers, "moved" answers and acknowledged hellos.

@@ -46,8 +46,8 @@ pub(crate) struct Table<P: Fabric> {
     sending: u32,
     /// The iteration last pushed.
     pushed_at: Option<u64>,
-    /// Pull answers not in yet.
-    awaiting: u32,
+    /// The servers whose pull answers are not in yet.
+    owed: Vec<u32>,
 }
 
 /// The job's tables, and which server owns each bucket.
@@ -110,7 +110,7 @@ impl<P: Fabric> Tables<P> {
                 credit: vec![true; servers as usize],
                 sending: 0,
                 pushed_at: None,
-                awaiting: 0,
+                owed: Vec::new(),
                 decl,
             });
         }
@@ -144,7 +144,12 @@ impl<P: Fabric> Tables<P> {
     pub(crate) fn on_imm(&mut self, server: u32, table: u16, m: Imm) {
         let Some(t) = self.tables.get_mut(table as usize) else { return };
         match m.kind {
-            ImmKind::PullDone => t.awaiting = t.awaiting.saturating_sub(1),
+            // (An answer from a server not asked is not counted.)
+            ImmKind::PullDone => {
+                if let Some(i) = t.owed.iter().position(|&s| s == server) {
+                    t.owed.swap_remove(i);
+                }
+            }
             ImmKind::Credit => {
                 if let Some(c) = t.credit.get_mut(server as usize) {
                     *c = true;
@@ -161,10 +166,23 @@ impl<P: Fabric> Tables<P> {
         }
     }
 
+    /// The tables whose pull answers are not all in: name and the servers
+    /// that owe them (for a stall report).
+    pub(crate) fn owed(&self) -> Vec<String> {
+        let owing = self.tables.iter().filter(|t| !t.owed.is_empty());
+        owing.map(|t| format!("table {:?} from servers {:?}", t.decl.name, t.owed)).collect()
+    }
+
+    /// Whether every push was applied: no WRITE in flight, every credit in
+    /// (and no pull unanswered).
+    pub(crate) fn applied(&self) -> bool {
+        self.quiet() && self.tables.iter().all(|t| t.credit.iter().all(|&c| c))
+    }
+
     /// Whether nothing is in flight: no pull a server may still answer into a
     /// row buffer, no push still reading its staging buffer.
     pub(crate) fn quiet(&self) -> bool {
-        self.tables.iter().all(|t| t.awaiting == 0 && t.sending == 0)
+        self.tables.iter().all(|t| t.owed.is_empty() && t.sending == 0)
     }
 }
 
@@ -294,14 +312,14 @@ impl<P: Fabric> Worker<P> {
             at = (at + n).next_multiple_of(8);
             row += r.keys.len();
         }
-        t.awaiting = reqs.len() as u32;
+        t.owed = reqs.iter().map(|r| r.server).collect();
         let imm = Imm { kind: ImmKind::PullReq, shard: sparse_id(table), seq: v as u16 }.encode();
         let off = wire::region_bytes(Op::Push, &t.decl).next_multiple_of(8) as u64;
         for (server, at, n) in posts {
             let (addr, rkey) = landing(&self.map, self.rank, server, table).ok_or(WorkerError::NoAddress(server))?;
             self.post_sparse(server, table, false, RemoteAddr { addr: addr + off, rkey }, imm, at, n)?;
         }
-        self.wait_until(|w| w.sparse.tables[table as usize].awaiting == 0, "sparse pull answers")?;
+        self.wait_until(|w| w.sparse.tables[table as usize].owed.is_empty(), "sparse pull answers")?;
         self.count_pulled((row * dim * elem) as u64);
         let index = d.of.iter().map(|&u| slot[u as usize]).collect();
         let t = &mut self.sparse.tables[table as usize];
