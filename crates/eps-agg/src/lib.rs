@@ -27,6 +27,8 @@ pub mod reduce;
 #[allow(unsafe_code)]
 mod simd;
 
+pub use simd::prefetch;
+
 pub use device::{Attached, Attachments, DeviceShard, HostDevice, Out, ShardDevice};
 pub use optim::{Decay, LrSchedule, Optimizer, StepScalars};
 

@@ -1,5 +1,6 @@
 //! Run-time CPU feature dispatch: the only place in eps-agg with `unsafe`, which is
-//! what calling a function compiled for CPU features the build does not assume takes.
+//! what calling a function compiled for CPU features the build does not assume takes
+//! (and a prefetch hint, which is an intrinsic too).
 //!
 //! f32 and bf16 sums auto-vectorize well for the baseline target (they run at memory
 //! bandwidth); the f16 widening does not, so on x86-64 CPUs with F16C it gets an
@@ -21,6 +22,21 @@ pub fn sum_f16(inputs: &[&[u16]], out: &mut [f32], first: bool) -> bool {
     }
     let _ = (inputs, out, first);
     false
+}
+
+/// Asks the CPU to bring the cache line holding `at` closer (a hint: it
+/// never faults and changes nothing, whatever the address). Lookups that
+/// know their next addresses overlap their misses with it.
+#[inline(always)]
+pub fn prefetch<T>(at: *const T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: SSE is part of every x86-64 CPU, and a prefetch neither reads
+    // memory the program sees nor faults on any address.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(at.cast())
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = at;
 }
 
 #[cfg(target_arch = "x86_64")]

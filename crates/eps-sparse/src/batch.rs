@@ -5,6 +5,7 @@
 
 use crate::SparseError;
 use crate::bucket::{BUCKETS, bucket_of};
+use crate::index::KeyIndex;
 
 /// A batch's distinct keys, and for each position of the batch which of
 /// them it is.
@@ -18,17 +19,24 @@ pub struct Dedup {
 
 /// Deduplicates `batch`.
 pub fn dedup(batch: &[u64]) -> Dedup {
-    let mut at: crate::bucket::KeyMap<u32> = crate::bucket::key_map(batch.len());
+    let mut at = KeyIndex::new();
+    at.reserve(batch.len());
     let mut keys = Vec::new();
-    let of = batch
-        .iter()
-        .map(|&k| {
-            *at.entry(k).or_insert_with(|| {
+    let mut of = Vec::with_capacity(batch.len());
+    for (i, &k) in batch.iter().enumerate() {
+        // (Each key's line asked for a few keys ahead: the misses overlap.)
+        if let Some(&next) = batch.get(i + 8) {
+            at.prefetch(next);
+        }
+        of.push(match at.entry(k) {
+            Ok(u) => u,
+            Err(place) => {
                 keys.push(k);
+                at.fill(place, k, keys.len() as u32 - 1);
                 keys.len() as u32 - 1
-            })
-        })
-        .collect();
+            }
+        });
+    }
     Dedup { keys, of }
 }
 

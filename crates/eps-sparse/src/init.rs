@@ -22,17 +22,19 @@ impl Init {
         match *self {
             Init::Zeros => row.fill(0.0),
             Init::Uniform { scale } => {
-                // A wyrand stream seeded by the table's seed and the key: two
-                // 24-bit uniforms per 64-bit draw.
-                let mut state = mix(seed ^ mix(key));
-                let unit = |bits: u64| ((bits >> 8) & 0xFF_FFFF) as f32 / (1u32 << 24) as f32;
-                for pair in row.chunks_mut(2) {
-                    state = state.wrapping_add(0xa076_1d64_78bd_642f);
-                    let t = u128::from(state) * u128::from(state ^ 0xe703_7ed1_a0b4_28db);
-                    let r = (t >> 64) as u64 ^ t as u64;
-                    for (x, bits) in pair.iter_mut().zip([r, r >> 32]) {
-                        *x = (2.0 * unit(bits) - 1.0) * scale;
-                    }
+                // Element `j` is a 32-bit hash of (row seed, j), each apart
+                // from the others: a loop the compiler vectorizes.
+                let base = mix(seed ^ mix(key));
+                let (lo, hi) = (base as u32, (base >> 32) as u32);
+                let step = 2.0 / (1u32 << 24) as f32;
+                for (j, x) in row.iter_mut().enumerate() {
+                    let mut h = (lo ^ (j as u32).wrapping_mul(0x9e37_79b9)).wrapping_add(hi);
+                    h ^= h >> 16;
+                    h = h.wrapping_mul(0x85eb_ca6b);
+                    h ^= h >> 13;
+                    h = h.wrapping_mul(0xc2b2_ae35);
+                    h ^= h >> 16;
+                    *x = ((h >> 8) as f32 * step - 1.0) * scale;
                 }
             }
         }
@@ -57,6 +59,17 @@ mod tests {
         assert!(a.iter().chain(&c).all(|x| (-0.05..0.05).contains(x)), "{a:?}");
         // Not all alike within a row.
         assert!(a.iter().any(|x| *x != a[0]));
+        // Spread over the range: the mean of many rows' values is near 0,
+        // their mean square near scale^2 / 3 (a uniform's).
+        let mut row = [0f32; 64];
+        let (mut sum, mut sq, mut n) = (0f64, 0f64, 0f64);
+        for key in 0..2000u64 {
+            Init::Uniform { scale: 1.0 }.fill(3, key, &mut row);
+            for &x in &row {
+                (sum, sq, n) = (sum + f64::from(x), sq + f64::from(x * x), n + 1.0);
+            }
+        }
+        assert!((sum / n).abs() < 0.01 && (sq / n - 1.0 / 3.0).abs() < 0.01, "mean {} mean square {}", sum / n, sq / n);
         Init::Zeros.fill(7, 42, &mut a);
         assert_eq!(a, [0.0; 16]);
     }

@@ -12,9 +12,11 @@
 pub mod batch;
 pub mod bucket;
 pub mod decl;
+pub mod index;
 pub mod init;
 pub mod moves;
 pub mod optim;
+mod pages;
 pub mod part;
 pub mod table;
 pub mod wire;

@@ -2,7 +2,9 @@
 //! and optimizer state side by side in one arena, a key index, and slots of
 //! evicted rows reused. Memory follows the rows that exist, not the key space.
 
-use crate::bucket::{KeyMap, key_map};
+use crate::bucket::key_map;
+use crate::index::{KeyIndex, Vacant};
+use crate::pages::Spare;
 use crate::{Init, RowOptimizer, SparseError};
 
 /// The largest row dimension.
@@ -37,6 +39,13 @@ struct Meta {
     last: u64,
 }
 
+/// The most rows a table holds (slots are u32, one value marks a free place
+/// of the index).
+const MAX_SLOTS: usize = u32::MAX as usize - 1;
+
+/// How many keys ahead lookups ask for the lines they will need.
+const AHEAD: usize = 8;
+
 /// Bytes of one page of rows (at least one row a page).
 const PAGE_BYTES: usize = 1 << 20;
 
@@ -51,9 +60,11 @@ pub struct RowTable {
     pages: Vec<Box<[f32]>>,
     page_rows: usize,
     meta: Vec<Meta>,
-    index: KeyMap<u32>,
+    index: KeyIndex,
     /// Slots of evicted rows.
     free: Vec<u32>,
+    /// The next pages, made ready off the critical path.
+    spare: Spare,
     evicted: u64,
     /// Rows not created because the table was full.
     refused: u64,
@@ -73,8 +84,9 @@ impl RowTable {
             pages: Vec::new(),
             page_rows,
             meta: Vec::new(),
-            index: key_map(0),
+            index: KeyIndex::new(),
             free: Vec::new(),
+            spare: Spare::default(),
             evicted: 0,
             refused: 0,
         })
@@ -109,14 +121,14 @@ impl RowTable {
     /// What the table holds on the heap, slack included (arena, bookkeeping,
     /// index).
     pub fn heap_bytes(&self) -> usize {
-        let index = self.index.capacity() * (std::mem::size_of::<(u64, u32)>() + 1);
+        let index = self.index.heap_bytes();
         let pages = self.pages.len() * self.page_rows * self.stride * 4;
         pages + self.meta.capacity() * std::mem::size_of::<Meta>() + index + self.free.capacity() * 4
     }
 
     /// The row of `key`, if held.
     pub fn row(&self, key: u64) -> Option<&[f32]> {
-        let s = *self.index.get(&key)? as usize;
+        let s = self.index.get(key)? as usize;
         Some(&self.row_state(s)[..self.spec.dim])
     }
 
@@ -131,19 +143,10 @@ impl RowTable {
         self.pages[s / self.page_rows][o..o + self.stride].split_at_mut(self.spec.dim)
     }
 
-    /// The slot of `key`'s row, touched at `now`, if held.
-    fn touch(&mut self, key: u64, now: u64) -> Option<usize> {
-        let s = *self.index.get(&key)? as usize;
-        let m = &mut self.meta[s];
-        m.touches = m.touches.saturating_add(1);
-        m.last = now;
-        Some(s)
-    }
-
-    /// The slot of a new row for `key` (not held), initialized; `None` if
-    /// the table is full.
-    fn create(&mut self, key: u64, now: u64) -> Option<usize> {
-        if self.len() >= self.spec.max_rows {
+    /// A new row for `key` (not held) in `at` of the index, initialized;
+    /// `None` if the table is full.
+    fn create_at(&mut self, at: Vacant, key: u64, now: u64) -> Option<usize> {
+        if self.len() >= self.spec.max_rows.min(MAX_SLOTS) {
             self.refused += 1;
             return None;
         }
@@ -152,7 +155,7 @@ impl RowTable {
         let (values, state) = self.row_state_mut(s);
         spec.init.fill(seed, key, values);
         spec.opt.init_state(state);
-        self.index.insert(key, s as u32);
+        self.index.fill(at, key, s as u32);
         Some(s)
     }
 
@@ -167,7 +170,8 @@ impl RowTable {
             None => {
                 self.meta.push(meta);
                 if self.meta.len() > self.pages.len() * self.page_rows {
-                    self.pages.push(vec![0.0; self.page_rows * self.stride].into_boxed_slice());
+                    let page = self.spare.take(self.page_rows * self.stride);
+                    self.pages.push(page);
                 }
                 self.meta.len() - 1
             }
@@ -181,34 +185,67 @@ impl RowTable {
     pub fn pull(&mut self, keys: &[u64], now: u64, out: &mut [f32]) -> Result<(), SparseError> {
         let dim = self.spec.dim;
         check("pull buffer", out.len(), keys.len(), dim)?;
-        // Lookups first, then the rows: independent loads the CPU overlaps,
-        // where a lookup followed by its row's copy waits on each in turn.
-        let slots = self.slots(keys, now);
-        for ((&k, s), o) in keys.iter().zip(slots).zip(out.chunks_exact_mut(dim)) {
+        let mut rows = out.chunks_exact_mut(dim);
+        self.each_slot(keys, now, dim, |t, k, s| {
+            let Some(o) = rows.next() else { return };
             match s {
-                Some(s) => o.copy_from_slice(&self.row_state(s)[..dim]),
-                None => self.spec.init.fill(self.spec.seed, k, o),
+                Some(s) => o.copy_from_slice(&t.row_state(s)[..dim]),
+                None => t.spec.init.fill(t.spec.seed, k, o),
             }
-        }
+        });
         Ok(())
     }
 
-    /// The slots of `keys`' rows, touched at `now`, created where not held
-    /// (`None` where a full table cannot).
-    fn slots(&mut self, keys: &[u64], now: u64) -> Vec<Option<usize>> {
-        let mut slots: Vec<Option<usize>> = keys.iter().map(|k| self.index.get(k).map(|&s| s as usize)).collect();
-        for (&k, s) in keys.iter().zip(slots.iter_mut()) {
-            match *s {
-                Some(i) => {
-                    let m = &mut self.meta[i];
-                    m.touches = m.touches.saturating_add(1);
-                    m.last = now;
+    /// Finds (or creates) the row of each of `keys` in turn, touched at
+    /// `now`, and hands `f` the key and its slot (`None` where a full table
+    /// cannot create it), in order. Lookups are independent loads: each
+    /// key's index line is asked for a few keys ahead of its lookup, and a
+    /// row found has its bookkeeping and first `values` values asked for a
+    /// few keys ahead of `f`, so that the cache misses overlap. (A key twice
+    /// in `keys` is created once: the second finds it.)
+    fn each_slot(&mut self, keys: &[u64], now: u64, values: usize, mut f: impl FnMut(&mut Self, u64, Option<usize>)) {
+        self.index.reserve(keys.len());
+        let mut slots: Vec<(Option<usize>, bool)> = Vec::with_capacity(keys.len());
+        for (i, &k) in keys.iter().enumerate() {
+            if let Some(&next) = keys.get(i + AHEAD) {
+                self.index.prefetch(next);
+            }
+            let s = match self.index.entry(k) {
+                Ok(s) => {
+                    self.prefetch_row(s as usize, values);
+                    (Some(s as usize), true)
                 }
-                // (A key twice in `keys` is created once: the second finds it.)
-                None => *s = self.touch(k, now).or_else(|| self.create(k, now)),
+                Err(at) => (self.create_at(at, k, now), false),
+            };
+            slots.push(s);
+            if let Some(j) = i.checked_sub(AHEAD) {
+                self.visit(keys[j], slots[j], now, &mut f);
             }
         }
-        slots
+        for j in keys.len().saturating_sub(AHEAD)..keys.len() {
+            self.visit(keys[j], slots[j], now, &mut f);
+        }
+    }
+
+    /// Touches a row found (created ones were touched by their creation), then `f`.
+    fn visit(&mut self, k: u64, (s, found): (Option<usize>, bool), now: u64, f: &mut impl FnMut(&mut Self, u64, Option<usize>)) {
+        if let (Some(s), true) = (s, found) {
+            let m = &mut self.meta[s];
+            m.touches = m.touches.saturating_add(1);
+            m.last = now;
+        }
+        f(self, k, s)
+    }
+
+    /// Asks for slot `s`'s bookkeeping and the lines of its first `values`
+    /// values and state.
+    fn prefetch_row(&self, s: usize, values: usize) {
+        eps_agg::prefetch(&self.meta[s]);
+        let o = (s % self.page_rows) * self.stride;
+        let page = &self.pages[s / self.page_rows];
+        for at in (o..o + values.min(self.stride)).step_by(16) {
+            eps_agg::prefetch(&page[at]);
+        }
     }
 
     /// Steps the rows of `keys` (each once: see [`sum_duplicates`]) with
@@ -231,14 +268,15 @@ impl RowTable {
     pub(crate) fn push_distinct(&mut self, keys: &[u64], grads: &[f32], lr: f32, now: u64) {
         let (dim, opt) = (self.spec.dim, self.spec.opt);
         debug_assert_eq!(grads.len(), keys.len() * dim);
-        let slots = self.slots(keys, now);
-        for (s, g) in slots.into_iter().zip(grads.chunks_exact(dim)) {
-            let Some(s) = s else { continue };
-            let t = self.meta[s].steps;
-            self.meta[s].steps += 1;
-            let (values, state) = self.row_state_mut(s);
-            opt.step(lr, t, values, g, state);
-        }
+        let mut rows = grads.chunks_exact(dim);
+        // (Values and state: the whole row.)
+        self.each_slot(keys, now, usize::MAX, |t, _, s| {
+            let (Some(g), Some(s)) = (rows.next(), s) else { return };
+            let step = t.meta[s].steps;
+            t.meta[s].steps += 1;
+            let (values, state) = t.row_state_mut(s);
+            opt.step(lr, step, values, g, state);
+        });
     }
 
     /// Takes out the rows whose key `dest` sends somewhere: row `r` goes to
@@ -249,7 +287,7 @@ impl RowTable {
         let mut counts = vec![0u64; outs.len()];
         for s in 0..self.meta.len() {
             let m = self.meta[s];
-            if self.index.get(&m.key) != Some(&(s as u32)) {
+            if self.index.get(m.key) != Some(s as u32) {
                 continue; // a free slot
             }
             let Some(i) = dest(m.key).filter(|&i| i < outs.len()) else { continue };
@@ -261,7 +299,7 @@ impl RowTable {
             out.extend_from_slice(&0u32.to_le_bytes());
             out.extend_from_slice(bytemuck::cast_slice(self.row_state(s)));
             counts[i] += 1;
-            self.index.remove(&m.key);
+            self.index.remove(m.key);
             self.free.push(s as u32);
         }
         counts
@@ -278,7 +316,7 @@ impl RowTable {
         }
         let u64_at = |r: &[u8], i: usize| u64::from_le_bytes(r[i * 8..i * 8 + 8].try_into().unwrap_or_default());
         let mut seen = key_map::<()>(rows as usize);
-        let clash = |k: &u64| self.index.contains_key(k) || seen.insert(*k, ()).is_some();
+        let clash = |k: &u64| self.index.contains(*k) || seen.insert(*k, ()).is_some();
         if let Some(k) = bytes.chunks_exact(rec).map(|r| u64_at(r, 0)).find(clash) {
             return Err(SparseError::Rows(format!("key {k} arrived twice, or is already held here")));
         }
@@ -308,13 +346,13 @@ impl RowTable {
         let before = self.len();
         for s in 0..self.meta.len() {
             let m = self.meta[s];
-            if self.index.get(&m.key) != Some(&(s as u32)) {
+            if self.index.get(m.key) != Some(s as u32) {
                 continue; // a free slot
             }
             let idle = now.saturating_sub(m.last) > idle_steps;
             let rare = m.touches < min_touches && now.saturating_sub(m.created) >= idle_steps;
             if idle || rare {
-                self.index.remove(&m.key);
+                self.index.remove(m.key);
                 self.free.push(s as u32);
             }
         }
