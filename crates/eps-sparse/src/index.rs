@@ -1,7 +1,8 @@
 //! A table's key index: key to row slot, in one flat array probed linearly
 //! from the key's mixed bits, at most half full. A lookup is one cache line
-//! most of the time; a batch of lookups prefetches the lines of the keys a
-//! few places ahead, so their misses overlap instead of coming one by one.
+//! most of the time; a caller with a batch of keys asks for the lines of the
+//! keys a few places ahead ([`KeyIndex::prefetch`]), so that their misses
+//! overlap instead of coming one by one.
 //! Removal shifts the entries after it back (no tombstones: lookups stay as
 //! short as the load allows).
 
@@ -19,8 +20,6 @@ const EMPTY: u32 = u32::MAX;
 const FREE: Entry = Entry { key: 0, slot: EMPTY };
 /// Places before the first growth.
 const MIN_PLACES: usize = 16;
-/// How far ahead a batch prefetches.
-const AHEAD: usize = 8;
 
 /// A free place of the index, for one key (see [`KeyIndex::entry`]).
 #[derive(Debug)]
@@ -96,25 +95,6 @@ impl KeyIndex {
     /// Whether `key` is held.
     pub fn contains(&self, key: u64) -> bool {
         self.get(key).is_some()
-    }
-
-    /// The slots of `keys`, in order, into `out` (`None` where not held):
-    /// each key's line is prefetched a few keys ahead of its lookup.
-    pub fn get_batch(&self, keys: &[u64], out: &mut Vec<Option<u32>>) {
-        out.clear();
-        if self.places.is_empty() {
-            out.resize(keys.len(), None);
-            return;
-        }
-        for k in keys.iter().take(AHEAD) {
-            self.prefetch(*k);
-        }
-        for (i, &k) in keys.iter().enumerate() {
-            if let Some(&next) = keys.get(i + AHEAD) {
-                self.prefetch(next);
-            }
-            out.push(self.get(k));
-        }
     }
 
     /// The slot of `key` if held, else the place where [`KeyIndex::fill`]
@@ -244,9 +224,6 @@ mod tests {
         for &k in &keys {
             assert_eq!(idx.get(k), reference.get(&k).copied(), "get {k}");
         }
-        let mut out = Vec::new();
-        idx.get_batch(&keys, &mut out);
-        assert!(keys.iter().zip(&out).all(|(k, s)| *s == reference.get(k).copied()));
         assert!(idx.places.len() >= 2 * idx.len());
         // Found, or placed where `entry` says.
         idx.reserve(10);
@@ -261,8 +238,6 @@ mod tests {
     fn an_empty_index_finds_nothing() {
         let mut idx = KeyIndex::new();
         assert_eq!((idx.get(7), idx.remove(7), idx.len()), (None, None, 0));
-        let mut out = Vec::new();
-        idx.get_batch(&[1, 2], &mut out);
-        assert_eq!(out, vec![None, None]);
+        idx.prefetch(7);
     }
 }
