@@ -142,6 +142,12 @@ impl KeyIndex {
         }
     }
 
+    /// Forgets every key, keeping the room.
+    pub fn clear(&mut self) {
+        self.places.fill(FREE);
+        self.len = 0;
+    }
+
     /// Room for `n` more keys without growing.
     pub fn reserve(&mut self, n: usize) {
         let want = (self.len + n) * 2;
@@ -225,6 +231,9 @@ mod tests {
             assert_eq!(idx.get(k), reference.get(&k).copied(), "get {k}");
         }
         assert!(idx.places.len() >= 2 * idx.len());
+        let room = idx.places.len();
+        idx.clear();
+        assert_eq!((idx.len(), idx.get(keys[0]), idx.places.len()), (0, None, room));
         // Found, or placed where `entry` says.
         idx.reserve(10);
         for k in [1u64 << 40, (1 << 40) + 1] {

@@ -9,6 +9,7 @@ use eps_proto::sync::ShardSync;
 
 use crate::bucket::bucket_of;
 use crate::decl::Declared;
+use crate::index::KeyIndex;
 #[cfg(doc)]
 use crate::table::sum_duplicates;
 use crate::{RowTable, SparseError};
@@ -157,7 +158,7 @@ pub fn merge(contributions: &[(&[u64], &[f32])], dim: usize) -> Result<(Vec<u64>
 /// touches no fresh memory).
 #[derive(Debug, Default)]
 pub struct Merger {
-    at: crate::bucket::KeyMap<u32>,
+    at: KeyIndex,
     keys: Vec<u64>,
     rows: Vec<f32>,
 }
@@ -171,17 +172,22 @@ impl Merger {
             }
         }
         self.at.clear();
+        self.at.reserve(contributions.iter().map(|(k, _)| k.len()).sum());
         self.keys.clear();
         self.rows.clear();
         for (k, r) in contributions {
-            for (key, row) in k.iter().zip(r.chunks_exact(dim)) {
-                match self.at.get(key) {
-                    Some(&i) => {
-                        let i = i as usize * dim;
-                        self.rows[i..i + dim].iter_mut().zip(row).for_each(|(a, b)| *a += *b);
+            for (i, (key, row)) in k.iter().zip(r.chunks_exact(dim)).enumerate() {
+                // (Lines asked for a few keys ahead: the misses overlap.)
+                if let Some(&next) = k.get(i + 8) {
+                    self.at.prefetch(next);
+                }
+                match self.at.entry(*key) {
+                    Ok(u) => {
+                        let u = u as usize * dim;
+                        self.rows[u..u + dim].iter_mut().zip(row).for_each(|(a, b)| *a += *b);
                     }
-                    None => {
-                        self.at.insert(*key, self.keys.len() as u32);
+                    Err(place) => {
+                        self.at.fill(place, *key, self.keys.len() as u32);
                         self.keys.push(*key);
                         self.rows.extend_from_slice(row);
                     }
