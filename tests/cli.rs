@@ -149,6 +149,18 @@ fn agg_and_pushpull_benches_report_their_fields() {
     assert!(text(&o).contains("ping-pong on loopback"), "{}", text(&o));
     let o = eps(&["bench", "agg", "--dtype", "f64"]);
     assert!(!o.status.success() && text(&o).contains("f64"));
+    // One table in the process: a new row's and a held row's cost, against a
+    // copy of the row's bytes.
+    let o = eps(&["bench", "sparse", "--table", "--dim", "8", "--keys", "2000", "--iters", "3", "--json"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    let last = out.lines().last().unwrap();
+    for k in ["new_row_ns", "held_row_ns", "memcpy_row_ns"] {
+        assert!(json_field(last, k) > 0.0, "{k}: {last}");
+    }
+    assert_eq!(json_field(last, "row_bytes"), 64.0, "dim 8, adagrad: values and accumulators: {last}");
+    let o = eps(&["bench", "sparse", "--table", "--optimizer", "lamb"]);
+    assert!(!o.status.success() && text(&o).contains("lamb"), "{}", text(&o));
 }
 
 #[test]

@@ -280,6 +280,11 @@ pub struct SparseArgs {
     /// The row-wise optimizer: sgd, momentum, nesterov, adam, adamw or adagrad.
     #[arg(long, default_value = "adagrad")]
     optimizer: String,
+    /// Measure one table in this process instead (no fabric, no other
+    /// process): a pull's cost per new row and per held row, on a table of
+    /// 500,000 rows, pulls of --keys distinct ids, --iters of each.
+    #[arg(long)]
+    table: bool,
     /// Also print one JSON object with the results as the last line of stdout.
     #[arg(long)]
     json: bool,
@@ -287,6 +292,9 @@ pub struct SparseArgs {
 
 fn bench_sparse(a: SparseArgs) -> Result<(), String> {
     use eps_bench::sparse::{SparseBench, run};
+    if a.table {
+        return crate::bench::rows::bench(a.dim, a.keys, a.iters, &a.optimizer, a.json);
+    }
     let keys = u32::try_from(a.keys).map_err(|_| format!("--keys {}: at most {}", a.keys, eps_proto::spec::MAX_KEYS))?;
     eps_proto::say!(
         "eps bench sparse: rows={} dim={} keys={} zipf={} workers={} servers={} iters={} optimizer={}",

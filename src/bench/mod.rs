@@ -9,5 +9,6 @@ pub mod cli;
 pub mod gpu;
 pub mod plot;
 pub mod replicas;
+pub mod rows;
 
 pub use crate::json::Json;

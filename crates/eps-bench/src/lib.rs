@@ -11,6 +11,8 @@
 //! - [`pushpull`]: push/pull rounds of one worker and one server; below
 //!   1 MiB against [`pingpong`], a 64-byte TCP ping-pong polling and blocking.
 //! - [`sparse`]: sparse pulls and pushes of a large table.
+//! - [`rows`]: one table's pull in this process: a new row's cost and a held
+//!   row's, against a memory copy of a row.
 //! - [`migrate`]: a live migration while workers push and pull.
 //! - [`calibrate`]: the scheduler's cluster model, measured.
 
@@ -20,4 +22,5 @@ pub mod fabric;
 pub mod migrate;
 pub mod pingpong;
 pub mod pushpull;
+pub mod rows;
 pub mod sparse;
