@@ -627,13 +627,13 @@ impl LocalCluster {
                         lost_servers += 1;
                     }
                     Ok(Some(st)) if !st.success() && name.starts_with("server") => {
-                        let name = name.clone();
-                        if !self.server_ranks.iter().any(|(n, r)| *n == name && r.get().is_some()) {
+                        if unregistered(name) {
                             // It held nothing: say so rather than name lost shards.
                             return Err(TrainError::Child(format!(
                                 "{name} exited with {st} before it registered with the control plane (see its messages above); stopped the cluster"
                             )));
                         }
+                        let name = name.clone();
                         return Err(self.server_lost(name, st.to_string()));
                     }
                     Ok(Some(st)) if !st.success() => {

@@ -19,24 +19,14 @@ pub struct Dedup {
 
 /// Deduplicates `batch`.
 pub fn dedup(batch: &[u64]) -> Dedup {
-    let mut at = KeyIndex::new();
-    at.reserve(batch.len());
     let mut keys = Vec::new();
     let mut of = Vec::with_capacity(batch.len());
-    for (i, &k) in batch.iter().enumerate() {
-        // (Each key's line asked for a few keys ahead: the misses overlap.)
-        if let Some(&next) = batch.get(i + 8) {
-            at.prefetch(next);
+    KeyIndex::new().number(batch, |i, n, new| {
+        if new {
+            keys.push(batch[i]);
         }
-        of.push(match at.entry(k) {
-            Ok(u) => u,
-            Err(place) => {
-                keys.push(k);
-                at.fill(place, k, keys.len() as u32 - 1);
-                keys.len() as u32 - 1
-            }
-        });
-    }
+        of.push(n);
+    });
     Dedup { keys, of }
 }
 

@@ -18,6 +18,8 @@ struct Entry {
 
 const EMPTY: u32 = u32::MAX;
 const FREE: Entry = Entry { key: 0, slot: EMPTY };
+/// How many keys ahead [`KeyIndex::number`] asks for lines.
+const AHEAD: usize = 8;
 /// Places before the first growth.
 const MIN_PLACES: usize = 16;
 
@@ -113,6 +115,28 @@ impl KeyIndex {
         debug_assert!(self.places[at.0].slot == EMPTY && slot != EMPTY);
         self.places[at.0] = Entry { key, slot };
         self.len += 1;
+    }
+
+    /// Numbers the distinct keys of `keys` in first-seen order, going on
+    /// from the keys held (an index that holds only numbered keys): calls
+    /// `f(i, n, new)` for each position `i`, `n` its key's number, `new`
+    /// whether the key was first seen there. Each key's line is asked for a
+    /// few keys ahead of its lookup.
+    pub fn number(&mut self, keys: &[u64], mut f: impl FnMut(usize, u32, bool)) {
+        self.reserve(keys.len());
+        for (i, &k) in keys.iter().enumerate() {
+            if let Some(&next) = keys.get(i + AHEAD) {
+                self.prefetch(next);
+            }
+            match self.entry(k) {
+                Ok(n) => f(i, n, false),
+                Err(place) => {
+                    let n = self.len as u32;
+                    self.fill(place, k, n);
+                    f(i, n, true)
+                }
+            }
+        }
     }
 
     /// Asks for `key`'s home line ahead of its lookup.

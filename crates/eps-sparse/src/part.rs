@@ -172,27 +172,20 @@ impl Merger {
             }
         }
         self.at.clear();
-        self.at.reserve(contributions.iter().map(|(k, _)| k.len()).sum());
         self.keys.clear();
         self.rows.clear();
+        let (keys, rows) = (&mut self.keys, &mut self.rows);
         for (k, r) in contributions {
-            for (i, (key, row)) in k.iter().zip(r.chunks_exact(dim)).enumerate() {
-                // (Lines asked for a few keys ahead: the misses overlap.)
-                if let Some(&next) = k.get(i + 8) {
-                    self.at.prefetch(next);
+            self.at.number(k, |i, n, new| {
+                let row = &r[i * dim..(i + 1) * dim];
+                if new {
+                    keys.push(k[i]);
+                    rows.extend_from_slice(row);
+                } else {
+                    let n = n as usize * dim;
+                    rows[n..n + dim].iter_mut().zip(row).for_each(|(a, b)| *a += *b);
                 }
-                match self.at.entry(*key) {
-                    Ok(u) => {
-                        let u = u as usize * dim;
-                        self.rows[u..u + dim].iter_mut().zip(row).for_each(|(a, b)| *a += *b);
-                    }
-                    Err(place) => {
-                        self.at.fill(place, *key, self.keys.len() as u32);
-                        self.keys.push(*key);
-                        self.rows.extend_from_slice(row);
-                    }
-                }
-            }
+            });
         }
         Ok((&self.keys, &mut self.rows))
     }
