@@ -30,6 +30,7 @@ pub mod mixed;
 pub mod shm;
 pub mod soft;
 pub mod span;
+pub mod spin;
 pub mod stats;
 pub mod wire;
 
@@ -37,6 +38,7 @@ pub use api::*;
 pub use error::{FabricError, Result, WcStatus};
 pub use mem::RegionBuf;
 pub use span::Span;
+pub use spin::Spin;
 
 /// Everything a user of the fabric needs in scope.
 pub mod prelude {

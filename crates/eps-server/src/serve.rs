@@ -79,7 +79,9 @@ impl<P: Fabric> Server<P> {
         orders: &Receiver<Result<Order, ControlError>>,
     ) -> Result<(), ServerError> {
         let mut wc = [Completion::EMPTY; 64];
-        let mut last = Instant::now();
+        // Spinning after work: 200 us, or twice the recent gaps between bursts
+        // when they are under 5 ms (a large round's).
+        let mut spin = eps_fabric::Spin::new(Duration::from_micros(200), Duration::from_millis(5));
         let mut told = false;
         // Completions of accepted connections not handed over yet (their receives
         // are posted before the peer can send, on the acceptor's thread).
@@ -116,16 +118,16 @@ impl<P: Fabric> Server<P> {
                 self.on_completion(&c)?;
             }
             if k > 0 {
-                last = Instant::now();
+                spin.worked();
                 told = false;
-            } else if last.elapsed() <= Duration::from_micros(200) {
+            } else if spin.spinning() {
                 // Spinning, it gives way to any thread that can run (the
                 // progress threads that bring what it waits for, on a
                 // machine with few cores).
                 std::thread::yield_now();
             } else {
                 self.cq.wait(Duration::from_millis(1));
-                if !told && last.elapsed() > STALL_REPORT {
+                if !told && spin.last().elapsed() > STALL_REPORT {
                     told = true;
                     self.report_stall();
                 }

@@ -175,6 +175,8 @@ pub struct Worker<P: Fabric = SoftPd> {
     metrics: metrics::Metrics,
     ctl: ControlClient,
     timeout: Duration,
+    /// How long a wait spins before it sleeps (learns the rounds' gaps).
+    spin: eps_fabric::Spin,
     hello: P::Mr,
     /// The job's sparse tables.
     sparse: sparse::Tables<P>,
@@ -304,6 +306,7 @@ impl<P: Fabric> Worker<P> {
             metrics,
             ctl,
             timeout: cfg.timeout,
+            spin: eps_fabric::Spin::new(Duration::from_micros(200), Duration::from_millis(5)),
             hello,
             sparse,
             pd,

@@ -15,19 +15,19 @@ const STALL_REPORT: Duration = Duration::from_secs(10);
 
 impl<P: Fabric> Worker<P> {
     /// Reaps completions until `done` holds: spinning (and yielding) while they
-    /// flow, sleeping on the CQ after 200 us without any; fails after the
-    /// worker's timeout.
+    /// flow, sleeping on the CQ after 200 us without any, or as long as twice
+    /// the recent rounds' gaps when those are under 5 ms ([`eps_fabric::Spin`]);
+    /// fails after the worker's timeout.
     pub(crate) fn wait_until(&mut self, done: impl Fn(&Self) -> bool, what: &'static str) -> Result<(), WorkerError> {
         let deadline = Instant::now() + self.timeout;
-        let mut idle = Instant::now();
         let mut looked = Instant::now();
         let mut told = false;
         while !done(self) {
             if self.reap()? {
-                idle = Instant::now();
+                self.spin.worked();
             } else if Instant::now() > deadline {
                 return Err(WorkerError::Timeout(what));
-            } else if idle.elapsed() <= Duration::from_micros(200) {
+            } else if self.spin.spinning() {
                 // Spinning, it gives way to any thread that can run (the
                 // progress threads that bring what it waits for, on a
                 // machine with few cores).
@@ -38,7 +38,7 @@ impl<P: Fabric> Worker<P> {
                     looked = Instant::now();
                     self.notice_lost_servers();
                 }
-                if !told && idle.elapsed() > STALL_REPORT {
+                if !told && self.spin.last().elapsed() > STALL_REPORT {
                     told = true;
                     eps_proto::say!("eps worker {}: nothing came for {:?}: {}", self.rank, STALL_REPORT, self.waiting_for(what));
                 }

@@ -130,14 +130,13 @@ struct Engine {
     shared: Arc<EngineShared>,
     mrs: Arc<MrTable>,
     conns: Vec<Conn>,
-    spin: Duration,
+    spin: crate::spin::Spin,
     /// The wake eventfd and every QP socket, for `poll(2)` (kept to reuse).
     fds: Vec<libc::pollfd>,
 }
 
 impl Engine {
     fn run(mut self) {
-        let mut last_activity = Instant::now();
         let mut last_check = Instant::now();
         loop {
             if self.shared.stop.load(Ordering::Acquire) {
@@ -158,16 +157,17 @@ impl Engine {
             }
             self.conns.retain(|c| !c.qp.is_error());
             if busy {
-                last_activity = now;
+                self.spin.worked();
                 continue;
             }
-            if now.duration_since(last_activity) < self.spin {
+            if self.spin.spinning() {
                 // (Yielding: see `soft::spin_budget`.)
                 std::thread::yield_now();
                 continue;
             }
             self.sleep();
-            last_activity = Instant::now();
+            // The sleep counts as a gap between bursts; it spins again after it.
+            self.spin.worked();
         }
     }
 

@@ -179,18 +179,18 @@ struct Engine {
     scratch: Box<[u8]>,
     rnr: Vec<usize>,
     cqes: Vec<(u64, i32)>,
-    last_activity: Instant,
-    spin: std::time::Duration,
+    spin: crate::spin::Spin,
 }
 
-/// How long the progress thread spins after activity before it sleeps
-/// (`EPS_FABRIC_SPIN_US`, default 50 microseconds; 0 disables spinning). It
-/// spins yielding the CPU (`sched_yield`): a woken thread costs little while
-/// the core is busy, and much (tens of microseconds on virtual machines)
-/// once the core has gone idle.
-pub(crate) fn spin_budget() -> std::time::Duration {
+/// How long a progress thread spins after activity before it sleeps: at
+/// least `EPS_FABRIC_SPIN_US` (default 50 microseconds; 0 disables spinning),
+/// and through the recent gaps between bursts when they are under 5 ms
+/// ([`crate::spin::Spin`]). It spins yielding the CPU (`sched_yield`): a
+/// woken thread costs little while the core is busy, and much (tens of
+/// microseconds on virtual machines) once the core has gone idle.
+pub(crate) fn spin_budget() -> crate::spin::Spin {
     let us = std::env::var("EPS_FABRIC_SPIN_US").ok().and_then(|v| v.parse().ok()).unwrap_or(50u64);
-    std::time::Duration::from_micros(us)
+    crate::spin::Spin::new(std::time::Duration::from_micros(us), std::time::Duration::from_millis(5))
 }
 
 impl Engine {
@@ -206,7 +206,6 @@ impl Engine {
             scratch: vec![0u8; 64 * 1024].into_boxed_slice(),
             rnr: Vec::new(),
             cqes: Vec::with_capacity(1024),
-            last_activity: Instant::now(),
             spin: spin_budget(),
         }
     }
@@ -266,7 +265,7 @@ impl Engine {
             cqes.clear();
             cqes.extend(self.ring.completion().map(|c| (c.user_data(), c.result())));
             if !cqes.is_empty() {
-                self.last_activity = Instant::now();
+                self.spin.worked();
             }
             for &(ud, res) in &cqes {
                 if ud == WAKE {
@@ -292,8 +291,9 @@ impl Engine {
     /// costs more than the wire on loopback), then by blocking in the kernel.
     fn wait_for_work(&mut self) -> std::io::Result<()> {
         self.ring.submit()?;
-        let spin_until = self.last_activity + self.spin;
-        while !self.spin.is_zero() && self.ring.completion().is_empty() {
+        let budget = self.spin.budget();
+        let spin_until = self.spin.last() + budget;
+        while !budget.is_zero() && self.ring.completion().is_empty() {
             if self.ring.submission().taskrun() {
                 // Work for us is pending in the kernel: enter to run it.
                 self.ring.submit()?;
