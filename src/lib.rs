@@ -24,6 +24,7 @@ pub mod live;
 pub mod rdma;
 pub mod roles;
 pub mod sim;
+pub(crate) mod sim_grid;
 pub(crate) mod sim_plot;
 pub mod soak;
 pub mod train;

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use eps_sched::policy::{NAMES, by_name};
-use eps_sched::{ClusterModel, JobSpec, sim, synth, trace};
+use eps_sched::{ClusterModel, JobSpec, pollux, sim, synth, trace};
 
 use crate::json::Json;
 
@@ -14,9 +14,21 @@ use crate::json::Json;
 pub struct SimArgs {
     #[command(subcommand)]
     pub cmd: Option<SimCmd>,
-    /// The trace (CSV; columns in the README).
+    /// The trace: EPS's CSV (columns in the README), or the Pollux/Philly
+    /// workload format `name,time,application,num_replicas,batch_size`, read
+    /// with --models.
     #[arg(long)]
     pub trace: Option<PathBuf>,
+    /// The model table of a Pollux/Philly-format trace (TOML, one table per
+    /// application: param_bytes, compute_ms_per_sample, samples,
+    /// feedback_fraction [0.05], kill_fraction [0.6]) [default: built in,
+    /// for bert, cifar10, deepspeech2, imagenet, ncf and yolov3]
+    #[arg(long)]
+    pub models: Option<PathBuf>,
+    /// Arrivals this many times as dense as the trace's (submit times
+    /// divided by it).
+    #[arg(long, default_value_t = 1.0)]
+    pub load: f64,
     /// Policy: static (FIFO at the sizes asked), optimus (marginal gain), eps.
     #[arg(long, default_value = "eps", value_parser = clap::builder::PossibleValuesParser::new(NAMES))]
     pub policy: String,
@@ -87,9 +99,14 @@ pub struct Report {
     pub plot: Option<PathBuf>,
 }
 
-/// `eps sim generate`.
+/// `eps sim generate` and `eps sim grid`.
 #[derive(clap::Subcommand, Debug)]
 pub enum SimCmd {
+    /// Every policy over workloads x loads x cluster sizes (default: the
+    /// three built-in Philly-derived workloads at 2x, 4x, 8x their arrival
+    /// rate on 16, 32 and 64 slots); says in which contended cells a
+    /// baseline beats `eps` on average feedback latency or JCT.
+    Grid(crate::sim_grid::GridArgs),
     /// Print a synthetic trace (CSV) on stdout.
     Generate {
         /// exploration (bursts of hyper-parameter sweeps, most jobs killed at
@@ -111,6 +128,9 @@ pub enum SimCmd {
 
 /// Runs `eps sim`.
 pub fn run(a: SimArgs) -> Result<(), String> {
+    if let Some(SimCmd::Grid(g)) = a.cmd {
+        return crate::sim_grid::run(g);
+    }
     if let Some(SimCmd::Generate { kind, jobs, seed, load }) = a.cmd {
         if jobs == 0 {
             return Err("--jobs must be at least 1".into());
@@ -130,7 +150,10 @@ pub fn run(a: SimArgs) -> Result<(), String> {
         return Ok(());
     }
     let path = a.trace.ok_or("--trace FILE is needed (or `eps sim generate` to make one)")?;
-    let jobs = load_trace(&path)?;
+    if !(a.load.is_finite() && a.load > 0.0) {
+        return Err("--load must be a positive number".into());
+    }
+    let jobs = eps_sched::grid::compressed(&load_any_trace(&path, a.models.as_deref())?, a.load);
     let model = load_model(a.cluster.as_deref())?;
     let (slots, nodes) = a.cluster_of.resolve(48)?;
     check_fits(&jobs, slots)?;
@@ -169,10 +192,35 @@ pub fn run(a: SimArgs) -> Result<(), String> {
     Ok(())
 }
 
-/// Reads and parses a trace file.
+/// Reads and parses a trace file (EPS's CSV).
 pub fn load_trace(path: &std::path::Path) -> Result<Vec<JobSpec>, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
     trace::parse(&text).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// Reads a trace in EPS's CSV or, by its header, the Pollux/Philly format
+/// with the model table at `models` (default: the built-in one).
+pub fn load_any_trace(path: &std::path::Path, models: Option<&std::path::Path>) -> Result<Vec<JobSpec>, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    if !pollux::is_pollux(&text) {
+        if let Some(m) = models {
+            return Err(format!(
+                "--models {} applies to a trace in the Pollux format ({}); {} is not one",
+                m.display(),
+                pollux::COLUMNS.join(","),
+                path.display()
+            ));
+        }
+        return trace::parse(&text).map_err(|e| format!("{}: {e}", path.display()));
+    }
+    let table = match models {
+        Some(m) => {
+            let t = std::fs::read_to_string(m).map_err(|e| format!("cannot read {}: {e}", m.display()))?;
+            pollux::parse_models(&t).map_err(|e| format!("{}: {e}", m.display()))?
+        }
+        None => pollux::parse_models(pollux::BUILT_IN).map_err(|e| format!("the built-in model table: {e}"))?,
+    };
+    pollux::parse(&text, &table).map_err(|e| format!("{}: {e}", path.display()))
 }
 
 /// Reads a cluster model file, or the built-in figures without one.

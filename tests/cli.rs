@@ -458,3 +458,61 @@ fn calibrate_writes_a_model_the_simulator_reads() {
     assert!(!o.status.success() && text(&o).contains("server_bytes_per_s"), "{}", text(&o));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `eps sim grid` on the built-in Philly-derived workloads: one line per
+/// cell, no baseline beating `eps` where the cluster is contended; `eps sim`
+/// reads the Pollux/Philly workload format with the built-in or a given model
+/// table, and says what is wrong with one it cannot use.
+#[test]
+fn eps_sim_grid_and_the_public_trace_format() {
+    let o = eps(&["sim", "grid", "--loads", "4", "--slots", "32,64", "--json"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    let cells: Vec<&str> = out.lines().filter(|l| l.starts_with('{')).collect();
+    assert_eq!(cells.len(), 6, "3 workloads x 1 load x 2 sizes: {out}");
+    for c in &cells {
+        assert!(c.contains("\"pollux_avg_jct_s\"") && c.contains("\"optimus_avg_feedback_latency_s\""), "{c}");
+        assert!(c.contains("\"contended\":false") || c.contains("\"eps_beaten_by\":[]"), "{c}");
+    }
+    let o = eps(&["sim", "grid", "--loads", "0"]);
+    assert!(!o.status.success() && text(&o).contains("--loads"), "{}", text(&o));
+    let o = eps(&["sim", "grid", "--generated", "lottery:3", "--slots", "48"]);
+    assert!(!o.status.success() && text(&o).contains("KIND:SEED"), "{}", text(&o));
+
+    let dir = std::env::temp_dir().join(format!("eps-pollux-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let trace = dir.join("workload.csv");
+    let rows: String =
+        (0..40).map(|i| format!("job-{i},{},{},{},{}\n", i * 60, ["cifar10", "ncf", "bert"][i % 3], 1 << (i % 4), 256)).collect();
+    std::fs::write(&trace, format!("name,time,application,num_replicas,batch_size\n{rows}")).unwrap();
+    let t = trace.to_str().unwrap();
+    let run = |extra: &[&str]| {
+        let mut a = vec!["sim", "--trace", t, "--slots", "16", "--json"];
+        a.extend_from_slice(extra);
+        eps(&a)
+    };
+    let o = run(&[]);
+    assert!(o.status.success() && text(&o).contains("\"jobs\":40"), "{}", text(&o));
+    let sparse = json_field(&String::from_utf8_lossy(&o.stdout), "avg_feedback_latency_s");
+    let o = run(&["--load", "8"]);
+    let dense = json_field(&String::from_utf8_lossy(&o.stdout), "avg_feedback_latency_s");
+    assert!(o.status.success() && dense > sparse, "arrivals 8x as dense wait longer: {dense} vs {sparse}");
+    // A model table of its own: ncf made 100x longer makes the jobs later.
+    let models = dir.join("models.toml");
+    let table = eps_sched::pollux::BUILT_IN.replace("samples = 20000000", "samples = 2000000000");
+    std::fs::write(&models, table).unwrap();
+    let o = run(&["--models", models.to_str().unwrap()]);
+    let longer = json_field(&String::from_utf8_lossy(&o.stdout), "avg_jct_s");
+    let o2 = run(&[]);
+    assert!(o.status.success() && longer > json_field(&String::from_utf8_lossy(&o2.stdout), "avg_jct_s"), "{}", text(&o));
+    std::fs::write(&models, "[ncf]\nparam_bytes = 1\n").unwrap();
+    let o = run(&["--models", models.to_str().unwrap()]);
+    assert!(!o.status.success() && text(&o).contains("models.toml"), "{}", text(&o));
+    std::fs::write(&trace, "name,time,application,num_replicas,batch_size\nx,5,gpt9,2,64\n").unwrap();
+    let o = run(&[]);
+    assert!(!o.status.success() && text(&o).contains("gpt9") && text(&o).contains("line 2"), "{}", text(&o));
+    let csv = concat!(env!("CARGO_MANIFEST_DIR"), "/bench/traces/steady.csv");
+    let o = eps(&["sim", "--trace", csv, "--models", models.to_str().unwrap()]);
+    assert!(!o.status.success() && text(&o).contains("applies to a trace in the Pollux format"), "{}", text(&o));
+    let _ = std::fs::remove_dir_all(&dir);
+}
