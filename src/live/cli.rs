@@ -27,7 +27,7 @@ pub struct RunArgs {
     pub cluster_of: crate::sim::Cluster,
     /// Seconds here per second of the trace: submit times, compute per sample
     /// and the scheduler's clocks (decision tick, least interval between two
-    /// growths; 30 s each at 1) are multiplied by it.
+    /// growths; 30 s and 10 s at 1) are multiplied by it.
     #[arg(long, default_value_t = 1.0)]
     pub time_scale: f64,
     /// The cluster model (TOML; default: the built-in figures, measured here).

@@ -26,7 +26,7 @@ pub struct ServeArgs {
     #[arg(long)]
     pub cluster: Option<PathBuf>,
     /// The scheduler's clocks times this (decision tick and least interval
-    /// between two growths are 30 s at 1).
+    /// between two growths are 30 s and 10 s at 1).
     #[arg(long, default_value_t = 1.0)]
     pub time_scale: f64,
     /// How jobs' processes are started: `local` or `slurm` (job steps of the

@@ -330,9 +330,11 @@ impl Policy for Eps {
             }
         }
         // Deal the rest; a growth that comes too soon or does not pay is held
-        // at today's allocation and the rest dealt again without it.
+        // at today's allocation and the rest dealt again without it (a few
+        // times: what is still held back after that stays free until the
+        // next decision).
         let mut held = vec![false; n];
-        loop {
+        for round in 0.. {
             let mut out = base.clone();
             for i in (0..n).filter(|&i| held[i]) {
                 out[i] = cur[i];
@@ -350,13 +352,33 @@ impl Policy for Eps {
                 if soon || saved <= m.rescale_s(j.spec, cur[i], out[i]) {
                     held[i] = true;
                     more = true;
+                    if round == HOLD_ROUNDS {
+                        out[i] = trimmed(out[i], cur[i]);
+                    }
                 }
             }
-            if !more {
+            if !more || round == HOLD_ROUNDS {
                 return out;
             }
         }
+        unreachable!("the loop returns by its last round")
     }
+}
+
+/// Times [`Eps`] deals again after holding growths back.
+const HOLD_ROUNDS: usize = 4;
+
+/// `a` with slots taken off (from whichever of workers and servers is above
+/// `to`'s) until it has no more than `to`.
+fn trimmed(mut a: Alloc, to: Alloc) -> Alloc {
+    while a.slots() > to.slots() {
+        if a.workers > to.workers {
+            a.workers -= 1;
+        } else {
+            a.servers -= 1;
+        }
+    }
+    a
 }
 
 /// Seconds to `j`'s next milestone on `a`: its feedback, or once past it
@@ -389,7 +411,7 @@ fn deal(m: &ClusterModel, v: &View<'_>, out: &mut [Alloc], free: u32, eligible: 
         ]
         .into_iter()
         .flatten()
-        .map(|b| ((t - milestone_s(m, j, b)) / t.powf(1.25), b))
+        .map(|b| ((t - milestone_s(m, j, b)) / (t * t.sqrt().sqrt()), b))
         .filter(|(g, _)| *g > 0.0)
         .max_by(|x, y| x.0.total_cmp(&y.0))
     };
