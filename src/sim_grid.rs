@@ -32,9 +32,14 @@ pub struct GridArgs {
     /// Loads: arrivals this many times as dense as the trace's.
     #[arg(long, value_delimiter = ',', default_value = "2,4,8")]
     pub loads: Vec<f64>,
-    /// Cluster sizes in slots.
+    /// Cluster sizes in slots (one node each).
     #[arg(long, value_delimiter = ',', default_value = "16,32,64")]
     pub slots: Vec<u32>,
+    /// One cluster of nodes instead of --slots, e.g. n1:8,n2:8,n3:8,n4:8
+    /// (jobs spread over nodes pay the model's `[cluster]
+    /// node_bandwidth_gbytes_per_s`).
+    #[arg(long, value_name = "NAME:SLOTS,...")]
+    pub nodes: Option<String>,
     /// The cluster model (TOML; default: built-in figures).
     #[arg(long)]
     pub cluster: Option<PathBuf>,
@@ -82,7 +87,12 @@ pub fn run(a: GridArgs) -> Result<(), String> {
     }
     let model = crate::sim::load_model(a.cluster.as_deref())?;
     let work = workloads(&a)?;
-    let total = (work.len() * a.loads.len() * a.slots.len()) as u64;
+    let nodes = match &a.nodes {
+        Some(t) => eps_sched::placement::parse_nodes(t).map_err(|e| format!("--nodes: {e}"))?,
+        None => Vec::new(),
+    };
+    let sizes: Vec<u32> = if nodes.is_empty() { a.slots.clone() } else { vec![nodes.iter().map(|n| n.slots).sum()] };
+    let total = (work.len() * a.loads.len() * sizes.len()) as u64;
     let bar = crate::progress::Progress::new(total, "eps sim grid");
     if !a.json {
         println!(
@@ -94,11 +104,11 @@ pub fn run(a: GridArgs) -> Result<(), String> {
     let mut done = 0u64;
     for (name, jobs) in &work {
         for &load in &a.loads {
-            for &slots in &a.slots {
+            for &slots in &sizes {
                 bar.tick(done, &format!("{name} at {load}x on {slots} slots"));
                 done += 1;
                 let Some(c) =
-                    grid::cell(name, jobs, load, slots, &model, &NAMES, Timing::default()).map_err(|e| e.to_string())?
+                    grid::cell(name, jobs, load, slots, &nodes, &model, &NAMES, Timing::default()).map_err(|e| e.to_string())?
                 else {
                     eps_proto::say!("eps sim grid: {name} does not fit {slots} slots (a job's minimum is larger); skipped");
                     continue;

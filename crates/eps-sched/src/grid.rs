@@ -4,6 +4,7 @@
 
 use crate::Timing;
 use crate::model::ClusterModel;
+use crate::placement::Node;
 use crate::policy::by_name_timed;
 use crate::sim::{self, Options, SimError, Summary};
 use crate::trace::JobSpec;
@@ -62,13 +63,16 @@ pub fn compressed(jobs: &[JobSpec], load: f64) -> Vec<JobSpec> {
     jobs.iter().map(|j| JobSpec { submit_s: j.submit_s / load, ..j.clone() }).collect()
 }
 
-/// Runs `policies` on `jobs` at `load` on `slots` slots (one node), each with
-/// `timing`'s clocks. `None` when some job's minimum exceeds the slots.
+/// Runs `policies` on `jobs` at `load` on `slots` slots, on `nodes` (none:
+/// one node of all the slots), each with `timing`'s clocks. `None` when some
+/// job's minimum exceeds the slots.
+#[allow(clippy::too_many_arguments)]
 pub fn cell(
     workload: &str,
     jobs: &[JobSpec],
     load: f64,
     slots: u32,
+    nodes: &[Node],
     model: &ClusterModel,
     policies: &[&str],
     timing: Timing,
@@ -77,7 +81,7 @@ pub fn cell(
         return Ok(None);
     }
     let jobs = compressed(jobs, load);
-    let opts = Options { tick_s: timing.tick_s, ..Options::default() };
+    let opts = Options { tick_s: timing.tick_s, nodes: nodes.to_vec(), ..Options::default() };
     let mut runs = Vec::new();
     for &name in policies {
         let mut p = by_name_timed(name, timing).ok_or_else(|| SimError::Policy {

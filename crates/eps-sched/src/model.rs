@@ -37,6 +37,21 @@ pub struct ClusterModel {
     /// registration), before its workers pull the parameters.
     #[serde(default = "d_start")]
     pub start_pause_s: f64,
+    /// The cluster's network between nodes (`[cluster]`).
+    #[serde(default)]
+    pub cluster: Network,
+}
+
+/// The network between nodes (`[cluster]` of the model file).
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Network {
+    /// Gigabytes per second a node sends (and receives) to the others: a job
+    /// whose workers and servers are on different nodes moves the bytes
+    /// between them through it, shared by the node's processes. Without it
+    /// nodes cost nothing (one machine, or a network as fast as the
+    /// processes).
+    pub node_bandwidth_gbytes_per_s: Option<f64>,
 }
 
 fn d_server_bw() -> f64 {
@@ -104,7 +119,50 @@ impl ClusterModel {
                 "`iteration_overhead_s`, `worker_overhead_s`, `rescale_pause_s` and `start_pause_s` must not be negative".into(),
             );
         }
+        if m.cluster.node_bandwidth_gbytes_per_s.is_some_and(|b| !(b.is_finite() && b > 0.0)) {
+            return Err("`[cluster] node_bandwidth_gbytes_per_s` must be a positive number".into());
+        }
         Ok(m)
+    }
+
+    /// Seconds per BSP iteration of `job` on `a`, spread over nodes as
+    /// `per_node` says (workers and servers per node): as
+    /// [`ClusterModel::iteration_s`], with the transfers no faster than the
+    /// busiest node's share of the bytes between nodes allows. Every worker
+    /// pushes `1/S` of the parameters to each server and pulls as much back,
+    /// so a node with `w` of the `W` workers and `s` of the `S` servers
+    /// sends `P/S * (w * (S - s) + s * (W - w))` bytes to the others (and
+    /// receives as many).
+    pub fn iteration_on_nodes_s(&self, job: &JobSpec, a: Alloc, per_node: &[Alloc]) -> f64 {
+        let base = self.iteration_s(job, a);
+        let Some(gbps) = self.cluster.node_bandwidth_gbytes_per_s else { return base };
+        let (w, s) = (f64::from(a.workers.max(1)), f64::from(a.servers.max(1)));
+        let per = job.param_bytes as f64 / s;
+        let busiest = per_node
+            .iter()
+            .map(|n| {
+                per * (f64::from(n.workers) * (s - f64::from(n.servers)) + f64::from(n.servers) * (w - f64::from(n.workers)))
+            })
+            .fold(0.0f64, f64::max);
+        let cross = busiest / (gbps * 1e9);
+        let transfer = self.transfer_s(job, a);
+        if cross <= transfer { base } else { base - transfer + cross }
+    }
+
+    /// Samples per second of `job` on `a` spread over nodes as `per_node`.
+    pub fn throughput_on_nodes(&self, job: &JobSpec, a: Alloc, per_node: &[Alloc]) -> f64 {
+        if a.workers == 0 || a.servers == 0 {
+            return 0.0;
+        }
+        f64::from(a.workers) * f64::from(job.batch) / self.iteration_on_nodes_s(job, a, per_node)
+    }
+
+    /// The slower of the workers' and the servers' transfers of an iteration.
+    fn transfer_s(&self, job: &JobSpec, a: Alloc) -> f64 {
+        let w = f64::from(a.workers.max(1));
+        let s = f64::from(a.servers.max(1));
+        let p = job.param_bytes as f64;
+        (p / self.worker_bytes_per_s).max(p * w / (s * self.server_bytes_per_s))
     }
 
     /// Seconds per BSP iteration of `job` on `a` (compute, then the slower of
@@ -114,10 +172,8 @@ impl ClusterModel {
         let s = f64::from(a.servers.max(1));
         let p = job.param_bytes as f64;
         let compute = job.compute_ms_per_sample * 1e-3 * f64::from(job.batch);
-        let worker_io = p / self.worker_bytes_per_s;
-        let server_io = p * w / (s * self.server_bytes_per_s);
         let agg = (p / 4.0) * w / (s * self.agg_elements_per_s);
-        compute + worker_io.max(server_io) + agg + self.iteration_overhead_s + self.worker_overhead_s * (w - 1.0)
+        compute + self.transfer_s(job, a) + agg + self.iteration_overhead_s + self.worker_overhead_s * (w - 1.0)
     }
 
     /// Samples per second of `job` on `a` (0 without a worker or a server).
@@ -171,6 +227,29 @@ mod tests {
         assert_eq!(tp(0, 1), 0.0);
         assert!(m.rescale_s(&j, Alloc { workers: 2, servers: 1 }, Alloc { workers: 2, servers: 2 }) > m.rescale_pause_s);
         assert_eq!(m.rescale_s(&j, Alloc { workers: 2, servers: 1 }, Alloc { workers: 2, servers: 1 }), 0.0);
+    }
+
+    #[test]
+    fn a_job_spread_over_nodes_is_no_faster_than_its_busiest_node_allows() {
+        let j = job();
+        let a = Alloc { workers: 4, servers: 2 };
+        let together = [a, Alloc::default()];
+        let spread = [Alloc { workers: 4, servers: 0 }, Alloc { workers: 0, servers: 2 }];
+        let m = ClusterModel::default();
+        assert_eq!(m.throughput_on_nodes(&j, a, &spread), m.throughput(&j, a), "no network given: nodes cost nothing");
+        let m = ClusterModel::from_toml("[cluster]\nnode_bandwidth_gbytes_per_s = 0.5\n").unwrap();
+        assert_eq!(m.throughput_on_nodes(&j, a, &together), m.throughput(&j, a), "on one node");
+        // Spread: every push and pull crosses; the node of the 4 workers sends
+        // 4 x 100 MB an iteration through 0.5 GB/s (0.8 s).
+        let slow = m.iteration_on_nodes_s(&j, a, &spread);
+        assert!((slow - m.iteration_s(&j, a) - (0.8 - m.transfer_s(&j, a))).abs() < 1e-9, "{slow}");
+        let half = [Alloc { workers: 2, servers: 1 }, Alloc { workers: 2, servers: 1 }];
+        assert!(m.iteration_on_nodes_s(&j, a, &half) < slow, "half the bytes cross when each node has half of both");
+        let fast = ClusterModel::from_toml("[cluster]\nnode_bandwidth_gbytes_per_s = 1000.0\n").unwrap();
+        assert_eq!(fast.throughput_on_nodes(&j, a, &spread), fast.throughput(&j, a), "a fast network costs nothing");
+        assert!(
+            ClusterModel::from_toml("[cluster]\nnode_bandwidth_gbytes_per_s = 0.0\n").unwrap_err().contains("node_bandwidth")
+        );
     }
 
     #[test]

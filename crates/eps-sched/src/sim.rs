@@ -193,7 +193,9 @@ pub fn run_with(
     let mut now = jobs.first().map_or(0.0, |j| j.submit_s);
     let (mut slot_seconds, mut rescales) = (0.0f64, 0u64);
     let mut timeline: Vec<(f64, u32)> = Vec::new();
-    let rate = |i: usize, l: &Live| model.throughput(&jobs[i], l.alloc) * factor[i];
+    // A job's speed on its allocation as placed (the network between nodes
+    // costs a job spread over them, when the model has one).
+    let rate = |i: usize, l: &Live, p: &Placement| model.throughput_on_nodes(&jobs[i], l.alloc, p.of(i)) * factor[i];
     loop {
         // Arrivals now.
         while next < jobs.len() && jobs[next].submit_s <= now {
@@ -258,7 +260,7 @@ pub fn run_with(
         let mut t_next = if next < jobs.len() { jobs[next].submit_s } else { f64::INFINITY };
         for &i in &active {
             let l = &live[i];
-            let r = rate(i, l);
+            let r = rate(i, l, &placement);
             if r <= 0.0 {
                 continue;
             }
@@ -281,7 +283,7 @@ pub fn run_with(
         // Advance every running job to it.
         let dt = t_next - now;
         for &i in &active {
-            let r = rate(i, &live[i]);
+            let r = rate(i, &live[i], &placement);
             let l = &mut live[i];
             slot_seconds += f64::from(l.alloc.slots()) * dt;
             let run = (t_next - l.pause_until.max(now)).max(0.0);

@@ -17,7 +17,7 @@ const WORKLOADS: [(&str, &str); 3] = [
 
 fn cell(name: &str, text: &str, load: f64, slots: u32) -> grid::Cell {
     let jobs = trace::parse(text).unwrap();
-    grid::cell(name, &jobs, load, slots, &ClusterModel::default(), &NAMES, Timing::default()).unwrap().expect("fits")
+    grid::cell(name, &jobs, load, slots, &[], &ClusterModel::default(), &NAMES, Timing::default()).unwrap().expect("fits")
 }
 
 fn show(c: &grid::Cell) -> String {

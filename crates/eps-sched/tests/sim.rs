@@ -95,8 +95,17 @@ fn on_nodes_every_process_has_a_slot_and_the_decisions_are_those_of_one_pool() {
         // process finds no slot.
         let (s, rec) = sim::run_with(&jobs, 32, &m, p.as_mut(), &on_nodes).unwrap();
         let (flat, flat_rec) = run(policy, &jobs, 32);
-        // The model has no locality: the same decisions, the same times.
+        // Without a network in the model nodes cost nothing: the same
+        // decisions, the same times.
         assert_eq!((s.avg_jct_s, s.rescales), (flat.avg_jct_s, flat.rescales), "{policy}");
+        // With a slow one, jobs spread over nodes train slower, and nothing
+        // changes for those on one node.
+        let slow = ClusterModel::from_toml("[cluster]\nnode_bandwidth_gbytes_per_s = 0.3\n").unwrap();
+        let mut p = by_name(policy).unwrap();
+        let (spread, _) = sim::run_with(&jobs, 32, &slow, p.as_mut(), &on_nodes).unwrap();
+        assert!(spread.avg_jct_s > 1.05 * flat.avg_jct_s, "{policy}: {} vs {}", spread.avg_jct_s, flat.avg_jct_s);
+        let mut p = by_name(policy).unwrap();
+        assert_eq!(sim::run_with(&jobs, 32, &slow, p.as_mut(), &sim::Options::default()).unwrap().0, flat, "{policy}");
         assert!(flat_rec.iter().all(|r| r.max_nodes == 1), "one node of all the slots");
         for (j, r) in jobs.iter().zip(&rec) {
             // At most one node per process.
