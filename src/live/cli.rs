@@ -20,7 +20,7 @@ pub struct RunArgs {
     #[arg(long)]
     pub trace: PathBuf,
     /// Policies, comma-separated, run one after the other on the same trace:
-    /// static, optimus, eps.
+    /// static, optimus, pollux, eps.
     #[arg(long, default_value = "eps", value_delimiter = ',', value_parser = clap::builder::PossibleValuesParser::new(NAMES))]
     pub policy: Vec<String>,
     #[command(flatten)]

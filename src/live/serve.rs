@@ -15,7 +15,7 @@ use super::{Config, launcher};
 pub struct ServeArgs {
     #[command(flatten)]
     pub cluster_of: crate::sim::Cluster,
-    /// Policy: static, optimus, eps.
+    /// Policy: static, optimus, pollux, eps.
     #[arg(long, default_value = "eps", value_parser = clap::builder::PossibleValuesParser::new(NAMES))]
     pub policy: String,
     /// The Unix socket to take requests on [default: $XDG_RUNTIME_DIR/eps-sched.sock,

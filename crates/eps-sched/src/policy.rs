@@ -334,34 +334,66 @@ impl Policy for Eps {
         // times: what is still held back after that stays free until the
         // next decision).
         let mut held = vec![false; n];
-        for round in 0.. {
-            let mut out = base.clone();
+        let mut soon = vec![false; n];
+        let mut out = base.clone();
+        for round in 0..=HOLD_ROUNDS {
+            out = base.clone();
             for i in (0..n).filter(|&i| held[i]) {
                 out[i] = cur[i];
             }
             let used: u32 = out.iter().map(|a| a.slots()).sum();
             deal(m, v, &mut out, v.slots.saturating_sub(used), &|i| !held[i]);
-            let mut more = false;
-            for i in 0..n {
-                let j = &v.jobs[i];
-                if held[i] || !j.running() || out[i].slots() <= cur[i].slots() {
-                    continue;
-                }
-                let soon = j.last_change_s.is_some_and(|t| v.now_s - t < self.min_interval_s);
-                let saved = milestone_s(m, j, cur[i]) - milestone_s(m, j, out[i]);
-                if soon || saved <= m.rescale_s(j.spec, cur[i], out[i]) {
-                    held[i] = true;
-                    more = true;
-                    if round == HOLD_ROUNDS {
-                        out[i] = trimmed(out[i], cur[i]);
-                    }
-                }
-            }
-            if !more || round == HOLD_ROUNDS {
-                return out;
+            let more = self.hold(v, &cur, &mut out, &mut held, &mut soon, round == HOLD_ROUNDS);
+            if !more {
+                break;
             }
         }
-        unreachable!("the loop returns by its last round")
+        // Slots nobody else takes go to jobs held back only because they
+        // changed less than `min_interval_s` ago, where the growth pays:
+        // the interval keeps jobs from churning, not slots idle.
+        let used: u32 = out.iter().map(|a| a.slots()).sum();
+        if used < v.slots && soon.iter().any(|&s| s) {
+            let before = out.clone();
+            deal(m, v, &mut out, v.slots - used, &|i| soon[i]);
+            for i in 0..n {
+                if !soon[i] || out[i] == before[i] {
+                    continue;
+                }
+                let j = &v.jobs[i];
+                if milestone_s(m, j, cur[i]) - milestone_s(m, j, out[i]) <= m.rescale_s(j.spec, cur[i], out[i]) {
+                    out[i] = before[i];
+                }
+            }
+        }
+        out
+    }
+}
+
+impl Eps {
+    /// Holds back the growths of `out` that come too soon or do not pay:
+    /// marks them `held` (and `soon` when only the interval holds them
+    /// back); on the `last` round trims them to today's slots instead. True
+    /// if any was held back.
+    fn hold(&self, v: &View<'_>, cur: &[Alloc], out: &mut [Alloc], held: &mut [bool], soon: &mut [bool], last: bool) -> bool {
+        let m = v.model;
+        let mut more = false;
+        for i in 0..out.len() {
+            let j = &v.jobs[i];
+            if held[i] || !j.running() || out[i].slots() <= cur[i].slots() {
+                continue;
+            }
+            let early = j.last_change_s.is_some_and(|t| v.now_s - t < self.min_interval_s);
+            let pays = milestone_s(m, j, cur[i]) - milestone_s(m, j, out[i]) > m.rescale_s(j.spec, cur[i], out[i]);
+            if early || !pays {
+                held[i] = true;
+                soon[i] = pays;
+                more = true;
+                if last {
+                    out[i] = trimmed(out[i], cur[i]);
+                }
+            }
+        }
+        more
     }
 }
 
