@@ -108,3 +108,73 @@ fn duplicates_are_summed_in_the_order_given() {
     assert_eq!((k, g), (vec![7, 3], vec![1.75, 10.0]));
     assert!(sum_duplicates(&[1], &[1.0, 2.0], 1).is_err());
 }
+
+#[test]
+fn a_copy_of_rows_restores_them_bit_for_bit_and_changed_buckets_name_what_moved() {
+    let adam = RowOptimizer::Dense(eps_agg::Optimizer::Adam {
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.0,
+        decoupled: false,
+    });
+    let mut t = RowTable::new(spec(adam)).unwrap();
+    let keys: Vec<u64> = (0..200).map(|k| k * 7919).collect();
+    let mut out = vec![0f32; keys.len() * 4];
+    t.pull(&keys, 1, &mut out).unwrap();
+    let g: Vec<f32> = (0..keys.len() * 4).map(|i| (i % 13) as f32 * 0.01 - 0.05).collect();
+    t.push(&keys, &g, 0.1, 2).unwrap();
+    t.push(&keys[..50], &g[..200], 0.1, 3).unwrap();
+    // Every bucket touched is named, and only those.
+    let mut touched: Vec<u32> = keys.iter().map(|&k| bucket_of(k)).collect();
+    touched.sort_unstable();
+    touched.dedup();
+    assert_eq!(t.changed_buckets(), touched);
+
+    // Half the buckets copied, then taken in by a fresh table: the same
+    // values, state and bookkeeping (the copy of the copy is the same bytes).
+    let half = |b: u32| b % 2 == 0;
+    let mut bytes = Vec::new();
+    let n = t.copy_rows(half, &mut bytes);
+    assert_eq!(n as usize, keys.iter().filter(|&&k| half(bucket_of(k))).count());
+    assert_eq!(t.len(), keys.len(), "copying takes nothing out");
+    let mut u = RowTable::new(spec(adam)).unwrap();
+    u.put_rows(&bytes, n).unwrap();
+    let mut again = Vec::new();
+    assert_eq!(u.copy_rows(|_| true, &mut again), n);
+    assert_eq!(again, bytes);
+    for &k in keys.iter().filter(|&&k| half(bucket_of(k))) {
+        assert_eq!(u.row(k).unwrap(), t.row(k).unwrap(), "key {k}");
+    }
+    // Both step the same next: the Adam state and step counts came along.
+    let k = *keys.iter().find(|&&k| half(bucket_of(k))).unwrap();
+    t.push(&[k], &[0.3, -0.2, 0.1, 0.05], 0.1, 4).unwrap();
+    u.push(&[k], &[0.3, -0.2, 0.1, 0.05], 0.1, 4).unwrap();
+    assert_eq!(u.row(k).unwrap(), t.row(k).unwrap());
+
+    // Rows made in another order copy to the same bytes.
+    let mut r = RowTable::new(spec(adam)).unwrap();
+    let rev: Vec<u64> = keys.iter().rev().copied().collect();
+    r.pull(&rev, 1, &mut out).unwrap();
+    let mut s = RowTable::new(spec(adam)).unwrap();
+    s.pull(&keys, 1, &mut out).unwrap();
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    r.copy_rows(|_| true, &mut a);
+    s.copy_rows(|_| true, &mut b);
+    assert_eq!(a, b);
+
+    // After a checkpoint took them, only what changes again is named: a
+    // push, an eviction, rows taken out.
+    t.clear_changed();
+    assert!(t.changed_buckets().is_empty());
+    t.push(&[keys[3]], &[0.1; 4], 0.1, 5).unwrap();
+    assert_eq!(t.changed_buckets(), vec![bucket_of(keys[3])]);
+    t.clear_changed();
+    let gone = t.evict(100, 10, 0);
+    assert_eq!(gone, keys.len(), "all idle");
+    assert_eq!(t.changed_buckets(), touched);
+    u.clear_changed();
+    let mut outs = vec![Vec::new()];
+    u.take_rows(|_| Some(0), &mut outs);
+    assert_eq!(u.changed_buckets().len(), touched.iter().filter(|&&b| half(b)).count());
+}
