@@ -206,6 +206,23 @@ impl Ord for Gain {
     }
 }
 
+/// Every running job at its minimum, then queued jobs admitted at theirs in
+/// submit order while they fit (none overtakes the first that does not), as
+/// `optimus` and `pollux` start each decision; with the slots left.
+fn minimums_in_order(v: &View<'_>) -> (Vec<Alloc>, u32) {
+    let mut out: Vec<Alloc> = v.jobs.iter().map(|j| if j.running() { j.spec.min_alloc() } else { Alloc::default() }).collect();
+    let mut free = v.slots.saturating_sub(out.iter().map(|a| a.slots()).sum::<u32>());
+    for (i, j) in v.jobs.iter().enumerate().filter(|(_, j)| !j.running()) {
+        let need = j.spec.min_alloc().slots();
+        if need > free {
+            break;
+        }
+        free -= need;
+        out[i] = j.spec.min_alloc();
+    }
+    (out, free)
+}
+
 /// `optimus`: an Optimus-style marginal-gain allocator. At every event it
 /// admits queued jobs in submit order while their minimum fits (it never
 /// shrinks a running job to admit one), then deals every slot above the
@@ -220,17 +237,7 @@ impl Policy for Optimus {
     }
 
     fn allocate(&mut self, v: &View<'_>) -> Vec<Alloc> {
-        let mut out: Vec<Alloc> =
-            v.jobs.iter().map(|j| if j.running() { j.spec.min_alloc() } else { Alloc::default() }).collect();
-        let mut free = v.slots - out.iter().map(|a| a.slots()).sum::<u32>();
-        for (i, j) in v.jobs.iter().enumerate().filter(|(_, j)| !j.running()) {
-            let need = j.spec.min_alloc().slots();
-            if need > free {
-                break;
-            }
-            free -= need;
-            out[i] = j.spec.min_alloc();
-        }
+        let (mut out, free) = minimums_in_order(v);
         deal_by(&mut out, free, |i, a| best_step(v.model, &v.jobs[i], a));
         out
     }
@@ -253,17 +260,7 @@ impl Policy for Pollux {
 
     fn allocate(&mut self, v: &View<'_>) -> Vec<Alloc> {
         let m = v.model;
-        let mut out: Vec<Alloc> =
-            v.jobs.iter().map(|j| if j.running() { j.spec.min_alloc() } else { Alloc::default() }).collect();
-        let mut free = v.slots.saturating_sub(out.iter().map(|a| a.slots()).sum::<u32>());
-        for (i, j) in v.jobs.iter().enumerate().filter(|(_, j)| !j.running()) {
-            let need = j.spec.min_alloc().slots();
-            if need > free {
-                break;
-            }
-            free -= need;
-            out[i] = j.spec.min_alloc();
-        }
+        let (mut out, free) = minimums_in_order(v);
         let step = |i: usize, a: Alloc| -> Option<(f64, Alloc)> {
             let j = &v.jobs[i];
             let (max, base) = (j.spec.max_alloc(), m.throughput(j.spec, j.spec.min_alloc()));
