@@ -356,8 +356,7 @@ impl Policy for Eps {
                 if !soon[i] || out[i] == before[i] {
                     continue;
                 }
-                let j = &v.jobs[i];
-                if milestone_s(m, j, cur[i]) - milestone_s(m, j, out[i]) <= m.rescale_s(j.spec, cur[i], out[i]) {
+                if !pays(m, &v.jobs[i], cur[i], out[i]) {
                     out[i] = before[i];
                 }
             }
@@ -380,10 +379,10 @@ impl Eps {
                 continue;
             }
             let early = j.last_change_s.is_some_and(|t| v.now_s - t < self.min_interval_s);
-            let pays = milestone_s(m, j, cur[i]) - milestone_s(m, j, out[i]) > m.rescale_s(j.spec, cur[i], out[i]);
-            if early || !pays {
+            let worth = pays(m, j, cur[i], out[i]);
+            if early || !worth {
                 held[i] = true;
-                soon[i] = pays;
+                soon[i] = worth;
                 more = true;
                 if last {
                     out[i] = trimmed(out[i], cur[i]);
@@ -392,6 +391,12 @@ impl Eps {
         }
         more
     }
+}
+
+/// Whether growing `j` from `from` to `to` brings its next milestone nearer
+/// by more than the rescale costs.
+fn pays(m: &ClusterModel, j: &JobView<'_>, from: Alloc, to: Alloc) -> bool {
+    milestone_s(m, j, from) - milestone_s(m, j, to) > m.rescale_s(j.spec, from, to)
 }
 
 /// Times [`Eps`] deals again after holding growths back.
