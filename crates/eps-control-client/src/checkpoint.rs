@@ -9,7 +9,9 @@ use std::fs::File;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
-use eps_proto::checkpoint::{MANIFEST, Manifest, PieceEntry, PieceHeader, cover, dir_name, parse_dir_name};
+use eps_proto::checkpoint::{
+    MANIFEST, Manifest, PieceEntry, PieceHeader, RowsEntry, cover, dir_name, parse_dir_name, parse_runs, runs_text,
+};
 use sha2::{Digest, Sha256};
 
 fn hex(bytes: &[u8]) -> String {
@@ -55,12 +57,7 @@ pub fn write_piece(path: &Path, header: &PieceHeader, values: &[f32]) -> Result<
 /// its master values and state.
 pub fn read_piece(dir: &Path, e: &PieceEntry, version: u64, state_k: u32) -> Result<(PieceHeader, Vec<f32>), String> {
     let path = dir.join(&e.file);
-    let mut bytes = Vec::new();
-    File::open(&path).and_then(|mut f| f.read_to_end(&mut bytes)).map_err(|err| io_err(&path, "cannot read", err))?;
-    let sha = hex(&Sha256::digest(&bytes));
-    if sha != e.sha256 {
-        return Err(format!("{}: checksum {sha} is not the manifest's {} (the file is damaged)", path.display(), e.sha256));
-    }
+    let bytes = read_checked(&path, &e.sha256)?;
     let h = PieceHeader::decode(&bytes).map_err(|err| format!("{}: {err}", path.display()))?;
     let n = eps_proto::checkpoint::PIECE_HEADER;
     if h.version != version || h.start != e.start || h.len != e.len || h.state_k != state_k {
@@ -71,6 +68,17 @@ pub fn read_piece(dir: &Path, e: &PieceEntry, version: u64, state_k: u32) -> Res
     }
     let values = bytes[n..].chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect();
     Ok((h, values))
+}
+
+/// The bytes of `path`, if their hex SHA-256 is `sha256`.
+pub fn read_checked(path: &Path, sha256: &str) -> Result<Vec<u8>, String> {
+    let mut bytes = Vec::new();
+    File::open(path).and_then(|mut f| f.read_to_end(&mut bytes)).map_err(|err| io_err(path, "cannot read", err))?;
+    let sha = hex(&Sha256::digest(&bytes));
+    if sha != sha256 {
+        return Err(format!("{}: checksum {sha} is not the manifest's {sha256} (the file is damaged)", path.display()));
+    }
+    Ok(bytes)
 }
 
 /// The header of a piece the manifest lists (its file's first bytes).
@@ -114,7 +122,9 @@ pub fn latest(path: &Path) -> Result<(PathBuf, Manifest), String> {
 }
 
 /// Removes complete checkpoints in `dir` but the newest `keep`, and torn ones
-/// older than the newest complete one. Returns the versions removed.
+/// older than the newest complete one. Of one that a kept checkpoint still
+/// reads table rows from (rows unchanged since), those files stay, without
+/// its manifest. Returns the versions removed.
 pub fn prune(dir: &Path, keep: usize) -> Vec<u64> {
     let Ok(rd) = std::fs::read_dir(dir) else { return Vec::new() };
     let mut all: Vec<(u64, PathBuf, bool)> = rd
@@ -127,11 +137,38 @@ pub fn prune(dir: &Path, keep: usize) -> Vec<u64> {
     all.sort_by_key(|(v, _, _)| std::cmp::Reverse(*v));
     let Some(newest) = all.iter().find(|(_, _, c)| *c).map(|(v, _, _)| *v) else { return Vec::new() };
     let mut complete = 0;
-    let mut removed = Vec::new();
+    let (mut dropped, mut kept) = (Vec::new(), Vec::new());
     for (v, path, done) in all {
         complete += usize::from(done);
         let drop = if done { complete > keep } else { v < newest };
-        if drop && std::fs::remove_dir_all(&path).is_ok() {
+        if drop {
+            dropped.push((v, path));
+        } else if done {
+            kept.push(path);
+        }
+    }
+    // Files of earlier checkpoints the kept ones read, by version.
+    let mut needed: BTreeMap<u64, Vec<String>> = BTreeMap::new();
+    for path in kept {
+        let Ok(m) = std::fs::read_to_string(path.join(MANIFEST)).map(|t| Manifest::from_toml(&t)) else { continue };
+        // A manifest that does not parse keeps nothing of others: it cannot be resumed from.
+        for e in m.iter().flat_map(|m| &m.rows) {
+            if let (Some(v), Some(name)) = (e.earlier(), e.file.rsplit('/').next()) {
+                needed.entry(v).or_default().push(name.to_string());
+            }
+        }
+    }
+    let mut removed = Vec::new();
+    for (v, path) in dropped {
+        let gone = match needed.get(&v) {
+            None => std::fs::remove_dir_all(&path).is_ok(),
+            Some(names) => {
+                let files = std::fs::read_dir(&path).into_iter().flatten().flatten();
+                let stale = files.filter(|f| f.file_name().to_str().is_none_or(|n| !names.iter().any(|k| k == n)));
+                stale.fold(true, |ok, f| std::fs::remove_file(f.path()).is_ok() && ok)
+            }
+        };
+        if gone {
             removed.push(v);
         }
     }
@@ -141,6 +178,8 @@ pub fn prune(dir: &Path, keep: usize) -> Vec<u64> {
 #[derive(Debug, Default)]
 struct Collecting {
     pieces: Vec<PieceEntry>,
+    /// Table rows reported: the entry and its buckets.
+    rows: Vec<(RowsEntry, Vec<u32>)>,
     /// Why it cannot complete (a server had passed the version, or failed to
     /// write).
     failed: Option<String>,
@@ -170,6 +209,23 @@ pub struct Report<'a> {
     /// Its hex SHA-256, or (missed) why writing failed.
     pub sha256: &'a str,
     /// Nothing was written.
+    pub missed: bool,
+}
+
+/// A server's report of table rows (`ControlMsg::SavedRows`).
+#[derive(Clone, Copy, Debug)]
+pub struct RowsReport<'a> {
+    /// The checkpoint's version.
+    pub version: u64,
+    /// The table.
+    pub table: u32,
+    /// The rows file's path.
+    pub file: &'a str,
+    /// Its hex SHA-256, or (missed) why saving failed.
+    pub sha256: &'a str,
+    /// The buckets it holds for this checkpoint (runs).
+    pub buckets: &'a str,
+    /// Nothing was saved.
     pub missed: bool,
 }
 
@@ -204,49 +260,124 @@ impl Tracker {
 
     /// Takes a server's report of a piece (`file` is its path; when `missed`,
     /// `sha256` is empty if the server had passed `version`, else why writing
-    /// failed); once the pieces cover the parameters, writes the manifest and
-    /// prunes.
+    /// failed); once the pieces cover the parameters (and the rows every
+    /// table's buckets), writes the manifest and prunes.
     pub fn saved(&mut self, r: &Report<'_>, job: &Manifest) -> Outcome {
         let Report { version, start, len, file, sha256, missed } = *r;
+        let (dir, name) = match self.place(file, version) {
+            Ok(p) => p,
+            Err(o) => return o,
+        };
+        let key = (dir.clone(), version);
+        let c = self.collecting.entry(key).or_default();
+        if missed {
+            c.failed.get_or_insert_with(|| missed_why(version, &name, sha256));
+        } else {
+            c.pieces.push(PieceEntry { file: name, start, len, sha256: sha256.to_string() });
+        }
+        self.finish(&dir, version, job)
+    }
+
+    /// Takes a server's report of a table's rows (as [`Tracker::saved`]);
+    /// `file` may be in an earlier checkpoint of the same directory.
+    pub fn saved_rows(&mut self, r: &RowsReport<'_>, job: &Manifest) -> Outcome {
+        let (dir, name) = match self.place(r.file, r.version) {
+            Ok(p) => p,
+            Err(o) => return o,
+        };
+        let c = self.collecting.entry((dir.clone(), r.version)).or_default();
+        if r.missed {
+            c.failed.get_or_insert_with(|| missed_why(r.version, &name, r.sha256));
+        } else {
+            match parse_runs(r.buckets) {
+                Ok(b) if r.table < job.tables => {
+                    let e = RowsEntry { table: r.table, file: name, sha256: r.sha256.to_string(), buckets: String::new() };
+                    c.rows.push((e, b));
+                }
+                Ok(_) => c.failed = Some(format!("a server saved rows of table {}, which the job lacks", r.table)),
+                Err(e) => c.failed = Some(format!("a server's report of {name}: {e}")),
+            }
+        }
+        self.finish(&dir, r.version, job)
+    }
+
+    /// The job directory of a file a server reported for `version`, and its
+    /// name as the manifest lists it; or the outcome when it is unusable or
+    /// the checkpoint is complete already.
+    fn place(&self, file: &str, version: u64) -> Result<(PathBuf, String), Outcome> {
         let path = Path::new(file);
         let (Some(ckpt), Some(name)) = (path.parent(), path.file_name().and_then(|n| n.to_str())) else {
-            return Outcome::Failed(format!("a server reported a piece without a directory: {file}"));
+            return Err(Outcome::Failed(format!("a server reported a piece without a directory: {file}")));
         };
-        let Some(dir) = ckpt.parent() else { return Outcome::Failed(format!("{file} is not in a checkpoint directory")) };
+        let (Some(dir), Some(at)) = (ckpt.parent(), ckpt.file_name().and_then(|n| parse_dir_name(n.to_str()?))) else {
+            return Err(Outcome::Failed(format!("{file} is not in a checkpoint directory")));
+        };
+        if self.done.contains_key(&(dir.to_path_buf(), version)) {
+            return Err(self.outcome(dir, version));
+        }
+        match at {
+            _ if at == version => Ok((dir.to_path_buf(), name.to_string())),
+            _ if at < version => Ok((dir.to_path_buf(), format!("../{}/{name}", dir_name(at)))),
+            _ => Err(Outcome::Failed(format!("{file} is of a checkpoint after {version}"))),
+        }
+    }
+
+    /// Writes the manifest of the checkpoint at `version` in `dir` if its
+    /// pieces and rows are all in.
+    fn finish(&mut self, dir: &Path, version: u64, job: &Manifest) -> Outcome {
         let key = (dir.to_path_buf(), version);
-        if self.done.contains_key(&key) {
-            return self.outcome(dir, version);
-        }
-        let c = self.collecting.entry(key.clone()).or_default();
-        if missed {
-            // A missed report's `sha256` is the error, when writing failed.
-            c.failed.get_or_insert_with(|| {
-                if sha256.is_empty() {
-                    format!("a server had passed iteration {version} when the checkpoint was ordered")
-                } else {
-                    format!("a server could not save {name}: {sha256}")
-                }
-            });
-        } else {
-            c.pieces.push(PieceEntry { file: name.to_string(), start, len, sha256: sha256.to_string() });
-        }
+        let Some(c) = self.collecting.get(&key) else { return self.outcome(dir, version) };
         if let Some(why) = &c.failed {
             return Outcome::Failed(why.clone());
         }
         let spans: Vec<(u64, u64)> = c.pieces.iter().map(|p| (p.start, p.len)).collect();
         let Ok(chosen) = cover(&spans, job.total) else { return Outcome::Pending };
-        let manifest = Manifest { version, pieces: chosen.iter().map(|&i| c.pieces[i].clone()).collect(), ..job.clone() };
+        let Some(rows) = rows_cover_of(&c.rows, job.tables) else { return Outcome::Pending };
+        let pieces = chosen.iter().map(|&i| c.pieces[i].clone()).collect();
+        let manifest = Manifest { version, pieces, rows, ..job.clone() };
         let ckpt = dir.join(dir_name(version));
         self.collecting.remove(&key);
         if let Err(e) = write_atomic(&ckpt.join(MANIFEST), &[manifest.to_toml().as_bytes()]) {
             let why = format!("cannot write the manifest: {e}");
-            self.collecting.insert(key, Collecting { pieces: Vec::new(), failed: Some(why.clone()) });
+            self.collecting.insert(key, Collecting { failed: Some(why.clone()), ..Collecting::default() });
             return Outcome::Failed(why);
         }
         prune(dir, self.keep);
         self.done.insert(key, ckpt.clone());
         Outcome::Complete(ckpt)
     }
+}
+
+/// Why a missed report fails its checkpoint (`sha256` is the error, when
+/// writing failed).
+fn missed_why(version: u64, name: &str, sha256: &str) -> String {
+    if sha256.is_empty() {
+        format!("a server had passed iteration {version} when the checkpoint was ordered")
+    } else {
+        format!("a server could not save {name}: {sha256}")
+    }
+}
+
+/// The manifest's rows entries once `rows` cover every bucket of each of
+/// `tables` tables (a bucket reported twice is read from its first report).
+fn rows_cover_of(rows: &[(RowsEntry, Vec<u32>)], tables: u32) -> Option<Vec<RowsEntry>> {
+    let n = eps_proto::buckets::BUCKETS as usize;
+    let mut from = vec![vec![usize::MAX; n]; tables as usize];
+    for (i, (e, buckets)) in rows.iter().enumerate() {
+        for &b in buckets {
+            let f = &mut from[e.table as usize][b as usize];
+            *f = (*f).min(i);
+        }
+    }
+    if from.iter().flatten().any(|&i| i == usize::MAX) {
+        return None;
+    }
+    let entry = |(i, (e, _)): (usize, &(RowsEntry, Vec<u32>))| {
+        let mine = (0..n as u32).filter(|&b| from[e.table as usize][b as usize] == i);
+        let buckets = runs_text(mine);
+        (!buckets.is_empty()).then(|| RowsEntry { buckets, ..e.clone() })
+    };
+    Some(rows.iter().enumerate().filter_map(entry).collect())
 }
 
 #[cfg(test)]
@@ -271,6 +402,8 @@ mod tests {
             membership,
             spec,
             pieces: Vec::new(),
+            tables: 0,
+            rows: Vec::new(),
         }
     }
 
@@ -327,6 +460,55 @@ mod tests {
         assert!(matches!(t.outcome(&dir, 10), Outcome::Failed(_)));
         assert!(latest(&dir).unwrap_err().contains("no complete checkpoint"));
         assert!(latest(&dir.join("absent")).unwrap_err().contains("cannot read"));
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// Writes a rows file of table 0 at `at` and reports it for `v` with `buckets`.
+    fn rows(t: &mut Tracker, dir: &Path, v: u64, at: u64, rank: u32, buckets: &str) -> Outcome {
+        let file = dir.join(dir_name(at)).join(eps_proto::checkpoint::rows_name(0, rank));
+        let h = eps_proto::checkpoint::RowsHeader { version: at, table: 0, stride: 1, rows: 0 };
+        let sha = write_atomic(&file, &[&h.encode()]).unwrap();
+        let r = RowsReport { version: v, table: 0, file: file.to_str().unwrap(), sha256: &sha, buckets, missed: false };
+        t.saved_rows(&r, &Manifest { tables: 1, ..record(8) })
+    }
+
+    #[test]
+    fn table_rows_complete_a_checkpoint_and_files_still_read_survive_pruning() {
+        let dir = tmp("rows");
+        let mut t = Tracker::new(1);
+        let job = Manifest { tables: 1, ..record(8) };
+        let dense = |t: &mut Tracker, v| {
+            let h = PieceHeader { version: v, start: 0, len: 8, state_k: 1, updates: 0 };
+            let file = dir.join(dir_name(v)).join(eps_proto::checkpoint::piece_name(0, 0));
+            let sha = write_piece(&file, &h, &[0.0; 16]).unwrap();
+            t.saved(&Report { version: v, start: 0, len: 8, file: file.to_str().unwrap(), sha256: &sha, missed: false }, &job)
+        };
+        // Checkpoint 10: the dense piece and two servers' rows.
+        assert_eq!(dense(&mut t, 10), Outcome::Pending, "no rows yet");
+        assert_eq!(rows(&mut t, &dir, 10, 10, 0, "0-2047"), Outcome::Pending, "half the buckets");
+        assert!(matches!(rows(&mut t, &dir, 10, 10, 1, "2048-4095"), Outcome::Complete(_)));
+        // Checkpoint 20: server 1's rows did not change, its file of 10 is read.
+        dense(&mut t, 20);
+        rows(&mut t, &dir, 20, 20, 0, "0-2047");
+        let Outcome::Complete(p) = rows(&mut t, &dir, 20, 10, 1, "2048-4095") else { panic!("complete") };
+        let (_, m) = latest(&dir).unwrap();
+        assert_eq!(m.version, 20);
+        let names: Vec<&str> = m.rows.iter().map(|e| e.file.as_str()).collect();
+        assert_eq!(names, ["table-0-server-0.bin", "../ckpt-000000000010/table-0-server-1.bin"]);
+        // Keeping one: 10 loses its manifest and dense piece, not the rows 20 reads.
+        let old = dir.join(dir_name(10));
+        assert!(!old.join(MANIFEST).exists() && !old.join("shard-0-server-0.bin").exists());
+        assert!(old.join("table-0-server-1.bin").exists() && !old.join("table-0-server-0.bin").exists());
+        assert_eq!(latest(&dir).unwrap().0, p);
+        // A report of rows for a table the job lacks, or of a later checkpoint's file, fails it.
+        let r = RowsReport { version: 30, table: 3, file: "/x/ckpt-000000000030/t.bin", sha256: "0", buckets: "1", missed: false };
+        assert!(matches!(t.saved_rows(&r, &job), Outcome::Failed(w) if w.contains("table 3")));
+        let r = RowsReport { version: 30, table: 0, file: "/x/ckpt-000000000040/t.bin", ..r };
+        assert!(matches!(t.saved_rows(&r, &job), Outcome::Failed(w) if w.contains("after 30")));
+        // Once 30 writes every row anew, 10 goes entirely.
+        dense(&mut t, 30);
+        rows(&mut t, &dir, 30, 30, 0, "0-4095");
+        assert!(!old.exists());
         std::fs::remove_dir_all(&dir).ok();
     }
 }

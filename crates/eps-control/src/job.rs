@@ -368,6 +368,8 @@ impl Job {
             membership: self.w.members.resumed_at(version, Vec::new()).to_text(),
             spec,
             pieces: Vec::new(),
+            tables: self.table_count as u32,
+            rows: Vec::new(),
         }
     }
 

@@ -17,6 +17,15 @@
 //! holds back those of `t` on until it does), with the number of updates it
 //! applied ([`PieceHeader::updates`]). Resumed, every worker starts at `t`:
 //! no contribution is lost or applied twice.
+//!
+//! Sparse tables are saved by bucket: at version `v` each server saves the
+//! rows of the buckets it applied iteration `v - 1` to, into
+//! `table-T-server-RANK.bin` (a [`RowsHeader`], then the rows as
+//! `eps-sparse` moves them, by ascending key). A checkpoint into the job's
+//! own directory is incremental: a bucket whose rows did not change since the
+//! server last saved them is not written again; the manifest's [`RowsEntry`]
+//! then names the file of the earlier checkpoint that holds it
+//! (`../ckpt-U/...`). The entries of each table cover every bucket once.
 
 use serde::{Deserialize, Serialize};
 
@@ -48,6 +57,11 @@ pub fn piece_name(shard: u32, rank: u32) -> String {
     format!("shard-{shard}-server-{rank}.bin")
 }
 
+/// The file server `rank` writes table `table`'s rows into.
+pub fn rows_name(table: u32, rank: u32) -> String {
+    format!("table-{table}-server-{rank}.bin")
+}
+
 /// Why checkpoint bytes are unusable.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -58,6 +72,9 @@ pub enum CheckpointError {
     /// The manifest does not parse.
     #[error("manifest: {0}")]
     Manifest(String),
+    /// A table's rows are not listed once per bucket, or a rows file is unusable.
+    #[error("table rows: {0}")]
+    Rows(String),
     /// The pieces leave part of the parameters out.
     #[error("the pieces do not cover elements {from}..{to}")]
     Gap {
@@ -124,6 +141,131 @@ impl PieceHeader {
     }
 }
 
+const ROWS_MAGIC: [u8; 8] = *b"EPSROWS1";
+
+/// The header of a rows file ([`PIECE_HEADER`] bytes); `rows` records of
+/// `eps_sparse::moves::ROW_META + 4 * stride` bytes follow.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowsHeader {
+    /// The checkpoint's version (the one the file was written for).
+    pub version: u64,
+    /// The table's index in the job.
+    pub table: u32,
+    /// Values and optimizer state per row.
+    pub stride: u32,
+    /// Rows in the file.
+    pub rows: u64,
+}
+
+impl RowsHeader {
+    /// The header's bytes.
+    pub fn encode(&self) -> [u8; PIECE_HEADER] {
+        let mut b = [0u8; PIECE_HEADER];
+        b[..8].copy_from_slice(&ROWS_MAGIC);
+        b[8..16].copy_from_slice(&self.version.to_le_bytes());
+        b[16..20].copy_from_slice(&self.table.to_le_bytes());
+        b[20..24].copy_from_slice(&self.stride.to_le_bytes());
+        b[24..32].copy_from_slice(&self.rows.to_le_bytes());
+        b
+    }
+
+    /// Reads a header (reserved bytes must be zero).
+    pub fn decode(b: &[u8]) -> Result<Self, CheckpointError> {
+        if b.len() < PIECE_HEADER || b[..8] != ROWS_MAGIC || b[32..PIECE_HEADER].iter().any(|&x| x != 0) {
+            return Err(CheckpointError::Header);
+        }
+        let u64_at = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
+        let u32_at = |at: usize| u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"));
+        Ok(Self { version: u64_at(8), table: u32_at(16), stride: u32_at(20), rows: u64_at(24) })
+    }
+}
+
+/// Buckets as runs of consecutive ones, `first-last` or `b`, comma-separated
+/// (`buckets` ascending).
+pub fn runs_text(buckets: impl IntoIterator<Item = u32>) -> String {
+    let mut runs: Vec<(u32, u32)> = Vec::new();
+    for b in buckets {
+        match runs.last_mut() {
+            Some((_, last)) if *last + 1 == b => *last = b,
+            _ => runs.push((b, b)),
+        }
+    }
+    let run = |&(a, b): &(u32, u32)| if a == b { a.to_string() } else { format!("{a}-{b}") };
+    runs.iter().map(run).collect::<Vec<_>>().join(",")
+}
+
+/// The buckets of [`runs_text`]'s text, ascending, each below
+/// [`crate::buckets::BUCKETS`].
+pub fn parse_runs(text: &str) -> Result<Vec<u32>, CheckpointError> {
+    let bad = || CheckpointError::Rows(format!("{text:?} is not a list of buckets in ascending runs"));
+    let mut out: Vec<u32> = Vec::new();
+    for run in text.split(',').filter(|r| !r.is_empty()) {
+        let (a, b) = run.split_once('-').unwrap_or((run, run));
+        let (a, b): (u32, u32) = (a.parse().map_err(|_| bad())?, b.parse().map_err(|_| bad())?);
+        if a > b || b >= crate::buckets::BUCKETS || out.last().is_some_and(|&l| l >= a) {
+            return Err(bad());
+        }
+        out.extend(a..=b);
+    }
+    Ok(out)
+}
+
+/// A file of a table's rows as the manifest lists it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RowsEntry {
+    /// The table's index.
+    pub table: u32,
+    /// The file, inside the checkpoint's directory or (`../ckpt-U/NAME`)
+    /// an earlier checkpoint's of the same job directory.
+    pub file: String,
+    /// Hex SHA-256 of the whole file.
+    pub sha256: String,
+    /// The buckets whose rows are read from it ([`runs_text`]); the file may
+    /// hold rows of others, newer ones of which are in other files.
+    pub buckets: String,
+}
+
+impl RowsEntry {
+    /// The version of the earlier checkpoint the file is in, if it is not
+    /// in the manifest's own directory.
+    pub fn earlier(&self) -> Option<u64> {
+        let rest = self.file.strip_prefix("../")?;
+        parse_dir_name(rest.split_once('/')?.0)
+    }
+
+    /// Whether `file` is a plain name, or one in an earlier checkpoint's directory.
+    fn well_placed(&self) -> bool {
+        let plain = |n: &str| !n.is_empty() && !n.contains('/') && n != "." && n != "..";
+        match self.file.strip_prefix("../") {
+            None => plain(&self.file),
+            Some(rest) => rest.split_once('/').is_some_and(|(d, n)| parse_dir_name(d).is_some() && plain(n)),
+        }
+    }
+}
+
+/// Checks that `rows` name tables below `tables` and cover each one's buckets
+/// exactly once.
+pub fn rows_cover(rows: &[RowsEntry], tables: u32) -> Result<(), CheckpointError> {
+    let n = crate::buckets::BUCKETS as usize;
+    let mut seen = vec![vec![false; n]; tables as usize];
+    for e in rows {
+        if !e.well_placed() {
+            return Err(CheckpointError::Rows(format!("{:?} is not a file of this or an earlier checkpoint", e.file)));
+        }
+        let t = seen.get_mut(e.table as usize).ok_or_else(|| CheckpointError::Rows(format!("table {}, of {tables}", e.table)))?;
+        for b in parse_runs(&e.buckets)? {
+            if std::mem::replace(&mut t[b as usize], true) {
+                return Err(CheckpointError::Rows(format!("bucket {b} of table {} is listed twice", e.table)));
+            }
+        }
+    }
+    match seen.iter().enumerate().find_map(|(t, s)| Some((t, s.iter().position(|&x| !x)?))) {
+        Some((t, b)) => Err(CheckpointError::Rows(format!("bucket {b} of table {t} is in no file"))),
+        None => Ok(()),
+    }
+}
+
 /// One piece as the manifest lists it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -161,6 +303,12 @@ pub struct Manifest {
     pub spec: String,
     /// A cover of the flat space, by ascending start.
     pub pieces: Vec<PieceEntry>,
+    /// Sparse tables of the job.
+    #[serde(default)]
+    pub tables: u32,
+    /// Their rows: files whose buckets cover every table's once.
+    #[serde(default)]
+    pub rows: Vec<RowsEntry>,
 }
 
 impl Manifest {
@@ -181,6 +329,7 @@ impl Manifest {
         }
         let spans: Vec<(u64, u64)> = m.pieces.iter().map(|p| (p.start, p.len)).collect();
         cover(&spans, m.total)?;
+        rows_cover(&m.rows, m.tables)?;
         Ok(m)
     }
 
@@ -269,6 +418,8 @@ mod tests {
             membership: "0:0,1".into(),
             spec: "[job]\nworkers = 2\n".into(),
             pieces: vec![piece("a", 0, 10), piece("b", 10, 20)],
+            tables: 0,
+            rows: Vec::new(),
         };
         assert_eq!(Manifest::from_toml(&m.to_toml()), Ok(m.clone()));
         assert_eq!(m.overlapping(5, 10), vec![0, 1]);
@@ -280,5 +431,51 @@ mod tests {
         assert!(Manifest::from_toml(&text).unwrap_err().to_string().contains("format 9"));
         assert_eq!(parse_dir_name(&dir_name(20)), Some(20));
         assert_eq!(parse_dir_name("ckpt-12"), None);
+    }
+
+    #[test]
+    fn table_rows_are_listed_once_per_bucket() {
+        let h = RowsHeader { version: 30, table: 1, stride: 17, rows: 5000 };
+        assert_eq!(RowsHeader::decode(&h.encode()), Ok(h));
+        assert_eq!(RowsHeader::decode(&PieceHeader { version: 1, start: 0, len: 1, state_k: 0, updates: 0 }.encode()), Err(CheckpointError::Header));
+        assert_eq!(runs_text([0, 1, 2, 5, 7, 8]), "0-2,5,7-8");
+        assert_eq!(parse_runs("0-2,5,7-8"), Ok(vec![0, 1, 2, 5, 7, 8]));
+        assert_eq!(parse_runs(""), Ok(vec![]));
+        for bad in ["3-1", "5,4", "0-4096", "x", "1-2-3", "2,2"] {
+            assert!(parse_runs(bad).is_err(), "{bad}");
+        }
+        let all = format!("0-{}", crate::buckets::BUCKETS - 1);
+        let e = |table, file: &str, buckets: &str| RowsEntry { table, file: file.into(), sha256: "00".into(), buckets: buckets.into() };
+        let two = [e(0, "a.bin", "0-99"), e(0, "../ckpt-000000000010/b.bin", &format!("100-{}", crate::buckets::BUCKETS - 1))];
+        assert_eq!(rows_cover(&two, 1), Ok(()));
+        assert_eq!((two[0].earlier(), two[1].earlier()), (None, Some(10)));
+        let gap = rows_cover(&two[..1], 1).unwrap_err().to_string();
+        assert!(gap.contains("bucket 100 of table 0 is in no file"), "{gap}");
+        assert!(rows_cover(&[e(0, "a", &all), e(0, "b", "7")], 1).unwrap_err().to_string().contains("bucket 7 of table 0 is listed twice"));
+        assert!(rows_cover(&[e(1, "a", &all)], 1).is_err(), "a table the job lacks");
+        for file in ["../../x.bin", "../ckpt-1/x.bin", "d/x.bin", "..", ""] {
+            assert!(rows_cover(&[e(0, file, &all)], 1).is_err(), "{file}");
+        }
+        // A manifest with rows round-trips; one without is read as before.
+        let m = Manifest {
+            format: FORMAT,
+            version: 20,
+            epoch: 1,
+            servers: 1,
+            total: 4,
+            state_k: 0,
+            membership: "0:0".into(),
+            spec: String::new(),
+            pieces: vec![PieceEntry { file: "p".into(), start: 0, len: 4, sha256: "00".into() }],
+            tables: 1,
+            rows: two.to_vec(),
+        };
+        assert_eq!(Manifest::from_toml(&m.to_toml()), Ok(m.clone()));
+        let plain = Manifest { tables: 0, rows: Vec::new(), ..m.clone() };
+        let text = plain.to_toml().replace("tables = 0\n", "").replace("rows = []\n", "");
+        assert!(!text.contains("rows"), "{text}");
+        assert_eq!(Manifest::from_toml(&text), Ok(plain));
+        let torn = Manifest { rows: two[..1].to_vec(), ..m };
+        assert!(Manifest::from_toml(&torn.to_toml()).is_err());
     }
 }

@@ -328,6 +328,25 @@ pub enum ControlMsg {
         /// The shard was past `version` already (nothing written).
         missed: bool,
     },
+    /// Server -> control: the rows of table `table`'s buckets `buckets`
+    /// ([`crate::checkpoint::runs_text`]) at `version` are in `file` (of this
+    /// checkpoint, or of an earlier one of the same job directory where they
+    /// did not change since), or (`missed`) they are not saved: `sha256` is
+    /// then why, or empty if the table had passed `version`.
+    SavedRows {
+        /// The checkpoint's version.
+        version: u64,
+        /// The table's index.
+        table: u32,
+        /// The file's path.
+        file: String,
+        /// Hex SHA-256 of the file.
+        sha256: String,
+        /// The buckets whose rows it holds for this checkpoint.
+        buckets: String,
+        /// Nothing was saved.
+        missed: bool,
+    },
     /// Server -> control: it holds a backup of `endpoint.shard` (replicas = 2).
     BackupReady {
         /// The backup's endpoint for workers (used once it is promoted).

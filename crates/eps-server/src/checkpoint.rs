@@ -17,6 +17,7 @@ use eps_fabric::Fabric;
 use eps_proto::checkpoint::{Manifest, PieceHeader, dir_name, piece_name};
 use eps_proto::control::ControlMsg;
 
+use crate::rows_checkpoint::{RowsPiece, RowsSaves, Written, write_rows};
 use crate::{Server, ServerConfig, ServerError};
 
 /// Copies waiting for the writer at most (training waits beyond that).
@@ -36,6 +37,12 @@ pub(crate) struct Piece {
     pub(crate) values: Option<Vec<f32>>,
 }
 
+/// What the writer thread writes.
+pub(crate) enum Save {
+    Shard(Piece),
+    Rows(RowsPiece),
+}
+
 /// The checkpoints a server saves, and its writer thread.
 pub(crate) struct Saver {
     /// `job.checkpoint_every` and `job.checkpoint_dir`.
@@ -50,7 +57,9 @@ pub(crate) struct Saver {
     /// SSP/ASP, by shard: contributions (worker, iteration) of the cut's
     /// iteration or later, held back until the shard is saved.
     pub(crate) held: std::collections::HashMap<u32, Vec<(u32, u64)>>,
-    tx: Option<SyncSender<Piece>>,
+    /// What the saves of sparse tables remember.
+    pub(crate) rows: RowsSaves,
+    tx: Option<SyncSender<Save>>,
     writer: Option<JoinHandle<()>>,
 }
 
@@ -63,9 +72,11 @@ impl Saver {
         };
         let ctl = ControlClient::connect(cfg.control.clone(), &cfg.secret, cfg.accept_timeout)?;
         let (tx, rx) = sync_channel(QUEUE);
+        let rows = RowsSaves::default();
+        let written = rows.written.clone();
         let writer = std::thread::Builder::new()
             .name("eps-checkpoint".into())
-            .spawn(move || write_pieces(rank, rx, ctl))
+            .spawn(move || write_pieces(rank, rx, ctl, written))
             .map_err(|_| ServerError::Unexpected)?;
         Ok(Self {
             periodic,
@@ -74,6 +85,7 @@ impl Saver {
             start: spec.resume.as_ref().map_or(0, |r| r.iteration),
             cuts: Default::default(),
             held: Default::default(),
+            rows,
             tx: Some(tx),
             writer: Some(writer),
         })
@@ -99,10 +111,24 @@ impl Saver {
         dirs
     }
 
+    /// The job's own checkpoint directory (`job.checkpoint_dir`, when it
+    /// checkpoints periodically).
+    pub(crate) fn own_dir(&self) -> Option<&Path> {
+        self.periodic.as_ref().map(|(_, d)| d.as_path())
+    }
+
     pub(crate) fn send(&self, p: Piece) {
+        self.queue(Save::Shard(p));
+    }
+
+    pub(crate) fn send_rows(&self, p: RowsPiece) {
+        self.queue(Save::Rows(p));
+    }
+
+    fn queue(&self, s: Save) {
         if let Some(tx) = &self.tx {
             // The writer only stops when the server does.
-            let _ = tx.send(p);
+            let _ = tx.send(s);
         }
     }
 
@@ -121,8 +147,15 @@ impl Drop for Saver {
     }
 }
 
-fn write_pieces(rank: u32, rx: Receiver<Piece>, mut ctl: ControlClient) {
-    for p in rx {
+fn write_pieces(rank: u32, rx: Receiver<Save>, mut ctl: ControlClient, written: Written) {
+    for s in rx {
+        let p = match s {
+            Save::Shard(p) => p,
+            Save::Rows(p) => {
+                write_rows(rank, p, &written, &mut ctl);
+                continue;
+            }
+        };
         let path = p.dir.join(dir_name(p.version)).join(piece_name(p.shard, rank));
         let file = path.display().to_string();
         let (sha256, missed) = match &p.values {
@@ -180,6 +213,7 @@ impl<P: Fabric> Server<P> {
                 self.report_missed(id, version, dir);
             }
         }
+        self.rows_order(version, dir);
         self.saver.ordered.push((version, PathBuf::from(dir)));
         Ok(())
     }
@@ -268,6 +302,11 @@ impl Restore {
         Ok(())
     }
 
+    /// The manifest.
+    pub(crate) fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
     /// Where it was read from.
     pub(crate) fn dir(&self) -> &Path {
         &self.dir
@@ -286,6 +325,7 @@ mod tests {
             start: 0,
             cuts: Default::default(),
             held: Default::default(),
+            rows: Default::default(),
             tx: None,
             writer: None,
         }

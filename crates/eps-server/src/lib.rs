@@ -30,6 +30,7 @@ mod metrics;
 mod migrate;
 mod relay;
 mod replica;
+mod rows_checkpoint;
 mod seed;
 mod serve;
 mod sparse;
@@ -498,7 +499,11 @@ pub fn run_direct<P: Fabric>(
     }
     let es = layout.dtype.size_bytes() as u64;
     let max_len = layout.shards.iter().map(|s| s.len).max().unwrap_or(0);
-    let sparse = sparse::Sparse::new(&pd, &spec, ranks)?;
+    let mut sparse = sparse::Sparse::new(&pd, &spec, ranks)?;
+    if let Some(r) = restore.as_ref().filter(|_| !sparse.is_empty()) {
+        let rows = rows_checkpoint::restore_rows(&mut sparse, r.dir(), r.manifest(), rank)?;
+        eps_proto::say!("eps server {rank}: {rows} table rows restored");
+    }
     let mut opts = QpOptions::new(cfg.secret.clone());
     // Per peer: at most one pull answer and two credits per shard in flight, for
     // as many shards as splits may make; per table a push, a pull, their answers.

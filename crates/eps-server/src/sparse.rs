@@ -283,7 +283,11 @@ impl<P: Fabric> Server<P> {
             (_, &[w]) => part.apply_one(w, views[0].0, views[0].1),
             _ => return Err(ServerError::Sparse("an SSP/ASP update of more than one worker's push".into())),
         };
-        applied.map_err(|e| ServerError::Sparse(e.to_string()))?;
+        let version = applied.map_err(|e| ServerError::Sparse(e.to_string()))?;
+        if self.mode == Consistency::Bsp {
+            // Copied out before any of its buckets leave.
+            self.save_rows_if_due(table, version);
+        }
         self.summary.updates += 1;
         self.metrics.updates.inc();
         // Buckets whose cutover this update reached leave now, before anything

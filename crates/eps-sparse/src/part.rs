@@ -64,6 +64,12 @@ impl TablePart {
         &self.rows
     }
 
+    /// Forgets which buckets changed (a checkpoint took them; see
+    /// [`RowTable::changed_buckets`]).
+    pub fn clear_changed(&mut self) {
+        self.rows.clear_changed();
+    }
+
     /// What it did so far.
     pub fn stats(&self) -> PartStats {
         PartStats { evicted: self.rows.evicted(), refused: self.rows.refused(), ..self.stats }

@@ -11,7 +11,8 @@ use eps_proto::control::{ControlMsg, ErrorCode, Refusal, Role};
 
 use super::{LONG_POLL, State};
 use crate::ControlError;
-use crate::checkpoint::{Outcome, Report};
+use crate::checkpoint::{Outcome, Report, RowsReport, Tracker};
+use eps_proto::checkpoint::Manifest;
 
 /// Tries this many versions, each further ahead, before an on-demand
 /// checkpoint gives up.
@@ -144,7 +145,12 @@ impl State {
                 ControlMsg::StatusReport { text }
             }
             ControlMsg::Saved { version, start, len, file, sha256, missed, .. } => {
-                self.saved(&Report { version, start, len, file: &file, sha256: &sha256, missed });
+                self.saved(version, &file, |t, rec| t.saved(&Report { version, start, len, file: &file, sha256: &sha256, missed }, rec));
+                ControlMsg::Ok
+            }
+            ControlMsg::SavedRows { version, table, file, sha256, buckets, missed } => {
+                let r = RowsReport { version, table, file: &file, sha256: &sha256, buckets: &buckets, missed };
+                self.saved(version, &file, |t, rec| t.saved_rows(&r, rec));
                 ControlMsg::Ok
             }
             ControlMsg::Checkpoint { dir, .. } => match self.checkpoint(dir) {
@@ -231,12 +237,13 @@ impl State {
         }
     }
 
-    /// A server saved its piece of a checkpoint.
-    fn saved(&mut self, report: &Report<'_>) {
-        let version = report.version;
-        let before = Path::new(report.file).parent().and_then(Path::parent).map(|d| self.ckpt.outcome(d, version));
+    /// A server saved its piece (or table rows, in `file`) of the checkpoint
+    /// at `version`: `take` hands the report to the tracker.
+    fn saved(&mut self, version: u64, file: &str, take: impl FnOnce(&mut Tracker, &Manifest) -> Outcome) {
+        // (A file of an earlier checkpoint is in the same job directory.)
+        let before = Path::new(file).parent().and_then(Path::parent).map(|d| self.ckpt.outcome(d, version));
         let rec = self.job.checkpoint_record(version);
-        match self.ckpt.saved(report, &rec) {
+        match take(&mut self.ckpt, &rec) {
             Outcome::Complete(p) if before != Some(Outcome::Complete(p.clone())) => {
                 eps_proto::say!("eps control: checkpoint at iteration {version} complete in {}", p.display());
                 if self.last_checkpoint.as_ref().is_none_or(|(v, _)| *v < version) {

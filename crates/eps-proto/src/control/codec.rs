@@ -136,6 +136,14 @@ impl R<'_> {
     pub(super) fn u64(&mut self) -> Result<u64, DecodeError> {
         Ok(u64::from_le_bytes(self.take(8)?.try_into().map_err(|_| DecodeError::Truncated)?))
     }
+    /// A bool, as 0 or 1.
+    pub(super) fn flag(&mut self) -> Result<bool, DecodeError> {
+        match self.u8()? {
+            0 => Ok(false),
+            1 => Ok(true),
+            t => Err(DecodeError::Tag(t)),
+        }
+    }
     pub(super) fn str(&mut self) -> Result<String, DecodeError> {
         let n = self.u32()? as usize;
         let b = self.take(n)?;
@@ -367,6 +375,15 @@ impl ControlMsg {
                 w.str(sha256);
                 w.u8(u8::from(*missed));
             }
+            ControlMsg::SavedRows { version, table, file, sha256, buckets, missed } => {
+                w.u8(38);
+                w.u64(*version);
+                w.u32(*table);
+                w.str(file);
+                w.str(sha256);
+                w.str(buckets);
+                w.u8(u8::from(*missed));
+            }
             ControlMsg::Checkpointed { version, path } => {
                 w.u8(26);
                 w.u64(*version);
@@ -480,11 +497,15 @@ impl ControlMsg {
                 len: r.u64()?,
                 file: r.str()?,
                 sha256: r.str()?,
-                missed: match r.u8()? {
-                    0 => false,
-                    1 => true,
-                    t => return Err(DecodeError::Tag(t)),
-                },
+                missed: r.flag()?,
+            },
+            38 => ControlMsg::SavedRows {
+                version: r.u64()?,
+                table: r.u32()?,
+                file: r.str()?,
+                sha256: r.str()?,
+                buckets: r.str()?,
+                missed: r.flag()?,
             },
             26 => ControlMsg::Checkpointed { version: r.u64()?, path: r.str()? },
             27 => ControlMsg::BackupReady { endpoint: r.endpoint()?, keys: r.keys()? },
