@@ -225,6 +225,8 @@ pub struct RowsReport<'a> {
     pub sha256: &'a str,
     /// The buckets it holds for this checkpoint (runs).
     pub buckets: &'a str,
+    /// It holds their changes over earlier files, not their rows whole.
+    pub changes: bool,
     /// Nothing was saved.
     pub missed: bool,
 }
@@ -291,7 +293,8 @@ impl Tracker {
         } else {
             match parse_runs(r.buckets) {
                 Ok(b) if r.table < job.tables => {
-                    let e = RowsEntry { table: r.table, file: name, sha256: r.sha256.to_string(), buckets: String::new() };
+                    let (table, sha256, changes) = (r.table, r.sha256.to_string(), r.changes);
+                    let e = RowsEntry { table, file: name, sha256, buckets: String::new(), changes };
                     c.rows.push((e, b));
                 }
                 Ok(_) => c.failed = Some(format!("a server saved rows of table {}, which the job lacks", r.table)),
@@ -358,12 +361,13 @@ fn missed_why(version: u64, name: &str, sha256: &str) -> String {
     }
 }
 
-/// The manifest's rows entries once `rows` cover every bucket of each of
-/// `tables` tables (a bucket reported twice is read from its first report).
+/// The manifest's rows entries once `rows` give every bucket of each of
+/// `tables` tables a whole file (a bucket reported whole twice is read from
+/// its first report; changes reported twice count once).
 fn rows_cover_of(rows: &[(RowsEntry, Vec<u32>)], tables: u32) -> Option<Vec<RowsEntry>> {
     let n = eps_proto::buckets::BUCKETS as usize;
     let mut from = vec![vec![usize::MAX; n]; tables as usize];
-    for (i, (e, buckets)) in rows.iter().enumerate() {
+    for (i, (e, buckets)) in rows.iter().enumerate().filter(|(_, (e, _))| !e.changes) {
         for &b in buckets {
             let f = &mut from[e.table as usize][b as usize];
             *f = (*f).min(i);
@@ -372,10 +376,14 @@ fn rows_cover_of(rows: &[(RowsEntry, Vec<u32>)], tables: u32) -> Option<Vec<Rows
     if from.iter().flatten().any(|&i| i == usize::MAX) {
         return None;
     }
-    let entry = |(i, (e, _)): (usize, &(RowsEntry, Vec<u32>))| {
-        let mine = (0..n as u32).filter(|&b| from[e.table as usize][b as usize] == i);
-        let buckets = runs_text(mine);
-        (!buckets.is_empty()).then(|| RowsEntry { buckets, ..e.clone() })
+    let first = |i: usize, e: &RowsEntry| rows.iter().position(|(o, _)| o.changes && o.table == e.table && o.file == e.file) == Some(i);
+    let entry = |(i, (e, buckets)): (usize, &(RowsEntry, Vec<u32>))| {
+        let text = match e.changes {
+            true if first(i, e) => runs_text(buckets.iter().copied()),
+            true => String::new(),
+            false => runs_text((0..n as u32).filter(|&b| from[e.table as usize][b as usize] == i)),
+        };
+        (!text.is_empty()).then(|| RowsEntry { buckets: text, ..e.clone() })
     };
     Some(rows.iter().enumerate().filter_map(entry).collect())
 }
@@ -466,9 +474,9 @@ mod tests {
     /// Writes a rows file of table 0 at `at` and reports it for `v` with `buckets`.
     fn rows(t: &mut Tracker, dir: &Path, v: u64, at: u64, rank: u32, buckets: &str) -> Outcome {
         let file = dir.join(dir_name(at)).join(eps_proto::checkpoint::rows_name(0, rank));
-        let h = eps_proto::checkpoint::RowsHeader { version: at, table: 0, stride: 1, rows: 0 };
+        let h = eps_proto::checkpoint::RowsHeader { version: at, table: 0, stride: 1, rows: 0, deleted: 0 };
         let sha = write_atomic(&file, &[&h.encode()]).unwrap();
-        let r = RowsReport { version: v, table: 0, file: file.to_str().unwrap(), sha256: &sha, buckets, missed: false };
+        let r = RowsReport { version: v, table: 0, file: file.to_str().unwrap(), sha256: &sha, buckets, changes: false, missed: false };
         t.saved_rows(&r, &Manifest { tables: 1, ..record(8) })
     }
 
@@ -501,7 +509,8 @@ mod tests {
         assert!(old.join("table-0-server-1.bin").exists() && !old.join("table-0-server-0.bin").exists());
         assert_eq!(latest(&dir).unwrap().0, p);
         // A report of rows for a table the job lacks, or of a later checkpoint's file, fails it.
-        let r = RowsReport { version: 30, table: 3, file: "/x/ckpt-000000000030/t.bin", sha256: "0", buckets: "1", missed: false };
+        let file = "/x/ckpt-000000000030/t.bin";
+        let r = RowsReport { version: 30, table: 3, file, sha256: "0", buckets: "1", changes: false, missed: false };
         assert!(matches!(t.saved_rows(&r, &job), Outcome::Failed(w) if w.contains("table 3")));
         let r = RowsReport { version: 30, table: 0, file: "/x/ckpt-000000000040/t.bin", ..r };
         assert!(matches!(t.saved_rows(&r, &job), Outcome::Failed(w) if w.contains("after 30")));

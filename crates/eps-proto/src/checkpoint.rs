@@ -20,12 +20,14 @@
 //!
 //! Sparse tables are saved by bucket: at version `v` each server saves the
 //! rows of the buckets it applied iteration `v - 1` to, into
-//! `table-T-server-RANK.bin` (a [`RowsHeader`], then the rows as
-//! `eps-sparse` moves them, by ascending key). A checkpoint into the job's
-//! own directory is incremental: a bucket whose rows did not change since the
-//! server last saved them is not written again; the manifest's [`RowsEntry`]
-//! then names the file of the earlier checkpoint that holds it
-//! (`../ckpt-U/...`). The entries of each table cover every bucket once.
+//! `table-T-server-RANK.bin` (a [`RowsHeader`], the rows as `eps-sparse`
+//! moves them, by ascending key, then the keys deleted). A checkpoint into
+//! the job's own directory is incremental (`eps_sparse::saves`): a bucket is
+//! read as a chain of files, one that holds its rows whole and then, in
+//! version order, ones that hold its changes (rows changed, keys deleted),
+//! each possibly of an earlier checkpoint of the same job directory
+//! (`../ckpt-U/...`). The manifest's [`RowsEntry`]s give each table's
+//! buckets exactly one whole file.
 
 use serde::{Deserialize, Serialize};
 
@@ -144,7 +146,8 @@ impl PieceHeader {
 const ROWS_MAGIC: [u8; 8] = *b"EPSROWS1";
 
 /// The header of a rows file ([`PIECE_HEADER`] bytes); `rows` records of
-/// `eps_sparse::moves::ROW_META + 4 * stride` bytes follow.
+/// `eps_sparse::moves::ROW_META + 4 * stride` bytes follow, then `deleted`
+/// keys (u64).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RowsHeader {
     /// The checkpoint's version (the one the file was written for).
@@ -155,6 +158,8 @@ pub struct RowsHeader {
     pub stride: u32,
     /// Rows in the file.
     pub rows: u64,
+    /// Keys deleted.
+    pub deleted: u64,
 }
 
 impl RowsHeader {
@@ -166,17 +171,18 @@ impl RowsHeader {
         b[16..20].copy_from_slice(&self.table.to_le_bytes());
         b[20..24].copy_from_slice(&self.stride.to_le_bytes());
         b[24..32].copy_from_slice(&self.rows.to_le_bytes());
+        b[32..40].copy_from_slice(&self.deleted.to_le_bytes());
         b
     }
 
     /// Reads a header (reserved bytes must be zero).
     pub fn decode(b: &[u8]) -> Result<Self, CheckpointError> {
-        if b.len() < PIECE_HEADER || b[..8] != ROWS_MAGIC || b[32..PIECE_HEADER].iter().any(|&x| x != 0) {
+        if b.len() < PIECE_HEADER || b[..8] != ROWS_MAGIC || b[40..PIECE_HEADER].iter().any(|&x| x != 0) {
             return Err(CheckpointError::Header);
         }
         let u64_at = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
         let u32_at = |at: usize| u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"));
-        Ok(Self { version: u64_at(8), table: u32_at(16), stride: u32_at(20), rows: u64_at(24) })
+        Ok(Self { version: u64_at(8), table: u32_at(16), stride: u32_at(20), rows: u64_at(24), deleted: u64_at(32) })
     }
 }
 
@@ -224,9 +230,18 @@ pub struct RowsEntry {
     /// The buckets whose rows are read from it ([`runs_text`]); the file may
     /// hold rows of others, newer ones of which are in other files.
     pub buckets: String,
+    /// It holds the changes of these buckets (over earlier files), not
+    /// their rows whole.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub changes: bool,
 }
 
 impl RowsEntry {
+    /// The version of the file: `of`, the manifest's, or its earlier checkpoint's.
+    pub fn version(&self, of: u64) -> u64 {
+        self.earlier().unwrap_or(of)
+    }
+
     /// The version of the earlier checkpoint the file is in, if it is not
     /// in the manifest's own directory.
     pub fn earlier(&self) -> Option<u64> {
@@ -244,26 +259,44 @@ impl RowsEntry {
     }
 }
 
-/// Checks that `rows` name tables below `tables` and cover each one's buckets
-/// exactly once.
-pub fn rows_cover(rows: &[RowsEntry], tables: u32) -> Result<(), CheckpointError> {
+/// Checks that `rows` (of the checkpoint at `version`) name tables below
+/// `tables` and give each bucket of each one exactly one whole file, and
+/// changes only in later files, each once.
+pub fn rows_cover(rows: &[RowsEntry], tables: u32, version: u64) -> Result<(), CheckpointError> {
     let n = crate::buckets::BUCKETS as usize;
-    let mut seen = vec![vec![false; n]; tables as usize];
+    // By table, by bucket: the whole file's version, and the changes' versions.
+    let mut whole = vec![vec![None; n]; tables as usize];
+    let mut changes: Vec<Vec<Vec<u64>>> = vec![vec![Vec::new(); n]; tables as usize];
+    let bad = |why: String| Err(CheckpointError::Rows(why));
     for e in rows {
-        if !e.well_placed() {
-            return Err(CheckpointError::Rows(format!("{:?} is not a file of this or an earlier checkpoint", e.file)));
+        if !e.well_placed() || e.earlier().is_some_and(|v| v >= version) {
+            return bad(format!("{:?} is not a file of this or an earlier checkpoint", e.file));
         }
-        let t = seen.get_mut(e.table as usize).ok_or_else(|| CheckpointError::Rows(format!("table {}, of {tables}", e.table)))?;
+        let t = e.table as usize;
+        if t >= whole.len() {
+            return bad(format!("table {}, of {tables}", e.table));
+        }
+        let v = e.version(version);
         for b in parse_runs(&e.buckets)? {
-            if std::mem::replace(&mut t[b as usize], true) {
-                return Err(CheckpointError::Rows(format!("bucket {b} of table {} is listed twice", e.table)));
+            let (w, c) = (&mut whole[t][b as usize], &mut changes[t][b as usize]);
+            if e.changes {
+                c.push(v);
+            } else if w.replace(v).is_some() {
+                return bad(format!("bucket {b} of table {t} has two whole files"));
             }
         }
     }
-    match seen.iter().enumerate().find_map(|(t, s)| Some((t, s.iter().position(|&x| !x)?))) {
-        Some((t, b)) => Err(CheckpointError::Rows(format!("bucket {b} of table {t} is in no file"))),
-        None => Ok(()),
+    for (t, (w, c)) in whole.iter().zip(&changes).enumerate() {
+        for b in 0..n {
+            let Some(base) = w[b] else { return bad(format!("bucket {b} of table {t} is in no file")) };
+            let mut vs = c[b].clone();
+            vs.sort_unstable();
+            if vs.first().is_some_and(|&f| f <= base) || vs.windows(2).any(|p| p[0] == p[1]) {
+                return bad(format!("bucket {b} of table {t}: changes not after its whole file, or twice"));
+            }
+        }
     }
+    Ok(())
 }
 
 /// One piece as the manifest lists it.
@@ -329,7 +362,7 @@ impl Manifest {
         }
         let spans: Vec<(u64, u64)> = m.pieces.iter().map(|p| (p.start, p.len)).collect();
         cover(&spans, m.total)?;
-        rows_cover(&m.rows, m.tables)?;
+        rows_cover(&m.rows, m.tables, m.version)?;
         Ok(m)
     }
 
@@ -435,7 +468,7 @@ mod tests {
 
     #[test]
     fn table_rows_are_listed_once_per_bucket() {
-        let h = RowsHeader { version: 30, table: 1, stride: 17, rows: 5000 };
+        let h = RowsHeader { version: 30, table: 1, stride: 17, rows: 5000, deleted: 12 };
         assert_eq!(RowsHeader::decode(&h.encode()), Ok(h));
         assert_eq!(RowsHeader::decode(&PieceHeader { version: 1, start: 0, len: 1, state_k: 0, updates: 0 }.encode()), Err(CheckpointError::Header));
         assert_eq!(runs_text([0, 1, 2, 5, 7, 8]), "0-2,5,7-8");
@@ -445,16 +478,31 @@ mod tests {
             assert!(parse_runs(bad).is_err(), "{bad}");
         }
         let all = format!("0-{}", crate::buckets::BUCKETS - 1);
-        let e = |table, file: &str, buckets: &str| RowsEntry { table, file: file.into(), sha256: "00".into(), buckets: buckets.into() };
+        let e = |table, file: &str, buckets: &str| RowsEntry {
+            table,
+            file: file.into(),
+            sha256: "00".into(),
+            buckets: buckets.into(),
+            changes: false,
+        };
+        let changes = |file: &str, buckets: &str| RowsEntry { changes: true, ..e(0, file, buckets) };
         let two = [e(0, "a.bin", "0-99"), e(0, "../ckpt-000000000010/b.bin", &format!("100-{}", crate::buckets::BUCKETS - 1))];
-        assert_eq!(rows_cover(&two, 1), Ok(()));
+        assert_eq!(rows_cover(&two, 1, 20), Ok(()));
         assert_eq!((two[0].earlier(), two[1].earlier()), (None, Some(10)));
-        let gap = rows_cover(&two[..1], 1).unwrap_err().to_string();
+        let gap = rows_cover(&two[..1], 1, 20).unwrap_err().to_string();
         assert!(gap.contains("bucket 100 of table 0 is in no file"), "{gap}");
-        assert!(rows_cover(&[e(0, "a", &all), e(0, "b", "7")], 1).unwrap_err().to_string().contains("bucket 7 of table 0 is listed twice"));
-        assert!(rows_cover(&[e(1, "a", &all)], 1).is_err(), "a table the job lacks");
+        let twice = rows_cover(&[e(0, "a", &all), e(0, "b", "7")], 1, 20).unwrap_err().to_string();
+        assert!(twice.contains("bucket 7 of table 0 has two whole files"), "{twice}");
+        assert!(rows_cover(&[e(1, "a", &all)], 1, 20).is_err(), "a table the job lacks");
+        // Changes come after the whole file, each once.
+        let base = e(0, "../ckpt-000000000010/a.bin", &all);
+        let c15 = changes("../ckpt-000000000015/b.bin", "3-9");
+        assert_eq!(rows_cover(&[base.clone(), c15.clone(), changes("c.bin", "5")], 1, 20), Ok(()));
+        assert!(rows_cover(&[base.clone(), c15.clone(), c15.clone()], 1, 20).is_err(), "the same changes twice");
+        assert!(rows_cover(&[e(0, "a.bin", &all), c15.clone()], 1, 20).is_err(), "changes before the whole file");
+        assert!(rows_cover(&[base.clone(), changes("../ckpt-000000000020/x", "1")], 1, 20).is_err(), "a file of this checkpoint named as earlier");
         for file in ["../../x.bin", "../ckpt-1/x.bin", "d/x.bin", "..", ""] {
-            assert!(rows_cover(&[e(0, file, &all)], 1).is_err(), "{file}");
+            assert!(rows_cover(&[e(0, file, &all)], 1, 20).is_err(), "{file}");
         }
         // A manifest with rows round-trips; one without is read as before.
         let m = Manifest {
@@ -468,13 +516,14 @@ mod tests {
             spec: String::new(),
             pieces: vec![PieceEntry { file: "p".into(), start: 0, len: 4, sha256: "00".into() }],
             tables: 1,
-            rows: two.to_vec(),
+            rows: vec![base, c15, changes("c.bin", "5")],
         };
         assert_eq!(Manifest::from_toml(&m.to_toml()), Ok(m.clone()));
         let plain = Manifest { tables: 0, rows: Vec::new(), ..m.clone() };
         let text = plain.to_toml().replace("tables = 0\n", "").replace("rows = []\n", "");
         assert!(!text.contains("rows"), "{text}");
         assert_eq!(Manifest::from_toml(&text), Ok(plain));
+        assert!(m.to_toml().contains("changes = true"));
         let torn = Manifest { rows: two[..1].to_vec(), ..m };
         assert!(Manifest::from_toml(&torn.to_toml()).is_err());
     }

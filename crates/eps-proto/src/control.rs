@@ -344,6 +344,8 @@ pub enum ControlMsg {
         sha256: String,
         /// The buckets whose rows it holds for this checkpoint.
         buckets: String,
+        /// It holds their changes over earlier files, not their rows whole.
+        changes: bool,
         /// Nothing was saved.
         missed: bool,
     },

@@ -12,17 +12,18 @@
 //! take the rows of the buckets they own at the start, whatever servers
 //! saved them.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use eps_control_client::ControlClient;
 use eps_control_client::checkpoint::{read_checked, write_atomic};
 use eps_fabric::Fabric;
-use eps_proto::buckets::{BUCKETS, bucket_of};
-use eps_proto::checkpoint::{Manifest, RowsHeader, dir_name, parse_runs, rows_name, runs_text};
+use eps_proto::buckets::{BUCKETS, bucket_of, owners_at};
+use eps_proto::checkpoint::{Manifest, RowsEntry, RowsHeader, dir_name, parse_runs, rows_name, runs_text};
 use eps_proto::control::ControlMsg;
 use eps_sparse::moves::ROW_META;
+use eps_sparse::saves::{Saved, Saves};
 
 use crate::{Server, ServerError};
 
@@ -38,14 +39,9 @@ pub(crate) struct RowsPiece {
     pub(crate) dir: PathBuf,
     /// Whether the file is remembered in [`Written`] (the job's own directory).
     pub(crate) remember: bool,
-    /// Values and state per row, the rows and their records.
+    /// Values and state per row.
     pub(crate) stride: u32,
-    pub(crate) rows: u64,
-    pub(crate) records: Vec<u8>,
-    /// The buckets the records are of (written when not empty).
-    pub(crate) buckets: Vec<u32>,
-    /// Buckets whose rows are in the file of an earlier version, by version.
-    pub(crate) earlier: BTreeMap<u64, Vec<u32>>,
+    pub(crate) saved: Saved,
     /// Not saved: why (empty: the table had passed the version).
     pub(crate) missed: Option<String>,
 }
@@ -53,55 +49,58 @@ pub(crate) struct RowsPiece {
 /// What a server's table saves remember.
 #[derive(Default)]
 pub(crate) struct RowsSaves {
-    /// By table, by bucket: the version its rows were last copied at for the
-    /// job's own directory (0: not since they came here).
-    copied: Vec<Vec<u64>>,
+    /// By table.
+    saves: Vec<Saves>,
     pub(crate) written: Written,
 }
 
-/// Writes a rows piece and reports it (and the earlier files it refers to).
+/// Writes a rows piece and reports it (and the earlier files it reads).
 pub(crate) fn write_rows(rank: u32, p: RowsPiece, written: &Written, ctl: &mut ControlClient) {
     let path_of = |v: u64| p.dir.join(dir_name(v)).join(rows_name(p.table, rank)).display().to_string();
-    let report = |ctl: &mut ControlClient, file: String, sha256: String, buckets: String, missed: bool| {
-        let m = ControlMsg::SavedRows { version: p.version, table: p.table, file, sha256, buckets, missed };
+    let report = |ctl: &mut ControlClient, file: String, sha256: String, buckets: &[u32], changes: bool, missed: bool| {
+        if buckets.is_empty() && !missed {
+            return;
+        }
+        let (version, table, buckets) = (p.version, p.table, runs_text(buckets.iter().copied()));
+        let m = ControlMsg::SavedRows { version, table, file, sha256, buckets, changes, missed };
         if let Err(e) = ctl.call(&m) {
             eps_proto::say!("eps server {rank}: cannot report saved rows to the control plane: {e}");
         }
     };
     if let Some(why) = p.missed {
-        return report(ctl, path_of(p.version), why, String::new(), true);
+        return report(ctl, path_of(p.version), why, &[], false, true);
     }
-    if !p.buckets.is_empty() {
-        let h = RowsHeader { version: p.version, table: p.table, stride: p.stride, rows: p.rows };
+    let s = &p.saved;
+    if s.writes() {
+        let h = RowsHeader { version: p.version, table: p.table, stride: p.stride, rows: s.rows, deleted: s.deleted.len() as u64 };
         let file = path_of(p.version);
-        match write_atomic(Path::new(&file), &[&h.encode(), &p.records]) {
+        match write_atomic(Path::new(&file), &[&h.encode(), &s.records, bytemuck::cast_slice(&s.deleted)]) {
             Ok(sha) => {
                 if p.remember {
                     lock(written).insert((p.table, p.version), sha.clone());
                 }
-                report(ctl, file, sha, runs_text(p.buckets), false);
+                report(ctl, file.clone(), sha.clone(), &s.whole, false, false);
+                report(ctl, file, sha, &s.changes, true, false);
             }
             Err(e) => {
                 eps_proto::say!("eps server {rank}: checkpoint of table {} at iteration {}: {e}", p.table, p.version);
-                return report(ctl, file, e, String::new(), true);
+                return report(ctl, file, e, &[], false, true);
             }
         }
     }
-    for (v, buckets) in p.earlier {
-        match lock(written).get(&(p.table, v)).cloned() {
-            Some(sha) => report(ctl, path_of(v), sha, runs_text(buckets), false),
-            None => report(ctl, path_of(v), format!("the rows of iteration {v} were not written"), String::new(), true),
+    for (v, (whole, changes)) in &s.earlier {
+        match lock(written).get(&(p.table, *v)).cloned() {
+            Some(sha) => {
+                report(ctl, path_of(*v), sha.clone(), whole, false, false);
+                report(ctl, path_of(*v), sha, changes, true, false);
+            }
+            None => report(ctl, path_of(*v), format!("the rows of iteration {v} were not written"), &[], false, true),
         }
     }
 }
 
 fn lock(w: &Written) -> std::sync::MutexGuard<'_, HashMap<(u32, u64), String>> {
     w.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// The owner of each bucket at iteration `i` in a history of bucket maps.
-fn owners_at(history: &[(u64, Vec<u32>)], i: u64) -> &[u32] {
-    history.iter().rev().find(|(first, _)| *first <= i).or(history.first()).map_or(&[], |(_, o)| o)
 }
 
 impl<P: Fabric> Server<P> {
@@ -113,40 +112,21 @@ impl<P: Fabric> Server<P> {
             return;
         }
         let t = table as usize;
-        let mine: Vec<bool> = owners_at(&self.sparse.owners, version - 1).iter().map(|&o| o == self.rank).collect();
-        let mut changed = vec![false; BUCKETS as usize];
+        let owners = owners_at(&self.sparse.owners, version - 1).map_or(&[][..], |o| o);
+        let mine: Vec<bool> = owners.iter().map(|&o| o == self.rank).collect();
         let tables = self.sparse.tables.len();
         let part = &mut self.sparse.tables[t].part;
-        for b in part.rows().changed_buckets() {
-            changed[b as usize] = true;
-        }
         let own = self.saver.own_dir().map(Path::to_path_buf);
-        let saves = &mut self.saver.rows;
-        saves.copied.resize_with(tables, || vec![0; BUCKETS as usize]);
+        let rows = &mut self.saver.rows;
+        rows.saves.resize_with(tables, Saves::default);
         let mut pieces = Vec::new();
         for dir in dirs {
             let remember = own.as_deref() == Some(dir.as_path());
-            let mut write = vec![false; BUCKETS as usize];
-            let mut earlier: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
-            let done = lock(&saves.written);
-            for b in 0..BUCKETS {
-                let (i, copied) = (b as usize, &mut saves.copied[t][b as usize]);
-                if !mine.get(i).copied().unwrap_or(false) {
-                    *copied = if remember { 0 } else { *copied };
-                } else if remember && !changed[i] && *copied > 0 && done.contains_key(&(table as u32, *copied)) {
-                    earlier.entry(*copied).or_default().push(b);
-                } else {
-                    write[i] = true;
-                    *copied = if remember { version } else { *copied };
-                }
-            }
+            let done = lock(&rows.written);
+            let saved = rows.saves[t].save(part.rows(), version, &mine, remember, |v| done.contains_key(&(table as u32, v)));
             drop(done);
-            let mut records = Vec::new();
-            let rows = part.rows().copy_rows(|b| write[b as usize], &mut records);
-            let buckets = (0..BUCKETS).filter(|&b| write[b as usize]).collect();
             let stride = part.rows().stride() as u32;
-            let (table, missed) = (table as u32, None);
-            pieces.push(RowsPiece { version, table, dir, remember, stride, rows, records, buckets, earlier, missed });
+            pieces.push(RowsPiece { version, table: table as u32, dir, remember, stride, saved, missed: None });
         }
         if pieces.iter().any(|p| p.remember) {
             part.clear_changed();
@@ -165,16 +145,16 @@ impl<P: Fabric> Server<P> {
                 eps_proto::Consistency::Bsp => String::new(),
                 _ => "sparse tables are saved in BSP jobs only".to_string(),
             };
-            let (dir, remember, stride, rows, records, buckets, earlier) =
-                (PathBuf::from(dir), false, 0, 0, Vec::new(), Vec::new(), BTreeMap::new());
-            let (table, missed) = (t as u32, Some(why));
-            self.saver.send_rows(RowsPiece { version, table, dir, remember, stride, rows, records, buckets, earlier, missed });
+            let (dir, saved) = (PathBuf::from(dir), Saved::default());
+            let p = RowsPiece { version, table: t as u32, dir, remember: false, stride: 0, saved, missed: Some(why) };
+            self.saver.send_rows(p);
         }
     }
 }
 
 /// Fills a resumed job's table parts with the rows of the buckets this
-/// server owns at the start (`owners`), from the checkpoint in `dir`.
+/// server owns at the start, from the checkpoint in `dir`: for each bucket
+/// its whole file, then its changes, in version order.
 pub(crate) fn restore_rows<P: Fabric>(
     sparse: &mut crate::sparse::Sparse<P>,
     dir: &Path,
@@ -186,56 +166,47 @@ pub(crate) fn restore_rows<P: Fabric>(
         return Err(bad(format!("{}: {} sparse tables; the job has {}", dir.display(), m.tables, sparse.tables.len())));
     }
     let owners = sparse.owners.first().map(|(_, o)| o.clone()).unwrap_or_default();
-    let mut total = 0;
-    for e in &m.rows {
-        let wanted: Vec<u32> = parse_runs(&e.buckets)
-            .map_err(|err| bad(format!("{}: {err}", dir.display())))?
-            .into_iter()
-            .filter(|&b| owners.get(b as usize) == Some(&rank))
-            .collect();
-        if wanted.is_empty() {
+    let mut entries: Vec<&RowsEntry> = m.rows.iter().collect();
+    entries.sort_by_key(|e| e.version(m.version));
+    for e in entries {
+        let mut want = vec![false; BUCKETS as usize];
+        for b in parse_runs(&e.buckets).map_err(|err| bad(format!("{}: {err}", dir.display())))? {
+            want[b as usize] = owners.get(b as usize) == Some(&rank);
+        }
+        if !want.contains(&true) {
             continue;
         }
-        let mut want = vec![false; BUCKETS as usize];
-        wanted.iter().for_each(|&b| want[b as usize] = true);
         let part = &mut sparse.tables[e.table as usize].part;
-        let stride = part.rows().stride();
         let path = dir.join(&e.file);
         let bytes = read_checked(&path, &e.sha256).map_err(bad)?;
-        let h = RowsHeader::decode(&bytes).map_err(|err| bad(format!("{}: {err}", path.display())))?;
-        let rec = ROW_META + stride * 4;
-        let n = eps_proto::checkpoint::PIECE_HEADER;
-        let fits = h.rows.checked_mul(rec as u64) == Some((bytes.len() - n) as u64);
-        if h.table != e.table || h.stride as usize != stride || h.version > m.version || !fits {
-            return Err(bad(format!("{}: its header ({h:?}) does not fit table {} of the job", path.display(), e.table)));
-        }
-        let key = |r: &[u8]| u64::from_le_bytes(r[..8].try_into().unwrap_or_default());
-        let mut keep = Vec::new();
-        let mut rows = 0;
-        for r in bytes[n..].chunks_exact(rec).filter(|r| want[bucket_of(key(r)) as usize]) {
-            keep.extend_from_slice(r);
-            rows += 1;
-        }
-        part.put_rows(&keep, rows).map_err(|err| bad(format!("{}: {err}", path.display())))?;
-        total += rows;
+        let (records, rows, deleted) = rows_file(&bytes, e, part.rows().stride(), |k| want[bucket_of(k) as usize])
+            .map_err(|why| bad(format!("{}: {why}", path.display())))?;
+        let put = if e.changes { part.put_changes(&deleted, &records, rows) } else { part.put_rows(&records, rows) };
+        put.map_err(|err| bad(format!("{}: {err}", path.display())))?;
     }
     for t in &mut sparse.tables {
         t.part.restart_at(m.version);
     }
-    Ok(total)
+    Ok(sparse.tables.iter().map(|t| t.part.rows().len() as u64).sum())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_owners_of_an_iteration_are_those_of_the_newest_map_before_it() {
-        let h = vec![(0, vec![0, 0]), (10, vec![0, 1]), (20, vec![1, 1])];
-        assert_eq!(owners_at(&h, 0), [0, 0]);
-        assert_eq!(owners_at(&h, 9), [0, 0]);
-        assert_eq!(owners_at(&h, 10), [0, 1]);
-        assert_eq!(owners_at(&h, 25), [1, 1]);
-        assert!(owners_at(&[], 3).is_empty());
+/// The records and deleted keys of a rows file whose keys `want`, checked
+/// against its manifest entry and the table's `stride`.
+fn rows_file(bytes: &[u8], e: &RowsEntry, stride: usize, want: impl Fn(u64) -> bool) -> Result<(Vec<u8>, u64, Vec<u64>), String> {
+    let h = RowsHeader::decode(bytes).map_err(|err| err.to_string())?;
+    let (rec, n) = (ROW_META + stride * 4, eps_proto::checkpoint::PIECE_HEADER);
+    let body = h.rows.checked_mul(rec as u64).zip(h.deleted.checked_mul(8)).and_then(|(a, b)| a.checked_add(b));
+    if h.table != e.table || h.stride as usize != stride || body != Some((bytes.len() - n) as u64) {
+        return Err(format!("its header ({h:?}) does not fit table {} of the job", e.table));
     }
+    let split = n + h.rows as usize * rec;
+    let key = |b: &[u8]| u64::from_le_bytes(b[..8].try_into().unwrap_or_default());
+    let mut records = Vec::new();
+    let mut rows = 0;
+    for r in bytes[n..split].chunks_exact(rec).filter(|r| want(key(r))) {
+        records.extend_from_slice(r);
+        rows += 1;
+    }
+    let deleted = bytes[split..].chunks_exact(8).map(key).filter(|&k| want(k)).collect();
+    Ok((records, rows, deleted))
 }

@@ -86,7 +86,11 @@ impl<P: Fabric> Sparse<P> {
                 // Only this server writes a reply region (WRITEs go out of it).
                 reply.push(touched(pd.alloc_mr(reply_bytes, Access::NONE)?));
             }
-            let part = TablePart::new(t, spec.job.consistency, ranks).map_err(|e| ServerError::Sparse(e.to_string()))?;
+            let mut part = TablePart::new(t, spec.job.consistency, ranks).map_err(|e| ServerError::Sparse(e.to_string()))?;
+            if spec.job.checkpoint_every > 0 && spec.job.checkpoint_dir.is_some() {
+                // Its incremental checkpoints write the keys deleted.
+                part.keep_deletions();
+            }
             let n = ranks as usize;
             let (wide, gathered) = (vec![Vec::new(); n], Vec::new());
             let (push_copy, pull_copy) = (vec![vec![0u64; push.div_ceil(8)]; n], vec![vec![0u64; pull.div_ceil(8)]; n]);

@@ -18,6 +18,7 @@ pub mod moves;
 pub mod optim;
 mod pages;
 pub mod part;
+pub mod saves;
 pub mod table;
 pub mod wire;
 pub mod zipf;

@@ -101,6 +101,18 @@ impl TablePart {
         self.rows.put_rows(records, rows)
     }
 
+    /// Takes in a checkpoint's changes over the rows held: the rows of
+    /// `deleted` go, then `rows` records replace or add rows.
+    pub fn put_changes(&mut self, deleted: &[u64], records: &[u8], rows: u64) -> Result<(), SparseError> {
+        self.rows.remove_keys(deleted);
+        self.rows.put_rows_over(records, rows)
+    }
+
+    /// Keeps the keys of the rows deleted, for checkpoints that write changes.
+    pub fn keep_deletions(&mut self) {
+        self.rows.keep_deletions();
+    }
+
     /// The rows of `keys`, in the order asked, into `out` (`keys.len() *
     /// dim` values); rows not held yet are created.
     pub fn gather(&mut self, keys: &[u64], out: &mut [f32]) -> Result<(), SparseError> {

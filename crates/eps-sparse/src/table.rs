@@ -2,7 +2,7 @@
 //! and optimizer state side by side in one arena, a key index, and slots of
 //! evicted rows reused. Memory follows the rows that exist, not the key space.
 
-use crate::bucket::{BUCKETS, bucket_of, key_map};
+use crate::bucket::{BUCKETS, key_map};
 use crate::index::{KeyIndex, Vacant};
 use crate::pages::Spare;
 use crate::{Init, RowOptimizer, SparseError};
@@ -71,6 +71,12 @@ pub struct RowTable {
     /// A bit per bucket: a row of it was created, touched, stepped,
     /// evicted, taken in or taken out since [`RowTable::clear_changed`].
     changed: Vec<u64>,
+    /// A bit per slot: its row was created, touched, stepped or taken in
+    /// since then.
+    dirty: Vec<u64>,
+    /// Keys evicted or taken out since then, when kept (see
+    /// [`RowTable::keep_deletions`]).
+    deleted: Option<Vec<u64>>,
 }
 
 impl RowTable {
@@ -93,6 +99,8 @@ impl RowTable {
             evicted: 0,
             refused: 0,
             changed: vec![0; BUCKETS.div_ceil(64) as usize],
+            dirty: Vec::new(),
+            deleted: None,
         })
     }
 
@@ -155,7 +163,7 @@ impl RowTable {
             return None;
         }
         let s = self.new_slot(Meta { key, steps: 0, touches: 1, created: now, last: now });
-        self.mark(key);
+        self.mark_row(s);
         let (spec, seed) = (self.spec, self.spec.seed);
         let (values, state) = self.row_state_mut(s);
         spec.init.fill(seed, key, values);
@@ -238,7 +246,7 @@ impl RowTable {
             let m = &mut self.meta[s];
             m.touches = m.touches.saturating_add(1);
             m.last = now;
-            self.mark(k);
+            self.mark_row(s);
         }
         f(self, k, s)
     }
@@ -307,7 +315,7 @@ impl RowTable {
             counts[i] += 1;
             self.index.remove(m.key);
             self.free.push(s as u32);
-            self.mark(m.key);
+            self.mark_gone(m.key);
         }
         counts
     }
@@ -337,50 +345,9 @@ impl RowTable {
                 *d = f32::from_le_bytes(v.try_into().unwrap_or_default());
             }
             self.index.insert(meta.key, s as u32);
-            self.mark(meta.key);
+            self.mark_row(s);
         }
         Ok(())
-    }
-
-    /// Copies the rows of the buckets `wanted` names into `out` as records
-    /// of [`crate::moves`] (what [`RowTable::take_rows`] writes: values,
-    /// state and bookkeeping), in key order, so that the same rows give the
-    /// same bytes whatever order they were made in; the rows stay. Returns
-    /// how many.
-    pub fn copy_rows(&self, wanted: impl Fn(u32) -> bool, out: &mut Vec<u8>) -> u64 {
-        let mut held: Vec<(u64, usize)> = (0..self.meta.len())
-            .filter(|&s| self.index.get(self.meta[s].key) == Some(s as u32) && wanted(bucket_of(self.meta[s].key)))
-            .map(|s| (self.meta[s].key, s))
-            .collect();
-        held.sort_unstable();
-        out.reserve(held.len() * (crate::moves::ROW_META + self.stride * 4));
-        for &(_, s) in &held {
-            let m = self.meta[s];
-            for v in [m.key, m.steps, m.created, m.last] {
-                out.extend_from_slice(&v.to_le_bytes());
-            }
-            out.extend_from_slice(&m.touches.to_le_bytes());
-            out.extend_from_slice(&0u32.to_le_bytes());
-            out.extend_from_slice(bytemuck::cast_slice(self.row_state(s)));
-        }
-        held.len() as u64
-    }
-
-    /// The buckets a row of which was created, touched, stepped, evicted,
-    /// taken in or taken out since the last [`RowTable::clear_changed`]
-    /// (what an incremental checkpoint writes again), in order.
-    pub fn changed_buckets(&self) -> Vec<u32> {
-        (0..BUCKETS).filter(|&b| self.changed[(b / 64) as usize] >> (b % 64) & 1 == 1).collect()
-    }
-
-    /// Forgets which buckets changed (a checkpoint took them).
-    pub fn clear_changed(&mut self) {
-        self.changed.fill(0);
-    }
-
-    fn mark(&mut self, key: u64) {
-        let b = bucket_of(key);
-        self.changed[(b / 64) as usize] |= 1 << (b % 64);
     }
 
     /// Values and state per row.
@@ -403,7 +370,7 @@ impl RowTable {
             if idle || rare {
                 self.index.remove(m.key);
                 self.free.push(s as u32);
-                self.mark(m.key);
+                self.mark_gone(m.key);
             }
         }
         let n = before - self.len();
@@ -424,5 +391,6 @@ pub fn sum_duplicates(keys: &[u64], grads: &[f32], dim: usize) -> Result<(Vec<u6
     crate::part::merge(&[(keys, grads)], dim)
 }
 
+mod changes;
 #[cfg(test)]
 mod tests;

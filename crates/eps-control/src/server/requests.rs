@@ -148,8 +148,8 @@ impl State {
                 self.saved(version, &file, |t, rec| t.saved(&Report { version, start, len, file: &file, sha256: &sha256, missed }, rec));
                 ControlMsg::Ok
             }
-            ControlMsg::SavedRows { version, table, file, sha256, buckets, missed } => {
-                let r = RowsReport { version, table, file: &file, sha256: &sha256, buckets: &buckets, missed };
+            ControlMsg::SavedRows { version, table, file, sha256, buckets, changes, missed } => {
+                let r = RowsReport { version, table, file: &file, sha256: &sha256, buckets: &buckets, changes, missed };
                 self.saved(version, &file, |t, rec| t.saved_rows(&r, rec));
                 ControlMsg::Ok
             }

@@ -375,13 +375,14 @@ impl ControlMsg {
                 w.str(sha256);
                 w.u8(u8::from(*missed));
             }
-            ControlMsg::SavedRows { version, table, file, sha256, buckets, missed } => {
+            ControlMsg::SavedRows { version, table, file, sha256, buckets, changes, missed } => {
                 w.u8(38);
                 w.u64(*version);
                 w.u32(*table);
                 w.str(file);
                 w.str(sha256);
                 w.str(buckets);
+                w.u8(u8::from(*changes));
                 w.u8(u8::from(*missed));
             }
             ControlMsg::Checkpointed { version, path } => {
@@ -505,6 +506,7 @@ impl ControlMsg {
                 file: r.str()?,
                 sha256: r.str()?,
                 buckets: r.str()?,
+                changes: r.flag()?,
                 missed: r.flag()?,
             },
             26 => ControlMsg::Checkpointed { version: r.u64()?, path: r.str()? },

@@ -66,6 +66,7 @@ fn roundtrip_and_garbage() {
             file: "/tmp/ck/ckpt-000000000030/table-1-server-0.bin".into(),
             sha256: "cd".into(),
             buckets: "0-99,2048".into(),
+            changes: true,
             missed: false,
         },
         ControlMsg::Checkpointed { version: 40, path: "/tmp/ck/ckpt-000000000040".into() },

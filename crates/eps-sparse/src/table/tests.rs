@@ -130,18 +130,21 @@ fn a_copy_of_rows_restores_them_bit_for_bit_and_changed_buckets_name_what_moved(
     touched.sort_unstable();
     touched.dedup();
     assert_eq!(t.changed_buckets(), touched);
+    let (held, dirty) = t.bucket_counts();
+    assert_eq!((0..BUCKETS).filter(|&b| held[b as usize] > 0).collect::<Vec<_>>(), touched, "the buckets with rows");
+    assert_eq!((held.iter().sum::<u64>(), dirty), (keys.len() as u64, held.clone()), "every row changed");
 
     // Half the buckets copied, then taken in by a fresh table: the same
     // values, state and bookkeeping (the copy of the copy is the same bytes).
     let half = |b: u32| b % 2 == 0;
     let mut bytes = Vec::new();
-    let n = t.copy_rows(half, &mut bytes);
+    let n = t.copy_rows(|b, _| half(b), &mut bytes);
     assert_eq!(n as usize, keys.iter().filter(|&&k| half(bucket_of(k))).count());
     assert_eq!(t.len(), keys.len(), "copying takes nothing out");
     let mut u = RowTable::new(spec(adam)).unwrap();
     u.put_rows(&bytes, n).unwrap();
     let mut again = Vec::new();
-    assert_eq!(u.copy_rows(|_| true, &mut again), n);
+    assert_eq!(u.copy_rows(|_, _| true, &mut again), n);
     assert_eq!(again, bytes);
     for &k in keys.iter().filter(|&&k| half(bucket_of(k))) {
         assert_eq!(u.row(k).unwrap(), t.row(k).unwrap(), "key {k}");
@@ -159,8 +162,8 @@ fn a_copy_of_rows_restores_them_bit_for_bit_and_changed_buckets_name_what_moved(
     let mut s = RowTable::new(spec(adam)).unwrap();
     s.pull(&keys, 1, &mut out).unwrap();
     let (mut a, mut b) = (Vec::new(), Vec::new());
-    r.copy_rows(|_| true, &mut a);
-    s.copy_rows(|_| true, &mut b);
+    r.copy_rows(|_, _| true, &mut a);
+    s.copy_rows(|_, _| true, &mut b);
     assert_eq!(a, b);
 
     // After a checkpoint took them, only what changes again is named: a
@@ -173,8 +176,46 @@ fn a_copy_of_rows_restores_them_bit_for_bit_and_changed_buckets_name_what_moved(
     let gone = t.evict(100, 10, 0);
     assert_eq!(gone, keys.len(), "all idle");
     assert_eq!(t.changed_buckets(), touched);
+    assert!(t.bucket_counts().0.iter().all(|&h| h == 0), "no bucket holds a row");
     u.clear_changed();
     let mut outs = vec![Vec::new()];
     u.take_rows(|_| Some(0), &mut outs);
     assert_eq!(u.changed_buckets().len(), touched.iter().filter(|&&b| half(b)).count());
+}
+
+/// A checkpoint's changes: the rows changed since it took them, and the
+/// keys deleted, put over a copy of what it took, give the table.
+#[test]
+fn changes_over_a_copy_give_the_table() {
+    let mut t = RowTable::new(spec(RowOptimizer::Adagrad { eps: 1e-8, initial_accumulator: 0.1, weight_decay: 0.0 })).unwrap();
+    t.keep_deletions();
+    let keys: Vec<u64> = (0..300).map(|k| k * 104_729).collect();
+    let mut out = vec![0f32; keys.len() * 4];
+    t.pull(&keys, 1, &mut out).unwrap();
+    t.push(&keys, &vec![0.25; keys.len() * 4], 0.1, 1).unwrap();
+    let mut base = Vec::new();
+    let n = t.copy_rows(|_, _| true, &mut base);
+    t.clear_changed();
+    let (_, dirty) = t.bucket_counts();
+    assert!(dirty.iter().all(|&d| d == 0) && t.deleted().is_empty() && t.changed_buckets().is_empty());
+    // Some rows step, some are new, and the idle ones are evicted.
+    t.push(&keys[..40], &vec![-0.5; 40 * 4], 0.1, 30).unwrap();
+    let fresh: Vec<u64> = (1..20).map(|k| k * 7 + 1).collect();
+    t.pull(&fresh, 30, &mut vec![0f32; fresh.len() * 4]).unwrap();
+    let gone = t.evict(31, 20, 0);
+    assert_eq!((gone, t.deleted().len()), (keys.len() - 40, keys.len() - 40));
+    let (_, dirty) = t.bucket_counts();
+    assert_eq!(dirty.iter().sum::<u64>(), 40 + fresh.len() as u64, "the stepped rows and the new ones");
+    let mut delta = Vec::new();
+    let changed = t.copy_rows(|_, d| d, &mut delta);
+    // The copy, then the deletions, then the changes.
+    let mut u = RowTable::new(t.spec).unwrap();
+    u.put_rows(&base, n).unwrap();
+    u.remove_keys(t.deleted());
+    u.put_rows_over(&delta, changed).unwrap();
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    t.copy_rows(|_, _| true, &mut a);
+    u.copy_rows(|_, _| true, &mut b);
+    assert_eq!((u.len(), a), (t.len(), b));
+    assert!(u.put_rows_over(&delta[1..], changed).is_err(), "a record cut short");
 }
