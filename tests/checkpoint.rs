@@ -51,9 +51,14 @@ fn kill_group(pid: u32) {
 /// its own and SIGKILLs every process of it once `dir` holds a complete
 /// checkpoint at iteration 50 or later; returns the newest.
 fn kill_after_checkpoint(args: &[&str], dir: &Path) -> u64 {
+    kill_after(args, dir, 50)
+}
+
+/// [`kill_after_checkpoint`], once the checkpoint is at `min` or later.
+fn kill_after(args: &[&str], dir: &Path, min: u64) -> u64 {
     let mut run = eps().arg("train").args(args).stdout(Stdio::null()).stderr(Stdio::null()).process_group(0).spawn().unwrap();
     let deadline = Instant::now() + Duration::from_secs(120);
-    while newest(dir).is_none_or(|v| v < 50) {
+    while newest(dir).is_none_or(|v| v < min) {
         assert!(run.try_wait().unwrap().is_none(), "the run ended before its second checkpoint");
         assert!(Instant::now() < deadline, "no checkpoint within 120 s");
         std::thread::sleep(Duration::from_millis(20));
@@ -318,6 +323,42 @@ fn checkpoints_taken_during_scale_events_resume_bitwise() {
         let resumed = train(&["--resume", one.to_str().unwrap(), "--servers", "2"]);
         assert_eq!(json(&resumed, "resumed_at"), v.to_string());
         assert_eq!(json(&resumed, "params_checksum"), expected, "resumed at {v} (overlapping: {overlapping:?})");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+    std::fs::remove_file(&spec).ok();
+}
+
+/// A click-through job's sparse table, with rows evicted and its buckets
+/// moving between servers, is checkpointed incrementally (the newest
+/// checkpoint reads rows of earlier ones, and changes over them); killed
+/// (SIGKILL of every process) and resumed on another number of servers, it
+/// ends with the uninterrupted run's dense parameters and table rows, bit
+/// for bit.
+#[test]
+fn a_ctr_table_resumes_after_sigkill_bitwise_from_incremental_checkpoints() {
+    let spec = tmp("ctr-spec").with_extension("toml");
+    let text = eps_cluster::jobspec::CTR_SPEC
+        .replace("steps = 1500", "steps = 1200")
+        .replace("batch = 512", "batch = 128")
+        .replace("vocab = 1000", "vocab = 20000")
+        .replace("max_keys = 8192", "max_keys = 8192\nevict_idle_steps = 60\nevict_min_touches = 2");
+    std::fs::write(&spec, text).unwrap();
+    let s = spec.to_str().unwrap();
+    let ctr = |args: &[&str]| train(&[&["--model", "ctr", "--spec", s], args].concat());
+    let whole = ctr(&["--servers", "2"]);
+    let dir = tmp("ctr-dir");
+    let d = dir.to_str().unwrap();
+    let args = ["--model", "ctr", "--spec", s, "--servers", "2", "--checkpoint-every", "40", "--checkpoint-dir", d, "--keep", "2"];
+    let at = kill_after(&[&args[..], &["--scale-plan", "100:servers=3,180:servers=1"]].concat(), &dir, 240);
+    let manifest = dir.join(eps_proto::checkpoint::dir_name(at)).join(eps_proto::checkpoint::MANIFEST);
+    let m = eps_proto::checkpoint::Manifest::from_toml(&std::fs::read_to_string(manifest).unwrap()).unwrap();
+    assert!(m.rows.iter().any(|e| e.changes), "changes over earlier files: {:?}", m.rows);
+    assert!(m.rows.iter().any(|e| e.earlier().is_some()), "files of earlier checkpoints: {:?}", m.rows);
+    let resumed = eps().args(["train", "--json", "--model", "ctr", "--resume", d, "--servers", "3"]).output().unwrap();
+    assert!(resumed.status.success(), "{}", String::from_utf8_lossy(&resumed.stderr));
+    assert_eq!(json(&resumed, "resumed_at"), at.to_string());
+    for k in ["params_checksum", "sparse_checksum"] {
+        assert_eq!(json(&resumed, k), json(&whole, k), "{k}: resumed at {at} on 3 servers vs uninterrupted on 2");
     }
     std::fs::remove_dir_all(&dir).ok();
     std::fs::remove_file(&spec).ok();
