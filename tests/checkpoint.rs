@@ -348,7 +348,8 @@ fn a_ctr_table_resumes_after_sigkill_bitwise_from_incremental_checkpoints() {
     let whole = ctr(&["--servers", "2"]);
     let dir = tmp("ctr-dir");
     let d = dir.to_str().unwrap();
-    let args = ["--model", "ctr", "--spec", s, "--servers", "2", "--checkpoint-every", "40", "--checkpoint-dir", d, "--keep", "2"];
+    let args =
+        ["--model", "ctr", "--spec", s, "--servers", "2", "--checkpoint-every", "40", "--checkpoint-dir", d, "--keep", "2"];
     let at = kill_after(&[&args[..], &["--scale-plan", "100:servers=3,180:servers=1"]].concat(), &dir, 240);
     let manifest = dir.join(eps_proto::checkpoint::dir_name(at)).join(eps_proto::checkpoint::MANIFEST);
     let m = eps_proto::checkpoint::Manifest::from_toml(&std::fs::read_to_string(manifest).unwrap()).unwrap();

@@ -19,7 +19,7 @@ pub fn run(c: BenchCmd) -> Result<(), String> {
         BenchCmd::Fabric(a) => bench_fabric(a),
         BenchCmd::Agg(a) => bench_agg(a),
         BenchCmd::Replicas(a) => crate::bench::replicas::run(a),
-        BenchCmd::Sparse(a) => bench_sparse(a),
+        BenchCmd::Sparse(a) => crate::bench::sparse_cli::run(a),
         BenchCmd::Gpu(a) => match a.emit_ptx {
             Some(dir) => crate::bench::gpu::emit_ptx(&dir),
             None => crate::bench::gpu::run(a.size, a.reps, a.json),
@@ -92,7 +92,7 @@ pub enum BenchCmd {
     /// WRITE bandwidth (depth 8) measured in the same run, and the servers'
     /// memory: what it grew by from before the first row against the rows'
     /// bytes with optimizer state.
-    Sparse(SparseArgs),
+    Sparse(crate::bench::sparse_cli::SparseArgs),
     /// Push + pull iterations of a model through real processes.
     ///
     /// Starts a control plane, --servers servers and --workers workers on 127.0.0.1
@@ -159,7 +159,7 @@ impl From<OpArg> for Op {
 
 /// Most measured iterations a benchmark takes (a count from the command line
 /// that the warm-up is added to must not wrap).
-const MAX_ITERS: u64 = 1_000_000_000;
+pub(crate) const MAX_ITERS: u64 = 1_000_000_000;
 
 #[derive(clap::Args, Debug)]
 pub struct FabricArgs {
@@ -252,132 +252,6 @@ pub struct PushPullArgs {
     /// Also print one JSON object with the results as the last line of stdout.
     #[arg(long)]
     json: bool,
-}
-
-#[derive(clap::Args, Debug)]
-pub struct SparseArgs {
-    /// Size of the key space: ids are drawn from 0..ROWS (e.g. 100M).
-    #[arg(long, value_parser = crate::units::parse_count, default_value = "100M")]
-    rows: u64,
-    /// Values per row (f32).
-    #[arg(long, default_value_t = 64)]
-    dim: u32,
-    /// Ids per batch, repeats included (e.g. 65536 or 64K).
-    #[arg(long, value_parser = crate::units::parse_count, default_value = "65536")]
-    keys: u64,
-    /// Zipf exponent of the ids (1.0 and above: heavily skewed).
-    #[arg(long, default_value_t = 1.05)]
-    zipf: f64,
-    /// Measured steps (after 2 warm-up steps).
-    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..=MAX_ITERS))]
-    iters: u64,
-    /// Worker processes.
-    #[arg(long, default_value_t = 1)]
-    workers: u32,
-    /// Server processes.
-    #[arg(long, default_value_t = 1)]
-    servers: u32,
-    /// The row-wise optimizer: sgd, momentum, nesterov, adam, adamw or adagrad.
-    #[arg(long, default_value = "adagrad")]
-    optimizer: String,
-    /// Measure one table in this process instead (no fabric, no other
-    /// process): a pull's cost per new row and per held row, on a table of
-    /// 500,000 rows, pulls of --keys distinct ids, --iters of each.
-    #[arg(long)]
-    table: bool,
-    /// Also print one JSON object with the results as the last line of stdout.
-    #[arg(long)]
-    json: bool,
-}
-
-fn bench_sparse(a: SparseArgs) -> Result<(), String> {
-    use eps_bench::sparse::{SparseBench, run};
-    if a.table {
-        return crate::bench::rows::bench(a.dim, a.keys, a.iters, &a.optimizer, a.json);
-    }
-    let keys = u32::try_from(a.keys).map_err(|_| format!("--keys {}: at most {}", a.keys, eps_proto::spec::MAX_KEYS))?;
-    eps_proto::say!(
-        "eps bench sparse: rows={} dim={} keys={} zipf={} workers={} servers={} iters={} optimizer={}",
-        a.rows,
-        a.dim,
-        a.keys,
-        a.zipf,
-        a.workers,
-        a.servers,
-        a.iters,
-        a.optimizer
-    );
-    let cfg = SparseBench {
-        rows: a.rows,
-        dim: a.dim,
-        keys,
-        zipf: a.zipf,
-        iters: a.iters,
-        workers: a.workers,
-        servers: a.servers,
-        optimizer: a.optimizer.clone(),
-    };
-    let r = run(&cfg).map_err(|e| error_chain(&e))?;
-    let (pull_ratio, push_ratio) =
-        (r.pull_gbytes_per_s / r.fabric_write_gbytes_per_s, r.push_gbytes_per_s / r.fabric_write_gbytes_per_s);
-    let mem_ratio = r.server_rss_growth_bytes as f64 / r.row_state_bytes as f64;
-    println!("{:>6} {:>10} {:>10} {:>12} {:>10} {:>8}", "", "ms p50", "Mkeys/s", "row GB/s", "fabric", "ratio");
-    println!(
-        "{:>6} {:>10.2} {:>10.2} {:>12.3} {:>10.3} {:>8.3}",
-        "pull",
-        r.pull_ms_p50,
-        r.pull_keys_per_s / 1e6,
-        r.pull_gbytes_per_s,
-        r.fabric_write_gbytes_per_s,
-        pull_ratio
-    );
-    println!(
-        "{:>6} {:>10.2} {:>10.2} {:>12.3} {:>10.3} {:>8.3}",
-        "push",
-        r.push_ms_p50,
-        r.push_keys_per_s / 1e6,
-        r.push_gbytes_per_s,
-        r.fabric_write_gbytes_per_s,
-        push_ratio
-    );
-    println!(
-        "distinct ids per batch {:.0}; rows held {}, {} with optimizer state; server memory grew {} ({mem_ratio:.3}x), {} resident at the end; tables' own count {}",
-        r.distinct_p50,
-        r.rows_held,
-        format_size(r.row_state_bytes),
-        format_size(r.server_rss_growth_bytes),
-        format_size(r.server_rss_bytes),
-        format_size(r.table_heap_bytes)
-    );
-    if a.json {
-        let j = Json::new()
-            .int("rows", a.rows)
-            .int("dim", a.dim.into())
-            .int("keys", a.keys)
-            .num("zipf", a.zipf)
-            .int("workers", a.workers.into())
-            .int("servers", a.servers.into())
-            .int("iters", a.iters)
-            .num("distinct_keys_p50", r.distinct_p50)
-            .num("pull_ms_p50", r.pull_ms_p50)
-            .num("push_ms_p50", r.push_ms_p50)
-            .num("pull_keys_per_s", r.pull_keys_per_s)
-            .num("push_keys_per_s", r.push_keys_per_s)
-            .num("pull_gbytes_per_s", r.pull_gbytes_per_s)
-            .num("push_gbytes_per_s", r.push_gbytes_per_s)
-            .num("fabric_write_gbytes_per_s", r.fabric_write_gbytes_per_s)
-            .num("pull_ratio", pull_ratio)
-            .num("push_ratio", push_ratio)
-            .int("rows_held", r.rows_held)
-            .int("row_state_bytes", r.row_state_bytes)
-            .int("server_rss_bytes", r.server_rss_bytes)
-            .int("server_rss_growth_bytes", r.server_rss_growth_bytes)
-            .num("memory_ratio", mem_ratio)
-            .int("table_heap_bytes", r.table_heap_bytes)
-            .finish();
-        println!("{j}");
-    }
-    Ok(())
 }
 
 fn bench_pushpull(a: PushPullArgs) -> Result<(), String> {

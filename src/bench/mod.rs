@@ -10,5 +10,6 @@ pub mod gpu;
 pub mod plot;
 pub mod replicas;
 pub mod rows;
+pub mod sparse_cli;
 
 pub use crate::json::Json;

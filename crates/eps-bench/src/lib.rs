@@ -18,6 +18,7 @@
 
 pub mod agg;
 pub mod calibrate;
+pub mod ckpt;
 pub mod fabric;
 pub mod migrate;
 pub mod pingpong;

@@ -376,7 +376,8 @@ fn rows_cover_of(rows: &[(RowsEntry, Vec<u32>)], tables: u32) -> Option<Vec<Rows
     if from.iter().flatten().any(|&i| i == usize::MAX) {
         return None;
     }
-    let first = |i: usize, e: &RowsEntry| rows.iter().position(|(o, _)| o.changes && o.table == e.table && o.file == e.file) == Some(i);
+    let first =
+        |i: usize, e: &RowsEntry| rows.iter().position(|(o, _)| o.changes && o.table == e.table && o.file == e.file) == Some(i);
     let entry = |(i, (e, buckets)): (usize, &(RowsEntry, Vec<u32>))| {
         let text = match e.changes {
             true if first(i, e) => runs_text(buckets.iter().copied()),
@@ -476,7 +477,15 @@ mod tests {
         let file = dir.join(dir_name(at)).join(eps_proto::checkpoint::rows_name(0, rank));
         let h = eps_proto::checkpoint::RowsHeader { version: at, table: 0, stride: 1, rows: 0, deleted: 0 };
         let sha = write_atomic(&file, &[&h.encode()]).unwrap();
-        let r = RowsReport { version: v, table: 0, file: file.to_str().unwrap(), sha256: &sha, buckets, changes: false, missed: false };
+        let r = RowsReport {
+            version: v,
+            table: 0,
+            file: file.to_str().unwrap(),
+            sha256: &sha,
+            buckets,
+            changes: false,
+            missed: false,
+        };
         t.saved_rows(&r, &Manifest { tables: 1, ..record(8) })
     }
 

@@ -470,7 +470,10 @@ mod tests {
     fn table_rows_are_listed_once_per_bucket() {
         let h = RowsHeader { version: 30, table: 1, stride: 17, rows: 5000, deleted: 12 };
         assert_eq!(RowsHeader::decode(&h.encode()), Ok(h));
-        assert_eq!(RowsHeader::decode(&PieceHeader { version: 1, start: 0, len: 1, state_k: 0, updates: 0 }.encode()), Err(CheckpointError::Header));
+        assert_eq!(
+            RowsHeader::decode(&PieceHeader { version: 1, start: 0, len: 1, state_k: 0, updates: 0 }.encode()),
+            Err(CheckpointError::Header)
+        );
         assert_eq!(runs_text([0, 1, 2, 5, 7, 8]), "0-2,5,7-8");
         assert_eq!(parse_runs("0-2,5,7-8"), Ok(vec![0, 1, 2, 5, 7, 8]));
         assert_eq!(parse_runs(""), Ok(vec![]));
@@ -500,7 +503,10 @@ mod tests {
         assert_eq!(rows_cover(&[base.clone(), c15.clone(), changes("c.bin", "5")], 1, 20), Ok(()));
         assert!(rows_cover(&[base.clone(), c15.clone(), c15.clone()], 1, 20).is_err(), "the same changes twice");
         assert!(rows_cover(&[e(0, "a.bin", &all), c15.clone()], 1, 20).is_err(), "changes before the whole file");
-        assert!(rows_cover(&[base.clone(), changes("../ckpt-000000000020/x", "1")], 1, 20).is_err(), "a file of this checkpoint named as earlier");
+        assert!(
+            rows_cover(&[base.clone(), changes("../ckpt-000000000020/x", "1")], 1, 20).is_err(),
+            "a file of this checkpoint named as earlier"
+        );
         for file in ["../../x.bin", "../ckpt-1/x.bin", "d/x.bin", "..", ""] {
             assert!(rows_cover(&[e(0, file, &all)], 1, 20).is_err(), "{file}");
         }

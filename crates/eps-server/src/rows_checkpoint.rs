@@ -27,9 +27,19 @@ use eps_sparse::saves::{Saved, Saves};
 
 use crate::{Server, ServerError};
 
-/// By (table, version): the SHA-256 of a rows file this server wrote whole
-/// into the job's own directory (filled by the writer thread).
-pub(crate) type Written = Arc<Mutex<HashMap<(u32, u64), String>>>;
+/// What the writer thread hands back to the event loop.
+#[derive(Default)]
+pub(crate) struct Handed {
+    /// By (table, version): the SHA-256 of a rows file this server wrote
+    /// whole into the job's own directory.
+    written: HashMap<(u32, u64), String>,
+    /// By table: the records' buffer of the last save written, for the next
+    /// (its pages touched: copying into it does not wait for page faults).
+    spare: HashMap<u32, Vec<u8>>,
+}
+
+/// [`Handed`], shared.
+pub(crate) type Written = Arc<Mutex<Handed>>;
 
 /// One table's rows on their way to disk, or a miss to report.
 pub(crate) struct RowsPiece {
@@ -55,7 +65,7 @@ pub(crate) struct RowsSaves {
 }
 
 /// Writes a rows piece and reports it (and the earlier files it reads).
-pub(crate) fn write_rows(rank: u32, p: RowsPiece, written: &Written, ctl: &mut ControlClient) {
+pub(crate) fn write_rows(rank: u32, mut p: RowsPiece, written: &Written, ctl: &mut ControlClient) {
     let path_of = |v: u64| p.dir.join(dir_name(v)).join(rows_name(p.table, rank)).display().to_string();
     let report = |ctl: &mut ControlClient, file: String, sha256: String, buckets: &[u32], changes: bool, missed: bool| {
         if buckets.is_empty() && !missed {
@@ -71,13 +81,15 @@ pub(crate) fn write_rows(rank: u32, p: RowsPiece, written: &Written, ctl: &mut C
         return report(ctl, path_of(p.version), why, &[], false, true);
     }
     let s = &p.saved;
+    let table = p.table;
     if s.writes() {
-        let h = RowsHeader { version: p.version, table: p.table, stride: p.stride, rows: s.rows, deleted: s.deleted.len() as u64 };
+        let h =
+            RowsHeader { version: p.version, table: p.table, stride: p.stride, rows: s.rows, deleted: s.deleted.len() as u64 };
         let file = path_of(p.version);
         match write_atomic(Path::new(&file), &[&h.encode(), &s.records, bytemuck::cast_slice(&s.deleted)]) {
             Ok(sha) => {
                 if p.remember {
-                    lock(written).insert((p.table, p.version), sha.clone());
+                    lock(written).written.insert((p.table, p.version), sha.clone());
                 }
                 report(ctl, file.clone(), sha.clone(), &s.whole, false, false);
                 report(ctl, file, sha, &s.changes, true, false);
@@ -88,8 +100,8 @@ pub(crate) fn write_rows(rank: u32, p: RowsPiece, written: &Written, ctl: &mut C
             }
         }
     }
-    for (v, (whole, changes)) in &s.earlier {
-        match lock(written).get(&(p.table, *v)).cloned() {
+    for (v, (whole, changes)) in &p.saved.earlier {
+        match lock(written).written.get(&(p.table, *v)).cloned() {
             Some(sha) => {
                 report(ctl, path_of(*v), sha.clone(), whole, false, false);
                 report(ctl, path_of(*v), sha, changes, true, false);
@@ -97,9 +109,10 @@ pub(crate) fn write_rows(rank: u32, p: RowsPiece, written: &Written, ctl: &mut C
             None => report(ctl, path_of(*v), format!("the rows of iteration {v} were not written"), &[], false, true),
         }
     }
+    lock(written).spare.insert(table, std::mem::take(&mut p.saved.records));
 }
 
-fn lock(w: &Written) -> std::sync::MutexGuard<'_, HashMap<(u32, u64), String>> {
+fn lock(w: &Written) -> std::sync::MutexGuard<'_, Handed> {
     w.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -122,9 +135,11 @@ impl<P: Fabric> Server<P> {
         let mut pieces = Vec::new();
         for dir in dirs {
             let remember = own.as_deref() == Some(dir.as_path());
-            let done = lock(&rows.written);
-            let saved = rows.saves[t].save(part.rows(), version, &mine, remember, |v| done.contains_key(&(table as u32, v)));
-            drop(done);
+            let mut handed = lock(&rows.written);
+            let buffer = handed.spare.remove(&(table as u32)).unwrap_or_default();
+            let done = |v| handed.written.contains_key(&(table as u32, v));
+            let saved = rows.saves[t].save_into(buffer, part.rows(), version, &mine, remember, done);
+            drop(handed);
             let stride = part.rows().stride() as u32;
             pieces.push(RowsPiece { version, table: table as u32, dir, remember, stride, saved, missed: None });
         }

@@ -77,6 +77,8 @@ pub struct RowTable {
     /// Keys evicted or taken out since then, when kept (see
     /// [`RowTable::keep_deletions`]).
     deleted: Option<Vec<u64>>,
+    /// A bit per slot: it holds a row (scans read it, not the index).
+    live: Vec<u64>,
 }
 
 impl RowTable {
@@ -101,6 +103,7 @@ impl RowTable {
             changed: vec![0; BUCKETS.div_ceil(64) as usize],
             dirty: Vec::new(),
             deleted: None,
+            live: Vec::new(),
         })
     }
 
@@ -175,7 +178,7 @@ impl RowTable {
     /// A slot for a row with `meta` (a free one, or a new one): its values
     /// and state are the caller's to set.
     fn new_slot(&mut self, meta: Meta) -> usize {
-        match self.free.pop() {
+        let s = match self.free.pop() {
             Some(s) => {
                 self.meta[s as usize] = meta;
                 s as usize
@@ -188,7 +191,9 @@ impl RowTable {
                 }
                 self.meta.len() - 1
             }
-        }
+        };
+        self.set_live(s);
+        s
     }
 
     /// Copies the rows of `keys` into `out` (`keys.len() * dim` values, in
@@ -301,8 +306,8 @@ impl RowTable {
         let mut counts = vec![0u64; outs.len()];
         for s in 0..self.meta.len() {
             let m = self.meta[s];
-            if self.index.get(m.key) != Some(s as u32) {
-                continue; // a free slot
+            if !self.is_live(s) {
+                continue;
             }
             let Some(i) = dest(m.key).filter(|&i| i < outs.len()) else { continue };
             let out = &mut outs[i];
@@ -314,7 +319,7 @@ impl RowTable {
             out.extend_from_slice(bytemuck::cast_slice(self.row_state(s)));
             counts[i] += 1;
             self.index.remove(m.key);
-            self.free.push(s as u32);
+            self.release(s);
             self.mark_gone(m.key);
         }
         counts
@@ -362,14 +367,14 @@ impl RowTable {
         let before = self.len();
         for s in 0..self.meta.len() {
             let m = self.meta[s];
-            if self.index.get(m.key) != Some(s as u32) {
-                continue; // a free slot
+            if !self.is_live(s) {
+                continue;
             }
             let idle = now.saturating_sub(m.last) > idle_steps;
             let rare = m.touches < min_touches && now.saturating_sub(m.created) >= idle_steps;
             if idle || rare {
                 self.index.remove(m.key);
-                self.free.push(s as u32);
+                self.release(s);
                 self.mark_gone(m.key);
             }
         }
@@ -393,4 +398,4 @@ pub fn sum_duplicates(keys: &[u64], grads: &[f32], dim: usize) -> Result<(Vec<u6
 
 mod changes;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

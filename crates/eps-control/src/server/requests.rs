@@ -145,7 +145,9 @@ impl State {
                 ControlMsg::StatusReport { text }
             }
             ControlMsg::Saved { version, start, len, file, sha256, missed, .. } => {
-                self.saved(version, &file, |t, rec| t.saved(&Report { version, start, len, file: &file, sha256: &sha256, missed }, rec));
+                self.saved(version, &file, |t, rec| {
+                    t.saved(&Report { version, start, len, file: &file, sha256: &sha256, missed }, rec)
+                });
                 ControlMsg::Ok
             }
             ControlMsg::SavedRows { version, table, file, sha256, buckets, changes, missed } => {

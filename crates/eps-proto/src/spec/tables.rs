@@ -215,9 +215,10 @@ mod tests {
     #[test]
     fn what_tables_do_not_do_yet_is_refused() {
         let t = "[[model.tables]]\nname = \"t\"\ndim = 4\n";
-        for (job, field) in
-            [("replicas = 2\nservers = 2", "replicas yet"), ("checkpoint_every = 5\ncheckpoint_dir = \"/tmp/x\"\nconsistency = \"ssp\"", "BSP jobs only")]
-        {
+        for (job, field) in [
+            ("replicas = 2\nservers = 2", "replicas yet"),
+            ("checkpoint_every = 5\ncheckpoint_dir = \"/tmp/x\"\nconsistency = \"ssp\"", "BSP jobs only"),
+        ] {
             let e = JobSpec::from_toml(&(BASE.replace("[job]\n", &format!("[job]\n{job}\n")) + t)).unwrap_err();
             assert!(e.to_string().contains(field), "{job}: {e}");
         }

@@ -20,7 +20,11 @@ fn read_back(files: &BTreeMap<u64, Saved>, latest: u64) -> RowTable {
     let rec = crate::moves::ROW_META + t.stride() * 4;
     for (v, f) in files.range(..=latest) {
         let pick = |buckets: &[u32]| -> (Vec<u8>, u64) {
-            let r: Vec<&[u8]> = f.records.chunks_exact(rec).filter(|r| buckets.contains(&bucket_of(u64::from_le_bytes(r[..8].try_into().unwrap())))).collect();
+            let r: Vec<&[u8]> = f
+                .records
+                .chunks_exact(rec)
+                .filter(|r| buckets.contains(&bucket_of(u64::from_le_bytes(r[..8].try_into().unwrap()))))
+                .collect();
             (r.concat(), r.len() as u64)
         };
         let (w, n) = pick(whole.get(v).map_or(&[], |b| b));
@@ -35,9 +39,7 @@ fn read_back(files: &BTreeMap<u64, Saved>, latest: u64) -> RowTable {
 }
 
 fn same(a: &RowTable, b: &RowTable) {
-    let (mut x, mut y) = (Vec::new(), Vec::new());
-    a.copy_rows(|_, _| true, &mut x);
-    b.copy_rows(|_, _| true, &mut y);
+    let (x, y) = (crate::table::tests::records(a), crate::table::tests::records(b));
     assert!(x == y, "the rows read back differ ({} and {} rows)", a.len(), b.len());
 }
 
@@ -99,7 +101,10 @@ fn saves_write_what_changed_and_read_back_to_the_table() {
     let mut gone = mine.clone();
     gone[bucket_of(7) as usize] = false;
     let s = saves.save(&t, 80, &gone, true, |u| ok.contains(&u));
-    assert!(!s.whole.contains(&bucket_of(7)) && !s.earlier.values().any(|(w, c)| w.contains(&bucket_of(7)) || c.contains(&bucket_of(7))));
+    assert!(
+        !s.whole.contains(&bucket_of(7))
+            && !s.earlier.values().any(|(w, c)| w.contains(&bucket_of(7)) || c.contains(&bucket_of(7)))
+    );
     let s = saves.save(&t, 90, &mine, true, |u| ok.contains(&u));
     assert!(s.whole.contains(&bucket_of(7)), "back here: whole");
     let s = saves.save(&t, 95, &mine, false, |_| true);

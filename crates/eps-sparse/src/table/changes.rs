@@ -7,6 +7,9 @@ use crate::SparseError;
 use crate::bucket::{BUCKETS, bucket_of};
 use crate::moves::ROW_META;
 
+/// Rows asked for ahead of the one copied.
+const AHEAD: usize = 4;
+
 impl RowTable {
     /// Keeps the keys of rows evicted or taken out from now on (until
     /// [`RowTable::clear_changed`]), for checkpoints that write changes.
@@ -50,18 +53,17 @@ impl RowTable {
     /// Copies the rows `wanted` names (by bucket, and whether the row
     /// changed since [`RowTable::clear_changed`]) into `out` as records of
     /// [`crate::moves`] (what [`RowTable::take_rows`] writes: values, state
-    /// and bookkeeping), in key order, so that the same rows give the same
-    /// bytes whatever order they were made in; the rows stay. Returns how
-    /// many.
+    /// and bookkeeping), in the order they sit in memory; the rows stay.
+    /// Returns how many.
     pub fn copy_rows(&self, wanted: impl Fn(u32, bool) -> bool, out: &mut Vec<u8>) -> u64 {
-        let mut held: Vec<(u64, usize)> = self
-            .held_slots()
-            .filter(|&s| wanted(bucket_of(self.meta[s].key), self.is_dirty(s)))
-            .map(|s| (self.meta[s].key, s))
-            .collect();
-        held.sort_unstable();
+        let held: Vec<usize> = self.held_slots().filter(|&s| wanted(bucket_of(self.meta[s].key), self.is_dirty(s))).collect();
         out.reserve(held.len() * (ROW_META + self.stride * 4));
-        for &(_, s) in &held {
+        for (i, &s) in held.iter().enumerate() {
+            // Rows changed are spread over the table: their lines are asked
+            // for ahead.
+            if let Some(&next) = held.get(i + AHEAD) {
+                self.prefetch_row(next, self.stride);
+            }
             let m = self.meta[s];
             for v in [m.key, m.steps, m.created, m.last] {
                 out.extend_from_slice(&v.to_le_bytes());
@@ -111,7 +113,7 @@ impl RowTable {
         for &k in keys {
             if let Some(s) = self.index.get(k) {
                 self.index.remove(k);
-                self.free.push(s);
+                self.release(s as usize);
                 self.mark_gone(k);
             }
         }
@@ -119,7 +121,25 @@ impl RowTable {
 
     /// The slots that hold a row.
     fn held_slots(&self) -> impl Iterator<Item = usize> + '_ {
-        (0..self.meta.len()).filter(|&s| self.index.get(self.meta[s].key) == Some(s as u32))
+        (0..self.meta.len()).filter(|&s| self.is_live(s))
+    }
+
+    /// Whether slot `s` holds a row.
+    pub(super) fn is_live(&self, s: usize) -> bool {
+        self.live.get(s / 64).is_some_and(|w| w >> (s % 64) & 1 == 1)
+    }
+
+    pub(super) fn set_live(&mut self, s: usize) {
+        if self.live.len() <= s / 64 {
+            self.live.resize(s / 64 + 1, 0);
+        }
+        self.live[s / 64] |= 1 << (s % 64);
+    }
+
+    /// Slot `s` no longer holds a row: it is free for the next.
+    pub(super) fn release(&mut self, s: usize) {
+        self.live[s / 64] &= !(1 << (s % 64));
+        self.free.push(s as u32);
     }
 
     fn is_dirty(&self, s: usize) -> bool {
