@@ -269,14 +269,18 @@ fn bad_sparse_input_is_refused_and_changes_nothing() {
 #[test]
 fn ssp_and_asp_apply_every_push_on_arrival() {
     for consistency in ["ssp", "asp"] {
+        let dir = std::env::temp_dir().join(format!("eps-sparse-cut-{consistency}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
         let text = format!(
             "[job]\nworkers = 2\nservers = 2\nsteps = 6\nconsistency = \"{consistency}\"\nstaleness = 1\nseed = 3\n\
+             checkpoint_every = 3\ncheckpoint_dir = {:?}\n\
              [model]\ntensors = [{{ name = \"w\", elements = 4096 }}]\n\
              [[model.tables]]\nname = \"t\"\ndim = 2\noptimizer = \"sgd\"\nlr = 0.25\ninit = \"zeros\"\n\
-             [optimizer]\nkind = \"sgd\"\nlr = 0.01\n"
+             [optimizer]\nkind = \"sgd\"\nlr = 0.01\n",
+            dir.display().to_string()
         );
         let (spec, control) = start_control(&text);
-        let _servers = start_servers(2, control);
+        let servers = start_servers(2, control);
         let both = std::sync::Barrier::new(2);
         let rows: Vec<Vec<f32>> = std::thread::scope(|s| {
             let hs: Vec<_> = (0..2)
@@ -318,7 +322,50 @@ fn ssp_and_asp_apply_every_push_on_arrival() {
                 );
             }
         }
+        // The checkpoint at 3 is a cut: the table holds exactly the pushes of
+        // iterations 0..3 of both workers, though they ran one apart.
+        for _ in 0..2 {
+            servers.recv_timeout(std::time::Duration::from_secs(30)).unwrap();
+        }
+        let saved = rows_at(&dir, 3);
+        for k in 0..10u64 {
+            let want = [-0.25 * 0.5 * (2.0 * 3.0 * k as f32), -0.25 * 0.5 * 3.0 * (1.0 + 2.0)];
+            let row = &saved[&k];
+            assert!(
+                (row[0] - want[0]).abs() < 1e-4 && (row[1] - want[1]).abs() < 1e-4,
+                "{consistency}: saved key {k}: {row:?}, want {want:?}"
+            );
+        }
+        std::fs::remove_dir_all(&dir).ok();
     }
+}
+
+/// The rows (values and state, by key) of table 0 in the checkpoint at
+/// `version` in `dir`: each bucket's whole file, then its changes.
+fn rows_at(dir: &std::path::Path, version: u64) -> std::collections::HashMap<u64, Vec<f32>> {
+    use eps_proto::checkpoint::{MANIFEST, Manifest, RowsHeader, dir_name, parse_runs};
+    let ckpt = dir.join(dir_name(version));
+    let m = Manifest::from_toml(&std::fs::read_to_string(ckpt.join(MANIFEST)).unwrap()).unwrap();
+    let mut entries = m.rows.clone();
+    entries.sort_by_key(|e| e.version(m.version));
+    let mut rows = std::collections::HashMap::new();
+    let key = |b: &[u8]| u64::from_le_bytes(b[..8].try_into().unwrap());
+    for e in entries {
+        let buckets = parse_runs(&e.buckets).unwrap();
+        let mine = |k: u64| buckets.contains(&eps_proto::buckets::bucket_of(k));
+        let bytes = std::fs::read(ckpt.join(&e.file)).unwrap();
+        let h = RowsHeader::decode(&bytes).unwrap();
+        let rec = eps_sparse::moves::ROW_META + 4 * h.stride as usize;
+        let split = eps_proto::checkpoint::PIECE_HEADER + h.rows as usize * rec;
+        for k in bytes[split..].chunks_exact(8).map(key).filter(|&k| e.changes && mine(k)) {
+            rows.remove(&k);
+        }
+        for r in bytes[eps_proto::checkpoint::PIECE_HEADER..split].chunks_exact(rec).filter(|r| mine(key(r))) {
+            let values = r[eps_sparse::moves::ROW_META..].chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap()));
+            rows.insert(key(r), values.collect());
+        }
+    }
+    rows
 }
 
 /// Rows not touched for `evict_idle_steps` are evicted (the servers count

@@ -74,6 +74,11 @@ impl<P: Fabric> Moving<P> {
         self.incoming.as_ref()
     }
 
+    /// Whether buckets are moving here or away.
+    pub(crate) fn busy(&self) -> bool {
+        self.incoming.is_some() || self.outgoing.is_some() || !self.fetching.is_empty()
+    }
+
     /// Whether table `table` still holds rows it gives away (the buckets it
     /// owned before the newest map, whose rows are not taken out yet).
     pub(crate) fn giving(&self, table: usize) -> bool {

@@ -213,9 +213,8 @@ impl<P: Fabric> Server<P> {
                 self.report_missed(id, version, dir);
             }
         }
-        self.rows_order(version, dir);
         self.saver.ordered.push((version, PathBuf::from(dir)));
-        Ok(())
+        self.rows_order(version, dir)
     }
 
     /// Reports that shard `id` cannot be in the checkpoint at `version` in

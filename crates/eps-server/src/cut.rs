@@ -113,8 +113,8 @@ impl<P: Fabric> Server<P> {
     /// shards cut past it already report a miss; the others are saved at
     /// their cut.
     pub(crate) fn on_cut_order(&mut self, t: u64, dir: &str) -> Result<(), ServerError> {
-        self.rows_order(t, dir);
         self.saver.ordered.push((t, PathBuf::from(dir)));
+        self.rows_order(t, dir)?;
         for id in self.mem.held().collect::<Vec<_>>() {
             // (The first sight of a shard sets its last cut.)
             let _ = self.next_cut(id);

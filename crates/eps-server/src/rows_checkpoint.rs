@@ -62,6 +62,11 @@ pub(crate) struct RowsSaves {
     /// By table.
     saves: Vec<Saves>,
     pub(crate) written: Written,
+    /// SSP/ASP, by table: the last cut saved or passed, and the pushes
+    /// (worker, iteration) of the cut's iteration or later held back until
+    /// the table is saved.
+    cuts: HashMap<u16, u64>,
+    held: HashMap<u16, Vec<(u32, u64)>>,
 }
 
 /// Writes a rows piece and reports it (and the earlier files it reads).
@@ -117,9 +122,10 @@ fn lock(w: &Written) -> std::sync::MutexGuard<'_, Handed> {
 }
 
 impl<P: Fabric> Server<P> {
-    /// Table `table` published `version` (BSP): saves its rows if a
-    /// checkpoint is due.
-    pub(crate) fn save_rows_if_due(&mut self, table: u16, version: u64) {
+    /// Saves table `table`'s rows at `version` (BSP: it published it;
+    /// SSP/ASP: it holds exactly the pushes of the iterations before it)
+    /// into the directories it is due in.
+    pub(crate) fn save_rows(&mut self, table: u16, version: u64) {
         let dirs = self.saver.due(version);
         if dirs.is_empty() || version == 0 {
             return;
@@ -151,19 +157,84 @@ impl<P: Fabric> Server<P> {
         }
     }
 
-    /// The control plane ordered a checkpoint at `version` into `dir`: the
-    /// tables past it, or that cannot be saved, are reported missed.
-    pub(crate) fn rows_order(&self, version: u64, dir: &str) {
-        for (t, table) in self.sparse.tables.iter().enumerate() {
-            let why = match self.mode {
-                eps_proto::Consistency::Bsp if table.part.sync.version() < version => continue,
-                eps_proto::Consistency::Bsp => String::new(),
-                _ => "sparse tables are saved in BSP jobs only".to_string(),
-            };
-            let (dir, saved) = (PathBuf::from(dir), Saved::default());
-            let p = RowsPiece { version, table: t as u32, dir, remember: false, stride: 0, saved, missed: Some(why) };
-            self.saver.send_rows(p);
+    /// The control plane ordered a checkpoint at `version` into `dir`
+    /// (after it was added to the orders): BSP tables past it are reported
+    /// missed; SSP/ASP ones are saved at their cut.
+    pub(crate) fn rows_order(&mut self, version: u64, dir: &str) -> Result<(), ServerError> {
+        for t in 0..self.sparse.tables.len() {
+            if self.mode != eps_proto::Consistency::Bsp {
+                self.try_rows_cut(t as u16)?;
+            } else if self.sparse.tables[t].part.sync.version() >= version {
+                self.rows_missed(t as u16, version, PathBuf::from(dir));
+            }
         }
+        Ok(())
+    }
+
+    fn rows_missed(&self, table: u16, version: u64, dir: PathBuf) {
+        let (saved, missed) = (Saved::default(), Some(String::new()));
+        let p = RowsPiece { version, table: table as u32, dir, remember: false, stride: 0, saved, missed };
+        self.saver.send_rows(p);
+    }
+
+    /// SSP/ASP: the next cut of table `table`, if one is due (its last cut
+    /// is set on first sight: the resumed iteration, or the clocks it
+    /// started at).
+    fn next_rows_cut(&mut self, table: u16) -> Option<u64> {
+        if self.mode == eps_proto::Consistency::Bsp {
+            return None;
+        }
+        let sync = &self.sparse.tables[table as usize].part.sync;
+        let seen = sync.clocks().iter().max().copied().unwrap_or(0).saturating_sub(1);
+        let after = *self.saver.rows.cuts.entry(table).or_insert(seen.max(self.saver.start));
+        self.saver.next_cut(after)
+    }
+
+    /// SSP/ASP: holds `worker`'s push of `iteration` to `table` back if the
+    /// table was not saved for a cut at or before it (its push region stays
+    /// full until then: the worker pushes this table no further). True if held.
+    pub(crate) fn hold_rows_for_cut(&mut self, table: u16, worker: u32, iteration: u64) -> Result<bool, ServerError> {
+        let Some(t) = self.next_rows_cut(table) else { return Ok(false) };
+        if iteration < t || self.sparse.moving.busy() {
+            return Ok(false);
+        }
+        self.saver.rows.held.entry(table).or_default().push((worker, iteration));
+        self.try_rows_cut(table)?;
+        Ok(true)
+    }
+
+    /// SSP/ASP: saves table `table` if it holds exactly the pushes of the
+    /// iterations before its cut (or reports the cut missed if it holds
+    /// later ones), then applies what it held back (a later cut may hold
+    /// them again).
+    pub(crate) fn try_rows_cut(&mut self, table: u16) -> Result<(), ServerError> {
+        let Some(t) = self.next_rows_cut(table) else { return Ok(()) };
+        let held = self.saver.rows.held.get(&table);
+        let clocks = self.sparse.tables[table as usize].part.sync.clocks();
+        let applied = |w: usize| clocks[w] - held.map_or(0, |v| v.iter().filter(|(x, _)| *x as usize == w).count() as u64);
+        let applied: Vec<u64> = (0..clocks.len()).map(applied).collect();
+        let passed = applied.iter().any(|&c| c > t);
+        if !passed && applied.iter().any(|&c| c < t) {
+            return Ok(()); // a worker has not reached `t` here yet
+        }
+        if passed {
+            eps_proto::say!(
+                "eps server {}: table {table} applied pushes of iteration {t} or later already: not in that checkpoint",
+                self.rank
+            );
+            for dir in self.saver.due(t) {
+                self.rows_missed(table, t, dir);
+            }
+        } else {
+            self.save_rows(table, t);
+        }
+        self.saver.rows.cuts.insert(table, t);
+        for (w, iteration) in self.saver.rows.held.remove(&table).unwrap_or_default() {
+            if !self.hold_rows_for_cut(table, w, iteration)? {
+                self.sparse_update(table, &[w])?;
+            }
+        }
+        Ok(())
     }
 }
 

@@ -236,7 +236,12 @@ impl<P: Fabric> Server<P> {
                 let contributors = self.members.contributors(&t.part.sync, iteration).into_owned();
                 match t.part.sync.on_push(h.rank, iteration, &contributors) {
                     Ok(PushOutcome::AggregateAll { .. }) => self.sparse_update(table, &contributors)?,
-                    Ok(PushOutcome::ApplyOne { worker, .. }) => self.sparse_update(table, &[worker])?,
+                    Ok(PushOutcome::ApplyOne { worker, .. }) => {
+                        // (Held back if the table is not yet saved for a cut before it.)
+                        if !self.hold_rows_for_cut(table, worker, iteration)? {
+                            self.sparse_update(table, &[worker])?;
+                        }
+                    }
                     Ok(PushOutcome::Wait) => {}
                     Err(e) => self.violation(ci, &e.to_string()),
                 }
@@ -288,9 +293,11 @@ impl<P: Fabric> Server<P> {
             _ => return Err(ServerError::Sparse("an SSP/ASP update of more than one worker's push".into())),
         };
         let version = applied.map_err(|e| ServerError::Sparse(e.to_string()))?;
-        if self.mode == Consistency::Bsp {
-            // Copied out before any of its buckets leave.
-            self.save_rows_if_due(table, version);
+        // Copied out before any of its buckets leave.
+        match self.mode {
+            Consistency::Bsp if !self.saver.due(version).is_empty() => self.save_rows(table, version),
+            Consistency::Bsp => {}
+            _ => self.try_rows_cut(table)?,
         }
         self.summary.updates += 1;
         self.metrics.updates.inc();

@@ -173,12 +173,6 @@ pub fn validate<'a>(tables: &[TableDecl], tensors: impl Iterator<Item = &'a str>
     if j.replicas > 1 {
         return Err(bad("model.tables", "sparse tables have no replicas yet: use job.replicas = 1"));
     }
-    if j.checkpoint_every > 0 && j.consistency != super::Consistency::Bsp {
-        return Err(bad(
-            "model.tables",
-            "sparse tables are checkpointed in BSP jobs only: use job.consistency = \"bsp\" or no checkpoint_every",
-        ));
-    }
     let job_kind = job.optimizer.kind.as_str();
     let mut names: std::collections::HashSet<&str> = tensors.collect();
     for t in tables {
@@ -215,15 +209,12 @@ mod tests {
     #[test]
     fn what_tables_do_not_do_yet_is_refused() {
         let t = "[[model.tables]]\nname = \"t\"\ndim = 4\n";
-        for (job, field) in [
-            ("replicas = 2\nservers = 2", "replicas yet"),
-            ("checkpoint_every = 5\ncheckpoint_dir = \"/tmp/x\"\nconsistency = \"ssp\"", "BSP jobs only"),
-        ] {
+        for (job, field) in [("replicas = 2\nservers = 2", "replicas yet")] {
             let e = JobSpec::from_toml(&(BASE.replace("[job]\n", &format!("[job]\n{job}\n")) + t)).unwrap_err();
             assert!(e.to_string().contains(field), "{job}: {e}");
         }
-        let bsp = BASE.replace("[job]\n", "[job]\ncheckpoint_every = 5\ncheckpoint_dir = \"/tmp/x\"\n") + t;
-        assert!(JobSpec::from_toml(&bsp).is_ok(), "BSP tables are checkpointed");
+        let ckpt = BASE.replace("[job]\n", "[job]\ncheckpoint_every = 5\ncheckpoint_dir = \"/tmp/x\"\n") + t;
+        assert!(JobSpec::from_toml(&ckpt).is_ok(), "tables are checkpointed");
     }
 
     #[test]
