@@ -23,6 +23,15 @@ if ! cargo nextest --version >/dev/null 2>&1; then
     cargo install cargo-nextest --locked
 fi
 
+# The guide (docs/, an mdBook) is built and its links checked by tests/docs.rs:
+# mdbook from crates.io, built once into a cache outside the clone.
+MDBOOK_ROOT=/var/cache/eps-tools/mdbook
+if [ ! -x "$MDBOOK_ROOT/bin/mdbook" ]; then
+    step "installing mdbook (cached in $MDBOOK_ROOT)"
+    CARGO_TARGET_DIR=/var/cache/eps-tools/mdbook-build cargo install mdbook --locked --version 0.5.4 --root "$MDBOOK_ROOT"
+    rm -rf /var/cache/eps-tools/mdbook-build
+fi
+
 # `eps bench migrate --plot` (tested) draws its text with a TrueType font.
 if [ ! -e /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] && command -v apt-get >/dev/null; then
     step "installing fonts-dejavu-core"
