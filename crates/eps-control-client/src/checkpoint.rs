@@ -165,7 +165,8 @@ pub fn prune(dir: &Path, keep: usize) -> Vec<u64> {
             Some(names) => {
                 let files = std::fs::read_dir(&path).into_iter().flatten().flatten();
                 let stale = files.filter(|f| f.file_name().to_str().is_none_or(|n| !names.iter().any(|k| k == n)));
-                stale.fold(true, |ok, f| std::fs::remove_file(f.path()).is_ok() && ok)
+                // Every stale file is tried, whether an earlier one went or not.
+                stale.map(|f| std::fs::remove_file(f.path()).is_ok()).collect::<Vec<_>>().into_iter().all(|ok| ok)
             }
         };
         if gone {

@@ -209,10 +209,8 @@ mod tests {
     #[test]
     fn what_tables_do_not_do_yet_is_refused() {
         let t = "[[model.tables]]\nname = \"t\"\ndim = 4\n";
-        for (job, field) in [("replicas = 2\nservers = 2", "replicas yet")] {
-            let e = JobSpec::from_toml(&(BASE.replace("[job]\n", &format!("[job]\n{job}\n")) + t)).unwrap_err();
-            assert!(e.to_string().contains(field), "{job}: {e}");
-        }
+        let e = JobSpec::from_toml(&(BASE.replace("[job]\n", "[job]\nreplicas = 2\nservers = 2\n") + t)).unwrap_err();
+        assert!(e.to_string().contains("replicas yet"), "{e}");
         let ckpt = BASE.replace("[job]\n", "[job]\ncheckpoint_every = 5\ncheckpoint_dir = \"/tmp/x\"\n") + t;
         assert!(JobSpec::from_toml(&ckpt).is_ok(), "tables are checkpointed");
     }
