@@ -5,22 +5,14 @@
 
 use std::path::{Path, PathBuf};
 
+mod common;
+
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// The markdown files checked: the README, ARCHITECTURE.md and the chapters.
 fn pages() -> Vec<PathBuf> {
-    let mut p = vec![root().join("README.md"), root().join("ARCHITECTURE.md")];
-    let mut chapters: Vec<PathBuf> = std::fs::read_dir(root().join("docs/src"))
-        .unwrap()
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| p.extension().is_some_and(|e| e == "md"))
-        .collect();
-    chapters.sort();
-    p.extend(chapters);
-    p
+    common::cli::doc_pages()
 }
 
 /// The text of `md` outside fenced code blocks and code spans.

@@ -1,4 +1,4 @@
-//! Every code block of the README and the guide is tested, as the comment
+//! Every code block of the README, ARCHITECTURE.md and the guide is tested, as the comment
 //! before it says (`<!-- docs-test: MODE -->`; a block without one fails):
 //!
 //! - `run`: a `sh` block runs in bash (`set -e`, in a fresh directory, the
@@ -12,6 +12,7 @@
 //!   preset expanded, as `eps train --spec` reads it).
 //! - `compile`: a `c` block compiles against `include/eps.h` (placeholders
 //!   it calls are declared), a `python` one parses (it needs a running job).
+//! - `text`: a `text` block is a drawing, not code.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -32,15 +33,7 @@ struct Block {
 }
 
 fn blocks() -> Vec<Block> {
-    let mut files = vec![root().join("README.md")];
-    let mut chapters: Vec<PathBuf> = std::fs::read_dir(root().join("docs/src"))
-        .unwrap()
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| p.extension().is_some_and(|e| e == "md"))
-        .collect();
-    chapters.sort();
-    files.extend(chapters);
+    let files = common::cli::doc_pages();
     let mut out = Vec::new();
     for f in files {
         let md = std::fs::read_to_string(&f).unwrap();
@@ -215,6 +208,8 @@ fn every_code_block_of_the_readme_and_the_guide_is_tested() {
                 }
                 r.and_then(|()| if checked > 0 { Ok(()) } else { Err("no eps command in it".into()) })
             }
+            // A drawing (ARCHITECTURE.md's map of the crates): nothing to run.
+            ("text", "text") => Ok(()),
             ("", _) => Err("no <!-- docs-test: MODE --> before it".into()),
             (m, l) => Err(format!("mode {m:?} for a {l} block")),
         };

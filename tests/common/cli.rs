@@ -148,3 +148,17 @@ impl Lines {
         self.seen.join("\n")
     }
 }
+
+/// The markdown a user reads: the README, ARCHITECTURE.md and the guide's
+/// chapters (`docs/src`).
+pub fn doc_pages() -> Vec<PathBuf> {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let mut chapters: Vec<PathBuf> = std::fs::read_dir(root.join("docs/src"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "md"))
+        .collect();
+    chapters.sort();
+    [vec![root.join("README.md"), root.join("ARCHITECTURE.md")], chapters].concat()
+}

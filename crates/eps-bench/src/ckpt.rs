@@ -88,7 +88,7 @@ pub fn run(cfg: &CkptBench) -> Result<CkptReport, String> {
     let mut spare = Vec::new();
     let mut save = |t: &mut RowTable, now: u64, written: &mut Vec<u64>| -> Result<SaveCost, String> {
         let t0 = Instant::now();
-        let s = saves.save_into(std::mem::take(&mut spare), t, now, &mine, true, |v| written.contains(&v));
+        let s = saves.save(std::mem::take(&mut spare), t, now, &mine, true, |v| written.contains(&v));
         t.clear_changed();
         let copy_s = t0.elapsed().as_secs_f64();
         let (bytes, write_s) = write(&cfg.dir, t.stride(), now, &s)?;

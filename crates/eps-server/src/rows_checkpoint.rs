@@ -144,7 +144,7 @@ impl<P: Fabric> Server<P> {
             let mut handed = lock(&rows.written);
             let buffer = handed.spare.remove(&(table as u32)).unwrap_or_default();
             let done = |v| handed.written.contains_key(&(table as u32, v));
-            let saved = rows.saves[t].save_into(buffer, part.rows(), version, &mine, remember, done);
+            let saved = rows.saves[t].save(buffer, part.rows(), version, &mine, remember, done);
             drop(handed);
             let stride = part.rows().stride() as u32;
             pieces.push(RowsPiece { version, table: table as u32, dir, remember, stride, saved, missed: None });

@@ -70,22 +70,11 @@ impl Saves {
     /// Saves the buckets `mine` of `rows` at `version`: into the job's own
     /// directory (`incremental`, where `written(v)` says whether this
     /// server's file of version `v` was written whole), or whole into
-    /// another. The caller clears `rows`' changes after an incremental save.
-    pub fn save(
-        &mut self,
-        rows: &RowTable,
-        version: u64,
-        mine: &[bool],
-        incremental: bool,
-        written: impl Fn(u64) -> bool,
-    ) -> Saved {
-        self.save_into(Vec::new(), rows, version, mine, incremental, written)
-    }
-
-    /// [`Saves::save`], the records copied into `buffer` (emptied first):
+    /// another. The records are copied into `buffer` (emptied first): best
     /// memory touched before (an earlier save's), so that the copy does not
-    /// wait for the kernel to fault fresh pages in, most of its time.
-    pub fn save_into(
+    /// wait for the kernel to fault fresh pages in, most of its time. The
+    /// caller clears `rows`' changes after an incremental save.
+    pub fn save(
         &mut self,
         buffer: Vec<u8>,
         rows: &RowTable,

@@ -53,7 +53,7 @@ fn saves_write_what_changed_and_read_back_to_the_table() {
     let mut files = BTreeMap::new();
     let mut ok = vec![];
     let save = |t: &mut RowTable, saves: &mut Saves, v: u64, ok: &[u64], files: &mut BTreeMap<u64, Saved>| {
-        let s = saves.save(t, v, &mine, true, |u| ok.contains(&u));
+        let s = saves.save(Vec::new(), t, v, &mine, true, |u| ok.contains(&u));
         t.clear_changed();
         files.insert(v, s.clone());
         s
@@ -100,13 +100,13 @@ fn saves_write_what_changed_and_read_back_to_the_table() {
     // A bucket that leaves forgets its chain; a save elsewhere writes all whole.
     let mut gone = mine.clone();
     gone[bucket_of(7) as usize] = false;
-    let s = saves.save(&t, 80, &gone, true, |u| ok.contains(&u));
+    let s = saves.save(Vec::new(), &t, 80, &gone, true, |u| ok.contains(&u));
     assert!(
         !s.whole.contains(&bucket_of(7))
             && !s.earlier.values().any(|(w, c)| w.contains(&bucket_of(7)) || c.contains(&bucket_of(7)))
     );
-    let s = saves.save(&t, 90, &mine, true, |u| ok.contains(&u));
+    let s = saves.save(Vec::new(), &t, 90, &mine, true, |u| ok.contains(&u));
     assert!(s.whole.contains(&bucket_of(7)), "back here: whole");
-    let s = saves.save(&t, 95, &mine, false, |_| true);
+    let s = saves.save(Vec::new(), &t, 95, &mine, false, |_| true);
     assert_eq!((s.whole.len(), s.rows, s.earlier.len()), (BUCKETS as usize, t.len() as u64, 0));
 }
