@@ -72,8 +72,9 @@ enum Cmd {
     /// Stops when every worker and server has finished, or on Ctrl-C.
     Up(eps::up::UpArgs),
     /// Simulate the multi-job scheduler on a trace: `static` (FIFO at the sizes
-    /// asked, a static PS cluster), `optimus` (marginal gain) and `eps` (new jobs
-    /// start at once on slots taken from running ones; freed slots go back).
+    /// asked, a static PS cluster), `optimus` (marginal gain), `pollux`
+    /// (goodput) and `eps` (new jobs start at once on slots taken from running
+    /// ones; freed slots go back).
     ///
     /// `eps sim --trace bench/traces/exploration.csv --compare` prints one row
     /// per policy: feedback latency (submit to the job's feedback samples), JCT

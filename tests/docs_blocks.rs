@@ -235,3 +235,29 @@ fn a_flags_check_catches_what_does_not_exist() {
     assert!(Path::new(&whole_spec("[[model.tables]]\nname = \"t\"\ndim = 4\n")).to_str().is_some());
     assert!(eps_proto::JobSpec::from_toml(&whole_spec("[[model.tables]]\nname = \"t\"\ndim = 4\n")).is_ok());
 }
+
+/// The subcommands `--help` lists under "Commands:".
+fn subcommands(help: &str) -> Vec<String> {
+    let list = help.split("Commands:\n").nth(1).unwrap_or("");
+    let lines = list.lines().take_while(|l| !l.trim().is_empty());
+    lines.filter_map(|l| l.split_whitespace().next()).filter(|c| *c != "help").map(str::to_string).collect()
+}
+
+/// The CLI chapter names every command and subcommand `eps --help` lists,
+/// so a command added is a command documented.
+#[test]
+fn the_cli_chapter_names_every_command() {
+    let cli = std::fs::read_to_string(root().join("docs/src/cli.md")).unwrap();
+    let mut cache = BTreeMap::new();
+    let eps = eps_bin();
+    let top = subcommands(help(&mut cache, &eps, &[]).expect("eps --help"));
+    assert!(top.len() > 15 && top.contains(&"train".to_string()), "{top:?}");
+    let mut missing = Vec::new();
+    for c in &top {
+        let subs = subcommands(help(&mut cache, &eps, &[c]).unwrap_or_default());
+        let names: Vec<String> =
+            if subs.is_empty() { vec![format!("eps {c}")] } else { subs.iter().map(|s| format!("eps {c} {s}")).collect() };
+        missing.extend(names.into_iter().filter(|n| !cli.split_whitespace().collect::<Vec<_>>().join(" ").contains(n.as_str())));
+    }
+    assert!(missing.is_empty(), "docs/src/cli.md does not name {missing:?}");
+}
