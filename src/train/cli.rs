@@ -14,9 +14,10 @@ pub struct TrainArgs {
     /// The built-in job: `synthetic` (a linear classifier with a hashed
     /// embedding, all dense) or `ctr` (click-through: embedding bags in a
     /// sparse table, an MLP; reports AUC against the teacher's). With
-    /// --spec, the spec's preset must be this model.
-    #[arg(long, default_value = "synthetic")]
-    pub model: String,
+    /// --spec or --resume, the spec's preset (given, it must be this)
+    /// [default: synthetic].
+    #[arg(long)]
+    pub model: Option<String>,
     /// Worker processes [built-in job: 2].
     #[arg(long)]
     pub workers: Option<u32>,
@@ -117,7 +118,7 @@ pub fn train(a: TrainArgs) -> Result<(), String> {
     let mut o = o;
     crate::checkpoint::train_overrides(a.checkpoint_every, a.checkpoint_dir.as_deref(), a.keep, &mut o)?;
     let plan = crate::train::scale::parse_plan(a.scale_plan.as_deref().unwrap_or(""))?;
-    let default = crate::train::default_spec(&a.model)?;
+    let default = crate::train::default_spec(a.model.as_deref().unwrap_or("synthetic"))?;
     let build = |o: &crate::train::Overrides| match &a.resume {
         Some(dir) => crate::checkpoint::resume_spec(dir, o),
         None => crate::train::build_model_spec(a.spec.as_deref(), default, o).map_err(|e| error_chain(&e)),
@@ -126,8 +127,9 @@ pub fn train(a: TrainArgs) -> Result<(), String> {
     let kind = crate::jobspec::TaskSection::of(&spec).map_err(|e| e.to_string())?.map(|t| t.kind);
     match kind.as_deref() {
         None => return Err("`eps train` runs a built-in task; this checkpoint's job declares its own tensors (resume it with `eps control --resume`)".into()),
-        Some(p) if p != a.model => {
-            return Err(format!("the spec's model.preset is {p:?} but --model is {:?}: give --model {p}", a.model));
+        Some(p) if a.model.as_deref().is_some_and(|m| m != p) => {
+            let m = a.model.as_deref().unwrap_or_default();
+            return Err(format!("the spec's model.preset is {p:?} but --model is {m:?}: give --model {p}, or leave it out"));
         }
         Some(_) => {}
     }
