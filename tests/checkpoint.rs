@@ -361,6 +361,20 @@ fn a_ctr_table_resumes_after_sigkill_bitwise_from_incremental_checkpoints() {
     for k in ["params_checksum", "sparse_checksum"] {
         assert_eq!(json(&resumed, k), json(&whole, k), "{k}: resumed at {at} on 3 servers vs uninterrupted on 2");
     }
+    // A rows file damaged on disk is named, not read (the resumed run went
+    // on checkpointing: its newest checkpoint).
+    let ckpt = dir.join(eps_proto::checkpoint::dir_name(newest(&dir).unwrap()));
+    let m =
+        eps_proto::checkpoint::Manifest::from_toml(&std::fs::read_to_string(ckpt.join(eps_proto::checkpoint::MANIFEST)).unwrap())
+            .unwrap();
+    let damaged = ckpt.join(&m.rows.iter().find(|e| e.earlier().is_none()).expect("a file of the newest checkpoint").file);
+    let mut bytes = std::fs::read(&damaged).unwrap();
+    let n = bytes.len();
+    bytes[n - 1] ^= 1;
+    std::fs::write(&damaged, bytes).unwrap();
+    let o = eps().args(["train", "--resume", ckpt.to_str().unwrap()]).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("the file is damaged"), "{err}");
     std::fs::remove_dir_all(&dir).ok();
     std::fs::remove_file(&spec).ok();
 }
