@@ -113,6 +113,18 @@ impl TablePart {
         self.rows.keep_deletions();
     }
 
+    /// Keeps what changes from now on for forwards to a backup.
+    pub fn keep_forwards(&mut self) {
+        self.rows.keep_forwards();
+    }
+
+    /// Writes into `out` the forward to a backup of what changed since the
+    /// last one (every row, if `full`), at the part's version (see
+    /// [`RowTable::write_forward`]).
+    pub fn write_forward(&mut self, full: bool, digest: bool, out: &mut Vec<u8>) -> crate::table::ForwardStats {
+        self.rows.write_forward(self.sync.version(), full, digest, out)
+    }
+
     /// The rows of `keys`, in the order asked, into `out` (`keys.len() *
     /// dim` values); rows not held yet are created.
     pub fn gather(&mut self, keys: &[u64], out: &mut [f32]) -> Result<(), SparseError> {

@@ -79,6 +79,9 @@ pub struct RowTable {
     deleted: Option<Vec<u64>>,
     /// A bit per slot: it holds a row (scans read it, not the index).
     live: Vec<u64>,
+    /// What changed since the last forward to a backup, when kept (see
+    /// [`RowTable::keep_forwards`]).
+    forwards: Option<forwards::Forwards>,
 }
 
 impl RowTable {
@@ -104,6 +107,7 @@ impl RowTable {
             dirty: Vec::new(),
             deleted: None,
             live: Vec::new(),
+            forwards: None,
         })
     }
 
@@ -397,5 +401,7 @@ pub fn sum_duplicates(keys: &[u64], grads: &[f32], dim: usize) -> Result<(Vec<u6
 }
 
 mod changes;
+mod forwards;
+pub use forwards::{Forward, ForwardStats, parse_forward};
 #[cfg(test)]
 pub(crate) mod tests;

@@ -154,6 +154,9 @@ impl RowTable {
             self.dirty.resize(s / 64 + 1, 0);
         }
         self.dirty[s / 64] |= 1 << (s % 64);
+        if let Some(f) = &mut self.forwards {
+            f.row(s);
+        }
     }
 
     /// The row of `key` is no longer held.
@@ -162,6 +165,9 @@ impl RowTable {
         self.changed[(b / 64) as usize] |= 1 << (b % 64);
         if let Some(d) = &mut self.deleted {
             d.push(key);
+        }
+        if let Some(f) = &mut self.forwards {
+            f.gone(key);
         }
     }
 }
