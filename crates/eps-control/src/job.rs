@@ -179,6 +179,9 @@ pub struct Job {
     bucket_move: Option<buckets::BucketMove>,
     /// Bucket moves finished.
     bucket_moves: u64,
+    /// By server rank: the server its table rows are backed up on, as last
+    /// ordered (`job.replicas = 2`).
+    row_backups: Vec<Option<u32>>,
 }
 
 impl Job {
@@ -232,6 +235,7 @@ impl Job {
             buckets: vec![(0, eps_proto::buckets::initial_owners(spec.job.servers))],
             bucket_move: None,
             bucket_moves: 0,
+            row_backups: Vec::new(),
         };
         job.set_layout(&layout);
         if let Some(r) = &spec.resume {

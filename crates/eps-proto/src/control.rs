@@ -134,7 +134,7 @@ impl JobMap {
 }
 
 pub use codec::DecodeError;
-pub use order::Order;
+pub use order::{Order, RowsBackup};
 pub use refusal::{ErrorCode, Refusal};
 
 /// A control-plane message.

@@ -30,6 +30,7 @@ mod metrics;
 mod migrate;
 mod relay;
 mod replica;
+mod rows_backup;
 mod rows_checkpoint;
 mod seed;
 mod serve;
@@ -591,6 +592,9 @@ pub fn run_direct<P: Fabric>(
     }
     (s.summary.sparse_pulled_keys, s.summary.sparse_stepped_keys, s.summary.sparse_evicted, s.summary.sparse_refused) =
         (st.pulled_keys, st.stepped_keys, st.evicted, st.refused);
+    for line in s.sparse.backups.report(rank, st.stepped_keys, s.sparse.merged_row_bytes()) {
+        eps_proto::say!("{line}");
+    }
     Ok(s.summary)
 }
 

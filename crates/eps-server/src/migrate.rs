@@ -88,6 +88,7 @@ impl<P: Fabric> Server<P> {
             Order::DropBackup { shard } => self.on_drop_backup(shard),
             Order::NoBackup { shard } => self.on_no_backup(shard),
             Order::Buckets { at, runs } => self.on_buckets(at, &runs),
+            Order::BackupRows { to } => self.on_backup_rows(to),
             Order::FetchRows { from, from_addr, addr, rkey, len } => self.on_fetch_rows(from, &from_addr, addr, rkey, len),
             Order::FreeRows { to } => {
                 self.on_free_rows(to);
@@ -439,6 +440,9 @@ impl<P: Fabric> Server<P> {
             self.violation(ci, &format!("unexpected immediate {imm:#x} from a migration source"));
             return Ok(());
         };
+        if let Some(table) = eps_proto::layout::sparse_table(m.shard) {
+            return self.on_rows_forward(ci, table, m.seq);
+        }
         let id = m.shard;
         let sender = match self.conns[ci].peer {
             Peer::Server(p) => p.rank & !PEER_BIT,
@@ -550,6 +554,9 @@ impl<P: Fabric> Server<P> {
             self.violation(ci, &format!("unexpected immediate {imm:#x} from a migration target"));
             return Ok(());
         };
+        if let Some(table) = eps_proto::layout::sparse_table(m.shard) {
+            return self.rows_acked(table, m.seq);
+        }
         let id = m.shard;
         // A moving shard forwards both to its backup and to its new owner:
         // the connection says which one acknowledged.

@@ -204,6 +204,12 @@ impl<P: Fabric> Server<P> {
         if c.wr_id & crate::buckets::WR_ROWS == crate::buckets::WR_ROWS {
             return self.on_rows_read(c.wr_id, c.status.is_ok());
         }
+        if c.wr_id & crate::rows_backup::WR_MIRROR == crate::rows_backup::WR_MIRROR {
+            self.on_forward_read(c.wr_id, c.status.is_ok())?;
+            if c.status.is_ok() {
+                return Ok(());
+            }
+        }
         if !c.status.is_ok() {
             // A flush or transport error: the peer is gone (or was cut off).
             if c.opcode == WcOpcode::Write {
@@ -214,6 +220,7 @@ impl<P: Fabric> Server<P> {
             }
             self.drop_conn(ci);
             self.moves_conn_lost(ci, &format!("{:?} on request {:#x}", c.status, c.wr_id))?;
+            self.rows_backup_conn_lost(ci)?;
             return self.replica_conn_lost(ci, c.status, c.wr_id);
         }
         match c.opcode {

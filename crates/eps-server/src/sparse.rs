@@ -59,6 +59,8 @@ pub(crate) struct Sparse<P: Fabric> {
     pub(crate) deferred: Vec<(usize, Hello, u16, Imm, u32)>,
     /// Buckets moving (see `buckets.rs`).
     pub(crate) moving: crate::buckets::Moving<P>,
+    /// Backups of the rows (see `rows_backup.rs`).
+    pub(crate) backups: crate::rows_backup::RowsBackups<P>,
     /// This process's resident memory once the regions were set up (all
     /// their pages touched), before any row: what rows add is measured from
     /// here.
@@ -72,8 +74,9 @@ impl<P: Fabric> Sparse<P> {
     pub(crate) fn new(pd: &P, spec: &JobSpec, ranks: u32) -> Result<Self, ServerError> {
         let owners = vec![(0, eps_sparse::bucket::initial_owners(spec.job.servers))];
         let (deferred, moving) = (Vec::new(), Default::default());
+        let backups = crate::rows_backup::RowsBackups::new(pd, spec.model.tables.len(), spec.job.replicas)?;
         if spec.model.tables.is_empty() {
-            return Ok(Self { tables: Vec::new(), owners, deferred, moving, rss_start: 0 });
+            return Ok(Self { tables: Vec::new(), owners, deferred, moving, backups, rss_start: 0 });
         }
         let mut tables = Vec::new();
         for t in eps_sparse::decl::tables(spec) {
@@ -91,13 +94,17 @@ impl<P: Fabric> Sparse<P> {
                 // Its incremental checkpoints write the keys deleted.
                 part.keep_deletions();
             }
+            if spec.job.replicas > 1 {
+                // Each update's changes go to the backup.
+                part.keep_forwards();
+            }
             let n = ranks as usize;
             let (wide, gathered) = (vec![Vec::new(); n], Vec::new());
             let (push_copy, pull_copy) = (vec![vec![0u64; push.div_ceil(8)]; n], vec![vec![0u64; pull.div_ceil(8)]; n]);
             let (pushed, pulled) = (vec![0; n], vec![0; n]);
             tables.push(Table { part, landing, reply, pushed, pulled, push_copy, pull_copy, wide, gathered });
         }
-        Ok(Self { tables, owners, deferred, moving, rss_start: eps_metrics::rss_bytes(None).unwrap_or(0) })
+        Ok(Self { tables, owners, deferred, moving, backups, rss_start: eps_metrics::rss_bytes(None).unwrap_or(0) })
     }
 
     /// Whether this server holds no table.
@@ -106,13 +113,15 @@ impl<P: Fabric> Sparse<P> {
     }
 
     /// Where workers WRITE their requests, per table (see `TablesReady`).
+    /// (Their "published" address is where owners write descriptors of
+    /// forwarded rows: see `rows_backup.rs`.)
     pub(crate) fn endpoints(&self, rank: u32) -> Vec<ShardEndpoint> {
         let ep = |(i, t): (usize, &Table<P>)| ShardEndpoint {
             shard: i as u32,
             owner: rank,
             landing: t.landing.iter().map(|m| (m.addr(), m.rkey())).collect(),
-            published_addr: 0,
-            published_rkey: 0,
+            published_addr: self.backups.inbox(i).0,
+            published_rkey: self.backups.inbox(i).1,
         };
         self.tables.iter().enumerate().map(ep).collect()
     }
@@ -125,6 +134,12 @@ impl<P: Fabric> Sparse<P> {
     /// What the tables hold on the heap (rows, state, index, bookkeeping).
     pub(crate) fn heap_bytes(&self) -> u64 {
         self.tables.iter().map(|t| t.part.rows().heap_bytes() as u64).sum()
+    }
+
+    /// Bytes of a merged gradient row (its key and values; the first
+    /// table's, which the job's figures are about).
+    pub(crate) fn merged_row_bytes(&self) -> u64 {
+        self.tables.first().map_or(0, |t| 8 + t.part.table().spec.dim as u64 * 4)
     }
 
     /// Rows held and their bytes with optimizer state, and what the parts did.
@@ -178,6 +193,11 @@ impl<P: Fabric> Server<P> {
             self.violation(ci, &format!("a request for sparse table {table}, which this server does not hold"));
             return Ok(());
         };
+        if self.sparse.backups.busy(table as usize) {
+            // Nothing of the table's new version before its backup has it.
+            self.sparse.deferred.push((ci, h, table, m, len));
+            return Ok(());
+        }
         let op = match m.kind {
             ImmKind::Push => Op::Push,
             ImmKind::PullReq => Op::Pull,
@@ -304,6 +324,15 @@ impl<P: Fabric> Server<P> {
         // Buckets whose cutover this update reached leave now, before anything
         // of the next iteration is applied.
         self.take_out_rows(table)?;
+        if self.forward_rows(table, Some(contributors.to_vec()))? {
+            return Ok(());
+        }
+        self.finish_sparse_update(table, contributors)
+    }
+
+    /// An update of `table` is applied (and on its backup): its contributors
+    /// are credited, the pulls that waited for it answered.
+    pub(crate) fn finish_sparse_update(&mut self, table: u16, contributors: &[u32]) -> Result<(), ServerError> {
         let id = sparse_id(table);
         for &w in contributors {
             self.send_credit(w, id)?;

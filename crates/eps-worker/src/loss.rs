@@ -73,6 +73,7 @@ impl<P: Fabric> Worker<P> {
             self.rank
         );
         self.lost.insert(server);
+        self.sparse.lose(server);
         if let Some(q) = self.qps.get_mut(server as usize) {
             *q = None;
         }

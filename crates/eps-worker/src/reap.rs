@@ -23,6 +23,9 @@ impl<P: Fabric> Worker<P> {
         let mut looked = Instant::now();
         let mut told = false;
         while !done(self) {
+            if let Some(e) = self.sparse.lost_error() {
+                return Err(e);
+            }
             if self.reap()? {
                 self.spin.worked();
             } else if Instant::now() > deadline {

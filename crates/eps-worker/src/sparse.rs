@@ -55,6 +55,8 @@ pub(crate) struct Tables<P: Fabric> {
     tables: Vec<Table<P>>,
     /// The bucket maps by first iteration, as the job map gave them.
     maps: Vec<(u64, BucketMap)>,
+    /// A server that held rows and was lost.
+    lost: Option<u32>,
 }
 
 /// One bucket map, and what a push needs of it.
@@ -114,7 +116,7 @@ impl<P: Fabric> Tables<P> {
                 decl,
             });
         }
-        Ok(Self { tables, maps: vec![(0, BucketMap::new(eps_sparse::bucket::initial_owners(servers)))] })
+        Ok(Self { tables, maps: vec![(0, BucketMap::new(eps_sparse::bucket::initial_owners(servers)))], lost: None })
     }
 
     /// Takes in the bucket maps of `map` this worker does not have yet.
@@ -133,6 +135,29 @@ impl<P: Fabric> Tables<P> {
     fn map_at(&self, t: u64) -> &BucketMap {
         // (The history starts with the map of iteration 0.)
         eps_proto::buckets::owners_at(&self.maps, t).unwrap_or(&self.maps[0].1)
+    }
+
+    /// Server `server` was lost: whether it held rows of the tables (the
+    /// newest bucket map names it).
+    pub(crate) fn lose(&mut self, server: u32) -> bool {
+        let held = !self.tables.is_empty() && self.maps.last().is_some_and(|(_, m)| m.servers.contains(&server));
+        if held {
+            self.lost.get_or_insert(server);
+        }
+        held
+    }
+
+    /// Why the tables cannot go on, if a server that held rows was lost:
+    /// their backups do not take over (yet), so the job stops here rather
+    /// than wait for rows no server serves.
+    pub(crate) fn lost_error(&self) -> Option<WorkerError> {
+        let s = self.lost?;
+        let table = self.tables.first().map_or(String::new(), |t| t.decl.name.clone());
+        let why = format!(
+            "server {s}, which held rows of the sparse tables, was lost; its rows' backup does not take over (only dense \
+             shards' backups do), so the job stops: resume it from its last checkpoint (--resume)"
+        );
+        Some(WorkerError::Sparse { table, why })
     }
 
     /// How many tables.

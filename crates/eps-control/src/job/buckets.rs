@@ -22,7 +22,7 @@
 use std::fmt::Write as _;
 
 use eps_proto::buckets::{self, BUCKETS};
-use eps_proto::control::{ControlMsg, Order, Refusal};
+use eps_proto::control::{ControlMsg, Order, Refusal, RowsBackup};
 
 use super::Job;
 
@@ -127,12 +127,62 @@ impl Job {
         if m.pending.is_empty() {
             self.bucket_move = None;
             self.bucket_moves += 1;
+            self.place_row_backups();
         }
         self.order(from, Order::FreeRows { to: rank });
         self.retire_drained();
         // A job that ended meanwhile retires them now.
         self.end_if_over();
         Ok(ControlMsg::Ok)
+    }
+
+    /// With replicas: every server that owns buckets keeps its rows in step
+    /// on the next one (in rank order), once all are ready and no bucket
+    /// moves; those whose backup changed are ordered so (a new backup starts
+    /// from every row), and those that own none now stop forwarding.
+    pub(super) fn place_row_backups(&mut self) {
+        if self.replicas < 2 || self.table_count == 0 || self.bucket_move.is_some() {
+            return;
+        }
+        let Some((_, owners)) = self.buckets.last() else { return };
+        let mut holders = owners.clone();
+        holders.sort_unstable();
+        holders.dedup();
+        holders.retain(|&r| !self.lost.contains(&r));
+        let reported = |r: u32| self.tables.iter().filter(|e| e.owner == r).count() == self.table_count;
+        if !holders.iter().all(|&r| self.servers.get(r as usize).is_some_and(|s| s.ready) && reported(r)) {
+            return;
+        }
+        let n = holders.len();
+        let mut want: Vec<(u32, Option<u32>)> = holders.iter().enumerate().map(|(i, &r)| (r, (n > 1).then(|| holders[(i + 1) % n]))).collect();
+        // Those that own no bucket now forward to no one.
+        for r in 0..self.row_backups.len() as u32 {
+            if !holders.contains(&r) && self.server_serving(r) {
+                want.push((r, None));
+            }
+        }
+        for (r, to) in want {
+            if self.row_backups.len() <= r as usize {
+                self.row_backups.resize(r as usize + 1, None);
+            }
+            if self.row_backups[r as usize] == to {
+                continue;
+            }
+            self.row_backups[r as usize] = to;
+            let to = to.map(|b| {
+                let mut inbox: Vec<_> = self.tables.iter().filter(|e| e.owner == b).map(|e| (e.shard, e.published_addr, e.published_rkey)).collect();
+                inbox.sort_unstable();
+                let addr = self.servers[b as usize].addr.clone();
+                RowsBackup { rank: b, addr, inbox: inbox.into_iter().map(|(_, a, k)| (a, k)).collect() }
+            });
+            eps_proto::say!("eps control: server {r} keeps its table rows in step on {}", to.as_ref().map_or("no server".to_string(), |b| format!("server {}", b.rank)));
+            self.order(r, Order::BackupRows { to });
+        }
+    }
+
+    /// The server that keeps server `rank`'s table rows in step, if any.
+    pub fn rows_backup_of(&self, rank: u32) -> Option<u32> {
+        self.row_backups.get(rank as usize).copied().flatten()
     }
 
     /// Whether server `rank` is at one end of a READ of rows (see

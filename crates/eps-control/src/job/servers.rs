@@ -37,6 +37,7 @@ impl Job {
             self.to_balance.push(rank);
             self.balance_next()?;
         }
+        self.place_row_backups();
         Ok(ControlMsg::Ok)
     }
 

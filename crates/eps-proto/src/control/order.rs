@@ -160,6 +160,13 @@ pub enum Order {
         /// The target's rank.
         to: u32,
     },
+    /// Forward every table's changes after each update, starting with all
+    /// its rows, to server `to`'s copy of this server's rows (`None`: to no
+    /// server from now on).
+    BackupRows {
+        /// The backup, if any.
+        to: Option<RowsBackup>,
+    },
     /// Save every shard held here when it publishes `version` (BSP), into
     /// directory `dir`; report each as `Saved` (or missed: its version is past).
     Checkpoint {
@@ -168,6 +175,17 @@ pub enum Order {
         /// The checkpoint's directory.
         dir: String,
     },
+}
+
+/// Where a server's table rows are kept in step (see [`Order::BackupRows`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RowsBackup {
+    /// The backup's rank.
+    pub rank: u32,
+    /// Its fabric address.
+    pub addr: String,
+    /// By table: where a forward's descriptor is written (address, key).
+    pub inbox: Vec<(u64, u32)>,
 }
 
 impl W {
@@ -261,6 +279,19 @@ impl W {
                 self.u8(18);
                 self.u32(*to);
             }
+            Order::BackupRows { to } => {
+                self.u8(19);
+                self.u8(u8::from(to.is_some()));
+                if let Some(b) = to {
+                    self.u32(b.rank);
+                    self.str(&b.addr);
+                    self.u32(b.inbox.len() as u32);
+                    for (a, k) in &b.inbox {
+                        self.u64(*a);
+                        self.u32(*k);
+                    }
+                }
+            }
             Order::Checkpoint { version, dir } => {
                 self.u8(8);
                 self.u64(*version);
@@ -307,6 +338,18 @@ impl R<'_> {
                 len: self.u64()?,
             },
             18 => Order::FreeRows { to: self.u32()? },
+            19 => Order::BackupRows {
+                to: match self.u8()? {
+                    0 => None,
+                    1 => {
+                        let (rank, addr) = (self.u32()?, self.str()?);
+                        let n = self.count(12)?;
+                        let inbox = (0..n).map(|_| Ok((self.u64()?, self.u32()?))).collect::<Result<_, DecodeError>>()?;
+                        Some(RowsBackup { rank, addr, inbox })
+                    }
+                    t => return Err(DecodeError::Tag(t)),
+                },
+            },
             t => return Err(DecodeError::Tag(t)),
         })
     }

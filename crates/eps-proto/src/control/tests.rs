@@ -90,6 +90,10 @@ fn roundtrip_and_garbage() {
                 Order::Buckets { at: 40, runs: vec![(0, 0), (1366, 2)] },
                 Order::FetchRows { from: 1, from_addr: "127.0.0.1:9".into(), addr: 1 << 41, rkey: 3, len: 99 },
                 Order::FreeRows { to: 2 },
+                Order::BackupRows {
+                    to: Some(RowsBackup { rank: 1, addr: "127.0.0.1:9".into(), inbox: vec![(1 << 40, 7), (1 << 41, 8)] }),
+                },
+                Order::BackupRows { to: None },
                 Order::Replicate { shard: 2, to: 1, to_addr: "127.0.0.1:8".into(), keys, snapshot: true },
                 Order::AddBackup { shard: 2, from: 0, start: 4096, len: 512 },
                 Order::Promote { shard: 2 },

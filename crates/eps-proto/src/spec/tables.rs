@@ -168,11 +168,6 @@ pub fn validate<'a>(tables: &[TableDecl], tensors: impl Iterator<Item = &'a str>
     if tables.len() > MAX_TABLES {
         return Err(bad("model.tables", format!("{} tables: at most {MAX_TABLES}", tables.len())));
     }
-    // What sparse tables do not do yet.
-    let j = &job.job;
-    if j.replicas > 1 {
-        return Err(bad("model.tables", "sparse tables have no replicas yet: use job.replicas = 1"));
-    }
     let job_kind = job.optimizer.kind.as_str();
     let mut names: std::collections::HashSet<&str> = tensors.collect();
     for t in tables {
@@ -207,10 +202,10 @@ mod tests {
     }
 
     #[test]
-    fn what_tables_do_not_do_yet_is_refused() {
+    fn tables_take_replicas_and_checkpoints() {
         let t = "[[model.tables]]\nname = \"t\"\ndim = 4\n";
-        let e = JobSpec::from_toml(&(BASE.replace("[job]\n", "[job]\nreplicas = 2\nservers = 2\n") + t)).unwrap_err();
-        assert!(e.to_string().contains("replicas yet"), "{e}");
+        let two = BASE.replace("[job]\n", "[job]\nreplicas = 2\nservers = 2\n") + t;
+        assert!(JobSpec::from_toml(&two).is_ok(), "tables have backups");
         let ckpt = BASE.replace("[job]\n", "[job]\ncheckpoint_every = 5\ncheckpoint_dir = \"/tmp/x\"\n") + t;
         assert!(JobSpec::from_toml(&ckpt).is_ok(), "tables are checkpointed");
     }

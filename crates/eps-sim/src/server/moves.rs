@@ -205,6 +205,8 @@ impl SimServer {
             Order::Release { shard } => self.on_release_order(w, shard),
             // The simulation takes no checkpoints (nothing orders one).
             Order::Checkpoint { version, .. } => w.fail(format!("server {rank}: ordered a checkpoint at {version}")),
+            // The simulation runs tables without replicas (nothing orders this).
+            Order::BackupRows { .. } => w.fail(format!("server {rank}: ordered to back its table rows up")),
             Order::Buckets { at, runs } => self.on_buckets(w, at, &runs),
             Order::FetchRows { from, .. } => self.on_fetch_rows(w, from),
             Order::FreeRows { to } => self.on_free_rows(w, to),

@@ -1,0 +1,408 @@
+//! Backups of table rows (`job.replicas = 2`): every server that owns
+//! buckets keeps a copy of its rows on the next one (the control plane
+//! says which: `Order::BackupRows`), in step with every update.
+//!
+//! After each update of a table the owner writes what changed since the
+//! last forward (the rows created, touched, stepped or taken in, with their
+//! optimizer state and bookkeeping, and the keys evicted or taken out; every
+//! row for a new backup) into a registered blob, and WRITEs its descriptor
+//! into the backup's inbox with a `Forward` immediate; the backup READs the
+//! blob, takes it in over its copy and acknowledges the version. Until
+//! then the owner holds the table's requests and answers nothing of the new
+//! version: a version a worker pulled is always on the backup too. (A
+//! pull's own bookkeeping, a row created or touched, travels with the next
+//! update's forward.) With `EPS_VERIFY_BACKUPS` set, each forward carries a
+//! digest of every row the owner holds, and the backup checks its copy
+//! against it, bit for bit.
+
+use eps_fabric::{Access, Fabric, MemoryRegion, RemoteAddr, SendOp, SendWr, Sge};
+use eps_proto::control::RowsBackup;
+use eps_proto::imm::{Imm, ImmKind};
+use eps_proto::layout::sparse_id;
+use eps_sparse::RowTable;
+
+use crate::{Peer, Server, ServerError, WR_OTHER};
+
+/// Work-request ids of READs of forwarded rows: these bits, the owner's
+/// rank (bits 16..) and the table.
+pub(crate) const WR_MIRROR: u64 = WR_OTHER | (1 << 44);
+
+/// Owners a server can keep rows of: each has a descriptor slot per table.
+const INBOX_SLOTS: usize = 256;
+/// Bytes of a descriptor: version, blob address, length, key.
+const DESCRIPTOR: usize = 32;
+/// READs of one forward in flight at once.
+const READ_WINDOW: u32 = 4;
+
+/// A server's part in table backups: as an owner, its forwards; as a backup,
+/// its copies of other servers' rows.
+pub(crate) struct RowsBackups<P: Fabric> {
+    /// By table: where owners write descriptors (none without replicas).
+    inbox: Vec<P::Mr>,
+    link: Option<Link>,
+    out: Vec<Out<P>>,
+    copies: Vec<Copy<P>>,
+    /// Each forward carries a digest the backup checks.
+    verify: bool,
+    sent: Totals,
+    taken: Totals,
+}
+
+/// Where this server's rows are kept.
+struct Link {
+    rank: u32,
+    ci: usize,
+    inbox: Vec<RemoteAddr>,
+}
+
+/// One table's forwards.
+struct Out<P: Fabric> {
+    staging: Vec<u8>,
+    /// The descriptor, then the blob.
+    blob: Option<P::Mr>,
+    /// The version forwarded and not acknowledged.
+    in_flight: Option<u64>,
+    /// Every row goes with the next forward (a new backup).
+    full_due: bool,
+    /// The contributors of the update whose forward is in flight: credited,
+    /// and the pulls it made ready answered, once it is acknowledged.
+    after: Option<Vec<u32>>,
+}
+
+/// A copy of another server's rows of one table.
+struct Copy<P: Fabric> {
+    from: u32,
+    table: u16,
+    rows: RowTable,
+    version: u64,
+    read: Option<Read<P>>,
+    /// The last forward's memory, kept for the next.
+    spare: Option<P::Mr>,
+}
+
+/// The READs of one forward.
+struct Read<P: Fabric> {
+    ci: usize,
+    mr: P::Mr,
+    remote: RemoteAddr,
+    len: usize,
+    asked: usize,
+    in_flight: u32,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+struct Totals {
+    forwards: u64,
+    rows: u64,
+    bytes: u64,
+    verified: u64,
+}
+
+impl<P: Fabric> RowsBackups<P> {
+    /// For `tables` tables; inboxes registered if the job keeps replicas.
+    pub(crate) fn new(pd: &P, tables: usize, replicas: u32) -> Result<Self, ServerError> {
+        let mut inbox = Vec::new();
+        if replicas > 1 {
+            for _ in 0..tables {
+                inbox.push(pd.alloc_mr(INBOX_SLOTS * DESCRIPTOR, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?);
+            }
+        }
+        let out = (0..tables).map(|_| Out { staging: Vec::new(), blob: None, in_flight: None, full_due: false, after: None });
+        Ok(Self {
+            inbox,
+            link: None,
+            out: out.collect(),
+            copies: Vec::new(),
+            verify: std::env::var_os("EPS_VERIFY_BACKUPS").is_some(),
+            sent: Totals::default(),
+            taken: Totals::default(),
+        })
+    }
+
+    /// Table `t`'s inbox (address, key), or zeros.
+    pub(crate) fn inbox(&self, t: usize) -> (u64, u32) {
+        self.inbox.get(t).map_or((0, 0), |m| (m.addr(), m.rkey()))
+    }
+
+    /// Whether table `t`'s requests wait for its backup's acknowledgement.
+    pub(crate) fn busy(&self, t: usize) -> bool {
+        self.out.get(t).is_some_and(|o| o.in_flight.is_some())
+    }
+
+    /// What the backups did, for the server's last words.
+    pub(crate) fn report(&self, rank: u32, stepped: u64, row_bytes: u64) -> Vec<String> {
+        let mut lines = Vec::new();
+        let s = self.sent;
+        if s.forwards > 0 {
+            lines.push(format!(
+                "eps server {rank}: forwarded {} updates of its table rows to its backup: {} rows, {} bytes \
+                 (the merged gradients were {} bytes)",
+                s.forwards,
+                s.rows,
+                s.bytes,
+                stepped * row_bytes
+            ));
+        }
+        for c in &self.copies {
+            lines.push(format!(
+                "eps server {rank}: holds a copy of server {}'s table {} at version {}: {} rows",
+                c.from,
+                c.table,
+                c.version,
+                c.rows.len()
+            ));
+        }
+        let t = self.taken;
+        if t.forwards > 0 {
+            lines.push(format!(
+                "eps server {rank}: took in {} forwards of table rows ({} rows, {} bytes); {} checked bit for bit",
+                t.forwards, t.rows, t.bytes, t.verified
+            ));
+        }
+        lines
+    }
+}
+
+impl<P: Fabric> Server<P> {
+    /// `Order::BackupRows`: this server's rows are kept on `to` from now on
+    /// (every row first), or on no server.
+    pub(crate) fn on_backup_rows(&mut self, to: Option<RowsBackup>) -> Result<(), ServerError> {
+        let b = &mut self.sparse.backups;
+        b.link = None;
+        for o in &mut b.out {
+            o.full_due = false;
+        }
+        let Some(to) = to else {
+            eps_proto::say!("eps server {}: its table rows have no backup from now on", self.rank);
+            return Ok(());
+        };
+        if self.rank as usize >= INBOX_SLOTS || to.inbox.len() != self.sparse.tables.len() {
+            eps_proto::say!(
+                "eps server {}: its table rows cannot be kept on server {} (ranks from {INBOX_SLOTS} on have no inbox, \
+                 or the tables differ); they have no backup",
+                self.rank,
+                to.rank
+            );
+            return Ok(());
+        }
+        let ci = match self.target_conn(to.rank, &to.addr) {
+            Ok(ci) => ci,
+            Err(e) => {
+                eps_proto::say!("eps server {}: cannot reach server {} for its row backups ({e})", self.rank, to.rank);
+                return Ok(());
+            }
+        };
+        let slot = (self.rank as usize * DESCRIPTOR) as u64;
+        let inbox = to.inbox.iter().map(|&(addr, rkey)| RemoteAddr { addr: addr + slot, rkey }).collect();
+        let b = &mut self.sparse.backups;
+        b.link = Some(Link { rank: to.rank, ci, inbox });
+        for o in &mut b.out {
+            o.full_due = true;
+        }
+        eps_proto::say!("eps server {}: its table rows are kept in step on server {}", self.rank, to.rank);
+        for t in 0..self.sparse.tables.len() as u16 {
+            if !self.sparse.backups.busy(t as usize) {
+                self.forward_rows(t, None)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Forwards what changed in table `table` to its backup, if it has one;
+    /// `after` (an update's contributors) is finished once it is
+    /// acknowledged. Returns whether a forward went (else finish now).
+    pub(crate) fn forward_rows(&mut self, table: u16, after: Option<Vec<u32>>) -> Result<bool, ServerError> {
+        let t = table as usize;
+        let Some(link) = &self.sparse.backups.link else { return Ok(false) };
+        let (ci, remote) = (link.ci, link.inbox[t]);
+        if !self.conns[ci].alive {
+            return Ok(false);
+        }
+        let verify = self.sparse.backups.verify;
+        let o = &mut self.sparse.backups.out[t];
+        let full = std::mem::take(&mut o.full_due);
+        let part = &mut self.sparse.tables[t].part;
+        let version = part.sync.version();
+        let stats = part.write_forward(full, verify, &mut o.staging);
+        let need = DESCRIPTOR + o.staging.len();
+        if o.blob.as_ref().is_none_or(|m| m.len() < need) {
+            o.blob = Some(self.pd.alloc_mr(need.next_power_of_two(), Access::REMOTE_READ)?);
+        }
+        let Some(blob) = o.blob.as_mut() else { return Ok(false) };
+        let mut d = [0u8; DESCRIPTOR];
+        d[..8].copy_from_slice(&version.to_le_bytes());
+        d[8..16].copy_from_slice(&(blob.addr() + DESCRIPTOR as u64).to_le_bytes());
+        d[16..24].copy_from_slice(&(o.staging.len() as u64).to_le_bytes());
+        d[24..28].copy_from_slice(&blob.rkey().to_le_bytes());
+        blob.write_at(0, &d);
+        blob.write_at(DESCRIPTOR, &o.staging);
+        let imm = Imm { kind: ImmKind::Forward, shard: sparse_id(table), seq: version as u16 }.encode();
+        let sg = [Sge::new(blob, 0, DESCRIPTOR as u32)];
+        let wr = SendWr { wr_id: WR_OTHER, op: SendOp::WriteImm(remote, imm), sg: &sg, signaled: false };
+        self.conns[ci].post_or_flush(&wr, &mut self.flushed)?;
+        o.in_flight = Some(version);
+        o.after = after;
+        let s = &mut self.sparse.backups.sent;
+        s.forwards += 1;
+        s.rows += stats.rows;
+        s.bytes += stats.bytes;
+        Ok(true)
+    }
+
+    /// The backup acknowledged table `table`'s forward of version `seq`
+    /// (low bits): the update is finished, what waited is handled.
+    pub(crate) fn rows_acked(&mut self, table: u16, seq: u16) -> Result<(), ServerError> {
+        let t = table as usize;
+        let Some(o) = self.sparse.backups.out.get_mut(t) else { return Ok(()) };
+        if o.in_flight.is_none_or(|v| v as u16 != seq) {
+            eps_proto::say!("eps server {}: an acknowledgement of table {table}'s rows it did not wait for; ignored", self.rank);
+            return Ok(());
+        }
+        o.in_flight = None;
+        self.rows_forward_done(table)
+    }
+
+    /// Table `table`'s forward is over (acknowledged, or its backup lost).
+    fn rows_forward_done(&mut self, table: u16) -> Result<(), ServerError> {
+        let o = &mut self.sparse.backups.out[table as usize];
+        let after = o.after.take();
+        // A new backup ordered meanwhile gets every row now.
+        if o.full_due && self.forward_rows(table, None)? {
+            self.sparse.backups.out[table as usize].after = after;
+            return Ok(());
+        }
+        if let Some(c) = after {
+            self.finish_sparse_update(table, &c)?;
+        }
+        self.replay_sparse()
+    }
+
+    /// Connection `ci` failed: if it led to the rows' backup, they go on
+    /// without one (what waited for an acknowledgement is served).
+    pub(crate) fn rows_backup_conn_lost(&mut self, ci: usize) -> Result<(), ServerError> {
+        self.sparse.backups.copies.retain(|c| c.read.as_ref().is_none_or(|r| r.ci != ci));
+        let Some(rank) = self.sparse.backups.link.as_ref().filter(|l| l.ci == ci).map(|l| l.rank) else { return Ok(()) };
+        eps_proto::say!("eps server {}: the backup of its table rows (server {rank}) is gone; they go on without one", self.rank);
+        self.sparse.backups.link = None;
+        for t in 0..self.sparse.backups.out.len() {
+            let o = &mut self.sparse.backups.out[t];
+            o.full_due = false;
+            if o.in_flight.take().is_some() {
+                self.rows_forward_done(t as u16)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A forward of table `table`'s rows landed from the server on `ci`:
+    /// its blob is READ.
+    pub(crate) fn on_rows_forward(&mut self, ci: usize, table: u16, seq: u16) -> Result<(), ServerError> {
+        let from = match self.conns[ci].peer {
+            Peer::Server(h) => h.rank & !eps_proto::hello::PEER_BIT,
+            _ => u32::MAX,
+        };
+        let (t, slot) = (table as usize, from as usize);
+        if slot >= INBOX_SLOTS || t >= self.sparse.backups.inbox.len() || t >= self.sparse.tables.len() {
+            self.violation(ci, &format!("forwarded rows of table {table}, which it cannot keep here"));
+            return Ok(());
+        }
+        let mut d = [0u8; DESCRIPTOR];
+        self.sparse.backups.inbox[t].read_at(slot * DESCRIPTOR, &mut d);
+        let u64_at = |i: usize| u64::from_le_bytes(d[i..i + 8].try_into().unwrap_or_default());
+        let (version, addr, len) = (u64_at(0), u64_at(8), u64_at(16) as usize);
+        let rkey = u32::from_le_bytes(d[24..28].try_into().unwrap_or_default());
+        if version as u16 != seq || len > 1 << 40 {
+            self.violation(ci, &format!("a descriptor of table {table}'s rows that does not match its notice"));
+            return Ok(());
+        }
+        let k = match self.sparse.backups.copies.iter().position(|c| c.from == from && c.table == table) {
+            Some(k) => k,
+            None => {
+                let rows = RowTable::new(self.sparse.tables[t].part.table().spec).map_err(|e| ServerError::Sparse(e.to_string()))?;
+                self.sparse.backups.copies.push(Copy { from, table, rows, version: 0, read: None, spare: None });
+                self.sparse.backups.copies.len() - 1
+            }
+        };
+        let c = &mut self.sparse.backups.copies[k];
+        if c.read.is_some() {
+            self.violation(ci, &format!("forwarded table {table}'s rows with a forward unacknowledged"));
+            return Ok(());
+        }
+        let mr = match c.spare.take() {
+            Some(m) if m.len() >= len.max(1) => m,
+            _ => self.pd.alloc_mr(len.max(1).next_power_of_two(), Access::LOCAL_WRITE)?,
+        };
+        c.read = Some(Read { ci, mr, remote: RemoteAddr { addr, rkey }, len, asked: 0, in_flight: 0 });
+        c.version = version;
+        for _ in 0..READ_WINDOW {
+            self.read_more(k)?;
+        }
+        Ok(())
+    }
+
+    /// Posts the next READ of copy `k`'s forward, if any is left.
+    fn read_more(&mut self, k: usize) -> Result<(), ServerError> {
+        let piece = (self.opts.max_msg_bytes as usize).clamp(4096, 1 << 30);
+        let c = &mut self.sparse.backups.copies[k];
+        let Some(r) = c.read.as_mut() else { return Ok(()) };
+        let n = piece.min(r.len - r.asked);
+        if n == 0 {
+            return Ok(());
+        }
+        let sg = [Sge::new(&r.mr, r.asked as u64, n as u32)];
+        let remote = RemoteAddr { addr: r.remote.addr + r.asked as u64, rkey: r.remote.rkey };
+        let wr_id = WR_MIRROR | (u64::from(c.from) << 16) | u64::from(c.table);
+        let wr = SendWr { wr_id, op: SendOp::Read(remote), sg: &sg, signaled: true };
+        self.conns[r.ci].post_or_flush(&wr, &mut self.flushed)?;
+        r.asked += n;
+        r.in_flight += 1;
+        Ok(())
+    }
+
+    /// A READ of a forward completed (`ok`) or failed.
+    pub(crate) fn on_forward_read(&mut self, wr_id: u64, ok: bool) -> Result<(), ServerError> {
+        let (from, table) = (((wr_id >> 16) & 0xFFFF) as u32, (wr_id & 0xFFFF) as u16);
+        let Some(k) = self.sparse.backups.copies.iter().position(|c| c.from == from && c.table == table) else {
+            return Ok(());
+        };
+        let c = &mut self.sparse.backups.copies[k];
+        if !ok {
+            // Its owner is gone: the copy stays as of its last forward.
+            c.read = None;
+            return Ok(());
+        }
+        let Some(r) = c.read.as_mut() else { return Ok(()) };
+        r.in_flight -= 1;
+        if r.asked < r.len {
+            return self.read_more(k);
+        }
+        if r.in_flight > 0 {
+            return Ok(());
+        }
+        let Some(r) = c.read.take() else { return Ok(()) };
+        let mut blob = vec![0u8; r.len];
+        r.mr.read_at(0, &mut blob);
+        let stride = c.rows.stride();
+        let bad = |e: String| ServerError::Sparse(format!("server {from}'s forward of table {table}: {e}"));
+        let f = eps_sparse::table::parse_forward(&blob, stride).map_err(|e| bad(e.to_string()))?;
+        if f.full {
+            c.rows = RowTable::new(self.sparse.tables[table as usize].part.table().spec).map_err(|e| bad(e.to_string()))?;
+        }
+        c.rows.take_forward(&f).map_err(|e| bad(e.to_string()))?;
+        c.version = f.version;
+        let t = &mut self.sparse.backups.taken;
+        t.forwards += 1;
+        t.rows += f.rows;
+        t.bytes += r.len as u64;
+        if let Some(want) = f.digest {
+            let got = c.rows.digest();
+            if got != want {
+                return Err(bad(format!("the copy differs from the owner's rows at version {} (digest {got:#x}, not {want:#x})", f.version)));
+            }
+            self.sparse.backups.taken.verified += 1;
+        }
+        let (version, ci) = (f.version, r.ci);
+        self.sparse.backups.copies[k].spare = Some(r.mr);
+        self.ack_forward(ci, sparse_id(table), version)
+    }
+}
