@@ -63,7 +63,7 @@ fn ctr_refusals_are_clear() {
     std::fs::write(&bad_dim, spec).unwrap();
     let cases: [(Vec<&str>, &str); 2] = [
         (vec!["--spec", bad_dim.to_str().unwrap()], "table \"ctr.ids\" has dim 4; model.embed_dim is 8"),
-        (vec!["--replicas", "2"], "sparse tables have no replicas"),
+        (vec!["--replicas", "2", "--consistency", "ssp"], "2 replicas need BSP consistency"),
     ];
     for (args, want) in cases {
         let o = train(&args);
@@ -72,6 +72,38 @@ fn ctr_refusals_are_clear() {
     }
     let o = eps().args(["train", "--model", "wide"]).output().unwrap();
     assert!(String::from_utf8_lossy(&o.stderr).contains("the built-in models are synthetic and ctr"));
+}
+
+/// With `--replicas 2` every server's table rows are kept in step on
+/// another: each forward carries a digest of every row its owner holds and
+/// the backup checks its copy against it (`EPS_VERIFY_BACKUPS`), also while
+/// buckets move and backups are placed anew (a new one starts from every
+/// row); the results are the same bits as without backups.
+#[test]
+fn table_backups_hold_their_owners_rows_bit_for_bit_through_bucket_moves() {
+    let plan = ["--servers", "2", "--scale-plan", "300:servers=3,700:servers=2"];
+    let plain = ok(&train(&plan));
+    let mut all = vec!["train", "--model", "ctr", "--json", "--progress-every", "500", "--replicas", "2"];
+    all.extend_from_slice(&plan);
+    let o = eps().env("EPS_VERIFY_BACKUPS", "1").args(&all).output().expect("run eps");
+    let out = ok(&o);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(json_field(&out, "bucket_moves"), "2", "{out}");
+    for k in ["params_checksum", "sparse_checksum"] {
+        assert_eq!(json_field(&out, k), json_field(&plain, k), "{k}: with backups against without");
+    }
+    // "eps server R: took in N forwards of table rows (...); K checked bit for bit"
+    let took: Vec<(u64, u64)> = err
+        .lines()
+        .filter_map(|l| {
+            let n = l.split(" took in ").nth(1)?.split(' ').next()?.parse().ok()?;
+            let k = l.split("); ").nth(1)?.split(' ').next()?.parse().ok()?;
+            Some((n, k))
+        })
+        .collect();
+    assert!(took.len() >= 2 && took.iter().all(|&(n, k)| n > 100 && n == k), "{took:?}\n{err}");
+    // The third server kept rows while it was there, and the ring was placed anew.
+    assert!(err.contains("keeps its table rows in step on server 2"), "{err}");
 }
 
 /// A small ctr job.

@@ -294,6 +294,21 @@ fn servers_killed_one_after_another_with_two_replicas_lose_nothing() {
     std::fs::remove_file(&spec).ok();
 }
 
+/// A server of a ctr job with `--replicas 2` killed: its table rows' backup
+/// does not take over yet, so the job stops soon with an error that says
+/// so (no worker waits for rows no server serves).
+#[test]
+fn a_table_server_killed_with_two_replicas_stops_the_run_saying_why() {
+    let mut run = Run::start(&["--model", "ctr", "--replicas", "2", "--steps", "100000"]);
+    run.wait_step(50);
+    let killed = Instant::now();
+    kill(run.server_pid(1));
+    let (ok, _, err) = run.finish();
+    assert!(!ok, "{err}");
+    assert!(killed.elapsed() < Duration::from_secs(60), "took {:?} to stop: {err}", killed.elapsed());
+    assert!(err.contains("held rows of the sparse tables, was lost") && err.contains("--resume"), "{err}");
+}
+
 /// A server whose every data connection is cut (`ss -K`) while it lives on
 /// and polls for orders: its peers report it unreachable, the control plane
 /// declares it lost, its backups take over, it is fenced off at its next

@@ -60,8 +60,8 @@ struct Out<P: Fabric> {
     staging: Vec<u8>,
     /// The descriptor, then the blob.
     blob: Option<P::Mr>,
-    /// The version forwarded and not acknowledged.
-    in_flight: Option<u64>,
+    /// The version forwarded and not acknowledged, and the connection it went on.
+    in_flight: Option<(u64, usize)>,
     /// Every row goes with the next forward (a new backup).
     full_due: bool,
     /// The contributors of the update whose forward is in flight: credited,
@@ -78,6 +78,10 @@ struct Copy<P: Fabric> {
     read: Option<Read<P>>,
     /// The last forward's memory, kept for the next.
     spare: Option<P::Mr>,
+    /// It started from a forward of every row (one that did not is an old
+    /// owner's last forward, landed after this server stopped being its
+    /// backup: it is acknowledged and not kept).
+    whole: bool,
 }
 
 /// The READs of one forward.
@@ -240,7 +244,7 @@ impl<P: Fabric> Server<P> {
         let sg = [Sge::new(blob, 0, DESCRIPTOR as u32)];
         let wr = SendWr { wr_id: WR_OTHER, op: SendOp::WriteImm(remote, imm), sg: &sg, signaled: false };
         self.conns[ci].post_or_flush(&wr, &mut self.flushed)?;
-        o.in_flight = Some(version);
+        o.in_flight = Some((version, ci));
         o.after = after;
         let s = &mut self.sparse.backups.sent;
         s.forwards += 1;
@@ -254,7 +258,7 @@ impl<P: Fabric> Server<P> {
     pub(crate) fn rows_acked(&mut self, table: u16, seq: u16) -> Result<(), ServerError> {
         let t = table as usize;
         let Some(o) = self.sparse.backups.out.get_mut(t) else { return Ok(()) };
-        if o.in_flight.is_none_or(|v| v as u16 != seq) {
+        if o.in_flight.is_none_or(|(v, _)| v as u16 != seq) {
             eps_proto::say!("eps server {}: an acknowledgement of table {table}'s rows it did not wait for; ignored", self.rank);
             return Ok(());
         }
@@ -281,13 +285,21 @@ impl<P: Fabric> Server<P> {
     /// without one (what waited for an acknowledgement is served).
     pub(crate) fn rows_backup_conn_lost(&mut self, ci: usize) -> Result<(), ServerError> {
         self.sparse.backups.copies.retain(|c| c.read.as_ref().is_none_or(|r| r.ci != ci));
-        let Some(rank) = self.sparse.backups.link.as_ref().filter(|l| l.ci == ci).map(|l| l.rank) else { return Ok(()) };
-        eps_proto::say!("eps server {}: the backup of its table rows (server {rank}) is gone; they go on without one", self.rank);
-        self.sparse.backups.link = None;
+        if let Some(rank) = self.sparse.backups.link.as_ref().filter(|l| l.ci == ci).map(|l| l.rank) {
+            eps_proto::say!(
+                "eps server {}: the backup of its table rows (server {rank}) is gone; they go on without one",
+                self.rank
+            );
+            self.sparse.backups.link = None;
+            for o in &mut self.sparse.backups.out {
+                o.full_due = false;
+            }
+        }
+        // (A forward to a backup replaced since may be in flight on it.)
         for t in 0..self.sparse.backups.out.len() {
             let o = &mut self.sparse.backups.out[t];
-            o.full_due = false;
-            if o.in_flight.take().is_some() {
+            if o.in_flight.is_some_and(|(_, c)| c == ci) {
+                o.in_flight = None;
                 self.rows_forward_done(t as u16)?;
             }
         }
@@ -318,8 +330,9 @@ impl<P: Fabric> Server<P> {
         let k = match self.sparse.backups.copies.iter().position(|c| c.from == from && c.table == table) {
             Some(k) => k,
             None => {
-                let rows = RowTable::new(self.sparse.tables[t].part.table().spec).map_err(|e| ServerError::Sparse(e.to_string()))?;
-                self.sparse.backups.copies.push(Copy { from, table, rows, version: 0, read: None, spare: None });
+                let rows =
+                    RowTable::new(self.sparse.tables[t].part.table().spec).map_err(|e| ServerError::Sparse(e.to_string()))?;
+                self.sparse.backups.copies.push(Copy { from, table, rows, version: 0, read: None, spare: None, whole: false });
                 self.sparse.backups.copies.len() - 1
             }
         };
@@ -387,6 +400,11 @@ impl<P: Fabric> Server<P> {
         let f = eps_sparse::table::parse_forward(&blob, stride).map_err(|e| bad(e.to_string()))?;
         if f.full {
             c.rows = RowTable::new(self.sparse.tables[table as usize].part.table().spec).map_err(|e| bad(e.to_string()))?;
+            c.whole = true;
+        } else if !c.whole {
+            let (version, ci) = (f.version, r.ci);
+            self.sparse.backups.copies.remove(k);
+            return self.ack_forward(ci, sparse_id(table), version);
         }
         c.rows.take_forward(&f).map_err(|e| bad(e.to_string()))?;
         c.version = f.version;
@@ -397,12 +415,19 @@ impl<P: Fabric> Server<P> {
         if let Some(want) = f.digest {
             let got = c.rows.digest();
             if got != want {
-                return Err(bad(format!("the copy differs from the owner's rows at version {} (digest {got:#x}, not {want:#x})", f.version)));
+                return Err(bad(format!(
+                    "the copy differs from the owner's rows at version {} (digest {got:#x}, not {want:#x})",
+                    f.version
+                )));
             }
             self.sparse.backups.taken.verified += 1;
         }
-        let (version, ci) = (f.version, r.ci);
+        let (version, ci, full) = (f.version, r.ci, f.full);
         self.sparse.backups.copies[k].spare = Some(r.mr);
+        if full {
+            // A new owner's rows come here: copies of earlier owners' go.
+            self.sparse.backups.copies.retain(|c| c.from == from || c.read.is_some());
+        }
         self.ack_forward(ci, sparse_id(table), version)
     }
 }

@@ -31,7 +31,7 @@ impl<P: Fabric> Worker<P> {
             eps_core::route::left_out(&self.map, m)
         };
         for s in gone {
-            if !self.lost.contains(&s) && self.routes_to(s) {
+            if !self.lost.contains(&s) && (self.routes_to(s) || self.sparse.holds(s)) {
                 self.lose_server(s);
             }
         }

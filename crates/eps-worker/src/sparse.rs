@@ -140,11 +140,17 @@ impl<P: Fabric> Tables<P> {
     /// Server `server` was lost: whether it held rows of the tables (the
     /// newest bucket map names it).
     pub(crate) fn lose(&mut self, server: u32) -> bool {
-        let held = !self.tables.is_empty() && self.maps.last().is_some_and(|(_, m)| m.servers.contains(&server));
+        let held = self.holds(server);
         if held {
             self.lost.get_or_insert(server);
         }
         held
+    }
+
+    /// Whether server `server` holds rows of the tables (the newest bucket
+    /// map names it).
+    pub(crate) fn holds(&self, server: u32) -> bool {
+        !self.tables.is_empty() && self.maps.last().is_some_and(|(_, m)| m.servers.contains(&server))
     }
 
     /// Why the tables cannot go on, if a server that held rows was lost:
@@ -341,7 +347,7 @@ impl<P: Fabric> Worker<P> {
         let imm = Imm { kind: ImmKind::PullReq, shard: sparse_id(table), seq: v as u16 }.encode();
         let off = wire::region_bytes(Op::Push, &t.decl).next_multiple_of(8) as u64;
         for (server, at, n) in posts {
-            let (addr, rkey) = landing(&self.map, self.rank, server, table).ok_or(WorkerError::NoAddress(server))?;
+            let (addr, rkey) = self.sparse_landing(server, table)?;
             self.post_sparse(server, table, false, RemoteAddr { addr: addr + off, rkey }, imm, at, n)?;
         }
         self.wait_until(|w| w.sparse.tables[table as usize].owed.is_empty(), "sparse pull answers")?;
@@ -457,7 +463,7 @@ impl<P: Fabric> Worker<P> {
         t.pushed_at = Some(v);
         let imm = Imm { kind: ImmKind::Push, shard: sparse_id(table), seq: v as u16 }.encode();
         for (server, at, n) in posts {
-            let (addr, rkey) = landing(&self.map, self.rank, server, table).ok_or(WorkerError::NoAddress(server))?;
+            let (addr, rkey) = self.sparse_landing(server, table)?;
             let t = &mut self.sparse.tables[table as usize];
             if t.credit.len() <= server as usize {
                 t.credit.resize(server as usize + 1, true);
@@ -525,6 +531,19 @@ impl<P: Fabric> Worker<P> {
             }
         }
         Ok(())
+    }
+
+    /// Where this worker's requests for `table` land on server `server`; a
+    /// server the map no longer names (lost) stops the tables.
+    fn sparse_landing(&mut self, server: u32, table: u16) -> Result<(u64, u32), WorkerError> {
+        let named = self.map.servers.iter().any(|(r, _)| *r == server);
+        if self.lost.contains(&server) || !named || self.qps.get(server as usize).is_none_or(Option::is_none) {
+            self.sparse.lose(server);
+        }
+        if let Some(e) = self.sparse.lost_error() {
+            return Err(e);
+        }
+        landing(&self.map, self.rank, server, table).ok_or(WorkerError::NoAddress(server))
     }
 
     /// Posts bytes `at..at + n` of a table's push or pull staging buffer to

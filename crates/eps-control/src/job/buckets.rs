@@ -73,6 +73,11 @@ impl Job {
         let has_tables = |r: u32| self.tables.iter().filter(|e| e.owner == r).count() == self.table_count;
         let eligible: Vec<u32> = self.live_servers().into_iter().filter(|&r| has_tables(r) && !self.lost.contains(&r)).collect();
         let Some((_, now)) = self.buckets.last() else { return };
+        if now.iter().any(|r| self.lost.contains(r)) {
+            // A lost server's rows are gone with it (their backup does not
+            // take over): no move can take them, and the job stops.
+            return;
+        }
         let want = buckets::rebalance(now, &eligible);
         if want != *now {
             let members = self.w.members.latest().to_vec();
@@ -154,7 +159,8 @@ impl Job {
             return;
         }
         let n = holders.len();
-        let mut want: Vec<(u32, Option<u32>)> = holders.iter().enumerate().map(|(i, &r)| (r, (n > 1).then(|| holders[(i + 1) % n]))).collect();
+        let mut want: Vec<(u32, Option<u32>)> =
+            holders.iter().enumerate().map(|(i, &r)| (r, (n > 1).then(|| holders[(i + 1) % n]))).collect();
         // Those that own no bucket now forward to no one.
         for r in 0..self.row_backups.len() as u32 {
             if !holders.contains(&r) && self.server_serving(r) {
@@ -170,12 +176,16 @@ impl Job {
             }
             self.row_backups[r as usize] = to;
             let to = to.map(|b| {
-                let mut inbox: Vec<_> = self.tables.iter().filter(|e| e.owner == b).map(|e| (e.shard, e.published_addr, e.published_rkey)).collect();
+                let mut inbox: Vec<_> =
+                    self.tables.iter().filter(|e| e.owner == b).map(|e| (e.shard, e.published_addr, e.published_rkey)).collect();
                 inbox.sort_unstable();
                 let addr = self.servers[b as usize].addr.clone();
                 RowsBackup { rank: b, addr, inbox: inbox.into_iter().map(|(_, a, k)| (a, k)).collect() }
             });
-            eps_proto::say!("eps control: server {r} keeps its table rows in step on {}", to.as_ref().map_or("no server".to_string(), |b| format!("server {}", b.rank)));
+            eps_proto::say!(
+                "eps control: server {r} keeps its table rows in step on {}",
+                to.as_ref().map_or("no server".to_string(), |b| format!("server {}", b.rank))
+            );
             self.order(r, Order::BackupRows { to });
         }
     }

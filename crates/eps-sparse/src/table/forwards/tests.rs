@@ -3,8 +3,13 @@ use crate::table::TableSpec;
 use crate::{Init, RowOptimizer};
 
 fn table() -> RowTable {
-    let adam =
-        RowOptimizer::Dense(eps_agg::Optimizer::Adam { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, decoupled: false });
+    let adam = RowOptimizer::Dense(eps_agg::Optimizer::Adam {
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.0,
+        decoupled: false,
+    });
     RowTable::new(TableSpec { dim: 4, opt: adam, init: Init::Uniform { scale: 0.1 }, seed: 3, max_rows: 10_000 }).unwrap()
 }
 
