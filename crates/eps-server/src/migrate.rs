@@ -555,7 +555,7 @@ impl<P: Fabric> Server<P> {
             return Ok(());
         };
         if let Some(table) = eps_proto::layout::sparse_table(m.shard) {
-            return self.rows_acked(table, m.seq);
+            return self.rows_acked(ci, table, m.seq);
         }
         let id = m.shard;
         // A moving shard forwards both to its backup and to its new owner:

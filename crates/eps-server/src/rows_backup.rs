@@ -6,8 +6,11 @@
 //! last forward (the rows created, touched, stepped or taken in, with their
 //! optimizer state and bookkeeping, and the keys evicted or taken out; every
 //! row for a new backup) into a registered blob, and WRITEs its descriptor
-//! into the backup's inbox with a `Forward` immediate; the backup READs the
-//! blob, takes it in over its copy and acknowledges the version. Until
+//! into the backup's inbox with a `Forward` immediate. A blob that fits the
+//! landing region the backup keeps for it (its address came with the last
+//! acknowledgement) is WRITTEN there just before; a larger one (a new
+//! backup's every row) the backup READs. The backup takes the blob in over
+//! its copy and acknowledges the version. Until
 //! then the owner holds the table's requests and answers nothing of the new
 //! version: a version a worker pulled is always on the backup too. (A
 //! pull's own bookkeeping, a row created or touched, travels with the next
@@ -29,8 +32,16 @@ pub(crate) const WR_MIRROR: u64 = WR_OTHER | (1 << 44);
 
 /// Owners a server can keep rows of: each has a descriptor slot per table.
 const INBOX_SLOTS: usize = 256;
-/// Bytes of a descriptor: version, blob address, length, key.
-const DESCRIPTOR: usize = 32;
+/// Bytes of a descriptor: version, blob address (0: in the landing region),
+/// length, key, then where the acknowledgement's reply goes (address, key).
+const DESCRIPTOR: usize = 48;
+/// Bytes of a reply: the landing region's address, key and length.
+const REPLY: usize = 16;
+/// Where a forward's blob starts in the owner's memory (after the descriptor
+/// and the reply).
+const BLOB_AT: usize = DESCRIPTOR + REPLY;
+/// Bytes of the landing region a backup keeps per owner and table.
+const LANDING: usize = 4 << 20;
 /// READs of one forward in flight at once.
 const READ_WINDOW: u32 = 4;
 
@@ -42,6 +53,9 @@ pub(crate) struct RowsBackups<P: Fabric> {
     link: Option<Link>,
     out: Vec<Out<P>>,
     copies: Vec<Copy<P>>,
+    /// Landing regions of copies dropped: an old owner that has not heard
+    /// yet that its backup moved may still WRITE into one (kept to the end).
+    retired: Vec<P::Mr>,
     /// Each forward carries a digest the backup checks.
     verify: bool,
     sent: Totals,
@@ -64,6 +78,8 @@ struct Out<P: Fabric> {
     in_flight: Option<(u64, usize)>,
     /// Every row goes with the next forward (a new backup).
     full_due: bool,
+    /// The backup's landing region for this table's forwards, and its bytes.
+    landing: Option<(RemoteAddr, usize)>,
     /// The contributors of the update whose forward is in flight: credited,
     /// and the pulls it made ready answered, once it is acknowledged.
     after: Option<Vec<u32>>,
@@ -78,6 +94,10 @@ struct Copy<P: Fabric> {
     read: Option<Read<P>>,
     /// The last forward's memory, kept for the next.
     spare: Option<P::Mr>,
+    /// Where forwards that fit are WRITTEN, and the reply of each
+    /// acknowledgement (where that is) is sent from.
+    landing: P::Mr,
+    reply: P::Mr,
     /// It started from a forward of every row (one that did not is an old
     /// owner's last forward, landed after this server stopped being its
     /// backup: it is acknowledged and not kept).
@@ -89,6 +109,8 @@ struct Read<P: Fabric> {
     ci: usize,
     mr: P::Mr,
     remote: RemoteAddr,
+    /// Where the acknowledgement's reply goes.
+    reply: RemoteAddr,
     len: usize,
     asked: usize,
     in_flight: u32,
@@ -100,6 +122,8 @@ struct Totals {
     rows: u64,
     bytes: u64,
     verified: u64,
+    /// Of the forwards taken in, those READ (too large for the landing region).
+    read: u64,
 }
 
 impl<P: Fabric> RowsBackups<P> {
@@ -111,12 +135,20 @@ impl<P: Fabric> RowsBackups<P> {
                 inbox.push(pd.alloc_mr(INBOX_SLOTS * DESCRIPTOR, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?);
             }
         }
-        let out = (0..tables).map(|_| Out { staging: Vec::new(), blob: None, in_flight: None, full_due: false, after: None });
+        let out = (0..tables).map(|_| Out {
+            staging: Vec::new(),
+            blob: None,
+            in_flight: None,
+            full_due: false,
+            landing: None,
+            after: None,
+        });
         Ok(Self {
             inbox,
             link: None,
             out: out.collect(),
             copies: Vec::new(),
+            retired: Vec::new(),
             verify: std::env::var_os("EPS_VERIFY_BACKUPS").is_some(),
             sent: Totals::default(),
             taken: Totals::default(),
@@ -159,8 +191,8 @@ impl<P: Fabric> RowsBackups<P> {
         let t = self.taken;
         if t.forwards > 0 {
             lines.push(format!(
-                "eps server {rank}: took in {} forwards of table rows ({} rows, {} bytes); {} checked bit for bit",
-                t.forwards, t.rows, t.bytes, t.verified
+                "eps server {rank}: took in {} forwards of table rows ({} rows, {} bytes, {} of them READ); {} checked bit for bit",
+                t.forwards, t.rows, t.bytes, t.read, t.verified
             ));
         }
         lines
@@ -175,6 +207,7 @@ impl<P: Fabric> Server<P> {
         b.link = None;
         for o in &mut b.out {
             o.full_due = false;
+            o.landing = None;
         }
         let Some(to) = to else {
             eps_proto::say!("eps server {}: its table rows have no backup from now on", self.rank);
@@ -228,22 +261,33 @@ impl<P: Fabric> Server<P> {
         let part = &mut self.sparse.tables[t].part;
         let version = part.sync.version();
         let stats = part.write_forward(full, verify, &mut o.staging);
-        let need = DESCRIPTOR + o.staging.len();
+        let (len, need) = (o.staging.len(), BLOB_AT + o.staging.len());
         if o.blob.as_ref().is_none_or(|m| m.len() < need) {
-            o.blob = Some(self.pd.alloc_mr(need.next_power_of_two(), Access::REMOTE_READ)?);
+            o.blob = Some(self.pd.alloc_mr(need.next_power_of_two(), Access::REMOTE_READ | Access::REMOTE_WRITE)?);
         }
         let Some(blob) = o.blob.as_mut() else { return Ok(false) };
+        let inline = o.landing.filter(|&(_, n)| len <= n).map(|(at, _)| at);
         let mut d = [0u8; DESCRIPTOR];
         d[..8].copy_from_slice(&version.to_le_bytes());
-        d[8..16].copy_from_slice(&(blob.addr() + DESCRIPTOR as u64).to_le_bytes());
-        d[16..24].copy_from_slice(&(o.staging.len() as u64).to_le_bytes());
+        let at = if inline.is_some() { 0 } else { blob.addr() + BLOB_AT as u64 };
+        d[8..16].copy_from_slice(&at.to_le_bytes());
+        d[16..24].copy_from_slice(&(len as u64).to_le_bytes());
         d[24..28].copy_from_slice(&blob.rkey().to_le_bytes());
+        d[32..40].copy_from_slice(&(blob.addr() + DESCRIPTOR as u64).to_le_bytes());
+        d[40..44].copy_from_slice(&blob.rkey().to_le_bytes());
         blob.write_at(0, &d);
-        blob.write_at(DESCRIPTOR, &o.staging);
+        blob.write_at(BLOB_AT, &o.staging);
+        let conn = &self.conns[ci];
+        if let Some(landing) = inline {
+            // Before the notice on the same connection: in place when it lands.
+            let sg = [Sge::new(blob, BLOB_AT as u64, len as u32)];
+            let wr = SendWr { wr_id: WR_OTHER, op: SendOp::Write(landing), sg: &sg, signaled: false };
+            conn.post_or_flush(&wr, &mut self.flushed)?;
+        }
         let imm = Imm { kind: ImmKind::Forward, shard: sparse_id(table), seq: version as u16 }.encode();
         let sg = [Sge::new(blob, 0, DESCRIPTOR as u32)];
         let wr = SendWr { wr_id: WR_OTHER, op: SendOp::WriteImm(remote, imm), sg: &sg, signaled: false };
-        self.conns[ci].post_or_flush(&wr, &mut self.flushed)?;
+        conn.post_or_flush(&wr, &mut self.flushed)?;
         o.in_flight = Some((version, ci));
         o.after = after;
         let s = &mut self.sparse.backups.sent;
@@ -253,16 +297,26 @@ impl<P: Fabric> Server<P> {
         Ok(true)
     }
 
-    /// The backup acknowledged table `table`'s forward of version `seq`
-    /// (low bits): the update is finished, what waited is handled.
-    pub(crate) fn rows_acked(&mut self, table: u16, seq: u16) -> Result<(), ServerError> {
+    /// The backup on `ci` acknowledged table `table`'s forward of version
+    /// `seq` (low bits), its landing region in the reply: the update is
+    /// finished, what waited is handled.
+    pub(crate) fn rows_acked(&mut self, ci: usize, table: u16, seq: u16) -> Result<(), ServerError> {
         let t = table as usize;
+        let current = self.sparse.backups.link.as_ref().is_some_and(|l| l.ci == ci);
         let Some(o) = self.sparse.backups.out.get_mut(t) else { return Ok(()) };
-        if o.in_flight.is_none_or(|(v, _)| v as u16 != seq) {
+        if o.in_flight.is_none_or(|(v, c)| v as u16 != seq || c != ci) {
             eps_proto::say!("eps server {}: an acknowledgement of table {table}'s rows it did not wait for; ignored", self.rank);
             return Ok(());
         }
         o.in_flight = None;
+        if let Some(blob) = o.blob.as_ref().filter(|_| current) {
+            let mut r = [0u8; REPLY];
+            blob.read_at(DESCRIPTOR, &mut r);
+            let addr = u64::from_le_bytes(r[..8].try_into().unwrap_or_default());
+            let rkey = u32::from_le_bytes(r[8..12].try_into().unwrap_or_default());
+            let n = u32::from_le_bytes(r[12..16].try_into().unwrap_or_default()) as usize;
+            o.landing = (addr != 0).then_some((RemoteAddr { addr, rkey }, n));
+        }
         self.rows_forward_done(table)
     }
 
@@ -321,8 +375,9 @@ impl<P: Fabric> Server<P> {
         let mut d = [0u8; DESCRIPTOR];
         self.sparse.backups.inbox[t].read_at(slot * DESCRIPTOR, &mut d);
         let u64_at = |i: usize| u64::from_le_bytes(d[i..i + 8].try_into().unwrap_or_default());
-        let (version, addr, len) = (u64_at(0), u64_at(8), u64_at(16) as usize);
-        let rkey = u32::from_le_bytes(d[24..28].try_into().unwrap_or_default());
+        let u32_at = |i: usize| u32::from_le_bytes(d[i..i + 4].try_into().unwrap_or_default());
+        let (version, addr, len, rkey) = (u64_at(0), u64_at(8), u64_at(16) as usize, u32_at(24));
+        let reply = RemoteAddr { addr: u64_at(32), rkey: u32_at(40) };
         if version as u16 != seq || len > 1 << 40 {
             self.violation(ci, &format!("a descriptor of table {table}'s rows that does not match its notice"));
             return Ok(());
@@ -332,20 +387,34 @@ impl<P: Fabric> Server<P> {
             None => {
                 let rows =
                     RowTable::new(self.sparse.tables[t].part.table().spec).map_err(|e| ServerError::Sparse(e.to_string()))?;
-                self.sparse.backups.copies.push(Copy { from, table, rows, version: 0, read: None, spare: None, whole: false });
+                let landing = self.pd.alloc_mr(LANDING, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
+                let reply = self.pd.alloc_mr(REPLY, Access::NONE)?;
+                let (read, spare, whole) = (None, None, false);
+                self.sparse.backups.copies.push(Copy { from, table, rows, version: 0, read, spare, landing, reply, whole });
                 self.sparse.backups.copies.len() - 1
             }
         };
         let c = &mut self.sparse.backups.copies[k];
-        if c.read.is_some() {
-            self.violation(ci, &format!("forwarded table {table}'s rows with a forward unacknowledged"));
+        if c.read.is_some() || (addr == 0 && len > c.landing.len()) {
+            self.violation(
+                ci,
+                &format!("forwarded table {table}'s rows with a forward unacknowledged, or past its landing region"),
+            );
             return Ok(());
+        }
+        if addr == 0 {
+            // WRITTEN here before the notice.
+            let mut blob = vec![0u8; len];
+            c.landing.read_at(0, &mut blob);
+            return self.take_forward_in(k, ci, &blob, reply);
         }
         let mr = match c.spare.take() {
             Some(m) if m.len() >= len.max(1) => m,
             _ => self.pd.alloc_mr(len.max(1).next_power_of_two(), Access::LOCAL_WRITE)?,
         };
-        c.read = Some(Read { ci, mr, remote: RemoteAddr { addr, rkey }, len, asked: 0, in_flight: 0 });
+        self.sparse.backups.taken.read += 1;
+        let c = &mut self.sparse.backups.copies[k];
+        c.read = Some(Read { ci, mr, remote: RemoteAddr { addr, rkey }, reply, len, asked: 0, in_flight: 0 });
         c.version = version;
         for _ in 0..READ_WINDOW {
             self.read_more(k)?;
@@ -395,23 +464,31 @@ impl<P: Fabric> Server<P> {
         let Some(r) = c.read.take() else { return Ok(()) };
         let mut blob = vec![0u8; r.len];
         r.mr.read_at(0, &mut blob);
+        c.spare = Some(r.mr);
+        self.take_forward_in(k, r.ci, &blob, r.reply)
+    }
+
+    /// Takes forward `blob` into copy `k` and acknowledges it on `ci`, with
+    /// the landing region for the next in the reply.
+    fn take_forward_in(&mut self, k: usize, ci: usize, blob: &[u8], reply: RemoteAddr) -> Result<(), ServerError> {
+        let c = &mut self.sparse.backups.copies[k];
+        let (from, table) = (c.from, c.table);
         let stride = c.rows.stride();
         let bad = |e: String| ServerError::Sparse(format!("server {from}'s forward of table {table}: {e}"));
-        let f = eps_sparse::table::parse_forward(&blob, stride).map_err(|e| bad(e.to_string()))?;
+        let f = eps_sparse::table::parse_forward(blob, stride).map_err(|e| bad(e.to_string()))?;
         if f.full {
             c.rows = RowTable::new(self.sparse.tables[table as usize].part.table().spec).map_err(|e| bad(e.to_string()))?;
             c.whole = true;
         } else if !c.whole {
-            let (version, ci) = (f.version, r.ci);
-            self.sparse.backups.copies.remove(k);
-            return self.ack_forward(ci, sparse_id(table), version);
+            // Not taken in: no landing region for the next (see `whole`).
+            return self.ack_rows(k, ci, reply, f.version, false);
         }
         c.rows.take_forward(&f).map_err(|e| bad(e.to_string()))?;
         c.version = f.version;
         let t = &mut self.sparse.backups.taken;
         t.forwards += 1;
         t.rows += f.rows;
-        t.bytes += r.len as u64;
+        t.bytes += blob.len() as u64;
         if let Some(want) = f.digest {
             let got = c.rows.digest();
             if got != want {
@@ -422,12 +499,34 @@ impl<P: Fabric> Server<P> {
             }
             self.sparse.backups.taken.verified += 1;
         }
-        let (version, ci, full) = (f.version, r.ci, f.full);
-        self.sparse.backups.copies[k].spare = Some(r.mr);
+        let (version, full) = (f.version, f.full);
+        self.ack_rows(k, ci, reply, version, true)?;
         if full {
             // A new owner's rows come here: copies of earlier owners' go.
-            self.sparse.backups.copies.retain(|c| c.from == from || c.read.is_some());
+            let b = &mut self.sparse.backups;
+            let (keep, gone): (Vec<_>, Vec<_>) = b.copies.drain(..).partition(|c| c.from == from || c.read.is_some());
+            b.copies = keep;
+            b.retired.extend(gone.into_iter().map(|c| c.landing));
         }
-        self.ack_forward(ci, sparse_id(table), version)
+        Ok(())
+    }
+
+    /// Acknowledges version `version` of copy `k` on `ci`, the reply (at
+    /// `reply`) naming its landing region if `landing`.
+    fn ack_rows(&mut self, k: usize, ci: usize, reply: RemoteAddr, version: u64, landing: bool) -> Result<(), ServerError> {
+        let c = &mut self.sparse.backups.copies[k];
+        let mut r = [0u8; REPLY];
+        if landing {
+            r[..8].copy_from_slice(&c.landing.addr().to_le_bytes());
+            r[8..12].copy_from_slice(&c.landing.rkey().to_le_bytes());
+            r[12..16].copy_from_slice(&(c.landing.len() as u32).to_le_bytes());
+        }
+        // (The owner sends the next forward only after this one is
+        // acknowledged: no reply is in flight from this buffer.)
+        c.reply.write_at(0, &r);
+        let imm = Imm { kind: ImmKind::ForwardAck, shard: sparse_id(c.table), seq: version as u16 }.encode();
+        let sg = [Sge::new(&c.reply, 0, REPLY as u32)];
+        let wr = SendWr { wr_id: WR_OTHER, op: SendOp::WriteImm(reply, imm), sg: &sg, signaled: false };
+        self.conns[ci].post_or_flush(&wr, &mut self.flushed)
     }
 }
