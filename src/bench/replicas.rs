@@ -10,14 +10,18 @@ use std::path::PathBuf;
 
 use crate::bench::Json;
 use crate::train::cluster::soft_args;
-use crate::train::{DEFAULT_SPEC, Overrides, build_spec_or};
+use crate::train::{Overrides, build_spec_or, default_spec};
 
 /// What to run.
 #[derive(clap::Args, Debug)]
 pub struct ReplicasArgs {
-    /// Job spec (TOML); default: `eps train`'s built-in job.
+    /// Job spec (TOML); default: `eps train`'s built-in job of `--model`.
     #[arg(long)]
     spec: Option<PathBuf>,
+    /// The built-in job without `--spec`: synthetic, or ctr (its sparse
+    /// table's rows are backed up too).
+    #[arg(long, default_value = "synthetic")]
+    model: String,
     /// Runs of each (alternating); medians are reported.
     #[arg(long, default_value_t = 3)]
     runs: u32,
@@ -72,6 +76,7 @@ pub fn run(a: ReplicasArgs) -> Result<(), String> {
     if a.servers < 2 {
         return Err("--servers must be 2 at least (a shard's backup lives on another server)".into());
     }
+    let default = default_spec(&a.model)?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let mut runs: [Vec<Run>; 2] = [Vec::new(), Vec::new()];
     for i in 0..a.runs {
@@ -86,7 +91,7 @@ pub fn run(a: ReplicasArgs) -> Result<(), String> {
                 replicas: Some(r),
                 ..Default::default()
             };
-            let (spec, text) = build_spec_or(a.spec.as_deref(), DEFAULT_SPEC, &o).map_err(|e| e.to_string())?;
+            let (spec, text) = build_spec_or(a.spec.as_deref(), default, &o).map_err(|e| e.to_string())?;
             let ((u0, s0), t0) = (children_cpu_s()?, std::time::Instant::now());
             let rep = crate::train::run(&spec, &text, a.steps, &[], &soft_args(), |_, _| {}).map_err(|e| e.to_string())?;
             let ((u1, s1), wall_s) = (children_cpu_s()?, t0.elapsed().as_secs_f64());

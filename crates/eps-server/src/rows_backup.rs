@@ -76,6 +76,8 @@ struct Out<P: Fabric> {
     blob: Option<P::Mr>,
     /// The version forwarded and not acknowledged, and the connection it went on.
     in_flight: Option<(u64, usize)>,
+    /// When it was posted.
+    posted: std::time::Instant,
     /// Every row goes with the next forward (a new backup).
     full_due: bool,
     /// The backup's landing region for this table's forwards, and its bytes.
@@ -124,6 +126,8 @@ struct Totals {
     verified: u64,
     /// Of the forwards taken in, those READ (too large for the landing region).
     read: u64,
+    /// Seconds from forwards posted to their acknowledgements.
+    waited_s: f64,
 }
 
 impl<P: Fabric> RowsBackups<P> {
@@ -139,6 +143,7 @@ impl<P: Fabric> RowsBackups<P> {
             staging: Vec::new(),
             blob: None,
             in_flight: None,
+            posted: std::time::Instant::now(),
             full_due: false,
             landing: None,
             after: None,
@@ -172,11 +177,12 @@ impl<P: Fabric> RowsBackups<P> {
         if s.forwards > 0 {
             lines.push(format!(
                 "eps server {rank}: forwarded {} updates of its table rows to its backup: {} rows, {} bytes \
-                 (the merged gradients were {} bytes)",
+                 (the merged gradients were {} bytes); acknowledged {:.0} us after they went, on average",
                 s.forwards,
                 s.rows,
                 s.bytes,
-                stepped * row_bytes
+                stepped * row_bytes,
+                s.waited_s * 1e6 / s.forwards as f64
             ));
         }
         for c in &self.copies {
@@ -289,6 +295,7 @@ impl<P: Fabric> Server<P> {
         let wr = SendWr { wr_id: WR_OTHER, op: SendOp::WriteImm(remote, imm), sg: &sg, signaled: false };
         conn.post_or_flush(&wr, &mut self.flushed)?;
         o.in_flight = Some((version, ci));
+        o.posted = std::time::Instant::now();
         o.after = after;
         let s = &mut self.sparse.backups.sent;
         s.forwards += 1;
@@ -309,6 +316,8 @@ impl<P: Fabric> Server<P> {
             return Ok(());
         }
         o.in_flight = None;
+        self.sparse.backups.sent.waited_s += o.posted.elapsed().as_secs_f64();
+        let o = &mut self.sparse.backups.out[t];
         if let Some(blob) = o.blob.as_ref().filter(|_| current) {
             let mut r = [0u8; REPLY];
             blob.read_at(DESCRIPTOR, &mut r);
