@@ -2,7 +2,7 @@
 //! as issued.
 
 use eps_proto::JobSpec;
-use eps_proto::control::{ControlMsg, ErrorCode, Order, Role, ShardEndpoint};
+use eps_proto::control::{ControlMsg, ErrorCode, Order, Role, RowsBackup, ShardEndpoint};
 
 use crate::job::Job;
 
@@ -386,4 +386,40 @@ fn a_job_ends_when_its_last_worker_expires_and_a_retiring_server_dies() {
     job.apply(&m).unwrap();
     assert!(job.done());
     assert!(job.apply(&m).is_err(), "once");
+}
+
+/// With replicas, each server's table rows are kept on the next server that
+/// owns buckets, ordered once every one is ready (each inbox known).
+#[test]
+fn table_rows_are_backed_up_around_the_ring_once_every_server_is_ready() {
+    let text = "[job]\nworkers = 1\nservers = 3\nreplicas = 2\n[model]\ntensors = [{ name = \"w\", elements = 4096 }]\n\
+                [[model.tables]]\nname = \"a\"\ndim = 4\n";
+    let spec = JobSpec::from_toml(text).unwrap();
+    let layout = spec.layout().unwrap();
+    let mut job = Job::new(&spec, text).unwrap();
+    let ep = |owner: u32| ShardEndpoint {
+        shard: 0,
+        owner,
+        landing: vec![(1, 2)],
+        published_addr: 1 << (40 + owner),
+        published_rkey: 10 + owner,
+    };
+    let backup_orders = |job: &Job, r: u32| -> Vec<Order> {
+        job.orders_for(r, 0).1.into_iter().filter(|o| matches!(o, Order::BackupRows { .. })).collect()
+    };
+    for r in 0..3u32 {
+        job.apply(&ControlMsg::Register { role: Role::Server, fabric_addr: String::new() }).unwrap();
+        job.apply(&ControlMsg::TablesReady { rank: r, tables: vec![ep(r)] }).unwrap();
+        let shards = layout.shards_of(r).map(|s| ShardEndpoint { shard: s.id, ..ep(r) }).collect();
+        job.apply(&ControlMsg::ServerReady { rank: r, fabric_addr: format!("127.0.0.1:{}", 7000 + r), shards }).unwrap();
+        if r < 2 {
+            assert!(backup_orders(&job, 0).is_empty(), "ordered before server 2 was ready");
+        }
+    }
+    for r in 0..3u32 {
+        let b = (r + 1) % 3;
+        let want = RowsBackup { rank: b, addr: format!("127.0.0.1:{}", 7000 + b), inbox: vec![(1 << (40 + b), 10 + b)] };
+        assert_eq!(backup_orders(&job, r), vec![Order::BackupRows { to: Some(want) }], "server {r}");
+        assert_eq!(job.rows_backup_of(r), Some(b));
+    }
 }
