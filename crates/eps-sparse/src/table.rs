@@ -314,13 +314,7 @@ impl RowTable {
                 continue;
             }
             let Some(i) = dest(m.key).filter(|&i| i < outs.len()) else { continue };
-            let out = &mut outs[i];
-            for v in [m.key, m.steps, m.created, m.last] {
-                out.extend_from_slice(&v.to_le_bytes());
-            }
-            out.extend_from_slice(&m.touches.to_le_bytes());
-            out.extend_from_slice(&0u32.to_le_bytes());
-            out.extend_from_slice(bytemuck::cast_slice(self.row_state(s)));
+            self.write_record(s, &mut outs[i]);
             counts[i] += 1;
             self.index.remove(m.key);
             self.release(s);

@@ -64,15 +64,21 @@ impl RowTable {
             if let Some(&next) = held.get(i + AHEAD) {
                 self.prefetch_row(next, self.stride);
             }
-            let m = self.meta[s];
-            for v in [m.key, m.steps, m.created, m.last] {
-                out.extend_from_slice(&v.to_le_bytes());
-            }
-            out.extend_from_slice(&m.touches.to_le_bytes());
-            out.extend_from_slice(&0u32.to_le_bytes());
-            out.extend_from_slice(bytemuck::cast_slice(self.row_state(s)));
+            self.write_record(s, out);
         }
         held.len() as u64
+    }
+
+    /// Appends slot `s`'s row to `out` as a record of [`crate::moves`]: its
+    /// bookkeeping, then its values and state.
+    pub(super) fn write_record(&self, s: usize, out: &mut Vec<u8>) {
+        let m = self.meta[s];
+        for v in [m.key, m.steps, m.created, m.last] {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        out.extend_from_slice(&m.touches.to_le_bytes());
+        out.extend_from_slice(&0u32.to_le_bytes());
+        out.extend_from_slice(bytemuck::cast_slice(self.row_state(s)));
     }
 
     /// Takes in `rows` records as [`RowTable::put_rows`] does, except that

@@ -104,13 +104,7 @@ impl RowTable {
             out.extend_from_slice(&k.to_le_bytes());
         }
         for &s in &slots {
-            let m = self.meta[s];
-            for v in [m.key, m.steps, m.created, m.last] {
-                out.extend_from_slice(&v.to_le_bytes());
-            }
-            out.extend_from_slice(&m.touches.to_le_bytes());
-            out.extend_from_slice(&0u32.to_le_bytes());
-            out.extend_from_slice(bytemuck::cast_slice(self.row_state(s)));
+            self.write_record(s, out);
         }
         let stats = ForwardStats { rows: slots.len() as u64, deleted: deleted.len() as u64, bytes: out.len() as u64 };
         // Listed afresh from here (the lists keep their memory).
