@@ -30,8 +30,9 @@ use crate::{Peer, Server, ServerError, WR_OTHER};
 /// rank (bits 16..) and the table.
 pub(crate) const WR_MIRROR: u64 = WR_OTHER | (1 << 44);
 
-/// Owners a server can keep rows of: each has a descriptor slot per table.
-const INBOX_SLOTS: usize = 256;
+/// Owners a server can keep rows of: each server rank has a descriptor
+/// slot per table.
+const INBOX_SLOTS: usize = eps_proto::spec::MAX_SERVERS as usize;
 /// Bytes of a descriptor: version, blob address (0: in the landing region),
 /// length, key, then where the acknowledgement's reply goes (address, key).
 const DESCRIPTOR: usize = 48;
