@@ -310,11 +310,6 @@ fn checkpoints_taken_during_scale_events_resume_bitwise() {
     let short = ["--spec", s, "--steps", "60", "--workers", "4"];
     let expected = json(&train(&short), "params_checksum");
     let dir = tmp("scale-dir");
-    let d = dir.to_str().unwrap();
-    let args = [&short[..], &["--checkpoint-every", "1", "--checkpoint-dir", d, "--keep", "100"]].concat();
-    let scaled = train(&[&args[..], &["--scale-plan", "8:servers=3,20:servers=1,32:servers=3,44:servers=1"]].concat());
-    assert_eq!(json(&scaled, "params_checksum"), expected, "scale events change nothing");
-    assert!(json(&scaled, "migrations").parse::<u64>().unwrap() >= 3);
     // Checkpoints with more pieces written than the manifest lists were taken
     // while a shard had two owners. (Only complete ones have a manifest: the
     // job may end before its last cuts are written or all reported.)
@@ -324,9 +319,23 @@ fn checkpoints_taken_during_scale_events_resume_bitwise() {
         let listed = std::fs::read_to_string(one.join(eps_proto::checkpoint::MANIFEST)).ok()?.matches("[[pieces]]").count();
         Some((files, listed))
     };
-    let overlapping: Vec<u64> = (1..60).filter(|&v| pieces(v).is_some_and(|(files, listed)| files > listed)).collect();
-    assert!(pieces(45).is_some(), "a checkpoint well before the end is complete");
-    assert!(!overlapping.is_empty(), "no checkpoint was taken while a shard had two owners");
+    // Whether a checkpoint falls inside a move depends on timing: a run where
+    // none did (a loaded machine) is run again, at most three times.
+    let mut overlapping = Vec::new();
+    for _ in 0..3 {
+        std::fs::remove_dir_all(&dir).ok();
+        let d = dir.to_str().unwrap();
+        let args = [&short[..], &["--checkpoint-every", "1", "--checkpoint-dir", d, "--keep", "100"]].concat();
+        let scaled = train(&[&args[..], &["--scale-plan", "8:servers=3,20:servers=1,32:servers=3,44:servers=1"]].concat());
+        assert_eq!(json(&scaled, "params_checksum"), expected, "scale events change nothing");
+        assert!(json(&scaled, "migrations").parse::<u64>().unwrap() >= 3);
+        assert!(pieces(45).is_some(), "a checkpoint well before the end is complete");
+        overlapping = (1..60).filter(|&v| pieces(v).is_some_and(|(files, listed)| files > listed)).collect();
+        if !overlapping.is_empty() {
+            break;
+        }
+    }
+    assert!(!overlapping.is_empty(), "no checkpoint was taken while a shard had two owners, in three runs");
     for v in overlapping.iter().take(2).copied().chain([5, 20, 45]) {
         let one = dir.join(eps_proto::checkpoint::dir_name(v));
         let resumed = train(&["--resume", one.to_str().unwrap(), "--servers", "2"]);

@@ -224,5 +224,12 @@ impl Job {
         if let Some(m) = &self.bucket_move {
             let _ = writeln!(t, "  moving at iteration {}: rows not taken yet {:?} (source, target)", m.at, m.pending);
         }
+        if self.replicas > 1 {
+            let pairs: Vec<String> = (0..self.row_backups.len() as u32)
+                .filter_map(|r| self.rows_backup_of(r).map(|b| format!("{r} -> {b}")))
+                .collect();
+            let kept = if pairs.is_empty() { "none yet".to_string() } else { pairs.join(", ") };
+            let _ = writeln!(t, "  rows kept in step on (server -> backup): {kept}; a backup of rows does not take over yet");
+        }
     }
 }

@@ -422,4 +422,5 @@ fn table_rows_are_backed_up_around_the_ring_once_every_server_is_ready() {
         assert_eq!(backup_orders(&job, r), vec![Order::BackupRows { to: Some(want) }], "server {r}");
         assert_eq!(job.rows_backup_of(r), Some(b));
     }
+    assert!(job.status().contains("rows kept in step on (server -> backup): 0 -> 1, 1 -> 2, 2 -> 0"), "{}", job.status());
 }
