@@ -425,7 +425,6 @@ impl<P: Fabric> Server<P> {
         self.sparse.backups.taken.read += 1;
         let c = &mut self.sparse.backups.copies[k];
         c.read = Some(Read { ci, mr, remote: RemoteAddr { addr, rkey }, reply, len, asked: 0, in_flight: 0 });
-        c.version = version;
         for _ in 0..READ_WINDOW {
             self.read_more(k)?;
         }

@@ -160,8 +160,8 @@ impl<P: Fabric> Tables<P> {
         let s = self.lost?;
         let table = self.tables.first().map_or(String::new(), |t| t.decl.name.clone());
         let why = format!(
-            "server {s}, which held rows of the sparse tables, was lost; its rows' backup does not take over (only dense \
-             shards' backups do), so the job stops: resume it from its last checkpoint (--resume)"
+            "server {s}, which held rows of the sparse tables, was lost; no backup of table rows takes over a lost \
+             server (only dense shards' backups do), so the job stops: resume it from its last checkpoint (--resume)"
         );
         Some(WorkerError::Sparse { table, why })
     }
