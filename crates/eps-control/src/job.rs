@@ -17,6 +17,7 @@ mod replicas;
 mod routing;
 mod servers;
 mod split;
+mod stand_in;
 mod status;
 pub use status::{Figures, SERVER_STATES, ServerRow, WorkerRow};
 mod workers;
@@ -182,6 +183,11 @@ pub struct Job {
     /// By server rank: the server its table rows are backed up on, as last
     /// ordered (`job.replicas = 2`).
     row_backups: Vec<Option<u32>>,
+    /// Sparse tables: lost servers that held rows, and who serves them (see
+    /// `stand_in.rs`).
+    heirs: Vec<(u32, Option<u32>)>,
+    /// Stand-ins ordered and not reported yet: (lost server, stand-in).
+    standing_in: Vec<(u32, u32)>,
 }
 
 impl Job {
@@ -236,6 +242,8 @@ impl Job {
             bucket_move: None,
             bucket_moves: 0,
             row_backups: Vec::new(),
+            heirs: Vec::new(),
+            standing_in: Vec::new(),
         };
         job.set_layout(&layout);
         if let Some(r) = &spec.resume {
@@ -597,6 +605,7 @@ impl Job {
             ControlMsg::TablesReady { rank, tables } => self.tables_ready(*rank, tables),
             ControlMsg::RowsOut { rank, to, addr, rkey, len } => self.rows_out(*rank, *to, *addr, *rkey, *len),
             ControlMsg::RowsTaken { rank, from } => self.rows_taken(*rank, *from),
+            ControlMsg::StandInReady { rank, from, tables } => self.stand_in_ready(*rank, *from, tables),
             ControlMsg::ServerLost { rank } => self.server_lost(*rank),
             ControlMsg::Checkpoint { version, dir } => {
                 if *version == 0 || dir.is_empty() {

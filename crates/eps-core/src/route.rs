@@ -97,6 +97,7 @@ mod tests {
             proposal: 0,
             tables: Vec::new(),
             buckets: Vec::new(),
+            heirs: Vec::new(),
         }
     }
 

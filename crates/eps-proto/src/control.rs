@@ -102,6 +102,10 @@ pub struct JobMap {
     /// Sparse tables: the bucket maps by first iteration (see
     /// [`crate::buckets`]), as runs.
     pub buckets: Vec<(u64, crate::buckets::Runs)>,
+    /// Sparse tables: lost servers that held rows, and the server that serves
+    /// their buckets from its copy of their rows (`None`: none does, and
+    /// their rows are lost). Their `tables` endpoints are the stand-in's.
+    pub heirs: Vec<(u32, Option<u32>)>,
 }
 
 impl JobMap {
@@ -425,6 +429,18 @@ pub enum ControlMsg {
         rkey: u32,
         /// Their bytes.
         len: u64,
+    },
+    /// Server -> control: server `rank` serves the buckets of lost server
+    /// `from` from its copy of their rows (`Order::StandIn`): where each
+    /// worker WRITEs its requests for them, per table (`owner` is `from`).
+    /// No table: it holds no whole copy, and those rows are lost.
+    StandInReady {
+        /// The stand-in's rank.
+        rank: u32,
+        /// The lost server's rank.
+        from: u32,
+        /// One per table, in the spec's order (or none).
+        tables: Vec<ShardEndpoint>,
     },
     /// Server -> control: server `rank` took in the rows server `from` gave it.
     RowsTaken {

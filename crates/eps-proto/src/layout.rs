@@ -11,22 +11,37 @@ use crate::spec::TensorSpec;
 
 /// Byte alignment of shard boundaries in the wire dtype.
 pub const SHARD_ALIGN_BYTES: u64 = 4096;
-/// Ids of the immediate's 13-bit shard field kept for sparse tables, one per
-/// table (see [`sparse_id`]).
+/// Ids of the immediate's 13-bit shard field kept for sparse tables, two per
+/// table (see [`sparse_id`] and [`stand_in_id`]).
 pub const SPARSE_IDS: u32 = 64;
+/// Most sparse tables a job may have: half of [`SPARSE_IDS`].
+pub const TABLE_IDS: u32 = SPARSE_IDS / 2;
 /// Most shards a job can have (the immediate's shard field is 13 bits, its
 /// last [`SPARSE_IDS`] values name sparse tables).
 pub const MAX_SHARDS: u32 = (1 << 13) - SPARSE_IDS;
 
 /// The immediate's shard id of sparse table `table` (its index in the spec).
 pub fn sparse_id(table: u16) -> u32 {
-    debug_assert!(u32::from(table) < SPARSE_IDS);
+    debug_assert!(u32::from(table) < TABLE_IDS);
     MAX_SHARDS + u32::from(table)
 }
 
-/// The sparse table an immediate's shard id names, if it names one.
+/// The immediate's shard id of sparse table `table` as a stand-in serves it:
+/// a lost server's buckets, served by the server that kept its rows (the
+/// worker counts its answers as the lost server's).
+pub fn stand_in_id(table: u16) -> u32 {
+    sparse_id(table) + TABLE_IDS
+}
+
+/// The sparse table an immediate's shard id names, if it names one
+/// ([`sparse_id`] or [`stand_in_id`]).
 pub fn sparse_table(id: u32) -> Option<u16> {
-    (MAX_SHARDS..MAX_SHARDS + SPARSE_IDS).contains(&id).then(|| (id - MAX_SHARDS) as u16)
+    (MAX_SHARDS..MAX_SHARDS + SPARSE_IDS).contains(&id).then(|| ((id - MAX_SHARDS) % TABLE_IDS) as u16)
+}
+
+/// Whether a sparse table's shard id is a stand-in's ([`stand_in_id`]).
+pub fn is_stand_in(id: u32) -> bool {
+    id >= MAX_SHARDS + TABLE_IDS
 }
 
 /// Most shards a job whose layout has `initial` shards holds at once: splits

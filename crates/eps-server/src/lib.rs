@@ -36,6 +36,7 @@ mod seed;
 mod serve;
 mod sparse;
 mod split;
+mod stand_in;
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
@@ -593,6 +594,9 @@ pub fn run_direct<P: Fabric>(
     (s.summary.sparse_pulled_keys, s.summary.sparse_stepped_keys, s.summary.sparse_evicted, s.summary.sparse_refused) =
         (st.pulled_keys, st.stepped_keys, st.evicted, st.refused);
     for line in s.sparse.backups.report(rank, st.stepped_keys, s.sparse.merged_row_bytes()) {
+        eps_proto::say!("{line}");
+    }
+    if let Some(line) = s.stand_in_report() {
         eps_proto::say!("{line}");
     }
     Ok(s.summary)

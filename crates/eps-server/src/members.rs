@@ -7,6 +7,7 @@ use eps_core::Members;
 use eps_fabric::Fabric;
 use eps_proto::control::{ControlMsg, Role};
 
+use crate::sparse::Side;
 use crate::{Server, ServerError};
 
 impl<P: Fabric> Server<P> {
@@ -14,7 +15,8 @@ impl<P: Fabric> Server<P> {
     /// aggregated, and votes it.
     pub(crate) fn on_propose(&mut self, id: u64) -> Result<(), ServerError> {
         let dense = self.shards.iter().flatten().map(|h| Members::reach(self.mode, &h.core.sync));
-        let sparse = self.sparse.tables.iter().map(|t| Members::reach(self.mode, &t.part.sync));
+        let stand_in = self.sparse.stand_in.iter().flat_map(|s| &s.tables);
+        let sparse = self.sparse.tables.iter().chain(stand_in).map(|t| Members::reach(self.mode, &t.part.sync));
         let hold = self.members.propose(dense.chain(sparse).max().unwrap_or(0));
         self.ctl.call(&ControlMsg::Vote { role: Role::Server, rank: self.rank, id, hold })?;
         Ok(())
@@ -41,10 +43,13 @@ impl<P: Fabric> Server<P> {
         }
         // A table whose every other push of its iteration is in completes
         // now that a lost worker's is no longer awaited.
-        for t in 0..self.sparse.tables.len() {
-            if let Some((_, c)) = self.members.complete(&self.sparse.tables[t].part.sync) {
-                let c = c.into_owned();
-                self.sparse_update(t as u16, &c)?;
+        for side in [Side::Own, Side::StandIn] {
+            for t in 0..self.sparse.tables.len() as u16 {
+                let Some(table) = self.sparse.table_mut(side, t) else { continue };
+                if let Some((_, c)) = self.members.complete(&table.part.sync) {
+                    let c = c.into_owned();
+                    self.sparse_update_on(side, t, &c)?;
+                }
             }
         }
         // And the sparse requests the vote held.

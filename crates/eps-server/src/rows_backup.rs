@@ -171,6 +171,23 @@ impl<P: Fabric> RowsBackups<P> {
         self.out.get(t).is_some_and(|o| o.in_flight.is_some())
     }
 
+    /// Takes out the copies of server `from`'s rows, one per table of
+    /// `tables` and each at its version, if every one is whole (see
+    /// `stand_in.rs`).
+    pub(crate) fn take_copies(&mut self, from: u32, tables: usize) -> Option<Vec<(RowTable, u64)>> {
+        let of = |copies: &[Copy<P>], t: usize| copies.iter().position(|c| c.from == from && c.table as usize == t && c.whole);
+        if (0..tables).any(|t| of(&self.copies, t).is_none()) {
+            return None;
+        }
+        let mut out = Vec::with_capacity(tables);
+        for t in 0..tables {
+            let c = self.copies.remove(of(&self.copies, t)?);
+            self.retired.push(c.landing);
+            out.push((c.rows, c.version));
+        }
+        Some(out)
+    }
+
     /// What the backups did, for the server's last words.
     pub(crate) fn report(&self, rank: u32, stepped: u64, row_bytes: u64) -> Vec<String> {
         let mut lines = Vec::new();

@@ -567,7 +567,7 @@ impl<P: Fabric> Server<P> {
     }
 
     /// A zero-length WRITE_WITH_IMM to worker `w`.
-    fn notify(&mut self, w: u32, imm: Imm) -> Result<(), ServerError> {
+    pub(crate) fn notify(&mut self, w: u32, imm: Imm) -> Result<(), ServerError> {
         let Some((conn, h)) = self.worker_conn(w) else { return Ok(()) };
         let remote = RemoteAddr { addr: h.pull_addr, rkey: h.pull_rkey };
         conn.post(&SendWr { wr_id: WR_OTHER, op: SendOp::WriteImm(remote, imm.encode()), sg: &[], signaled: false })?;

@@ -18,7 +18,7 @@ use eps_fabric::{Access, Fabric, HostRegion, MemoryRegion, RemoteAddr, SendOp, S
 use eps_proto::control::ShardEndpoint;
 use eps_proto::hello::Hello;
 use eps_proto::imm::{Imm, ImmKind};
-use eps_proto::layout::sparse_id;
+use eps_proto::layout::{sparse_id, stand_in_id};
 use eps_proto::sync::PushOutcome;
 use eps_proto::{Consistency, JobSpec};
 use eps_sparse::decl::Declared;
@@ -42,7 +42,7 @@ pub(crate) struct Table<P: Fabric> {
     /// aligned): checked, then acted on, from the copy alone, so that a
     /// worker rewriting its region after a check changes nothing.
     push_copy: Vec<Vec<u64>>,
-    pull_copy: Vec<Vec<u64>>,
+    pub(crate) pull_copy: Vec<Vec<u64>>,
     /// Rows travelling as bf16 or f16: by worker rank its pushed rows
     /// widened, and the rows of a pull answer before they are narrowed.
     wide: Vec<Vec<f32>>,
@@ -61,6 +61,9 @@ pub(crate) struct Sparse<P: Fabric> {
     pub(crate) moving: crate::buckets::Moving<P>,
     /// Backups of the rows (see `rows_backup.rs`).
     pub(crate) backups: crate::rows_backup::RowsBackups<P>,
+    /// The parts of a lost server this one serves from its copy of their
+    /// rows (see `stand_in.rs`).
+    pub(crate) stand_in: Option<crate::stand_in::StandIn<P>>,
     /// This process's resident memory once the regions were set up (all
     /// their pages touched), before any row: what rows add is measured from
     /// here.
@@ -76,19 +79,10 @@ impl<P: Fabric> Sparse<P> {
         let (deferred, moving) = (Vec::new(), Default::default());
         let backups = crate::rows_backup::RowsBackups::new(pd, spec.model.tables.len(), spec.job.replicas)?;
         if spec.model.tables.is_empty() {
-            return Ok(Self { tables: Vec::new(), owners, deferred, moving, backups, rss_start: 0 });
+            return Ok(Self { tables: Vec::new(), owners, deferred, moving, backups, stand_in: None, rss_start: 0 });
         }
         let mut tables = Vec::new();
         for t in eps_sparse::decl::tables(spec) {
-            let (push, pull) = (wire::region_bytes(Op::Push, &t), wire::region_bytes(Op::Pull, &t));
-            let reply_bytes = t.max_keys * t.spec.dim * 4;
-            let mut landing = Vec::with_capacity(ranks as usize);
-            let mut reply = Vec::with_capacity(ranks as usize);
-            for _ in 0..ranks {
-                landing.push(touched(pd.alloc_mr(push.next_multiple_of(8) + pull, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?));
-                // Only this server writes a reply region (WRITEs go out of it).
-                reply.push(touched(pd.alloc_mr(reply_bytes, Access::NONE)?));
-            }
             let mut part = TablePart::new(t, spec.job.consistency, ranks).map_err(|e| ServerError::Sparse(e.to_string()))?;
             if spec.job.checkpoint_every > 0 && spec.job.checkpoint_dir.is_some() {
                 // Its incremental checkpoints write the keys deleted.
@@ -98,13 +92,25 @@ impl<P: Fabric> Sparse<P> {
                 // Each update's changes go to the backup.
                 part.keep_forwards();
             }
-            let n = ranks as usize;
-            let (wide, gathered) = (vec![Vec::new(); n], Vec::new());
-            let (push_copy, pull_copy) = (vec![vec![0u64; push.div_ceil(8)]; n], vec![vec![0u64; pull.div_ceil(8)]; n]);
-            let (pushed, pulled) = (vec![0; n], vec![0; n]);
-            tables.push(Table { part, landing, reply, pushed, pulled, push_copy, pull_copy, wide, gathered });
+            tables.push(Table::new(pd, part, ranks)?);
         }
-        Ok(Self { tables, owners, deferred, moving, backups, rss_start: eps_metrics::rss_bytes(None).unwrap_or(0) })
+        let rss_start = eps_metrics::rss_bytes(None).unwrap_or(0);
+        Ok(Self { tables, owners, deferred, moving, backups, stand_in: None, rss_start })
+    }
+
+    /// Table `table` of `side`, if held.
+    pub(crate) fn table_mut(&mut self, side: Side, table: u16) -> Option<&mut Table<P>> {
+        match side {
+            Side::Own => self.tables.get_mut(table as usize),
+            Side::StandIn => self.stand_in.as_mut()?.tables.get_mut(table as usize),
+        }
+    }
+
+    fn table(&self, side: Side, table: u16) -> Option<&Table<P>> {
+        match side {
+            Side::Own => self.tables.get(table as usize),
+            Side::StandIn => self.stand_in.as_ref()?.tables.get(table as usize),
+        }
     }
 
     /// Whether this server holds no table.
@@ -119,7 +125,7 @@ impl<P: Fabric> Sparse<P> {
         let ep = |(i, t): (usize, &Table<P>)| ShardEndpoint {
             shard: i as u32,
             owner: rank,
-            landing: t.landing.iter().map(|m| (m.addr(), m.rkey())).collect(),
+            landing: t.landings(),
             published_addr: self.backups.inbox(i).0,
             published_rkey: self.backups.inbox(i).1,
         };
@@ -158,6 +164,55 @@ impl<P: Fabric> Sparse<P> {
     }
 }
 
+impl<P: Fabric> Table<P> {
+    /// `part`, with a landing and a reply region for each of `ranks` workers.
+    pub(crate) fn new(pd: &P, part: TablePart, ranks: u32) -> Result<Self, ServerError> {
+        let t = part.table();
+        let (push, pull) = (wire::region_bytes(Op::Push, t), wire::region_bytes(Op::Pull, t));
+        let reply_bytes = t.max_keys * t.spec.dim * 4;
+        let mut landing = Vec::with_capacity(ranks as usize);
+        let mut reply = Vec::with_capacity(ranks as usize);
+        for _ in 0..ranks {
+            landing.push(touched(pd.alloc_mr(push.next_multiple_of(8) + pull, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?));
+            // Only this server writes a reply region (WRITEs go out of it).
+            reply.push(touched(pd.alloc_mr(reply_bytes, Access::NONE)?));
+        }
+        let n = ranks as usize;
+        let (wide, gathered) = (vec![Vec::new(); n], Vec::new());
+        let (push_copy, pull_copy) = (vec![vec![0u64; push.div_ceil(8)]; n], vec![vec![0u64; pull.div_ceil(8)]; n]);
+        let (pushed, pulled) = (vec![0; n], vec![0; n]);
+        Ok(Self { part, landing, reply, pushed, pulled, push_copy, pull_copy, wide, gathered })
+    }
+
+    /// Where workers WRITE their requests (see `TablesReady`).
+    pub(crate) fn landings(&self) -> Vec<(u64, u32)> {
+        self.landing.iter().map(|m| (m.addr(), m.rkey())).collect()
+    }
+}
+
+/// Which parts a request is for: this server's own, or those it serves for
+/// a lost server (see `stand_in.rs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Side {
+    Own,
+    StandIn,
+}
+
+impl Side {
+    /// The side an immediate's shard id names.
+    pub(crate) fn of(id: u32) -> Self {
+        if eps_proto::layout::is_stand_in(id) { Side::StandIn } else { Side::Own }
+    }
+
+    /// The immediate's shard id of table `table` on this side.
+    pub(crate) fn id(self, table: u16) -> u32 {
+        match self {
+            Side::Own => sparse_id(table),
+            Side::StandIn => stand_in_id(table),
+        }
+    }
+}
+
 /// `mr` with every page written once, so that it is resident from the start
 /// (the memory rows add is then measured apart from it).
 fn touched<M: MemoryRegion>(mut mr: M) -> M {
@@ -186,14 +241,18 @@ fn copy_request<M: MemoryRegion>(landing: &M, at: usize, len: usize, copy: &mut 
 }
 
 impl<P: Fabric> Server<P> {
-    /// A worker's sparse request for `table` landed (`len` bytes).
+    /// A worker's sparse request for `table` landed (`len` bytes): for this
+    /// server's part, or for the lost server's part it stands in for (the
+    /// immediate says which).
     pub(crate) fn on_sparse_imm(&mut self, ci: usize, h: Hello, table: u16, m: Imm, len: u32) -> Result<(), ServerError> {
         let w = h.rank as usize;
-        let Some(t) = self.sparse.tables.get(table as usize) else {
-            self.violation(ci, &format!("a request for sparse table {table}, which this server does not hold"));
+        let side = Side::of(m.shard);
+        let Some(t) = self.sparse.table(side, table) else {
+            let whose = if side == Side::StandIn { "a lost server's part of " } else { "" };
+            self.violation(ci, &format!("a request for {whose}sparse table {table}, which this server does not hold"));
             return Ok(());
         };
-        if self.sparse.backups.busy(table as usize) {
+        if side == Side::Own && self.sparse.backups.busy(table as usize) {
             // Nothing of the table's new version before its backup has it.
             self.sparse.deferred.push((ci, h, table, m, len));
             return Ok(());
@@ -208,36 +267,47 @@ impl<P: Fabric> Server<P> {
         };
         let at = if op == Op::Push { 0 } else { pull_offset(t.part.table()) };
         // Copied out first: everything below checks and uses the copy.
-        let t = &mut self.sparse.tables[table as usize];
+        let Some(t) = self.sparse.table_mut(side, table) else { return Ok(()) };
         let copy = if op == Op::Push { &mut t.push_copy[w] } else { &mut t.pull_copy[w] };
         if !copy_request(&t.landing[w], at, len as usize, copy) {
             self.violation(ci, &format!("a sparse request of {len} bytes, more than its region holds"));
             return Ok(());
         }
-        let t = &self.sparse.tables[table as usize];
+        let Some(t) = self.sparse.table(side, table) else { return Ok(()) };
         let decl = t.part.table();
         let bytes: &[u8] = bytemuck::cast_slice(if op == Op::Push { &t.push_copy[w] } else { &t.pull_copy[w] });
+        let stand_in = self.sparse.stand_in.as_ref().filter(|_| side == Side::StandIn);
         let guard = SparseGuard {
-            me: self.rank,
+            me: stand_in.map_or(self.rank, |s| s.from),
             mode: self.mode,
             history: &self.sparse.owners,
             hold: self.members.hold(),
-            incoming: self.sparse.moving.gate(),
-            giving: self.sparse.moving.giving(table as usize),
+            incoming: if side == Side::Own { self.sparse.moving.gate() } else { None },
+            giving: side == Side::Own && self.sparse.moving.giving(table as usize),
         };
+        let version = t.part.sync.version();
         let checked = wire::parse(bytes, len as usize, op, decl).map_err(|e| e.to_string()).and_then(|q| {
             if q.header.seq as u16 != m.seq {
                 return Err(format!("a request for {} under the immediate's {}", q.header.seq, m.seq));
             }
+            let replay = op == Op::Pull && q.header.reply_addr == wire::NO_REPLY;
+            if replay && side == Side::Own {
+                return Err("a pull with no reply address".into());
+            }
+            if side == Side::StandIn && (replay || (op == Op::Push && q.header.seq < version)) {
+                // A request the lost server took before it was lost: see `stand_in.rs`.
+                return Ok(Gated::Again(q.header.seq));
+            }
             match guard.gate(SparseReq { push: op == Op::Push, seq: q.header.seq, keys: q.keys }) {
-                SparseGate::Hold => Ok(None),
+                SparseGate::Hold => Ok(Gated::Hold),
                 SparseGate::Foreign(k) => Err(format!("key {k} of table {:?} belongs to another server", decl.name)),
-                SparseGate::Go => Ok(Some(q.header.seq)),
+                SparseGate::Go => Ok(Gated::Go(q.header.seq)),
             }
         });
         let seq = match checked {
-            Ok(Some(seq)) => seq,
-            Ok(None) => {
+            Ok(Gated::Go(seq)) => seq,
+            Ok(Gated::Again(seq)) => return self.stand_in_again(h.rank, table, op == Op::Push, seq, len),
+            Ok(Gated::Hold) => {
                 self.sparse.deferred.push((ci, h, table, m, len));
                 return Ok(());
             }
@@ -246,7 +316,7 @@ impl<P: Fabric> Server<P> {
                 return Ok(());
             }
         };
-        let t = &mut self.sparse.tables[table as usize];
+        let Some(t) = self.sparse.table_mut(side, table) else { return Ok(()) };
         match op {
             Op::Push => {
                 // (The header's iteration is the whole one; the immediate's
@@ -255,11 +325,11 @@ impl<P: Fabric> Server<P> {
                 t.pushed[w] = len as usize;
                 let contributors = self.members.contributors(&t.part.sync, iteration).into_owned();
                 match t.part.sync.on_push(h.rank, iteration, &contributors) {
-                    Ok(PushOutcome::AggregateAll { .. }) => self.sparse_update(table, &contributors)?,
+                    Ok(PushOutcome::AggregateAll { .. }) => self.sparse_update_on(side, table, &contributors)?,
                     Ok(PushOutcome::ApplyOne { worker, .. }) => {
                         // (Held back if the table is not yet saved for a cut before it.)
-                        if !self.hold_rows_for_cut(table, worker, iteration)? {
-                            self.sparse_update(table, &[worker])?;
+                        if side == Side::StandIn || !self.hold_rows_for_cut(table, worker, iteration)? {
+                            self.sparse_update_on(side, table, &[worker])?;
                         }
                     }
                     Ok(PushOutcome::Wait) => {}
@@ -269,7 +339,7 @@ impl<P: Fabric> Server<P> {
             Op::Pull => {
                 t.pulled[w] = len as usize;
                 match t.part.sync.on_pull(h.rank, seq) {
-                    Ok(Some(v)) => self.sparse_answer(table, h.rank, v)?,
+                    Ok(Some(v)) => self.sparse_answer(side, table, h.rank, v)?,
                     Ok(None) => {}
                     Err(e) => self.violation(ci, &e.to_string()),
                 }
@@ -278,12 +348,20 @@ impl<P: Fabric> Server<P> {
         Ok(())
     }
 
+    /// As [`Server::sparse_update_on`] for this server's own part.
+    pub(crate) fn sparse_update(&mut self, table: u16, contributors: &[u32]) -> Result<(), ServerError> {
+        self.sparse_update_on(Side::Own, table, contributors)
+    }
+
     /// BSP: every contributor's push of the table's iteration is in: merge
     /// them in rank order, step, credit their push regions, answer the pulls
     /// that waited for the new version. SSP/ASP: the one worker in
-    /// `contributors` pushed; its rows are applied on their own.
-    pub(crate) fn sparse_update(&mut self, table: u16, contributors: &[u32]) -> Result<(), ServerError> {
-        let Table { part, push_copy, pushed, wide, .. } = &mut self.sparse.tables[table as usize];
+    /// `contributors` pushed; its rows are applied on their own. (A
+    /// stand-in's part is not saved, moved nor forwarded.)
+    pub(crate) fn sparse_update_on(&mut self, side: Side, table: u16, contributors: &[u32]) -> Result<(), ServerError> {
+        let Some(Table { part, push_copy, pushed, wide, .. }) = self.sparse.table_mut(side, table) else {
+            return Err(ServerError::Sparse(format!("an update of table {table}, which this server does not hold")));
+        };
         let dtype = part.table().dtype;
         let mut requests = Vec::with_capacity(contributors.len());
         for &w in contributors {
@@ -313,14 +391,17 @@ impl<P: Fabric> Server<P> {
             _ => return Err(ServerError::Sparse("an SSP/ASP update of more than one worker's push".into())),
         };
         let version = applied.map_err(|e| ServerError::Sparse(e.to_string()))?;
+        self.summary.updates += 1;
+        self.metrics.updates.inc();
+        if side == Side::StandIn {
+            return self.finish_sparse_update_on(side, table, contributors);
+        }
         // Copied out before any of its buckets leave.
         match self.mode {
             Consistency::Bsp if !self.saver.due(version).is_empty() => self.save_rows(table, version),
             Consistency::Bsp => {}
             _ => self.try_rows_cut(table)?,
         }
-        self.summary.updates += 1;
-        self.metrics.updates.inc();
         // Buckets whose cutover this update reached leave now, before anything
         // of the next iteration is applied.
         self.take_out_rows(table)?;
@@ -330,25 +411,34 @@ impl<P: Fabric> Server<P> {
         self.finish_sparse_update(table, contributors)
     }
 
+    /// As [`Server::finish_sparse_update_on`] for this server's own part.
+    pub(crate) fn finish_sparse_update(&mut self, table: u16, contributors: &[u32]) -> Result<(), ServerError> {
+        self.finish_sparse_update_on(Side::Own, table, contributors)
+    }
+
     /// An update of `table` is applied (and on its backup): its contributors
     /// are credited, the pulls that waited for it answered.
-    pub(crate) fn finish_sparse_update(&mut self, table: u16, contributors: &[u32]) -> Result<(), ServerError> {
-        let id = sparse_id(table);
+    pub(crate) fn finish_sparse_update_on(&mut self, side: Side, table: u16, contributors: &[u32]) -> Result<(), ServerError> {
+        let id = side.id(table);
         for &w in contributors {
             self.send_credit(w, id)?;
         }
         let mut ready = Vec::new();
-        self.sparse.tables[table as usize].part.sync.ready_pulls(&mut ready);
+        if let Some(t) = self.sparse.table_mut(side, table) {
+            t.part.sync.ready_pulls(&mut ready);
+        }
         for (w, v) in ready {
-            self.sparse_answer(table, w, v)?;
+            self.sparse_answer(side, table, w, v)?;
         }
         Ok(())
     }
 
     /// Answers worker `w`'s pull of `table` with version `v`: its rows
     /// gathered into its reply region, WRITTEN where the request said.
-    fn sparse_answer(&mut self, table: u16, w: u32, v: u64) -> Result<(), ServerError> {
-        let Table { part, pull_copy, reply, pulled, gathered, .. } = &mut self.sparse.tables[table as usize];
+    fn sparse_answer(&mut self, side: Side, table: u16, w: u32, v: u64) -> Result<(), ServerError> {
+        let Some(Table { part, pull_copy, reply, pulled, gathered, .. }) = self.sparse.table_mut(side, table) else {
+            return Ok(());
+        };
         let (dim, dtype) = (part.table().spec.dim, part.table().dtype);
         // The copy made and checked when the pull landed.
         let bytes: &[u8] = bytemuck::cast_slice(&pull_copy[w as usize]);
@@ -369,13 +459,23 @@ impl<P: Fabric> Server<P> {
             eps_agg::reduce::narrow(dtype, gathered, &mut out[..bytes]);
         }
         let Some((conn, _)) = self.worker_conn(w) else { return Ok(()) };
-        let t = &self.sparse.tables[table as usize];
+        let Some(t) = self.sparse.table(side, table) else { return Ok(()) };
         let sg = [Sge::new(&t.reply[w as usize], 0, bytes as u32)];
-        let imm = Imm { kind: ImmKind::PullDone, shard: sparse_id(table), seq: v as u16 }.encode();
+        let imm = Imm { kind: ImmKind::PullDone, shard: side.id(table), seq: v as u16 }.encode();
         let sg: &[Sge<'_, P::Mr>] = if n == 0 { &[] } else { &sg };
         conn.post(&SendWr { wr_id: WR_OTHER, op: SendOp::WriteImm(remote, imm), sg, signaled: false })?;
         self.summary.pulls += 1;
         self.metrics.pulls.inc();
         Ok(())
     }
+}
+
+/// What a request's checks decided.
+enum Gated {
+    /// Acted on now (its iteration or version).
+    Go(u64),
+    /// Held until a vote or a move ends.
+    Hold,
+    /// A stand-in's: one the lost server took (see `stand_in.rs`).
+    Again(u64),
 }

@@ -54,6 +54,19 @@ impl TablePart {
         })
     }
 
+    /// A part holding `rows` at version `at` (BSP: pushes and pulls go on
+    /// from `at`; see [`TablePart::restart_at`]): a backup's copy of another
+    /// server's rows, served in its place.
+    pub fn from_rows(table: Declared, mode: Consistency, workers: u32, rows: RowTable, at: u64) -> Result<Self, SparseError> {
+        let mut part = Self::new(table, mode, workers)?;
+        if rows.stride() != part.rows.stride() {
+            return Err(SparseError::Rows("a copy of rows of another shape than the table's".into()));
+        }
+        part.rows = rows;
+        part.restart_at(at);
+        Ok(part)
+    }
+
     /// The table.
     pub fn table(&self) -> &Declared {
         &self.table

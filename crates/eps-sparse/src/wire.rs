@@ -44,6 +44,12 @@ pub struct Header {
     pub reply_rkey: u32,
 }
 
+/// The reply address of a pull that is not answered: only its bookkeeping
+/// (rows created, rows touched) is taken. A worker sends one to a stand-in
+/// for the last pull a lost server answered, whose bookkeeping the
+/// stand-in's copy lacks.
+pub const NO_REPLY: u64 = u64::MAX;
+
 /// Why a request is refused (the worker broke the protocol or its caller
 /// passed bad input: nothing was changed).
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]

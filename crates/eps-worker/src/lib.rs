@@ -75,6 +75,7 @@ mod round;
 mod routing;
 mod seed;
 mod sparse;
+mod takeover;
 mod watch;
 pub use error::WorkerError;
 pub use register::{Registration, register, register_declaring};

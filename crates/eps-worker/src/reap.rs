@@ -26,6 +26,8 @@ impl<P: Fabric> Worker<P> {
             if let Some(e) = self.sparse.lost_error() {
                 return Err(e);
             }
+            // A lost server's table rows: its stand-in gets what it owed.
+            self.take_over_rows()?;
             if self.reap()? {
                 self.spin.worked();
             } else if Instant::now() > deadline {
@@ -86,6 +88,10 @@ impl<P: Fabric> Worker<P> {
                     // (the server is handled as lost below, or the error
                     // ends the worker).
                     self.hellos_acked += 1;
+                }
+                if c.wr_id & (0xF << 60) == crate::sparse::WR_SPARSE && c.wr_id & crate::sparse::WR_SPARSE_PULL == 0 {
+                    // A push that failed is sent again to the stand-in, if any.
+                    self.sparse.sent((c.wr_id & 0xFFFF) as usize);
                 }
                 if self.lost.contains(&server) {
                     continue;
@@ -172,7 +178,9 @@ impl<P: Fabric> Worker<P> {
                     }
                 }
                 _ if c.wr_id == WR_HELLO => self.hellos_acked += 1,
-                _ if c.wr_id & (0xF << 60) == crate::sparse::WR_SPARSE => self.sparse.sent((c.wr_id & 0xFFFF) as usize),
+                _ if c.wr_id & (0xF << 60) == crate::sparse::WR_SPARSE && c.wr_id & crate::sparse::WR_SPARSE_PULL == 0 => {
+                    self.sparse.sent((c.wr_id & 0xFFFF) as usize)
+                }
                 _ if c.wr_id & (3 << 62) == WR_PUSH => {
                     if let Some(n) = self.sending.get_mut((c.wr_id & 0xFFFF_FFFF) as usize) {
                         *n = n.saturating_sub(1);

@@ -54,7 +54,7 @@ impl<P: Fabric> Worker<P> {
         if self.spec.job.replicas > 1 {
             for s in route::left_out(&self.map, &m) {
                 let waits_on = self.round.iter().any(|&sid| self.pushed_to[sid] == s && self.outstanding[sid] > 0);
-                if !self.lost.contains(&s) && (self.routes_to(s) || waits_on) {
+                if !self.lost.contains(&s) && (self.routes_to(s) || waits_on || self.sparse.holds(s)) {
                     self.lose_server(s);
                 }
             }

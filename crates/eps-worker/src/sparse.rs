@@ -15,7 +15,7 @@
 use eps_fabric::{Access, Fabric, FabricError, HostRegion, MemoryRegion, QueuePair, RemoteAddr, SendOp, SendWr, Sge};
 use eps_proto::control::JobMap;
 use eps_proto::imm::{Imm, ImmKind};
-use eps_proto::layout::sparse_id;
+use eps_proto::layout::{sparse_id, stand_in_id};
 use eps_sparse::batch::{dedup, split_by_owner};
 use eps_sparse::bucket::bucket_of;
 use eps_sparse::decl::Declared;
@@ -23,12 +23,29 @@ use eps_sparse::wire::{self, HEADER, Header, Op};
 
 use crate::{Worker, WorkerError};
 
-/// Work-request ids of sparse pushes: this bit, and the table's index.
+/// Work-request ids of sparse requests: this bit, and the table's index
+/// (and [`WR_SPARSE_PULL`] for a pull's).
 pub(crate) const WR_SPARSE: u64 = 1 << 60;
+/// Marks a sparse pull's work request (not signaled: only a failure shows).
+pub(crate) const WR_SPARSE_PULL: u64 = 1 << 16;
+
+/// Which staging buffer a request is WRITTEN from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Staged {
+    Push,
+    Pull,
+    /// Pulls sent again to a stand-in (see `takeover.rs`).
+    Again,
+}
+
+/// Offset of the pull region in a server's landing region for a worker.
+pub(crate) fn pull_offset(d: &Declared) -> usize {
+    wire::region_bytes(Op::Push, d).next_multiple_of(8)
+}
 
 /// One table, as this worker uses it.
 pub(crate) struct Table<P: Fabric> {
-    decl: Declared,
+    pub(crate) decl: Declared,
     /// The servers WRITE pulled rows here (in the table's dtype).
     rows: P::Mr,
     /// Pulled rows as f32, copied out of `rows` (and widened, for tables whose
@@ -38,25 +55,46 @@ pub(crate) struct Table<P: Fabric> {
     raw: Vec<u8>,
     /// Requests are written here and WRITTEN from.
     push_out: P::Mr,
-    pull_out: P::Mr,
+    pub(crate) pull_out: P::Mr,
     /// By server rank: its push region may be written (the server applied
     /// the last push).
-    credit: Vec<bool>,
+    pub(crate) credit: Vec<bool>,
     /// Push WRITEs not completed.
-    sending: u32,
+    pub(crate) sending: u32,
     /// The iteration last pushed.
-    pushed_at: Option<u64>,
+    pub(crate) pushed_at: Option<u64>,
     /// The servers whose pull answers are not in yet.
-    owed: Vec<u32>,
+    pub(crate) owed: Vec<u32>,
+    /// The last push and pull: each server's part of the staging buffer
+    /// (server, offset, bytes), and the pull's version (what a stand-in is
+    /// sent again: see `takeover.rs`).
+    pub(crate) push_posts: Vec<(u32, usize, usize)>,
+    pub(crate) pull_posts: Vec<(u32, usize, usize)>,
+    pub(crate) pull_seq: Option<u64>,
+    /// With replicas: the pulls answered before the last one, of its version
+    /// and the one before, each server's part copied.
+    pub(crate) log: Vec<(u64, Vec<(u32, Vec<u8>)>)>,
 }
 
 /// The job's tables, and which server owns each bucket.
 pub(crate) struct Tables<P: Fabric> {
-    tables: Vec<Table<P>>,
+    pub(crate) tables: Vec<Table<P>>,
     /// The bucket maps by first iteration, as the job map gave them.
     maps: Vec<(u64, BucketMap)>,
-    /// A server that held rows and was lost.
-    lost: Option<u32>,
+    /// A server that held rows and was lost, and no server took them over.
+    pub(crate) lost: Option<u32>,
+    /// With replicas: lost servers that held rows, waiting for a stand-in.
+    pub(crate) pending: Vec<u32>,
+    /// Lost servers whose rows a stand-in serves: (lost, stand-in).
+    pub(crate) heirs: Vec<(u32, u32)>,
+    /// A pull sent again to a stand-in whose acknowledgement is awaited
+    /// (its table).
+    pub(crate) again: Option<u16>,
+    /// While requests are sent again to a stand-in.
+    pub(crate) taking_over: bool,
+    /// Pulls sent again to a stand-in are WRITTEN from here.
+    pub(crate) again_out: Option<P::Mr>,
+    pub(crate) replicas: u32,
 }
 
 /// One bucket map, and what a push needs of it.
@@ -113,10 +151,24 @@ impl<P: Fabric> Tables<P> {
                 sending: 0,
                 pushed_at: None,
                 owed: Vec::new(),
+                push_posts: Vec::new(),
+                pull_posts: Vec::new(),
+                pull_seq: None,
+                log: Vec::new(),
                 decl,
             });
         }
-        Ok(Self { tables, maps: vec![(0, BucketMap::new(eps_sparse::bucket::initial_owners(servers)))], lost: None })
+        Ok(Self {
+            tables,
+            maps: vec![(0, BucketMap::new(eps_sparse::bucket::initial_owners(servers)))],
+            lost: None,
+            pending: Vec::new(),
+            heirs: Vec::new(),
+            again: None,
+            taking_over: false,
+            again_out: None,
+            replicas: spec.job.replicas,
+        })
     }
 
     /// Takes in the bucket maps of `map` this worker does not have yet.
@@ -137,33 +189,10 @@ impl<P: Fabric> Tables<P> {
         eps_proto::buckets::owners_at(&self.maps, t).unwrap_or(&self.maps[0].1)
     }
 
-    /// Server `server` was lost: whether it held rows of the tables (the
-    /// newest bucket map names it).
-    pub(crate) fn lose(&mut self, server: u32) -> bool {
-        let held = self.holds(server);
-        if held {
-            self.lost.get_or_insert(server);
-        }
-        held
-    }
-
     /// Whether server `server` holds rows of the tables (the newest bucket
     /// map names it).
     pub(crate) fn holds(&self, server: u32) -> bool {
         !self.tables.is_empty() && self.maps.last().is_some_and(|(_, m)| m.servers.contains(&server))
-    }
-
-    /// Why the tables cannot go on, if a server that held rows was lost:
-    /// their backups do not take over (yet), so the job stops here rather
-    /// than wait for rows no server serves.
-    pub(crate) fn lost_error(&self) -> Option<WorkerError> {
-        let s = self.lost?;
-        let table = self.tables.first().map_or(String::new(), |t| t.decl.name.clone());
-        let why = format!(
-            "server {s}, which held rows of the sparse tables, was lost; no backup of table rows takes over a lost \
-             server (only dense shards' backups do), so the job stops: resume it from its last checkpoint (--resume)"
-        );
-        Some(WorkerError::Sparse { table, why })
     }
 
     /// How many tables.
@@ -173,6 +202,19 @@ impl<P: Fabric> Tables<P> {
 
     /// A pull answer or a credit for table `table` from server `server`.
     pub(crate) fn on_imm(&mut self, server: u32, table: u16, m: Imm) {
+        // A stand-in speaks for the lost server.
+        let server = match eps_proto::layout::is_stand_in(m.shard) {
+            true => {
+                let Some(lost) = self.lost_for(server) else { return };
+                if m.kind == ImmKind::PullDone && self.again == Some(table) {
+                    // It took a pull again (see `takeover.rs`).
+                    self.again = None;
+                    return;
+                }
+                lost
+            }
+            false => server,
+        };
         let Some(t) = self.tables.get_mut(table as usize) else { return };
         match m.kind {
             // (An answer from a server not asked is not counted.)
@@ -306,6 +348,7 @@ impl<P: Fabric> Worker<P> {
         let d = dedup(keys);
         self.check_keys(table, keys, d.keys.len())?;
         self.follow_buckets()?;
+        self.take_over_rows()?;
         // The version asked: BSP every earlier iteration applied; SSP the
         // slowest worker within the staleness bound; ASP whatever is there.
         let v = match self.mode {
@@ -322,6 +365,9 @@ impl<P: Fabric> Worker<P> {
         let (mut at, mut row) = (0usize, 0usize);
         let mut posts = Vec::with_capacity(reqs.len());
         let t = &mut self.sparse.tables[table as usize];
+        if self.sparse.replicas > 1 {
+            t.log_last_pull(v);
+        }
         // No pull of this table is in flight (they are answered before the
         // call returns), so no WRITE reads this buffer half-written.
         let out = t.pull_out.view_mut()?;
@@ -344,11 +390,14 @@ impl<P: Fabric> Worker<P> {
             row += r.keys.len();
         }
         t.owed = reqs.iter().map(|r| r.server).collect();
-        let imm = Imm { kind: ImmKind::PullReq, shard: sparse_id(table), seq: v as u16 }.encode();
-        let off = wire::region_bytes(Op::Push, &t.decl).next_multiple_of(8) as u64;
+        t.pull_posts.clone_from(&posts);
+        t.pull_seq = Some(v);
+        let off = pull_offset(&t.decl) as u64;
         for (server, at, n) in posts {
-            let (addr, rkey) = self.sparse_landing(server, table)?;
-            self.post_sparse(server, table, false, RemoteAddr { addr: addr + off, rkey }, imm, at, n)?;
+            // (A lost server's part goes to its stand-in: see `takeover.rs`.)
+            let Some((addr, rkey)) = self.sparse_landing(server, table)? else { continue };
+            let to = RemoteAddr { addr: addr + off, rkey };
+            self.post_sparse(server, table, Staged::Pull, to, ImmKind::PullReq, v, at, n)?;
         }
         self.wait_until(|w| w.sparse.tables[table as usize].owed.is_empty(), "sparse pull answers")?;
         self.count_pulled((row * dim * elem) as u64);
@@ -389,6 +438,7 @@ impl<P: Fabric> Worker<P> {
         self.check_keys(table, keys, d.keys.len())?;
         self.sparse_flush(table)?;
         self.follow_buckets()?;
+        self.take_over_rows()?;
         // The servers that own buckets in this iteration (each gets a push),
         // and each distinct key's (an index into them) and its place in that
         // server's request.
@@ -461,16 +511,17 @@ impl<P: Fabric> Worker<P> {
         let posts: Vec<(u32, usize, usize)> =
             (0..servers).map(|s| (ranks[s], base[s], wire::request_bytes(Op::Push, count[s], dim, elem))).collect();
         t.pushed_at = Some(v);
-        let imm = Imm { kind: ImmKind::Push, shard: sparse_id(table), seq: v as u16 }.encode();
+        t.push_posts.clone_from(&posts);
         for (server, at, n) in posts {
-            let (addr, rkey) = self.sparse_landing(server, table)?;
             let t = &mut self.sparse.tables[table as usize];
             if t.credit.len() <= server as usize {
                 t.credit.resize(server as usize + 1, true);
             }
             t.credit[server as usize] = false;
-            t.sending += 1;
-            self.post_sparse(server, table, true, RemoteAddr { addr, rkey }, imm, at, n)?;
+            // (A lost server's part goes to its stand-in: see `takeover.rs`.)
+            let Some((addr, rkey)) = self.sparse_landing(server, table)? else { continue };
+            self.sparse.tables[table as usize].sending += 1;
+            self.post_sparse(server, table, Staged::Push, RemoteAddr { addr, rkey }, ImmKind::Push, v, at, n)?;
             self.count_pushed(n as u64);
         }
         Ok(())
@@ -533,38 +584,58 @@ impl<P: Fabric> Worker<P> {
         Ok(())
     }
 
-    /// Where this worker's requests for `table` land on server `server`; a
-    /// server the map no longer names (lost) stops the tables.
-    fn sparse_landing(&mut self, server: u32, table: u16) -> Result<(u64, u32), WorkerError> {
-        let named = self.map.servers.iter().any(|(r, _)| *r == server);
-        if self.lost.contains(&server) || !named || self.qps.get(server as usize).is_none_or(Option::is_none) {
-            self.sparse.lose(server);
+    /// Where this worker's requests for `table` land on server `server`
+    /// (its stand-in's regions, if it was lost and one serves its rows).
+    /// `None` for a lost server no stand-in serves yet: what it was to get
+    /// is sent to its stand-in once there is one; without replicas, a lost
+    /// server stops the tables.
+    pub(crate) fn sparse_landing(&mut self, server: u32, table: u16) -> Result<Option<(u64, u32)>, WorkerError> {
+        if self.sparse.heir_of(server).is_none() {
+            let named = self.map.servers.iter().any(|(r, _)| *r == server);
+            if self.lost.contains(&server) || !named || self.qps.get(server as usize).is_none_or(Option::is_none) {
+                self.sparse.lose(server);
+            }
+            if let Some(e) = self.sparse.lost_error() {
+                return Err(e);
+            }
+            if self.sparse.pending.contains(&server) {
+                return Ok(None);
+            }
         }
-        if let Some(e) = self.sparse.lost_error() {
-            return Err(e);
-        }
-        landing(&self.map, self.rank, server, table).ok_or(WorkerError::NoAddress(server))
+        landing(&self.map, self.rank, server, table).map(Some).ok_or(WorkerError::NoAddress(server))
     }
 
-    /// Posts bytes `at..at + n` of a table's push or pull staging buffer to
-    /// server `server` with immediate `imm`.
+    /// Posts bytes `at..at + n` of a table's staging buffer to server
+    /// `server` (its stand-in, if it was lost) with a `kind` immediate of
+    /// iteration or version `seq`.
     #[allow(clippy::too_many_arguments)]
-    fn post_sparse(
+    pub(crate) fn post_sparse(
         &mut self,
         server: u32,
         table: u16,
-        push: bool,
+        from: Staged,
         to: RemoteAddr,
-        imm: u32,
+        kind: ImmKind,
+        seq: u64,
         at: usize,
         n: usize,
     ) -> Result<(), WorkerError> {
+        let (conn, shard) = match self.sparse.heir_of(server) {
+            Some(h) => (h, stand_in_id(table)),
+            None => (server, sparse_id(table)),
+        };
+        let imm = Imm { kind, shard, seq: seq as u16 }.encode();
+        let push = from == Staged::Push;
         self.post_retrying(|w| {
             let t = &w.sparse.tables[table as usize];
-            let mr = if push { &t.push_out } else { &t.pull_out };
+            let mr = match from {
+                Staged::Push => &t.push_out,
+                Staged::Pull => &t.pull_out,
+                Staged::Again => w.sparse.again_out.as_ref().ok_or(WorkerError::Unexpected)?,
+            };
             let sg = [Sge::new(mr, at as u64, n as u32)];
-            let wr_id = WR_SPARSE | u64::from(table);
-            Ok(w.qp(server)?.post_send(&SendWr { wr_id, op: SendOp::WriteImm(to, imm), sg: &sg, signaled: push })?)
+            let wr_id = WR_SPARSE | if push { 0 } else { WR_SPARSE_PULL } | u64::from(table);
+            Ok(w.qp(conn)?.post_send(&SendWr { wr_id, op: SendOp::WriteImm(to, imm), sg: &sg, signaled: push })?)
         })
     }
 }

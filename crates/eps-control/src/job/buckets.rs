@@ -74,8 +74,8 @@ impl Job {
         let eligible: Vec<u32> = self.live_servers().into_iter().filter(|&r| has_tables(r) && !self.lost.contains(&r)).collect();
         let Some((_, now)) = self.buckets.last() else { return };
         if now.iter().any(|r| self.lost.contains(r)) {
-            // A lost server's rows are gone with it (their backup does not
-            // take over): no move can take them, and the job stops.
+            // A lost server's rows are served by a stand-in (or lost): no
+            // move takes them (see `stand_in.rs`).
             return;
         }
         let want = buckets::rebalance(now, &eligible);
@@ -229,7 +229,8 @@ impl Job {
                 .filter_map(|r| self.rows_backup_of(r).map(|b| format!("{r} -> {b}")))
                 .collect();
             let kept = if pairs.is_empty() { "none yet".to_string() } else { pairs.join(", ") };
-            let _ = writeln!(t, "  rows kept in step on (server -> backup): {kept}; a backup of rows does not take over yet");
+            let _ = writeln!(t, "  rows kept in step on (server -> backup): {kept}");
+            self.stand_in_status(t);
         }
     }
 }

@@ -168,6 +168,7 @@ impl Job {
         heirs.sort_unstable();
         heirs.dedup();
         self.revote_after_loss(rank, &heirs);
+        self.rows_lost(rank);
         self.map.servers.retain(|&s| s != rank);
         self.map.epoch += 1;
         self.rebuild_backups();

@@ -42,6 +42,7 @@ impl Job {
             proposal: self.w.proposal_id(),
             tables: self.tables.clone(),
             buckets: self.bucket_runs(),
+            heirs: self.heirs.clone(),
         }
     }
 

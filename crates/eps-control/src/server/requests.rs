@@ -75,6 +75,7 @@ impl State {
             | ControlMsg::TablesReady { .. }
             | ControlMsg::RowsOut { .. }
             | ControlMsg::RowsTaken { .. }
+            | ControlMsg::StandInReady { .. }
             | ControlMsg::Cutover { .. }
             | ControlMsg::Released { .. }
             | ControlMsg::Split { .. }

@@ -101,6 +101,12 @@ impl W {
             self.u64(*at);
             self.runs(runs);
         }
+        self.u32(m.heirs.len() as u32);
+        for (from, to) in &m.heirs {
+            self.u32(*from);
+            // (`u32::MAX`: none.)
+            self.u32(to.unwrap_or(u32::MAX));
+        }
     }
     pub(super) fn runs(&mut self, runs: &[(u32, u32)]) {
         self.u32(runs.len() as u32);
@@ -211,7 +217,13 @@ impl R<'_> {
         for _ in 0..n {
             buckets.push((self.u64()?, self.runs()?));
         }
-        Ok(JobMap { epoch, servers, routes, membership, proposal, tables, buckets })
+        let n = self.count(8)?;
+        let mut heirs = Vec::with_capacity(n);
+        for _ in 0..n {
+            let (from, to) = (self.u32()?, self.u32()?);
+            heirs.push((from, (to != u32::MAX).then_some(to)));
+        }
+        Ok(JobMap { epoch, servers, routes, membership, proposal, tables, buckets, heirs })
     }
     pub(super) fn runs(&mut self) -> Result<crate::buckets::Runs, DecodeError> {
         let n = self.count(8)?;
@@ -427,6 +439,12 @@ impl ControlMsg {
                 w.u32(*rank);
                 w.u32(*from);
             }
+            ControlMsg::StandInReady { rank, from, tables } => {
+                w.u8(39);
+                w.u32(*rank);
+                w.u32(*from);
+                w.endpoints(tables);
+            }
             ControlMsg::MoveStopped { shard, rank } => {
                 w.u8(32);
                 w.u32(*shard);
@@ -519,6 +537,7 @@ impl ControlMsg {
             33 => ControlMsg::TablesReady { rank: r.u32()?, tables: r.endpoints()? },
             34 => ControlMsg::RowsOut { rank: r.u32()?, to: r.u32()?, addr: r.u64()?, rkey: r.u32()?, len: r.u64()? },
             35 => ControlMsg::RowsTaken { rank: r.u32()?, from: r.u32()? },
+            39 => ControlMsg::StandInReady { rank: r.u32()?, from: r.u32()?, tables: r.endpoints()? },
             36 => ControlMsg::StatusJson,
             37 => {
                 let id = (r.u64()?, r.u64()?);

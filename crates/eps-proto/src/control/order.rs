@@ -167,6 +167,13 @@ pub enum Order {
         /// The backup, if any.
         to: Option<RowsBackup>,
     },
+    /// Server `from`, whose table rows this server keeps in step, was lost:
+    /// serve its buckets from the copy, as it would have (report
+    /// `StandInReady`).
+    StandIn {
+        /// The lost server's rank.
+        from: u32,
+    },
     /// Save every shard held here when it publishes `version` (BSP), into
     /// directory `dir`; report each as `Saved` (or missed: its version is past).
     Checkpoint {
@@ -292,6 +299,10 @@ impl W {
                     }
                 }
             }
+            Order::StandIn { from } => {
+                self.u8(20);
+                self.u32(*from);
+            }
             Order::Checkpoint { version, dir } => {
                 self.u8(8);
                 self.u64(*version);
@@ -350,6 +361,7 @@ impl R<'_> {
                     t => return Err(DecodeError::Tag(t)),
                 },
             },
+            20 => Order::StandIn { from: self.u32()? },
             t => return Err(DecodeError::Tag(t)),
         })
     }

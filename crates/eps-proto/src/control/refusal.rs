@@ -131,6 +131,7 @@ impl super::ControlMsg {
                 | M::TablesReady { .. }
                 | M::RowsOut { .. }
                 | M::RowsTaken { .. }
+                | M::StandInReady { .. }
                 | M::Cutover { .. }
                 | M::Split { .. }
                 | M::Released { .. }

@@ -16,6 +16,7 @@ fn roundtrip_and_garbage() {
         proposal: 3,
         tables: vec![ep(0, 3), ep(1, 0)],
         buckets: vec![(0, vec![(0, 0), (2048, 1)]), (40, vec![(0, 0), (1366, 1), (2731, 2)])],
+        heirs: vec![(1, Some(2)), (4, None)],
     };
     let msgs = vec![
         ControlMsg::Register { role: Role::Server, fabric_addr: "127.0.0.1:5".into() },
@@ -35,6 +36,8 @@ fn roundtrip_and_garbage() {
         ControlMsg::TablesReady { rank: 1, tables: vec![ep(0, 1), ep(1, 1)] },
         ControlMsg::RowsOut { rank: 1, to: 2, addr: 1 << 40, rkey: 7, len: 1 << 33 },
         ControlMsg::RowsTaken { rank: 2, from: 1 },
+        ControlMsg::StandInReady { rank: 2, from: 1, tables: vec![ep(0, 1)] },
+        ControlMsg::StandInReady { rank: 2, from: 1, tables: Vec::new() },
         ControlMsg::Released { shard: 4, bytes: 1 << 30, millis: 17 },
         ControlMsg::Scale { servers: 3 },
         ControlMsg::Poll { rank: 2, after: 5 },
@@ -94,6 +97,7 @@ fn roundtrip_and_garbage() {
                     to: Some(RowsBackup { rank: 1, addr: "127.0.0.1:9".into(), inbox: vec![(1 << 40, 7), (1 << 41, 8)] }),
                 },
                 Order::BackupRows { to: None },
+                Order::StandIn { from: 3 },
                 Order::Replicate { shard: 2, to: 1, to_addr: "127.0.0.1:8".into(), keys, snapshot: true },
                 Order::AddBackup { shard: 2, from: 0, start: 4096, len: 512 },
                 Order::Promote { shard: 2 },
@@ -177,6 +181,7 @@ fn splits_change_the_shards_of_an_iteration() {
         proposal: 0,
         tables: Vec::new(),
         buckets: Vec::new(),
+        heirs: Vec::new(),
     };
     assert_eq!(map.shards_at(4), vec![0, 1]);
     assert_eq!(map.shards_at(5), vec![2, 3, 1]);

@@ -12,7 +12,7 @@ pub const MAX_TABLE_DIM: u32 = 1 << 16;
 /// The most keys of one request.
 pub const MAX_KEYS: u32 = 1 << 22;
 /// Most tables a job may declare (each has an id of the immediates').
-pub const MAX_TABLES: usize = crate::layout::SPARSE_IDS as usize;
+pub const MAX_TABLES: usize = crate::layout::TABLE_IDS as usize;
 
 /// Row-wise optimizers a table may use (the dense ones, stepped row by row
 /// with lazy state, and Adagrad).

@@ -1,0 +1,99 @@
+//! Sparse tables after a loss (`job.replicas = 2`): the server that kept a
+//! lost server's rows in step (`rows_backup_of`) serves that server's
+//! buckets from its copy, as the lost server would have: a stand-in.
+//!
+//! The bucket maps keep naming the lost server; the job map says who stands
+//! in for it (`JobMap::heirs`), and its table endpoints are the stand-in's
+//! landing regions for those buckets. Workers send what the lost server had
+//! not answered to the stand-in. A lost server without a backup of its rows
+//! (none placed, or one that holds no whole copy yet, or one lost too) is
+//! named with no heir: its rows are lost, and workers stop saying so.
+//!
+//! Not yet: the stand-in's rows have no backup of their own, no bucket moves
+//! after a loss, and checkpoints do not complete after one (nobody saves the
+//! stand-in's buckets).
+
+use std::fmt::Write as _;
+
+use eps_proto::control::{ControlMsg, Order, Refusal, ShardEndpoint};
+
+use super::Job;
+
+impl Job {
+    /// Server `rank` was lost: a stand-in is ordered for its rows, if it held
+    /// any and they have a backup; the rows it stood in for, if it was a
+    /// stand-in, are lost.
+    pub(super) fn rows_lost(&mut self, rank: u32) {
+        if self.table_count == 0 {
+            return;
+        }
+        for h in &mut self.heirs {
+            if h.1 == Some(rank) {
+                h.1 = None;
+            }
+        }
+        let (pending, rest): (Vec<_>, Vec<_>) = self.standing_in.iter().partition(|&&(_, to)| to == rank);
+        self.standing_in = rest;
+        self.heirs.extend(pending.into_iter().map(|(from, _)| (from, None)));
+        if !self.holds_buckets(rank) {
+            return;
+        }
+        let moving = self.bucket_move.as_ref().is_some_and(|m| m.pending.iter().any(|&(a, b)| a == rank || b == rank));
+        match self.rows_backup_of(rank).filter(|&b| self.server_serving(b) && !self.lost.contains(&b) && !moving) {
+            Some(b) => {
+                self.standing_in.push((rank, b));
+                self.order(b, Order::StandIn { from: rank });
+            }
+            None => self.heirs.push((rank, None)),
+        }
+    }
+
+    /// Server `rank` stands in for lost server `from`: workers WRITE their
+    /// requests for `from`'s buckets to `tables` (none: it had no whole copy,
+    /// and the rows are lost).
+    pub(super) fn stand_in_ready(&mut self, rank: u32, from: u32, tables: &[ShardEndpoint]) -> Result<ControlMsg, Refusal> {
+        let Some(i) = self.standing_in.iter().position(|&p| p == (from, rank)) else {
+            return Err(Refusal::stale(format!("server {rank} reported standing in for server {from}, which it was not told to")));
+        };
+        let ranks = self.adopted.len();
+        let fits = |(i, e): (usize, &ShardEndpoint)| e.shard == i as u32 && e.owner == from && e.landing.len() == ranks;
+        if !tables.is_empty() && (tables.len() != self.table_count || !tables.iter().enumerate().all(fits)) {
+            return Err(Refusal::invalid(format!(
+                "server {rank} reported {} sparse table parts standing in for server {from}; the job has {} tables",
+                tables.len(),
+                self.table_count
+            )));
+        }
+        self.standing_in.remove(i);
+        if tables.is_empty() {
+            self.heirs.push((from, None));
+        } else {
+            self.tables.retain(|e| e.owner != from);
+            self.tables.extend_from_slice(tables);
+            self.heirs.push((from, Some(rank)));
+        }
+        self.map.epoch += 1;
+        Ok(ControlMsg::Ok)
+    }
+
+    /// The stand-ins' line of `eps status`.
+    pub(super) fn stand_in_status(&self, t: &mut String) {
+        if self.heirs.is_empty() && self.standing_in.is_empty() {
+            return;
+        }
+        let mut parts: Vec<String> = self
+            .heirs
+            .iter()
+            .map(|(from, to)| match to {
+                Some(b) => format!("server {from}'s by server {b}"),
+                None => format!("server {from}'s lost"),
+            })
+            .collect();
+        parts.extend(self.standing_in.iter().map(|(from, b)| format!("server {from}'s by server {b} (starting)")));
+        let _ = writeln!(
+            t,
+            "  rows of lost servers: {}; a stand-in's rows have no backup of their own, and buckets no longer move",
+            parts.join(", ")
+        );
+    }
+}

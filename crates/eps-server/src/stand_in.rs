@@ -1,0 +1,127 @@
+//! Serving a lost server's table rows (`job.replicas = 2`): on
+//! `Order::StandIn`, the server that kept the lost server's rows in step
+//! (see `rows_backup.rs`) makes each table's copy a part of its own, at the
+//! copy's version, with landing and reply regions for every worker, and
+//! reports them (`StandInReady`). Workers then send it what the lost server
+//! had not answered, with the stand-in's immediates
+//! (`eps_proto::layout::stand_in_id`), and it answers as the lost server
+//! would have.
+//!
+//! The copy holds version `V`: the last one acknowledged, so no worker
+//! pulled a later one, and no worker pushed beyond iteration `V` (each
+//! waits for the credit of its last push first). What a worker sends again:
+//! - its push of an iteration the copy holds (the lost server applied it
+//!   and was lost before it credited it): credited again, not applied;
+//! - its push of iteration `V`: taken as any push;
+//! - the last pull the lost server answered, with no reply address
+//!   (`wire::NO_REPLY`): at version `V` the copy lacks that pull's
+//!   bookkeeping (rows created, rows touched), which would have travelled
+//!   with the next forward; it is taken (the rows are gathered, not sent).
+//!   Of an earlier version, it is in the copy already and is dropped;
+//! - a pull not answered: answered once the version reaches it.
+//!
+//! Each row's bookkeeping counts touches and remembers the last version,
+//! so pulls taken in another order leave the same rows: the results stay
+//! bit for bit those of a run without the loss.
+
+use eps_fabric::Fabric;
+use eps_proto::control::{ControlMsg, ShardEndpoint};
+use eps_proto::imm::{Imm, ImmKind};
+use eps_sparse::part::TablePart;
+use eps_sparse::wire::{self, Op};
+
+use crate::sparse::{Side, Table};
+use crate::{Server, ServerError};
+
+/// A lost server's table parts, served here.
+pub(crate) struct StandIn<P: Fabric> {
+    /// The lost server's rank.
+    pub(crate) from: u32,
+    /// By table: its part, from the copy of its rows.
+    pub(crate) tables: Vec<Table<P>>,
+    /// Rows gathered for pulls taken again (not sent).
+    scratch: Vec<f32>,
+    /// Pulls taken again whose bookkeeping the copy lacked.
+    pub(crate) taken_again: u64,
+}
+
+impl<P: Fabric> Server<P> {
+    /// `Order::StandIn`: serves lost server `from`'s buckets from the copies
+    /// of its rows, if every table's is whole; reports where workers WRITE
+    /// their requests for them (nowhere, if not: its rows are lost).
+    pub(crate) fn on_stand_in(&mut self, from: u32) -> Result<(), ServerError> {
+        let n = self.sparse.tables.len();
+        let copies = if self.sparse.stand_in.is_some() { None } else { self.sparse.backups.take_copies(from, n) };
+        let mut endpoints = Vec::new();
+        match copies {
+            Some(copies) => {
+                let mut tables = Vec::with_capacity(n);
+                for (t, (rows, version)) in copies.into_iter().enumerate() {
+                    let decl = self.sparse.tables[t].part.table().clone();
+                    let held = rows.len();
+                    let part = TablePart::from_rows(decl, self.mode, self.ranks, rows, version)
+                        .map_err(|e| ServerError::Sparse(e.to_string()))?;
+                    let table = Table::new(&self.pd, part, self.ranks)?;
+                    endpoints.push(ShardEndpoint {
+                        shard: t as u32,
+                        owner: from,
+                        landing: table.landings(),
+                        published_addr: 0,
+                        published_rkey: 0,
+                    });
+                    eps_proto::say_event!(
+                        "stand_in",
+                        { server = self.rank, lost = from, table = t, version = version, rows = held },
+                        "eps server {}: serves lost server {from}'s rows of table {t} from its copy: {held} rows at version {version}",
+                        self.rank
+                    );
+                    tables.push(table);
+                }
+                self.sparse.stand_in = Some(StandIn { from, tables, scratch: Vec::new(), taken_again: 0 });
+            }
+            None => eps_proto::say!(
+                "eps server {}: holds no whole copy of lost server {from}'s table rows: they are lost",
+                self.rank
+            ),
+        }
+        if let Err(why) = self.report(&ControlMsg::StandInReady { rank: self.rank, from, tables: endpoints })? {
+            return Err(ServerError::Sparse(format!("the control plane refused a stand-in for server {from}: {why}")));
+        }
+        Ok(())
+    }
+
+    /// Worker `w` sent the stand-in again a request the lost server took:
+    /// its push of iteration `seq`, applied already (credited again), or
+    /// its last pull answered, of version `seq` and `len` bytes (its
+    /// bookkeeping taken if the copy lacks it).
+    pub(crate) fn stand_in_again(&mut self, w: u32, table: u16, push: bool, seq: u64, len: u32) -> Result<(), ServerError> {
+        if push {
+            return self.send_credit(w, Side::StandIn.id(table));
+        }
+        let Some(s) = self.sparse.stand_in.as_mut() else { return Ok(()) };
+        let Some(Table { part, pull_copy, .. }) = s.tables.get_mut(table as usize) else { return Ok(()) };
+        // (Of an earlier version, its bookkeeping came with the copy.)
+        if seq == part.sync.version() {
+            let bytes: &[u8] = bytemuck::cast_slice(&pull_copy[w as usize]);
+            let q = wire::parse(bytes, len as usize, Op::Pull, part.table())
+                .map_err(|e| ServerError::Sparse(format!("a pull checked on arrival: {e}")))?;
+            s.scratch.resize(q.keys.len() * part.table().spec.dim, 0.0);
+            part.gather(q.keys, &mut s.scratch).map_err(|e| ServerError::Sparse(e.to_string()))?;
+            s.taken_again += 1;
+        }
+        // Acknowledged, with no rows: the worker may send the next one.
+        self.notify(w, Imm { kind: ImmKind::PullDone, shard: Side::StandIn.id(table), seq: seq as u16 })
+    }
+
+    /// The stand-in's last words: whose rows, how many at the end, and how
+    /// many pulls it took again.
+    pub(crate) fn stand_in_report(&self) -> Option<String> {
+        let s = self.sparse.stand_in.as_ref()?;
+        let rows: usize = s.tables.iter().map(|t| t.part.rows().len()).sum();
+        let versions: Vec<u64> = s.tables.iter().map(|t| t.part.sync.version()).collect();
+        Some(format!(
+            "eps server {}: stood in for lost server {}: {rows} rows at the end, versions {versions:?}; took {} pulls again",
+            self.rank, s.from, s.taken_again
+        ))
+    }
+}
