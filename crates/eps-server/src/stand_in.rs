@@ -79,10 +79,9 @@ impl<P: Fabric> Server<P> {
                 }
                 self.sparse.stand_in = Some(StandIn { from, tables, scratch: Vec::new(), taken_again: 0 });
             }
-            None => eps_proto::say!(
-                "eps server {}: holds no whole copy of lost server {from}'s table rows: they are lost",
-                self.rank
-            ),
+            None => {
+                eps_proto::say!("eps server {}: holds no whole copy of lost server {from}'s table rows: they are lost", self.rank)
+            }
         }
         if let Err(why) = self.report(&ControlMsg::StandInReady { rank: self.rank, from, tables: endpoints })? {
             return Err(ServerError::Sparse(format!("the control plane refused a stand-in for server {from}: {why}")));

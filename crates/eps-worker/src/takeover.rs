@@ -74,7 +74,6 @@ impl<P: Fabric> Tables<P> {
         };
         Some(WorkerError::Sparse { table, why })
     }
-
 }
 
 impl<P: Fabric> Table<P> {
@@ -99,11 +98,8 @@ impl<P: Fabric> Table<P> {
     /// The parts for server `lost` of the pulls it answered that a stand-in
     /// may lack: the logged ones, and the last one if it was answered.
     fn answered_by(&self, lost: u32) -> Vec<(u64, Vec<u8>)> {
-        let mut out: Vec<(u64, Vec<u8>)> = self
-            .log
-            .iter()
-            .flat_map(|(seq, parts)| parts.iter().filter(|p| p.0 == lost).map(|p| (*seq, p.1.clone())))
-            .collect();
+        let mut out: Vec<(u64, Vec<u8>)> =
+            self.log.iter().flat_map(|(seq, parts)| parts.iter().filter(|p| p.0 == lost).map(|p| (*seq, p.1.clone()))).collect();
         if let Some(seq) = self.pull_seq.filter(|_| !self.owed.contains(&lost)) {
             for &(s, at, n) in self.pull_posts.iter().filter(|p| p.0 == lost) {
                 let mut b = vec![0u8; n];

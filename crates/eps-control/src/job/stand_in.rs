@@ -53,7 +53,9 @@ impl Job {
     /// and the rows are lost).
     pub(super) fn stand_in_ready(&mut self, rank: u32, from: u32, tables: &[ShardEndpoint]) -> Result<ControlMsg, Refusal> {
         let Some(i) = self.standing_in.iter().position(|&p| p == (from, rank)) else {
-            return Err(Refusal::stale(format!("server {rank} reported standing in for server {from}, which it was not told to")));
+            return Err(Refusal::stale(format!(
+                "server {rank} reported standing in for server {from}, which it was not told to"
+            )));
         };
         let ranks = self.adopted.len();
         let fits = |(i, e): (usize, &ShardEndpoint)| e.shard == i as u32 && e.owner == from && e.landing.len() == ranks;

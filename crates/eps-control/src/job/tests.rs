@@ -424,3 +424,48 @@ fn table_rows_are_backed_up_around_the_ring_once_every_server_is_ready() {
     }
     assert!(job.status().contains("rows kept in step on (server -> backup): 0 -> 1, 1 -> 2, 2 -> 0"), "{}", job.status());
 }
+
+/// A lost server's table rows: its backup is ordered to stand in, and once
+/// it reports where workers WRITE, the job map names it as the heir and its
+/// endpoints replace the lost server's; a stand-in lost in turn loses the
+/// rows it stood in for (and its own rows get a stand-in); a backup that
+/// held no whole copy reports none, and the rows are named lost.
+#[test]
+fn a_lost_servers_rows_are_served_by_its_backup_and_named_lost_without_one() {
+    let text = "[job]\nworkers = 1\nservers = 3\nreplicas = 2\n[model]\ntensors = [{ name = \"w\", elements = 4096 }]\n\
+                [[model.tables]]\nname = \"a\"\ndim = 4\n";
+    let spec = JobSpec::from_toml(text).unwrap();
+    let layout = spec.layout().unwrap();
+    let mut job = Job::new(&spec, text).unwrap();
+    let ep =
+        |owner: u32, addr: u64| ShardEndpoint { shard: 0, owner, landing: vec![(addr, 2)], published_addr: 1, published_rkey: 1 };
+    for r in 0..3u32 {
+        job.apply(&ControlMsg::Register { role: Role::Server, fabric_addr: String::new() }).unwrap();
+        job.apply(&ControlMsg::TablesReady { rank: r, tables: vec![ep(r, 100 + u64::from(r))] }).unwrap();
+        let shards = layout.shards_of(r).map(|s| ShardEndpoint { shard: s.id, ..ep(r, 0) }).collect();
+        job.apply(&ControlMsg::ServerReady { rank: r, fabric_addr: format!("127.0.0.1:{}", 7000 + r), shards }).unwrap();
+    }
+    let stand_in =
+        |job: &Job, r: u32| job.orders_for(r, 0).1.into_iter().filter(|o| matches!(o, Order::StandIn { .. })).collect::<Vec<_>>();
+    let lost = job.server_gone(1).expect("a serving server with replicas");
+    job.apply(&lost).unwrap();
+    assert_eq!(stand_in(&job, 2), vec![Order::StandIn { from: 1 }]);
+    assert!(job.job_map().heirs.is_empty(), "named before it is ready");
+    let wrong = ControlMsg::StandInReady { rank: 0, from: 1, tables: vec![ep(1, 900)] };
+    assert!(job.apply(&wrong).is_err(), "a server not told to stand in");
+    let epoch = job.job_map().epoch;
+    job.apply(&ControlMsg::StandInReady { rank: 2, from: 1, tables: vec![ep(1, 900)] }).unwrap();
+    let m = job.job_map();
+    assert!(m.epoch > epoch);
+    assert_eq!(m.heirs, vec![(1, Some(2))]);
+    let of_1: Vec<_> = m.tables.iter().filter(|e| e.owner == 1).map(|e| e.landing.clone()).collect();
+    assert_eq!(of_1, vec![vec![(900, 2)]], "the stand-in's regions replace the lost server's");
+    assert!(job.status().contains("rows of lost servers: server 1's by server 2"), "{}", job.status());
+    // The stand-in is lost: the rows it stood in for go with it; its own
+    // rows' backup (server 0) stands in for it, and reports no whole copy.
+    let lost = job.server_gone(2).expect("the stand-in");
+    job.apply(&lost).unwrap();
+    assert_eq!(stand_in(&job, 0), vec![Order::StandIn { from: 2 }]);
+    job.apply(&ControlMsg::StandInReady { rank: 0, from: 2, tables: Vec::new() }).unwrap();
+    assert_eq!(job.job_map().heirs, vec![(1, None), (2, None)]);
+}
