@@ -73,8 +73,12 @@ pub(crate) struct Table<P: Fabric> {
     pub(crate) pull_seq: Option<u64>,
     /// With replicas: the pulls answered before the last one, of its version
     /// and the one before, each server's part copied.
-    pub(crate) log: Vec<(u64, Vec<(u32, Vec<u8>)>)>,
+    pub(crate) log: Vec<LoggedPull>,
 }
+
+/// A pull answered: its version, and each server's part of it (the bytes
+/// WRITTEN there).
+pub(crate) type LoggedPull = (u64, Vec<(u32, Vec<u8>)>);
 
 /// The job's tables, and which server owns each bucket.
 pub(crate) struct Tables<P: Fabric> {
