@@ -74,6 +74,16 @@ impl<P: Fabric> Moving<P> {
         self.incoming.as_ref()
     }
 
+    /// The rows of source `from` are in (taken from a lost server's
+    /// stand-in here): whether they were the last awaited.
+    pub(crate) fn take_in(&mut self, from: u32) -> bool {
+        let last = self.incoming.as_mut().is_some_and(|inc| inc.taken(from));
+        if last {
+            self.incoming = None;
+        }
+        last
+    }
+
     /// Whether buckets are moving here or away.
     pub(crate) fn busy(&self) -> bool {
         self.incoming.is_some() || self.outgoing.is_some() || !self.fetching.is_empty()
@@ -118,6 +128,8 @@ impl<P: Fabric> Server<P> {
                 }
             }
         }
+        // A lost server's buckets this server stood in for become its own.
+        self.stand_in_map(at)?;
         // Dense shards held by the vote go on too.
         for id in 0..self.shards.len() as u32 {
             self.try_complete(id)?;
@@ -246,11 +258,8 @@ impl<P: Fabric> Server<P> {
             blob.len(),
             started.elapsed().as_secs_f64() * 1e3
         );
-        if let Err(why) = self.report(&ControlMsg::RowsTaken { rank: self.rank, from })? {
-            return Err(ServerError::Sparse(format!("the control plane refused the rows of server {from}: {why}")));
-        }
-        if self.sparse.moving.incoming.as_mut().is_some_and(|inc| inc.taken(from)) {
-            self.sparse.moving.incoming = None;
+        self.rows_taken_in(from)?;
+        if self.sparse.moving.take_in(from) {
             return self.replay_sparse();
         }
         Ok(())

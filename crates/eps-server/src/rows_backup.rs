@@ -19,7 +19,7 @@
 //! against it, bit for bit.
 
 use eps_fabric::{Access, Fabric, MemoryRegion, RemoteAddr, SendOp, SendWr, Sge};
-use eps_proto::control::RowsBackup;
+use eps_proto::control::{ControlMsg, RowsBackup};
 use eps_proto::imm::{Imm, ImmKind};
 use eps_proto::layout::sparse_id;
 use eps_sparse::RowTable;
@@ -61,6 +61,9 @@ pub(crate) struct RowsBackups<P: Fabric> {
     verify: bool,
     sent: Totals,
     taken: Totals,
+    /// Sources whose rows were taken in here, reported once they are on
+    /// this server's backup.
+    taken_from: Vec<u32>,
 }
 
 /// Where this server's rows are kept.
@@ -81,6 +84,9 @@ struct Out<P: Fabric> {
     posted: std::time::Instant,
     /// Every row goes with the next forward (a new backup).
     full_due: bool,
+    /// Rows were taken in (a bucket move): what changed goes to the backup
+    /// before anything else is served.
+    changed_due: bool,
     /// The backup's landing region for this table's forwards, and its bytes.
     landing: Option<(RemoteAddr, usize)>,
     /// The contributors of the update whose forward is in flight: credited,
@@ -146,6 +152,7 @@ impl<P: Fabric> RowsBackups<P> {
             in_flight: None,
             posted: std::time::Instant::now(),
             full_due: false,
+            changed_due: false,
             landing: None,
             after: None,
         });
@@ -158,6 +165,7 @@ impl<P: Fabric> RowsBackups<P> {
             verify: std::env::var_os("EPS_VERIFY_BACKUPS").is_some(),
             sent: Totals::default(),
             taken: Totals::default(),
+            taken_from: Vec::new(),
         })
     }
 
@@ -282,6 +290,7 @@ impl<P: Fabric> Server<P> {
         let verify = self.sparse.backups.verify;
         let o = &mut self.sparse.backups.out[t];
         let full = std::mem::take(&mut o.full_due);
+        o.changed_due = false;
         let part = &mut self.sparse.tables[t].part;
         let version = part.sync.version();
         let stats = part.write_forward(full, verify, &mut o.staging);
@@ -290,7 +299,9 @@ impl<P: Fabric> Server<P> {
             o.blob = Some(self.pd.alloc_mr(need.next_power_of_two(), Access::REMOTE_READ | Access::REMOTE_WRITE)?);
         }
         let Some(blob) = o.blob.as_mut() else { return Ok(false) };
-        let inline = o.landing.filter(|&(_, n)| len <= n).map(|(at, _)| at);
+        // (One WRITE: no larger than the fabric's largest message.)
+        let most = (self.opts.max_msg_bytes as usize).max(4096);
+        let inline = o.landing.filter(|&(_, n)| len <= n.min(most)).map(|(at, _)| at);
         let mut d = [0u8; DESCRIPTOR];
         d[..8].copy_from_slice(&version.to_le_bytes());
         let at = if inline.is_some() { 0 } else { blob.addr() + BLOB_AT as u64 };
@@ -351,15 +362,48 @@ impl<P: Fabric> Server<P> {
     fn rows_forward_done(&mut self, table: u16) -> Result<(), ServerError> {
         let o = &mut self.sparse.backups.out[table as usize];
         let after = o.after.take();
-        // A new backup ordered meanwhile gets every row now.
-        if o.full_due && self.forward_rows(table, None)? {
+        // A new backup ordered meanwhile gets every row now; rows taken in
+        // meanwhile go too.
+        if (o.full_due || o.changed_due) && self.forward_rows(table, None)? {
             self.sparse.backups.out[table as usize].after = after;
             return Ok(());
         }
         if let Some(c) = after {
             self.finish_sparse_update(table, &c)?;
         }
+        self.report_taken_rows()?;
         self.replay_sparse()
+    }
+
+    /// Rows from server `from` were taken into this server's parts (a bucket
+    /// move, or a lost server's copy it stood in for): they go to its backup
+    /// (the tables' requests wait meanwhile), and are reported taken
+    /// (`RowsTaken`) once it has them: the source keeps its own until then,
+    /// and a loss before that is a loss during the move.
+    pub(crate) fn rows_taken_in(&mut self, from: u32) -> Result<(), ServerError> {
+        self.sparse.backups.taken_from.push(from);
+        for t in 0..self.sparse.tables.len() as u16 {
+            if self.sparse.backups.busy(t as usize) {
+                self.sparse.backups.out[t as usize].changed_due = true;
+            } else {
+                self.forward_rows(t, None)?;
+            }
+        }
+        self.report_taken_rows()
+    }
+
+    /// Reports the rows taken in, once no table's forward is in flight.
+    fn report_taken_rows(&mut self) -> Result<(), ServerError> {
+        let b = &self.sparse.backups;
+        if b.taken_from.is_empty() || (0..self.sparse.tables.len()).any(|t| b.busy(t) || b.out.get(t).is_some_and(|o| o.changed_due)) {
+            return Ok(());
+        }
+        for from in std::mem::take(&mut self.sparse.backups.taken_from) {
+            if let Err(why) = self.report(&ControlMsg::RowsTaken { rank: self.rank, from })? {
+                return Err(ServerError::Sparse(format!("the control plane refused the rows of server {from}: {why}")));
+            }
+        }
+        Ok(())
     }
 
     /// Connection `ci` failed: if it led to the rows' backup, they go on

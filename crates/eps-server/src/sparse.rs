@@ -394,7 +394,8 @@ impl<P: Fabric> Server<P> {
         self.summary.updates += 1;
         self.metrics.updates.inc();
         if side == Side::StandIn {
-            return self.finish_sparse_update_on(side, table, contributors);
+            self.finish_sparse_update_on(side, table, contributors)?;
+            return self.merge_stand_in();
         }
         // Copied out before any of its buckets leave.
         match self.mode {

@@ -43,6 +43,11 @@ pub(crate) struct StandIn<P: Fabric> {
     scratch: Vec<f32>,
     /// Pulls taken again whose bookkeeping the copy lacked.
     pub(crate) taken_again: u64,
+    /// The cutover at which the buckets become this server's own (a bucket
+    /// map that no longer names the lost server).
+    pub(crate) leaves_at: Option<u64>,
+    /// Rows taken into this server's own parts at that cutover.
+    pub(crate) merged: Option<u64>,
 }
 
 impl<P: Fabric> Server<P> {
@@ -77,7 +82,7 @@ impl<P: Fabric> Server<P> {
                     );
                     tables.push(table);
                 }
-                self.sparse.stand_in = Some(StandIn { from, tables, scratch: Vec::new(), taken_again: 0 });
+                self.sparse.stand_in = Some(StandIn { from, tables, scratch: Vec::new(), taken_again: 0, leaves_at: None, merged: None });
             }
             None => {
                 eps_proto::say!("eps server {}: holds no whole copy of lost server {from}'s table rows: they are lost", self.rank)
@@ -112,14 +117,67 @@ impl<P: Fabric> Server<P> {
         self.notify(w, Imm { kind: ImmKind::PullDone, shard: Side::StandIn.id(table), seq: seq as u16 })
     }
 
+    /// A new bucket map from iteration `at` on: if it no longer names the
+    /// lost server, its buckets are this server's from `at` (see
+    /// `merge_stand_in`).
+    pub(crate) fn stand_in_map(&mut self, at: u64) -> Result<(), ServerError> {
+        let named = |s: &StandIn<P>, o: &[u32]| o.contains(&s.from);
+        let Some(s) = self.sparse.stand_in.as_mut().filter(|s| s.merged.is_none()) else { return Ok(()) };
+        if self.sparse.owners.last().is_some_and(|(_, o)| !named(s, o)) {
+            s.leaves_at = Some(at);
+        }
+        self.merge_stand_in()
+    }
+
+    /// Once the lost server's parts hold every push before the cutover of
+    /// their buckets (BSP: version `at`), their rows are taken into this
+    /// server's own parts, as rows a bucket move brings, and reported taken
+    /// (`RowsTaken` from the lost server); the requests held for them go on.
+    /// The stand-in's regions are kept (nothing is sent to them any more:
+    /// every push and pull before the cutover was answered).
+    pub(crate) fn merge_stand_in(&mut self) -> Result<(), ServerError> {
+        let Some(s) = self.sparse.stand_in.as_mut().filter(|s| s.merged.is_none()) else { return Ok(()) };
+        let Some(at) = s.leaves_at else { return Ok(()) };
+        let latest = self.members.membership().latest();
+        let mut reached = true;
+        for (t, table) in s.tables.iter().enumerate() {
+            match table.part.reached(at, latest) {
+                Some(r) => reached &= r,
+                None => return Err(ServerError::Sparse(format!("lost server {}'s table {t} passed iteration {at}", s.from))),
+            }
+        }
+        if !reached {
+            return Ok(());
+        }
+        let from = s.from;
+        let mut rows = 0;
+        for (t, table) in s.tables.iter_mut().enumerate() {
+            let mut outs = vec![Vec::new()];
+            let n = table.part.take_rows(|_| Some(0), &mut outs)[0];
+            self.sparse.tables[t].part.put_rows(&outs[0], n).map_err(|e| ServerError::Sparse(format!("from lost server {from}: {e}")))?;
+            rows += n;
+        }
+        s.merged = Some(rows);
+        eps_proto::say!("eps server {}: lost server {from}'s {rows} rows are its own from iteration {at} on", self.rank);
+        self.summary.sparse_rows_in += rows;
+        self.rows_taken_in(from)?;
+        if self.sparse.moving.take_in(from) {
+            return self.replay_sparse();
+        }
+        Ok(())
+    }
+
     /// The stand-in's last words: whose rows, how many at the end, and how
     /// many pulls it took again.
     pub(crate) fn stand_in_report(&self) -> Option<String> {
         let s = self.sparse.stand_in.as_ref()?;
-        let rows: usize = s.tables.iter().map(|t| t.part.rows().len()).sum();
         let versions: Vec<u64> = s.tables.iter().map(|t| t.part.sync.version()).collect();
+        let end = match (s.merged, s.leaves_at) {
+            (Some(n), Some(at)) => format!("its {n} rows became this server's own at iteration {at}"),
+            _ => format!("{} rows at the end", s.tables.iter().map(|t| t.part.rows().len()).sum::<usize>()),
+        };
         Some(format!(
-            "eps server {}: stood in for lost server {}: {rows} rows at the end, versions {versions:?}; took {} pulls again",
+            "eps server {}: stood in for lost server {}: {end}, versions {versions:?}; took {} pulls again",
             self.rank, s.from, s.taken_again
         ))
     }

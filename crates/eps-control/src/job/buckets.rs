@@ -74,8 +74,15 @@ impl Job {
         let eligible: Vec<u32> = self.live_servers().into_iter().filter(|&r| has_tables(r) && !self.lost.contains(&r)).collect();
         let Some((_, now)) = self.buckets.last() else { return };
         if now.iter().any(|r| self.lost.contains(r)) {
-            // A lost server's rows are served by a stand-in (or lost): no
-            // move takes them (see `stand_in.rs`).
+            // A lost server's buckets go to its stand-in, which holds their
+            // rows, once it serves them (see `stand_in.rs`); lost rows stay
+            // lost, and nothing else moves.
+            let want: Option<Vec<u32>> =
+                now.iter().map(|&r| if self.lost.contains(&r) { self.heir_of(r) } else { Some(r) }).collect();
+            if let Some(want) = want {
+                let members = self.w.members.latest().to_vec();
+                self.propose(members, Vec::new(), Some(want));
+            }
             return;
         }
         let want = buckets::rebalance(now, &eligible);
@@ -134,7 +141,10 @@ impl Job {
             self.bucket_moves += 1;
             self.place_row_backups();
         }
-        self.order(from, Order::FreeRows { to: rank });
+        if !self.lost.contains(&from) {
+            // (A lost server's rows came from its stand-in's copy.)
+            self.order(from, Order::FreeRows { to: rank });
+        }
         self.retire_drained();
         // A job that ended meanwhile retires them now.
         self.end_if_over();

@@ -9,9 +9,13 @@
 //! (none placed, or one that holds no whole copy yet, or one lost too) is
 //! named with no heir: its rows are lost, and workers stop saying so.
 //!
-//! Not yet: the stand-in's rows have no backup of their own, no bucket moves
-//! after a loss, and checkpoints do not complete after one (nobody saves the
-//! stand-in's buckets).
+//! Once it serves them, the lost server's buckets move to the stand-in
+//! (`maybe_move_buckets` proposes the map, voted as any bucket move): at the
+//! cutover the stand-in takes the rows of its copy into its own parts and
+//! reports them taken. From then on they are its own rows: backed up around
+//! the ring again (`place_row_backups`), saved by checkpoints, moved by
+//! later scale events. Until then they have no backup, and a checkpoint
+//! does not complete (nobody saves the lost server's buckets).
 
 use std::fmt::Write as _;
 
@@ -78,6 +82,11 @@ impl Job {
         Ok(ControlMsg::Ok)
     }
 
+    /// The server serving lost server `rank`'s rows, if one does.
+    pub(super) fn heir_of(&self, rank: u32) -> Option<u32> {
+        self.heirs.iter().find(|h| h.0 == rank).and_then(|h| h.1)
+    }
+
     /// The stand-ins' line of `eps status`.
     pub(super) fn stand_in_status(&self, t: &mut String) {
         if self.heirs.is_empty() && self.standing_in.is_empty() {
@@ -94,7 +103,7 @@ impl Job {
         parts.extend(self.standing_in.iter().map(|(from, b)| format!("server {from}'s by server {b} (starting)")));
         let _ = writeln!(
             t,
-            "  rows of lost servers: {}; a stand-in's rows have no backup of their own, and buckets no longer move",
+            "  rows of lost servers: {}; a stand-in keeps them without a backup until they become its own at a bucket move",
             parts.join(", ")
         );
     }
