@@ -395,7 +395,9 @@ impl<P: Fabric> Server<P> {
     /// Reports the rows taken in, once no table's forward is in flight.
     fn report_taken_rows(&mut self) -> Result<(), ServerError> {
         let b = &self.sparse.backups;
-        if b.taken_from.is_empty() || (0..self.sparse.tables.len()).any(|t| b.busy(t) || b.out.get(t).is_some_and(|o| o.changed_due)) {
+        if b.taken_from.is_empty()
+            || (0..self.sparse.tables.len()).any(|t| b.busy(t) || b.out.get(t).is_some_and(|o| o.changed_due))
+        {
             return Ok(());
         }
         for from in std::mem::take(&mut self.sparse.backups.taken_from) {

@@ -82,7 +82,8 @@ impl<P: Fabric> Server<P> {
                     );
                     tables.push(table);
                 }
-                self.sparse.stand_in = Some(StandIn { from, tables, scratch: Vec::new(), taken_again: 0, leaves_at: None, merged: None });
+                self.sparse.stand_in =
+                    Some(StandIn { from, tables, scratch: Vec::new(), taken_again: 0, leaves_at: None, merged: None });
             }
             None => {
                 eps_proto::say!("eps server {}: holds no whole copy of lost server {from}'s table rows: they are lost", self.rank)
@@ -154,7 +155,10 @@ impl<P: Fabric> Server<P> {
         for (t, table) in s.tables.iter_mut().enumerate() {
             let mut outs = vec![Vec::new()];
             let n = table.part.take_rows(|_| Some(0), &mut outs)[0];
-            self.sparse.tables[t].part.put_rows(&outs[0], n).map_err(|e| ServerError::Sparse(format!("from lost server {from}: {e}")))?;
+            self.sparse.tables[t]
+                .part
+                .put_rows(&outs[0], n)
+                .map_err(|e| ServerError::Sparse(format!("from lost server {from}: {e}")))?;
             rows += n;
         }
         s.merged = Some(rows);
