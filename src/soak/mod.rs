@@ -54,6 +54,11 @@ pub struct SoakArgs {
     /// Seed of the fault schedule.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// The job: `synthetic` (dense tensors) or `ctr` (click-through
+    /// prediction whose embeddings are rows of a sparse table, backed up
+    /// too; the table rows must end as in the fault-free run as well).
+    #[arg(long, default_value = "synthetic", value_parser = ["synthetic", "ctr"])]
+    pub model: String,
     /// Draw resident memory and push_pull latency over time, faults marked,
     /// into this PNG file.
     #[arg(long, value_name = "FILE.png")]
@@ -79,7 +84,8 @@ pub fn run(a: SoakArgs) -> Result<(), String> {
         return Err("--workers must be 1 at least".into());
     }
     let kinds = soak::fault_kinds(&a.faults)?;
-    let c = soak::SoakConfig { workers: a.workers, servers: a.servers, every_s: a.every_s, seed: a.seed };
+    let tables = a.model == "ctr";
+    let c = soak::SoakConfig { workers: a.workers, servers: a.servers, every_s: a.every_s, seed: a.seed, tables };
     let steps = match a.steps {
         Some(0) => return Err("--steps must be 1 at least".into()),
         Some(s) => s,
@@ -87,8 +93,8 @@ pub fn run(a: SoakArgs) -> Result<(), String> {
     };
     let soaked = soak::soak(&c, steps, kinds)?;
     eps_proto::say!("eps soak: the same {steps} steps without faults (the reference)");
-    let (reference, ref_digests) = soak::reference(&c, steps)?;
-    let report = Report::new(&a, steps, &soaked, &reference, &ref_digests);
+    let reference = soak::reference(&c, steps)?;
+    let report = Report::new(&a, steps, &soaked, &reference);
     report.print(&soaked);
     if let Some(path) = &a.plot {
         plot::draw(path, &soaked).map_err(|e| format!("--plot {}: {e}", path.display()))?;
@@ -106,7 +112,9 @@ struct Report {
     errors: Vec<String>,
     lost_updates: u64,
     chunks: u64,
-    reference: String,
+    reference: soak::Reference,
+    /// The table rows differ from the fault-free run's.
+    rows_differ: bool,
     /// Per role (NaN: no sample to compare).
     rss_growth: [f64; 3],
     p50_us: f64,
@@ -114,8 +122,8 @@ struct Report {
 }
 
 impl Report {
-    fn new(a: &SoakArgs, steps: u64, s: &Soaked, reference: &str, ref_digests: &str) -> Self {
-        let (lost_updates, chunks) = differing_chunks(&s.digests, ref_digests);
+    fn new(a: &SoakArgs, steps: u64, s: &Soaked, reference: &soak::Reference) -> Self {
+        let (lost_updates, chunks) = differing_chunks(&s.digests, &reference.digests);
         let mut p50: Vec<f64> = s.worker_lat.iter().map(|l| l.0).collect();
         p50.sort_by(f64::total_cmp);
         let p99 = s.worker_lat.iter().map(|l| l.1).fold(f64::NAN, f64::max);
@@ -124,7 +132,8 @@ impl Report {
             errors: s.faults.errors.clone(),
             lost_updates,
             chunks,
-            reference: reference.to_string(),
+            reference: reference.clone(),
+            rows_differ: s.rows_checksum != reference.rows_checksum,
             rss_growth: rss_growth(&s.ticks, steps * 15 / 100, steps * 90 / 100, s.quiet_from, a.servers),
             p50_us: p50.get(p50.len() / 2).copied().unwrap_or(f64::NAN),
             p99_us: p99,
@@ -153,8 +162,12 @@ impl Report {
         }
         println!(
             "  lost updates:    {} of {} parameter chunks differ from the fault-free run ({} vs {})",
-            self.lost_updates, self.chunks, s.checksum, self.reference
+            self.lost_updates, self.chunks, s.checksum, self.reference.checksum
         );
+        if !self.reference.rows_checksum.is_empty() {
+            let same = if self.rows_differ { "differ from" } else { "the same as" };
+            println!("  table rows:      {same} the fault-free run's ({} vs {})", s.rows_checksum, self.reference.rows_checksum);
+        }
         let g: Vec<String> = ROLES.iter().zip(self.rss_growth).map(|(r, x)| format!("{r} {x:.3}")).collect();
         println!("  RSS growth:      {:.3} (after warm-up to the end: {})", self.rss_growth_ratio(), g.join(", "));
         println!("  push_pull:       p50 {:.0} us (median worker), p99 {:.0} us (worst worker)", self.p50_us, self.p99_us);
@@ -181,7 +194,9 @@ impl Report {
             .int("lost_updates", self.lost_updates)
             .int("chunks", self.chunks)
             .str("params_checksum", &s.checksum)
-            .str("reference_checksum", &self.reference)
+            .str("reference_checksum", &self.reference.checksum)
+            .str("sparse_checksum", &s.rows_checksum)
+            .str("reference_sparse_checksum", &self.reference.rows_checksum)
             .num("rss_growth_ratio", self.rss_growth_ratio())
             .raw("rss_growth", &growth.finish())
             .num("push_pull_p50_us", self.p50_us)
@@ -197,6 +212,9 @@ impl Report {
         }
         if self.lost_updates > 0 {
             bad.push(format!("{} lost updates", self.lost_updates));
+        }
+        if self.rows_differ {
+            bad.push("the table rows differ from the fault-free run's".into());
         }
         let g = self.rss_growth_ratio();
         if !g.is_finite() {

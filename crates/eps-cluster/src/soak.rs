@@ -42,6 +42,45 @@ kind = "adam"
 lr = 0.01
 "#;
 
+/// The job `eps soak --model ctr` trains: click-through prediction whose
+/// embeddings are rows of a sparse table (rows evicted by their touches),
+/// with backups of its dense shards and of its rows.
+pub const SOAK_CTR_SPEC: &str = r#"
+[job]
+name = "soak-ctr"
+workers = 8
+servers = 4
+steps = 100
+consistency = "bsp"
+batch = 128
+seed = 7
+replicas = 2
+
+[model]
+preset = "ctr"
+fields = 4
+vocab = 20000
+max_bag = 3
+zipf = 1.05
+embed_dim = 8
+dense_dim = 8
+hidden = 16
+
+[[model.tables]]
+name = "ctr.ids"
+dim = 8
+optimizer = "adagrad"
+lr = 0.3
+init_scale = 0.05
+max_keys = 8192
+evict_idle_steps = 60
+evict_min_touches = 2
+
+[optimizer]
+kind = "adam"
+lr = 0.01
+"#;
+
 /// What a soak runs: the job's size and the fault stream.
 #[derive(Clone, Debug)]
 pub struct SoakConfig {
@@ -53,6 +92,8 @@ pub struct SoakConfig {
     pub every_s: f64,
     /// Seed of the fault schedule.
     pub seed: u64,
+    /// The job has a sparse table (`--model ctr`).
+    pub tables: bool,
 }
 
 /// Share of the calibrated fault-free speed the soak assumes (faults stop
@@ -91,6 +132,8 @@ pub struct Soaked {
     pub faults: faults::Log,
     pub checksum: String,
     pub digests: String,
+    /// The table rows' checksum (a job with tables).
+    pub rows_checksum: String,
     /// Each worker's whole-run p50 and p99 (us).
     pub worker_lat: Vec<(f64, f64)>,
     pub samples_per_s: f64,
@@ -119,7 +162,7 @@ fn spec(a: &SoakConfig, steps: u64, replicas: u32) -> Result<(JobSpec, String), 
         replicas: Some(replicas),
         ..Default::default()
     };
-    build_spec_or(None, SOAK_SPEC, &o).map_err(|e| e.to_string())
+    build_spec_or(None, if a.tables { SOAK_CTR_SPEC } else { SOAK_SPEC }, &o).map_err(|e| e.to_string())
 }
 
 /// The faults a comma-separated list names (`--faults`), less those this
@@ -195,6 +238,7 @@ pub fn soak(a: &SoakConfig, steps: u64, kinds: Vec<faults::Kind>) -> Result<Soak
                 if let Some(r) = d.result {
                     out.checksum = r.params_checksum;
                     out.digests = r.chunk_digests.unwrap_or_default();
+                    out.rows_checksum = r.sparse_checksum.unwrap_or_default();
                 }
             }
             _ => {}
@@ -274,24 +318,34 @@ fn rss_kib(pid: u32) -> Option<u64> {
 }
 
 /// The fault-free run of the same steps (no backups: they change nothing in
-/// the result): its checksum and chunk digests.
-pub fn reference(a: &SoakConfig, steps: u64) -> Result<(String, String), String> {
+/// the result).
+#[derive(Clone, Debug, Default)]
+pub struct Reference {
+    pub checksum: String,
+    pub digests: String,
+    /// The table rows' checksum (a job with tables).
+    pub rows_checksum: String,
+}
+
+/// Runs the fault-free run of the same steps.
+pub fn reference(a: &SoakConfig, steps: u64) -> Result<Reference, String> {
     let (spec, text) = spec(a, steps, 1)?;
     let cluster = LocalCluster::start(&spec, &text, &["--progress-every", "1000000", "--chunk-digests"], &soft_args())
         .map_err(|e| e.to_string())?;
-    let (mut checksum, mut digests) = (String::new(), String::new());
+    let mut out = Reference::default();
     cluster
         .supervise(None, |l| {
             if let Some(ChildReport::Done(d)) = ChildReport::parse(l)
                 && let Some(r) = d.result
             {
-                checksum = r.params_checksum;
-                digests = r.chunk_digests.unwrap_or_default();
+                out.checksum = r.params_checksum;
+                out.digests = r.chunk_digests.unwrap_or_default();
+                out.rows_checksum = r.sparse_checksum.unwrap_or_default();
             }
         })
         .map_err(|e| format!("the reference run: {e}"))?;
-    if checksum.is_empty() {
+    if out.checksum.is_empty() {
         return Err("the reference run reported no final parameters".into());
     }
-    Ok((checksum, digests))
+    Ok(out)
 }

@@ -188,6 +188,9 @@ pub struct Job {
     heirs: Vec<(u32, Option<u32>)>,
     /// Stand-ins ordered and not reported yet: (lost server, stand-in).
     standing_in: Vec<(u32, u32)>,
+    /// By server rank: the backup that reported a whole copy of its rows
+    /// (`RowsBackedUp`), while it is still the one ordered.
+    rows_whole_on: Vec<Option<u32>>,
 }
 
 impl Job {
@@ -244,6 +247,7 @@ impl Job {
             row_backups: Vec::new(),
             heirs: Vec::new(),
             standing_in: Vec::new(),
+            rows_whole_on: Vec::new(),
         };
         job.set_layout(&layout);
         if let Some(r) = &spec.resume {
@@ -606,6 +610,7 @@ impl Job {
             ControlMsg::RowsOut { rank, to, addr, rkey, len } => self.rows_out(*rank, *to, *addr, *rkey, *len),
             ControlMsg::RowsTaken { rank, from } => self.rows_taken(*rank, *from),
             ControlMsg::StandInReady { rank, from, tables } => self.stand_in_ready(*rank, *from, tables),
+            ControlMsg::RowsBackedUp { rank, backup } => self.rows_backed_up(*rank, *backup),
             ControlMsg::ServerLost { rank } => self.server_lost(*rank),
             ControlMsg::Checkpoint { version, dir } => {
                 if *version == 0 || dir.is_empty() {

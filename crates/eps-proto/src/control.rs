@@ -442,6 +442,15 @@ pub enum ControlMsg {
         /// One per table, in the spec's order (or none).
         tables: Vec<ShardEndpoint>,
     },
+    /// Server -> control: server `backup` holds a whole copy of server
+    /// `rank`'s table rows (it acknowledged every table's first forward of
+    /// every row), kept in step from now on.
+    RowsBackedUp {
+        /// The owner's rank.
+        rank: u32,
+        /// Its backup's rank.
+        backup: u32,
+    },
     /// Server -> control: server `rank` took in the rows server `from` gave it.
     RowsTaken {
         /// The target's rank.

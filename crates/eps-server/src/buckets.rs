@@ -269,9 +269,14 @@ impl<P: Fabric> Server<P> {
     pub(crate) fn sparse_stall(&self) -> Option<String> {
         let m = &self.sparse.moving;
         let held = self.sparse.deferred.len();
-        if self.sparse.tables.is_empty() || (held == 0 && m.incoming.is_none() && m.outgoing.is_none()) {
+        let stand_in = self.sparse.stand_in.as_ref().filter(|s| s.merged.is_none());
+        if self.sparse.tables.is_empty() || (held == 0 && m.incoming.is_none() && m.outgoing.is_none() && stand_in.is_none()) {
             return None;
         }
+        let stand_in = stand_in.map_or(String::new(), |s| {
+            let parts: Vec<String> = s.tables.iter().map(|t| t.part.sync.describe()).collect();
+            format!("; standing in for server {}: [{}]", s.from, parts.join(", "))
+        });
         let tables: Vec<String> = self.sparse.tables.iter().map(|t| t.part.sync.describe()).collect();
         let incoming = m.incoming.as_ref().map_or(String::new(), |i| format!("; rows due at {} from {:?}", i.at, i.sources()));
         let outgoing = m
@@ -279,7 +284,7 @@ impl<P: Fabric> Server<P> {
             .as_ref()
             .map_or(String::new(), |o| format!("; rows leaving at {} for {:?}", o.leaving.at, o.leaving.targets));
         Some(format!(
-            "sparse tables [{}]; {held} requests held (hold {:?}){incoming}{outgoing}",
+            "sparse tables [{}]; {held} requests held (hold {:?}){incoming}{outgoing}{stand_in}",
             tables.join(", "),
             self.members.hold()
         ))

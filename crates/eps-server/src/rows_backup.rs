@@ -87,6 +87,10 @@ struct Out<P: Fabric> {
     /// Rows were taken in (a bucket move): what changed goes to the backup
     /// before anything else is served.
     changed_due: bool,
+    /// The forward in flight carries every row; one such was acknowledged
+    /// by the current backup.
+    full_in_flight: bool,
+    whole: bool,
     /// The backup's landing region for this table's forwards, and its bytes.
     landing: Option<(RemoteAddr, usize)>,
     /// The contributors of the update whose forward is in flight: credited,
@@ -153,6 +157,8 @@ impl<P: Fabric> RowsBackups<P> {
             posted: std::time::Instant::now(),
             full_due: false,
             changed_due: false,
+            full_in_flight: false,
+            whole: false,
             landing: None,
             after: None,
         });
@@ -239,6 +245,7 @@ impl<P: Fabric> Server<P> {
         b.link = None;
         for o in &mut b.out {
             o.full_due = false;
+            o.whole = false;
             o.landing = None;
         }
         let Some(to) = to else {
@@ -324,6 +331,7 @@ impl<P: Fabric> Server<P> {
         let wr = SendWr { wr_id: WR_OTHER, op: SendOp::WriteImm(remote, imm), sg: &sg, signaled: false };
         conn.post_or_flush(&wr, &mut self.flushed)?;
         o.in_flight = Some((version, ci));
+        o.full_in_flight = full;
         o.posted = std::time::Instant::now();
         o.after = after;
         let s = &mut self.sparse.backups.sent;
@@ -345,7 +353,17 @@ impl<P: Fabric> Server<P> {
             return Ok(());
         }
         o.in_flight = None;
+        let whole = current && o.full_in_flight && !o.whole;
+        o.whole |= current && o.full_in_flight;
         self.sparse.backups.sent.waited_s += o.posted.elapsed().as_secs_f64();
+        if whole && self.sparse.backups.out.iter().all(|o| o.whole) {
+            // Every table's rows are whole on the backup: a loss of this
+            // server loses none of them from now on.
+            let backup = self.sparse.backups.link.as_ref().map_or(u32::MAX, |l| l.rank);
+            if let Err(why) = self.report(&ControlMsg::RowsBackedUp { rank: self.rank, backup })? {
+                eps_proto::say!("eps server {}: the control plane did not take its rows' backup: {why}", self.rank);
+            }
+        }
         let o = &mut self.sparse.backups.out[t];
         if let Some(blob) = o.blob.as_ref().filter(|_| current) {
             let mut r = [0u8; REPLY];

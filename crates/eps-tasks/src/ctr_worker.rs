@@ -123,7 +123,11 @@ pub fn run<P: eps_fabric::Fabric>(mut w: Worker<P>, pace: Pace) -> Result<(), Tr
     let mut d = done(&w, first_step, left, trained, start.elapsed().as_secs_f64());
     let last = w.iteration().saturating_sub(1);
     if !left && w.membership().contributors(last).first() == Some(&rank) {
-        d.result = Some(evaluate(&mut w, table, &task)?);
+        let mut r = evaluate(&mut w, table, &task)?;
+        if pace.chunk_digests {
+            r.chunk_digests = Some(crate::worker::chunk_digests(&w.params_copy(), spec.job.shard_bytes as usize));
+        }
+        d.result = Some(r);
     }
     Report::Done(Box::new(d)).print();
     w.finish()?;

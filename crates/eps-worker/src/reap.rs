@@ -91,7 +91,7 @@ impl<P: Fabric> Worker<P> {
                 }
                 if c.wr_id & (0xF << 60) == crate::sparse::WR_SPARSE && c.wr_id & crate::sparse::WR_SPARSE_PULL == 0 {
                     // A push that failed is sent again to the stand-in, if any.
-                    self.sparse.sent((c.wr_id & 0xFFFF) as usize);
+                    self.sparse.sent((c.wr_id & 0xFFFF) as usize, server);
                 }
                 if self.lost.contains(&server) {
                     continue;
@@ -179,7 +179,7 @@ impl<P: Fabric> Worker<P> {
                 }
                 _ if c.wr_id == WR_HELLO => self.hellos_acked += 1,
                 _ if c.wr_id & (0xF << 60) == crate::sparse::WR_SPARSE && c.wr_id & crate::sparse::WR_SPARSE_PULL == 0 => {
-                    self.sparse.sent((c.wr_id & 0xFFFF) as usize)
+                    self.sparse.sent((c.wr_id & 0xFFFF) as usize, server)
                 }
                 _ if c.wr_id & (3 << 62) == WR_PUSH => {
                     if let Some(n) = self.sending.get_mut((c.wr_id & 0xFFFF_FFFF) as usize) {

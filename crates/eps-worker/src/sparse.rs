@@ -59,8 +59,10 @@ pub(crate) struct Table<P: Fabric> {
     /// By server rank: its push region may be written (the server applied
     /// the last push).
     pub(crate) credit: Vec<bool>,
-    /// Push WRITEs not completed.
-    pub(crate) sending: u32,
+    /// Push WRITEs not completed, by the server rank of their connection
+    /// (a lost server's connection is dropped with its WRITEs: they never
+    /// complete, and are not awaited).
+    pub(crate) sending: Vec<u32>,
     /// The iteration last pushed.
     pub(crate) pushed_at: Option<u64>,
     /// The servers whose pull answers are not in yet.
@@ -152,7 +154,7 @@ impl<P: Fabric> Tables<P> {
                 push_out: pd.alloc_mr(push, Access::NONE)?,
                 pull_out: pd.alloc_mr(pull, Access::NONE)?,
                 credit: vec![true; servers as usize],
-                sending: 0,
+                sending: Vec::new(),
                 pushed_at: None,
                 owed: Vec::new(),
                 push_posts: Vec::new(),
@@ -236,10 +238,10 @@ impl<P: Fabric> Tables<P> {
         }
     }
 
-    /// A push WRITE of table `table` completed.
-    pub(crate) fn sent(&mut self, table: usize) {
-        if let Some(t) = self.tables.get_mut(table) {
-            t.sending = t.sending.saturating_sub(1);
+    /// A push WRITE of table `table` to server `server` completed.
+    pub(crate) fn sent(&mut self, table: usize, server: u32) {
+        if let Some(n) = self.tables.get_mut(table).and_then(|t| t.sending.get_mut(server as usize)) {
+            *n = n.saturating_sub(1);
         }
     }
 
@@ -259,7 +261,7 @@ impl<P: Fabric> Tables<P> {
     /// Whether nothing is in flight: no pull a server may still answer into a
     /// row buffer, no push still reading its staging buffer.
     pub(crate) fn quiet(&self) -> bool {
-        self.tables.iter().all(|t| t.owed.is_empty() && t.sending == 0)
+        self.tables.iter().all(|t| t.owed.is_empty() && t.sent_all())
     }
 }
 
@@ -524,7 +526,8 @@ impl<P: Fabric> Worker<P> {
             t.credit[server as usize] = false;
             // (A lost server's part goes to its stand-in: see `takeover.rs`.)
             let Some((addr, rkey)) = self.sparse_landing(server, table)? else { continue };
-            self.sparse.tables[table as usize].sending += 1;
+            let conn = self.sparse.heir_of(server).unwrap_or(server);
+            self.sparse.tables[table as usize].sending_to(conn);
             self.post_sparse(server, table, Staged::Push, RemoteAddr { addr, rkey }, ImmKind::Push, v, at, n)?;
             self.count_pushed(n as u64);
         }
@@ -539,7 +542,7 @@ impl<P: Fabric> Worker<P> {
         self.wait_until(
             |w| {
                 let t = &w.sparse.tables[table as usize];
-                t.sending == 0 && t.credit.iter().all(|&c| c)
+                t.sent_all() && t.credit.iter().all(|&c| c)
             },
             "the servers to apply this worker's last sparse push",
         )
@@ -569,7 +572,7 @@ impl<P: Fabric> Worker<P> {
             return Ok(true);
         }
         self.reap()?;
-        let waiting = |t: &Table<P>| due(t) && !(t.sending == 0 && t.credit.iter().all(|&c| c));
+        let waiting = |t: &Table<P>| due(t) && !(t.sent_all() && t.credit.iter().all(|&c| c));
         if self.sparse.tables.iter().any(waiting) {
             return Ok(false);
         }

@@ -23,6 +23,12 @@ impl<P: Fabric> Tables<P> {
     /// Server `server` was lost: whether it held rows of the tables (the
     /// newest bucket map names it). With replicas, a stand-in is awaited.
     pub(crate) fn lose(&mut self, server: u32) -> bool {
+        // Its connection is dropped with the WRITEs on it.
+        for t in &mut self.tables {
+            if let Some(n) = t.sending.get_mut(server as usize) {
+                *n = 0;
+            }
+        }
         let held = self.holds(server) && self.heir_of(server).is_none();
         if held && self.replicas > 1 {
             if !self.pending.contains(&server) {
@@ -77,6 +83,19 @@ impl<P: Fabric> Tables<P> {
 }
 
 impl<P: Fabric> Table<P> {
+    /// A push WRITE goes on the connection to server `conn`.
+    pub(crate) fn sending_to(&mut self, conn: u32) {
+        if self.sending.len() <= conn as usize {
+            self.sending.resize(conn as usize + 1, 0);
+        }
+        self.sending[conn as usize] += 1;
+    }
+
+    /// Whether every push WRITE completed.
+    pub(crate) fn sent_all(&self) -> bool {
+        self.sending.iter().all(|&n| n == 0)
+    }
+
     /// A pull of version `next` begins: the last one (answered) is kept,
     /// each server's part copied, and those older than `next - 1` dropped.
     pub(crate) fn log_last_pull(&mut self, next: u64) {
@@ -186,7 +205,9 @@ impl<P: Fabric> Worker<P> {
             if let (Some((_, at, n)), Some(seq)) = (push, t.pushed_at)
                 && t.credit.get(lost as usize) == Some(&false)
             {
-                t.sending += 1;
+                let heir = self.sparse.heir_of(lost).unwrap_or(lost);
+                let t = self.sparse.table_mut(table as usize);
+                t.sending_to(heir);
                 self.post_sparse(lost, table, Staged::Push, RemoteAddr { addr, rkey }, ImmKind::Push, seq, at, n)?;
             }
             if owed {

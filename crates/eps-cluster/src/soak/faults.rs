@@ -433,7 +433,9 @@ impl Thread {
     }
 }
 
-/// No migration or split in flight, no server joining, every shard backed up.
+/// No migration, split or bucket move in flight, no server joining, every
+/// shard backed up, and every server's table rows whole on their backup (no
+/// lost server's rows still served by a stand-in).
 pub fn settled(t: &Value) -> bool {
     let n = |k: &str| t.get(k).and_then(Value::as_u64);
     let shards = n("shards");
@@ -442,6 +444,9 @@ pub fn settled(t: &Value) -> bool {
         && n("migrations_in_flight") == Some(0)
         && n("servers_joining") == Some(0)
         && t.get("splitting").and_then(Value::as_bool) == Some(false)
+        && t.get("buckets_moving").and_then(Value::as_bool) == Some(false)
+        && n("row_holders_protected") == n("row_holders")
+        && n("rows_standing_in") == Some(0)
 }
 
 #[cfg(test)]
@@ -461,9 +466,10 @@ mod tests {
     }
 
     #[test]
-    fn settled_needs_every_shard_protected_and_nothing_moving() {
+    fn settled_needs_every_shard_and_row_protected_and_nothing_moving() {
         let base = serde_json::json!({"shards": 17, "shards_protected": 17, "migrations_in_flight": 0,
-            "servers_joining": 0, "splitting": false});
+            "servers_joining": 0, "splitting": false, "buckets_moving": false, "row_holders": 3,
+            "row_holders_protected": 3, "rows_standing_in": 0});
         assert!(settled(&base));
         let with = |k: &str, v: Value| {
             let mut t = base.clone();
@@ -474,6 +480,9 @@ mod tests {
         assert!(!settled(&with("migrations_in_flight", 1.into())));
         assert!(!settled(&with("servers_joining", 1.into())));
         assert!(!settled(&with("splitting", true.into())));
+        assert!(!settled(&with("buckets_moving", true.into())));
+        assert!(!settled(&with("row_holders_protected", 2.into())));
+        assert!(!settled(&with("rows_standing_in", 1.into())));
         assert!(!settled(&serde_json::json!({})), "no figures");
     }
 }

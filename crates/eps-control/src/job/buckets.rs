@@ -185,6 +185,10 @@ impl Job {
                 continue;
             }
             self.row_backups[r as usize] = to;
+            // (A new backup starts from every row: whole once it says so.)
+            if let Some(w) = self.rows_whole_on.get_mut(r as usize) {
+                *w = None;
+            }
             let to = to.map(|b| {
                 let mut inbox: Vec<_> =
                     self.tables.iter().filter(|e| e.owner == b).map(|e| (e.shard, e.published_addr, e.published_rkey)).collect();

@@ -82,6 +82,34 @@ impl Job {
         Ok(ControlMsg::Ok)
     }
 
+    /// `RowsBackedUp`: server `backup` holds a whole copy of server
+    /// `rank`'s rows (ignored if it is no longer the one ordered).
+    pub(super) fn rows_backed_up(&mut self, rank: u32, backup: u32) -> Result<ControlMsg, Refusal> {
+        if self.rows_backup_of(rank) == Some(backup) {
+            if self.rows_whole_on.len() <= rank as usize {
+                self.rows_whole_on.resize(rank as usize + 1, None);
+            }
+            self.rows_whole_on[rank as usize] = Some(backup);
+        }
+        Ok(ControlMsg::Ok)
+    }
+
+    /// Servers that hold table rows, those of them whose rows are whole on
+    /// their backup, and lost servers whose rows a stand-in still serves.
+    pub fn rows_protection(&self) -> (u64, u64, u64) {
+        let Some((_, owners)) = self.buckets.last().filter(|_| self.table_count > 0) else { return (0, 0, 0) };
+        let mut holders: Vec<u32> = owners.clone();
+        holders.sort_unstable();
+        holders.dedup();
+        let standing = holders.iter().filter(|r| self.lost.contains(r)).count() + self.standing_in.len();
+        holders.retain(|r| !self.lost.contains(r));
+        let whole = |r: u32| {
+            self.rows_backup_of(r).is_some() && self.rows_whole_on.get(r as usize).copied().flatten() == self.rows_backup_of(r)
+        };
+        let protected = holders.iter().filter(|&&r| whole(r)).count();
+        (holders.len() as u64, protected as u64, standing as u64)
+    }
+
     /// The server serving lost server `rank`'s rows, if one does.
     pub(super) fn heir_of(&self, rank: u32) -> Option<u32> {
         self.heirs.iter().find(|h| h.0 == rank).and_then(|h| h.1)

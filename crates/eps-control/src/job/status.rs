@@ -43,6 +43,13 @@ pub struct Figures {
     pub protected: u64,
     /// Shards in the map.
     pub shards: u64,
+    /// Servers that hold table rows; those whose rows are whole on their
+    /// backup (with two replicas); lost servers whose rows a stand-in serves.
+    pub row_holders: u64,
+    /// See `row_holders`.
+    pub row_holders_protected: u64,
+    /// See `row_holders`.
+    pub rows_standing_in: u64,
 }
 
 /// A shard move as `eps status --json` shows it: the latest finished ones
@@ -168,6 +175,9 @@ impl Job {
                 .filter(|s| self.backups[s.id as usize].is_some() && !self.unsynced[s.id as usize])
                 .count() as u64,
             shards: self.map.shards.len() as u64,
+            row_holders: self.rows_protection().0,
+            row_holders_protected: self.rows_protection().1,
+            rows_standing_in: self.rows_protection().2,
         }
     }
 

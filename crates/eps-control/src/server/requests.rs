@@ -76,6 +76,7 @@ impl State {
             | ControlMsg::RowsOut { .. }
             | ControlMsg::RowsTaken { .. }
             | ControlMsg::StandInReady { .. }
+            | ControlMsg::RowsBackedUp { .. }
             | ControlMsg::Cutover { .. }
             | ControlMsg::Released { .. }
             | ControlMsg::Split { .. }

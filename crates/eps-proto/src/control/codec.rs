@@ -439,6 +439,11 @@ impl ControlMsg {
                 w.u32(*rank);
                 w.u32(*from);
             }
+            ControlMsg::RowsBackedUp { rank, backup } => {
+                w.u8(40);
+                w.u32(*rank);
+                w.u32(*backup);
+            }
             ControlMsg::StandInReady { rank, from, tables } => {
                 w.u8(39);
                 w.u32(*rank);
@@ -537,6 +542,7 @@ impl ControlMsg {
             33 => ControlMsg::TablesReady { rank: r.u32()?, tables: r.endpoints()? },
             34 => ControlMsg::RowsOut { rank: r.u32()?, to: r.u32()?, addr: r.u64()?, rkey: r.u32()?, len: r.u64()? },
             35 => ControlMsg::RowsTaken { rank: r.u32()?, from: r.u32()? },
+            40 => ControlMsg::RowsBackedUp { rank: r.u32()?, backup: r.u32()? },
             39 => ControlMsg::StandInReady { rank: r.u32()?, from: r.u32()?, tables: r.endpoints()? },
             36 => ControlMsg::StatusJson,
             37 => {

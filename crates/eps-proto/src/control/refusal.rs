@@ -132,6 +132,7 @@ impl super::ControlMsg {
                 | M::RowsOut { .. }
                 | M::RowsTaken { .. }
                 | M::StandInReady { .. }
+                | M::RowsBackedUp { .. }
                 | M::Cutover { .. }
                 | M::Split { .. }
                 | M::Released { .. }

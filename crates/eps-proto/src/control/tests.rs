@@ -38,6 +38,7 @@ fn roundtrip_and_garbage() {
         ControlMsg::RowsTaken { rank: 2, from: 1 },
         ControlMsg::StandInReady { rank: 2, from: 1, tables: vec![ep(0, 1)] },
         ControlMsg::StandInReady { rank: 2, from: 1, tables: Vec::new() },
+        ControlMsg::RowsBackedUp { rank: 2, backup: 0 },
         ControlMsg::Released { shard: 4, bytes: 1 << 30, millis: 17 },
         ControlMsg::Scale { servers: 3 },
         ControlMsg::Poll { rank: 2, after: 5 },
