@@ -232,8 +232,10 @@ pub fn soak(a: &SoakConfig, steps: u64, kinds: Vec<faults::Kind>) -> Result<Soak
             }
             Some(ChildReport::Latency(x)) => out.lat.push(Lat { t, p50_us: x.p50_us as f64, p99_us: x.p99_us as f64 }),
             Some(ChildReport::Done(d)) => {
-                let q = d.latency_us.clone().unwrap_or_default();
-                out.worker_lat.push((q.p50 as f64, q.p99 as f64));
+                // (The ctr task's workers report no latency.)
+                if let Some(q) = &d.latency_us {
+                    out.worker_lat.push((q.p50 as f64, q.p99 as f64));
+                }
                 out.samples_per_s += d.samples as f64 / d.elapsed_s.max(1e-9);
                 if let Some(r) = d.result {
                     out.checksum = r.params_checksum;

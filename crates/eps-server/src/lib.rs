@@ -596,7 +596,7 @@ pub fn run_direct<P: Fabric>(
     for line in s.sparse.backups.report(rank, st.stepped_keys, s.sparse.merged_row_bytes()) {
         eps_proto::say!("{line}");
     }
-    if let Some(line) = s.stand_in_report() {
+    for line in s.stand_in_report() {
         eps_proto::say!("{line}");
     }
     Ok(s.summary)

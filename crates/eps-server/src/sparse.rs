@@ -64,6 +64,8 @@ pub(crate) struct Sparse<P: Fabric> {
     /// The parts of a lost server this one serves from its copy of their
     /// rows (see `stand_in.rs`).
     pub(crate) stand_in: Option<crate::stand_in::StandIn<P>>,
+    /// Stand-ins whose rows became this server's own (kept: see `stand_in.rs`).
+    pub(crate) stood_in: Vec<crate::stand_in::StandIn<P>>,
     /// This process's resident memory once the regions were set up (all
     /// their pages touched), before any row: what rows add is measured from
     /// here.
@@ -79,7 +81,8 @@ impl<P: Fabric> Sparse<P> {
         let (deferred, moving) = (Vec::new(), Default::default());
         let backups = crate::rows_backup::RowsBackups::new(pd, spec.model.tables.len(), spec.job.replicas)?;
         if spec.model.tables.is_empty() {
-            return Ok(Self { tables: Vec::new(), owners, deferred, moving, backups, stand_in: None, rss_start: 0 });
+            let stood_in = Vec::new();
+            return Ok(Self { tables: Vec::new(), owners, deferred, moving, backups, stand_in: None, stood_in, rss_start: 0 });
         }
         let mut tables = Vec::new();
         for t in eps_sparse::decl::tables(spec) {
@@ -95,7 +98,7 @@ impl<P: Fabric> Sparse<P> {
             tables.push(Table::new(pd, part, ranks)?);
         }
         let rss_start = eps_metrics::rss_bytes(None).unwrap_or(0);
-        Ok(Self { tables, owners, deferred, moving, backups, stand_in: None, rss_start })
+        Ok(Self { tables, owners, deferred, moving, backups, stand_in: None, stood_in: Vec::new(), rss_start })
     }
 
     /// Table `table` of `side`, if held.

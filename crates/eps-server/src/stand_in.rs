@@ -56,7 +56,10 @@ impl<P: Fabric> Server<P> {
     /// their requests for them (nowhere, if not: its rows are lost).
     pub(crate) fn on_stand_in(&mut self, from: u32) -> Result<(), ServerError> {
         let n = self.sparse.tables.len();
-        let copies = if self.sparse.stand_in.is_some() { None } else { self.sparse.backups.take_copies(from, n) };
+        // (One whose rows became this server's own is done: its regions are
+        // kept, as a late request may still land there.)
+        let busy = self.sparse.stand_in.as_ref().is_some_and(|s| s.merged.is_none());
+        let copies = if busy { None } else { self.sparse.backups.take_copies(from, n) };
         let mut endpoints = Vec::new();
         match copies {
             Some(copies) => {
@@ -82,8 +85,9 @@ impl<P: Fabric> Server<P> {
                     );
                     tables.push(table);
                 }
-                self.sparse.stand_in =
-                    Some(StandIn { from, tables, scratch: Vec::new(), taken_again: 0, leaves_at: None, merged: None });
+                let s = StandIn { from, tables, scratch: Vec::new(), taken_again: 0, leaves_at: None, merged: None };
+                let done = self.sparse.stand_in.replace(s);
+                self.sparse.stood_in.extend(done);
             }
             None => {
                 eps_proto::say!("eps server {}: holds no whole copy of lost server {from}'s table rows: they are lost", self.rank)
@@ -173,16 +177,19 @@ impl<P: Fabric> Server<P> {
 
     /// The stand-in's last words: whose rows, how many at the end, and how
     /// many pulls it took again.
-    pub(crate) fn stand_in_report(&self) -> Option<String> {
-        let s = self.sparse.stand_in.as_ref()?;
+    pub(crate) fn stand_in_report(&self) -> Vec<String> {
+        self.sparse.stood_in.iter().chain(&self.sparse.stand_in).map(|s| self.stood_in_line(s)).collect()
+    }
+
+    fn stood_in_line(&self, s: &StandIn<P>) -> String {
         let versions: Vec<u64> = s.tables.iter().map(|t| t.part.sync.version()).collect();
         let end = match (s.merged, s.leaves_at) {
             (Some(n), Some(at)) => format!("its {n} rows became this server's own at iteration {at}"),
             _ => format!("{} rows at the end", s.tables.iter().map(|t| t.part.rows().len()).sum::<usize>()),
         };
-        Some(format!(
+        format!(
             "eps server {}: stood in for lost server {}: {end}, versions {versions:?}; took {} pulls again",
             self.rank, s.from, s.taken_again
-        ))
+        )
     }
 }

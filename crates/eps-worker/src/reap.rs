@@ -96,13 +96,13 @@ impl<P: Fabric> Worker<P> {
                 if self.lost.contains(&server) {
                     continue;
                 }
-                if self.spec.job.replicas > 1 && self.routes_to(server) {
+                if self.spec.job.replicas > 1 && (self.routes_to(server) || self.sparse.holds(server)) {
                     // Its shards' backups take over: this round goes there again.
                     self.lose_server(server);
                     self.report_unreachable(server);
                     continue;
                 }
-                if !self.routes_to(server) {
+                if !self.routes_to(server) && !self.sparse.holds(server) {
                     // A server this worker no longer routes to left the job: its
                     // connection's posted receives are flushed. Nothing was lost.
                     if let Some(q) = self.qps.get_mut(server as usize) {

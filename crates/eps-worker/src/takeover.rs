@@ -51,8 +51,9 @@ impl<P: Fabric> Tables<P> {
     }
 
     /// The lost server a stand-in's immediate from server `server` speaks for.
+    /// (A server stands in for one lost server at a time: the latest.)
     pub(crate) fn lost_for(&self, server: u32) -> Option<u32> {
-        self.heirs.iter().find(|h| h.1 == server).map(|h| h.0)
+        self.heirs.iter().rev().find(|h| h.1 == server).map(|h| h.0)
     }
 
     /// The table `table`, for sending again.
@@ -148,6 +149,11 @@ impl<P: Fabric> Worker<P> {
     fn take_over_pending(&mut self) -> Result<(), WorkerError> {
         while let Some(&lost) = self.sparse.pending.first() {
             let deadline = std::time::Instant::now() + self.timeout;
+            // (A server cut off from the workers alone is declared lost once
+            // two peers say so.)
+            if !self.map.heirs.iter().any(|h| h.0 == lost) {
+                self.report_unreachable(lost);
+            }
             let heir = loop {
                 self.adopt_newest()?;
                 match self.map.heirs.iter().find(|h| h.0 == lost) {
