@@ -1,5 +1,6 @@
 //! `eps soak`: a short soak under every kind of fault ends with nothing lost
-//! (the same bits as the fault-free run), and bad flags are refused.
+//! (the same bits as the fault-free run), for a job with a sparse table too,
+//! and bad flags are refused.
 
 mod common;
 
@@ -27,6 +28,29 @@ fn a_short_soak_under_every_fault_loses_nothing() {
     assert!(json(&out, "push_pull_p99_us").parse::<f64>().unwrap() > 0.0, "{out}");
 }
 
+/// A soak of the ctr job (its embeddings rows of a sparse table, backed up
+/// too) under every kind of fault: servers killed, cut off and stalled hand
+/// their rows to stand-ins, scale events move buckets; the dense parameters
+/// and the table rows end as in the fault-free run, bit for bit.
+#[test]
+fn a_short_soak_of_a_job_with_tables_loses_no_row() {
+    let o = eps()
+        .args(["soak", "--model", "ctr", "--steps", "2000", "--every-s", "1", "--seed", "2", "--json"])
+        .args(["--faults", "server_kill,scale_out,scale_in,server_stall,worker_stall,control_kill,server_cut"])
+        .output()
+        .unwrap();
+    let (out, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert_eq!(json(&out, "errors"), "0", "{out}\n{err}");
+    assert_eq!(json(&out, "lost_updates"), "0", "{out}\n{err}");
+    assert_eq!(json(&out, "params_checksum"), json(&out, "reference_checksum"));
+    assert!(!json(&out, "sparse_checksum").is_empty(), "{out}");
+    assert_eq!(json(&out, "sparse_checksum"), json(&out, "reference_sparse_checksum"), "{out}\n{err}");
+    let faults: u64 = json(&out, "faults_injected").parse().unwrap();
+    assert!(faults >= 3, "only {faults} faults in the soak:\n{err}");
+    assert_eq!(json(&out, "recoveries"), faults.to_string(), "every fault recovered from:\n{err}");
+    assert!(err.contains("serves lost server"), "no server lost its rows to a stand-in:\n{err}");
+}
+
 #[test]
 fn bad_soak_flags_are_refused_with_the_reason() {
     for (args, why) in [
@@ -34,6 +58,7 @@ fn bad_soak_flags_are_refused_with_the_reason() {
         (&["--servers", "2"][..], "3 at least"),
         (&["--minutes", "0"][..], "positive"),
         (&["--every-s", "0"][..], "positive"),
+        (&["--model", "resnet"][..], "possible values: synthetic, ctr"),
     ] {
         let o = eps().arg("soak").args(args).output().unwrap();
         let err = String::from_utf8_lossy(&o.stderr);
