@@ -1,13 +1,14 @@
 //! `eps soak`: a local elastic job with backups (8 workers, 4 servers,
-//! `replicas = 2`, BSP) trains under a stream of faults for a few minutes
-//! (see [`faults`]), then the same steps run again without faults. The
-//! verdict:
+//! `replicas = 2`, BSP; `--model ctr`: one whose embeddings are rows of a
+//! sparse table) trains under a stream of faults for a few minutes (see
+//! [`faults`]), then the same steps run again without faults. The verdict:
 //!
 //! - `errors`: faults the job did not recover from, processes that failed;
 //! - `lost_updates`: parameter chunks (`shard_bytes` each) whose final bits
 //!   differ from the fault-free run's. In BSP every version of a chunk
 //!   depends on the one before, so one update lost or applied twice anywhere
-//!   leaves its chunk different at the end;
+//!   leaves its chunk different at the end; with a table, its rows' checksum
+//!   must be the fault-free run's too;
 //! - `rss_growth_ratio`: per role (control plane, servers, workers), the
 //!   summed resident memory of their own (anonymous and shared, not the
 //!   code's file pages) at the end against the same after warm-up, with as

@@ -10,7 +10,8 @@
 //! - as a target, holds pushes of `T` and later, and pulls of keys whose
 //!   rows are on their way, until each source's rows are in: on
 //!   `FetchRows` it dials the source and READs the blob, takes the rows in
-//!   with their optimizer state and bookkeeping, reports `RowsTaken`, and
+//!   with their optimizer state and bookkeeping, reports `RowsTaken` (with
+//!   replicas, once its backup has them: see `rows_backup.rs`), and
 //!   once the last source's are in, serves what it held. A server that
 //!   owned no bucket before starts its parts at `T`.
 
