@@ -42,44 +42,17 @@ kind = "adam"
 lr = 0.01
 "#;
 
-/// The job `eps soak --model ctr` trains: click-through prediction whose
-/// embeddings are rows of a sparse table (rows evicted by their touches),
-/// with backups of its dense shards and of its rows.
-pub const SOAK_CTR_SPEC: &str = r#"
-[job]
-name = "soak-ctr"
-workers = 8
-servers = 4
-steps = 100
-consistency = "bsp"
-batch = 128
-seed = 7
-replicas = 2
-
-[model]
-preset = "ctr"
-fields = 4
-vocab = 20000
-max_bag = 3
-zipf = 1.05
-embed_dim = 8
-dense_dim = 8
-hidden = 16
-
-[[model.tables]]
-name = "ctr.ids"
-dim = 8
-optimizer = "adagrad"
-lr = 0.3
-init_scale = 0.05
-max_keys = 8192
-evict_idle_steps = 60
-evict_min_touches = 2
-
-[optimizer]
-kind = "adam"
-lr = 0.01
-"#;
+/// The job `eps soak --model ctr` trains: the built-in ctr job (whose
+/// embeddings are rows of a sparse table) with a larger vocabulary, rows
+/// evicted by their touches, and backups of its dense shards and its rows.
+pub fn soak_ctr_spec() -> String {
+    crate::jobspec::CTR_SPEC
+        .replace("name = \"ctr\"", "name = \"soak-ctr\"\nreplicas = 2")
+        .replace("batch = 512", "batch = 128")
+        .replace("seed = 1", "seed = 7")
+        .replace("vocab = 1000", "vocab = 20000")
+        .replace("max_keys = 8192", "max_keys = 8192\nevict_idle_steps = 60\nevict_min_touches = 2")
+}
 
 /// What a soak runs: the job's size and the fault stream.
 #[derive(Clone, Debug)]
@@ -162,7 +135,8 @@ fn spec(a: &SoakConfig, steps: u64, replicas: u32) -> Result<(JobSpec, String), 
         replicas: Some(replicas),
         ..Default::default()
     };
-    build_spec_or(None, if a.tables { SOAK_CTR_SPEC } else { SOAK_SPEC }, &o).map_err(|e| e.to_string())
+    let text = if a.tables { soak_ctr_spec() } else { SOAK_SPEC.to_string() };
+    build_spec_or(None, &text, &o).map_err(|e| e.to_string())
 }
 
 /// The faults a comma-separated list names (`--faults`), less those this
