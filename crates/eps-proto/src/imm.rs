@@ -98,7 +98,9 @@ mod tests {
             ImmKind::ForwardAck,
         ];
         for kind in kinds {
-            for shard in [0, 1, 4095, MAX_SHARDS - 1, crate::layout::sparse_id(0), crate::layout::sparse_id(63)] {
+            let last = crate::layout::TABLE_IDS as u16 - 1;
+            let sparse = [crate::layout::sparse_id(0), crate::layout::sparse_id(last), crate::layout::stand_in_id(last)];
+            for shard in [0, 1, 4095, MAX_SHARDS - 1].into_iter().chain(sparse) {
                 for seq in [0, 1, 0x7FFF, 0xFFFF] {
                     let i = Imm { kind, shard, seq };
                     assert_eq!(Imm::decode(i.encode()), Some(i));
@@ -106,6 +108,11 @@ mod tests {
             }
         }
         assert_eq!(Imm::decode(0x1234), Some(Imm { kind: ImmKind::PullMoved, shard: 0, seq: 0x1234 }));
+        // A table's two ids name it; only the second is a stand-in's.
+        use crate::layout::{is_stand_in, sparse_id, sparse_table, stand_in_id};
+        assert_eq!((sparse_table(sparse_id(5)), sparse_table(stand_in_id(5))), (Some(5), Some(5)));
+        assert!(!is_stand_in(sparse_id(31)) && is_stand_in(stand_in_id(0)));
+        assert_eq!(sparse_table(MAX_SHARDS - 1), None);
     }
 
     #[test]
