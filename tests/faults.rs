@@ -331,6 +331,38 @@ fn table_servers_killed_with_two_replicas_lose_no_row() {
     std::fs::remove_file(&spec).ok();
 }
 
+/// A stand-in killed while it serves a lost server's rows (before they
+/// become its own at a cutover): those rows had no other copy, so the job
+/// stops at once, saying so and how to resume; a stand-in killed after the
+/// cutover loses nothing, and the run ends as the uninterrupted one. Either
+/// way nothing hangs and nothing ends with other rows.
+#[test]
+fn a_stand_in_lost_before_the_rows_are_its_own_stops_the_job_clearly() {
+    let spec = tmp("standin-ctr").with_extension("toml");
+    std::fs::write(&spec, eps_cluster::jobspec::CTR_SPEC.replace("batch = 512", "batch = 128")).unwrap();
+    let args = ["--model", "ctr", "--spec", spec.to_str().unwrap(), "--steps", "2000", "--servers", "3"];
+    let o = eps().args(["train", "--json"]).args(args).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let plain = String::from_utf8_lossy(&o.stdout).to_string();
+    let mut run = Run::start(&[&args[..], &["--replicas", "2"]].concat());
+    run.wait_step(150);
+    kill(run.server_pid(1));
+    run.wait_line("eps server 2: serves lost server 1's rows");
+    kill(run.server_pid(2));
+    let (ok, out, err) = run.finish();
+    if ok {
+        assert!(err.contains(": lost server 1's "), "the job went on, yet server 1's rows were not server 2's own:\n{err}");
+        for k in ["params_checksum", "sparse_checksum"] {
+            assert_eq!(json(&out, k), json(&plain, k), "{k}");
+        }
+    } else {
+        let why = "server 1, which held rows of the sparse tables, was lost, and no whole backup of its rows was left";
+        assert!(err.contains(why) && err.contains("--resume"), "{err}");
+        assert!(!err.contains("timed out"), "a wait ran out rather than the job stopping:\n{err}");
+    }
+    std::fs::remove_file(&spec).ok();
+}
+
 /// A server whose every data connection is cut (`ss -K`) while it lives on
 /// and polls for orders: its peers report it unreachable, the control plane
 /// declares it lost, its backups take over, it is fenced off at its next

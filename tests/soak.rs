@@ -40,13 +40,7 @@ fn a_short_soak_under_every_fault_loses_nothing() {
 /// too) under every kind of fault: servers killed, cut off and stalled hand
 /// their rows to stand-ins, scale events move buckets; the dense parameters
 /// and the table rows end as in the fault-free run, bit for bit.
-///
-/// Ignored in the test run: it passes most runs, but one fresh-clone run
-/// caught a cut-off server's forward landing as zeros on its backup ("header
-/// 0x0/0x0 is not a forward's"), after which the stand-in never acknowledged
-/// the pulls sent again and the job stopped. Run it with `--run-ignored all`.
 #[test]
-#[ignore = "a known failure under server_cut (see its doc)"]
 fn a_short_soak_of_a_job_with_tables_loses_no_row() {
     let (out, err) = soak_losing_nothing(&["--model", "ctr", "--steps", "2000"]);
     assert!(!json(&out, "sparse_checksum").is_empty(), "{out}");

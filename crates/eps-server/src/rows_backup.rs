@@ -473,6 +473,12 @@ impl<P: Fabric> Server<P> {
             self.violation(ci, &format!("a descriptor of table {table}'s rows that does not match its notice"));
             return Ok(());
         }
+        if self.sparse.stood_in_for(from) {
+            // Declared lost (cut off, it may still run): what it forwards
+            // after the copy this server serves its rows from is not kept,
+            // nor acknowledged (it must stop; its versions count for nothing).
+            return Ok(());
+        }
         let k = match self.sparse.backups.copies.iter().position(|c| c.from == from && c.table == table) {
             Some(k) => k,
             None => {
@@ -492,6 +498,12 @@ impl<P: Fabric> Server<P> {
                 &format!("forwarded table {table}'s rows with a forward unacknowledged, or past its landing region"),
             );
             return Ok(());
+        }
+        if addr == 0 && !c.whole {
+            // WRITTEN into a landing region of a copy dropped since (an old
+            // owner that has not heard yet that its backup moved): not
+            // taken in, acknowledged with no landing region.
+            return self.ack_rows(k, ci, reply, version, false);
         }
         if addr == 0 {
             // WRITTEN here before the notice.

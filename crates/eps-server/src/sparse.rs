@@ -116,6 +116,11 @@ impl<P: Fabric> Sparse<P> {
         }
     }
 
+    /// Whether this server stands or stood in for lost server `from`.
+    pub(crate) fn stood_in_for(&self, from: u32) -> bool {
+        self.stand_in.iter().chain(&self.stood_in).any(|s| s.from == from)
+    }
+
     /// Whether this server holds no table.
     pub(crate) fn is_empty(&self) -> bool {
         self.tables.is_empty()

@@ -29,6 +29,16 @@ impl<P: Fabric> Tables<P> {
                 *n = 0;
             }
         }
+        // The rows it stood in for, while the newest bucket map still names
+        // their lost server, went with it: the control plane names them
+        // lost (or their next server), and they are awaited again.
+        let stood_in: Vec<u32> = self.heirs.iter().filter(|h| h.1 == server).map(|h| h.0).collect();
+        self.heirs.retain(|h| h.1 != server);
+        for x in stood_in {
+            if self.holds(x) && self.replicas > 1 && !self.pending.contains(&x) {
+                self.pending.push(x);
+            }
+        }
         let held = self.holds(server) && self.heir_of(server).is_none();
         if held && self.replicas > 1 {
             if !self.pending.contains(&server) {
@@ -156,16 +166,19 @@ impl<P: Fabric> Worker<P> {
             }
             let heir = loop {
                 self.adopt_newest()?;
+                // (A stand-in lost too is named as such once the control
+                // plane hears of it.)
+                let gone = |w: &Self, h: u32| w.lost.contains(&h) || w.sparse.pending.contains(&h);
                 match self.map.heirs.iter().find(|h| h.0 == lost) {
-                    Some(&(_, Some(h))) => break h,
+                    Some(&(_, Some(h))) if !gone(self, h) => break h,
                     Some(&(_, None)) => {
                         self.sparse.rows_lost(lost);
                         return Err(self.sparse.lost_error().unwrap_or(WorkerError::Unexpected));
                     }
-                    None if std::time::Instant::now() > deadline => {
+                    _ if std::time::Instant::now() > deadline => {
                         return Err(WorkerError::Timeout("a server to take over a lost server's table rows"));
                     }
-                    None => match self.refresh_map() {
+                    _ => match self.refresh_map() {
                         Err(WorkerError::Timeout(_)) => {}
                         r => r?,
                     },
@@ -204,7 +217,12 @@ impl<P: Fabric> Worker<P> {
                 self.sparse.again = Some(table);
                 let to = RemoteAddr { addr: addr + off, rkey };
                 self.post_sparse(lost, table, Staged::Again, to, ImmKind::PullReq, seq, 0, bytes.len())?;
-                self.wait_until(|w| w.sparse.again.is_none(), "a stand-in to take a pull again")?;
+                let heir = self.sparse.heir_of(lost);
+                // (A stand-in lost meanwhile: see `Tables::lose`.)
+                self.wait_until(|w| w.sparse.again.is_none() || w.sparse.heir_of(lost) != heir, "a stand-in to take a pull again")?;
+                if self.sparse.again.take().is_some() {
+                    return Ok(());
+                }
             }
             let t = self.sparse.table_mut(table as usize);
             let push = t.push_posts.iter().find(|p| p.0 == lost).copied();

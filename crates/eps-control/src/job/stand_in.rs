@@ -31,8 +31,15 @@ impl Job {
         if self.table_count == 0 {
             return;
         }
+        // The rows it stood in for are lost with it, unless they became its
+        // own already (the bucket map no longer names their lost server, and
+        // no move from it to this one is under way).
+        let named = |x: u32| self.buckets.last().is_some_and(|(_, o)| o.contains(&x));
+        let merging = |x: u32| self.bucket_move.as_ref().is_some_and(|m| m.pending.contains(&(x, rank)));
+        let unmerged: Vec<u32> =
+            self.heirs.iter().filter(|h| h.1 == Some(rank) && (named(h.0) || merging(h.0))).map(|h| h.0).collect();
         for h in &mut self.heirs {
-            if h.1 == Some(rank) {
+            if unmerged.contains(&h.0) {
                 h.1 = None;
             }
         }

@@ -430,21 +430,34 @@ fn table_rows_are_backed_up_around_the_ring_once_every_server_is_ready() {
 /// endpoints replace the lost server's; a stand-in lost in turn loses the
 /// rows it stood in for (and its own rows get a stand-in); a backup that
 /// held no whole copy reports none, and the rows are named lost.
-#[test]
-fn a_lost_servers_rows_are_served_by_its_backup_and_named_lost_without_one() {
+/// A job of 3 servers with a table and `workers` registered workers, every
+/// server ready.
+fn three_table_servers(workers: u32) -> Job {
     let text = "[job]\nworkers = 1\nservers = 3\nreplicas = 2\n[model]\ntensors = [{ name = \"w\", elements = 4096 }]\n\
                 [[model.tables]]\nname = \"a\"\ndim = 4\n";
     let spec = JobSpec::from_toml(text).unwrap();
     let layout = spec.layout().unwrap();
     let mut job = Job::new(&spec, text).unwrap();
-    let ep =
-        |owner: u32, addr: u64| ShardEndpoint { shard: 0, owner, landing: vec![(addr, 2)], published_addr: 1, published_rkey: 1 };
     for r in 0..3u32 {
         job.apply(&ControlMsg::Register { role: Role::Server, fabric_addr: String::new() }).unwrap();
         job.apply(&ControlMsg::TablesReady { rank: r, tables: vec![ep(r, 100 + u64::from(r))] }).unwrap();
         let shards = layout.shards_of(r).map(|s| ShardEndpoint { shard: s.id, ..ep(r, 0) }).collect();
         job.apply(&ControlMsg::ServerReady { rank: r, fabric_addr: format!("127.0.0.1:{}", 7000 + r), shards }).unwrap();
     }
+    for _ in 0..workers {
+        job.apply(&ControlMsg::Register { role: Role::Worker, fabric_addr: String::new() }).unwrap();
+    }
+    job
+}
+
+/// Table 0's endpoint of `owner`, landing at `addr`.
+fn ep(owner: u32, addr: u64) -> ShardEndpoint {
+    ShardEndpoint { shard: 0, owner, landing: vec![(addr, 2)], published_addr: 1, published_rkey: 1 }
+}
+
+#[test]
+fn a_lost_servers_rows_are_served_by_its_backup_and_named_lost_without_one() {
+    let mut job = three_table_servers(0);
     let stand_in =
         |job: &Job, r: u32| job.orders_for(r, 0).1.into_iter().filter(|o| matches!(o, Order::StandIn { .. })).collect::<Vec<_>>();
     let lost = job.server_gone(1).expect("a serving server with replicas");
@@ -468,4 +481,19 @@ fn a_lost_servers_rows_are_served_by_its_backup_and_named_lost_without_one() {
     assert_eq!(stand_in(&job, 0), vec![Order::StandIn { from: 2 }]);
     job.apply(&ControlMsg::StandInReady { rank: 0, from: 2, tables: Vec::new() }).unwrap();
     assert_eq!(job.job_map().heirs, vec![(1, None), (2, None)]);
+}
+
+/// Rows a stand-in took in as its own (the bucket move from the lost server
+/// done) are no longer lost with it: they are its own rows, and its backup's
+/// copy holds them.
+#[test]
+fn a_stand_ins_merged_rows_are_not_lost_with_it() {
+    let mut job = three_table_servers(1);
+    job.apply(&job.server_gone(1).expect("a serving server")).unwrap();
+    job.apply(&ControlMsg::StandInReady { rank: 2, from: 1, tables: vec![ep(1, 900)] }).unwrap();
+    vote_all(&mut job, &[(Role::Worker, 0, 5), (Role::Server, 0, 5), (Role::Server, 2, 5)]);
+    assert!(job.job_map().buckets.last().is_some_and(|(_, runs)| runs.iter().all(|r| r.1 != 1)), "server 1's buckets move");
+    job.apply(&ControlMsg::RowsTaken { rank: 2, from: 1 }).unwrap();
+    job.apply(&job.server_gone(2).expect("the stand-in")).unwrap();
+    assert_eq!(job.job_map().heirs.first(), Some(&(1, Some(2))), "merged before it was lost");
 }
