@@ -9,14 +9,15 @@
 //! its lease lapses and fenced off when woken; a stopped worker is removed and,
 //! woken, says so and leaves.
 
-use std::os::unix::process::CommandExt as _;
 use std::path::PathBuf;
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 mod common;
 
-use common::cli::{Lines, SMALL_JOB, eps, json_field as json, spec_file};
+use common::run::{Run, kill, kill_together};
+
+use common::cli::{SMALL_JOB, eps, json_field as json, spec_file};
 
 fn tmp(name: &str) -> PathBuf {
     common::cli::tmp("faults", name)
@@ -27,143 +28,6 @@ fn uninterrupted(args: &[&str]) -> String {
     let o: Output = eps().args(["train", "--json"]).args(args).output().unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     json(&String::from_utf8_lossy(&o.stdout), "params_checksum")
-}
-
-/// A run of `eps train` in a process group of its own, its stderr lines
-/// collected as they come.
-struct Run {
-    child: Child,
-    lines: Lines,
-}
-
-impl Run {
-    fn start(args: &[&str]) -> Self {
-        let mut child = eps()
-            .args(["train", "--json", "--progress-every", "5"])
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0)
-            .spawn()
-            .unwrap();
-        let lines = Lines::default();
-        lines.collect(child.stderr.take().unwrap(), "");
-        Self { child, lines }
-    }
-
-    /// Waits for a progress line at `step` or later.
-    fn wait_step(&mut self, step: u64) {
-        self.lines.until(&format!("step {step}"), |l| {
-            let at = l.strip_prefix("step").and_then(|r| r.trim_start().split('/').next()?.parse::<u64>().ok());
-            at.is_some_and(|s| s >= step)
-        });
-    }
-
-    /// `eps status` of the running job (the control plane's address from its
-    /// first line, the job secret from its environment).
-    fn status(&self) -> String {
-        let text = self.lines.text();
-        // "eps control: job "NAME" on ADDR: waiting for ..."
-        let addr = text
-            .lines()
-            .find_map(|l| l.strip_prefix("eps control: job ")?.split(" on ").nth(1)?.split_whitespace().next())
-            .unwrap_or_else(|| panic!("no control-plane address yet:\n{text}"))
-            .trim_end_matches(':')
-            .to_string();
-        let env = std::fs::read(format!("/proc/{}/environ", self.role_pid("control"))).unwrap();
-        let secret = env
-            .split(|&b| b == 0)
-            .find_map(|kv| kv.strip_prefix(b"EPS_JOB_SECRET="))
-            .map(|v| String::from_utf8_lossy(v).to_string())
-            .expect("the control plane's job secret");
-        let o = eps().args(["status", "--control", &addr]).env("EPS_JOB_SECRET", secret).output().unwrap();
-        assert!(o.status.success(), "eps status: {}", String::from_utf8_lossy(&o.stderr));
-        String::from_utf8_lossy(&o.stdout).to_string()
-    }
-
-    /// The pid of the child process whose command line has `role` (`control`,
-    /// `server`) as its first argument.
-    fn role_pid(&self, role: &str) -> u32 {
-        self.role_pids(role)[0]
-    }
-
-    /// Every child process whose command line has `role` as its first argument.
-    fn role_pids(&self, role: &str) -> Vec<u32> {
-        let mut found = Vec::new();
-        let me = self.child.id().to_string();
-        for e in std::fs::read_dir("/proc").unwrap().flatten() {
-            let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else { continue };
-            let ppid = stat.rsplit(')').next().and_then(|r| r.split_whitespace().nth(1));
-            let cmd = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
-            let args: Vec<&[u8]> = cmd.split(|&b| b == 0).collect();
-            if ppid == Some(me.as_str()) && args.get(1) == Some(&role.as_bytes()) {
-                found.push(e.file_name().to_str().unwrap().parse().unwrap());
-            }
-        }
-        assert!(!found.is_empty(), "no {role} process under {me}");
-        found.sort_unstable();
-        found
-    }
-
-    /// Waits for a stderr line containing `text`.
-    fn wait_line(&mut self, text: &str) -> String {
-        self.lines.line(text)
-    }
-
-    /// A stderr line containing `text`: one seen already, or the next.
-    fn seen_line(&mut self, text: &str) -> String {
-        match self.lines.text().lines().find(|l| l.contains(text)) {
-            Some(l) => l.to_string(),
-            None => self.wait_line(text),
-        }
-    }
-
-    /// The pid of server rank `rank` (from its "registered" line).
-    fn server_pid(&mut self, rank: u32) -> u32 {
-        let l = self.seen_line(&format!("eps server {rank}: registered (pid "));
-        let rest = l.rsplit("(pid ").next().unwrap();
-        rest[..rest.find(|c: char| !c.is_ascii_digit()).unwrap_or(rest.len())].parse().unwrap()
-    }
-
-    /// Waits for the end: success, stdout and every stderr line.
-    fn finish(mut self) -> (bool, String, String) {
-        // Bounded: a run that hangs fails with its log.
-        let deadline = Instant::now() + Duration::from_secs(200);
-        let status = loop {
-            if let Some(st) = self.child.try_wait().unwrap() {
-                break st;
-            }
-            if Instant::now() > deadline {
-                self.lines.rest(Duration::from_millis(200));
-                panic!("the run did not end in time; its log:\n{}", self.lines.text());
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        };
-        let mut out = String::new();
-        std::io::Read::read_to_string(self.child.stdout.as_mut().unwrap(), &mut out).unwrap();
-        let ok = status.success();
-        self.lines.rest(Duration::from_secs(5));
-        (ok, out, self.lines.text())
-    }
-}
-
-impl Drop for Run {
-    fn drop(&mut self) {
-        let _ = Command::new("kill").args(["-KILL", "--", &format!("-{}", self.child.id())]).stderr(Stdio::null()).status();
-        let _ = self.child.wait();
-    }
-}
-
-fn kill(pid: u32) {
-    assert!(Command::new("kill").args(["-KILL", &pid.to_string()]).status().unwrap().success());
-}
-
-/// SIGKILLs `pids` at once (one `kill` command), so that no failover runs
-/// between their deaths: two `kill` commands in a row can be far apart on a
-/// loaded machine.
-fn kill_together(pids: &[u32]) {
-    let pids: Vec<String> = pids.iter().map(u32::to_string).collect();
-    assert!(Command::new("kill").arg("-KILL").args(&pids).status().unwrap().success());
 }
 
 #[test]
@@ -291,75 +155,6 @@ fn servers_killed_one_after_another_with_two_replicas_lose_nothing() {
     assert_eq!(lost, 2, "{err}");
     assert!(err.contains("is served here from version"), "{err}");
     assert_eq!(json(&out, "params_checksum"), expected, "{err}");
-    std::fs::remove_file(&spec).ok();
-}
-
-/// Servers of a ctr job with `--replicas 2` killed mid-run (SIGKILL): on
-/// two servers, one killed early; on three, one and then, once its rows
-/// became its stand-in's own and were backed up again, another. Each time
-/// the server that kept the lost one's table rows in step stands in for it,
-/// and every run ends with the uninterrupted run's dense parameters and
-/// table rows, bit for bit. (Rows are evicted by their touches, so the
-/// bookkeeping of a pull a stand-in's copy lacked would show.)
-#[test]
-fn table_servers_killed_with_two_replicas_lose_no_row() {
-    let spec = tmp("evict-ctr").with_extension("toml");
-    let text = eps_cluster::jobspec::CTR_SPEC
-        .replace("batch = 512", "batch = 128")
-        .replace("vocab = 1000", "vocab = 20000")
-        .replace("max_keys = 8192", "max_keys = 8192\nevict_idle_steps = 60\nevict_min_touches = 2");
-    std::fs::write(&spec, text).unwrap();
-    let s = spec.to_str().unwrap();
-    for (servers, kills) in [("2", &[(1, 150)][..]), ("3", &[(1, 200), (2, 1500)][..])] {
-        let args = ["--model", "ctr", "--spec", s, "--steps", "3000", "--servers", servers];
-        let o = eps().args(["train", "--json"]).args(args).output().unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        let plain = String::from_utf8_lossy(&o.stdout).to_string();
-        let mut run = Run::start(&[&args[..], &["--replicas", "2"]].concat());
-        for &(rank, at) in kills {
-            run.wait_step(at);
-            kill(run.server_pid(rank));
-            // (Its rows become the stand-in's own at a voted cutover.)
-            run.wait_line(&format!(": lost server {rank}'s "));
-        }
-        let (ok, out, err) = run.finish();
-        assert!(ok, "{servers} servers: {err}");
-        for k in ["params_checksum", "sparse_checksum"] {
-            assert_eq!(json(&out, k), json(&plain, k), "{k}: {servers} servers, killed {kills:?}, against no kill");
-        }
-    }
-    std::fs::remove_file(&spec).ok();
-}
-
-/// A stand-in killed while it serves a lost server's rows (before they
-/// become its own at a cutover): those rows had no other copy, so the job
-/// stops at once, saying so and how to resume; a stand-in killed after the
-/// cutover loses nothing, and the run ends as the uninterrupted one. Either
-/// way nothing hangs and nothing ends with other rows.
-#[test]
-fn a_stand_in_lost_before_the_rows_are_its_own_stops_the_job_clearly() {
-    let spec = tmp("standin-ctr").with_extension("toml");
-    std::fs::write(&spec, eps_cluster::jobspec::CTR_SPEC.replace("batch = 512", "batch = 128")).unwrap();
-    let args = ["--model", "ctr", "--spec", spec.to_str().unwrap(), "--steps", "2000", "--servers", "3"];
-    let o = eps().args(["train", "--json"]).args(args).output().unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let plain = String::from_utf8_lossy(&o.stdout).to_string();
-    let mut run = Run::start(&[&args[..], &["--replicas", "2"]].concat());
-    run.wait_step(150);
-    kill(run.server_pid(1));
-    run.wait_line("eps server 2: serves lost server 1's rows");
-    kill(run.server_pid(2));
-    let (ok, out, err) = run.finish();
-    if ok {
-        assert!(err.contains(": lost server 1's "), "the job went on, yet server 1's rows were not server 2's own:\n{err}");
-        for k in ["params_checksum", "sparse_checksum"] {
-            assert_eq!(json(&out, k), json(&plain, k), "{k}");
-        }
-    } else {
-        let why = "server 1, which held rows of the sparse tables, was lost, and no whole backup of its rows was left";
-        assert!(err.contains(why) && err.contains("--resume"), "{err}");
-        assert!(!err.contains("timed out"), "a wait ran out rather than the job stopping:\n{err}");
-    }
     std::fs::remove_file(&spec).ok();
 }
 

@@ -5,6 +5,7 @@
 #![allow(dead_code)]
 
 pub mod cli;
+pub mod run;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

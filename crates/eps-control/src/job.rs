@@ -607,7 +607,7 @@ impl Job {
             ControlMsg::Unreplicated { shard, rank } => self.unreplicated(*shard, *rank),
             ControlMsg::MoveStopped { shard, rank } => self.move_stopped(*shard, *rank),
             ControlMsg::TablesReady { rank, tables } => self.tables_ready(*rank, tables),
-            ControlMsg::RowsOut { rank, to, addr, rkey, len } => self.rows_out(*rank, *to, *addr, *rkey, *len),
+            ControlMsg::RowsOut { rank, from, to, addr, rkey, len } => self.rows_out(*rank, *from, *to, (*addr, *rkey, *len)),
             ControlMsg::RowsTaken { rank, from } => self.rows_taken(*rank, *from),
             ControlMsg::StandInReady { rank, from, tables } => self.stand_in_ready(*rank, *from, tables),
             ControlMsg::RowsBackedUp { rank, backup } => self.rows_backed_up(*rank, *backup),

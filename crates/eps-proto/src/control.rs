@@ -415,12 +415,15 @@ pub enum ControlMsg {
         /// One per table, in the spec's order.
         tables: Vec<ShardEndpoint>,
     },
-    /// Server -> control: the rows of the buckets server `rank` gives to
-    /// server `to` (every table's, as of the cutover) wait in its registered
-    /// memory, `len` bytes at `addr` under `rkey`, for `to` to READ.
+    /// Server -> control: the rows of the buckets server `from` gives to
+    /// server `to` (every table's, as of the cutover) wait in server
+    /// `rank`'s registered memory (`from` itself, or its stand-in), `len`
+    /// bytes at `addr` under `rkey`, for `to` to READ.
     RowsOut {
-        /// The source's rank.
+        /// The reporting server's rank.
         rank: u32,
+        /// The source's rank.
+        from: u32,
         /// The target's rank.
         to: u32,
         /// Where they are.

@@ -44,6 +44,8 @@ pub(crate) struct Moving<P: Fabric> {
 /// largest message, a few in flight at a time.
 struct Fetch<P: Fabric> {
     from: u32,
+    /// The server READ: `from`, or its stand-in.
+    via: u32,
     ci: usize,
     remote: RemoteAddr,
     mr: P::Mr,
@@ -157,7 +159,8 @@ impl<P: Fabric> Server<P> {
         let part = &mut self.sparse.tables[t].part;
         let mut outs = vec![Vec::new(); o.leaving.targets.len()];
         let dest = &o.leaving.dest;
-        let counts = part.take_rows(|b| dest[b as usize], &mut outs);
+        // (With replicas, the backup keeps them until their target's has them.)
+        let counts = part.take_rows_held(|b| dest[b as usize], &mut outs, &o.leaving.targets);
         let stride = part.rows().stride();
         for (i, recs) in outs.iter().enumerate() {
             moves::section(&mut o.blobs[i], t as u32, stride, counts[i], recs);
@@ -177,26 +180,39 @@ impl<P: Fabric> Server<P> {
             self.sparse.moving.blobs.push((to, mr));
             eps_proto::say!("eps server {}: {} rows ({len} bytes) go to server {to} at iteration {at}", self.rank, o.rows[i]);
             self.summary.sparse_rows_out += o.rows[i];
-            if let Err(why) = self.report(&ControlMsg::RowsOut { rank: self.rank, to, addr, rkey, len })? {
+            if let Err(why) = self.report(&ControlMsg::RowsOut { rank: self.rank, from: self.rank, to, addr, rkey, len })? {
                 return Err(ServerError::Sparse(format!("the control plane refused the rows for server {to}: {why}")));
             }
         }
         Ok(())
     }
 
-    /// `Order::FetchRows`: READs the rows server `from` gives this one.
-    pub(crate) fn on_fetch_rows(
-        &mut self,
-        from: u32,
-        from_addr: &str,
-        addr: u64,
-        rkey: u32,
-        len: u64,
-    ) -> Result<(), ServerError> {
-        let ci = self.target_conn(from, from_addr)?;
+    /// `Order::FetchRows`: READs the rows server `from` gives this one from
+    /// server `via` (at `via_addr`).
+    pub(crate) fn on_fetch_rows(&mut self, from: u32, via: u32, via_addr: &str, blob: (u64, u32, u64)) -> Result<(), ServerError> {
+        let (addr, rkey, len) = blob;
+        if !self.sparse.moving.gate().is_some_and(|inc| inc.sources().contains(&from)) {
+            // Taken already (from the source, just before it was lost).
+            eps_proto::say!("eps server {}: the rows server {from} gives it are here already", self.rank);
+            return Ok(());
+        }
+        // (A fetch from a source lost meanwhile is over: see `on_rows_read`.)
+        self.sparse.moving.fetching.retain(|f| f.from != from);
+        let ci = match self.target_conn(via, via_addr) {
+            Ok(ci) => ci,
+            Err(e) => {
+                // (As a READ that failed: see `on_rows_read`.)
+                eps_proto::say!(
+                    "eps server {}: cannot reach server {via} for the rows server {from} gives it ({e}); it waits for them \
+                     from a stand-in",
+                    self.rank
+                );
+                return Ok(());
+            }
+        };
         let mr = self.pd.alloc_mr(len as usize, Access::LOCAL_WRITE)?;
         let remote = RemoteAddr { addr, rkey };
-        let f = Fetch { from, ci, remote, mr, asked: 0, in_flight: 0, started: Instant::now() };
+        let f = Fetch { from, via, ci, remote, mr, asked: 0, in_flight: 0, started: Instant::now() };
         self.sparse.moving.fetching.push(f);
         let k = self.sparse.moving.fetching.len() - 1;
         for _ in 0..FETCH_WINDOW {
@@ -216,7 +232,7 @@ impl<P: Fabric> Server<P> {
         let at = f.asked;
         let sg = [Sge::new(&f.mr, at as u64, n as u32)];
         let remote = RemoteAddr { addr: f.remote.addr + at as u64, rkey: f.remote.rkey };
-        let wr = SendWr { wr_id: WR_ROWS | u64::from(f.from), op: SendOp::Read(remote), sg: &sg, signaled: true };
+        let wr = SendWr { wr_id: WR_ROWS | u64::from(f.via), op: SendOp::Read(remote), sg: &sg, signaled: true };
         self.conns[f.ci].post_or_flush(&wr, &mut self.flushed)?;
         f.asked += n;
         f.in_flight += 1;
@@ -225,10 +241,20 @@ impl<P: Fabric> Server<P> {
 
     /// A row READ completed (`ok`) or failed.
     pub(crate) fn on_rows_read(&mut self, wr_id: u64, ok: bool) -> Result<(), ServerError> {
-        let from = (wr_id & 0xFFFF_FFFF) as u32;
-        let Some(k) = self.sparse.moving.fetching.iter().position(|f| f.from == from) else { return Ok(()) };
+        let via = (wr_id & 0xFFFF_FFFF) as u32;
+        let Some(k) = self.sparse.moving.fetching.iter().position(|f| f.via == via) else { return Ok(()) };
         if !ok {
-            return Err(ServerError::Sparse(format!("the rows server {from} gives this one could not be READ")));
+            // Its source is gone or cut off (reported by the caller): if it
+            // is lost, its stand-in gives the rows (`FetchRows` again);
+            // requests that need them wait meanwhile.
+            let f = self.sparse.moving.fetching.remove(k);
+            eps_proto::say!(
+                "eps server {}: the rows server {} gives it could not be READ from server {via}; it waits for them \
+                 from a stand-in",
+                self.rank,
+                f.from
+            );
+            return Ok(());
         }
         let f = &mut self.sparse.moving.fetching[k];
         f.in_flight -= 1;
@@ -238,12 +264,19 @@ impl<P: Fabric> Server<P> {
         if f.in_flight > 0 {
             return Ok(());
         }
-        let Fetch { mr, started, .. } = self.sparse.moving.fetching.remove(k);
-        let strides: Vec<usize> = self.sparse.tables.iter().map(|t| t.part.rows().stride()).collect();
+        let Fetch { from, mr, started, .. } = self.sparse.moving.fetching.remove(k);
         // Copied out before it is parsed (the READ into it completed).
         let mut blob = vec![0u8; mr.len()];
         mr.read_at(0, &mut blob);
-        let sections = moves::sections(&blob, &strides).map_err(|e| ServerError::Sparse(format!("from server {from}: {e}")))?;
+        self.take_rows_from(from, &blob, started)
+    }
+
+    /// The rows server `from` gives this one (`blob`, asked for at
+    /// `started`) are here: they are taken into the parts, reported once on
+    /// the backup, and the requests held for them go on.
+    pub(crate) fn take_rows_from(&mut self, from: u32, blob: &[u8], started: Instant) -> Result<(), ServerError> {
+        let strides: Vec<usize> = self.sparse.tables.iter().map(|t| t.part.rows().stride()).collect();
+        let sections = moves::sections(blob, &strides).map_err(|e| ServerError::Sparse(format!("from server {from}: {e}")))?;
         let mut rows = 0;
         for s in sections {
             self.sparse.tables[s.table as usize]
@@ -291,9 +324,14 @@ impl<P: Fabric> Server<P> {
         ))
     }
 
-    /// `Order::FreeRows`: the blob for server `to` was taken.
-    pub(crate) fn on_free_rows(&mut self, to: u32) {
+    /// `Order::FreeRows`: the blob for server `to` was taken (and is on its
+    /// backup): the blob goes, and the rows go from this server's backup.
+    pub(crate) fn on_free_rows(&mut self, to: u32) -> Result<(), ServerError> {
         self.sparse.moving.blobs.retain(|(t, _)| *t != to);
+        for t in 0..self.sparse.tables.len() {
+            self.sparse.tables[t].part.release_held(to);
+        }
+        self.rows_changed()
     }
 
     /// Handles the sparse requests held back, in arrival order (each is held

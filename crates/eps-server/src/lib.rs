@@ -37,6 +37,7 @@ mod serve;
 mod sparse;
 mod split;
 mod stand_in;
+mod stand_in_give;
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};

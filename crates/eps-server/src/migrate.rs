@@ -89,12 +89,11 @@ impl<P: Fabric> Server<P> {
             Order::NoBackup { shard } => self.on_no_backup(shard),
             Order::Buckets { at, runs } => self.on_buckets(at, &runs),
             Order::BackupRows { to } => self.on_backup_rows(to),
-            Order::StandIn { from } => self.on_stand_in(from),
-            Order::FetchRows { from, from_addr, addr, rkey, len } => self.on_fetch_rows(from, &from_addr, addr, rkey, len),
-            Order::FreeRows { to } => {
-                self.on_free_rows(to);
-                Ok(())
+            Order::StandIn { from, give } => self.on_stand_in(from, give),
+            Order::FetchRows { from, via, from_addr, addr, rkey, len } => {
+                self.on_fetch_rows(from, via, &from_addr, (addr, rkey, len))
             }
+            Order::FreeRows { to } => self.on_free_rows(to),
             Order::FreeLanding { shard } => {
                 // The oldest move away: orders come in order, and a later
                 // move of the shard away from here comes after this one.

@@ -400,6 +400,14 @@ impl<P: Fabric> Server<P> {
     /// and a loss before that is a loss during the move.
     pub(crate) fn rows_taken_in(&mut self, from: u32) -> Result<(), ServerError> {
         self.sparse.backups.taken_from.push(from);
+        self.rows_changed()?;
+        self.report_taken_rows()
+    }
+
+    /// Rows changed outside an update (rows held out for a bucket move
+    /// released): what changed goes to the backup (after the forward in
+    /// flight, if any).
+    pub(crate) fn rows_changed(&mut self) -> Result<(), ServerError> {
         for t in 0..self.sparse.tables.len() as u16 {
             if self.sparse.backups.busy(t as usize) {
                 self.sparse.backups.out[t as usize].changed_due = true;
@@ -407,7 +415,7 @@ impl<P: Fabric> Server<P> {
                 self.forward_rows(t, None)?;
             }
         }
-        self.report_taken_rows()
+        Ok(())
     }
 
     /// Reports the rows taken in, once no table's forward is in flight.

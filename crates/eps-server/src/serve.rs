@@ -202,7 +202,10 @@ impl<P: Fabric> Server<P> {
     fn on_completion(&mut self, c: &Completion) -> Result<(), ServerError> {
         let Some(&ci) = self.by_qp.get(&c.qp_num) else { return Ok(()) };
         if c.wr_id & crate::buckets::WR_ROWS == crate::buckets::WR_ROWS {
-            return self.on_rows_read(c.wr_id, c.status.is_ok());
+            self.on_rows_read(c.wr_id, c.status.is_ok())?;
+            if c.status.is_ok() {
+                return Ok(());
+            }
         }
         if c.wr_id & crate::rows_backup::WR_MIRROR == crate::rows_backup::WR_MIRROR {
             self.on_forward_read(c.wr_id, c.status.is_ok())?;

@@ -403,6 +403,7 @@ impl<P: Fabric> Server<P> {
         self.metrics.updates.inc();
         if side == Side::StandIn {
             self.finish_sparse_update_on(side, table, contributors)?;
+            self.stand_in_give()?;
             return self.merge_stand_in();
         }
         // Copied out before any of its buckets leave.

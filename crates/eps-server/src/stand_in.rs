@@ -48,13 +48,16 @@ pub(crate) struct StandIn<P: Fabric> {
     pub(crate) leaves_at: Option<u64>,
     /// Rows taken into this server's own parts at that cutover.
     pub(crate) merged: Option<u64>,
+    /// What it gives away in the lost server's place (see `stand_in_give.rs`).
+    pub(crate) give: Option<crate::stand_in_give::Give<P>>,
 }
 
 impl<P: Fabric> Server<P> {
     /// `Order::StandIn`: serves lost server `from`'s buckets from the copies
     /// of its rows, if every table's is whole; reports where workers WRITE
-    /// their requests for them (nowhere, if not: its rows are lost).
-    pub(crate) fn on_stand_in(&mut self, from: u32) -> Result<(), ServerError> {
+    /// their requests for them (nowhere, if not: its rows are lost); gives
+    /// the rows it was giving `give` in its place.
+    pub(crate) fn on_stand_in(&mut self, from: u32, give: Vec<u32>) -> Result<(), ServerError> {
         let n = self.sparse.tables.len();
         // (One whose rows became this server's own is done: its regions are
         // kept, as a late request may still land there.)
@@ -85,7 +88,8 @@ impl<P: Fabric> Server<P> {
                     );
                     tables.push(table);
                 }
-                let s = StandIn { from, tables, scratch: Vec::new(), taken_again: 0, leaves_at: None, merged: None };
+                let give = crate::stand_in_give::Give::new(&self.sparse.owners, from, give, n);
+                let s = StandIn { from, tables, scratch: Vec::new(), taken_again: 0, leaves_at: None, merged: None, give };
                 let done = self.sparse.stand_in.replace(s);
                 self.sparse.stood_in.extend(done);
             }
@@ -96,7 +100,7 @@ impl<P: Fabric> Server<P> {
         if let Err(why) = self.report(&ControlMsg::StandInReady { rank: self.rank, from, tables: endpoints })? {
             return Err(ServerError::Sparse(format!("the control plane refused a stand-in for server {from}: {why}")));
         }
-        Ok(())
+        self.stand_in_give()
     }
 
     /// Worker `w` sent the stand-in again a request the lost server took:
@@ -142,7 +146,8 @@ impl<P: Fabric> Server<P> {
     /// every push and pull before the cutover was answered).
     pub(crate) fn merge_stand_in(&mut self) -> Result<(), ServerError> {
         let Some(s) = self.sparse.stand_in.as_mut().filter(|s| s.merged.is_none()) else { return Ok(()) };
-        let Some(at) = s.leaves_at else { return Ok(()) };
+        // (What it gives away in the lost server's place goes first.)
+        let Some(at) = s.leaves_at.filter(|_| s.give.as_ref().is_none_or(|g| g.done)) else { return Ok(()) };
         let latest = self.members.membership().latest();
         let mut reached = true;
         for (t, table) in s.tables.iter().enumerate() {

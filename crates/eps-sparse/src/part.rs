@@ -109,6 +109,17 @@ impl TablePart {
         self.rows.take_rows(|k| dest(bucket_of(k)), outs)
     }
 
+    /// As [`TablePart::take_rows`], the rows held on a backup fed forwards
+    /// until released (see [`RowTable::take_rows_held`]).
+    pub fn take_rows_held(&mut self, dest: impl Fn(u32) -> Option<usize>, outs: &mut [Vec<u8>], tags: &[u32]) -> Vec<u64> {
+        self.rows.take_rows_held(|k| dest(bucket_of(k)), outs, tags)
+    }
+
+    /// The rows held out under `tag` go from the backup with the next forward.
+    pub fn release_held(&mut self, tag: u32) {
+        self.rows.release_held(tag);
+    }
+
     /// Takes in rows another server took out (see [`RowTable::put_rows`]).
     pub fn put_rows(&mut self, records: &[u8], rows: u64) -> Result<(), SparseError> {
         self.rows.put_rows(records, rows)

@@ -323,6 +323,35 @@ impl RowTable {
         counts
     }
 
+    /// As [`RowTable::take_rows`], but a backup fed forwards keeps the rows
+    /// taken out (they are not listed deleted, their digests still count)
+    /// until [`RowTable::release_held`] with the tag of their destination,
+    /// `tags[dest(key)]` (a bucket move's source: if it is lost before the
+    /// target's backup has them, its backup gives them in its place).
+    pub fn take_rows_held(&mut self, dest: impl Fn(u64) -> Option<usize>, outs: &mut [Vec<u8>], tags: &[u32]) -> Vec<u64> {
+        if self.forwards.is_none() {
+            return self.take_rows(dest, outs);
+        }
+        let mut counts = vec![0u64; outs.len()];
+        for s in 0..self.meta.len() {
+            let m = self.meta[s];
+            if !self.is_live(s) {
+                continue;
+            }
+            let Some(i) = dest(m.key).filter(|&i| i < outs.len() && i < tags.len()) else { continue };
+            self.write_record(s, &mut outs[i]);
+            counts[i] += 1;
+            let digest = self.row_digest(s);
+            self.index.remove(m.key);
+            self.release(s);
+            self.mark_taken(m.key);
+            if let Some(f) = &mut self.forwards {
+                f.held(tags[i], m.key, digest);
+            }
+        }
+        counts
+    }
+
     /// Takes in `rows` records of [`RowTable::take_rows`] from `bytes`: each
     /// row as it was where it came from. A key already held is refused (and
     /// nothing is taken in); a full table takes them in anyway (rows are

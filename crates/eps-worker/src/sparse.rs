@@ -195,10 +195,15 @@ impl<P: Fabric> Tables<P> {
         eps_proto::buckets::owners_at(&self.maps, t).unwrap_or(&self.maps[0].1)
     }
 
-    /// Whether server `server` holds rows of the tables (the newest bucket
-    /// map names it).
+    /// Whether server `server` holds rows of the tables this worker may
+    /// still send to or hear from: a bucket map in force from the iteration
+    /// of its oldest last push on names it (the newest one, or one before a
+    /// cutover not reached yet).
     pub(crate) fn holds(&self, server: u32) -> bool {
-        !self.tables.is_empty() && self.maps.last().is_some_and(|(_, m)| m.servers.contains(&server))
+        let from = self.tables.iter().filter_map(|t| t.pushed_at).min().unwrap_or(0);
+        let until = |i: usize| self.maps.get(i + 1).map_or(u64::MAX, |n| n.0);
+        !self.tables.is_empty()
+            && self.maps.iter().enumerate().any(|(i, (_, m))| until(i) > from && m.servers.contains(&server))
     }
 
     /// How many tables.

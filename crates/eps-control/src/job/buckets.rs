@@ -116,16 +116,21 @@ impl Job {
         self.bucket_move = (!pending.is_empty()).then_some(BucketMove { at, pending, reading: Vec::new() });
     }
 
-    /// `RowsOut`: the rows server `rank` gives server `to` wait for it.
-    pub(super) fn rows_out(&mut self, rank: u32, to: u32, addr: u64, rkey: u32, len: u64) -> Result<ControlMsg, Refusal> {
-        let Some(m) = self.bucket_move.as_mut().filter(|m| m.pending.contains(&(rank, to))) else {
-            return Err(Refusal::stale(format!("no bucket move from server {rank} to server {to} is under way")));
+    /// `RowsOut`: the rows server `from` gives server `to` wait for it on
+    /// server `rank` (`from`, or the stand-in serving its rows) at `blob`
+    /// (address, key, bytes).
+    pub(super) fn rows_out(&mut self, rank: u32, from: u32, to: u32, blob: (u64, u32, u64)) -> Result<ControlMsg, Refusal> {
+        let holder = rank == from || self.heir_of(from) == Some(rank);
+        let Some(m) = self.bucket_move.as_mut().filter(|m| m.pending.contains(&(from, to)) && holder) else {
+            return Err(Refusal::stale(format!("no bucket move from server {from} to server {to} is under way on server {rank}")));
         };
-        m.reading.push((rank, to));
+        m.reading.push((from, to));
         let at = m.at;
         let from_addr = self.servers.get(rank as usize).map(|s| s.addr.clone()).unwrap_or_default();
-        self.order(to, Order::FetchRows { from: rank, from_addr, addr, rkey, len });
-        eps_proto::say!("eps control: the rows server {rank} gives server {to} at iteration {at} wait ({len} bytes)");
+        let (addr, rkey, len) = blob;
+        self.order(to, Order::FetchRows { from, via: rank, from_addr, addr, rkey, len });
+        let on = if rank == from { String::new() } else { format!(" on server {rank}, its stand-in,") };
+        eps_proto::say!("eps control: the rows server {from} gives server {to} at iteration {at} wait{on} ({len} bytes)");
         Ok(ControlMsg::Ok)
     }
 

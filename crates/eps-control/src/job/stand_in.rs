@@ -49,11 +49,22 @@ impl Job {
         if !self.holds_buckets(rank) {
             return;
         }
-        let moving = self.bucket_move.as_ref().is_some_and(|m| m.pending.iter().any(|&(a, b)| a == rank || b == rank));
-        match self.rows_backup_of(rank).filter(|&b| self.server_serving(b) && !self.lost.contains(&b) && !moving) {
+        // A target of a bucket move may hold rows no copy holds yet; a
+        // source's copy holds the rows it gives until their target's backup
+        // has them: its stand-in gives them in its place.
+        let target = self.bucket_move.as_ref().is_some_and(|m| m.pending.iter().any(|&(_, b)| b == rank));
+        let give: Vec<u32> = match self.bucket_move.as_mut() {
+            Some(m) => {
+                // (A READ from it fails: the target waits for the stand-in's.)
+                m.reading.retain(|&(a, _)| a != rank);
+                m.pending.iter().filter(|&&(a, _)| a == rank).map(|&(_, b)| b).collect()
+            }
+            None => Vec::new(),
+        };
+        match self.rows_backup_of(rank).filter(|&b| self.server_serving(b) && !self.lost.contains(&b) && !target) {
             Some(b) => {
                 self.standing_in.push((rank, b));
-                self.order(b, Order::StandIn { from: rank });
+                self.order(b, Order::StandIn { from: rank, give });
             }
             None => self.heirs.push((rank, None)),
         }

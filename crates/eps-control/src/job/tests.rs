@@ -194,9 +194,9 @@ fn buckets_move_to_added_servers_and_off_leaving_ones() {
     }
     let busy = job.apply(&ControlMsg::Scale { servers: 1 }).unwrap_err();
     assert!(busy.code == ErrorCode::ChangeInProgress && busy.code.is_temporary(), "{busy:?}");
-    assert!(job.apply(&ControlMsg::RowsOut { rank: 1, to: 0, addr: 1, rkey: 2, len: 3 }).is_err(), "no such move");
-    job.apply(&ControlMsg::RowsOut { rank: 0, to: 1, addr: 64, rkey: 9, len: 4000 }).unwrap();
-    let fetch = Order::FetchRows { from: 0, from_addr: "127.0.0.1:7000".into(), addr: 64, rkey: 9, len: 4000 };
+    assert!(job.apply(&ControlMsg::RowsOut { rank: 1, from: 1, to: 0, addr: 1, rkey: 2, len: 3 }).is_err(), "no such move");
+    job.apply(&ControlMsg::RowsOut { rank: 0, from: 0, to: 1, addr: 64, rkey: 9, len: 4000 }).unwrap();
+    let fetch = Order::FetchRows { from: 0, via: 0, from_addr: "127.0.0.1:7000".into(), addr: 64, rkey: 9, len: 4000 };
     assert!(orders(&job, 1).contains(&fetch));
     job.apply(&ControlMsg::RowsTaken { rank: 1, from: 0 }).unwrap();
     assert!(orders(&job, 0).contains(&Order::FreeRows { to: 1 }));
@@ -208,7 +208,7 @@ fn buckets_move_to_added_servers_and_off_leaving_ones() {
     move_dense_shard(&mut job, 0, 18);
     vote_all(&mut job, &[(Role::Worker, 0, 20), (Role::Server, 0, 19), (Role::Server, 1, 19)]);
     assert_eq!(job.job_map().buckets.last(), Some(&(20, vec![(0, 0)])));
-    job.apply(&ControlMsg::RowsOut { rank: 1, to: 0, addr: 64, rkey: 9, len: 4000 }).unwrap();
+    job.apply(&ControlMsg::RowsOut { rank: 1, from: 1, to: 0, addr: 64, rkey: 9, len: 4000 }).unwrap();
     job.apply(&ControlMsg::RowsTaken { rank: 0, from: 1 }).unwrap();
     assert!(!orders(&job, 1).contains(&Order::Retire), "the worker still routes by the old map");
     let epoch = job.epoch();
@@ -226,7 +226,7 @@ fn buckets_move_to_added_servers_and_off_leaving_ones() {
 fn the_job_end_waits_for_rows_being_read() {
     let mut job = table_job_scaled_up();
     let retired = |job: &Job, r: u32| job.orders_for(r, 0).1.contains(&Order::Retire);
-    job.apply(&ControlMsg::RowsOut { rank: 0, to: 1, addr: 64, rkey: 9, len: 4000 }).unwrap();
+    job.apply(&ControlMsg::RowsOut { rank: 0, from: 0, to: 1, addr: 64, rkey: 9, len: 4000 }).unwrap();
     job.apply(&ControlMsg::Finished { role: Role::Worker, rank: 0 }).unwrap();
     assert!(!retired(&job, 0) && !retired(&job, 1), "the rows are being READ");
     job.apply(&ControlMsg::RowsTaken { rank: 1, from: 0 }).unwrap();
@@ -462,7 +462,7 @@ fn a_lost_servers_rows_are_served_by_its_backup_and_named_lost_without_one() {
         |job: &Job, r: u32| job.orders_for(r, 0).1.into_iter().filter(|o| matches!(o, Order::StandIn { .. })).collect::<Vec<_>>();
     let lost = job.server_gone(1).expect("a serving server with replicas");
     job.apply(&lost).unwrap();
-    assert_eq!(stand_in(&job, 2), vec![Order::StandIn { from: 1 }]);
+    assert_eq!(stand_in(&job, 2), vec![Order::StandIn { from: 1, give: Vec::new() }]);
     assert!(job.job_map().heirs.is_empty(), "named before it is ready");
     let wrong = ControlMsg::StandInReady { rank: 0, from: 1, tables: vec![ep(1, 900)] };
     assert!(job.apply(&wrong).is_err(), "a server not told to stand in");
@@ -478,7 +478,7 @@ fn a_lost_servers_rows_are_served_by_its_backup_and_named_lost_without_one() {
     // rows' backup (server 0) stands in for it, and reports no whole copy.
     let lost = job.server_gone(2).expect("the stand-in");
     job.apply(&lost).unwrap();
-    assert_eq!(stand_in(&job, 0), vec![Order::StandIn { from: 2 }]);
+    assert_eq!(stand_in(&job, 0), vec![Order::StandIn { from: 2, give: Vec::new() }]);
     job.apply(&ControlMsg::StandInReady { rank: 0, from: 2, tables: Vec::new() }).unwrap();
     assert_eq!(job.job_map().heirs, vec![(1, None), (2, None)]);
 }

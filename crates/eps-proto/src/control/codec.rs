@@ -426,9 +426,10 @@ impl ControlMsg {
                 w.u32(*rank);
                 w.endpoints(tables);
             }
-            ControlMsg::RowsOut { rank, to, addr, rkey, len } => {
+            ControlMsg::RowsOut { rank, from, to, addr, rkey, len } => {
                 w.u8(34);
                 w.u32(*rank);
+                w.u32(*from);
                 w.u32(*to);
                 w.u64(*addr);
                 w.u32(*rkey);
@@ -540,7 +541,7 @@ impl ControlMsg {
             31 => ControlMsg::Unreachable { rank: r.u32()?, by: r.role()?, by_rank: r.u32()? },
             32 => ControlMsg::MoveStopped { shard: r.u32()?, rank: r.u32()? },
             33 => ControlMsg::TablesReady { rank: r.u32()?, tables: r.endpoints()? },
-            34 => ControlMsg::RowsOut { rank: r.u32()?, to: r.u32()?, addr: r.u64()?, rkey: r.u32()?, len: r.u64()? },
+            34 => ControlMsg::RowsOut { rank: r.u32()?, from: r.u32()?, to: r.u32()?, addr: r.u64()?, rkey: r.u32()?, len: r.u64()? },
             35 => ControlMsg::RowsTaken { rank: r.u32()?, from: r.u32()? },
             40 => ControlMsg::RowsBackedUp { rank: r.u32()?, backup: r.u32()? },
             39 => ControlMsg::StandInReady { rank: r.u32()?, from: r.u32()?, tables: r.endpoints()? },

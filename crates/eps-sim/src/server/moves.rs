@@ -207,7 +207,7 @@ impl SimServer {
             Order::Checkpoint { version, .. } => w.fail(format!("server {rank}: ordered a checkpoint at {version}")),
             // The simulation runs tables without replicas (nothing orders this).
             Order::BackupRows { .. } => w.fail(format!("server {rank}: ordered to back its table rows up")),
-            Order::StandIn { from } => w.fail(format!("server {rank}: ordered to stand in for server {from}'s table rows")),
+            Order::StandIn { from, .. } => w.fail(format!("server {rank}: ordered to stand in for server {from}'s table rows")),
             Order::Buckets { at, runs } => self.on_buckets(w, at, &runs),
             Order::FetchRows { from, .. } => self.on_fetch_rows(w, from),
             Order::FreeRows { to } => self.on_free_rows(w, to),

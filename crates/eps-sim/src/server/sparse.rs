@@ -308,7 +308,7 @@ impl SimServer {
         for (to, blob) in l.targets.into_iter().zip(blobs) {
             let len = blob.len() as u64;
             w.rows_out(rank, to, blob);
-            if let Err(e) = w.ctl(&ControlMsg::RowsOut { rank, to, addr: 0, rkey: 0, len }) {
+            if let Err(e) = w.ctl(&ControlMsg::RowsOut { rank, from: rank, to, addr: 0, rkey: 0, len }) {
                 return w.fail(format!("server {rank}: the control plane refused the rows for server {to}: {e}"));
             }
         }

@@ -167,13 +167,18 @@ impl RowTable {
 
     /// The row of `key` is no longer held.
     pub(super) fn mark_gone(&mut self, key: u64) {
+        self.mark_taken(key);
+        if let Some(f) = &mut self.forwards {
+            f.gone(key);
+        }
+    }
+
+    /// As [`RowTable::mark_gone`], but not for forwards.
+    pub(super) fn mark_taken(&mut self, key: u64) {
         let b = bucket_of(key);
         self.changed[(b / 64) as usize] |= 1 << (b % 64);
         if let Some(d) = &mut self.deleted {
             d.push(key);
-        }
-        if let Some(f) = &mut self.forwards {
-            f.gone(key);
         }
     }
 }

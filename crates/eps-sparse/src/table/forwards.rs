@@ -17,6 +17,10 @@ pub(crate) struct Forwards {
     seen: Vec<u64>,
     /// Keys no longer held.
     deleted: Vec<u64>,
+    /// Rows taken out for a bucket move that the backup keeps until their
+    /// target has them (see [`RowTable::take_rows_held`]): by tag, their
+    /// keys and the sum of their digests.
+    held: Vec<(u32, Vec<u64>, u64)>,
 }
 
 impl Forwards {
@@ -32,6 +36,18 @@ impl Forwards {
 
     pub(super) fn gone(&mut self, key: u64) {
         self.deleted.push(key);
+    }
+
+    pub(super) fn held(&mut self, tag: u32, key: u64, digest: u64) {
+        let i = match self.held.iter().position(|h| h.0 == tag) {
+            Some(i) => i,
+            None => {
+                self.held.push((tag, Vec::new(), 0));
+                self.held.len() - 1
+            }
+        };
+        self.held[i].1.push(key);
+        self.held[i].2 = self.held[i].2.wrapping_add(digest);
     }
 }
 
@@ -92,7 +108,9 @@ impl RowTable {
         slots.sort_unstable();
         let deleted: &[u64] = if full { &[] } else { &f.deleted };
         let flags = if full { FULL } else { 0 } | if digest { DIGEST } else { 0 };
-        let sum = if digest { self.digest() } else { 0 };
+        // (The rows held out are still on the backup, not on a new one.)
+        let held = if full { 0 } else { f.held.iter().fold(0u64, |a, h| a.wrapping_add(h.2)) };
+        let sum = if digest { self.digest().wrapping_add(held) } else { 0 };
         out.clear();
         out.reserve(HEADER + deleted.len() * 8 + slots.len() * rec);
         out.extend_from_slice(&MAGIC.to_le_bytes());
@@ -108,12 +126,22 @@ impl RowTable {
         }
         let stats = ForwardStats { rows: slots.len() as u64, deleted: deleted.len() as u64, bytes: out.len() as u64 };
         // Listed afresh from here (the lists keep their memory).
-        let Forwards { mut slots, mut seen, mut deleted } = f;
+        let Forwards { mut slots, mut seen, mut deleted, held } = f;
         slots.clear();
         seen.fill(0);
         deleted.clear();
-        self.forwards = Some(Forwards { slots, seen, deleted });
+        self.forwards = Some(Forwards { slots, seen, deleted, held });
         stats
+    }
+
+    /// The rows held out under `tag` (see [`RowTable::take_rows_held`]) may
+    /// go from the backup too: their keys go with the next forward.
+    pub fn release_held(&mut self, tag: u32) {
+        let Some(f) = &mut self.forwards else { return };
+        if let Some(i) = f.held.iter().position(|h| h.0 == tag) {
+            let (_, keys, _) = f.held.swap_remove(i);
+            f.deleted.extend(keys);
+        }
     }
 
     /// Takes in forward `f` over the rows held (a backup's copy): the rows
@@ -127,19 +155,20 @@ impl RowTable {
     /// for bit), the same whatever the slots they sit in: two tables with
     /// the same digest hold the same rows.
     pub fn digest(&self) -> u64 {
-        let mut sum = 0u64;
-        for s in (0..self.meta.len()).filter(|&s| self.is_live(s)) {
-            let m = self.meta[s];
-            let mut h = mix(m.key);
-            for v in [m.steps, m.created, m.last, u64::from(m.touches)] {
-                h = mix(h ^ v);
-            }
-            for v in self.row_state(s) {
-                h = mix(h ^ u64::from(v.to_bits()));
-            }
-            sum = sum.wrapping_add(h);
+        (0..self.meta.len()).filter(|&s| self.is_live(s)).fold(0u64, |sum, s| sum.wrapping_add(self.row_digest(s)))
+    }
+
+    /// Slot `s`'s row's part of [`RowTable::digest`].
+    pub(super) fn row_digest(&self, s: usize) -> u64 {
+        let m = self.meta[s];
+        let mut h = mix(m.key);
+        for v in [m.steps, m.created, m.last, u64::from(m.touches)] {
+            h = mix(h ^ v);
         }
-        sum
+        for v in self.row_state(s) {
+            h = mix(h ^ u64::from(v.to_bits()));
+        }
+        h
     }
 }
 

@@ -106,3 +106,29 @@ fn damaged_forwards_are_refused() {
     huge[32..40].copy_from_slice(&u64::MAX.to_le_bytes());
     assert!(parse_forward(&huge, stride).is_err(), "a row count that overflows");
 }
+
+/// Rows a bucket move takes out stay on the backup (their digests still
+/// count) until their target has them and they are released, tag by tag.
+#[test]
+fn rows_taken_out_held_stay_on_the_backup_until_released() {
+    let (mut owner, mut backup) = (table(), table());
+    owner.keep_forwards();
+    let keys: Vec<u64> = (0..90).collect();
+    let mut out = vec![0f32; 4 * keys.len()];
+    owner.pull(&keys, 0, &mut out).unwrap();
+    forward(&mut owner, &mut backup, 1, true);
+    let mut outs = vec![Vec::new(), Vec::new()];
+    let n = owner.take_rows_held(|k| [None, Some(0), Some(1)][(k % 3) as usize], &mut outs, &[7, 8]);
+    assert_eq!(n, vec![30, 30]);
+    assert_eq!(owner.len(), 30);
+    let s = forward(&mut owner, &mut backup, 2, false);
+    assert_eq!((s.deleted, backup.len()), (0, 90), "the backup keeps the rows taken out");
+    owner.release_held(7);
+    let s = forward(&mut owner, &mut backup, 3, false);
+    assert_eq!((s.deleted, backup.len()), (30, 60), "target 7's rows go");
+    assert!(backup.row(1).is_none() && backup.row(2).is_some());
+    owner.release_held(8);
+    forward(&mut owner, &mut backup, 4, false);
+    assert_eq!(backup.len(), 30);
+    assert_eq!(backup.digest(), owner.digest());
+}

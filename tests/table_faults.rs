@@ -1,0 +1,138 @@
+//! Servers of `eps train --model ctr --replicas 2` (real processes on
+//! 127.0.0.1) killed mid-run, also during a bucket move: the server that kept
+//! a lost one's table rows in step stands in for it, and the run ends with
+//! the uninterrupted run's dense parameters and table rows, bit for bit; a
+//! stand-in lost before the rows it serves are its own stops the job with a
+//! clear error.
+
+use std::path::PathBuf;
+
+mod common;
+
+use common::cli::{eps, json_field as json};
+use common::run::{Run, kill};
+
+fn tmp(name: &str) -> PathBuf {
+    common::cli::tmp("table-faults", name)
+}
+
+/// A ctr spec (rows evicted by their touches, so the bookkeeping of a pull
+/// a stand-in's copy lacked would show) written to a file named `name`.
+fn ctr_spec(name: &str) -> PathBuf {
+    let spec = tmp(name).with_extension("toml");
+    let text = eps_cluster::jobspec::CTR_SPEC
+        .replace("batch = 512", "batch = 128")
+        .replace("vocab = 1000", "vocab = 20000")
+        .replace("max_keys = 8192", "max_keys = 8192\nevict_idle_steps = 60\nevict_min_touches = 2");
+    std::fs::write(&spec, text).unwrap();
+    spec
+}
+
+/// The stdout of an uninterrupted `eps train --json` with `args`.
+fn uninterrupted(args: &[&str]) -> String {
+    let o = eps().args(["train", "--json"]).args(args).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8_lossy(&o.stdout).to_string()
+}
+
+/// Servers of a ctr job with `--replicas 2` killed mid-run (SIGKILL): on
+/// two servers, one killed early; on three, one and then, once its rows
+/// became its stand-in's own and were backed up again, another. Each time
+/// the server that kept the lost one's table rows in step stands in for it,
+/// and every run ends with the uninterrupted run's dense parameters and
+/// table rows, bit for bit. (Rows are evicted by their touches, so the
+/// bookkeeping of a pull a stand-in's copy lacked would show.)
+#[test]
+fn table_servers_killed_with_two_replicas_lose_no_row() {
+    let spec = ctr_spec("evict-ctr");
+    let s = spec.to_str().unwrap();
+    for (servers, kills) in [("2", &[(1, 150)][..]), ("3", &[(1, 200), (2, 1500)][..])] {
+        let args = ["--model", "ctr", "--spec", s, "--steps", "3000", "--servers", servers];
+        let plain = uninterrupted(&args);
+        let mut run = Run::start(&[&args[..], &["--replicas", "2"]].concat());
+        for &(rank, at) in kills {
+            run.wait_step(at);
+            kill(run.server_pid(rank));
+            // (Its rows become the stand-in's own at a voted cutover.)
+            run.wait_line(&format!(": lost server {rank}'s "));
+        }
+        let (ok, out, err) = run.finish();
+        assert!(ok, "{servers} servers: {err}");
+        for k in ["params_checksum", "sparse_checksum"] {
+            assert_eq!(json(&out, k), json(&plain, k), "{k}: {servers} servers, killed {kills:?}, against no kill");
+        }
+    }
+    std::fs::remove_file(&spec).ok();
+}
+
+/// A source of a bucket move killed during the move (2 servers scaled out
+/// to 3; server 0 gives server 2 its share): its backup kept the rows it took
+/// out, so its stand-in gives them to the target in its place. Killed as
+/// the move begins; and killed after it took its rows out while the target,
+/// stopped, had not READ them (the READ fails, and the target waits for the
+/// stand-in's). Both runs end with the run without a kill's dense parameters
+/// and table rows, bit for bit.
+#[test]
+fn a_source_killed_during_a_bucket_move_loses_no_row() {
+    let spec = ctr_spec("move-ctr");
+    let args = ["--model", "ctr", "--spec", spec.to_str().unwrap(), "--steps", "1500", "--servers", "2"];
+    let args = [&args[..], &["--scale-plan", "300:servers=3"]].concat();
+    let plain = uninterrupted(&args);
+    for stop_target in [false, true] {
+        let mut run = Run::start(&[&args[..], &["--replicas", "2"]].concat());
+        run.wait_line("eps server 2: from iteration ");
+        let target = run.server_pid(2);
+        if stop_target {
+            signal("STOP", target);
+            run.wait_line("eps control: the rows server 0 gives server 2 at iteration ");
+        }
+        kill(run.server_pid(0));
+        if stop_target {
+            signal("CONT", target);
+        }
+        let (ok, out, err) = run.finish();
+        assert!(ok, "target stopped: {stop_target}: {err}");
+        assert!(err.contains("eps server 1: gives lost server 0's rows"), "no stand-in gave the rows:\n{err}");
+        for k in ["params_checksum", "sparse_checksum"] {
+            assert_eq!(json(&out, k), json(&plain, k), "{k}: target stopped: {stop_target}");
+        }
+    }
+    std::fs::remove_file(&spec).ok();
+}
+
+fn signal(sig: &str, pid: u32) {
+    assert!(std::process::Command::new("kill").args([&format!("-{sig}"), &pid.to_string()]).status().unwrap().success());
+}
+
+/// A stand-in killed while it serves a lost server's rows (before they
+/// become its own at a cutover): those rows had no other copy, so the job
+/// stops at once, saying so and how to resume; a stand-in killed after the
+/// cutover loses nothing, and the run ends as the uninterrupted one. Either
+/// way nothing hangs and nothing ends with other rows.
+#[test]
+fn a_stand_in_lost_before_the_rows_are_its_own_stops_the_job_clearly() {
+    let spec = ctr_spec("standin-ctr");
+    let args = ["--model", "ctr", "--spec", spec.to_str().unwrap(), "--steps", "2000", "--servers", "3"];
+    let plain = uninterrupted(&args);
+    let mut run = Run::start(&[&args[..], &["--replicas", "2"]].concat());
+    run.wait_step(150);
+    kill(run.server_pid(1));
+    run.wait_line("eps server 2: serves lost server 1's rows");
+    kill(run.server_pid(2));
+    let (ok, out, err) = run.finish();
+    eprintln!("the job {}", if ok { "went on (the rows were the stand-in's own)" } else { "stopped" });
+    if ok {
+        assert!(err.contains(": lost server 1's "), "the job went on, yet server 1's rows were not server 2's own:\n{err}");
+        for k in ["params_checksum", "sparse_checksum"] {
+            assert_eq!(json(&out, k), json(&plain, k), "{k}");
+        }
+    } else {
+        // (Server 2's own rows are lost too if their move from server 1 was
+        // under way: see "Not yet" in docs/src/sparse-tables.md.)
+        let why = |s: u32| format!("server {s}, which held rows of the sparse tables, was lost, and no whole backup of its rows");
+        assert!((err.contains(&why(1)) || err.contains(&why(2))) && err.contains("--resume"), "{err}");
+        assert!(!err.contains("timed out"), "a wait ran out rather than the job stopping:\n{err}");
+    }
+    std::fs::remove_file(&spec).ok();
+}
+
