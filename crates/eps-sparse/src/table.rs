@@ -329,9 +329,7 @@ impl RowTable {
     /// `tags[dest(key)]` (a bucket move's source: if it is lost before the
     /// target's backup has them, its backup gives them in its place).
     pub fn take_rows_held(&mut self, dest: impl Fn(u64) -> Option<usize>, outs: &mut [Vec<u8>], tags: &[u32]) -> Vec<u64> {
-        if self.forwards.is_none() {
-            return self.take_rows(dest, outs);
-        }
+        let Some(mut f) = self.forwards.take() else { return self.take_rows(dest, outs) };
         let mut counts = vec![0u64; outs.len()];
         for s in 0..self.meta.len() {
             let m = self.meta[s];
@@ -341,14 +339,14 @@ impl RowTable {
             let Some(i) = dest(m.key).filter(|&i| i < outs.len() && i < tags.len()) else { continue };
             self.write_record(s, &mut outs[i]);
             counts[i] += 1;
-            let digest = self.row_digest(s);
+            // (The next forward carries it as it is now.)
+            self.write_record(s, f.taken_records());
+            f.held(tags[i], m.key, self.row_digest(s));
             self.index.remove(m.key);
             self.release(s);
             self.mark_taken(m.key);
-            if let Some(f) = &mut self.forwards {
-                f.held(tags[i], m.key, digest);
-            }
         }
+        self.forwards = Some(f);
         counts
     }
 

@@ -21,6 +21,10 @@ pub(crate) struct Forwards {
     /// target has them (see [`RowTable::take_rows_held`]): by tag, their
     /// keys and the sum of their digests.
     held: Vec<(u32, Vec<u64>, u64)>,
+    /// Records of rows taken out and held, as they were when taken out (the
+    /// backup's copy may be an update behind), and how many.
+    taken: Vec<u8>,
+    taken_rows: u64,
 }
 
 impl Forwards {
@@ -38,7 +42,15 @@ impl Forwards {
         self.deleted.push(key);
     }
 
+    /// Where records of rows taken out and held go.
+    pub(super) fn taken_records(&mut self) -> &mut Vec<u8> {
+        &mut self.taken
+    }
+
+    /// Row `key` (its record at the end of `taken`) was taken out and is
+    /// held under `tag`.
     pub(super) fn held(&mut self, tag: u32, key: u64, digest: u64) {
+        self.taken_rows += 1;
         let i = match self.held.iter().position(|h| h.0 == tag) {
             Some(i) => i,
             None => {
@@ -112,10 +124,11 @@ impl RowTable {
         let held = if full { 0 } else { f.held.iter().fold(0u64, |a, h| a.wrapping_add(h.2)) };
         let sum = if digest { self.digest().wrapping_add(held) } else { 0 };
         out.clear();
-        out.reserve(HEADER + deleted.len() * 8 + slots.len() * rec);
+        out.reserve(HEADER + deleted.len() * 8 + slots.len() * rec + f.taken.len());
         out.extend_from_slice(&MAGIC.to_le_bytes());
         out.extend_from_slice(&flags.to_le_bytes());
-        for v in [version, sum, deleted.len() as u64, slots.len() as u64, self.stride as u64] {
+        let rows = slots.len() as u64 + f.taken_rows;
+        for v in [version, sum, deleted.len() as u64, rows, self.stride as u64] {
             out.extend_from_slice(&v.to_le_bytes());
         }
         for k in deleted {
@@ -124,13 +137,15 @@ impl RowTable {
         for &s in &slots {
             self.write_record(s, out);
         }
-        let stats = ForwardStats { rows: slots.len() as u64, deleted: deleted.len() as u64, bytes: out.len() as u64 };
+        out.extend_from_slice(&f.taken);
+        let stats = ForwardStats { rows, deleted: deleted.len() as u64, bytes: out.len() as u64 };
         // Listed afresh from here (the lists keep their memory).
-        let Forwards { mut slots, mut seen, mut deleted, held } = f;
+        let Forwards { mut slots, mut seen, mut deleted, held, mut taken, .. } = f;
         slots.clear();
         seen.fill(0);
         deleted.clear();
-        self.forwards = Some(Forwards { slots, seen, deleted, held });
+        taken.clear();
+        self.forwards = Some(Forwards { slots, seen, deleted, held, taken, taken_rows: 0 });
         stats
     }
 

@@ -117,12 +117,17 @@ fn rows_taken_out_held_stay_on_the_backup_until_released() {
     let mut out = vec![0f32; 4 * keys.len()];
     owner.pull(&keys, 0, &mut out).unwrap();
     forward(&mut owner, &mut backup, 1, true);
+    // Stepped, then taken out before the next forward: the backup gets them
+    // as they were taken out.
+    owner.push(&keys, &vec![0.5; 4 * keys.len()], 0.1, 1).unwrap();
+    let stepped = owner.row(1).unwrap().to_vec();
     let mut outs = vec![Vec::new(), Vec::new()];
     let n = owner.take_rows_held(|k| [None, Some(0), Some(1)][(k % 3) as usize], &mut outs, &[7, 8]);
     assert_eq!(n, vec![30, 30]);
     assert_eq!(owner.len(), 30);
     let s = forward(&mut owner, &mut backup, 2, false);
     assert_eq!((s.deleted, backup.len()), (0, 90), "the backup keeps the rows taken out");
+    assert_eq!(backup.row(1).unwrap(), &stepped[..], "as they were taken out");
     owner.release_held(7);
     let s = forward(&mut owner, &mut backup, 3, false);
     assert_eq!((s.deleted, backup.len()), (30, 60), "target 7's rows go");
