@@ -437,7 +437,13 @@ impl<P: Fabric> Server<P> {
     /// Connection `ci` failed: if it led to the rows' backup, they go on
     /// without one (what waited for an acknowledgement is served).
     pub(crate) fn rows_backup_conn_lost(&mut self, ci: usize) -> Result<(), ServerError> {
-        self.sparse.backups.copies.retain(|c| c.read.as_ref().is_none_or(|r| r.ci != ci));
+        // A forward being READ on it will not come: the copy stays as of
+        // the last one taken in (the owner served nothing later).
+        for c in &mut self.sparse.backups.copies {
+            if c.read.as_ref().is_some_and(|r| r.ci == ci) {
+                c.read = None;
+            }
+        }
         if let Some(rank) = self.sparse.backups.link.as_ref().filter(|l| l.ci == ci).map(|l| l.rank) {
             eps_proto::say!(
                 "eps server {}: the backup of its table rows (server {rank}) is gone; they go on without one",

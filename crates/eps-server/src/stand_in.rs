@@ -100,7 +100,8 @@ impl<P: Fabric> Server<P> {
         if let Err(why) = self.report(&ControlMsg::StandInReady { rank: self.rank, from, tables: endpoints })? {
             return Err(ServerError::Sparse(format!("the control plane refused a stand-in for server {from}: {why}")));
         }
-        self.stand_in_give()
+        self.stand_in_give()?;
+        self.merge_stand_in()
     }
 
     /// Worker `w` sent the stand-in again a request the lost server took:

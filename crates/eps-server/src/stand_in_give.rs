@@ -44,6 +44,8 @@ pub(crate) struct Give<P: Fabric> {
     /// plane frees no lost server's rows).
     out: Vec<P::Mr>,
     pub(crate) done: bool,
+    /// The move's map still names the lost server (it kept some buckets).
+    keeps: bool,
 }
 
 impl<P: Fabric> Give<P> {
@@ -73,6 +75,7 @@ impl<P: Fabric> Give<P> {
             dropped: 0,
             out: Vec::new(),
             done: false,
+            keeps: new.contains(&from),
         })
     }
 }
@@ -106,14 +109,15 @@ impl<P: Fabric> Server<P> {
         }
         g.done = true;
         let (at, targets, blobs, rows, dropped) = (g.at, g.targets.clone(), std::mem::take(&mut g.blobs), g.rows.clone(), g.dropped);
+        let keeps = g.keeps;
         eps_proto::say!(
             "eps server {}: gives lost server {from}'s rows of the buckets it gave away at iteration {at} in its place: \
              {rows:?} rows to servers {targets:?} ({dropped} dropped: taken already)",
             self.rank
         );
-        let named = self.sparse.owners.last().is_some_and(|(_, o)| o.contains(&from));
-        if !named {
-            // Nothing of it is left to become this server's own.
+        if !keeps {
+            // Nothing of it is left to become this server's own (what it
+            // kept moves here later, as any stand-in's: `merge_stand_in`).
             s.leaves_at = Some(at);
             s.merged = Some(0);
         }
