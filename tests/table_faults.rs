@@ -65,66 +65,40 @@ fn table_servers_killed_with_two_replicas_lose_no_row() {
     std::fs::remove_file(&spec).ok();
 }
 
-/// A source of a bucket move killed during the move (2 servers scaled out
-/// to 3; server 0 gives server 2 its share): its backup kept the rows it took
-/// out, so its stand-in gives them to the target in its place (or drops
-/// them, if the target had READ them already). Killed as the move begins,
-/// and just after it took its rows out. Both runs end with the run without a
-/// kill's dense parameters and table rows, bit for bit.
+/// A source of a bucket move killed during the move: its backup kept the
+/// rows it took out, so its stand-in gives them to their targets in its
+/// place (or drops them, if a target had READ them already). Scaled out
+/// from 2 servers to 3 (server 0 gives server 2 its share; server 1 stands
+/// in) and in from 3 to 2 (server 2 gives its buckets to servers 0 and 1;
+/// server 0 stands in, and gives some to itself); the source killed as the
+/// move begins, and just after it took its rows out. Every run ends with
+/// the run without a kill's dense parameters and table rows, bit for bit.
 #[test]
 fn a_source_killed_during_a_bucket_move_loses_no_row() {
     let spec = ctr_spec("move-ctr");
-    let args = ["--model", "ctr", "--spec", spec.to_str().unwrap(), "--steps", "1500", "--servers", "2"];
-    let args = [&args[..], &["--scale-plan", "300:servers=3"]].concat();
-    let plain = uninterrupted(&args);
-    for taken_out in [false, true] {
-        let mut run = Run::start(&[&args[..], &["--replicas", "2"]].concat());
-        if taken_out {
-            let out = |l: &str| l.starts_with("eps server 0: ") && l.contains(" go to server 2 at iteration ");
-            run.lines.until("server 0's rows taken out", out);
-        } else {
-            run.wait_line("eps server 2: from iteration ");
+    // (servers, scale plan, source, its stand-in, a target)
+    for (servers, plan, source, stand_in, target) in [("2", "300:servers=3", 0, 1, 2), ("3", "300:servers=2", 2, 0, 1)] {
+        let args = ["--model", "ctr", "--spec", spec.to_str().unwrap(), "--steps", "1500", "--servers", servers];
+        let args = [&args[..], &["--scale-plan", plan]].concat();
+        let plain = uninterrupted(&args);
+        for taken_out in [false, true] {
+            let mut run = Run::start(&[&args[..], &["--replicas", "2"]].concat());
+            if taken_out {
+                let me = format!("eps server {source}: ");
+                run.lines.until("the source's rows taken out", |l| l.starts_with(&me) && l.contains(" go to server "));
+            } else {
+                run.wait_line(&format!("eps server {target}: from iteration "));
+            }
+            kill(run.server_pid(source));
+            let (ok, out, err) = run.finish();
+            let case = format!("{plan}, server {source} killed after its rows were taken out: {taken_out}");
+            assert!(ok, "{case}: {err}");
+            let gave = format!("eps server {stand_in}: gives lost server {source}'s rows");
+            assert!(err.contains(&gave), "{case}: no stand-in gave the rows:\n{err}");
+            for k in ["params_checksum", "sparse_checksum"] {
+                assert_eq!(json(&out, k), json(&plain, k), "{k}: {case}:\n{err}");
+            }
         }
-        kill(run.server_pid(0));
-        let (ok, out, err) = run.finish();
-        assert!(ok, "killed after its rows were taken out: {taken_out}: {err}");
-        assert!(err.contains("eps server 1: gives lost server 0's rows"), "no stand-in gave the rows:\n{err}");
-        for k in ["params_checksum", "sparse_checksum"] {
-            assert_eq!(json(&out, k), json(&plain, k), "{k}: killed after its rows were taken out: {taken_out}:\n{err}");
-        }
-    }
-    std::fs::remove_file(&spec).ok();
-}
-
-
-/// A stand-in killed while it serves a lost server's rows (before they
-/// become its own at a cutover): those rows had no other copy, so the job
-/// stops at once, saying so and how to resume; a stand-in killed after the
-/// cutover loses nothing, and the run ends as the uninterrupted one. Either
-/// way nothing hangs and nothing ends with other rows.
-#[test]
-fn a_stand_in_lost_before_the_rows_are_its_own_stops_the_job_clearly() {
-    let spec = ctr_spec("standin-ctr");
-    let args = ["--model", "ctr", "--spec", spec.to_str().unwrap(), "--steps", "2000", "--servers", "3"];
-    let plain = uninterrupted(&args);
-    let mut run = Run::start(&[&args[..], &["--replicas", "2"]].concat());
-    run.wait_step(150);
-    kill(run.server_pid(1));
-    run.wait_line("eps server 2: serves lost server 1's rows");
-    kill(run.server_pid(2));
-    let (ok, out, err) = run.finish();
-    eprintln!("the job {}", if ok { "went on (the rows were the stand-in's own)" } else { "stopped" });
-    if ok {
-        assert!(err.contains(": lost server 1's "), "the job went on, yet server 1's rows were not server 2's own:\n{err}");
-        for k in ["params_checksum", "sparse_checksum"] {
-            assert_eq!(json(&out, k), json(&plain, k), "{k}");
-        }
-    } else {
-        // (Server 2's own rows are lost too if their move from server 1 was
-        // under way: see "Not yet" in docs/src/sparse-tables.md.)
-        let why = |s: u32| format!("server {s}, which held rows of the sparse tables, was lost, and no whole backup of its rows");
-        assert!((err.contains(&why(1)) || err.contains(&why(2))) && err.contains("--resume"), "{err}");
-        assert!(!err.contains("timed out"), "a wait ran out rather than the job stopping:\n{err}");
     }
     std::fs::remove_file(&spec).ok();
 }
