@@ -143,4 +143,3 @@ pub fn kill_together(pids: &[u32]) {
     let pids: Vec<String> = pids.iter().map(u32::to_string).collect();
     assert!(Command::new("kill").arg("-KILL").args(&pids).status().unwrap().success());
 }
-

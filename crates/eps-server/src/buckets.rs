@@ -189,7 +189,13 @@ impl<P: Fabric> Server<P> {
 
     /// `Order::FetchRows`: READs the rows server `from` gives this one from
     /// server `via` (at `via_addr`).
-    pub(crate) fn on_fetch_rows(&mut self, from: u32, via: u32, via_addr: &str, blob: (u64, u32, u64)) -> Result<(), ServerError> {
+    pub(crate) fn on_fetch_rows(
+        &mut self,
+        from: u32,
+        via: u32,
+        via_addr: &str,
+        blob: (u64, u32, u64),
+    ) -> Result<(), ServerError> {
         let (addr, rkey, len) = blob;
         if !self.sparse.moving.gate().is_some_and(|inc| inc.sources().contains(&from)) {
             // Taken already (from the source, just before it was lost).

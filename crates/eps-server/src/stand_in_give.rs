@@ -108,7 +108,8 @@ impl<P: Fabric> Server<P> {
             return Ok(());
         }
         g.done = true;
-        let (at, targets, blobs, rows, dropped) = (g.at, g.targets.clone(), std::mem::take(&mut g.blobs), g.rows.clone(), g.dropped);
+        let (at, targets, blobs, rows, dropped) =
+            (g.at, g.targets.clone(), std::mem::take(&mut g.blobs), g.rows.clone(), g.dropped);
         let keeps = g.keeps;
         eps_proto::say!(
             "eps server {}: gives lost server {from}'s rows of the buckets it gave away at iteration {at} in its place: \
@@ -134,7 +135,10 @@ impl<P: Fabric> Server<P> {
             }
             self.summary.sparse_rows_out += rows[i];
             if let Err(why) = self.report(&ControlMsg::RowsOut { rank: self.rank, from, to, addr, rkey, len })? {
-                eps_proto::say!("eps server {}: the control plane did not take lost server {from}'s rows for server {to}: {why}", self.rank);
+                eps_proto::say!(
+                    "eps server {}: the control plane did not take lost server {from}'s rows for server {to}: {why}",
+                    self.rank
+                );
             }
         }
         Ok(())

@@ -202,8 +202,7 @@ impl<P: Fabric> Tables<P> {
     pub(crate) fn holds(&self, server: u32) -> bool {
         let from = self.tables.iter().filter_map(|t| t.pushed_at).min().unwrap_or(0);
         let until = |i: usize| self.maps.get(i + 1).map_or(u64::MAX, |n| n.0);
-        !self.tables.is_empty()
-            && self.maps.iter().enumerate().any(|(i, (_, m))| until(i) > from && m.servers.contains(&server))
+        !self.tables.is_empty() && self.maps.iter().enumerate().any(|(i, (_, m))| until(i) > from && m.servers.contains(&server))
     }
 
     /// How many tables.

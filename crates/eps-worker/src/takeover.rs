@@ -219,7 +219,10 @@ impl<P: Fabric> Worker<P> {
                 self.post_sparse(lost, table, Staged::Again, to, ImmKind::PullReq, seq, 0, bytes.len())?;
                 let heir = self.sparse.heir_of(lost);
                 // (A stand-in lost meanwhile: see `Tables::lose`.)
-                self.wait_until(|w| w.sparse.again.is_none() || w.sparse.heir_of(lost) != heir, "a stand-in to take a pull again")?;
+                self.wait_until(
+                    |w| w.sparse.again.is_none() || w.sparse.heir_of(lost) != heir,
+                    "a stand-in to take a pull again",
+                )?;
                 if self.sparse.again.take().is_some() {
                     return Ok(());
                 }

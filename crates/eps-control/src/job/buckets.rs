@@ -122,7 +122,9 @@ impl Job {
     pub(super) fn rows_out(&mut self, rank: u32, from: u32, to: u32, blob: (u64, u32, u64)) -> Result<ControlMsg, Refusal> {
         let holder = rank == from || self.heir_of(from) == Some(rank);
         let Some(m) = self.bucket_move.as_mut().filter(|m| m.pending.contains(&(from, to)) && holder) else {
-            return Err(Refusal::stale(format!("no bucket move from server {from} to server {to} is under way on server {rank}")));
+            return Err(Refusal::stale(format!(
+                "no bucket move from server {from} to server {to} is under way on server {rank}"
+            )));
         };
         m.reading.push((from, to));
         let at = m.at;
