@@ -153,6 +153,7 @@ impl Job {
             servers[SERVER_STATES.iter().position(|s| *s == row.state).expect("a known state")] += 1;
         }
         let done = self.migrations.iter().filter(|m| m.phase == Phase::Done).count() as u64 + self.moves_done;
+        let (row_holders, row_holders_protected, rows_standing_in) = self.rows_protection();
         Figures {
             epoch: self.map.epoch,
             iteration: training.iter().copied().max().unwrap_or(0),
@@ -175,9 +176,9 @@ impl Job {
                 .filter(|s| self.backups[s.id as usize].is_some() && !self.unsynced[s.id as usize])
                 .count() as u64,
             shards: self.map.shards.len() as u64,
-            row_holders: self.rows_protection().0,
-            row_holders_protected: self.rows_protection().1,
-            rows_standing_in: self.rows_protection().2,
+            row_holders,
+            row_holders_protected,
+            rows_standing_in,
         }
     }
 

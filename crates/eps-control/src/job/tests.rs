@@ -497,3 +497,34 @@ fn a_stand_ins_merged_rows_are_not_lost_with_it() {
     job.apply(&job.server_gone(2).expect("the stand-in")).unwrap();
     assert_eq!(job.job_map().heirs.first(), Some(&(1, Some(2))), "merged before it was lost");
 }
+
+/// The source of a bucket move lost during it (a scale-in: server 2 gives
+/// its buckets to servers 0 and 1): its backup stands in and is told which
+/// targets have not taken its rows; its report of them is taken as the lost
+/// server's, and the targets READ them from it; another server's is not.
+#[test]
+fn a_lost_sources_stand_in_gives_its_rows_to_the_targets_waiting() {
+    let mut job = three_table_servers(1);
+    job.apply(&ControlMsg::Scale { servers: 2 }).unwrap();
+    let proposal = job.job_map().proposal;
+    assert_ne!(proposal, 0, "a bucket move is voted: {}", job.status());
+    vote_all(&mut job, &[(Role::Worker, 0, 9), (Role::Server, 0, 9), (Role::Server, 1, 9), (Role::Server, 2, 9)]);
+    assert_eq!(job.rows_backup_of(2), Some(0));
+    job.apply(&ControlMsg::RowsOut { rank: 2, from: 2, to: 0, addr: 64, rkey: 9, len: 4000 }).unwrap();
+    job.apply(&ControlMsg::RowsTaken { rank: 0, from: 2 }).unwrap();
+    job.apply(&ControlMsg::RowsOut { rank: 2, from: 2, to: 1, addr: 64, rkey: 9, len: 4000 }).unwrap();
+    job.apply(&job.server_gone(2).expect("a source with replicas")).unwrap();
+    let orders = |job: &Job, r: u32| job.orders_for(r, 0).1;
+    assert!(orders(&job, 0).contains(&Order::StandIn { from: 2, give: vec![1] }), "{:?}", orders(&job, 0));
+    let early = ControlMsg::RowsOut { rank: 0, from: 2, to: 1, addr: 128, rkey: 3, len: 4000 };
+    assert!(job.apply(&early).is_err(), "not its stand-in yet");
+    job.apply(&ControlMsg::StandInReady { rank: 0, from: 2, tables: vec![ep(2, 900)] }).unwrap();
+    let posing = ControlMsg::RowsOut { rank: 1, from: 2, to: 1, addr: 128, rkey: 3, len: 4000 };
+    assert!(job.apply(&posing).is_err(), "server 1 holds none of server 2's rows");
+    job.apply(&early).unwrap();
+    let fetch = Order::FetchRows { from: 2, via: 0, from_addr: "127.0.0.1:7000".into(), addr: 128, rkey: 3, len: 4000 };
+    assert!(orders(&job, 1).contains(&fetch), "{:?}", orders(&job, 1));
+    assert!(job.status().contains("rows not taken yet [(2, 1)]"), "{}", job.status());
+    job.apply(&ControlMsg::RowsTaken { rank: 1, from: 2 }).unwrap();
+    assert!(job.status().contains("1 moves done") && !job.status().contains("rows not taken yet"), "{}", job.status());
+}
