@@ -10,7 +10,7 @@ use std::path::PathBuf;
 mod common;
 
 use common::cli::{eps, json_field as json};
-use common::run::{Run, kill};
+use common::run::{Run, kill, kill_if_alive};
 
 fn tmp(name: &str) -> PathBuf {
     common::cli::tmp("table-faults", name)
@@ -71,30 +71,49 @@ fn table_servers_killed_with_two_replicas_lose_no_row() {
 /// from 2 servers to 3 (server 0 gives server 2 its share; server 1 stands
 /// in) and in from 3 to 2 (server 2 gives its buckets to servers 0 and 1;
 /// server 0 stands in, and gives some to itself); the source killed as the
-/// move begins, and just after it took its rows out. Every run ends with
-/// the run without a kill's dense parameters and table rows, bit for bit.
+/// move begins, just after it took its rows out, and once every target
+/// took them (a target then ignores the stand-in's; if the move was over
+/// first, workers await nothing of the source). Every run ends with the
+/// run without a kill's dense parameters and table rows, bit for bit.
 #[test]
 fn a_source_killed_during_a_bucket_move_loses_no_row() {
     let spec = ctr_spec("move-ctr");
-    // (servers, scale plan, source, its stand-in, a target)
-    for (servers, plan, source, stand_in, target) in [("2", "300:servers=3", 0, 1, 2), ("3", "300:servers=2", 2, 0, 1)] {
+    // (servers, scale plan, source, its stand-in, its targets)
+    for (servers, plan, source, stand_in, targets) in
+        [("2", "300:servers=3", 0, 1, &[2][..]), ("3", "300:servers=2", 2, 0, &[0, 1][..])]
+    {
         let args = ["--model", "ctr", "--spec", spec.to_str().unwrap(), "--steps", "1500", "--servers", servers];
         let args = [&args[..], &["--scale-plan", plan]].concat();
         let plain = uninterrupted(&args);
-        for taken_out in [false, true] {
+        for when in ["as the move begins", "after it took its rows out", "once every target took them"] {
             let mut run = Run::start(&[&args[..], &["--replicas", "2"]].concat());
-            if taken_out {
-                let me = format!("eps server {source}: ");
-                run.lines.until("the source's rows taken out", |l| l.starts_with(&me) && l.contains(" go to server "));
-            } else {
-                run.wait_line(&format!("eps server {target}: from iteration "));
+            let me = format!("eps server {source}: ");
+            match when {
+                "as the move begins" => drop(run.wait_line(&format!("eps server {}: from iteration ", targets[0]))),
+                "after it took its rows out" => {
+                    run.lines.until(when, |l| l.starts_with(&me) && l.contains(" go to server "));
+                }
+                _ => {
+                    // (In whatever order they come.)
+                    let came = format!("came from server {source}");
+                    let took = std::cell::Cell::new(0);
+                    run.lines.until(when, |l| {
+                        took.set(took.get() + usize::from(l.starts_with("eps server ") && l.contains(&came)));
+                        took.get() == targets.len()
+                    });
+                }
             }
-            kill(run.server_pid(source));
+            if !kill_if_alive(run.server_pid(source)) {
+                // (It gave its rows away and retired before the kill.)
+                eprintln!("{plan}: server {source} was gone already {when}");
+            }
             let (ok, out, err) = run.finish();
-            let case = format!("{plan}, server {source} killed after its rows were taken out: {taken_out}");
+            let case = format!("{plan}, server {source} killed {when}");
             assert!(ok, "{case}: {err}");
-            let gave = format!("eps server {stand_in}: gives lost server {source}'s rows");
-            assert!(err.contains(&gave), "{case}: no stand-in gave the rows:\n{err}");
+            if when != "once every target took them" {
+                let gave = format!("eps server {stand_in}: gives lost server {source}'s rows");
+                assert!(err.contains(&gave), "{case}: no stand-in gave the rows:\n{err}");
+            }
             for k in ["params_checksum", "sparse_checksum"] {
                 assert_eq!(json(&out, k), json(&plain, k), "{k}: {case}:\n{err}");
             }

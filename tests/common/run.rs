@@ -136,6 +136,11 @@ pub fn kill(pid: u32) {
     assert!(Command::new("kill").args(["-KILL", &pid.to_string()]).status().unwrap().success());
 }
 
+/// SIGKILLs `pid` if it is still there: whether it was.
+pub fn kill_if_alive(pid: u32) -> bool {
+    Command::new("kill").args(["-KILL", &pid.to_string()]).stderr(Stdio::null()).status().unwrap().success()
+}
+
 /// SIGKILLs `pids` at once (one `kill` command), so that no failover runs
 /// between their deaths: two `kill` commands in a row can be far apart on a
 /// loaded machine.

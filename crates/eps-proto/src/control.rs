@@ -104,7 +104,9 @@ pub struct JobMap {
     pub buckets: Vec<(u64, crate::buckets::Runs)>,
     /// Sparse tables: lost servers that held rows, and the server that serves
     /// their buckets from its copy of their rows (`None`: none does, and
-    /// their rows are lost). Their `tables` endpoints are the stand-in's.
+    /// their rows are lost; itself: it had given every row away, after it
+    /// applied every push it was sent). Their `tables` endpoints are the
+    /// stand-in's.
     pub heirs: Vec<(u32, Option<u32>)>,
 }
 

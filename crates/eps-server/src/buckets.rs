@@ -187,6 +187,17 @@ impl<P: Fabric> Server<P> {
         Ok(())
     }
 
+    /// Whether the rows server `from` gives this one are still awaited; if
+    /// not, they were taken already (from the source, just before it was
+    /// lost, while its stand-in was told they were not), and it says so.
+    fn awaits_rows(&self, from: u32) -> bool {
+        let awaited = self.sparse.moving.gate().is_some_and(|inc| inc.sources().contains(&from));
+        if !awaited {
+            eps_proto::say!("eps server {}: the rows server {from} gives it are here already", self.rank);
+        }
+        awaited
+    }
+
     /// `Order::FetchRows`: READs the rows server `from` gives this one from
     /// server `via` (at `via_addr`).
     pub(crate) fn on_fetch_rows(
@@ -197,9 +208,7 @@ impl<P: Fabric> Server<P> {
         blob: (u64, u32, u64),
     ) -> Result<(), ServerError> {
         let (addr, rkey, len) = blob;
-        if !self.sparse.moving.gate().is_some_and(|inc| inc.sources().contains(&from)) {
-            // Taken already (from the source, just before it was lost).
-            eps_proto::say!("eps server {}: the rows server {from} gives it are here already", self.rank);
+        if !self.awaits_rows(from) {
             return Ok(());
         }
         // (A fetch from a source lost meanwhile is over: see `on_rows_read`.)
@@ -281,6 +290,9 @@ impl<P: Fabric> Server<P> {
     /// `started`) are here: they are taken into the parts, reported once on
     /// the backup, and the requests held for them go on.
     pub(crate) fn take_rows_from(&mut self, from: u32, blob: &[u8], started: Instant) -> Result<(), ServerError> {
+        if !self.awaits_rows(from) {
+            return Ok(());
+        }
         let strides: Vec<usize> = self.sparse.tables.iter().map(|t| t.part.rows().stride()).collect();
         let sections = moves::sections(blob, &strides).map_err(|e| ServerError::Sparse(format!("from server {from}: {e}")))?;
         let mut rows = 0;

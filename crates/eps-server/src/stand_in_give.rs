@@ -11,7 +11,9 @@
 //! by the newest bucket map:
 //! - the rows of each bucket going to a target in `give`: put where that
 //!   target READs them, and reported (`RowsOut` for the lost server; the
-//!   target is told to READ them here); to itself, taken in at once;
+//!   target is told to READ them here); to itself, taken in at once. A
+//!   target that took them from the lost server just before it was lost
+//!   (its report not in yet) ignores them;
 //! - the rows of buckets the lost server no longer owns and no target waits
 //!   for (taken already, their release not yet forwarded): dropped.
 //!

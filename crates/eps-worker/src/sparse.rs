@@ -205,6 +205,21 @@ impl<P: Fabric> Tables<P> {
         !self.tables.is_empty() && self.maps.iter().enumerate().any(|(i, (_, m))| until(i) > from && m.servers.contains(&server))
     }
 
+    /// Whether this worker may still send server `server` requests of the
+    /// tables or hear from it: a bucket map in force after a table's last
+    /// push names it, or a credit or a pull's answer from it is not in. (A
+    /// server that gave its buckets away at a cutover owes nothing once it
+    /// credited the last push before it: it credits a push once its backup
+    /// has every change, the rows it gave away included.)
+    pub(crate) fn awaits(&self, server: u32) -> bool {
+        let until = |i: usize| self.maps.get(i + 1).map_or(u64::MAX, |n| n.0);
+        let named_from = |t: u64| self.maps.iter().enumerate().any(|(i, (_, m))| until(i) > t && m.servers.contains(&server));
+        self.tables.iter().any(|t| {
+            let next = t.pushed_at.map_or(0, |p| p + 1);
+            named_from(next) || t.owed.contains(&server) || t.credit.get(server as usize) == Some(&false)
+        })
+    }
+
     /// How many tables.
     pub(crate) fn len(&self) -> usize {
         self.tables.len()

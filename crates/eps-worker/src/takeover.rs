@@ -39,7 +39,7 @@ impl<P: Fabric> Tables<P> {
                 self.pending.push(x);
             }
         }
-        let held = self.holds(server) && self.heir_of(server).is_none();
+        let held = self.holds(server) && self.awaits(server) && self.heir_of(server).is_none();
         if held && self.replicas > 1 {
             if !self.pending.contains(&server) {
                 self.pending.push(server);
@@ -48,6 +48,23 @@ impl<P: Fabric> Tables<P> {
             self.lost.get_or_insert(server);
         }
         held
+    }
+
+    /// Lost server `server` had given every row away after it applied every
+    /// push it was sent (the control plane names it its own heir): its
+    /// credits are in. A pull it did not answer is lost: the tables stop.
+    fn gave_away(&mut self, server: u32) -> Result<(), WorkerError> {
+        if self.tables.iter().any(|t| t.owed.contains(&server)) {
+            self.rows_lost(server);
+            return Err(self.lost_error().unwrap_or(WorkerError::Unexpected));
+        }
+        for t in &mut self.tables {
+            if let Some(c) = t.credit.get_mut(server as usize) {
+                *c = true;
+            }
+        }
+        self.pending.retain(|&p| p != server);
+        Ok(())
     }
 
     /// No server took lost server `server`'s rows over: the tables stop.
@@ -170,7 +187,8 @@ impl<P: Fabric> Worker<P> {
                 // plane hears of it.)
                 let gone = |w: &Self, h: u32| w.lost.contains(&h) || w.sparse.pending.contains(&h);
                 match self.map.heirs.iter().find(|h| h.0 == lost) {
-                    Some(&(_, Some(h))) if !gone(self, h) => break h,
+                    Some(&(_, Some(h))) if h == lost => break None,
+                    Some(&(_, Some(h))) if !gone(self, h) => break Some(h),
                     Some(&(_, None)) => {
                         self.sparse.rows_lost(lost);
                         return Err(self.sparse.lost_error().unwrap_or(WorkerError::Unexpected));
@@ -183,6 +201,11 @@ impl<P: Fabric> Worker<P> {
                         r => r?,
                     },
                 }
+            };
+            let Some(heir) = heir else {
+                eps_proto::say!("eps worker {}: lost server {lost} had given its table rows away", self.rank);
+                self.sparse.gave_away(lost)?;
+                continue;
             };
             eps_proto::say!("eps worker {}: server {heir} serves lost server {lost}'s table rows", self.rank);
             self.connect(heir)?;

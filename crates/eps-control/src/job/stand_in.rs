@@ -7,7 +7,9 @@
 //! landing regions for those buckets. Workers send what the lost server had
 //! not answered to the stand-in. A lost server without a backup of its rows
 //! (none placed, or one that holds no whole copy yet, or one lost too) is
-//! named with no heir: its rows are lost, and workers stop saying so.
+//! named with no heir: its rows are lost, and workers stop saying so. A lost
+//! server that had given all its buckets away (a move it was the source of
+//! is over) is named its own heir: nothing of it is to be taken over.
 //!
 //! Once it serves them, the lost server's buckets move to the stand-in
 //! (`maybe_move_buckets` proposes the map, voted as any bucket move): at the
@@ -47,6 +49,12 @@ impl Job {
         self.standing_in = rest;
         self.heirs.extend(pending.into_iter().map(|(from, _)| (from, None)));
         if !self.holds_buckets(rank) {
+            // Every row it held went to its targets, after it applied every
+            // push it was sent: workers awaiting its credit of the last
+            // push before the cutover await it no more.
+            if self.buckets.iter().any(|(_, o)| o.contains(&rank)) && !self.heirs.iter().any(|h| h.0 == rank) {
+                self.heirs.push((rank, Some(rank)));
+            }
             return;
         }
         // A target of a bucket move may hold rows no copy holds yet; a
@@ -135,18 +143,18 @@ impl Job {
 
     /// The stand-ins' line of `eps status`.
     pub(super) fn stand_in_status(&self, t: &mut String) {
-        if self.heirs.is_empty() && self.standing_in.is_empty() {
-            return;
-        }
-        let mut parts: Vec<String> = self
-            .heirs
-            .iter()
+        // (A server that had given its rows away left none behind.)
+        let heirs = self.heirs.iter().filter(|(from, to)| *to != Some(*from));
+        let mut parts: Vec<String> = heirs
             .map(|(from, to)| match to {
                 Some(b) => format!("server {from}'s by server {b}"),
                 None => format!("server {from}'s lost"),
             })
             .collect();
         parts.extend(self.standing_in.iter().map(|(from, b)| format!("server {from}'s by server {b} (starting)")));
+        if parts.is_empty() {
+            return;
+        }
         let _ = writeln!(
             t,
             "  rows of lost servers: {}; a stand-in keeps them without a backup until they become its own at a bucket move",

@@ -528,3 +528,21 @@ fn a_lost_sources_stand_in_gives_its_rows_to_the_targets_waiting() {
     job.apply(&ControlMsg::RowsTaken { rank: 1, from: 2 }).unwrap();
     assert!(job.status().contains("1 moves done") && !job.status().contains("rows not taken yet"), "{}", job.status());
 }
+
+#[test]
+fn a_source_lost_once_its_rows_were_taken_is_named_its_own_heir() {
+    let mut job = three_table_servers(1);
+    job.apply(&ControlMsg::Scale { servers: 2 }).unwrap();
+    vote_all(&mut job, &[(Role::Worker, 0, 9), (Role::Server, 0, 9), (Role::Server, 1, 9), (Role::Server, 2, 9)]);
+    for to in [0, 1] {
+        job.apply(&ControlMsg::RowsOut { rank: 2, from: 2, to, addr: 64, rkey: 9, len: 4000 }).unwrap();
+        job.apply(&ControlMsg::RowsTaken { rank: to, from: 2 }).unwrap();
+    }
+    let gone = job.server_gone(2).expect("a retiring server");
+    job.apply(&gone).unwrap();
+    // (Workers awaiting its credit of the last push before the cutover
+    // await it no more; nobody stands in for it.)
+    assert_eq!(job.job_map().heirs, vec![(2, Some(2))]);
+    assert!((0..2).all(|r| !job.orders_for(r, 0).1.iter().any(|o| matches!(o, Order::StandIn { .. }))));
+    assert!(!job.status().contains("rows of lost servers"), "{}", job.status());
+}
