@@ -175,7 +175,7 @@ pub struct Job {
     /// retire some later).
     tables_started: bool,
     /// Sparse tables: the bucket maps by first iteration (see `buckets.rs`).
-    buckets: Vec<(u64, Vec<u32>)>,
+    buckets: buckets::BucketHistory,
     /// The bucket move committed and not finished.
     bucket_move: Option<buckets::BucketMove>,
     /// Bucket moves finished.
@@ -241,7 +241,7 @@ impl Job {
             table_count: spec.model.tables.len(),
             tables: Vec::new(),
             tables_started: false,
-            buckets: vec![(0, eps_proto::buckets::initial_owners(spec.job.servers))],
+            buckets: buckets::BucketHistory::new(eps_proto::buckets::initial_owners(spec.job.servers)),
             bucket_move: None,
             bucket_moves: 0,
             row_backups: Vec::new(),

@@ -118,6 +118,8 @@ impl BucketMap {
         let mut servers = owner.clone();
         servers.sort_unstable();
         servers.dedup();
+        // (A few servers: not a bucket's worth of room per map kept.)
+        servers.shrink_to_fit();
         let mut index = vec![0u32; servers.last().map_or(0, |&r| r as usize + 1)];
         for (i, &r) in servers.iter().enumerate() {
             index[r as usize] = i as u32;
@@ -177,7 +179,10 @@ impl<P: Fabric> Tables<P> {
         })
     }
 
-    /// Takes in the bucket maps of `map` this worker does not have yet.
+    /// Takes in the bucket maps of `map` this worker does not have yet. One
+    /// a later map replaced by the iteration every table last pushed keeps
+    /// only its servers: no push or pull of this worker uses it again (the
+    /// history grows with every move, and a loss makes one).
     pub(crate) fn follow(&mut self, map: &JobMap) -> Result<(), WorkerError> {
         for (at, runs) in map.buckets.iter().skip(self.maps.len()) {
             let owners = eps_proto::buckets::expand(runs).ok_or(WorkerError::Unexpected)?;
@@ -186,13 +191,22 @@ impl<P: Fabric> Tables<P> {
             }
             self.maps.push((*at, BucketMap::new(owners)));
         }
+        if let Some(from) = self.tables.iter().map(|t| t.pushed_at).min().flatten() {
+            for i in 1..self.maps.len() {
+                if self.maps[i].0 <= from {
+                    self.maps[i - 1].1.owner = Vec::new();
+                }
+            }
+        }
         Ok(())
     }
 
     /// The bucket map of iteration `t`.
     fn map_at(&self, t: u64) -> &BucketMap {
         // (The history starts with the map of iteration 0.)
-        eps_proto::buckets::owners_at(&self.maps, t).unwrap_or(&self.maps[0].1)
+        let m = eps_proto::buckets::owners_at(&self.maps, t).unwrap_or(&self.maps[0].1);
+        debug_assert!(!m.owner.is_empty(), "the bucket map of iteration {t} was dropped as used no more");
+        m
     }
 
     /// Whether server `server` holds rows of the tables this worker may

@@ -39,13 +39,42 @@ pub(crate) struct BucketMove {
     pub(crate) reading: Vec<(u32, u32)>,
 }
 
+/// The bucket maps by first iteration, each kept as runs (the history grows
+/// with every move, and a loss makes one), the newest one also whole.
+#[derive(Debug)]
+pub(super) struct BucketHistory {
+    runs: Vec<(u64, buckets::Runs)>,
+    last: Vec<u32>,
+}
+
+impl BucketHistory {
+    pub(super) fn new(owners: Vec<u32>) -> Self {
+        Self { runs: vec![(0, buckets::runs(&owners))], last: owners }
+    }
+
+    /// The newest map: its first iteration and each bucket's owner.
+    pub(super) fn last(&self) -> Option<(u64, &Vec<u32>)> {
+        self.runs.last().map(|(at, _)| (*at, &self.last))
+    }
+
+    pub(super) fn push(&mut self, at: u64, owners: Vec<u32>) {
+        self.runs.push((at, buckets::runs(&owners)));
+        self.last = owners;
+    }
+
+    /// Whether any map names server `rank`.
+    pub(super) fn ever_named(&self, rank: u32) -> bool {
+        self.runs.iter().any(|(_, r)| r.iter().any(|&(_, o)| o == rank))
+    }
+}
+
 impl Job {
     /// The bucket maps by first iteration, as the job map carries them.
     pub(super) fn bucket_runs(&self) -> Vec<(u64, buckets::Runs)> {
         if self.table_count == 0 {
             return Vec::new();
         }
-        self.buckets.iter().map(|(at, o)| (*at, buckets::runs(o))).collect()
+        self.buckets.runs.clone()
     }
 
     /// Whether server `rank` owns buckets or is at one end of a bucket move.
@@ -95,7 +124,7 @@ impl Job {
     /// The vote on a bucket move is over: from `hold` (or the iteration after
     /// the last map's) on, `owners` own the buckets.
     pub(super) fn commit_buckets(&mut self, hold: u64, owners: Vec<u32>) {
-        let Some((last_at, old)) = self.buckets.last().cloned() else { return };
+        let Some((last_at, old)) = self.buckets.last().map(|(a, o)| (a, o.clone())) else { return };
         let at = hold.max(last_at + 1);
         let pending = buckets::transfers(&old, &owners);
         let runs = buckets::runs(&owners);
@@ -103,7 +132,7 @@ impl Job {
             self.order(r, Order::Buckets { at, runs: runs.clone() });
         }
         let gave_all: Vec<u32> = old.iter().copied().filter(|r| !owners.contains(r)).collect();
-        self.buckets.push((at, owners));
+        self.buckets.push(at, owners);
         // (The caller moves the epoch on: servers that gave all their
         // buckets away are drained from it, once they hold no shard either.)
         for r in gave_all {

@@ -52,7 +52,7 @@ impl Job {
             // Every row it held went to its targets, after it applied every
             // push it was sent: workers awaiting its credit of the last
             // push before the cutover await it no more.
-            if self.buckets.iter().any(|(_, o)| o.contains(&rank)) && !self.heirs.iter().any(|h| h.0 == rank) {
+            if self.buckets.ever_named(rank) && !self.heirs.iter().any(|h| h.0 == rank) {
                 self.heirs.push((rank, Some(rank)));
             }
             return;
