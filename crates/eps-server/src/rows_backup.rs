@@ -54,9 +54,11 @@ pub(crate) struct RowsBackups<P: Fabric> {
     link: Option<Link>,
     out: Vec<Out<P>>,
     copies: Vec<Copy<P>>,
-    /// Landing regions of copies dropped: an old owner that has not heard
-    /// yet that its backup moved may still WRITE into one (kept to the end).
-    retired: Vec<P::Mr>,
+    /// Landing regions of copies dropped, by owner: an old owner that has
+    /// not heard yet that its backup moved (or that was cut off and has not
+    /// stopped yet) may still WRITE into one. Kept while a connection from
+    /// it lives (nothing else can WRITE there).
+    retired: Vec<(u32, P::Mr)>,
     /// Each forward carries a digest the backup checks.
     verify: bool,
     sent: Totals,
@@ -196,7 +198,7 @@ impl<P: Fabric> RowsBackups<P> {
         let mut out = Vec::with_capacity(tables);
         for t in 0..tables {
             let c = self.copies.remove(of(&self.copies, t)?);
-            self.retired.push(c.landing);
+            self.retired.push((from, c.landing));
             out.push((c.rows, c.version));
         }
         Some(out)
@@ -454,6 +456,7 @@ impl<P: Fabric> Server<P> {
                 o.full_due = false;
             }
         }
+        self.drop_retired_landings();
         // (A forward to a backup replaced since may be in flight on it.)
         for t in 0..self.sparse.backups.out.len() {
             let o = &mut self.sparse.backups.out[t];
@@ -463,6 +466,20 @@ impl<P: Fabric> Server<P> {
             }
         }
         Ok(())
+    }
+
+    /// Drops the landing regions of dropped copies whose owner no live
+    /// connection leads to (see `RowsBackups::retired`).
+    pub(crate) fn drop_retired_landings(&mut self) {
+        let live: Vec<u32> = self
+            .conns
+            .iter()
+            .filter_map(|c| match (c.peer, c.alive) {
+                (Peer::Server(h), true) => Some(h.rank & !eps_proto::hello::PEER_BIT),
+                _ => None,
+            })
+            .collect();
+        self.sparse.backups.retired.retain(|(owner, _)| live.contains(owner));
     }
 
     /// A forward of table `table`'s rows landed from the server on `ci`:
@@ -622,7 +639,7 @@ impl<P: Fabric> Server<P> {
             let b = &mut self.sparse.backups;
             let (keep, gone): (Vec<_>, Vec<_>) = b.copies.drain(..).partition(|c| c.from == from || c.read.is_some());
             b.copies = keep;
-            b.retired.extend(gone.into_iter().map(|c| c.landing));
+            b.retired.extend(gone.into_iter().map(|c| (c.from, c.landing)));
         }
         Ok(())
     }

@@ -64,8 +64,11 @@ pub(crate) struct Sparse<P: Fabric> {
     /// The parts of a lost server this one serves from its copy of their
     /// rows (see `stand_in.rs`).
     pub(crate) stand_in: Option<crate::stand_in::StandIn<P>>,
-    /// Stand-ins whose rows became this server's own (kept: see `stand_in.rs`).
+    /// The last stand-in whose rows became this server's own (kept: see
+    /// `stand_in.rs`), and the lost servers of those before it, with their
+    /// last words.
     pub(crate) stood_in: Vec<crate::stand_in::StandIn<P>>,
+    pub(crate) stood_in_before: Vec<(u32, String)>,
     /// This process's resident memory once the regions were set up (all
     /// their pages touched), before any row: what rows add is measured from
     /// here.
@@ -82,7 +85,18 @@ impl<P: Fabric> Sparse<P> {
         let backups = crate::rows_backup::RowsBackups::new(pd, spec.model.tables.len(), spec.job.replicas)?;
         if spec.model.tables.is_empty() {
             let stood_in = Vec::new();
-            return Ok(Self { tables: Vec::new(), owners, deferred, moving, backups, stand_in: None, stood_in, rss_start: 0 });
+            let stood_in_before = Vec::new();
+            return Ok(Self {
+                tables: Vec::new(),
+                owners,
+                deferred,
+                moving,
+                backups,
+                stand_in: None,
+                stood_in,
+                stood_in_before,
+                rss_start: 0,
+            });
         }
         let mut tables = Vec::new();
         for t in eps_sparse::decl::tables(spec) {
@@ -98,7 +112,8 @@ impl<P: Fabric> Sparse<P> {
             tables.push(Table::new(pd, part, ranks)?);
         }
         let rss_start = eps_metrics::rss_bytes(None).unwrap_or(0);
-        Ok(Self { tables, owners, deferred, moving, backups, stand_in: None, stood_in: Vec::new(), rss_start })
+        let (stand_in, stood_in, stood_in_before) = (None, Vec::new(), Vec::new());
+        Ok(Self { tables, owners, deferred, moving, backups, stand_in, stood_in, stood_in_before, rss_start })
     }
 
     /// Table `table` of `side`, if held.
@@ -118,7 +133,7 @@ impl<P: Fabric> Sparse<P> {
 
     /// Whether this server stands or stood in for lost server `from`.
     pub(crate) fn stood_in_for(&self, from: u32) -> bool {
-        self.stand_in.iter().chain(&self.stood_in).any(|s| s.from == from)
+        self.stand_in.iter().chain(&self.stood_in).any(|s| s.from == from) || self.stood_in_before.iter().any(|s| s.0 == from)
     }
 
     /// Whether this server holds no table.

@@ -60,9 +60,12 @@ impl<P: Fabric> Server<P> {
     pub(crate) fn on_stand_in(&mut self, from: u32, give: Vec<u32>) -> Result<(), ServerError> {
         let n = self.sparse.tables.len();
         // (One whose rows became this server's own is done: its regions are
-        // kept, as a late request may still land there.)
+        // kept until the next one is done too, as a late request may still
+        // land there; none lands two losses late, each ended at a cutover
+        // every worker voted for.)
         let busy = self.sparse.stand_in.as_ref().is_some_and(|s| s.merged.is_none());
         let copies = if busy { None } else { self.sparse.backups.take_copies(from, n) };
+        self.drop_retired_landings();
         let mut endpoints = Vec::new();
         match copies {
             Some(copies) => {
@@ -90,8 +93,12 @@ impl<P: Fabric> Server<P> {
                 }
                 let give = crate::stand_in_give::Give::new(&self.sparse.owners, from, give, n);
                 let s = StandIn { from, tables, scratch: Vec::new(), taken_again: 0, leaves_at: None, merged: None, give };
-                let done = self.sparse.stand_in.replace(s);
-                self.sparse.stood_in.extend(done);
+                if let Some(done) = self.sparse.stand_in.replace(s) {
+                    for old in std::mem::replace(&mut self.sparse.stood_in, vec![done]) {
+                        let line = self.stood_in_line(&old);
+                        self.sparse.stood_in_before.push((old.from, line));
+                    }
+                }
             }
             None => {
                 eps_proto::say!("eps server {}: holds no whole copy of lost server {from}'s table rows: they are lost", self.rank)
@@ -184,7 +191,8 @@ impl<P: Fabric> Server<P> {
     /// The stand-in's last words: whose rows, how many at the end, and how
     /// many pulls it took again.
     pub(crate) fn stand_in_report(&self) -> Vec<String> {
-        self.sparse.stood_in.iter().chain(&self.sparse.stand_in).map(|s| self.stood_in_line(s)).collect()
+        let before = self.sparse.stood_in_before.iter().map(|s| s.1.clone());
+        before.chain(self.sparse.stood_in.iter().chain(&self.sparse.stand_in).map(|s| self.stood_in_line(s))).collect()
     }
 
     fn stood_in_line(&self, s: &StandIn<P>) -> String {
