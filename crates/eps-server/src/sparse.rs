@@ -67,7 +67,7 @@ pub(crate) struct Sparse<P: Fabric> {
     /// The last stand-in whose rows became this server's own (kept: see
     /// `stand_in.rs`), and the lost servers of those before it, with their
     /// last words.
-    pub(crate) stood_in: Vec<crate::stand_in::StandIn<P>>,
+    pub(crate) stood_in: Option<crate::stand_in::StandIn<P>>,
     pub(crate) stood_in_before: Vec<(u32, String)>,
     /// This process's resident memory once the regions were set up (all
     /// their pages touched), before any row: what rows add is measured from
@@ -84,15 +84,14 @@ impl<P: Fabric> Sparse<P> {
         let (deferred, moving) = (Vec::new(), Default::default());
         let backups = crate::rows_backup::RowsBackups::new(pd, spec.model.tables.len(), spec.job.replicas)?;
         if spec.model.tables.is_empty() {
-            let stood_in = Vec::new();
-            let stood_in_before = Vec::new();
+            let (stand_in, stood_in, stood_in_before) = (None, None, Vec::new());
             return Ok(Self {
                 tables: Vec::new(),
                 owners,
                 deferred,
                 moving,
                 backups,
-                stand_in: None,
+                stand_in,
                 stood_in,
                 stood_in_before,
                 rss_start: 0,
@@ -112,7 +111,7 @@ impl<P: Fabric> Sparse<P> {
             tables.push(Table::new(pd, part, ranks)?);
         }
         let rss_start = eps_metrics::rss_bytes(None).unwrap_or(0);
-        let (stand_in, stood_in, stood_in_before) = (None, Vec::new(), Vec::new());
+        let (stand_in, stood_in, stood_in_before) = (None, None, Vec::new());
         Ok(Self { tables, owners, deferred, moving, backups, stand_in, stood_in, stood_in_before, rss_start })
     }
 

@@ -93,11 +93,9 @@ impl<P: Fabric> Server<P> {
                 }
                 let give = crate::stand_in_give::Give::new(&self.sparse.owners, from, give, n);
                 let s = StandIn { from, tables, scratch: Vec::new(), taken_again: 0, leaves_at: None, merged: None, give };
-                if let Some(done) = self.sparse.stand_in.replace(s) {
-                    for old in std::mem::replace(&mut self.sparse.stood_in, vec![done]) {
-                        let line = self.stood_in_line(&old);
-                        self.sparse.stood_in_before.push((old.from, line));
-                    }
+                if let Some(old) = self.sparse.stand_in.replace(s).and_then(|done| self.sparse.stood_in.replace(done)) {
+                    let line = self.stood_in_line(&old);
+                    self.sparse.stood_in_before.push((old.from, line));
                 }
             }
             None => {
