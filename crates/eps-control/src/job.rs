@@ -608,7 +608,7 @@ impl Job {
             ControlMsg::MoveStopped { shard, rank } => self.move_stopped(*shard, *rank),
             ControlMsg::TablesReady { rank, tables } => self.tables_ready(*rank, tables),
             ControlMsg::RowsOut { rank, from, to, addr, rkey, len } => self.rows_out(*rank, *from, *to, (*addr, *rkey, *len)),
-            ControlMsg::RowsTaken { rank, from } => self.rows_taken(*rank, *from),
+            ControlMsg::RowsTaken { rank, from, to } => self.rows_taken(*rank, *from, *to),
             ControlMsg::StandInReady { rank, from, tables } => self.stand_in_ready(*rank, *from, tables),
             ControlMsg::RowsBackedUp { rank, backup } => self.rows_backed_up(*rank, *backup),
             ControlMsg::ServerLost { rank } => self.server_lost(*rank),

@@ -104,6 +104,16 @@ pub fn take_map(history: &mut Vec<(u64, Vec<u32>)>, at: u64, runs: &[(u32, u32)]
     Ok(BucketOrder { incoming, leaving, restart })
 }
 
+/// What was still on its way to server `me` from `sources` by the newest
+/// map of `history` when `me` was lost: its stand-in takes the rows in its
+/// place, holding what `me` would have held meanwhile.
+pub fn still_incoming(history: &[(u64, Vec<u32>)], me: u32, sources: &[u32]) -> Option<BucketsIn> {
+    let [.., (_, old), (at, new)] = history else { return None };
+    let from: Vec<u32> = sources.to_vec();
+    let buckets: Vec<bool> = old.iter().zip(new).map(|(&o, &n)| n == me && o != me && from.contains(&o)).collect();
+    (!from.is_empty()).then_some(BucketsIn { at: *at, from, buckets })
+}
+
 /// A table part's state from iteration `at` on, when it held no bucket
 /// before: BSP pushes and pulls start at version `at`; SSP/ASP every
 /// worker's next push is of `at`.
@@ -238,6 +248,21 @@ mod tests {
         assert_eq!(l.dest[bucket_of(stays) as usize], None);
         assert!(matches!(take_map(&mut h0, 5, &buckets::runs(&new), 0), Err(BucketError::NotAfter { at: 5, last: 5 })));
         assert!(matches!(take_map(&mut h0, 9, &[(1, 0)], 0), Err(BucketError::Runs { at: 9 })));
+    }
+
+    #[test]
+    fn a_lost_targets_stand_in_holds_what_is_still_on_its_way_to_it() {
+        // Three servers to two: server 2's buckets go to 0 and 1.
+        let three = buckets::initial_owners(3);
+        let two = buckets::rebalance(&three, &[0, 1]);
+        let h = vec![(0, three.clone()), (7, two.clone())];
+        let inc = still_incoming(&h, 0, &[2]).unwrap();
+        assert_eq!((inc.at, inc.sources()), (7, &[2][..]));
+        let b = (0..BUCKETS as usize).find(|&b| three[b] == 2 && two[b] == 0).unwrap() as u32;
+        let (coming, kept) = (key_in(b..b + 1), key_in(0..1));
+        assert!(inc.holds(false, 3, &[coming]) && !inc.holds(false, 3, &[kept]));
+        assert!(inc.holds(true, 7, &[kept]) && !inc.holds(true, 6, &[kept]));
+        assert!(still_incoming(&h, 0, &[]).is_none() && still_incoming(&h[..1], 0, &[2]).is_none());
     }
 
     #[test]

@@ -456,12 +456,15 @@ pub enum ControlMsg {
         /// Its backup's rank.
         backup: u32,
     },
-    /// Server -> control: server `rank` took in the rows server `from` gave it.
+    /// Server -> control: server `rank` took in the rows server `from` gave
+    /// server `to` (`rank` itself, or the lost server it stands in for).
     RowsTaken {
-        /// The target's rank.
+        /// The reporter's rank.
         rank: u32,
         /// The source's rank.
         from: u32,
+        /// The target's rank.
+        to: u32,
     },
     /// Control -> operator: the checkpoint at `version` is complete in `path`.
     Checkpointed {

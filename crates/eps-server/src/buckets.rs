@@ -35,7 +35,7 @@ pub(crate) struct Moving<P: Fabric> {
     /// into them), which tables were taken out, and each target's blob.
     outgoing: Option<Outgoing>,
     /// Blobs waiting to be READ, by target.
-    blobs: Vec<(u32, P::Mr)>,
+    pub(crate) blobs: Vec<(u32, P::Mr)>,
     /// READs of rows, by source.
     fetching: Vec<Fetch<P>>,
 }
@@ -44,6 +44,8 @@ pub(crate) struct Moving<P: Fabric> {
 /// largest message, a few in flight at a time.
 struct Fetch<P: Fabric> {
     from: u32,
+    /// Their target: this server, or the lost one it stands in for.
+    to: u32,
     /// The server READ: `from`, or its stand-in.
     via: u32,
     ci: usize,
@@ -57,6 +59,12 @@ struct Fetch<P: Fabric> {
 
 /// READs of one source's rows in flight at once.
 const FETCH_WINDOW: u32 = 4;
+
+/// The low bits of a row READ's work-request id: the server READ, and
+/// whether the rows are for a lost server this one stands in for.
+fn fetch_bits(via: u32, stand_in: bool) -> u64 {
+    u64::from(via) | u64::from(stand_in) << 32
+}
 
 struct Outgoing {
     leaving: Leaving,
@@ -191,35 +199,47 @@ impl<P: Fabric> Server<P> {
     /// not, they were taken already (from the source, just before it was
     /// lost, while its stand-in was told they were not), and it says so.
     fn awaits_rows(&self, from: u32) -> bool {
-        let awaited = self.sparse.moving.gate().is_some_and(|inc| inc.sources().contains(&from));
+        let awaited = self.sparse.moving.gate().is_some_and(|inc| inc.sources().contains(&from))
+            && !self.sparse.backups.taking(from);
         if !awaited {
             eps_proto::say!("eps server {}: the rows server {from} gives it are here already", self.rank);
         }
         awaited
     }
 
-    /// `Order::FetchRows`: READs the rows server `from` gives this one from
-    /// server `via` (at `via_addr`).
+    /// `Order::FetchRows`: READs the rows server `from` gives server `to`
+    /// (this one, or the lost one it stands in for) from server `via` (at
+    /// `via_addr`).
     pub(crate) fn on_fetch_rows(
         &mut self,
-        from: u32,
+        (from, to): (u32, u32),
         via: u32,
         via_addr: &str,
         blob: (u64, u32, u64),
     ) -> Result<(), ServerError> {
         let (addr, rkey, len) = blob;
-        if !self.awaits_rows(from) {
+        let awaited = if to == self.rank { self.awaits_rows(from) } else { self.stand_in_awaits(from, to) };
+        if !awaited {
             return Ok(());
         }
+        if via == self.rank {
+            // Its own rows, for the lost target it stands in for.
+            let Some((_, mr)) = self.sparse.moving.blobs.iter().find(|(t, _)| *t == to) else {
+                return Err(ServerError::Sparse(format!("told to take the rows it gives server {to}, which it does not hold")));
+            };
+            let mut blob = vec![0u8; mr.len()];
+            mr.read_at(0, &mut blob);
+            return self.stand_in_take_rows(from, &blob, Instant::now());
+        }
         // (A fetch from a source lost meanwhile is over: see `on_rows_read`.)
-        self.sparse.moving.fetching.retain(|f| f.from != from);
+        self.sparse.moving.fetching.retain(|f| f.from != from || f.to != to);
         let ci = match self.target_conn(via, via_addr) {
             Ok(ci) => ci,
             Err(e) => {
                 // (As a READ that failed: see `on_rows_read`.)
                 eps_proto::say!(
-                    "eps server {}: cannot reach server {via} for the rows server {from} gives it ({e}); it waits for them \
-                     from a stand-in",
+                    "eps server {}: cannot reach server {via} for the rows server {from} gives server {to} ({e}); it \
+                     waits for them from a stand-in",
                     self.rank
                 );
                 return Ok(());
@@ -227,7 +247,7 @@ impl<P: Fabric> Server<P> {
         };
         let mr = self.pd.alloc_mr(len as usize, Access::LOCAL_WRITE)?;
         let remote = RemoteAddr { addr, rkey };
-        let f = Fetch { from, via, ci, remote, mr, asked: 0, in_flight: 0, started: Instant::now() };
+        let f = Fetch { from, to, via, ci, remote, mr, asked: 0, in_flight: 0, started: Instant::now() };
         self.sparse.moving.fetching.push(f);
         let k = self.sparse.moving.fetching.len() - 1;
         for _ in 0..FETCH_WINDOW {
@@ -247,7 +267,8 @@ impl<P: Fabric> Server<P> {
         let at = f.asked;
         let sg = [Sge::new(&f.mr, at as u64, n as u32)];
         let remote = RemoteAddr { addr: f.remote.addr + at as u64, rkey: f.remote.rkey };
-        let wr = SendWr { wr_id: WR_ROWS | u64::from(f.via), op: SendOp::Read(remote), sg: &sg, signaled: true };
+        let wr_id = WR_ROWS | fetch_bits(f.via, f.to != self.rank);
+        let wr = SendWr { wr_id, op: SendOp::Read(remote), sg: &sg, signaled: true };
         self.conns[f.ci].post_or_flush(&wr, &mut self.flushed)?;
         f.asked += n;
         f.in_flight += 1;
@@ -257,17 +278,21 @@ impl<P: Fabric> Server<P> {
     /// A row READ completed (`ok`) or failed.
     pub(crate) fn on_rows_read(&mut self, wr_id: u64, ok: bool) -> Result<(), ServerError> {
         let via = (wr_id & 0xFFFF_FFFF) as u32;
-        let Some(k) = self.sparse.moving.fetching.iter().position(|f| f.via == via) else { return Ok(()) };
+        let me = self.rank;
+        let Some(k) = self.sparse.moving.fetching.iter().position(|f| WR_ROWS | fetch_bits(f.via, f.to != me) == wr_id) else {
+            return Ok(());
+        };
         if !ok {
             // Its source is gone or cut off (reported by the caller): if it
             // is lost, its stand-in gives the rows (`FetchRows` again);
             // requests that need them wait meanwhile.
             let f = self.sparse.moving.fetching.remove(k);
             eps_proto::say!(
-                "eps server {}: the rows server {} gives it could not be READ from server {via}; it waits for them \
-                 from a stand-in",
+                "eps server {}: the rows server {} gives server {} could not be READ from server {via}; it waits for \
+                 them from a stand-in",
                 self.rank,
-                f.from
+                f.from,
+                f.to
             );
             return Ok(());
         }
@@ -279,10 +304,13 @@ impl<P: Fabric> Server<P> {
         if f.in_flight > 0 {
             return Ok(());
         }
-        let Fetch { from, mr, started, .. } = self.sparse.moving.fetching.remove(k);
+        let Fetch { from, to, mr, started, .. } = self.sparse.moving.fetching.remove(k);
         // Copied out before it is parsed (the READ into it completed).
         let mut blob = vec![0u8; mr.len()];
         mr.read_at(0, &mut blob);
+        if to != self.rank {
+            return self.stand_in_take_rows(from, &blob, started);
+        }
         self.take_rows_from(from, &blob, started)
     }
 
@@ -310,11 +338,9 @@ impl<P: Fabric> Server<P> {
             blob.len(),
             started.elapsed().as_secs_f64() * 1e3
         );
-        self.rows_taken_in(from)?;
-        if self.sparse.moving.take_in(from) {
-            return self.replay_sparse();
-        }
-        Ok(())
+        // (The requests held for them go on once they are reported: see
+        // `rows_taken_in`.)
+        self.rows_taken_in(from)
     }
 
     /// What the sparse tables wait for, if anything (for a stall report).
@@ -327,7 +353,8 @@ impl<P: Fabric> Server<P> {
         }
         let stand_in = stand_in.map_or(String::new(), |s| {
             let parts: Vec<String> = s.tables.iter().map(|t| t.part.sync.describe()).collect();
-            format!("; standing in for server {}: [{}]", s.from, parts.join(", "))
+            let due = s.incoming.as_ref().map_or(String::new(), |i| format!(", rows due at {} from {:?}", i.at, i.sources()));
+            format!("; standing in for server {}: [{}]{due}", s.from, parts.join(", "))
         });
         let tables: Vec<String> = self.sparse.tables.iter().map(|t| t.part.sync.describe()).collect();
         let incoming = m.incoming.as_ref().map_or(String::new(), |i| format!("; rows due at {} from {:?}", i.at, i.sources()));

@@ -38,6 +38,7 @@ mod sparse;
 mod split;
 mod stand_in;
 mod stand_in_give;
+mod stand_in_take;
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};

@@ -89,9 +89,9 @@ impl<P: Fabric> Server<P> {
             Order::NoBackup { shard } => self.on_no_backup(shard),
             Order::Buckets { at, runs } => self.on_buckets(at, &runs),
             Order::BackupRows { to } => self.on_backup_rows(to),
-            Order::StandIn { from, give } => self.on_stand_in(from, give),
-            Order::FetchRows { from, via, from_addr, addr, rkey, len } => {
-                self.on_fetch_rows(from, via, &from_addr, (addr, rkey, len))
+            Order::StandIn { from, give, take } => self.on_stand_in(from, give, take),
+            Order::FetchRows { from, to, via, from_addr, addr, rkey, len } => {
+                self.on_fetch_rows((from, to), via, &from_addr, (addr, rkey, len))
             }
             Order::FreeRows { to } => self.on_free_rows(to),
             Order::FreeLanding { shard } => {

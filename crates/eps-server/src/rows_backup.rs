@@ -144,6 +144,12 @@ struct Totals {
 }
 
 impl<P: Fabric> RowsBackups<P> {
+    /// Whether the rows of server `from` were taken in and are not reported
+    /// yet.
+    pub(crate) fn taking(&self, from: u32) -> bool {
+        self.taken_from.contains(&from)
+    }
+
     /// For `tables` tables; inboxes registered if the job keeps replicas.
     pub(crate) fn new(pd: &P, tables: usize, replicas: u32) -> Result<Self, ServerError> {
         let mut inbox = Vec::new();
@@ -428,10 +434,19 @@ impl<P: Fabric> Server<P> {
         {
             return Ok(());
         }
+        // Only then does anything need them go on: until a target reports
+        // a source's rows, its backup's copy holds them whole or not at all
+        // (see `stand_in_take.rs`).
+        let mut last = false;
         for from in std::mem::take(&mut self.sparse.backups.taken_from) {
-            if let Err(why) = self.report(&ControlMsg::RowsTaken { rank: self.rank, from })? {
+            let (rank, to) = (self.rank, self.rank);
+            if let Err(why) = self.report(&ControlMsg::RowsTaken { rank, from, to })? {
                 return Err(ServerError::Sparse(format!("the control plane refused the rows of server {from}: {why}")));
             }
+            last |= self.sparse.moving.take_in(from);
+        }
+        if last {
+            return self.replay_sparse();
         }
         Ok(())
     }

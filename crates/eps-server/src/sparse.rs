@@ -304,7 +304,7 @@ impl<P: Fabric> Server<P> {
             mode: self.mode,
             history: &self.sparse.owners,
             hold: self.members.hold(),
-            incoming: if side == Side::Own { self.sparse.moving.gate() } else { None },
+            incoming: if side == Side::Own { self.sparse.moving.gate() } else { stand_in.and_then(|s| s.incoming.as_ref()) },
             giving: side == Side::Own && self.sparse.moving.giving(table as usize),
         };
         let version = t.part.sync.version();

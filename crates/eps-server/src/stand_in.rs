@@ -24,6 +24,7 @@
 //! so pulls taken in another order leave the same rows: the results stay
 //! bit for bit those of a run without the loss.
 
+use eps_core::buckets::BucketsIn;
 use eps_fabric::Fabric;
 use eps_proto::control::{ControlMsg, ShardEndpoint};
 use eps_proto::imm::{Imm, ImmKind};
@@ -50,14 +51,17 @@ pub(crate) struct StandIn<P: Fabric> {
     pub(crate) merged: Option<u64>,
     /// What it gives away in the lost server's place (see `stand_in_give.rs`).
     pub(crate) give: Option<crate::stand_in_give::Give<P>>,
+    /// What it takes in the lost server's place (see `stand_in_take.rs`).
+    pub(crate) incoming: Option<BucketsIn>,
 }
 
 impl<P: Fabric> Server<P> {
     /// `Order::StandIn`: serves lost server `from`'s buckets from the copies
     /// of its rows, if every table's is whole; reports where workers WRITE
     /// their requests for them (nowhere, if not: its rows are lost); gives
-    /// the rows it was giving `give` in its place.
-    pub(crate) fn on_stand_in(&mut self, from: u32, give: Vec<u32>) -> Result<(), ServerError> {
+    /// the rows it was giving `give` in its place, and takes the rows `take`
+    /// were giving it.
+    pub(crate) fn on_stand_in(&mut self, from: u32, give: Vec<u32>, take: Vec<u32>) -> Result<(), ServerError> {
         let n = self.sparse.tables.len();
         // (One whose rows became this server's own is done: its regions are
         // kept until the next one is done too, as a late request may still
@@ -92,7 +96,17 @@ impl<P: Fabric> Server<P> {
                     tables.push(table);
                 }
                 let give = crate::stand_in_give::Give::new(&self.sparse.owners, from, give, n);
-                let s = StandIn { from, tables, scratch: Vec::new(), taken_again: 0, leaves_at: None, merged: None, give };
+                let incoming = eps_core::buckets::still_incoming(&self.sparse.owners, from, &take);
+                if let Some(i) = &incoming {
+                    eps_proto::say!(
+                        "eps server {}: takes the rows servers {:?} give lost server {from} at iteration {} in its place",
+                        self.rank,
+                        i.sources(),
+                        i.at
+                    );
+                }
+                let (scratch, taken_again, leaves_at, merged) = (Vec::new(), 0, None, None);
+                let s = StandIn { from, tables, scratch, taken_again, leaves_at, merged, give, incoming };
                 if let Some(old) = self.sparse.stand_in.replace(s).and_then(|done| self.sparse.stood_in.replace(done)) {
                     let line = self.stood_in_line(&old);
                     self.sparse.stood_in_before.push((old.from, line));
@@ -153,7 +167,9 @@ impl<P: Fabric> Server<P> {
     pub(crate) fn merge_stand_in(&mut self) -> Result<(), ServerError> {
         let Some(s) = self.sparse.stand_in.as_mut().filter(|s| s.merged.is_none()) else { return Ok(()) };
         // (What it gives away in the lost server's place goes first.)
-        let Some(at) = s.leaves_at.filter(|_| s.give.as_ref().is_none_or(|g| g.done)) else { return Ok(()) };
+        // (And what it takes in the lost server's place must be in.)
+        let ready = s.give.as_ref().is_none_or(|g| g.done) && s.incoming.is_none();
+        let Some(at) = s.leaves_at.filter(|_| ready) else { return Ok(()) };
         let latest = self.members.membership().latest();
         let mut reached = true;
         for (t, table) in s.tables.iter().enumerate() {
@@ -179,11 +195,7 @@ impl<P: Fabric> Server<P> {
         s.merged = Some(rows);
         eps_proto::say!("eps server {}: lost server {from}'s {rows} rows are its own from iteration {at} on", self.rank);
         self.summary.sparse_rows_in += rows;
-        self.rows_taken_in(from)?;
-        if self.sparse.moving.take_in(from) {
-            return self.replay_sparse();
-        }
-        Ok(())
+        self.rows_taken_in(from)
     }
 
     /// The stand-in's last words: whose rows, how many at the end, and how

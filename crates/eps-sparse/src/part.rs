@@ -125,6 +125,11 @@ impl TablePart {
         self.rows.put_rows(records, rows)
     }
 
+    /// How many of the keys of `rows` records in `records` are held here.
+    pub fn held_of(&self, records: &[u8], rows: u64) -> u64 {
+        self.rows.held_of(records, rows)
+    }
+
     /// Takes in a checkpoint's changes over the rows held: the rows of
     /// `deleted` go, then `rows` records replace or add rows.
     pub fn put_changes(&mut self, deleted: &[u64], records: &[u8], rows: u64) -> Result<(), SparseError> {

@@ -380,6 +380,14 @@ impl RowTable {
         Ok(())
     }
 
+    /// How many of the keys of `rows` records of [`RowTable::take_rows`] in
+    /// `bytes` are held here (records cut short count no further).
+    pub fn held_of(&self, bytes: &[u8], rows: u64) -> u64 {
+        let rec = crate::moves::ROW_META + self.stride * 4;
+        let key = |r: &[u8]| u64::from_le_bytes(r[..8].try_into().unwrap_or_default());
+        bytes.chunks_exact(rec).take(rows as usize).filter(|r| self.index.contains(key(r))).count() as u64
+    }
+
     /// Values and state per row.
     pub fn stride(&self) -> usize {
         self.stride

@@ -37,6 +37,9 @@ pub(crate) struct BucketMove {
     /// end retires until the READ is done, even when the job ends (the
     /// target's READ would fail on a source that exited).
     pub(crate) reading: Vec<(u32, u32)>,
+    /// Where the rows of those pairs wait: the server holding them, and the
+    /// blob (address, key, bytes); told again to a lost target's stand-in.
+    pub(crate) out: Vec<((u32, u32), u32, (u64, u32, u64))>,
 }
 
 /// The bucket maps by first iteration, each kept as runs (the history grows
@@ -142,12 +145,13 @@ impl Job {
                 s.drained_at = self.map.epoch + 1;
             }
         }
-        self.bucket_move = (!pending.is_empty()).then_some(BucketMove { at, pending, reading: Vec::new() });
+        self.bucket_move = (!pending.is_empty()).then_some(BucketMove { at, pending, reading: Vec::new(), out: Vec::new() });
     }
 
     /// `RowsOut`: the rows server `from` gives server `to` wait for it on
     /// server `rank` (`from`, or the stand-in serving its rows) at `blob`
-    /// (address, key, bytes).
+    /// (address, key, bytes); `to` (or the stand-in serving its rows, once
+    /// it serves them) is told to READ them.
     pub(super) fn rows_out(&mut self, rank: u32, from: u32, to: u32, blob: (u64, u32, u64)) -> Result<ControlMsg, Refusal> {
         let holder = rank == from || self.heir_of(from) == Some(rank);
         let Some(m) = self.bucket_move.as_mut().filter(|m| m.pending.contains(&(from, to)) && holder) else {
@@ -156,22 +160,41 @@ impl Job {
             )));
         };
         m.reading.push((from, to));
-        let at = m.at;
-        let from_addr = self.servers.get(rank as usize).map(|s| s.addr.clone()).unwrap_or_default();
-        let (addr, rkey, len) = blob;
-        self.order(to, Order::FetchRows { from, via: rank, from_addr, addr, rkey, len });
+        m.out.retain(|o| o.0 != (from, to));
+        m.out.push(((from, to), rank, blob));
+        let (at, len) = (m.at, blob.2);
+        self.fetch_rows(from, to);
         let on = if rank == from { String::new() } else { format!(" on server {rank}, its stand-in,") };
         eps_proto::say!("eps control: the rows server {from} gives server {to} at iteration {at} wait{on} ({len} bytes)");
         Ok(ControlMsg::Ok)
     }
 
-    /// `RowsTaken`: server `rank` took the rows server `from` gave it.
-    pub(super) fn rows_taken(&mut self, rank: u32, from: u32) -> Result<ControlMsg, Refusal> {
-        let Some(m) = self.bucket_move.as_mut().filter(|m| m.pending.contains(&(from, rank))) else {
-            return Err(Refusal::stale(format!("no bucket move from server {from} to server {rank} is under way")));
+    /// Orders the reader of the rows server `from` gives server `to`, if
+    /// they are out: `to`, or the stand-in serving its rows if it was lost
+    /// (none yet: it is told once it serves them, see `stand_in_ready`).
+    pub(super) fn fetch_rows(&mut self, from: u32, to: u32) {
+        let Some(&(_, via, (addr, rkey, len))) = self.bucket_move.as_ref().and_then(|m| m.out.iter().find(|o| o.0 == (from, to)))
+        else {
+            return;
         };
-        m.pending.retain(|&p| p != (from, rank));
-        m.reading.retain(|&p| p != (from, rank));
+        let reader = if self.lost.contains(&to) { self.heir_of(to).filter(|&h| h != to) } else { Some(to) };
+        let Some(reader) = reader else { return };
+        let from_addr = self.servers.get(via as usize).map(|s| s.addr.clone()).unwrap_or_default();
+        self.order(reader, Order::FetchRows { from, to, via, from_addr, addr, rkey, len });
+    }
+
+    /// `RowsTaken`: server `rank` took the rows server `from` gave server
+    /// `to` (itself, or the lost server it stands in for).
+    pub(super) fn rows_taken(&mut self, rank: u32, from: u32, to: u32) -> Result<ControlMsg, Refusal> {
+        let reader = rank == to || (self.lost.contains(&to) && self.heir_of(to) == Some(rank));
+        let Some(m) = self.bucket_move.as_mut().filter(|m| m.pending.contains(&(from, to)) && reader) else {
+            return Err(Refusal::stale(format!(
+                "no bucket move from server {from} to server {to} is under way on server {rank}"
+            )));
+        };
+        m.pending.retain(|&p| p != (from, to));
+        m.reading.retain(|&p| p != (from, to));
+        m.out.retain(|o| o.0 != (from, to));
         if m.pending.is_empty() {
             self.bucket_move = None;
             self.bucket_moves += 1;
@@ -179,7 +202,7 @@ impl Job {
         }
         if !self.lost.contains(&from) {
             // (A lost server's rows came from its stand-in's copy.)
-            self.order(from, Order::FreeRows { to: rank });
+            self.order(from, Order::FreeRows { to });
         }
         self.retire_drained();
         // A job that ended meanwhile retires them now.
@@ -252,9 +275,11 @@ impl Job {
             return false;
         }
         let lost = |r: u32| self.lost.contains(&r);
-        self.bucket_move
-            .as_ref()
-            .is_some_and(|m| m.reading.iter().any(|&(a, b)| (a == rank || b == rank) && !lost(a) && !lost(b)))
+        // (A lost target's rows are READ by its stand-in.)
+        let reader = |b: u32| if lost(b) { self.heir_of(b).filter(|&h| h != b && !lost(h)) } else { Some(b) };
+        self.bucket_move.as_ref().is_some_and(|m| {
+            m.reading.iter().any(|&(a, b)| !lost(a) && reader(b).is_some_and(|r| a == rank || r == rank))
+        })
     }
 
     /// The buckets' lines of `eps status`.

@@ -57,22 +57,25 @@ impl Job {
             }
             return;
         }
-        // A target of a bucket move may hold rows no copy holds yet; a
-        // source's copy holds the rows it gives until their target's backup
-        // has them: its stand-in gives them in its place.
-        let target = self.bucket_move.as_ref().is_some_and(|m| m.pending.iter().any(|&(_, b)| b == rank));
-        let give: Vec<u32> = match self.bucket_move.as_mut() {
+        // A source's copy holds the rows it gives until their target's
+        // backup has them: its stand-in gives them in its place. A target
+        // reports rows taken once its backup has them (and serves nothing
+        // past the cutover before): its stand-in takes in its place the
+        // rows not reported, from their sources, which keep them until then.
+        let (give, take): (Vec<u32>, Vec<u32>) = match self.bucket_move.as_mut() {
             Some(m) => {
                 // (A READ from it fails: the target waits for the stand-in's.)
                 m.reading.retain(|&(a, _)| a != rank);
-                m.pending.iter().filter(|&&(a, _)| a == rank).map(|&(_, b)| b).collect()
+                m.out.retain(|o| o.0.0 != rank);
+                let give = m.pending.iter().filter(|&&(a, _)| a == rank).map(|&(_, b)| b).collect();
+                (give, m.pending.iter().filter(|&&(_, b)| b == rank).map(|&(a, _)| a).collect())
             }
-            None => Vec::new(),
+            None => (Vec::new(), Vec::new()),
         };
-        match self.rows_backup_of(rank).filter(|&b| self.server_serving(b) && !self.lost.contains(&b) && !target) {
+        match self.rows_backup_of(rank).filter(|&b| self.server_serving(b) && !self.lost.contains(&b)) {
             Some(b) => {
                 self.standing_in.push((rank, b));
-                self.order(b, Order::StandIn { from: rank, give });
+                self.order(b, Order::StandIn { from: rank, give, take });
             }
             None => self.heirs.push((rank, None)),
         }
@@ -103,6 +106,12 @@ impl Job {
             self.tables.retain(|e| e.owner != from);
             self.tables.extend_from_slice(tables);
             self.heirs.push((from, Some(rank)));
+            // The rows it awaited that are out already: READ by the stand-in.
+            let sources: Vec<u32> =
+                self.bucket_move.iter().flat_map(|m| m.pending.iter().filter(|p| p.1 == from).map(|p| p.0)).collect();
+            for s in sources {
+                self.fetch_rows(s, from);
+            }
         }
         self.map.epoch += 1;
         Ok(ControlMsg::Ok)

@@ -196,9 +196,9 @@ fn buckets_move_to_added_servers_and_off_leaving_ones() {
     assert!(busy.code == ErrorCode::ChangeInProgress && busy.code.is_temporary(), "{busy:?}");
     assert!(job.apply(&ControlMsg::RowsOut { rank: 1, from: 1, to: 0, addr: 1, rkey: 2, len: 3 }).is_err(), "no such move");
     job.apply(&ControlMsg::RowsOut { rank: 0, from: 0, to: 1, addr: 64, rkey: 9, len: 4000 }).unwrap();
-    let fetch = Order::FetchRows { from: 0, via: 0, from_addr: "127.0.0.1:7000".into(), addr: 64, rkey: 9, len: 4000 };
+    let fetch = Order::FetchRows { from: 0, to: 1, via: 0, from_addr: "127.0.0.1:7000".into(), addr: 64, rkey: 9, len: 4000 };
     assert!(orders(&job, 1).contains(&fetch));
-    job.apply(&ControlMsg::RowsTaken { rank: 1, from: 0 }).unwrap();
+    job.apply(&ControlMsg::RowsTaken { rank: 1, from: 0, to: 1 }).unwrap();
     assert!(orders(&job, 0).contains(&Order::FreeRows { to: 1 }));
     assert!(job.status().contains("server 0: 2048, server 1: 2048; 1 moves done"), "{}", job.status());
 
@@ -209,7 +209,7 @@ fn buckets_move_to_added_servers_and_off_leaving_ones() {
     vote_all(&mut job, &[(Role::Worker, 0, 20), (Role::Server, 0, 19), (Role::Server, 1, 19)]);
     assert_eq!(job.job_map().buckets.last(), Some(&(20, vec![(0, 0)])));
     job.apply(&ControlMsg::RowsOut { rank: 1, from: 1, to: 0, addr: 64, rkey: 9, len: 4000 }).unwrap();
-    job.apply(&ControlMsg::RowsTaken { rank: 0, from: 1 }).unwrap();
+    job.apply(&ControlMsg::RowsTaken { rank: 0, from: 1, to: 0 }).unwrap();
     assert!(!orders(&job, 1).contains(&Order::Retire), "the worker still routes by the old map");
     let epoch = job.epoch();
     job.apply(&ControlMsg::GetMap { worker: 0, adopted: epoch, min_epoch: 0, iteration: 20 }).unwrap();
@@ -229,7 +229,7 @@ fn the_job_end_waits_for_rows_being_read() {
     job.apply(&ControlMsg::RowsOut { rank: 0, from: 0, to: 1, addr: 64, rkey: 9, len: 4000 }).unwrap();
     job.apply(&ControlMsg::Finished { role: Role::Worker, rank: 0 }).unwrap();
     assert!(!retired(&job, 0) && !retired(&job, 1), "the rows are being READ");
-    job.apply(&ControlMsg::RowsTaken { rank: 1, from: 0 }).unwrap();
+    job.apply(&ControlMsg::RowsTaken { rank: 1, from: 0, to: 1 }).unwrap();
     assert!(retired(&job, 0) && retired(&job, 1), "the READ is done: the job ends");
 
     let mut job = table_job_scaled_up();
@@ -462,7 +462,7 @@ fn a_lost_servers_rows_are_served_by_its_backup_and_named_lost_without_one() {
         |job: &Job, r: u32| job.orders_for(r, 0).1.into_iter().filter(|o| matches!(o, Order::StandIn { .. })).collect::<Vec<_>>();
     let lost = job.server_gone(1).expect("a serving server with replicas");
     job.apply(&lost).unwrap();
-    assert_eq!(stand_in(&job, 2), vec![Order::StandIn { from: 1, give: Vec::new() }]);
+    assert_eq!(stand_in(&job, 2), vec![Order::StandIn { from: 1, give: Vec::new(), take: Vec::new() }]);
     assert!(job.job_map().heirs.is_empty(), "named before it is ready");
     let wrong = ControlMsg::StandInReady { rank: 0, from: 1, tables: vec![ep(1, 900)] };
     assert!(job.apply(&wrong).is_err(), "a server not told to stand in");
@@ -478,7 +478,7 @@ fn a_lost_servers_rows_are_served_by_its_backup_and_named_lost_without_one() {
     // rows' backup (server 0) stands in for it, and reports no whole copy.
     let lost = job.server_gone(2).expect("the stand-in");
     job.apply(&lost).unwrap();
-    assert_eq!(stand_in(&job, 0), vec![Order::StandIn { from: 2, give: Vec::new() }]);
+    assert_eq!(stand_in(&job, 0), vec![Order::StandIn { from: 2, give: Vec::new(), take: Vec::new() }]);
     job.apply(&ControlMsg::StandInReady { rank: 0, from: 2, tables: Vec::new() }).unwrap();
     assert_eq!(job.job_map().heirs, vec![(1, None), (2, None)]);
 }
@@ -493,7 +493,7 @@ fn a_stand_ins_merged_rows_are_not_lost_with_it() {
     job.apply(&ControlMsg::StandInReady { rank: 2, from: 1, tables: vec![ep(1, 900)] }).unwrap();
     vote_all(&mut job, &[(Role::Worker, 0, 5), (Role::Server, 0, 5), (Role::Server, 2, 5)]);
     assert!(job.job_map().buckets.last().is_some_and(|(_, runs)| runs.iter().all(|r| r.1 != 1)), "server 1's buckets move");
-    job.apply(&ControlMsg::RowsTaken { rank: 2, from: 1 }).unwrap();
+    job.apply(&ControlMsg::RowsTaken { rank: 2, from: 1, to: 2 }).unwrap();
     job.apply(&job.server_gone(2).expect("the stand-in")).unwrap();
     assert_eq!(job.job_map().heirs.first(), Some(&(1, Some(2))), "merged before it was lost");
 }
@@ -511,21 +511,21 @@ fn a_lost_sources_stand_in_gives_its_rows_to_the_targets_waiting() {
     vote_all(&mut job, &[(Role::Worker, 0, 9), (Role::Server, 0, 9), (Role::Server, 1, 9), (Role::Server, 2, 9)]);
     assert_eq!(job.rows_backup_of(2), Some(0));
     job.apply(&ControlMsg::RowsOut { rank: 2, from: 2, to: 0, addr: 64, rkey: 9, len: 4000 }).unwrap();
-    job.apply(&ControlMsg::RowsTaken { rank: 0, from: 2 }).unwrap();
+    job.apply(&ControlMsg::RowsTaken { rank: 0, from: 2, to: 0 }).unwrap();
     job.apply(&ControlMsg::RowsOut { rank: 2, from: 2, to: 1, addr: 64, rkey: 9, len: 4000 }).unwrap();
     job.apply(&job.server_gone(2).expect("a source with replicas")).unwrap();
     let orders = |job: &Job, r: u32| job.orders_for(r, 0).1;
-    assert!(orders(&job, 0).contains(&Order::StandIn { from: 2, give: vec![1] }), "{:?}", orders(&job, 0));
+    assert!(orders(&job, 0).contains(&Order::StandIn { from: 2, give: vec![1], take: Vec::new() }), "{:?}", orders(&job, 0));
     let early = ControlMsg::RowsOut { rank: 0, from: 2, to: 1, addr: 128, rkey: 3, len: 4000 };
     assert!(job.apply(&early).is_err(), "not its stand-in yet");
     job.apply(&ControlMsg::StandInReady { rank: 0, from: 2, tables: vec![ep(2, 900)] }).unwrap();
     let posing = ControlMsg::RowsOut { rank: 1, from: 2, to: 1, addr: 128, rkey: 3, len: 4000 };
     assert!(job.apply(&posing).is_err(), "server 1 holds none of server 2's rows");
     job.apply(&early).unwrap();
-    let fetch = Order::FetchRows { from: 2, via: 0, from_addr: "127.0.0.1:7000".into(), addr: 128, rkey: 3, len: 4000 };
+    let fetch = Order::FetchRows { from: 2, to: 1, via: 0, from_addr: "127.0.0.1:7000".into(), addr: 128, rkey: 3, len: 4000 };
     assert!(orders(&job, 1).contains(&fetch), "{:?}", orders(&job, 1));
     assert!(job.status().contains("rows not taken yet [(2, 1)]"), "{}", job.status());
-    job.apply(&ControlMsg::RowsTaken { rank: 1, from: 2 }).unwrap();
+    job.apply(&ControlMsg::RowsTaken { rank: 1, from: 2, to: 1 }).unwrap();
     assert!(job.status().contains("1 moves done") && !job.status().contains("rows not taken yet"), "{}", job.status());
 }
 
@@ -536,7 +536,7 @@ fn a_source_lost_once_its_rows_were_taken_is_named_its_own_heir() {
     vote_all(&mut job, &[(Role::Worker, 0, 9), (Role::Server, 0, 9), (Role::Server, 1, 9), (Role::Server, 2, 9)]);
     for to in [0, 1] {
         job.apply(&ControlMsg::RowsOut { rank: 2, from: 2, to, addr: 64, rkey: 9, len: 4000 }).unwrap();
-        job.apply(&ControlMsg::RowsTaken { rank: to, from: 2 }).unwrap();
+        job.apply(&ControlMsg::RowsTaken { rank: to, from: 2, to }).unwrap();
     }
     let gone = job.server_gone(2).expect("a retiring server");
     job.apply(&gone).unwrap();
@@ -545,4 +545,37 @@ fn a_source_lost_once_its_rows_were_taken_is_named_its_own_heir() {
     assert_eq!(job.job_map().heirs, vec![(2, Some(2))]);
     assert!((0..2).all(|r| !job.orders_for(r, 0).1.iter().any(|o| matches!(o, Order::StandIn { .. }))));
     assert!(!job.status().contains("rows of lost servers"), "{}", job.status());
+}
+
+/// A target of a bucket move lost before it reported every source's rows
+/// (scale-in: server 2 gives its buckets to servers 0 and 1; server 0 is
+/// lost): its backup (server 1) stands in, is told which sources' rows it
+/// takes in its place, and READs them once it serves the lost server's
+/// rows; its report of them counts for the lost target, another's does not.
+#[test]
+fn a_lost_targets_stand_in_takes_the_rows_it_awaited() {
+    let mut job = three_table_servers(1);
+    job.apply(&ControlMsg::Scale { servers: 2 }).unwrap();
+    vote_all(&mut job, &[(Role::Worker, 0, 9), (Role::Server, 0, 9), (Role::Server, 1, 9), (Role::Server, 2, 9)]);
+    assert_eq!(job.rows_backup_of(0), Some(1));
+    job.apply(&ControlMsg::RowsOut { rank: 2, from: 2, to: 0, addr: 64, rkey: 9, len: 4000 }).unwrap();
+    job.apply(&job.server_gone(0).expect("a target with replicas")).unwrap();
+    let orders = |job: &Job, r: u32| job.orders_for(r, 0).1;
+    assert!(orders(&job, 1).contains(&Order::StandIn { from: 0, give: Vec::new(), take: vec![2] }), "{:?}", orders(&job, 1));
+    let fetch = Order::FetchRows { from: 2, to: 0, via: 2, from_addr: "127.0.0.1:7002".into(), addr: 64, rkey: 9, len: 4000 };
+    assert!(!orders(&job, 1).contains(&fetch), "not before it serves the lost server's rows");
+    let early = ControlMsg::RowsTaken { rank: 1, from: 2, to: 0 };
+    assert!(job.apply(&early).is_err(), "not its stand-in yet");
+    job.apply(&ControlMsg::StandInReady { rank: 1, from: 0, tables: vec![ep(0, 900)] }).unwrap();
+    assert!(orders(&job, 1).contains(&fetch), "{:?}", orders(&job, 1));
+    assert!(job.apply(&ControlMsg::RowsTaken { rank: 2, from: 2, to: 0 }).is_err(), "server 2 does not stand in for it");
+    job.apply(&early).unwrap();
+    assert!(orders(&job, 2).contains(&Order::FreeRows { to: 0 }));
+    assert!(job.status().contains("rows not taken yet [(2, 1)]"), "{}", job.status());
+    // Server 1's own rows from server 2, out after the loss, go to server 1 itself.
+    job.apply(&ControlMsg::RowsOut { rank: 2, from: 2, to: 1, addr: 96, rkey: 4, len: 500 }).unwrap();
+    let own = Order::FetchRows { from: 2, to: 1, via: 2, from_addr: "127.0.0.1:7002".into(), addr: 96, rkey: 4, len: 500 };
+    assert!(orders(&job, 1).contains(&own), "{:?}", orders(&job, 1));
+    job.apply(&ControlMsg::RowsTaken { rank: 1, from: 2, to: 1 }).unwrap();
+    assert!(job.status().contains("1 moves done"), "{}", job.status());
 }

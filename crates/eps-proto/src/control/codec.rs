@@ -435,10 +435,11 @@ impl ControlMsg {
                 w.u32(*rkey);
                 w.u64(*len);
             }
-            ControlMsg::RowsTaken { rank, from } => {
+            ControlMsg::RowsTaken { rank, from, to } => {
                 w.u8(35);
                 w.u32(*rank);
                 w.u32(*from);
+                w.u32(*to);
             }
             ControlMsg::RowsBackedUp { rank, backup } => {
                 w.u8(40);
@@ -549,7 +550,7 @@ impl ControlMsg {
                 rkey: r.u32()?,
                 len: r.u64()?,
             },
-            35 => ControlMsg::RowsTaken { rank: r.u32()?, from: r.u32()? },
+            35 => ControlMsg::RowsTaken { rank: r.u32()?, from: r.u32()?, to: r.u32()? },
             40 => ControlMsg::RowsBackedUp { rank: r.u32()?, backup: r.u32()? },
             39 => ControlMsg::StandInReady { rank: r.u32()?, from: r.u32()?, tables: r.endpoints()? },
             36 => ControlMsg::StatusJson,

@@ -141,13 +141,15 @@ pub enum Order {
         /// The new bucket map.
         runs: crate::buckets::Runs,
     },
-    /// READ the rows server `from` gives this one, from server `via` (at
-    /// `from_addr`: `from` itself, or the stand-in that serves its rows if
-    /// it was lost): `len` bytes at `addr` under `rkey`; then report
-    /// `RowsTaken`.
+    /// READ the rows server `from` gives server `to` (this one, or the lost
+    /// server it stands in for), from server `via` (at `from_addr`: `from`
+    /// itself, or the stand-in that serves its rows if it was lost): `len`
+    /// bytes at `addr` under `rkey`; then report `RowsTaken`.
     FetchRows {
         /// The source's rank.
         from: u32,
+        /// The target's rank.
+        to: u32,
         /// The rank of the server that holds the rows.
         via: u32,
         /// Its fabric address.
@@ -173,13 +175,16 @@ pub enum Order {
     },
     /// Server `from`, whose table rows this server keeps in step, was lost:
     /// serve its buckets from the copy, as it would have (report
-    /// `StandInReady`), and give the rows of the buckets it was giving to
-    /// `give` away in its place (report `RowsOut` for each).
+    /// `StandInReady`), give the rows of the buckets it was giving to
+    /// `give` away in its place (report `RowsOut` for each), and take in
+    /// its place the rows `take` were giving it (`FetchRows` follows).
     StandIn {
         /// The lost server's rank.
         from: u32,
         /// The targets of a bucket move from it that have not taken its rows.
         give: Vec<u32>,
+        /// The sources of a bucket move to it whose rows it had not taken.
+        take: Vec<u32>,
     },
     /// Save every shard held here when it publishes `version` (BSP), into
     /// directory `dir`; report each as `Saved` (or missed: its version is past).
@@ -281,9 +286,10 @@ impl W {
                 self.u64(*at);
                 self.runs(runs);
             }
-            Order::FetchRows { from, via, from_addr, addr, rkey, len } => {
+            Order::FetchRows { from, to, via, from_addr, addr, rkey, len } => {
                 self.u8(17);
                 self.u32(*from);
+                self.u32(*to);
                 self.u32(*via);
                 self.str(from_addr);
                 self.u64(*addr);
@@ -307,10 +313,11 @@ impl W {
                     }
                 }
             }
-            Order::StandIn { from, give } => {
+            Order::StandIn { from, give, take } => {
                 self.u8(20);
                 self.u32(*from);
                 self.ranks(give);
+                self.ranks(take);
             }
             Order::Checkpoint { version, dir } => {
                 self.u8(8);
@@ -352,6 +359,7 @@ impl R<'_> {
             16 => Order::Buckets { at: self.u64()?, runs: self.runs()? },
             17 => Order::FetchRows {
                 from: self.u32()?,
+                to: self.u32()?,
                 via: self.u32()?,
                 from_addr: self.str()?,
                 addr: self.u64()?,
@@ -371,7 +379,7 @@ impl R<'_> {
                     t => return Err(DecodeError::Tag(t)),
                 },
             },
-            20 => Order::StandIn { from: self.u32()?, give: self.ranks()? },
+            20 => Order::StandIn { from: self.u32()?, give: self.ranks()?, take: self.ranks()? },
             t => return Err(DecodeError::Tag(t)),
         })
     }

@@ -332,7 +332,7 @@ impl SimServer {
                 return w.fail(format!("server {rank}: row {k} came from server {from} but was held here already"));
             }
         }
-        if let Err(e) = w.ctl(&ControlMsg::RowsTaken { rank, from }) {
+        if let Err(e) = w.ctl(&ControlMsg::RowsTaken { rank, from, to: rank }) {
             return w.fail(format!("server {rank}: the control plane refused the rows of server {from}: {e}"));
         }
         let Some(tb) = self.table.as_mut() else { return };

@@ -143,7 +143,11 @@ fn a_copy_of_rows_restores_them_bit_for_bit_and_changed_buckets_name_what_moved(
     assert_eq!(n as usize, keys.iter().filter(|&&k| half(bucket_of(k))).count());
     assert_eq!(t.len(), keys.len(), "copying takes nothing out");
     let mut u = RowTable::new(spec(adam)).unwrap();
+    assert_eq!(u.held_of(&bytes, n), 0, "none held before");
     u.put_rows(&bytes, n).unwrap();
+    assert_eq!(u.held_of(&bytes, n), n, "every one held after");
+    let rec = bytes.len() / n as usize;
+    assert_eq!(u.held_of(&bytes[..rec * 3], 3), 3);
     let mut again = Vec::new();
     assert_eq!(u.copy_rows(|_, _| true, &mut again), n);
     assert_eq!(again, bytes);
