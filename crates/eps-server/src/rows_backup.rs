@@ -297,11 +297,14 @@ impl<P: Fabric> Server<P> {
     /// acknowledged. Returns whether a forward went (else finish now).
     pub(crate) fn forward_rows(&mut self, table: u16, after: Option<Vec<u32>>) -> Result<bool, ServerError> {
         let t = table as usize;
-        let Some(link) = &self.sparse.backups.link else { return Ok(false) };
-        let (ci, remote) = (link.ci, link.inbox[t]);
-        if !self.conns[ci].alive {
+        let link = self.sparse.backups.link.as_ref().filter(|l| self.conns[l.ci].alive);
+        let Some((ci, remote)) = link.map(|l| (l.ci, l.inbox[t])) else {
+            // (No backup: nothing is due to one.)
+            if let Some(o) = self.sparse.backups.out.get_mut(t) {
+                o.changed_due = false;
+            }
             return Ok(false);
-        }
+        };
         let verify = self.sparse.backups.verify;
         let o = &mut self.sparse.backups.out[t];
         let full = std::mem::take(&mut o.full_due);
