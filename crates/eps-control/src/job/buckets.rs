@@ -135,6 +135,20 @@ impl Job {
             self.order(r, Order::Buckets { at, runs: runs.clone() });
         }
         let gave_all: Vec<u32> = old.iter().copied().filter(|r| !owners.contains(r)).collect();
+        if self.replicas > 1 {
+            // A server that held no rows before keeps those it takes in on
+            // the one after it (as after the move): they are on two servers
+            // before their sources let theirs go.
+            let mut holders: Vec<u32> = owners.iter().copied().filter(|r| !self.lost.contains(r)).collect();
+            holders.sort_unstable();
+            holders.dedup();
+            let n = holders.len();
+            for (i, &r) in holders.iter().enumerate() {
+                if n > 1 && !old.contains(&r) && self.rows_backup_of(r).is_none() {
+                    self.order_rows_backup(r, Some(holders[(i + 1) % n]));
+                }
+            }
+        }
         self.buckets.push(at, owners);
         // (The caller moves the epoch on: servers that gave all their
         // buckets away are drained from it, once they hold no shard either.)
@@ -237,30 +251,36 @@ impl Job {
             }
         }
         for (r, to) in want {
-            if self.row_backups.len() <= r as usize {
-                self.row_backups.resize(r as usize + 1, None);
-            }
-            if self.row_backups[r as usize] == to {
-                continue;
-            }
-            self.row_backups[r as usize] = to;
-            // (A new backup starts from every row: whole once it says so.)
-            if let Some(w) = self.rows_whole_on.get_mut(r as usize) {
-                *w = None;
-            }
-            let to = to.map(|b| {
-                let mut inbox: Vec<_> =
-                    self.tables.iter().filter(|e| e.owner == b).map(|e| (e.shard, e.published_addr, e.published_rkey)).collect();
-                inbox.sort_unstable();
-                let addr = self.servers[b as usize].addr.clone();
-                RowsBackup { rank: b, addr, inbox: inbox.into_iter().map(|(_, a, k)| (a, k)).collect() }
-            });
-            eps_proto::say!(
-                "eps control: server {r} keeps its table rows in step on {}",
-                to.as_ref().map_or("no server".to_string(), |b| format!("server {}", b.rank))
-            );
-            self.order(r, Order::BackupRows { to });
+            self.order_rows_backup(r, to);
         }
+    }
+
+    /// Server `r` keeps its table rows in step on server `to` from now on
+    /// (none: on no server), unless it does already.
+    fn order_rows_backup(&mut self, r: u32, to: Option<u32>) {
+        if self.row_backups.len() <= r as usize {
+            self.row_backups.resize(r as usize + 1, None);
+        }
+        if self.row_backups[r as usize] == to {
+            return;
+        }
+        self.row_backups[r as usize] = to;
+        // (A new backup starts from every row: whole once it says so.)
+        if let Some(w) = self.rows_whole_on.get_mut(r as usize) {
+            *w = None;
+        }
+        let to = to.map(|b| {
+            let mut inbox: Vec<_> =
+                self.tables.iter().filter(|e| e.owner == b).map(|e| (e.shard, e.published_addr, e.published_rkey)).collect();
+            inbox.sort_unstable();
+            let addr = self.servers[b as usize].addr.clone();
+            RowsBackup { rank: b, addr, inbox: inbox.into_iter().map(|(_, a, k)| (a, k)).collect() }
+        });
+        eps_proto::say!(
+            "eps control: server {r} keeps its table rows in step on {}",
+            to.as_ref().map_or("no server".to_string(), |b| format!("server {}", b.rank))
+        );
+        self.order(r, Order::BackupRows { to });
     }
 
     /// The server that keeps server `rank`'s table rows in step, if any.
