@@ -1,9 +1,9 @@
 //! Servers of `eps train --model ctr --replicas 2` (real processes on
-//! 127.0.0.1) killed mid-run, also during a bucket move: the server that kept
-//! a lost one's table rows in step stands in for it, and the run ends with
-//! the uninterrupted run's dense parameters and table rows, bit for bit; a
-//! stand-in lost before the rows it serves are its own stops the job with a
-//! clear error.
+//! 127.0.0.1) killed mid-run, also during a bucket move (its source or a
+//! target): the server that kept a lost one's table rows in step stands in
+//! for it, and the run ends with the uninterrupted run's dense parameters
+//! and table rows, bit for bit; a stand-in lost before the rows it serves
+//! are its own stops the job with a clear error.
 
 use std::path::PathBuf;
 
@@ -113,6 +113,56 @@ fn a_source_killed_during_a_bucket_move_loses_no_row() {
             if when != "once every target took them" {
                 let gave = format!("eps server {stand_in}: gives lost server {source}'s rows");
                 assert!(err.contains(&gave), "{case}: no stand-in gave the rows:\n{err}");
+            }
+            for k in ["params_checksum", "sparse_checksum"] {
+                assert_eq!(json(&out, k), json(&plain, k), "{k}: {case}:\n{err}");
+            }
+        }
+    }
+    std::fs::remove_file(&spec).ok();
+}
+
+/// A target of a bucket move killed during the move: it reports a source's
+/// rows taken only once its backup holds them, and serves nothing that
+/// needs the moving buckets before, so its backup stands in and takes the
+/// rows not reported from their sources in its place. Scaled out from 2
+/// servers to 3 (server 2, new, gets its backup, server 0, at the cutover;
+/// server 0 is also a source), and in from 3 to 2 (target 0, backed up on
+/// server 1, and target 1, backed up on server 2: the source itself); the
+/// target killed as the move begins and just after it took a source's rows
+/// in. Every run ends with the run without a kill's dense parameters and
+/// table rows, bit for bit.
+#[test]
+fn a_target_killed_during_a_bucket_move_loses_no_row() {
+    let spec = ctr_spec("move-target-ctr");
+    // (servers, scale plan, target, its stand-in, kill points)
+    let begins = "as the move begins";
+    let took = "after it took a source's rows in";
+    for (servers, plan, target, stand_in, whens) in [
+        ("2", "300:servers=3", 2, 0, &[begins, took][..]),
+        ("3", "300:servers=2", 0, 1, &[begins, took][..]),
+        ("3", "300:servers=2", 1, 2, &[begins][..]),
+    ] {
+        let args = ["--model", "ctr", "--spec", spec.to_str().unwrap(), "--steps", "1500", "--servers", servers];
+        let args = [&args[..], &["--scale-plan", plan]].concat();
+        let plain = uninterrupted(&args);
+        for &when in whens {
+            let mut run = Run::start(&[&args[..], &["--replicas", "2"]].concat());
+            let me = format!("eps server {target}: ");
+            if when == begins {
+                run.lines.until(when, |l| l.starts_with(&me) && l.contains("from iteration "));
+            } else {
+                run.lines.until(when, |l| l.starts_with(&me) && l.contains(" came from server "));
+            }
+            kill(run.server_pid(target));
+            let (ok, out, err) = run.finish();
+            let case = format!("{plan}, server {target} killed {when}");
+            assert!(ok, "{case}: {err}");
+            let serves = format!("eps server {stand_in}: serves lost server {target}'s rows");
+            assert!(err.contains(&serves), "{case}: no stand-in served its rows:\n{err}");
+            if when == begins {
+                let takes = format!("eps server {stand_in}: takes the rows servers ");
+                assert!(err.contains(&takes), "{case}: the stand-in took no rows in its place:\n{err}");
             }
             for k in ["params_checksum", "sparse_checksum"] {
                 assert_eq!(json(&out, k), json(&plain, k), "{k}: {case}:\n{err}");

@@ -199,8 +199,8 @@ impl<P: Fabric> Server<P> {
     /// not, they were taken already (from the source, just before it was
     /// lost, while its stand-in was told they were not), and it says so.
     fn awaits_rows(&self, from: u32) -> bool {
-        let awaited = self.sparse.moving.gate().is_some_and(|inc| inc.sources().contains(&from))
-            && !self.sparse.backups.taking(from);
+        let awaited =
+            self.sparse.moving.gate().is_some_and(|inc| inc.sources().contains(&from)) && !self.sparse.backups.taking(from);
         if !awaited {
             eps_proto::say!("eps server {}: the rows server {from} gives it are here already", self.rank);
         }

@@ -68,7 +68,8 @@ impl<P: Fabric> Server<P> {
         // land there; none lands two losses late, each ended at a cutover
         // every worker voted for.)
         let busy = self.sparse.stand_in.as_ref().is_some_and(|s| s.merged.is_none());
-        let copies = if busy { None } else { self.sparse.backups.take_copies(from, n).or_else(|| self.held_nothing(from, &take)) };
+        let copies =
+            if busy { None } else { self.sparse.backups.take_copies(from, n).or_else(|| self.held_nothing(from, &take)) };
         self.drop_retired_landings();
         let mut endpoints = Vec::new();
         match copies {

@@ -86,7 +86,9 @@ impl<P: Fabric> Server<P> {
             started.elapsed().as_secs_f64() * 1e3
         );
         if let Err(why) = self.report(&ControlMsg::RowsTaken { rank: self.rank, from, to })? {
-            return Err(ServerError::Sparse(format!("the control plane refused the rows of server {from} for server {to}: {why}")));
+            return Err(ServerError::Sparse(format!(
+                "the control plane refused the rows of server {from} for server {to}: {why}"
+            )));
         }
         if !last {
             return Ok(());

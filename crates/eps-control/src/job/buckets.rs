@@ -297,9 +297,9 @@ impl Job {
         let lost = |r: u32| self.lost.contains(&r);
         // (A lost target's rows are READ by its stand-in.)
         let reader = |b: u32| if lost(b) { self.heir_of(b).filter(|&h| h != b && !lost(h)) } else { Some(b) };
-        self.bucket_move.as_ref().is_some_and(|m| {
-            m.reading.iter().any(|&(a, b)| !lost(a) && reader(b).is_some_and(|r| a == rank || r == rank))
-        })
+        self.bucket_move
+            .as_ref()
+            .is_some_and(|m| m.reading.iter().any(|&(a, b)| !lost(a) && reader(b).is_some_and(|r| a == rank || r == rank)))
     }
 
     /// The buckets' lines of `eps status`.
