@@ -39,8 +39,11 @@ pub(crate) struct BucketMove {
     pub(crate) reading: Vec<(u32, u32)>,
     /// Where the rows of those pairs wait: the server holding them, and the
     /// blob (address, key, bytes); told again to a lost target's stand-in.
-    pub(crate) out: Vec<((u32, u32), u32, (u64, u32, u64))>,
+    pub(crate) out: Vec<((u32, u32), u32, Blob)>,
 }
+
+/// Rows taken out for a move: address, key and bytes.
+pub(crate) type Blob = (u64, u32, u64);
 
 /// The bucket maps by first iteration, each kept as runs (the history grows
 /// with every move, and a loss makes one), the newest one also whole.
