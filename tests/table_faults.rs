@@ -2,8 +2,9 @@
 //! 127.0.0.1) killed mid-run, also during a bucket move (its source or a
 //! target): the server that kept a lost one's table rows in step stands in
 //! for it, and the run ends with the uninterrupted run's dense parameters
-//! and table rows, bit for bit; a stand-in lost before the rows it serves
-//! are its own stops the job with a clear error.
+//! and table rows, bit for bit; a checkpoint due meanwhile is saved by the
+//! stand-in; a stand-in lost before the rows it serves are its own stops the
+//! job with a clear error.
 
 use std::path::PathBuf;
 
@@ -169,6 +170,50 @@ fn a_target_killed_during_a_bucket_move_loses_no_row() {
             }
         }
     }
+    std::fs::remove_file(&spec).ok();
+}
+
+/// A checkpoint due while a stand-in serves a lost server's rows (every
+/// iteration is due here): the stand-in saves those rows in its place, a
+/// whole file named for the lost server, so the checkpoint completes, and a
+/// job resumed from it ends with the uninterrupted run's checksums, bit for
+/// bit, as does the run itself.
+#[test]
+fn a_checkpoint_due_while_a_stand_in_serves_completes_and_resumes_bitwise() {
+    let spec = ctr_spec("stand-in-ckpt-ctr");
+    let s = spec.to_str().unwrap();
+    let args = ["--model", "ctr", "--spec", s, "--steps", "200", "--servers", "2"];
+    let plain = uninterrupted(&args);
+    let dir = tmp("stand-in-ckpt");
+    let d = dir.to_str().unwrap();
+    let ckpt = ["--replicas", "2", "--checkpoint-every", "1", "--keep", "1000", "--checkpoint-dir", d];
+    let mut run = Run::start(&[&args[..], &ckpt[..]].concat());
+    run.wait_step(80);
+    kill(run.server_pid(1));
+    let saved = run.wait_line("eps server 0: saves lost server 1's rows of table 0 at iteration ");
+    let at: u64 = saved.rsplit("at iteration ").next().and_then(|r| r.split(' ').next()).unwrap().parse().unwrap();
+    let (ok, out, err) = run.finish();
+    assert!(ok, "{err}");
+    for k in ["params_checksum", "sparse_checksum"] {
+        assert_eq!(json(&out, k), json(&plain, k), "{k}: the run with the kill:\n{err}");
+    }
+    let at_dir = dir.join(eps_proto::checkpoint::dir_name(at));
+    let manifest = std::fs::read_to_string(at_dir.join(eps_proto::checkpoint::MANIFEST))
+        .unwrap_or_else(|e| panic!("the checkpoint of iteration {at} is not complete ({e}):\n{err}"));
+    let m = eps_proto::checkpoint::Manifest::from_toml(&manifest).unwrap();
+    let lost_file = eps_proto::checkpoint::rows_name(0, 1);
+    assert!(m.rows.iter().any(|e| e.file.ends_with(&lost_file) && !e.changes), "no whole file of server 1's: {:?}", m.rows);
+    let resumed = eps()
+        .args(["train", "--json", "--model", "ctr", "--resume", at_dir.to_str().unwrap(), "--steps", "200"])
+        .output()
+        .unwrap();
+    assert!(resumed.status.success(), "{}", String::from_utf8_lossy(&resumed.stderr));
+    let resumed = String::from_utf8_lossy(&resumed.stdout).to_string();
+    assert_eq!(json(&resumed, "resumed_at"), at.to_string());
+    for k in ["params_checksum", "sparse_checksum"] {
+        assert_eq!(json(&resumed, k), json(&plain, k), "{k}: resumed at {at}, saved by the stand-in");
+    }
+    std::fs::remove_dir_all(&dir).ok();
     std::fs::remove_file(&spec).ok();
 }
 

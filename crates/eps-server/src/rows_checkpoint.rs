@@ -45,6 +45,9 @@ pub(crate) type Written = Arc<Mutex<Handed>>;
 pub(crate) struct RowsPiece {
     pub(crate) version: u64,
     pub(crate) table: u32,
+    /// The server whose buckets they are, its rank in the file's name: this
+    /// one, or the lost one it stands in for.
+    pub(crate) owner: u32,
     /// The job's checkpoint directory.
     pub(crate) dir: PathBuf,
     /// Whether the file is remembered in [`Written`] (the job's own directory).
@@ -71,7 +74,7 @@ pub(crate) struct RowsSaves {
 
 /// Writes a rows piece and reports it (and the earlier files it reads).
 pub(crate) fn write_rows(rank: u32, mut p: RowsPiece, written: &Written, ctl: &mut ControlClient) {
-    let path_of = |v: u64| p.dir.join(dir_name(v)).join(rows_name(p.table, rank)).display().to_string();
+    let path_of = |v: u64| p.dir.join(dir_name(v)).join(rows_name(p.table, p.owner)).display().to_string();
     let report = |ctl: &mut ControlClient, file: String, sha256: String, buckets: &[u32], changes: bool, missed: bool| {
         if buckets.is_empty() && !missed {
             return;
@@ -147,11 +150,42 @@ impl<P: Fabric> Server<P> {
             let saved = rows.saves[t].save(buffer, part.rows(), version, &mine, remember, done);
             drop(handed);
             let stride = part.rows().stride() as u32;
-            pieces.push(RowsPiece { version, table: table as u32, dir, remember, stride, saved, missed: None });
+            let (table, owner) = (table as u32, self.rank);
+            pieces.push(RowsPiece { version, table, owner, dir, remember, stride, saved, missed: None });
         }
         if pieces.iter().any(|p| p.remember) {
             part.clear_changed();
         }
+        for p in pieces {
+            self.saver.send_rows(p);
+        }
+    }
+
+    /// BSP: the lost server's part this server stands in for published
+    /// `version` of table `table`: if a checkpoint is due at it, the rows of
+    /// the lost server's buckets are saved whole, in a file named for it
+    /// (nobody else saves those buckets; their chain starts again).
+    pub(crate) fn save_stand_in_rows(&mut self, table: u16, version: u64) {
+        let dirs = self.saver.due(version);
+        let Some(s) = self.sparse.stand_in.as_ref().filter(|s| s.merged.is_none()) else { return };
+        if dirs.is_empty() || version == 0 || self.mode != eps_proto::Consistency::Bsp {
+            return;
+        }
+        let owners = owners_at(&self.sparse.owners, version - 1).map_or(&[][..], |o| o);
+        let mine: Vec<bool> = owners.iter().map(|&o| o == s.from).collect();
+        let Some(part) = s.tables.get(table as usize).map(|t| &t.part) else { return };
+        let stride = part.rows().stride() as u32;
+        let mut pieces = Vec::new();
+        for dir in dirs {
+            let saved = Saves::default().save(Vec::new(), part.rows(), version, &mine, false, |_| false);
+            let (table, owner) = (table as u32, s.from);
+            pieces.push(RowsPiece { version, table, owner, dir, remember: false, stride, saved, missed: None });
+        }
+        eps_proto::say!(
+            "eps server {}: saves lost server {}'s rows of table {table} at iteration {version} in its place",
+            self.rank,
+            s.from
+        );
         for p in pieces {
             self.saver.send_rows(p);
         }
@@ -165,15 +199,25 @@ impl<P: Fabric> Server<P> {
             if self.mode != eps_proto::Consistency::Bsp {
                 self.try_rows_cut(t as u16)?;
             } else if self.sparse.tables[t].part.sync.version() >= version {
-                self.rows_missed(t as u16, version, PathBuf::from(dir));
+                self.rows_missed(t as u16, version, PathBuf::from(dir), self.rank);
+            }
+        }
+        // (So is the lost server's part a stand-in serves.)
+        let bsp = self.mode == eps_proto::Consistency::Bsp;
+        if let Some(s) = self.sparse.stand_in.as_ref().filter(|s| s.merged.is_none() && bsp) {
+            let passed = s.tables.iter().enumerate().filter(|(_, t)| t.part.sync.version() >= version);
+            for t in passed.map(|(t, _)| t as u16).collect::<Vec<_>>() {
+                self.rows_missed(t, version, PathBuf::from(dir), s.from);
             }
         }
         Ok(())
     }
 
-    fn rows_missed(&self, table: u16, version: u64, dir: PathBuf) {
+    /// Reports table `table`'s rows of server `owner`'s buckets missed.
+    fn rows_missed(&self, table: u16, version: u64, dir: PathBuf, owner: u32) {
         let (saved, missed) = (Saved::default(), Some(String::new()));
-        let p = RowsPiece { version, table: table as u32, dir, remember: false, stride: 0, saved, missed };
+        let table = table as u32;
+        let p = RowsPiece { version, table, owner, dir, remember: false, stride: 0, saved, missed };
         self.saver.send_rows(p);
     }
 
@@ -223,7 +267,7 @@ impl<P: Fabric> Server<P> {
                 self.rank
             );
             for dir in self.saver.due(t) {
-                self.rows_missed(table, t, dir);
+                self.rows_missed(table, t, dir, self.rank);
             }
         } else {
             self.save_rows(table, t);

@@ -416,6 +416,8 @@ impl<P: Fabric> Server<P> {
         self.summary.updates += 1;
         self.metrics.updates.inc();
         if side == Side::StandIn {
+            // (Nobody else saves the lost server's buckets.)
+            self.save_stand_in_rows(table, version);
             self.finish_sparse_update_on(side, table, contributors)?;
             self.stand_in_give()?;
             return self.merge_stand_in();

@@ -16,8 +16,8 @@
 //! cutover the stand-in takes the rows of its copy into its own parts and
 //! reports them taken. From then on they are its own rows: backed up around
 //! the ring again (`place_row_backups`), saved by checkpoints, moved by
-//! later scale events. Until then they have no backup, and a checkpoint
-//! does not complete (nobody saves the lost server's buckets).
+//! later scale events. Until then they have no backup, and the stand-in
+//! saves them for a BSP checkpoint in the lost server's place.
 
 use std::fmt::Write as _;
 
