@@ -68,8 +68,7 @@ impl<P: Fabric> Server<P> {
         // land there; none lands two losses late, each ended at a cutover
         // every worker voted for.)
         let busy = self.sparse.stand_in.as_ref().is_some_and(|s| s.merged.is_none());
-        let copies =
-            if busy { None } else { self.sparse.backups.take_copies(from, n).or_else(|| self.held_nothing(from, &take)) };
+        let copies = if busy { None } else { self.sparse.backups.take_copies(from, n) };
         self.drop_retired_landings();
         let mut endpoints = Vec::new();
         match copies {
@@ -99,13 +98,6 @@ impl<P: Fabric> Server<P> {
                 let give = crate::stand_in_give::Give::new(&self.sparse.owners, from, give, n);
                 let incoming = eps_core::buckets::still_incoming(&self.sparse.owners, from, &take);
                 if let Some(i) = &incoming {
-                    // A server new to the buckets held nothing before their
-                    // cutover (its copy may not have heard of it yet).
-                    if matches!(&self.sparse.owners[..], [.., (_, old), _] if !old.contains(&from)) {
-                        for t in &mut tables {
-                            t.part.restart_at(i.at);
-                        }
-                    }
                     eps_proto::say!(
                         "eps server {}: takes the rows servers {:?} give lost server {from} at iteration {} in its place",
                         self.rank,
@@ -129,22 +121,6 @@ impl<P: Fabric> Server<P> {
         }
         self.stand_in_give()?;
         self.merge_stand_in()
-    }
-
-    /// Empty tables at the cutover, if lost server `from` held nothing: it
-    /// was new to the buckets of the newest map, and took none of the rows
-    /// they bring (every source is in `take`). It answered nothing before
-    /// them, so a copy not whole yet (its backup was placed at the cutover)
-    /// lacks nothing.
-    fn held_nothing(&self, from: u32, take: &[u32]) -> Option<Vec<(eps_sparse::RowTable, u64)>> {
-        let [.., (_, old), (at, new)] = &self.sparse.owners[..] else { return None };
-        let sources = eps_proto::buckets::transfers(old, new);
-        let all = sources.iter().filter(|p| p.1 == from).all(|p| take.contains(&p.0));
-        if old.contains(&from) || !new.contains(&from) || !all {
-            return None;
-        }
-        let tables = self.sparse.tables.iter().map(|t| eps_sparse::RowTable::new(t.part.table().spec).ok().map(|r| (r, *at)));
-        tables.collect()
     }
 
     /// Worker `w` sent the stand-in again a request the lost server took:

@@ -138,20 +138,6 @@ impl Job {
             self.order(r, Order::Buckets { at, runs: runs.clone() });
         }
         let gave_all: Vec<u32> = old.iter().copied().filter(|r| !owners.contains(r)).collect();
-        if self.replicas > 1 {
-            // A server that held no rows before keeps those it takes in on
-            // the one after it (as after the move): they are on two servers
-            // before their sources let theirs go.
-            let mut holders: Vec<u32> = owners.iter().copied().filter(|r| !self.lost.contains(r)).collect();
-            holders.sort_unstable();
-            holders.dedup();
-            let n = holders.len();
-            for (i, &r) in holders.iter().enumerate() {
-                if n > 1 && !old.contains(&r) && self.rows_backup_of(r).is_none() {
-                    self.order_rows_backup(r, Some(holders[(i + 1) % n]));
-                }
-            }
-        }
         self.buckets.push(at, owners);
         // (The caller moves the epoch on: servers that gave all their
         // buckets away are drained from it, once they hold no shard either.)
