@@ -155,6 +155,16 @@ impl RowTable {
         let Some(f) = &mut self.forwards else { return };
         if let Some(i) = f.held.iter().position(|h| h.0 == tag) {
             let (_, keys, _) = f.held.swap_remove(i);
+            // Records of them not forwarded yet go unsent: the backup would
+            // take them in after the deletion, and keep rows no longer here.
+            if !f.taken.is_empty() {
+                let rec = ROW_META + self.stride * 4;
+                let gone: std::collections::HashSet<u64> = keys.iter().copied().collect();
+                let key = |r: &[u8]| u64::from_le_bytes(r[..8].try_into().unwrap_or_default());
+                let kept: Vec<u8> = f.taken.chunks_exact(rec).filter(|r| !gone.contains(&key(r))).flatten().copied().collect();
+                f.taken_rows = (kept.len() / rec) as u64;
+                f.taken = kept;
+            }
             f.deleted.extend(keys);
         }
     }
