@@ -137,3 +137,21 @@ fn rows_taken_out_held_stay_on_the_backup_until_released() {
     assert_eq!(backup.len(), 30);
     assert_eq!(backup.digest(), owner.digest());
 }
+
+/// Rows taken out and released before the next forward: that forward
+/// deletes them on the backup and does not carry them in again.
+#[test]
+fn rows_taken_out_and_released_before_the_next_forward_leave_the_backup() {
+    let (mut owner, mut backup) = (table(), table());
+    owner.keep_forwards();
+    let keys: Vec<u64> = (0..90).collect();
+    let mut out = vec![0f32; 4 * keys.len()];
+    owner.pull(&keys, 0, &mut out).unwrap();
+    forward(&mut owner, &mut backup, 1, true);
+    let mut outs = vec![Vec::new(), Vec::new()];
+    owner.take_rows_held(|k| [None, Some(0), Some(1)][(k % 3) as usize], &mut outs, &[7, 8]);
+    owner.release_held(7);
+    let s = forward(&mut owner, &mut backup, 2, false);
+    assert_eq!((s.deleted, s.rows, backup.len()), (30, 30, 60), "target 8's held, target 7's gone");
+    assert!(backup.row(1).is_none() && backup.row(2).is_some());
+}
