@@ -240,36 +240,30 @@ impl Job {
             }
         }
         for (r, to) in want {
-            self.order_rows_backup(r, to);
+            if self.row_backups.len() <= r as usize {
+                self.row_backups.resize(r as usize + 1, None);
+            }
+            if self.row_backups[r as usize] == to {
+                continue;
+            }
+            self.row_backups[r as usize] = to;
+            // (A new backup starts from every row: whole once it says so.)
+            if let Some(w) = self.rows_whole_on.get_mut(r as usize) {
+                *w = None;
+            }
+            let to = to.map(|b| {
+                let mut inbox: Vec<_> =
+                    self.tables.iter().filter(|e| e.owner == b).map(|e| (e.shard, e.published_addr, e.published_rkey)).collect();
+                inbox.sort_unstable();
+                let addr = self.servers[b as usize].addr.clone();
+                RowsBackup { rank: b, addr, inbox: inbox.into_iter().map(|(_, a, k)| (a, k)).collect() }
+            });
+            eps_proto::say!(
+                "eps control: server {r} keeps its table rows in step on {}",
+                to.as_ref().map_or("no server".to_string(), |b| format!("server {}", b.rank))
+            );
+            self.order(r, Order::BackupRows { to });
         }
-    }
-
-    /// Server `r` keeps its table rows in step on server `to` from now on
-    /// (none: on no server), unless it does already.
-    fn order_rows_backup(&mut self, r: u32, to: Option<u32>) {
-        if self.row_backups.len() <= r as usize {
-            self.row_backups.resize(r as usize + 1, None);
-        }
-        if self.row_backups[r as usize] == to {
-            return;
-        }
-        self.row_backups[r as usize] = to;
-        // (A new backup starts from every row: whole once it says so.)
-        if let Some(w) = self.rows_whole_on.get_mut(r as usize) {
-            *w = None;
-        }
-        let to = to.map(|b| {
-            let mut inbox: Vec<_> =
-                self.tables.iter().filter(|e| e.owner == b).map(|e| (e.shard, e.published_addr, e.published_rkey)).collect();
-            inbox.sort_unstable();
-            let addr = self.servers[b as usize].addr.clone();
-            RowsBackup { rank: b, addr, inbox: inbox.into_iter().map(|(_, a, k)| (a, k)).collect() }
-        });
-        eps_proto::say!(
-            "eps control: server {r} keeps its table rows in step on {}",
-            to.as_ref().map_or("no server".to_string(), |b| format!("server {}", b.rank))
-        );
-        self.order(r, Order::BackupRows { to });
     }
 
     /// The server that keeps server `rank`'s table rows in step, if any.

@@ -27,6 +27,18 @@ fn forward(owner: &mut RowTable, backup: &mut RowTable, version: u64, full: bool
     stats
 }
 
+/// An owner keeping forwards with rows 0..90, and its backup holding them
+/// (version 1).
+fn owner_and_backup_of_90_rows() -> (RowTable, RowTable, Vec<u64>) {
+    let (mut owner, mut backup) = (table(), table());
+    owner.keep_forwards();
+    let keys: Vec<u64> = (0..90).collect();
+    let mut out = vec![0f32; 4 * keys.len()];
+    owner.pull(&keys, 0, &mut out).unwrap();
+    forward(&mut owner, &mut backup, 1, true);
+    (owner, backup, keys)
+}
+
 #[test]
 fn a_backup_fed_forwards_holds_the_owners_rows_through_pulls_steps_evictions_and_moves() {
     let (mut owner, mut backup) = (table(), table());
@@ -111,12 +123,7 @@ fn damaged_forwards_are_refused() {
 /// count) until their target has them and they are released, tag by tag.
 #[test]
 fn rows_taken_out_held_stay_on_the_backup_until_released() {
-    let (mut owner, mut backup) = (table(), table());
-    owner.keep_forwards();
-    let keys: Vec<u64> = (0..90).collect();
-    let mut out = vec![0f32; 4 * keys.len()];
-    owner.pull(&keys, 0, &mut out).unwrap();
-    forward(&mut owner, &mut backup, 1, true);
+    let (mut owner, mut backup, keys) = owner_and_backup_of_90_rows();
     // Stepped, then taken out before the next forward: the backup gets them
     // as they were taken out.
     owner.push(&keys, &vec![0.5; 4 * keys.len()], 0.1, 1).unwrap();
@@ -142,12 +149,7 @@ fn rows_taken_out_held_stay_on_the_backup_until_released() {
 /// deletes them on the backup and does not carry them in again.
 #[test]
 fn rows_taken_out_and_released_before_the_next_forward_leave_the_backup() {
-    let (mut owner, mut backup) = (table(), table());
-    owner.keep_forwards();
-    let keys: Vec<u64> = (0..90).collect();
-    let mut out = vec![0f32; 4 * keys.len()];
-    owner.pull(&keys, 0, &mut out).unwrap();
-    forward(&mut owner, &mut backup, 1, true);
+    let (mut owner, mut backup, _) = owner_and_backup_of_90_rows();
     let mut outs = vec![Vec::new(), Vec::new()];
     owner.take_rows_held(|k| [None, Some(0), Some(1)][(k % 3) as usize], &mut outs, &[7, 8]);
     owner.release_held(7);
